@@ -1,0 +1,385 @@
+"""Exact per-sample gradient norms and clipped gradients from ONE backward pass.
+
+"Book-keeping" DP-SGD (Bu et al. 2023): forward hooks keep each managed layer's input A,
+tensor hooks keep its output gradient G, and autograd never forms a weight gradient
+(managed parameters are set to requires_grad=False while wrapped). Per-sample norms and
+the clipped sum sum_b c_b * grad_b are then computed from (A, G) by per-layer-type rules.
+
+Usage, per physical chunk::
+
+    flash = FlashClipping(model)
+    loss = per_sample_losses(model(x), y).sum()  # SUM over samples
+    flash.backward(loss)
+    norms = flash.per_sample_squared_norms().sqrt()
+    flash.accumulate_clipped_grads((C / (norms + 1e-6)).clamp(max=1.0))
+    flash.release()
+
+Assumptions: dimension 0 of every managed layer's input/output is the batch; one forward
+per backward; gradients reach managed layers only through their outputs (model inputs
+that require grad are not supported); no activation checkpointing.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+DEFAULT_BLOCK_NUMEL = 64 * 2**20  # largest intermediate of the direct route, in elements
+
+
+class UnsupportedLayerError(ValueError):
+    """A layer owns trainable parameters but no norm rule is registered for its type."""
+
+
+def _acc(x: Tensor) -> Tensor:
+    """Cast to the accumulation dtype: fp32, or fp64 for fp64 inputs."""
+    return x.to(torch.promote_types(x.dtype, torch.float32))
+
+
+def _gemm_operands(A: Tensor, G: Tensor) -> tuple[Tensor, Tensor]:
+    """A and G in one dtype for the norm GEMMs: under autocast a Linear's input can be fp32
+    (a LayerNorm output) while its output gradient is bf16; the layer itself multiplied in
+    the narrower dtype, and so do we (tensor cores), accumulating the squares in fp32."""
+    dtype = min((A.dtype, G.dtype), key=lambda t: torch.finfo(t).bits)
+    return A.to(dtype), G.to(dtype)
+
+
+@dataclass
+class Layer:
+    """A managed module and what its rule needs; A/G are [B, T, features] (ids: [B, T])."""
+
+    name: str
+    module: nn.Module
+    rule: NormRule
+    params: dict[str, nn.Parameter]  # managed (trainable) parameters, by attribute name
+    route: str = "auto"
+    tile_size: int = 512
+    block_numel: int = DEFAULT_BLOCK_NUMEL
+    calls: list[list] = field(default_factory=list)  # one [A, G] per forward call
+
+
+class NormRule:
+    """Per-layer-type rule. Subclass it and register with @register_norm_rule(Type)."""
+
+    def feature_dims(self, module: nn.Module) -> tuple[int, int]:
+        """Trailing feature dims of (input, output); the rest is flattened into [B, T]."""
+        return 1, 1
+
+    def describe(self, layer: Layer, A: Tensor, G: Tensor) -> dict:
+        return {"route": type(self).__name__}
+
+    def squared_norms(self, layer: Layer, A: Tensor, G: Tensor) -> Tensor:
+        """Per-sample squared gradient norm [B], summed over the layer's managed params."""
+        raise NotImplementedError
+
+    def clipped_grads(self, layer: Layer, A: Tensor, G: Tensor, c: Tensor) -> dict[str, Tensor]:
+        """sum_b c_b * grad_b for each managed parameter name."""
+        raise NotImplementedError
+
+
+NORM_RULES: dict[type, NormRule] = {}
+
+
+def register_norm_rule(*layer_types: type):
+    """Class decorator: register an instance of the rule for exactly these module types."""
+
+    def register(rule_cls: type[NormRule]) -> type[NormRule]:
+        for layer_type in layer_types:
+            NORM_RULES[layer_type] = rule_cls()
+        return rule_cls
+
+    return register
+
+
+# ---------------------------------------------------------------- Linear
+
+
+def gram_squared_norms(A: Tensor, G: Tensor, tile: int) -> Tensor:
+    """||G_b^T A_b||^2 = sum_{s,t} (a_s.a_t)(g_s.g_t), over tile pairs t <= s (no B x T x T)."""
+    A, G = _gemm_operands(A, G)
+    total = _acc(A.new_zeros(A.shape[0]))
+    for s in range(0, A.shape[1], tile):
+        a_s, g_s = A[:, s : s + tile], G[:, s : s + tile]
+        for t in range(0, s + 1, tile):
+            a_t, g_t = A[:, t : t + tile], G[:, t : t + tile]
+            # Products in the input dtype (bf16 stays on tensor cores, as the non-private
+            # step's weight-gradient GEMMs do); the reduction accumulates in fp32.
+            tile_sum = (_acc(a_s @ a_t.mT) * _acc(g_s @ g_t.mT)).sum((1, 2))
+            total += tile_sum if t == s else 2 * tile_sum  # symmetric off-diagonal pair
+    return total
+
+
+def direct_squared_norms(A: Tensor, G: Tensor, block_numel: int) -> Tensor:
+    """||G_b^T A_b||^2 formed in blocks of m output rows, each block <= block_numel elements."""
+    (B, T, d), p = A.shape, G.shape[-1]
+    rows = max(1, min(p, block_numel // (B * max(d, T))))
+    A, G = _gemm_operands(A, G)
+    total = _acc(A.new_zeros(B))
+    for j in range(0, p, rows):
+        total += _acc(G[:, :, j : j + rows].mT @ A).square().sum((1, 2))
+    return total
+
+
+def linear_route(layer: Layer, T: int) -> str:
+    if layer.route != "auto":
+        return layer.route
+    d, p = layer.module.in_features, layer.module.out_features
+    # FLOPs: Gram over the t <= s tile pairs is T^2(d+p)(1 + 1/n) for n tiles along T
+    # (the diagonal tiles are computed whole); direct is 2Tdp.
+    num_tiles = math.ceil(T / layer.tile_size)
+    return "gram" if T * (d + p) * (1 + 1 / num_tiles) < 2 * d * p else "direct"
+
+
+@register_norm_rule(nn.Linear)
+class LinearRule(NormRule):
+    def describe(self, layer, A, G):
+        d, p = layer.module.in_features, layer.module.out_features
+        return {"d": d, "p": p, "route": linear_route(layer, A.shape[1])}
+
+    def squared_norms(self, layer, A, G):
+        norms = _acc(G.new_zeros(G.shape[0]))
+        if "weight" in layer.params:
+            if linear_route(layer, A.shape[1]) == "gram":
+                norms += gram_squared_norms(A, G, layer.tile_size)
+            else:
+                norms += direct_squared_norms(A, G, layer.block_numel)
+        if "bias" in layer.params:
+            norms += _acc(G).sum(1).square().sum(1)
+        return norms
+
+    def clipped_grads(self, layer, A, G, c):
+        grads = {}
+        if "weight" in layer.params:
+            A_op, G_op = _gemm_operands(A, G)  # the dtype autocast's own weight GEMM uses
+            A2, G2 = A_op.flatten(0, 1), G_op.flatten(0, 1)  # [B*T, d], [B*T, p]
+            c_tok = c.to(A2.dtype).repeat_interleave(A.shape[1])[:, None]
+            if G2.shape[1] <= A2.shape[1]:  # fold c into the narrower operand
+                G2 = G2 * c_tok
+            else:
+                A2 = A2 * c_tok
+            grads["weight"] = G2.T @ A2  # one GEMM over all B*T tokens
+        if "bias" in layer.params:
+            grads["bias"] = torch.einsum("b,btp->p", _acc(c), _acc(G))
+        return grads
+
+
+# ---------------------------------------------------------------- Embedding
+
+
+@register_norm_rule(nn.Embedding)
+class EmbeddingRule(NormRule):
+    def feature_dims(self, module):
+        return 0, 1  # input: token ids [B, T]; output: [B, T, d]
+
+    def describe(self, layer, A, G):
+        return {"route": "embedding"}
+
+    @staticmethod
+    def _tokens(layer: Layer, ids: Tensor, G: Tensor):
+        """Flat (sample index, token id, g) of tokens that receive gradient."""
+        samples = torch.arange(ids.shape[0], device=ids.device)[:, None].expand_as(ids)
+        if layer.module.padding_idx is None:
+            return samples.flatten(), ids.flatten(), G.flatten(0, 1)
+        keep = ids != layer.module.padding_idx  # torch gives the padding row no gradient
+        return samples[keep], ids[keep], G[keep]
+
+    def squared_norms(self, layer, A, G):
+        samples, ids, g = self._tokens(layer, A, G)
+        g = _acc(g)
+        # Per-sample grad rows are sums of g over equal (sample, id): segment-sum, O(B*T*d).
+        keys, inverse = torch.unique(
+            samples * layer.module.num_embeddings + ids, return_inverse=True
+        )
+        rows = g.new_zeros(len(keys), g.shape[-1]).index_add_(0, inverse, g)
+        norms = rows.new_zeros(A.shape[0])
+        return norms.index_add_(0, keys // layer.module.num_embeddings, rows.square().sum(1))
+
+    def clipped_grads(self, layer, A, G, c):
+        samples, ids, g = self._tokens(layer, A, G)
+        weight = layer.module.weight
+        scaled = (_acc(g) * _acc(c)[samples, None]).to(weight.dtype)
+        return {"weight": torch.zeros_like(weight).index_add_(0, ids, scaled)}
+
+
+# ---------------------------------------------------------------- LayerNorm / RMSNorm
+
+
+@register_norm_rule(nn.LayerNorm, nn.RMSNorm)
+class NormLayerRule(NormRule):
+    def feature_dims(self, module):
+        k = len(module.normalized_shape)
+        return k, k
+
+    def describe(self, layer, A, G):
+        return {"route": "norm"}
+
+    @staticmethod
+    def per_sample_grads(layer: Layer, A: Tensor, G: Tensor) -> dict[str, Tensor]:
+        """Exact per-sample grads [B, d]: weight = sum_t g_t * xhat_t, bias = sum_t g_t."""
+        m, x, g = layer.module, _acc(A), _acc(G)
+        grads = {}
+        if "weight" in layer.params:
+            shape = (x.shape[-1],)  # normalized dims were flattened into one
+            if isinstance(m, nn.LayerNorm):
+                xhat = F.layer_norm(x, shape, eps=m.eps)
+            else:  # eps=None means eps of the compute dtype, as in torch
+                xhat = F.rms_norm(x, shape, eps=m.eps)
+            grads["weight"] = (g * xhat).sum(1)
+        if "bias" in layer.params:
+            grads["bias"] = g.sum(1)
+        return grads
+
+    def squared_norms(self, layer, A, G):
+        return sum(g.square().sum(1) for g in self.per_sample_grads(layer, A, G).values())
+
+    def clipped_grads(self, layer, A, G, c):
+        grads = self.per_sample_grads(layer, A, G)
+        shape = layer.module.normalized_shape
+        return {name: (_acc(c) @ g).view(shape) for name, g in grads.items()}
+
+
+# ---------------------------------------------------------------- the wrapper
+
+
+def _flatten_tokens(x: Tensor, feature_dims: int) -> Tensor:
+    """View [B, ..., features] as [B, T, prod(features)] ([B, T] when no feature dims)."""
+    if feature_dims == 0:
+        return x.reshape(x.shape[0], -1)
+    return x.reshape(x.shape[0], -1, math.prod(x.shape[x.dim() - feature_dims :]))
+
+
+class FlashClipping:
+    """Per-sample gradient norms and clipped gradients with one backward pass."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        route: str = "auto",
+        tile_size: int = 512,
+        block_numel: int = DEFAULT_BLOCK_NUMEL,
+    ):
+        if route not in ("auto", "gram", "direct"):
+            raise ValueError(f"route must be 'auto', 'gram' or 'direct', got {route!r}")
+        self.layers: list[Layer] = []
+        owner: dict[int, str] = {}
+        for name, module in model.named_modules():
+            params = {n: p for n, p in module.named_parameters(recurse=False) if p.requires_grad}
+            if not params:
+                continue
+            for n, p in params.items():
+                if id(p) in owner:
+                    raise ValueError(f"parameter shared by {owner[id(p)]} and {name}.{n} (tied)")
+                owner[id(p)] = f"{name}.{n}"
+            rule = NORM_RULES.get(type(module))
+            if rule is None:
+                raise UnsupportedLayerError(
+                    f"no norm rule for layer {name!r} of type {type(module).__qualname__}"
+                )
+            if getattr(module, "scale_grad_by_freq", False):  # grad depends on the whole batch
+                raise UnsupportedLayerError(f"{name!r}: Embedding(scale_grad_by_freq=True)")
+            self.layers.append(Layer(name, module, rule, params, route, tile_size, block_numel))
+        self.params = [p for p in model.parameters() if id(p) in owner]
+        for p in self.params:
+            p.requires_grad_(False)  # autograd then computes no weight gradient at all
+        self._handles = [
+            layer.module.register_forward_hook(self._make_hook(layer), with_kwargs=True)
+            for layer in self.layers
+        ]
+        self._leaves: list[Tensor] = []
+        self._norms: Tensor | None = None
+        self._routes: list[dict] = []
+        self._after_backward = False
+
+    def _make_hook(self, layer: Layer):
+        k_in, k_out = layer.rule.feature_dims(layer.module)
+
+        def forward_hook(module, args, kwargs, output):
+            if not torch.is_grad_enabled():
+                return None
+            if self._after_backward:
+                raise RuntimeError("FlashClipping: call release() before the next forward")
+            x = args[0] if args else next(iter(kwargs.values()))
+            call = [_flatten_tokens(x.detach(), k_in), None]
+            layer.calls.append(call)
+
+            def save_grad(grad):
+                call[1] = _flatten_tokens(grad.detach(), k_out)
+
+            if not output.requires_grad:  # e.g. first layer: make a leaf so G still flows
+                output = output.detach().requires_grad_(True)
+                self._leaves.append(output)
+                output.register_hook(save_grad)
+                return output
+            output.register_hook(save_grad)
+            return None
+
+        return forward_hook
+
+    def backward(self, loss: Tensor) -> None:
+        """One backward of the SUM of per-sample losses; no .grad is written anywhere."""
+        if not self._leaves:
+            raise RuntimeError("no managed layer was called with grad enabled since release()")
+        torch.autograd.grad(loss, self._leaves, allow_unused=True)
+        self._after_backward = True
+        for layer in self.layers:
+            calls = [c for c in layer.calls if c[1] is not None]  # unused outputs add nothing
+            if len(calls) > 1:  # a reused module's grad sums over calls: concatenate along T
+                calls = [[torch.cat(t, 1) for t in zip(*calls, strict=True)]]
+            layer.calls = calls
+        self._routes = [
+            {"layer": layer.name, "T": A.shape[1], **layer.rule.describe(layer, A, G)}
+            for layer in self.layers
+            for A, G in layer.calls
+        ]
+
+    def _batch_size(self) -> int:
+        sizes = {layer.name: A.shape[0] for layer in self.layers for A, _ in layer.calls}
+        if not self._after_backward or not sizes:
+            raise RuntimeError("call backward(loss) first")
+        if len(set(sizes.values())) > 1:
+            raise ValueError(f"managed layers saw different batch sizes: {sizes}")
+        return next(iter(sizes.values()))
+
+    def per_sample_squared_norms(self) -> Tensor:
+        """Squared norm of each sample's gradient over all managed parameters, [B]."""
+        if self._norms is None:
+            B = self._batch_size()
+            norms = torch.zeros(B, device=self.params[0].device)
+            for layer in self.layers:
+                for A, G in layer.calls:
+                    norms = norms + layer.rule.squared_norms(layer, A, G)
+            self._norms = norms
+        return self._norms
+
+    def accumulate_clipped_grads(self, clip_factors: Tensor) -> None:
+        """p.grad += sum_b c_b * grad_b(p) for every managed parameter."""
+        if clip_factors.shape != (self._batch_size(),):
+            raise ValueError(f"clip_factors must have shape [B], got {tuple(clip_factors.shape)}")
+        for layer in self.layers:
+            for A, G in layer.calls:
+                for name, grad in layer.rule.clipped_grads(layer, A, G, clip_factors).items():
+                    p = layer.params[name]
+                    grad = grad.to(p.dtype)
+                    p.grad = grad if p.grad is None else p.grad.add_(grad)
+
+    def routes(self) -> list[dict]:
+        """Per layer of the last backward: name, T, route (Linear layers also d, p)."""
+        return [dict(r) for r in self._routes]
+
+    def release(self) -> None:
+        """Drop saved activations, output gradients and leaves (call after each chunk)."""
+        for layer in self.layers:
+            layer.calls = []
+        self._leaves, self._norms, self._after_backward = [], None, False
+
+    def remove(self) -> None:
+        """Remove hooks and make the managed parameters trainable again."""
+        self.release()
+        for handle in self._handles:
+            handle.remove()
+        for p in self.params:
+            p.requires_grad_(True)

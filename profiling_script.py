@@ -1,0 +1,238 @@
+"""What does differential privacy cost in training? One CLI for every measurement.
+
+    python profiling_script.py --mode=test                  # CPU, tiny model, every trainer
+    python profiling_script.py --mode=profile               # GPU, ~1B-parameter model
+    python profiling_script.py --mode=report --input_dir runs/<run>
+
+CLI args -> experiment plan (list of ExperimentConfig) -> runner (one forked worker per config)
+-> <output_dir>/<run_name>/<config_dir>/result.json -> report (summary table, csv, md).
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import os
+import sys
+import time
+
+EXIT_OK, EXIT_CONFIG_ERROR, EXIT_BAD_ARGS, EXIT_INTERRUPTED = 0, 1, 2, 130
+
+# Per-mode defaults (the seeds' values): test is the tiny CPU model, profile the 1b model.
+MODE_DEFAULTS = {
+    "test": dict(
+        model="tiny", batch_sizes=[2, 4], seq_lens=[256, 512], steps=3, warmup_steps=1, device="cpu"
+    ),
+    "profile": dict(
+        model="1b", batch_sizes=[4, 8], seq_lens=[512, 1024], steps=5, warmup_steps=2, device="auto"
+    ),
+}
+MODES = ("test", "profile", "report")
+
+
+class UsageError(Exception):
+    """A user mistake: reported as one line with exit code 2."""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        description="Measure the memory and time DP-SGD costs per clipping method.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    p.add_argument("--mode", choices=MODES, default="test")
+    p.add_argument("--trainers", nargs="+", default=None, help="trainers (default: every one)")
+    p.add_argument(
+        "--trainer", "--experiment", "--grad_sample_mode", dest="trainer", default=None,
+        help="a single trainer (alias of --trainers X)",
+    )
+    p.add_argument("--model", "--model_name", default=None, help="named model config")
+    p.add_argument("--batch_sizes", "--batch_size", "--batch-size", nargs="+", type=int)
+    p.add_argument(
+        "--max_physical_batch_sizes", "--max_physical_batch_size", nargs="+", type=int,
+        help="physical batch (default: the logical batch)",
+    )
+    p.add_argument(
+        "--seq_lens", "--seq_len", "--seq_length", "--seq_lengths", "--seq-len", nargs="+", type=int
+    )
+    p.add_argument("--steps", "--num_steps", "--num_iter", type=int, help="measured steps")
+    p.add_argument("--warmup_steps", "--warmup_iter", type=int, help="steps before measuring")
+    p.add_argument("--lr", "--learning_rate", type=float, default=1e-4)
+    p.add_argument("--noise_multiplier", "--sigma", type=float, default=1.0)
+    p.add_argument("--max_grad_norm", type=float, default=1.0)
+    p.add_argument("--optimizer", choices=("sgd", "adam"), default="sgd")
+    p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
+    p.add_argument("--attention", choices=("explicit", "sdpa"), default="explicit")
+    p.add_argument("--flash_route", choices=("auto", "gram", "direct"), default="auto")
+    p.add_argument("--no_trace", action="store_true", help="numbers only: no torch.profiler trace")
+    p.add_argument(
+        "--trace_gzip", action=argparse.BooleanOptionalAction, default=None,
+        help="gzip the trace files (default: on for GPU runs)",
+    )
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--device", choices=("auto", "cuda", "cpu"), default=None)
+    p.add_argument("--output_dir", "--results_dir", "--output-dir", default="./runs")
+    p.add_argument("--run_name", default=None, help="default: <mode>_<timestamp>")
+    p.add_argument("--resume", action="store_true", help="skip configs already finished")
+    p.add_argument("--input_dir", "--input-dir", default=None, help="run directory (report mode)")
+    for name in ("vocab_size", "hidden_dim", "num_layers", "num_heads", "max_seq_len"):
+        p.add_argument(f"--{name}", type=int, default=None, help="override the model config")
+    return p
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.trainer is not None and args.trainers is not None:
+        parser.error("give either --trainer or --trainers, not both")
+    return args
+
+
+def plan(args: argparse.Namespace, device: str) -> list:
+    """The experiment plan: one ExperimentConfig per trainer x batch x physical x seq."""
+    import models
+    import runner
+    import trainers
+
+    defaults = MODE_DEFAULTS[args.mode]
+    names = [args.trainer] if args.trainer else (args.trainers or list(trainers.TRAINERS))
+    try:
+        names = list(dict.fromkeys(trainers.canonical_trainer_name(n) for n in names))
+    except ValueError as error:
+        raise UsageError(str(error)) from None
+    model = args.model or defaults["model"]
+    overrides = {
+        k: getattr(args, k)
+        for k in ("vocab_size", "hidden_dim", "num_layers", "num_heads", "max_seq_len")
+        if getattr(args, k) is not None
+    }
+    try:
+        config = models.get_config(model, attention=args.attention, **overrides)
+    except (ValueError, TypeError) as error:
+        raise UsageError(str(error)) from None
+    batch_sizes = args.batch_sizes or defaults["batch_sizes"]
+    seq_lens = args.seq_lens or defaults["seq_lens"]
+    physical = args.max_physical_batch_sizes or [None]
+    steps = args.steps if args.steps is not None else defaults["steps"]
+    warmup = args.warmup_steps if args.warmup_steps is not None else defaults["warmup_steps"]
+    for b in batch_sizes:
+        if b <= 0:
+            raise UsageError(f"batch size must be positive, got {b}")
+    for t in seq_lens:
+        if not 0 < t <= config.max_seq_len:
+            raise UsageError(
+                f"seq_len {t} must be in 1..{config.max_seq_len} (the max_seq_len of model "
+                f"{model!r}; raise it with --max_seq_len)"
+            )
+    for pb in physical:
+        if pb is not None and pb <= 0:
+            raise UsageError(f"physical batch size must be positive, got {pb}")
+        if pb is not None and pb > max(batch_sizes):
+            raise UsageError(f"physical batch {pb} > every logical batch size {batch_sizes}")
+    if steps <= 0 or warmup < 0:
+        raise UsageError("--steps must be positive and --warmup_steps non-negative")
+    return [
+        runner.ExperimentConfig(
+            trainer=name,
+            batch_size=b,
+            seq_len=t,
+            model=model,
+            max_physical_batch_size=pb,
+            dtype=args.dtype,
+            attention=args.attention,
+            optimizer=args.optimizer,
+            lr=args.lr,
+            noise_multiplier=args.noise_multiplier,
+            max_grad_norm=args.max_grad_norm,
+            steps=steps,
+            warmup_steps=warmup,
+            seed=args.seed,
+            device=device,
+            flash_route=args.flash_route,
+            trace=not args.no_trace,
+            trace_gzip=args.trace_gzip,
+            model_overrides=overrides,
+            default_model=defaults["model"],
+        )
+        for b, pb, t, name in itertools.product(batch_sizes, physical, seq_lens, names)
+    ]
+
+
+def resolve_device(args: argparse.Namespace) -> str:
+    """Pick the device; ``--mode profile`` without CUDA falls back to the test defaults."""
+    import runner
+
+    requested = args.device or MODE_DEFAULTS[args.mode]["device"]
+    if requested == "cpu":
+        return "cpu"
+    info = runner.probe_device(requested)
+    if info["cuda"]:
+        return "cuda"
+    if requested == "cuda":
+        raise UsageError("--device cuda was given but no CUDA device is available")
+    print(f"No CUDA device found: --mode={args.mode} runs the CPU test defaults instead.")
+    args.mode = "test"
+    return "cpu"
+
+
+def run_report(args) -> int:
+    import report
+
+    if not args.input_dir or not os.path.isdir(args.input_dir):
+        raise UsageError(f"--input_dir must be an existing run directory, got {args.input_dir!r}")
+    results = report.load_results(args.input_dir)
+    if not results:
+        raise UsageError(f"no */result.json files under {args.input_dir}")
+    print(report.write_summary(args.input_dir, results))
+    print(f"Summary written to {args.input_dir}/summary.csv and summary.md")
+    return exit_code(results)
+
+
+def exit_code(results: list[dict]) -> int:
+    return EXIT_CONFIG_ERROR if any(r["status"] == "error" for r in results) else EXIT_OK
+
+
+def run_experiments(args) -> int:
+    import report
+    import runner
+
+    device = resolve_device(args)
+    configs = plan(args, device)
+    run_name = args.run_name or f"{args.mode}_{time.strftime('%Y%m%d_%H%M%S')}"
+    run_dir = os.path.join(args.output_dir, run_name)
+    if os.path.exists(run_dir) and not args.resume:
+        raise UsageError(f"run directory {run_dir} exists: pick another --run_name or add --resume")
+    os.makedirs(run_dir, exist_ok=True)
+    print(f"{len(configs)} configs on {device}, results in {run_dir}")
+    try:
+        results = runner.run_configs(configs, run_dir, resume=args.resume)
+    except runner.Interrupted as interrupted:
+        finished = report.load_results(run_dir)
+        print(f"\nInterrupted during {interrupted}; {len(finished)} finished configs kept.")
+        if finished:
+            print(report.write_summary(run_dir, finished))
+        return EXIT_INTERRUPTED
+    print()
+    # Summarise every result in the run directory: a --resume run adds to earlier ones.
+    print(report.write_summary(run_dir, report.load_results(run_dir)))
+    print(f"Summary: {run_dir}/summary.csv, {run_dir}/summary.md")
+    return exit_code(results)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    try:
+        import opacus  # noqa: F401 - fail early with one line, before any config runs
+    except ImportError:
+        print("error: opacus is not installed: pip install -r requirements.txt", file=sys.stderr)
+        return EXIT_BAD_ARGS
+    try:
+        if args.mode == "report":
+            return run_report(args)
+        return run_experiments(args)
+    except UsageError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return EXIT_BAD_ARGS
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,333 @@
+"""One isolated worker process per experiment config; status, resume, atomic result files.
+
+The CLI process imports torch and opacus once and never touches CUDA; each config runs in a
+child forked from it, so the import cost is paid once, the caching allocator starts empty for
+every config (no pool pollution between trainers) and an OOM or crash stays inside its child.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import multiprocessing
+import os
+import signal
+import statistics
+import time
+import traceback
+import warnings
+from dataclasses import dataclass, field
+
+import torch
+
+import kernels
+import memory
+import models
+import tracing
+import trainers
+
+MB = memory.MB
+FINISHED = ("ok", "oom", "skipped")  # statuses --resume does not run again
+
+
+@dataclass
+class ExperimentConfig:
+    trainer: str
+    batch_size: int
+    seq_len: int
+    model: str = "tiny"
+    max_physical_batch_size: int | None = None
+    dtype: str = "float32"
+    attention: str = "explicit"
+    optimizer: str = "sgd"
+    lr: float = 1e-4
+    noise_multiplier: float = 1.0
+    max_grad_norm: float = 1.0
+    steps: int = 3
+    warmup_steps: int = 1
+    seed: int = 0
+    device: str = "cpu"
+    flash_route: str = "auto"
+    trace: bool = True  # torch.profiler trace of extra steps after the timed ones
+    trace_gzip: bool | None = None  # None: gzip on GPU (large traces), plain JSON on CPU
+    model_overrides: dict = field(default_factory=dict)  # vocab_size, hidden_dim, ...
+    default_model: str = "tiny"  # the mode's default: the directory name omits it
+
+    @property
+    def physical_batch_size(self) -> int:
+        return self.max_physical_batch_size or self.batch_size
+
+    @property
+    def config_dir(self) -> str:
+        """``<trainer>_bs<B>_seq<T>`` plus the non-default parts, as the contract names them."""
+        name = f"{self.trainer}_bs{self.batch_size}_seq{self.seq_len}"
+        if self.physical_batch_size != self.batch_size:
+            name += f"_pb{self.physical_batch_size}"
+        if self.dtype == "bfloat16":
+            name += "_bf16"
+        if self.attention == "sdpa":
+            name += "_sdpa"
+        if self.model != self.default_model:
+            name += "_" + self.model.replace("/", "-")
+        return name
+
+    def to_dict(self) -> dict:
+        data = dataclasses.asdict(self)
+        data.pop("default_model")
+        data["physical_batch_size"] = self.physical_batch_size
+        return data
+
+
+def write_json_atomic(path: str, data) -> None:
+    """Write to a temporary name in the same directory, then rename: readers never see half."""
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "w") as f:
+        json.dump(data, f, indent=2)
+    os.replace(tmp, path)
+
+
+def read_result(path: str) -> dict | None:
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except (OSError, json.JSONDecodeError):
+        return None
+
+
+def environment(device: torch.device) -> dict:
+    import opacus
+
+    env = {
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        "torch": torch.__version__,
+        "opacus": opacus.__version__,
+        "cuda": torch.version.cuda if device.type == "cuda" else None,
+        "memory_source": memory.memory_source(device),
+    }
+    if device.type == "cpu":
+        env["threads"] = torch.get_num_threads()
+        env["reserved_note"] = "no caching allocator on CPU: reserved memory is not measured"
+    return env
+
+
+def empty_result(config: ExperimentConfig, status: str, error: str | None = None) -> dict:
+    return {
+        "experiment": config.trainer,
+        "config_dir": config.config_dir,
+        "status": status,
+        "error": error,
+        "config": config.to_dict(),
+        "env": None,
+        "avg_time_ms": None,
+        "median_time_ms": None,
+        "step_times_ms": [],
+        "physical_step_times_ms": [],
+        "peak_memory_mb": None,
+        "peak_reserved_mb": None,
+        "breakdown": None,
+        "snapshots": [],
+        "kernels": None,
+        "flash_routes": None,
+    }
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def is_oom(error: BaseException) -> bool:
+    return isinstance(error, torch.cuda.OutOfMemoryError) or "out of memory" in str(error)
+
+
+def run_experiment(config: ExperimentConfig, out_dir: str) -> dict:
+    """Build, warm up and measure one config in this process; returns its result dict.
+
+    Order: warm-up steps, timed steps (synchronised), then on CPU one step under the memory
+    profiler, then the traced steps: neither measurement disturbs the timed steps.
+    """
+    device = torch.device(config.device)
+    torch.manual_seed(config.seed)
+    result = empty_result(config, "ok")
+    result["env"] = env = environment(device)
+    recorder = memory.PhaseRecorder(device)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+
+    model = models.build_model(
+        config.model, device=device, attention=config.attention, **config.model_overrides
+    )
+    env["parameters"] = models.count_parameters(model)
+    recorder("0_model_loaded")
+    trainer = trainers.make_trainer(
+        config.trainer,
+        model,
+        lr=config.lr,
+        max_grad_norm=config.max_grad_norm,
+        noise_multiplier=config.noise_multiplier,
+        batch_size=config.batch_size,
+        optimizer=config.optimizer,
+        dtype=getattr(torch, config.dtype),
+        max_physical_batch_size=config.max_physical_batch_size,
+        on_phase=recorder,
+        **({"flash_route": config.flash_route} if config.trainer == "flash" else {}),
+    )
+    generator = torch.Generator(device=device).manual_seed(config.seed)
+    vocab = model.config.vocab_size
+    tokens = torch.randint(
+        vocab, (config.batch_size, config.seq_len + 1), device=device, generator=generator
+    )
+    inputs, targets = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+
+    for _ in range(config.warmup_steps):
+        trainer.step(inputs, targets)
+    synchronize(device)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    first_measured = len(recorder.snapshots)
+    step_times, physical_times, losses = [], [], []
+    for _ in range(config.steps):
+        synchronize(device)
+        start = time.perf_counter()
+        out = trainer.step(inputs, targets)
+        synchronize(device)
+        step_times.append((time.perf_counter() - start) * 1e3)
+        physical_times.extend(out["physical_step_times_ms"])
+        losses.append(out["loss"])
+
+    if device.type == "cuda":
+        # The recorder resets the peak counters at every snapshot, so the measured steps' peak
+        # is the largest phase peak among their snapshots.
+        measured = recorder.snapshots[first_measured:]
+        result["peak_memory_mb"] = max(s["phase_peak_mb"] for s in measured)
+        result["peak_reserved_mb"] = max(s["phase_peak_reserved_mb"] for s in measured)
+    else:
+        recorder.enabled = False
+        result["peak_memory_mb"] = memory.cpu_step_peak_bytes(
+            lambda: trainer.step(inputs, targets)
+        ) / MB
+    result.update(
+        avg_time_ms=statistics.fmean(step_times),
+        median_time_ms=statistics.median(step_times),
+        step_times_ms=step_times,
+        physical_step_times_ms=physical_times,
+        losses=losses,
+        snapshots=recorder.snapshots,
+    )
+    if hasattr(trainer, "routes"):
+        result["flash_routes"] = trainer.routes()
+    if config.trace:
+        recorder.enabled = False
+        use_gzip = device.type == "cuda" if config.trace_gzip is None else config.trace_gzip
+        path = tracing.trace_steps(
+            lambda: trainer.step(inputs, targets), device, out_dir, use_gzip
+        )
+        result["trace_file"] = os.path.basename(path) if path else None
+        if device.type == "cuda" and path:
+            summary = kernels.summarize(kernels.kernels_from_trace(path))
+            result["kernels"] = summary["categories"]
+            result["top_kernels"] = summary["top"]
+        else:
+            env["kernels_note"] = "GPU kernel times exist only for CUDA runs"
+    return result
+
+
+def worker_main(config: ExperimentConfig, config_path: str) -> None:
+    """Entry point of the forked child: run, classify the outcome, write result.json."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent decides what Ctrl-C stops
+    # Opacus' hooks warn on every backward of a model whose inputs need no grad (token ids).
+    warnings.filterwarnings("ignore", message="Full backward hook is firing")
+    try:
+        result = run_experiment(config, config_path)
+    except Exception as error:  # noqa: BLE001 - every failure becomes a recorded status
+        status = "oom" if is_oom(error) else "error"
+        result = empty_result(config, status, f"{type(error).__name__}: {error}")
+        if status == "error":
+            result["traceback"] = traceback.format_exc()
+    write_json_atomic(os.path.join(config_path, "result.json"), result)
+
+
+class Interrupted(Exception):
+    """Ctrl-C during a run: the finished configs are summarised, the running one dropped."""
+
+
+def run_configs(
+    configs: list[ExperimentConfig], run_dir: str, resume: bool = False, log=print
+) -> list[dict]:
+    """Run every config in its own forked worker; returns the results in config order."""
+    try:
+        return _run_configs(configs, run_dir, resume, log)
+    except KeyboardInterrupt:  # between two configs: nothing is running
+        raise Interrupted("between configs") from None
+
+
+def _run_configs(configs, run_dir, resume, log) -> list[dict]:
+    context = multiprocessing.get_context("fork")
+    results = []
+    for index, config in enumerate(configs, 1):
+        config_path = os.path.join(run_dir, config.config_dir)
+        result_path = os.path.join(config_path, "result.json")
+        previous = read_result(result_path)
+        if resume and previous and previous.get("status") in FINISHED:
+            log(f"[{index}/{len(configs)}] {config.config_dir}: {previous['status']} (resumed)")
+            results.append(previous)
+            continue
+        os.makedirs(config_path, exist_ok=True)
+        if config.physical_batch_size > config.batch_size:
+            result = empty_result(
+                config,
+                "skipped",
+                f"physical batch {config.physical_batch_size} > logical batch {config.batch_size}",
+            )
+            write_json_atomic(result_path, result)
+        else:
+            log(f"[{index}/{len(configs)}] {config.config_dir}: running")
+            result = run_in_child(context, config, config_path, result_path)
+        log(f"[{index}/{len(configs)}] {config.config_dir}: {describe(result)}")
+        results.append(result)
+    return results
+
+
+def run_in_child(context, config, config_path, result_path) -> dict:
+    process = context.Process(target=worker_main, args=(config, config_path))
+    process.start()
+    try:
+        process.join()
+    except KeyboardInterrupt:
+        process.terminate()
+        process.join()
+        raise Interrupted(config.config_dir) from None
+    result = read_result(result_path)
+    if result is None:  # killed or crashed before writing (segfault, SIGKILL from the OOM killer)
+        code = process.exitcode
+        reason = f"signal {-code}" if code is not None and code < 0 else f"exit code {code}"
+        result = empty_result(config, "error", f"worker died without a result ({reason})")
+        write_json_atomic(result_path, result)
+    return result
+
+
+def describe(result: dict) -> str:
+    if result["status"] == "ok":
+        return (
+            f"ok, median {result['median_time_ms']:.1f} ms, "
+            f"peak {result['peak_memory_mb']:.1f} MB"
+        )
+    return f"{result['status']}: {result.get('error')}"
+
+
+def probe_device(requested: str) -> dict:
+    """Ask a forked child whether CUDA is usable, so this process never initialises CUDA."""
+    context = multiprocessing.get_context("fork")
+    parent_end, child_end = context.Pipe(duplex=False)
+
+    def probe():
+        available = torch.cuda.is_available()
+        child_end.send(
+            {"cuda": available, "name": torch.cuda.get_device_name(0) if available else None}
+        )
+
+    process = context.Process(target=probe)
+    process.start()
+    info = parent_end.recv() if parent_end.poll(120) else {"cuda": False, "name": None}
+    process.join()
+    return info

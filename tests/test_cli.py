@@ -1,0 +1,204 @@
+"""The CLI end to end on CPU: plan, isolated workers, result files, summaries, exit codes."""
+
+import csv
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+import profiling_script
+import runner
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SMALL_MODEL = ["--hidden_dim", "32", "--num_layers", "1", "--num_heads", "2", "--vocab_size", "50"]
+
+
+def cli(*args, timeout=300):
+    return subprocess.run(
+        [sys.executable, "profiling_script.py", *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+def results_in(run_dir):
+    out = {}
+    for name in sorted(os.listdir(run_dir)):
+        path = os.path.join(run_dir, name, "result.json")
+        if os.path.exists(path):
+            with open(path) as f:
+                out[name] = json.load(f)
+    return out
+
+
+def test_test_mode_runs_every_trainer_and_writes_summaries(tmp_path):
+    proc = cli("--mode=test", "--batch_sizes", "2", "--seq_lens", "16", "--steps", "2",
+               "--trainers", "vanilla", "hooks", "dpsgd_ghost", "flash_clip",
+               "--output_dir", str(tmp_path), "--run_name", "r", *SMALL_MODEL)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    run_dir = tmp_path / "r"
+    results = results_in(run_dir)
+    # Canonical names only, in directories named as the contract says.
+    assert sorted(results) == sorted(
+        f"{t}_bs2_seq16" for t in ("standard", "dpsgd", "ghost", "flash")
+    )
+    for name, result in results.items():
+        assert result["status"] == "ok", result["error"]
+        assert result["experiment"] == result["config"]["trainer"] == name.split("_")[0]
+        assert len(result["step_times_ms"]) == 2
+        assert result["avg_time_ms"] > 0 and result["median_time_ms"] > 0
+        assert result["peak_memory_mb"] > 0
+        assert result["env"]["memory_source"] == "cpu-profiler"
+        assert result["peak_reserved_mb"] is None
+        names = [s["name"] for s in result["snapshots"]]
+        assert names[:2] == ["0_model_loaded", "optimizer_created"]
+        assert names[-3:] == ["forward_done", "backward_done", "step_done"]
+    assert results["flash_bs2_seq16"]["flash_routes"]
+    with open(run_dir / "summary.csv") as f:
+        rows = list(csv.DictReader(f))
+    assert {r["trainer"] for r in rows} == {"standard", "dpsgd", "ghost", "flash"}
+    assert float(next(r for r in rows if r["trainer"] == "standard")["time_vs_standard"]) == 1.0
+    assert "| trainer |" in (run_dir / "summary.md").read_text()
+    assert "time_vs_standard" in proc.stdout
+
+
+def test_peak_memory_on_cpu_grows_with_the_batch(tmp_path):
+    proc = cli("--mode=test", "--trainers", "standard", "--batch_sizes", "1", "8",
+               "--seq_lens", "64", "--steps", "1", "--output_dir", str(tmp_path),
+               "--run_name", "r", *SMALL_MODEL)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    results = results_in(tmp_path / "r")
+    small = results["standard_bs1_seq64"]["peak_memory_mb"]
+    large = results["standard_bs8_seq64"]["peak_memory_mb"]
+    assert large > small * 1.5
+
+
+def test_resume_skips_finished_configs_and_existing_run_is_refused(tmp_path):
+    args = ["--mode=test", "--trainers", "standard", "--batch_sizes", "2", "--seq_lens", "8",
+            "--steps", "1", "--output_dir", str(tmp_path), "--run_name", "r", *SMALL_MODEL]
+    assert cli(*args).returncode == 0
+    stamp = os.path.getmtime(tmp_path / "r" / "standard_bs2_seq8" / "result.json")
+    refused = cli(*args)
+    assert refused.returncode == 2 and "exists" in refused.stderr
+    resumed = cli(*args, "--resume", "--batch_sizes", "2", "3")
+    assert resumed.returncode == 0
+    assert "(resumed)" in resumed.stdout
+    assert os.path.getmtime(tmp_path / "r" / "standard_bs2_seq8" / "result.json") == stamp
+    assert (tmp_path / "r" / "standard_bs3_seq8" / "result.json").exists()
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--mode", "nope"], "invalid choice"),
+        (["--trainers", "nope"], "unknown trainer"),
+        (["--model", "nope"], "unknown model"),
+        (["--dtype", "float16"], "invalid choice"),
+        (["--batch_size", "0"], "batch size must be positive"),
+        (["--seq_len", "0"], "seq_len 0"),
+        (["--seq_len", "5000"], "seq_len 5000"),
+        (["--batch_size", "2", "--max_physical_batch_size", "4"], "physical batch 4"),
+        (["--trainer", "dpsgd", "--trainers", "ghost"], "not both"),
+        (["--mode", "report", "--input_dir", "/nonexistent"], "--input_dir"),
+    ],
+)
+def test_bad_input_is_one_clear_line_and_exit_2(args, message, tmp_path):
+    proc = cli(*args, "--output_dir", str(tmp_path))
+    assert proc.returncode == 2
+    assert message in proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert not any(tmp_path.iterdir())  # nothing was started
+
+
+def test_profile_mode_without_cuda(tmp_path):
+    proc = cli("--mode=profile", "--device", "cuda", "--output_dir", str(tmp_path))
+    if "no CUDA device" not in proc.stderr:
+        pytest.skip("a CUDA device is present")
+    assert proc.returncode == 2
+
+
+def test_failed_config_is_recorded_others_finish_and_exit_1(tmp_path, monkeypatch, capsys):
+    real = runner.run_experiment
+
+    def crash_for_ghost(config, out_dir):
+        if config.trainer == "ghost":
+            raise RuntimeError("boom")
+        return real(config, out_dir)
+
+    # The workers are forked from this process, so they see the patched function.
+    monkeypatch.setattr(runner, "run_experiment", crash_for_ghost)
+    code = profiling_script.main(
+        ["--mode=test", "--trainers", "ghost", "standard", "--batch_sizes", "2", "--seq_lens", "8",
+         "--steps", "1", "--output_dir", str(tmp_path), "--run_name", "r", *SMALL_MODEL]
+    )
+    assert code == 1
+    results = results_in(tmp_path / "r")
+    assert results["ghost_bs2_seq8"]["status"] == "error"
+    assert "boom" in results["ghost_bs2_seq8"]["error"]
+    assert results["standard_bs2_seq8"]["status"] == "ok"
+    assert "boom" in (tmp_path / "r" / "summary.md").read_text()
+
+
+def test_oom_is_a_measurement_not_an_error(tmp_path, monkeypatch):
+    import torch
+
+    def oom(config, out_dir):
+        raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+    monkeypatch.setattr(runner, "run_experiment", oom)
+    code = profiling_script.main(
+        ["--mode=test", "--trainers", "standard", "--batch_sizes", "2", "--seq_lens", "8",
+         "--output_dir", str(tmp_path), "--run_name", "r", *SMALL_MODEL]
+    )
+    assert code == 0
+    assert results_in(tmp_path / "r")["standard_bs2_seq8"]["status"] == "oom"
+
+
+def test_physical_larger_than_some_logical_batches_is_skipped(tmp_path):
+    proc = cli("--mode=test", "--trainers", "dpsgd", "--batch_sizes", "2", "4",
+               "--max_physical_batch_sizes", "3", "--seq_lens", "8", "--steps", "1",
+               "--output_dir", str(tmp_path), "--run_name", "r", *SMALL_MODEL)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    results = results_in(tmp_path / "r")
+    assert results["dpsgd_bs2_seq8_pb3"]["status"] == "skipped"
+    ok = results["dpsgd_bs4_seq8_pb3"]
+    assert ok["status"] == "ok" and len(ok["physical_step_times_ms"]) == 2  # chunks 2 + 2
+
+
+def test_ctrl_c_keeps_only_complete_results(tmp_path):
+    proc = subprocess.Popen(
+        [sys.executable, "profiling_script.py", "--mode=test", "--trainers", "standard",
+         "--batch_sizes", "1", "2", "3", "4", "--seq_lens", "256", "--steps", "30",
+         "--output_dir", str(tmp_path), "--run_name", "r"],
+        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )
+    deadline = time.time() + 120
+    first = tmp_path / "r" / "standard_bs1_seq256" / "result.json"
+    while not first.exists() and time.time() < deadline:
+        time.sleep(0.2)
+    time.sleep(0.5)
+    proc.send_signal(signal.SIGINT)
+    stdout, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 130
+    assert "Interrupted" in stdout
+    results = results_in(tmp_path / "r")
+    assert results and all(r["status"] == "ok" for r in results.values())
+    assert len(results) < 4
+    assert not list((tmp_path / "r").rglob("*.tmp*"))
+    assert (tmp_path / "r" / "summary.csv").exists()
+
+
+def test_report_mode_rerenders_from_result_files(tmp_path):
+    assert cli("--mode=test", "--trainers", "standard", "dpsgd", "--batch_sizes", "2",
+               "--seq_lens", "8", "--steps", "1", "--output_dir", str(tmp_path),
+               "--run_name", "r", *SMALL_MODEL).returncode == 0
+    (tmp_path / "r" / "summary.csv").unlink()
+    proc = cli("--mode=report", "--input_dir", str(tmp_path / "r"))
+    assert proc.returncode == 0, proc.stderr
+    assert "dpsgd" in (tmp_path / "r" / "summary.csv").read_text()

@@ -1,0 +1,295 @@
+"""Tests for flash_clip: numbers are checked against per-sample brute force with autograd."""
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+from flash_clip import FlashClipping, UnsupportedLayerError
+
+VOCAB, PAD = 11, 0
+
+
+class TinyLM(nn.Module):
+    """Token + positional embeddings, LayerNorm, GELU MLP, RMSNorm, per-token logits."""
+
+    def __init__(self, d=8, hidden=12, max_len=300):
+        super().__init__()
+        self.tok = nn.Embedding(VOCAB, d, padding_idx=PAD)
+        self.pos = nn.Embedding(max_len, d)
+        self.ln = nn.LayerNorm(d)
+        self.up = nn.Linear(d, hidden)
+        self.down = nn.Linear(hidden, d, bias=False)
+        self.rms = nn.RMSNorm(d)
+        self.head = nn.Linear(d, VOCAB)
+
+    def forward(self, ids):
+        B, T = ids.shape
+        x = self.tok(ids) + self.pos(torch.arange(T, device=ids.device).expand(B, T))
+        x = x + self.down(F.gelu(self.up(self.ln(x))))
+        return self.head(self.rms(x))
+
+
+def make_batch(B, T, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.randint(1, VOCAB, (B, T), generator=gen)
+    if T >= 3:
+        ids[:, 1] = ids[:, 0]  # repeated token id within a sample
+        ids[:, 2] = PAD
+    targets = torch.randint(0, VOCAB, (B, T), generator=gen)
+    return ids, targets
+
+
+def sample_losses(logits, targets):
+    """Mean cross-entropy over each sample's tokens, shape [B]."""
+    losses = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="none")
+    return losses.view(targets.shape).mean(1)
+
+
+def make_model(dtype=torch.float64, seed=0):
+    torch.manual_seed(seed)
+    model = TinyLM().to(dtype)
+    with torch.no_grad():  # non-trivial norm affine params
+        for m in (model.ln, model.rms):
+            m.weight.add_(0.3 * torch.randn_like(m.weight))
+        model.ln.bias.add_(0.3 * torch.randn_like(model.ln.bias))
+    return model
+
+
+def brute_force(model, ids, targets, max_norm=None):
+    """Per-sample gradients one sample at a time on an untouched copy of the model."""
+    params = list(model.parameters())
+    rows = []
+    for b in range(len(ids)):
+        loss = sample_losses(model(ids[b : b + 1]), targets[b : b + 1]).sum()
+        grads = torch.autograd.grad(loss, params)
+        rows.append(torch.cat([g.flatten() for g in grads]))
+    per_sample = torch.stack(rows)
+    norms = per_sample.norm(dim=1)
+    if max_norm is None:
+        return norms, None, None
+    clip = (max_norm / (norms + 1e-6)).clamp(max=1.0)
+    return norms, clip, (clip[:, None] * per_sample).sum(0)
+
+
+def flash_step(flash, model, ids, targets, max_norm):
+    """One chunk: forward, one backward, norms, clip factors, accumulate, release."""
+    flash.backward(sample_losses(model(ids), targets).sum())
+    norms = flash.per_sample_squared_norms().sqrt()
+    flash.accumulate_clipped_grads((max_norm / (norms + 1e-6)).clamp(max=1.0))
+    routes = flash.routes()
+    flash.release()
+    return norms, routes
+
+
+def flat_grads(model):
+    return torch.cat([p.grad.flatten() for p in model.parameters()])
+
+
+def assert_close(actual, expected, rtol):
+    err = (actual - expected).abs().max() / expected.abs().max()
+    assert err <= rtol, f"relative error {err:.3g} > {rtol}"
+
+
+@pytest.mark.parametrize("route", ["gram", "direct", "auto"])
+@pytest.mark.parametrize("T", [1, 5, 257])
+@pytest.mark.parametrize("B", [1, 3])
+def test_matches_brute_force(route, T, B):
+    model = make_model()
+    reference = copy.deepcopy(model)
+    ids, targets = make_batch(B, T, seed=T + B)
+    ref_norms = brute_force(reference, ids, targets)[0]
+    # B=3: clip only the two larger samples; B=1: clip the only sample.
+    max_norm = ref_norms.sort().values[:2].mean() if B > 1 else ref_norms[0] / 2
+    _, clip, ref_sum = brute_force(reference, ids, targets, max_norm)
+    assert (clip < 1).any() and ((clip == 1).any() or B == 1)
+
+    flash = FlashClipping(model, route=route, tile_size=16)
+    norms, routes = flash_step(flash, model, ids, targets, max_norm)
+    assert_close(norms, ref_norms, 1e-9)
+    assert_close(flat_grads(model), ref_sum, 1e-9)
+    linear_routes = {r["layer"]: r["route"] for r in routes if "d" in r}
+    assert set(linear_routes) == {"up", "down", "head"}
+    if route != "auto":
+        assert set(linear_routes.values()) == {route}
+
+
+def test_fp32_matches_brute_force():
+    model = make_model(torch.float32)
+    reference = copy.deepcopy(model)
+    ids, targets = make_batch(3, 257, seed=1)
+    ref_norms = brute_force(reference, ids, targets)[0]
+    max_norm = ref_norms.median()
+    _, _, ref_sum = brute_force(reference, ids, targets, max_norm)
+    flash = FlashClipping(model, tile_size=16)
+    norms, _ = flash_step(flash, model, ids, targets, max_norm)
+    assert norms.dtype == torch.float32
+    assert_close(norms, ref_norms, 1e-5)
+    assert_close(flat_grads(model), ref_sum, 1e-5)
+
+
+def test_auto_route_choice():
+    model = make_model()
+    flash = FlashClipping(model, tile_size=16)
+    # up: d=8, p=12; gram iff T(d+p)(1 + 1/n_tiles) < 2dp: T=3 (one tile) yes, T=257 no
+    for T, expected in [(3, "gram"), (257, "direct")]:
+        ids, targets = make_batch(2, T)
+        _, routes = flash_step(flash, model, ids, targets, 1.0)
+        up = next(r for r in routes if r["layer"] == "up")
+        assert up == {"layer": "up", "T": T, "d": 8, "p": 12, "route": expected}
+
+
+def test_two_chunks_equal_full_batch():
+    model = make_model()
+    reference = copy.deepcopy(model)
+    ids, targets = make_batch(4, 7, seed=3)
+    ref_norms = brute_force(reference, ids, targets)[0]
+    max_norm = ref_norms.median()
+    _, clip, ref_sum = brute_force(reference, ids, targets, max_norm)
+    assert (clip < 1).any() and (clip == 1).any()
+    flash = FlashClipping(model, tile_size=4)
+    for half in (slice(0, 2), slice(2, 4)):
+        flash_step(flash, model, ids[half], targets[half], max_norm)
+    assert_close(flat_grads(model), ref_sum, 1e-9)
+
+
+def test_module_called_twice():
+    torch.manual_seed(0)
+    model = nn.ModuleDict({"lin": nn.Linear(6, 6), "out": nn.Linear(6, 1)}).double()
+    reference = copy.deepcopy(model)
+
+    def run(m, x):
+        return m["out"](torch.tanh(m["lin"](torch.tanh(m["lin"](x))))).sum((1, 2))
+
+    x = torch.randn(3, 4, 6, dtype=torch.float64)
+    ref = [
+        torch.cat(
+            [
+                g.flatten()
+                for g in torch.autograd.grad(
+                    run(reference, x[b : b + 1]).sum(), list(reference.parameters())
+                )
+            ]
+        )
+        for b in range(3)
+    ]
+    flash = FlashClipping(model, tile_size=2)
+    flash.backward(run(model, x).sum())
+    assert_close(flash.per_sample_squared_norms(), torch.stack(ref).square().sum(1), 1e-9)
+
+
+class LargestAlloc(TorchDispatchMode):
+    """Records the largest freshly allocated op output (views and in-place results excluded)."""
+
+    def __init__(self):
+        super().__init__()
+        self.largest, self.shapes = 0, set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        inputs = tree_leaves((args, kwargs))
+        seen = {t.untyped_storage().data_ptr() for t in inputs if isinstance(t, torch.Tensor)}
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in seen:
+                self.largest = max(self.largest, t.numel())
+                self.shapes.add(tuple(t.shape))
+        return out
+
+
+def test_alloc_recorder_sees_a_gram_matrix():
+    A = torch.randn(2, 64, 32)
+    with LargestAlloc() as rec:
+        A.view(2, 2048)  # a view is not an allocation
+    assert rec.largest == 0
+    with LargestAlloc() as rec:
+        A @ A.mT
+    assert rec.largest == 2 * 64 * 64
+
+
+@pytest.mark.parametrize("route", ["gram", "direct"])
+def test_no_large_intermediates(route):
+    B, T, d, p = 2, 64, 32, 32
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(d, p), nn.GELU(), nn.Linear(p, p))
+    flash = FlashClipping(model, route=route, tile_size=16, block_numel=512)
+    with LargestAlloc() as in_backward:
+        flash.backward(model(torch.randn(B, T, d)).square().sum())
+    with LargestAlloc() as in_norms:
+        norms = flash.per_sample_squared_norms()
+    assert norms.shape == (B,) and (norms > 0).all()
+    bound = B * T * T if route == "gram" else B * d * p
+    assert in_norms.largest < bound
+    if route == "gram":
+        assert in_backward.largest < bound
+    assert (p, d) not in in_backward.shapes  # autograd formed no weight gradient
+
+
+def test_bf16_autocast_close_to_fp32():
+    model = make_model(torch.float32)
+    reference = copy.deepcopy(model)
+    ids, targets = make_batch(3, 33, seed=5)
+    ref_norms = brute_force(reference, ids, targets)[0]
+    max_norm = ref_norms.median()
+    _, _, ref_sum = brute_force(reference, ids, targets, max_norm)
+    flash = FlashClipping(model, tile_size=16)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = sample_losses(model(ids).float(), targets).sum()
+    flash.backward(loss)
+    norms = flash.per_sample_squared_norms().sqrt()
+    assert norms.dtype == torch.float32
+    assert_close(norms, ref_norms, 2e-2)
+    flash.accumulate_clipped_grads((max_norm / (norms + 1e-6)).clamp(max=1.0))
+    assert all(p.grad.dtype == torch.float32 for p in model.parameters())
+    assert_close(flat_grads(model), ref_sum, 2e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_bf16_autocast():
+    model = make_model(torch.float32)
+    ids, targets = make_batch(3, 257, seed=6)
+    ref_norms, _, ref_sum = brute_force(copy.deepcopy(model), ids, targets, max_norm=1.0)
+    model, ids, targets = model.cuda(), ids.cuda(), targets.cuda()
+    flash = FlashClipping(model, tile_size=64)
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        loss = sample_losses(model(ids).float(), targets).sum()
+    flash.backward(loss)
+    norms = flash.per_sample_squared_norms().sqrt()
+    flash.accumulate_clipped_grads((1.0 / (norms + 1e-6)).clamp(max=1.0))
+    assert_close(norms.cpu(), ref_norms, 2e-2)
+    assert_close(flat_grads(model).cpu(), ref_sum, 2e-2)
+
+
+def test_unsupported_layer_raises():
+    model = nn.ModuleDict({"conv": nn.Conv1d(3, 4, 2), "lin": nn.Linear(4, 2)})
+    with pytest.raises(UnsupportedLayerError, match=r"'conv'.*Conv1d"):
+        FlashClipping(model)
+    model.conv.requires_grad_(False)  # frozen layers need no rule
+    FlashClipping(model)
+
+
+def test_tied_weights_raise():
+    model = nn.ModuleDict({"emb": nn.Embedding(5, 4), "head": nn.Linear(4, 5, bias=False)})
+    model.head.weight = model.emb.weight
+    with pytest.raises(ValueError, match=r"emb\.weight.*head\.weight"):
+        FlashClipping(model)
+
+
+def test_remove_restores_training():
+    model = make_model()
+    frozen = model.pos.weight
+    frozen.requires_grad_(False)
+    flash = FlashClipping(model)
+    assert not any(p.requires_grad for p in model.parameters())
+    assert all(p is not frozen for p in flash.params)
+    flash.remove()
+    assert [p.requires_grad for p in model.parameters()] == [
+        p is not frozen for p in model.parameters()
+    ]
+    ids, targets = make_batch(2, 5)
+    sample_losses(model(ids), targets).sum().backward()
+    assert all(p.grad is not None for p in model.parameters() if p is not frozen)

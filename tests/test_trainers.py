@@ -1,0 +1,148 @@
+"""DP trainers against a brute-force reference written here: per-sample gradients by a loop,
+clip, sum, average (noise 0), and the noise's standard deviation (noise on)."""
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import models
+import trainers
+
+SMALL = models.ModelConfig(
+    vocab_size=37, hidden_dim=16, num_layers=2, num_heads=2, mlp_dim=24, max_seq_len=32
+)
+DP_TRAINERS = ["dpsgd", "ghost", "flash"]
+
+
+def make_batch(batch, seq, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(SMALL.vocab_size, (batch, seq + 1), generator=g)
+    return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+
+
+def per_sample_grads(model, inputs, targets):
+    """[B, P] matrix of flattened per-sample gradients of each sample's mean token loss."""
+    rows = []
+    for b in range(inputs.shape[0]):
+        model.zero_grad(set_to_none=True)
+        logits = model(inputs[b : b + 1])
+        F.cross_entropy(logits[0], targets[b]).backward()
+        rows.append(torch.cat([p.grad.reshape(-1) for p in model.parameters()]))
+    return torch.stack(rows).double()
+
+
+def reference_update(model, inputs, targets, max_grad_norm, lr):
+    """SGD update direction of DP-SGD with noise 0: -(lr/B) sum_b c_b grad_b."""
+    grads = per_sample_grads(copy.deepcopy(model), inputs, targets)
+    norms = grads.norm(dim=1)
+    factors = (max_grad_norm / (norms + 1e-6)).clamp(max=1.0)
+    return -lr * (factors[:, None] * grads).sum(0) / inputs.shape[0], norms
+
+
+def flat_params(model):
+    return torch.cat([p.detach().reshape(-1) for p in model.parameters()]).double()
+
+
+def run_one_step(name, model, inputs, targets, **options):
+    """The SGD update the trainer applied, -lr * p.grad (compared as gradients: differencing
+    fp32 parameters would lose the small update's low digits)."""
+    trainer = trainers.make_trainer(name, model, batch_size=inputs.shape[0], **options)
+    before = flat_params(model)
+    trainer.step(inputs, targets)
+    grads = torch.cat([p.grad.reshape(-1) for p in model.parameters()]).double()
+    # The parameters did move by -lr * grad (checked loosely: fp32 differencing).
+    assert torch.allclose(flat_params(model) - before, -options["lr"] * grads, atol=1e-6)
+    return -options["lr"] * grads
+
+
+def relative_error(x, ref):
+    return ((x - ref).norm() / ref.norm()).item()
+
+
+@pytest.mark.parametrize("attention", ["explicit", "sdpa"])
+@pytest.mark.parametrize("physical", [None, 2])
+@pytest.mark.parametrize("name", DP_TRAINERS)
+def test_noise_free_update_matches_brute_force(name, physical, attention):
+    torch.manual_seed(0)
+    model = models.build_model(SMALL, attention=attention)
+    inputs, targets = make_batch(batch=5, seq=7)
+    lr = 0.5
+    _, norms = reference_update(model, inputs, targets, 1.0, lr)
+    # Clip some samples and not others: C between the smallest and the largest norm.
+    max_grad_norm = norms.median().item()
+    ref, norms = reference_update(model, inputs, targets, max_grad_norm, lr)
+    assert (norms > max_grad_norm).any() and (norms < max_grad_norm).any()
+    update = run_one_step(
+        name, model, inputs, targets, lr=lr, max_grad_norm=max_grad_norm,
+        noise_multiplier=0.0, max_physical_batch_size=physical,
+    )
+    assert relative_error(update, ref) < 1e-5
+
+
+@pytest.mark.parametrize("name", ["dpsgd", "flash"])
+def test_batch_of_one(name):
+    torch.manual_seed(1)
+    model = models.build_model(SMALL)
+    inputs, targets = make_batch(batch=1, seq=5, seed=3)
+    ref, _ = reference_update(model, inputs, targets, 1e-2, 1.0)
+    update = run_one_step(name, model, inputs, targets, lr=1.0, max_grad_norm=1e-2,
+                          noise_multiplier=0.0)
+    assert relative_error(update, ref) < 1e-5
+
+
+def test_standard_update_is_plain_mean_gradient():
+    torch.manual_seed(0)
+    model = models.build_model(SMALL)
+    inputs, targets = make_batch(batch=4, seq=6)
+    grads = per_sample_grads(copy.deepcopy(model), inputs, targets)
+    update = run_one_step("standard", model, inputs, targets, lr=1.0, max_physical_batch_size=3)
+    assert relative_error(update, -grads.mean(0)) < 1e-5
+
+
+@pytest.mark.parametrize("name", DP_TRAINERS)
+def test_noise_std_is_sigma_c_over_b(name):
+    torch.manual_seed(123)
+    model = models.build_model(SMALL)
+    inputs, targets = make_batch(batch=4, seq=6)
+    sigma, clip, batch = 0.7, 0.05, inputs.shape[0]
+    ref, _ = reference_update(model, inputs, targets, clip, 1.0)
+    update = run_one_step(name, model, inputs, targets, lr=1.0, max_grad_norm=clip,
+                          noise_multiplier=sigma)
+    noise = -(update - ref)
+    expected = sigma * clip / batch
+    # ~5.6k parameters: the sample std's relative error is ~1/sqrt(2n) = 0.9%; 5% is 5 sigma.
+    assert noise.numel() > 5_000
+    assert abs(noise.std().item() / expected - 1) < 0.05
+    assert abs(noise.mean().item()) < 5 * expected / noise.numel() ** 0.5
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "adam"])
+@pytest.mark.parametrize("name", ["standard", *DP_TRAINERS])
+def test_every_trainer_steps_with_both_optimizers_and_bf16(name, optimizer):
+    torch.manual_seed(0)
+    model = models.build_model(SMALL)
+    inputs, targets = make_batch(batch=3, seq=8)
+    trainer = trainers.make_trainer(name, model, lr=1e-3, batch_size=3, optimizer=optimizer,
+                                    dtype=torch.bfloat16)
+    before = flat_params(model)
+    out = trainer.step(inputs, targets)
+    assert torch.isfinite(torch.tensor(out["loss"]))
+    assert not torch.equal(before, flat_params(model))
+
+
+def test_aliases_map_to_canonical_names():
+    assert trainers.canonical_trainer_name("vanilla") == "standard"
+    assert trainers.canonical_trainer_name("hooks") == "dpsgd"
+    assert trainers.canonical_trainer_name("dpsgd_ghost") == "ghost"
+    assert trainers.canonical_trainer_name("flash_clip") == "flash"
+    with pytest.raises(ValueError, match="unknown trainer"):
+        trainers.canonical_trainer_name("nope")
+
+
+def test_chunks_match_batch_memory_manager():
+    model = models.build_model(SMALL)
+    trainer = trainers.make_trainer("standard", model, lr=0.1, batch_size=14,
+                                    max_physical_batch_size=4)
+    assert [len(c) for c in trainer.chunks(14)] == [4, 4, 3, 3]

@@ -1,0 +1,310 @@
+"""One ``Trainer`` interface and a registry: ``standard``, ``dpsgd``, ``ghost``, ``flash``.
+
+DP semantics shared by every DP trainer (see DESIGN.md, "The contract"): per-sample loss is the
+mean over that sample's tokens; clip factor min(1, C / (||grad_b|| + 1e-6)); update direction
+(1/B)(sum_b c_b grad_b + N(0, sigma^2 C^2 I)). A logical batch larger than
+``max_physical_batch_size`` is split into near-equal physical chunks (as Opacus'
+BatchMemoryManager does: 14 by 4 -> 4,4,3,3); clipped sums accumulate over the chunks and noise is
+added once per logical batch.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import time
+from collections.abc import Callable
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+TRAINERS: dict[str, type[Trainer]] = {}
+ALIASES = {"vanilla": "standard", "hooks": "dpsgd", "dpsgd_ghost": "ghost", "flash_clip": "flash"}
+OPTIMIZERS = ("sgd", "adam")
+
+
+def register_trainer(name: str):
+    def register(cls):
+        cls.name = name
+        TRAINERS[name] = cls
+        return cls
+
+    return register
+
+
+def canonical_trainer_name(name: str) -> str:
+    """Map a user-typed name or alias to its canonical registry name (ValueError if unknown)."""
+    canonical = ALIASES.get(name, name)
+    if canonical not in TRAINERS:
+        known = sorted(TRAINERS) + sorted(ALIASES)
+        raise ValueError(f"unknown trainer {name!r}; known: {', '.join(known)}")
+    return canonical
+
+
+def make_trainer(
+    name: str,
+    model: nn.Module,
+    *,
+    lr: float,
+    max_grad_norm: float = 1.0,
+    noise_multiplier: float = 1.0,
+    batch_size: int,
+    optimizer: str = "sgd",
+    dtype: torch.dtype = torch.float32,
+    **trainer_options,
+) -> Trainer:
+    """Build the named trainer around ``model``; it updates ``model``'s parameters in place."""
+    cls = TRAINERS[canonical_trainer_name(name)]
+    return cls(
+        model,
+        lr=lr,
+        max_grad_norm=max_grad_norm,
+        noise_multiplier=noise_multiplier,
+        batch_size=batch_size,
+        optimizer=optimizer,
+        dtype=dtype,
+        **trainer_options,
+    )
+
+
+def token_losses(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Per-token cross-entropy, [B, T] (targets already aligned with the logits)."""
+    batch, seq, vocab = logits.shape
+    return F.cross_entropy(
+        logits.reshape(batch * seq, vocab).float(), targets.reshape(-1), reduction="none"
+    ).view(batch, seq)
+
+
+class Trainer:
+    """Runs one logical batch per ``step``: forward, backward, (clip, noise,) optimizer step.
+
+    ``on_phase(name)`` is called at the contract's phase points (``optimizer_created``,
+    ``privacy_wrapped``, then per physical chunk ``forward_done``/``backward_done`` and per step
+    ``step_done``) so the runner can take memory snapshots without the trainer knowing how.
+    """
+
+    name = "base"
+    is_private = False
+
+    def __init__(
+        self,
+        model: nn.Module,
+        *,
+        lr: float,
+        max_grad_norm: float = 1.0,
+        noise_multiplier: float = 1.0,
+        batch_size: int,
+        optimizer: str = "sgd",
+        dtype: torch.dtype = torch.float32,
+        max_physical_batch_size: int | None = None,
+        loss_fn: Callable[[nn.Module, torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
+        on_phase: Callable[[str], None] | None = None,
+    ):
+        if batch_size <= 0:
+            raise ValueError(f"batch_size must be positive, got {batch_size}")
+        if max_physical_batch_size is not None and max_physical_batch_size <= 0:
+            raise ValueError(f"max_physical_batch_size must be positive, got {max_physical_batch_size}")
+        if optimizer not in OPTIMIZERS:
+            raise ValueError(f"optimizer must be one of {OPTIMIZERS}, got {optimizer!r}")
+        if dtype not in (torch.float32, torch.bfloat16):
+            raise ValueError(f"dtype must be float32 or bfloat16, got {dtype}")
+        self.model = model
+        self.lr = lr
+        self.max_grad_norm = max_grad_norm
+        self.noise_multiplier = noise_multiplier
+        self.batch_size = batch_size
+        self.max_physical_batch_size = max_physical_batch_size or batch_size
+        self.dtype = dtype
+        # Per-sample loss of a chunk, [n]: the mean of each sample's token losses by default.
+        self.per_sample_loss = loss_fn or (lambda m, x, y: token_losses(m(x), y).mean(dim=1))
+        self.on_phase = on_phase or (lambda name: None)
+        params = self.trainable_parameters(model)
+        if optimizer == "sgd":  # plain: no momentum, no weight decay
+            self.optimizer = torch.optim.SGD(params, lr=lr)
+        else:  # torch defaults
+            self.optimizer = torch.optim.Adam(params, lr=lr)
+        self.base_optimizer = self.optimizer  # holds the optimizer states
+        self.on_phase("optimizer_created")
+
+    def trainable_parameters(self, model: nn.Module) -> list[nn.Parameter]:
+        return [p for p in model.parameters() if p.requires_grad]
+
+    def autocast(self, device_type: str):
+        if self.dtype == torch.bfloat16:
+            return torch.autocast(device_type=device_type, dtype=torch.bfloat16)
+        return contextlib.nullcontext()
+
+    def chunks(self, batch: int) -> list[torch.Tensor]:
+        """Index sets of the physical chunks, near-equal as BatchMemoryManager makes them."""
+        num_chunks = math.ceil(batch / self.max_physical_batch_size)
+        return list(torch.arange(batch).tensor_split(num_chunks))
+
+    def step(self, inputs: torch.Tensor, targets: torch.Tensor) -> dict:
+        self.optimizer.zero_grad(set_to_none=True)
+        chunk_list = self.chunks(inputs.shape[0])
+        loss_sum, chunk_times_ms = 0.0, []
+        for i, index in enumerate(chunk_list):
+            start = time.perf_counter()
+            index = index.to(inputs.device)
+            # chunk_step ends with .item(), a device sync, so the host clock is valid here.
+            loss_sum += self.chunk_step(
+                inputs[index], targets[index], is_last=i == len(chunk_list) - 1
+            )
+            chunk_times_ms.append((time.perf_counter() - start) * 1e3)
+        self.optimizer_step()
+        self.on_phase("step_done")
+        return {"loss": loss_sum / inputs.shape[0], "physical_step_times_ms": chunk_times_ms}
+
+    def chunk_step(self, inputs, targets, is_last: bool) -> float:
+        """Forward and backward of one physical chunk; returns the sum of its per-sample losses."""
+        raise NotImplementedError
+
+    def optimizer_step(self):
+        self.optimizer.step()
+
+    def clip_factors(self, per_sample_norms: torch.Tensor) -> torch.Tensor:
+        return (self.max_grad_norm / (per_sample_norms + 1e-6)).clamp(max=1.0)
+
+
+@register_trainer("standard")
+class StandardTrainer(Trainer):
+    """Non-private baseline: the same loss, no clipping, no noise."""
+
+    def chunk_step(self, inputs, targets, is_last):
+        with self.autocast(inputs.device.type):
+            per_sample = self.per_sample_loss(self.model, inputs, targets)
+        self.on_phase("forward_done")
+        # Scale so the accumulated gradient is the mean over the whole logical batch.
+        (per_sample.sum() / self.batch_size).backward()
+        self.on_phase("backward_done")
+        return per_sample.detach().sum().item()
+
+
+@register_trainer("dpsgd")
+class DPSGDTrainer(Trainer):
+    """Opacus per-sample gradients: GradSampleModule hooks + DPOptimizer."""
+
+    is_private = True
+
+    def __init__(self, model, **kwargs):
+        super().__init__(model, **kwargs)
+        from opacus import GradSampleModule
+        from opacus.optimizers import DPOptimizer
+
+        self.wrapped = GradSampleModule(model, batch_first=True, loss_reduction="mean")
+        self.optimizer = DPOptimizer(
+            self.base_optimizer,
+            noise_multiplier=self.noise_multiplier,
+            max_grad_norm=self.max_grad_norm,
+            expected_batch_size=self.batch_size,
+            loss_reduction="mean",
+        )
+        self.on_phase("privacy_wrapped")
+
+    def chunk_step(self, inputs, targets, is_last):
+        with self.autocast(inputs.device.type):
+            per_sample = self.per_sample_loss(self.wrapped, inputs, targets)
+        self.on_phase("forward_done")
+        # Mean over the chunk: Opacus rescales grad_sample by the chunk size ("mean" reduction).
+        per_sample.mean().backward()
+        self.on_phase("backward_done")
+        if not is_last:
+            # Clip and accumulate this chunk; noise and the update wait for the last chunk.
+            self.optimizer.signal_skip_step(do_skip=True)
+            self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
+        return per_sample.detach().sum().item()
+
+
+@register_trainer("ghost")
+class GhostClippingTrainer(Trainer):
+    """Opacus fast gradient / ghost clipping: two backward passes, no per-sample gradients."""
+
+    is_private = True
+
+    def __init__(self, model, **kwargs):
+        super().__init__(model, **kwargs)
+        from opacus.grad_sample import GradSampleModuleFastGradientClipping
+        from opacus.optimizers import DPOptimizerFastGradientClipping
+
+        self.wrapped = GradSampleModuleFastGradientClipping(
+            model,
+            batch_first=True,
+            loss_reduction="mean",
+            max_grad_norm=self.max_grad_norm,
+            use_ghost_clipping=True,
+        )
+        self.optimizer = DPOptimizerFastGradientClipping(
+            self.base_optimizer,
+            noise_multiplier=self.noise_multiplier,
+            max_grad_norm=self.max_grad_norm,
+            expected_batch_size=self.batch_size,
+            loss_reduction="mean",
+        )
+        self.on_phase("privacy_wrapped")
+
+    def chunk_step(self, inputs, targets, is_last):
+        from opacus.utils.fast_gradient_clipping_utils import DPTensorFastGradientClipping
+
+        with self.autocast(inputs.device.type):
+            per_sample = self.per_sample_loss(self.wrapped, inputs, targets)
+        self.on_phase("forward_done")
+        # Opacus' DPLossFastGradientClipping builds exactly this tensor from a criterion; we
+        # build it from our per-sample loss so HF models and LM share one loss definition.
+        loss = DPTensorFastGradientClipping(self.wrapped, self.optimizer, per_sample, "mean")
+        loss.backward()  # first backward (norms), then the clipped second backward
+        self.on_phase("backward_done")
+        if not is_last:
+            self.optimizer.signal_skip_step(do_skip=True)
+            self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
+        return per_sample.detach().sum().item()
+
+
+@register_trainer("flash")
+class FlashClippingTrainer(Trainer):
+    """Ours: one forward, one backward, exact per-sample norms by the cheaper route per layer.
+
+    Book-keeping (Bu et al. 2023): keep each layer's input A and output gradient G from the one
+    backward pass, compute per-sample norms, then each layer's clipped gradient as one GEMM.
+    """
+
+    is_private = True
+
+    def __init__(self, model, *, flash_route: str = "auto", **kwargs):
+        from flash_clip import FlashClipping
+
+        # The engine sets requires_grad=False on the weights it manages so autograd computes no
+        # weight gradient; the optimizer still updates them from the .grad we write.
+        self.engine = FlashClipping(model, route=flash_route)
+        super().__init__(model, **kwargs)
+        self.on_phase("privacy_wrapped")
+
+    def trainable_parameters(self, model):
+        return list(self.engine.params)
+
+    def chunk_step(self, inputs, targets, is_last):
+        with self.autocast(inputs.device.type):
+            per_sample = self.per_sample_loss(self.model, inputs, targets)
+        self.on_phase("forward_done")
+        # Sum over samples: each sample's G is then exactly the gradient of its own loss.
+        self.engine.backward(per_sample.sum())
+        norms = self.engine.per_sample_squared_norms().sqrt()
+        self.engine.accumulate_clipped_grads(self.clip_factors(norms))
+        self.engine.release()
+        self.on_phase("backward_done")
+        return per_sample.detach().sum().item()
+
+    def optimizer_step(self):
+        std = self.noise_multiplier * self.max_grad_norm
+        for p in self.engine.params:
+            if p.grad is None:  # a layer the batch never reached still gets noise
+                p.grad = torch.zeros_like(p)
+            if std > 0:
+                p.grad.add_(torch.normal(0.0, std, p.shape, device=p.device, dtype=p.dtype))
+            p.grad.div_(self.batch_size)
+        self.optimizer.step()
+
+    def routes(self) -> list[dict]:
+        return self.engine.routes()
