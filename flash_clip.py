@@ -35,6 +35,10 @@ class UnsupportedLayerError(ValueError):
     """A layer owns trainable parameters but no norm rule is registered for its type."""
 
 
+def _acc_dtype(x: Tensor) -> torch.dtype:
+    return torch.promote_types(x.dtype, torch.float32)
+
+
 def _acc(x: Tensor) -> Tensor:
     """Cast to the accumulation dtype: fp32, or fp64 for fp64 inputs."""
     return x.to(torch.promote_types(x.dtype, torch.float32))
@@ -108,7 +112,8 @@ def gram_squared_norms(A: Tensor, G: Tensor, tile: int) -> Tensor:
             a_t, g_t = A[:, t : t + tile], G[:, t : t + tile]
             # Products in the input dtype (bf16 stays on tensor cores, as the non-private
             # step's weight-gradient GEMMs do); the reduction accumulates in fp32.
-            tile_sum = (_acc(a_s @ a_t.mT) * _acc(g_s @ g_t.mT)).sum((1, 2))
+            products = (a_s @ a_t.mT) * (g_s @ g_t.mT)  # no fp32 copies of the tiles
+            tile_sum = products.sum((1, 2), dtype=total.dtype)
             total += tile_sum if t == s else 2 * tile_sum  # symmetric off-diagonal pair
     return total
 
@@ -120,7 +125,8 @@ def direct_squared_norms(A: Tensor, G: Tensor, block_numel: int) -> Tensor:
     A, G = _gemm_operands(A, G)
     total = _acc(A.new_zeros(B))
     for j in range(0, p, rows):
-        total += _acc(G[:, :, j : j + rows].mT @ A).square().sum((1, 2))
+        block = G[:, :, j : j + rows].mT @ A
+        total += (block * block).sum((1, 2), dtype=total.dtype)
     return total
 
 
@@ -148,7 +154,7 @@ class LinearRule(NormRule):
             else:
                 norms += direct_squared_norms(A, G, layer.block_numel)
         if "bias" in layer.params:
-            norms += _acc(G).sum(1).square().sum(1)
+            norms += G.sum(1, dtype=norms.dtype).square().sum(1)  # no fp32 copy of G
         return norms
 
     def clipped_grads(self, layer, A, G, c):
@@ -163,7 +169,8 @@ class LinearRule(NormRule):
                 A2 = A2 * c_tok
             grads["weight"] = G2.T @ A2  # one GEMM over all B*T tokens
         if "bias" in layer.params:
-            grads["bias"] = torch.einsum("b,btp->p", _acc(c), _acc(G))
+            per_sample = G.sum(1, dtype=_acc_dtype(G))  # [B, p]
+            grads["bias"] = _acc(c) @ per_sample
         return grads
 
 
@@ -326,10 +333,16 @@ class FlashClipping:
         torch.autograd.grad(loss, self._leaves, allow_unused=True)
         self._after_backward = True
         for layer in self.layers:
-            calls = [c for c in layer.calls if c[1] is not None]  # unused outputs add nothing
+            hooked = layer.calls
+            calls = [list(c) for c in hooked if c[1] is not None]  # unused outputs add nothing
             if len(calls) > 1:  # a reused module's grad sums over calls: concatenate along T
                 calls = [[torch.cat(t, 1) for t in zip(*calls, strict=True)]]
             layer.calls = calls
+            # The hook closures hold the original lists and live as long as the autograd graph
+            # (the caller's loss keeps it): empty them so layer.calls is the only reference and
+            # dropping it frees A and G.
+            for call in hooked:
+                call.clear()
         self._routes = [
             {"layer": layer.name, "T": A.shape[1], **layer.rule.describe(layer, A, G)}
             for layer in self.layers
@@ -356,7 +369,12 @@ class FlashClipping:
         return self._norms
 
     def accumulate_clipped_grads(self, clip_factors: Tensor) -> None:
-        """p.grad += sum_b c_b * grad_b(p) for every managed parameter."""
+        """p.grad += sum_b c_b * grad_b(p) for every managed parameter.
+
+        Consumes the saved A and G: each layer's are dropped as soon as its clipped gradient
+        exists, so the weight gradients grow while the saved activations shrink and the peak
+        stays near the non-private step's (holding both would add all of A and G on top).
+        """
         if clip_factors.shape != (self._batch_size(),):
             raise ValueError(f"clip_factors must have shape [B], got {tuple(clip_factors.shape)}")
         for layer in self.layers:
@@ -365,6 +383,7 @@ class FlashClipping:
                     p = layer.params[name]
                     grad = grad.to(p.dtype)
                     p.grad = grad if p.grad is None else p.grad.add_(grad)
+            layer.calls = []
 
     def routes(self) -> list[dict]:
         """Per layer of the last backward: name, T, route (Linear layers also d, p)."""

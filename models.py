@@ -83,7 +83,11 @@ class CausalSelfAttention(DPMultiheadAttention):
         def split_heads(t: torch.Tensor) -> torch.Tensor:  # [B,T,E] -> [B,H,T,Dh]
             return t.view(batch, seq, heads, head_dim).transpose(1, 2)
 
-        q, k, v = split_heads(self.qlinear(x)), split_heads(self.klinear(x)), split_heads(self.vlinear(x))
+        q, k, v = (
+            split_heads(self.qlinear(x)),
+            split_heads(self.klinear(x)),
+            split_heads(self.vlinear(x)),
+        )
         if self.attention == "sdpa":
             out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         else:

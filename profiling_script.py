@@ -42,13 +42,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--mode", choices=MODES, default="test")
     p.add_argument("--trainers", nargs="+", default=None, help="trainers (default: every one)")
     p.add_argument(
-        "--trainer", "--experiment", "--grad_sample_mode", dest="trainer", default=None,
+        "--trainer",
+        "--experiment",
+        "--grad_sample_mode",
+        dest="trainer",
+        default=None,
         help="a single trainer (alias of --trainers X)",
     )
     p.add_argument("--model", "--model_name", default=None, help="named model config")
     p.add_argument("--batch_sizes", "--batch_size", "--batch-size", nargs="+", type=int)
     p.add_argument(
-        "--max_physical_batch_sizes", "--max_physical_batch_size", nargs="+", type=int,
+        "--max_physical_batch_sizes",
+        "--max_physical_batch_size",
+        nargs="+",
+        type=int,
         help="physical batch (default: the logical batch)",
     )
     p.add_argument(
@@ -65,7 +72,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--flash_route", choices=("auto", "gram", "direct"), default="auto")
     p.add_argument("--no_trace", action="store_true", help="numbers only: no torch.profiler trace")
     p.add_argument(
-        "--trace_gzip", action=argparse.BooleanOptionalAction, default=None,
+        "--trace_gzip",
+        action=argparse.BooleanOptionalAction,
+        default=None,
         help="gzip the trace files (default: on for GPU runs)",
     )
     p.add_argument("--seed", type=int, default=0)

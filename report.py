@@ -90,7 +90,9 @@ def summary_rows(results: list[dict]) -> list[dict]:
                 "median_ms": result.get("median_time_ms"),
                 "peak_alloc_mb": result.get("peak_memory_mb"),
                 "peak_reserved_mb": result.get("peak_reserved_mb"),
-                "time_vs_standard": _ratio(result.get("median_time_ms"), base.get("median_time_ms")),
+                "time_vs_standard": _ratio(
+                    result.get("median_time_ms"), base.get("median_time_ms")
+                ),
                 "mem_vs_standard": _ratio(result.get("peak_memory_mb"), base.get("peak_memory_mb")),
                 "status": result["status"],
             }

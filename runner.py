@@ -203,9 +203,9 @@ def run_experiment(config: ExperimentConfig, out_dir: str) -> dict:
         result["peak_reserved_mb"] = max(s["phase_peak_reserved_mb"] for s in measured)
     else:
         recorder.enabled = False
-        result["peak_memory_mb"] = memory.cpu_step_peak_bytes(
-            lambda: trainer.step(inputs, targets)
-        ) / MB
+        result["peak_memory_mb"] = (
+            memory.cpu_step_peak_bytes(lambda: trainer.step(inputs, targets)) / MB
+        )
     result.update(
         avg_time_ms=statistics.fmean(step_times),
         median_time_ms=statistics.median(step_times),
@@ -219,9 +219,7 @@ def run_experiment(config: ExperimentConfig, out_dir: str) -> dict:
     if config.trace:
         recorder.enabled = False
         use_gzip = device.type == "cuda" if config.trace_gzip is None else config.trace_gzip
-        path = tracing.trace_steps(
-            lambda: trainer.step(inputs, targets), device, out_dir, use_gzip
-        )
+        path = tracing.trace_steps(lambda: trainer.step(inputs, targets), device, out_dir, use_gzip)
         result["trace_file"] = os.path.basename(path) if path else None
         if device.type == "cuda" and path:
             summary = kernels.summarize(kernels.kernels_from_trace(path))
@@ -309,8 +307,7 @@ def run_in_child(context, config, config_path, result_path) -> dict:
 def describe(result: dict) -> str:
     if result["status"] == "ok":
         return (
-            f"ok, median {result['median_time_ms']:.1f} ms, "
-            f"peak {result['peak_memory_mb']:.1f} MB"
+            f"ok, median {result['median_time_ms']:.1f} ms, peak {result['peak_memory_mb']:.1f} MB"
         )
     return f"{result['status']}: {result.get('error')}"
 

@@ -104,7 +104,9 @@ class Trainer:
         if batch_size <= 0:
             raise ValueError(f"batch_size must be positive, got {batch_size}")
         if max_physical_batch_size is not None and max_physical_batch_size <= 0:
-            raise ValueError(f"max_physical_batch_size must be positive, got {max_physical_batch_size}")
+            raise ValueError(
+                f"max_physical_batch_size must be positive, got {max_physical_batch_size}"
+            )
         if optimizer not in OPTIMIZERS:
             raise ValueError(f"optimizer must be one of {OPTIMIZERS}, got {optimizer!r}")
         if dtype not in (torch.float32, torch.bfloat16):

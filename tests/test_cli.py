@@ -38,9 +38,25 @@ def results_in(run_dir):
 
 
 def test_test_mode_runs_every_trainer_and_writes_summaries(tmp_path):
-    proc = cli("--mode=test", "--batch_sizes", "2", "--seq_lens", "16", "--steps", "2",
-               "--trainers", "vanilla", "hooks", "dpsgd_ghost", "flash_clip",
-               "--output_dir", str(tmp_path), "--run_name", "r", *SMALL_MODEL)
+    proc = cli(
+        "--mode=test",
+        "--batch_sizes",
+        "2",
+        "--seq_lens",
+        "16",
+        "--steps",
+        "2",
+        "--trainers",
+        "vanilla",
+        "hooks",
+        "dpsgd_ghost",
+        "flash_clip",
+        "--output_dir",
+        str(tmp_path),
+        "--run_name",
+        "r",
+        *SMALL_MODEL,
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     run_dir = tmp_path / "r"
     results = results_in(run_dir)
@@ -69,9 +85,23 @@ def test_test_mode_runs_every_trainer_and_writes_summaries(tmp_path):
 
 
 def test_peak_memory_on_cpu_grows_with_the_batch(tmp_path):
-    proc = cli("--mode=test", "--trainers", "standard", "--batch_sizes", "1", "8",
-               "--seq_lens", "64", "--steps", "1", "--output_dir", str(tmp_path),
-               "--run_name", "r", *SMALL_MODEL)
+    proc = cli(
+        "--mode=test",
+        "--trainers",
+        "standard",
+        "--batch_sizes",
+        "1",
+        "8",
+        "--seq_lens",
+        "64",
+        "--steps",
+        "1",
+        "--output_dir",
+        str(tmp_path),
+        "--run_name",
+        "r",
+        *SMALL_MODEL,
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     results = results_in(tmp_path / "r")
     small = results["standard_bs1_seq64"]["peak_memory_mb"]
@@ -80,8 +110,22 @@ def test_peak_memory_on_cpu_grows_with_the_batch(tmp_path):
 
 
 def test_resume_skips_finished_configs_and_existing_run_is_refused(tmp_path):
-    args = ["--mode=test", "--trainers", "standard", "--batch_sizes", "2", "--seq_lens", "8",
-            "--steps", "1", "--output_dir", str(tmp_path), "--run_name", "r", *SMALL_MODEL]
+    args = [
+        "--mode=test",
+        "--trainers",
+        "standard",
+        "--batch_sizes",
+        "2",
+        "--seq_lens",
+        "8",
+        "--steps",
+        "1",
+        "--output_dir",
+        str(tmp_path),
+        "--run_name",
+        "r",
+        *SMALL_MODEL,
+    ]
     assert cli(*args).returncode == 0
     stamp = os.path.getmtime(tmp_path / "r" / "standard_bs2_seq8" / "result.json")
     refused = cli(*args)
@@ -134,8 +178,23 @@ def test_failed_config_is_recorded_others_finish_and_exit_1(tmp_path, monkeypatc
     # The workers are forked from this process, so they see the patched function.
     monkeypatch.setattr(runner, "run_experiment", crash_for_ghost)
     code = profiling_script.main(
-        ["--mode=test", "--trainers", "ghost", "standard", "--batch_sizes", "2", "--seq_lens", "8",
-         "--steps", "1", "--output_dir", str(tmp_path), "--run_name", "r", *SMALL_MODEL]
+        [
+            "--mode=test",
+            "--trainers",
+            "ghost",
+            "standard",
+            "--batch_sizes",
+            "2",
+            "--seq_lens",
+            "8",
+            "--steps",
+            "1",
+            "--output_dir",
+            str(tmp_path),
+            "--run_name",
+            "r",
+            *SMALL_MODEL,
+        ]
     )
     assert code == 1
     results = results_in(tmp_path / "r")
@@ -153,17 +212,45 @@ def test_oom_is_a_measurement_not_an_error(tmp_path, monkeypatch):
 
     monkeypatch.setattr(runner, "run_experiment", oom)
     code = profiling_script.main(
-        ["--mode=test", "--trainers", "standard", "--batch_sizes", "2", "--seq_lens", "8",
-         "--output_dir", str(tmp_path), "--run_name", "r", *SMALL_MODEL]
+        [
+            "--mode=test",
+            "--trainers",
+            "standard",
+            "--batch_sizes",
+            "2",
+            "--seq_lens",
+            "8",
+            "--output_dir",
+            str(tmp_path),
+            "--run_name",
+            "r",
+            *SMALL_MODEL,
+        ]
     )
     assert code == 0
     assert results_in(tmp_path / "r")["standard_bs2_seq8"]["status"] == "oom"
 
 
 def test_physical_larger_than_some_logical_batches_is_skipped(tmp_path):
-    proc = cli("--mode=test", "--trainers", "dpsgd", "--batch_sizes", "2", "4",
-               "--max_physical_batch_sizes", "3", "--seq_lens", "8", "--steps", "1",
-               "--output_dir", str(tmp_path), "--run_name", "r", *SMALL_MODEL)
+    proc = cli(
+        "--mode=test",
+        "--trainers",
+        "dpsgd",
+        "--batch_sizes",
+        "2",
+        "4",
+        "--max_physical_batch_sizes",
+        "3",
+        "--seq_lens",
+        "8",
+        "--steps",
+        "1",
+        "--output_dir",
+        str(tmp_path),
+        "--run_name",
+        "r",
+        *SMALL_MODEL,
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     results = results_in(tmp_path / "r")
     assert results["dpsgd_bs2_seq8_pb3"]["status"] == "skipped"
@@ -173,10 +260,30 @@ def test_physical_larger_than_some_logical_batches_is_skipped(tmp_path):
 
 def test_ctrl_c_keeps_only_complete_results(tmp_path):
     proc = subprocess.Popen(
-        [sys.executable, "profiling_script.py", "--mode=test", "--trainers", "standard",
-         "--batch_sizes", "1", "2", "3", "4", "--seq_lens", "256", "--steps", "30",
-         "--output_dir", str(tmp_path), "--run_name", "r"],
-        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        [
+            sys.executable,
+            "profiling_script.py",
+            "--mode=test",
+            "--trainers",
+            "standard",
+            "--batch_sizes",
+            "1",
+            "2",
+            "3",
+            "4",
+            "--seq_lens",
+            "256",
+            "--steps",
+            "30",
+            "--output_dir",
+            str(tmp_path),
+            "--run_name",
+            "r",
+        ],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
     )
     deadline = time.time() + 120
     first = tmp_path / "r" / "standard_bs1_seq256" / "result.json"
@@ -195,9 +302,26 @@ def test_ctrl_c_keeps_only_complete_results(tmp_path):
 
 
 def test_report_mode_rerenders_from_result_files(tmp_path):
-    assert cli("--mode=test", "--trainers", "standard", "dpsgd", "--batch_sizes", "2",
-               "--seq_lens", "8", "--steps", "1", "--output_dir", str(tmp_path),
-               "--run_name", "r", *SMALL_MODEL).returncode == 0
+    assert (
+        cli(
+            "--mode=test",
+            "--trainers",
+            "standard",
+            "dpsgd",
+            "--batch_sizes",
+            "2",
+            "--seq_lens",
+            "8",
+            "--steps",
+            "1",
+            "--output_dir",
+            str(tmp_path),
+            "--run_name",
+            "r",
+            *SMALL_MODEL,
+        ).returncode
+        == 0
+    )
     (tmp_path / "r" / "summary.csv").unlink()
     proc = cli("--mode=report", "--input_dir", str(tmp_path / "r"))
     assert proc.returncode == 0, proc.stderr

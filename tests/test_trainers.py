@@ -75,8 +75,14 @@ def test_noise_free_update_matches_brute_force(name, physical, attention):
     ref, norms = reference_update(model, inputs, targets, max_grad_norm, lr)
     assert (norms > max_grad_norm).any() and (norms < max_grad_norm).any()
     update = run_one_step(
-        name, model, inputs, targets, lr=lr, max_grad_norm=max_grad_norm,
-        noise_multiplier=0.0, max_physical_batch_size=physical,
+        name,
+        model,
+        inputs,
+        targets,
+        lr=lr,
+        max_grad_norm=max_grad_norm,
+        noise_multiplier=0.0,
+        max_physical_batch_size=physical,
     )
     assert relative_error(update, ref) < 1e-5
 
@@ -87,8 +93,9 @@ def test_batch_of_one(name):
     model = models.build_model(SMALL)
     inputs, targets = make_batch(batch=1, seq=5, seed=3)
     ref, _ = reference_update(model, inputs, targets, 1e-2, 1.0)
-    update = run_one_step(name, model, inputs, targets, lr=1.0, max_grad_norm=1e-2,
-                          noise_multiplier=0.0)
+    update = run_one_step(
+        name, model, inputs, targets, lr=1.0, max_grad_norm=1e-2, noise_multiplier=0.0
+    )
     assert relative_error(update, ref) < 1e-5
 
 
@@ -108,8 +115,9 @@ def test_noise_std_is_sigma_c_over_b(name):
     inputs, targets = make_batch(batch=4, seq=6)
     sigma, clip, batch = 0.7, 0.05, inputs.shape[0]
     ref, _ = reference_update(model, inputs, targets, clip, 1.0)
-    update = run_one_step(name, model, inputs, targets, lr=1.0, max_grad_norm=clip,
-                          noise_multiplier=sigma)
+    update = run_one_step(
+        name, model, inputs, targets, lr=1.0, max_grad_norm=clip, noise_multiplier=sigma
+    )
     noise = -(update - ref)
     expected = sigma * clip / batch
     # ~5.6k parameters: the sample std's relative error is ~1/sqrt(2n) = 0.9%; 5% is 5 sigma.
@@ -124,8 +132,9 @@ def test_every_trainer_steps_with_both_optimizers_and_bf16(name, optimizer):
     torch.manual_seed(0)
     model = models.build_model(SMALL)
     inputs, targets = make_batch(batch=3, seq=8)
-    trainer = trainers.make_trainer(name, model, lr=1e-3, batch_size=3, optimizer=optimizer,
-                                    dtype=torch.bfloat16)
+    trainer = trainers.make_trainer(
+        name, model, lr=1e-3, batch_size=3, optimizer=optimizer, dtype=torch.bfloat16
+    )
     before = flat_params(model)
     out = trainer.step(inputs, targets)
     assert torch.isfinite(torch.tensor(out["loss"]))
@@ -143,6 +152,7 @@ def test_aliases_map_to_canonical_names():
 
 def test_chunks_match_batch_memory_manager():
     model = models.build_model(SMALL)
-    trainer = trainers.make_trainer("standard", model, lr=0.1, batch_size=14,
-                                    max_physical_batch_size=4)
+    trainer = trainers.make_trainer(
+        "standard", model, lr=0.1, batch_size=14, max_physical_batch_size=4
+    )
     assert [len(c) for c in trainer.chunks(14)] == [4, 4, 3, 3]
