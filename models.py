@@ -14,6 +14,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from opacus.layers import DPMultiheadAttention
+from torch.utils.checkpoint import checkpoint
 
 ATTENTION_KINDS = ("explicit", "sdpa")
 
@@ -27,6 +28,7 @@ class ModelConfig:
     mlp_dim: int = 8192
     max_seq_len: int = 16384
     attention: str = "explicit"  # "explicit" softmax (as the seeds' model) or "sdpa"
+    activation_checkpointing: bool = False  # recompute each block in backward (standard only)
     dropout: float = 0.0
 
     def __post_init__(self):
@@ -147,7 +149,10 @@ class TransformerLM(nn.Module):
         positions = torch.arange(seq, device=tokens.device).expand(batch, seq).contiguous()
         x = self.tok_emb(tokens) + self.pos_emb(positions)
         for block in self.blocks:
-            x = block(x)
+            if self.config.activation_checkpointing and torch.is_grad_enabled():
+                x = checkpoint(block, x, use_reentrant=False)
+            else:
+                x = block(x)
         return self.lm_head(self.ln_f(x))
 
 

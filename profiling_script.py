@@ -26,8 +26,12 @@ MODE_DEFAULTS = {
     "profile": dict(
         model="1b", batch_sizes=[4, 8], seq_lens=[512, 1024], steps=5, warmup_steps=2, device="auto"
     ),
+    # Where the peak goes (seed 002: NUM_ITER=3, WARMUP_ITER=2): breakdown on, traces off.
+    "memory": dict(
+        model="1b", batch_sizes=[1], seq_lens=[4096], steps=3, warmup_steps=2, device="auto"
+    ),
 }
-MODES = ("test", "profile", "report")
+MODES = ("test", "profile", "memory", "report")
 
 
 class UsageError(Exception):
@@ -77,6 +81,17 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="gzip the trace files (default: on for GPU runs)",
     )
+    p.add_argument(
+        "--save_snapshot",
+        action="store_true",
+        help="memory mode: keep the allocator snapshot (python -m torch.cuda._memory_viz) and an "
+        "HTML timeline per config",
+    )
+    p.add_argument(
+        "--activation_checkpointing",
+        action="store_true",
+        help="recompute each transformer block in backward (standard trainer only)",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", choices=("auto", "cuda", "cpu"), default=None)
     p.add_argument("--output_dir", "--results_dir", "--output-dir", default="./runs")
@@ -102,7 +117,7 @@ def plan(args: argparse.Namespace, device: str) -> list:
     import runner
     import trainers
 
-    defaults = MODE_DEFAULTS[args.mode]
+    defaults = MODE_DEFAULTS[getattr(args, "defaults_mode", None) or args.mode]
     names = [args.trainer] if args.trainer else (args.trainers or list(trainers.TRAINERS))
     try:
         names = list(dict.fromkeys(trainers.canonical_trainer_name(n) for n in names))
@@ -157,7 +172,10 @@ def plan(args: argparse.Namespace, device: str) -> list:
             seed=args.seed,
             device=device,
             flash_route=args.flash_route,
-            trace=not args.no_trace,
+            trace=not args.no_trace and args.mode != "memory",
+            breakdown=args.mode == "memory",
+            save_snapshot=args.save_snapshot,
+            activation_checkpointing=args.activation_checkpointing,
             trace_gzip=args.trace_gzip,
             model_overrides=overrides,
             default_model=defaults["model"],
@@ -178,8 +196,15 @@ def resolve_device(args: argparse.Namespace) -> str:
         return "cuda"
     if requested == "cuda":
         raise UsageError("--device cuda was given but no CUDA device is available")
-    print(f"No CUDA device found: --mode={args.mode} runs the CPU test defaults instead.")
-    args.mode = "test"
+    if args.mode == "memory":
+        print(
+            "No CUDA device found: the memory breakdown needs one; running the CPU test "
+            "defaults (breakdown fields are null)."
+        )
+        args.defaults_mode = "test"
+    else:
+        print(f"No CUDA device found: --mode={args.mode} runs the CPU test defaults instead.")
+        args.mode = "test"
     return "cpu"
 
 

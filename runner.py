@@ -8,9 +8,11 @@ every config (no pool pollution between trainers) and an OOM or crash stays insi
 from __future__ import annotations
 
 import dataclasses
+import gzip
 import json
 import multiprocessing
 import os
+import pickle
 import signal
 import statistics
 import time
@@ -50,6 +52,9 @@ class ExperimentConfig:
     flash_route: str = "auto"
     trace: bool = True  # torch.profiler trace of extra steps after the timed ones
     trace_gzip: bool | None = None  # None: gzip on GPU (large traces), plain JSON on CPU
+    breakdown: bool = False  # one extra step under the allocator history: where the peak goes
+    save_snapshot: bool = False  # keep the allocator snapshot (pickle + HTML timeline)
+    activation_checkpointing: bool = False
     model_overrides: dict = field(default_factory=dict)  # vocab_size, hidden_dim, ...
     default_model: str = "tiny"  # the mode's default: the directory name omits it
 
@@ -67,6 +72,8 @@ class ExperimentConfig:
             name += "_bf16"
         if self.attention == "sdpa":
             name += "_sdpa"
+        if self.activation_checkpointing:
+            name += "_ckpt"
         if self.model != self.default_model:
             name += "_" + self.model.replace("/", "-")
         return name
@@ -155,7 +162,11 @@ def run_experiment(config: ExperimentConfig, out_dir: str) -> dict:
         torch.cuda.reset_peak_memory_stats(device)
 
     model = models.build_model(
-        config.model, device=device, attention=config.attention, **config.model_overrides
+        config.model,
+        device=device,
+        attention=config.attention,
+        activation_checkpointing=config.activation_checkpointing,
+        **config.model_overrides,
     )
     env["parameters"] = models.count_parameters(model)
     recorder("0_model_loaded")
@@ -216,6 +227,15 @@ def run_experiment(config: ExperimentConfig, out_dir: str) -> dict:
     )
     if hasattr(trainer, "routes"):
         result["flash_routes"] = trainer.routes()
+    if config.breakdown:
+        recorder.enabled = False
+        result["breakdown"] = breakdown_of_one_step(
+            trainer, inputs, targets, device, out_dir, config
+        )
+        if result["breakdown"] is None:
+            env["breakdown_note"] = "the allocator history that attributes the peak is CUDA-only"
+        else:
+            result["breakdown"], result["breakdown_check"] = result["breakdown"]
     if config.trace:
         recorder.enabled = False
         use_gzip = device.type == "cuda" if config.trace_gzip is None else config.trace_gzip
@@ -228,6 +248,29 @@ def run_experiment(config: ExperimentConfig, out_dir: str) -> dict:
         else:
             env["kernels_note"] = "GPU kernel times exist only for CUDA runs"
     return result
+
+
+def breakdown_of_one_step(trainer, inputs, targets, device, out_dir, config):
+    """(breakdown, check) of one extra step recorded with the allocator history; None on CPU."""
+    if device.type != "cuda":
+        return None
+    snapshot_path = (
+        os.path.join(out_dir, "memory_snapshot.pickle") if config.save_snapshot else None
+    )
+    breakdown, check, recording = memory.record_breakdown(
+        trainer, lambda: trainer.step(inputs, targets), device, snapshot_path
+    )
+    if snapshot_path:
+        from torch.cuda import _memory_viz
+
+        with open(snapshot_path, "rb") as f:
+            html = _memory_viz.trace_plot(pickle.load(f))
+        with open(os.path.join(out_dir, "memory_timeline.html"), "w") as f:
+            f.write(html)
+        # The trimmed recording is what the attribution reads: small enough to keep as a fixture.
+        with gzip.open(os.path.join(out_dir, "breakdown_recording.json.gz"), "wt") as f:
+            json.dump({**recording, "check": check}, f)
+    return breakdown, check
 
 
 def worker_main(config: ExperimentConfig, config_path: str) -> None:
@@ -271,12 +314,9 @@ def _run_configs(configs, run_dir, resume, log) -> list[dict]:
             results.append(previous)
             continue
         os.makedirs(config_path, exist_ok=True)
-        if config.physical_batch_size > config.batch_size:
-            result = empty_result(
-                config,
-                "skipped",
-                f"physical batch {config.physical_batch_size} > logical batch {config.batch_size}",
-            )
+        reason = skip_reason(config)
+        if reason:
+            result = empty_result(config, "skipped", reason)
             write_json_atomic(result_path, result)
         else:
             log(f"[{index}/{len(configs)}] {config.config_dir}: running")
@@ -284,6 +324,16 @@ def _run_configs(configs, run_dir, resume, log) -> list[dict]:
         log(f"[{index}/{len(configs)}] {config.config_dir}: {describe(result)}")
         results.append(result)
     return results
+
+
+def skip_reason(config: ExperimentConfig) -> str | None:
+    """Why a combination of the plan cannot run (the others still do), or None."""
+    if config.physical_batch_size > config.batch_size:
+        return f"physical batch {config.physical_batch_size} > logical batch {config.batch_size}"
+    trainer = trainers.TRAINERS[config.trainer]
+    if config.activation_checkpointing and not trainer.supports_activation_checkpointing:
+        return trainers.checkpointing_refusal(config.trainer)
+    return None
 
 
 def run_in_child(context, config, config_path, result_path) -> dict:

@@ -56,6 +56,9 @@ def make_trainer(
 ) -> Trainer:
     """Build the named trainer around ``model``; it updates ``model``'s parameters in place."""
     cls = TRAINERS[canonical_trainer_name(name)]
+    if getattr(getattr(model, "config", None), "activation_checkpointing", False):
+        if not cls.supports_activation_checkpointing:
+            raise ValueError(checkpointing_refusal(cls.name))
     return cls(
         model,
         lr=lr,
@@ -65,6 +68,13 @@ def make_trainer(
         optimizer=optimizer,
         dtype=dtype,
         **trainer_options,
+    )
+
+
+def checkpointing_refusal(name: str) -> str:
+    return (
+        f"trainer {name!r} does not support activation checkpointing: its per-layer hooks "
+        "would save every recomputed layer input a second time"
     )
 
 
@@ -86,6 +96,9 @@ class Trainer:
 
     name = "base"
     is_private = False
+    # Opacus' hooks and flash's book-keeping save each layer's input in forward; recomputing a
+    # checkpointed block in backward saves it again (double memory, mismatched per-sample grads).
+    supports_activation_checkpointing = False
 
     def __init__(
         self,
@@ -172,6 +185,8 @@ class Trainer:
 @register_trainer("standard")
 class StandardTrainer(Trainer):
     """Non-private baseline: the same loss, no clipping, no noise."""
+
+    supports_activation_checkpointing = True
 
     def chunk_step(self, inputs, targets, is_last):
         with self.autocast(inputs.device.type):

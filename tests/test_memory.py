@@ -1,0 +1,140 @@
+"""Peak attribution over allocator histories: synthetic cases and recordings from a real GPU."""
+
+import glob
+import gzip
+import json
+import os
+
+import pytest
+
+import memory
+
+FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures")
+MARKER = [{"filename": "/x/memory.py", "name": memory.MARKER_FUNCTION}]
+FORWARD = [{"filename": "/x/models.py", "name": "forward"}]
+GHOST_NORM = [{"filename": "/site/opacus/grad_sample/linear.py", "name": "compute_linear_norm_sample"}]
+
+
+def alloc(addr, size, frames=()):
+    return {"action": "alloc", "addr": addr, "size": size, "frames": list(frames)}
+
+
+def free(addr, size):
+    return {"action": "free_completed", "addr": addr, "size": size, "frames": []}
+
+
+def marker(addr=9000):
+    return [alloc(addr, 512, MARKER), free(addr, 512)]
+
+
+def mb(nbytes):
+    return nbytes / memory.MB
+
+
+def test_peak_split_by_identity_then_stack():
+    initial = {100: 1000, 200: 500}  # parameters and optimizer state, alive from the start
+    identities = [
+        {100: "model_parameters", 200: "optimizer_states"},
+        {100: "model_parameters", 200: "optimizer_states", 300: "activation_hooks"},
+        {100: "model_parameters", 200: "optimizer_states", 500: "gradients"},
+    ]
+    trace = [
+        alloc(300, 400, FORWARD),  # kept by a hook: identity at marker 1 says activation_hooks
+        alloc(350, 250, FORWARD),  # plain activation: stack
+        *marker(),  # marker 1 (forward_done)
+        alloc(400, 300, GHOST_NORM),  # ggT: stack
+        alloc(500, 200),  # no Python frame; identity at marker 2 says gradients
+        alloc(600, 100),  # peak here: 1000+500+400+250+300+200+100 = 2750
+        free(400, 300),
+        free(600, 100),
+        alloc(600, 100, GHOST_NORM),  # address reused before marker 2: a different block
+        *marker(),  # marker 2 (backward_done)
+    ]
+    identities[2][600] = "per_sample_gradients"
+    out = memory.attribute_peak(trace, initial, identities)
+    assert out["peak_bytes"] == 2750
+    assert out["peak_phase"] == 1
+    parts = out["breakdown_bytes"]
+    assert sum(parts.values()) == out["peak_bytes"]
+    assert parts == {
+        "model_parameters_mb": 1000,
+        "optimizer_states_mb": 500,
+        "gradients_mb": 200,
+        "per_sample_gradients_mb": 0,  # the reused address must not leak its later role
+        "activation_hooks_mb": 400,
+        "activations_mb": 250 + 100,  # the freed no-frame block: autograd buffer
+        "norm_samples_mb": 0,
+        "temp_matrices_mb": 300,
+        "other_mb": 0,
+    }
+
+
+def test_markers_do_not_count_and_frees_of_initial_blocks_replay():
+    initial = {100: 1000}
+    trace = [*marker(), free(100, 1000), alloc(200, 600, FORWARD), *marker(9100)]
+    out = memory.attribute_peak(trace, initial, [{100: "gradients"}, {}, {}])
+    assert out["peak_bytes"] == 1000  # the start: the marker's 512 bytes are not counted
+    assert out["breakdown_bytes"]["gradients_mb"] == 1000
+
+
+def test_unknown_frames_are_other():
+    out = memory.attribute_peak(
+        [alloc(1, 64, [{"filename": "/x/somewhere.py", "name": "f"}])], {}, [{}]
+    )
+    assert out["breakdown_bytes"]["other_mb"] == 64
+
+
+def test_initial_blocks_from_snapshot_and_trace():
+    snapshot = {
+        "segments": [
+            {
+                "address": 1000,
+                "blocks": [
+                    {"size": 100, "state": "active_allocated"},  # 1000: pre-existing
+                    {"size": 50, "state": "inactive"},
+                    {"size": 30, "state": "active_allocated"},  # 1150: allocated in the trace
+                ],
+            }
+        ]
+    }
+    trace = [free(5000, 70), alloc(1150, 30)]
+    assert memory.initial_blocks(snapshot, trace) == {1000: 100, 5000: 70}
+
+
+def test_frames_classification_table():
+    def role(filename, name):
+        return memory.classify_frames([{"filename": filename, "name": name}])
+
+    assert role("/s/opacus/grad_sample/linear.py", "compute_linear_norm_sample") == "temp_matrices"
+    assert role("/s/opacus/grad_sample/linear.py", "compute_linear_grad_sample") == (
+        "per_sample_gradients"
+    )
+    assert role("/w/flash_clip.py", "gram_squared_norms") == "temp_matrices"
+    assert role("/w/flash_clip.py", "accumulate_clipped_grads") == "gradients"
+    assert role("/s/torch/optim/adam.py", "_init_group") == "optimizer_states"
+    assert role("/s/torch/nn/modules/linear.py", "forward") == "activations"
+    assert memory.classify_frames([]) == "activations"
+
+
+RECORDINGS = sorted(glob.glob(os.path.join(FIXTURES, "breakdown_*.json.gz")))
+
+
+@pytest.mark.parametrize("path", RECORDINGS, ids=[os.path.basename(p) for p in RECORDINGS])
+def test_recorded_gpu_histories(path):
+    """Recordings cut from real H100 runs (tiny model): the replay reproduces torch's own
+    counters and the categories add up to the peak."""
+    with gzip.open(path, "rt") as f:
+        recording = json.load(f)
+    identities = [{int(k): v for k, v in ids.items()} for ids in recording["identities"]]
+    initial = {int(k): v for k, v in recording["initial"].items()}
+    out = memory.attribute_peak(recording["trace"], initial, identities)
+    check = recording["check"]
+    assert abs(mb(sum(initial.values())) - check["torch_start_mb"]) < 0.01
+    assert abs(mb(out["peak_bytes"]) / check["torch_peak_mb"] - 1) < 0.01
+    parts = out["breakdown_bytes"]
+    assert sum(parts.values()) == out["peak_bytes"]
+    assert parts["other_mb"] <= 0.05 * out["peak_bytes"]
+    assert parts["model_parameters_mb"] > 0
+    trainer = os.path.basename(path).split("_")[1]
+    if trainer == "dpsgd":
+        assert parts["per_sample_gradients_mb"] > 0
