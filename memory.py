@@ -119,12 +119,20 @@ MARKER_FUNCTION = "_phase_marker"
 # Blocks allocated during the recorded step whose role no identity snapshot tells, classified by
 # the Python frames that allocated them: first matching row wins; "file:function" is searched.
 STACK_RULES = [
-    # Ghost clipping's B x T x T ggT/aaT and Flash's Gram tiles / direct blocks.
+    # Ghost clipping's B x T x T ggT/aaT, Opacus' rescaled copies of each layer's output
+    # gradient (B x T x p, made for the norm or per-sample computation), Flash's Gram tiles.
     ("temp_matrices", re.compile(r"opacus/grad_sample/\w+\.py:\w*norm_sample")),
+    ("temp_matrices", re.compile(r"opacus/grad_sample/\w+\.py:rearrange_grad_samples")),
     ("temp_matrices", re.compile(r"flash_clip\.py:(gram_squared_norms|direct_squared_norms)")),
     ("norm_samples", re.compile(r"flash_clip\.py:\w*squared_norms|:get_clipping_coef|:get_norm_")),
     # Opacus' per-sample gradients and their clipped copies in the optimizer.
-    ("per_sample_gradients", re.compile(r"opacus/grad_sample/|opacus/optimizers/\w+\.py:clip")),
+    (
+        "per_sample_gradients",
+        re.compile(
+            r"opacus/grad_sample/\w+\.py:(compute_\w+_grad_sample|create_or_accumulate_grad_sample)"
+        ),
+    ),
+    ("per_sample_gradients", re.compile(r"opacus/optimizers/\w+\.py:clip")),
     # Clipped gradients written by flash; Opacus' summed / noised gradients; flash's noise.
     ("gradients", re.compile(r"flash_clip\.py:\w*clipped_grads|opacus/optimizers/")),
     ("gradients", re.compile(r"trainers\.py:optimizer_step")),
@@ -238,6 +246,7 @@ def attribute_peak(
             if markers == peak["markers"]:  # between the peak and the next marker
                 freed_before_next_marker.add((addr, block[1]))
     breakdown = {key: 0 for key in BREAKDOWN_KEYS}
+    sources: dict[tuple[str, str], int] = {}
     before, after = peak["markers"], peak["markers"] + 1
     for addr, (size, event_index, alloc_markers) in peak["live"].items():
         role = None
@@ -247,11 +256,29 @@ def attribute_peak(
             role = identities[before].get(addr)
         if role is None and alloc_markers < 0:
             role = identities[0].get(addr) if identities else None
+        how = "identity"
         if role is None:
             frames = trace[event_index].get("frames", []) if event_index is not None else []
             role = classify_frames(frames) if event_index is not None else "other"
+            how = _signature(frames) if event_index is not None else "(alive before the step)"
         breakdown[f"{role}_mb"] += size
-    return {"peak_bytes": peak["total"], "peak_phase": before, "breakdown_bytes": breakdown}
+        sources[(role, how)] = sources.get((role, how), 0) + size
+    top = sorted(sources.items(), key=lambda item: -item[1])[:15]
+    return {
+        "peak_bytes": peak["total"],
+        "peak_phase": before,
+        "breakdown_bytes": breakdown,
+        # Where each category's bytes came from: "identity" or the allocating frames.
+        "top_sources": [{"role": r, "source": h, "bytes": b} for (r, h), b in top],
+    }
+
+
+def _signature(frames: list[dict]) -> str:
+    if not frames:
+        return "(no Python frame: autograd backward or C++)"
+    return " < ".join(
+        f"{f.get('filename', '').rsplit('/', 1)[-1]}:{f.get('name', '')}" for f in frames[:3]
+    )
 
 
 def initial_blocks(snapshot: dict, trace: list[dict]) -> dict[int, int]:
@@ -335,5 +362,8 @@ def record_breakdown(trainer, step, device: torch.device, snapshot_path: str | N
         "replayed_start_mb": sum(start.values()) / MB,
         "torch_start_mb": allocated_at_start / MB,
         "peak_after_phase": phases[attributed["peak_phase"]],
+        "top_sources": [
+            {**source, "mb": source.pop("bytes") / MB} for source in attributed["top_sources"]
+        ],
     }
     return breakdown, check, {"trace": trace, "initial": start, "identities": identities}

@@ -3,8 +3,8 @@
     ncu --profile-from-start off --clock-control none --metrics dram__bytes_read.sum,... \\
         --target-processes all -f -o ncu_reports/report_dpsgd_bs8_seq256 \\
         python profiling_script.py --mode=profile --trainer=dpsgd ... --ncu
-    ncu --import ncu_reports/report_dpsgd_bs8_seq256.ncu-rep --csv --page raw ...  # -> parse_raw_csv
-    python profiling_script.py --mode=ncu_report --input_dir ncu_reports            # write_ncu_summary
+    ncu --import ncu_reports/report_dpsgd_bs8_seq256.ncu-rep --csv --page raw ...  # parse_raw_csv
+    python profiling_script.py --mode=ncu_report --input_dir ncu_reports   # write_ncu_summary
 
 The worker (``--ncu``) runs its warm-up steps outside the profiled range and one step between
 ``torch.cuda.profiler.start()`` and ``stop()``, so every kernel of that step -- the backward ones
@@ -112,8 +112,8 @@ NVPROF_TO_NCU: dict[str, str | None] = {
     "stall_memory_dependency": "smsp__warp_issue_stalled_long_scoreboard_per_warp_active.pct",
 }
 
-# unit__counter[_qualifiers].rollup[.submetric...], e.g. dram__bytes_read.sum.per_second
-NCU_METRIC_NAME = re.compile(r"^[a-z0-9]+__[a-z0-9_]+(\.[a-z0-9_]+)+$")
+# unit__counter[.rollup[.submetric]]: dram__bytes_read.sum.per_second, launch__grid_size
+NCU_METRIC_NAME = re.compile(r"^[a-z0-9]+__[a-z0-9_]+(\.[a-z0-9_]+)*$")
 _METRIC_PREFIXES = ("regex:", "group:", "breakdown:")  # also accepted by `ncu --metrics`
 
 TRAINERS = ("standard", "dpsgd", "ghost", "flash")  # the contract's names, in table order
@@ -270,18 +270,9 @@ def export_command(report_path: str, ncu: str = "ncu") -> list[str]:
     demangled``: full names with template arguments, which kernels.categorize needs
     (NormTwoOps, LpNormFunctor ...); ncu's default prints the bare function name.
     """
-    return [
-        ncu,
-        "--import",
-        str(report_path),
-        "--csv",
-        "--page",
-        "raw",
-        "--print-units",
-        "base",
-        "--print-kernel-base",
-        "demangled",
-    ]
+    return [ncu, "--import", str(report_path), "--csv", "--page", "raw"] + [
+        "--print-units", "base", "--print-kernel-base", "demangled",
+    ]  # fmt: skip
 
 
 # ---------------------------------------------------------------- parsing
@@ -583,10 +574,10 @@ def _table(header: list[str], body: list[list[str]], markdown: bool) -> str:
         lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
         return "\n".join(lines + ["| " + " | ".join(cells) + " |" for cells in body]) + "\n"
     widths = [max(len(h), *(len(cells[i]) for cells in body)) for i, h in enumerate(header)]
-    lines = ["  ".join(h.ljust(w) for h, w in zip(header, widths))]
-    lines.append("  ".join("-" * w for w in widths))
-    lines += ["  ".join(c.ljust(w) for c, w in zip(cells, widths)) for cells in body]
-    return "\n".join(lines) + "\n"
+    lines = [header, ["-" * w for w in widths], *body]
+    return "".join(
+        "  ".join(c.ljust(w) for c, w in zip(cells, widths)).rstrip() + "\n" for cells in lines
+    )
 
 
 MAIN_HEADER = [
@@ -667,19 +658,22 @@ def plot_comparison(rows: list[dict], path: str) -> str | None:
     fig, axes = plt.subplots(
         1,
         len(shapes),
-        figsize=(1.2 + 3.4 * len(shapes), 4.6),
+        figsize=(max(5.0, 0.6 + 3.4 * len(shapes)), 5.0),
         squeeze=False,
         constrained_layout=True,
     )
+
+    def gb(row, category):
+        return (
+            (row[f"{category}_dram_read_bytes"] or 0) + (row[f"{category}_dram_write_bytes"] or 0)
+        ) / GB
+
+    shown = [c for c in kernels.CATEGORIES if any(gb(r, c) for r in rows if r["dram_bytes"])]
     for ax, ((batch, seq), group) in zip(axes[0], sorted(shapes.items())):
         x = range(len(group))
         bottom = [0.0] * len(group)
-        for category in kernels.CATEGORIES:
-            heights = [
-                ((r[f"{category}_dram_read_bytes"] or 0) + (r[f"{category}_dram_write_bytes"] or 0))
-                / GB
-                for r in group
-            ]
+        for category in shown:
+            heights = [gb(r, category) for r in group]
             ax.bar(x, heights, 0.65, bottom=bottom, color=colors[category], label=category)
             bottom = [b + h for b, h in zip(bottom, heights)]
         top = max(bottom) or 1.0
@@ -692,10 +686,15 @@ def plot_comparison(rows: list[dict], path: str) -> str | None:
         ax.set_xticks(list(x), [r["trainer"] for r in group])
         ax.set_title(f"batch {batch}, seq {seq}", fontsize=10)
         ax.set_xlabel("trainer")
-        ax.set_ylabel("DRAM read + write per step (GB, 10^9 bytes)")
+        if ax is axes[0][0]:
+            ax.set_ylabel("DRAM read + write per step (GB = 10⁹ bytes)")
         ax.grid(axis="y", alpha=0.3)
     handles, labels = axes[0][0].get_legend_handles_labels()
-    fig.legend(handles, labels, loc="outside right upper", title="kernel category", fontsize=8)
+    ncol = max(1, min(len(shown), 3 * len(shapes)))
+    fig.legend(
+        handles, labels, loc="outside lower center", ncol=ncol, fontsize=8, frameon=False,
+        title="kernel category", title_fontsize=8,
+    )  # fmt: skip
     fig.suptitle("DRAM traffic of one training step (Nsight Compute)", fontsize=11)
     tmp = f"{path}.tmp{os.getpid()}.png"
     fig.savefig(tmp, dpi=110)
@@ -764,9 +763,9 @@ def main(argv=None) -> int:
         if args.what == "metrics":
             print(",".join(translate_metrics(args.names)))
             return 0
-        report = os.path.join(args.report_dir, report_name(args.trainer, args.batch_size, args.seq_len))
+        name = report_name(args.trainer, args.batch_size, args.seq_len)
         argv_out = ncu_command(
-            report,
+            os.path.join(args.report_dir, name),
             profile_args(args.trainer, args.batch_size, args.seq_len, args.extra),
             metrics=args.metrics,
             clock_control=args.clock_control,

@@ -12,7 +12,9 @@ import memory
 FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures")
 MARKER = [{"filename": "/x/memory.py", "name": memory.MARKER_FUNCTION}]
 FORWARD = [{"filename": "/x/models.py", "name": "forward"}]
-GHOST_NORM = [{"filename": "/site/opacus/grad_sample/linear.py", "name": "compute_linear_norm_sample"}]
+GHOST_NORM = [
+    {"filename": "/site/opacus/grad_sample/linear.py", "name": "compute_linear_norm_sample"}
+]
 
 
 def alloc(addr, size, frames=()):
@@ -129,11 +131,19 @@ def test_recorded_gpu_histories(path):
     initial = {int(k): v for k, v in recording["initial"].items()}
     out = memory.attribute_peak(recording["trace"], initial, identities)
     check = recording["check"]
-    assert abs(mb(sum(initial.values())) - check["torch_start_mb"]) < 0.01
+    assert abs(mb(sum(initial.values())) / check["torch_start_mb"] - 1) < 0.01
     assert abs(mb(out["peak_bytes"]) / check["torch_peak_mb"] - 1) < 0.01
     parts = out["breakdown_bytes"]
     assert sum(parts.values()) == out["peak_bytes"]
-    assert parts["other_mb"] <= 0.05 * out["peak_bytes"]
+    # Everything allocated during the step has a category; "other" is only what was alive
+    # before it and is known by no identity (library workspaces: ~65 MB on the H100).
+    step_other = sum(
+        s["bytes"]
+        for s in out["top_sources"]
+        if s["role"] == "other" and s["source"] != "(alive before the step)"
+    )
+    assert step_other < 0.01 * out["peak_bytes"]
+    assert mb(parts["other_mb"]) < 80
     assert parts["model_parameters_mb"] > 0
     trainer = os.path.basename(path).split("_")[1]
     if trainer == "dpsgd":

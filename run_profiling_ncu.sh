@@ -1,0 +1,113 @@
+#!/usr/bin/env bash
+# Nsight Compute suite (seed 001): DRAM / L2 traffic of one training step, per trainer and kernel
+# category. Every trainer x batch x seq config runs under ncu in its own process and writes
+# $OUTPUT_DIR/report_<trainer>_bs<B>_seq<T>.ncu-rep; then the comparison table and plot are
+# written next to them (profiling_script.py --mode=ncu_report).
+#
+#   ./run_profiling_ncu.sh [--metrics NAME[,NAME...]] [--clock-control none|base] [--dry-run]
+#                          [-- more profiling_script.py arguments, e.g. --dtype bfloat16]
+#
+# Environment knobs (read here only, never by the CLI):
+#   TRAINERS="standard dpsgd ghost flash"  BATCH_SIZES="8 16"  SEQ_LENS="256 1024"
+#   OUTPUT_DIR=ncu_reports  RUN_NAME=ncu_<timestamp> (result files: $OUTPUT_DIR/runs/$RUN_NAME)
+#   MODEL_ARGS="--hidden_dim 1024 --num_layers 4 --num_heads 16 --vocab_size 32000"
+#   NCU=/path/to/ncu (default: ncu on PATH)  PYTHON=python3
+# ncu replays every kernel of the profiled step once per metric pass, so a step costs minutes
+# instead of milliseconds: the suite profiles a 4-layer model (d 1024) of the 1b family so that
+# all 16 configs fit in about 8 minutes on one H100. Per-step bytes scale with the layer count.
+set -euo pipefail
+cd "$(dirname "$0")"
+PYTHON=${PYTHON:-python3}
+
+usage() {
+    sed -n '2,17p' "$0" | sed 's/^# \{0,1\}//'
+}
+
+METRICS=""
+CLOCK_CONTROL=none
+DRY_RUN=0
+EXTRA=()
+while [[ $# -gt 0 ]]; do
+    case "$1" in
+        --metrics | --clock-control | --clock_control)
+            if [[ $# -lt 2 ]]; then
+                echo "error: $1 needs a value" >&2
+                exit 2
+            fi
+            if [[ $1 == --metrics ]]; then METRICS=$2; else CLOCK_CONTROL=$2; fi
+            shift 2
+            ;;
+        --metrics=*) METRICS=${1#*=}; shift ;;
+        --clock-control=* | --clock_control=*) CLOCK_CONTROL=${1#*=}; shift ;;
+        --dry-run) DRY_RUN=1; shift ;;
+        -h | --help) usage; exit 0 ;;
+        --) shift; EXTRA+=("$@"); break ;;
+        *) EXTRA+=("$1"); shift ;;
+    esac
+done
+
+# ncu first: nothing runs or is written without it.
+NCU=${NCU:-$(command -v ncu || true)}
+if [[ -z $NCU || ! -x $NCU ]]; then
+    "$PYTHON" -c 'import ncu; print("error: " + ncu.NCU_MISSING_MESSAGE)' >&2 2>/dev/null \
+        || echo "error: ncu (Nsight Compute CLI) not found: put it on PATH or set NCU=/path/to/ncu" >&2
+    exit 1
+fi
+
+# nvprof-era names (dram_read_throughput, ...) do not exist in ncu: stop with the replacement.
+if [[ -n $METRICS ]]; then
+    METRICS=$("$PYTHON" ncu.py metrics "$METRICS") || exit 2
+fi
+case "$CLOCK_CONTROL" in
+    none | base | boost | force-boost | reset) ;;
+    *) echo "error: --clock-control must be none, base, boost, force-boost or reset (got '$CLOCK_CONTROL')" >&2; exit 2 ;;
+esac
+
+TRAINERS=${TRAINERS:-"standard dpsgd ghost flash"}
+BATCH_SIZES=${BATCH_SIZES:-"8 16"}
+SEQ_LENS=${SEQ_LENS:-"256 1024"}
+OUTPUT_DIR=${OUTPUT_DIR:-ncu_reports}
+RUN_NAME=${RUN_NAME:-ncu_$(date +%Y%m%d_%H%M%S)}
+MODEL_ARGS=${MODEL_ARGS:-"--hidden_dim 1024 --num_layers 4 --num_heads 16 --vocab_size 32000"}
+read -r -a model_args <<<"$MODEL_ARGS"
+PYTHON_BIN=$(command -v "$PYTHON")
+
+if [[ $DRY_RUN == 0 ]]; then mkdir -p "$OUTPUT_DIR"; fi
+failed=()
+for batch in $BATCH_SIZES; do
+    for seq in $SEQ_LENS; do
+        for trainer in $TRAINERS; do
+            # ncu.py builds the command (one source of truth); it prints it shell-quoted.
+            cmd=$("$PYTHON" ncu.py command --ncu "$NCU" --python "$PYTHON_BIN" \
+                --report_dir "$OUTPUT_DIR" --trainer "$trainer" --batch_size "$batch" \
+                --seq_len "$seq" --clock_control "$CLOCK_CONTROL" ${METRICS:+--metrics "$METRICS"} \
+                -- ${model_args[@]+"${model_args[@]}"} --output_dir "$OUTPUT_DIR/runs" \
+                --run_name "$RUN_NAME" --resume ${EXTRA[@]+"${EXTRA[@]}"})
+            echo "==> $cmd"
+            if [[ $DRY_RUN == 1 ]]; then continue; fi
+            if ! eval "$cmd"; then
+                echo "!!! $trainer bs$batch seq$seq failed (see above); continuing" >&2
+                failed+=("${trainer}_bs${batch}_seq${seq}")
+            fi
+        done
+    done
+done
+if [[ $DRY_RUN == 1 ]]; then exit 0; fi
+
+status=0
+"$PYTHON" profiling_script.py --mode=ncu_report --input_dir "$OUTPUT_DIR" || status=$?
+if [[ ${#failed[@]} -gt 0 ]]; then
+    echo "Failed configs: ${failed[*]}" >&2
+    status=1
+fi
+
+cat <<MSG
+
+Reports:  $OUTPUT_DIR/report_<trainer>_bs<B>_seq<T>.ncu-rep  (+ .csv exports)
+Summary:  $OUTPUT_DIR/ncu_summary.md, ncu_summary.csv, ncu_comparison.png
+Open one: ncu-ui $OUTPUT_DIR/report_dpsgd_bs8_seq256.ncu-rep
+          ncu --import $OUTPUT_DIR/report_dpsgd_bs8_seq256.ncu-rep --page details
+          ncu --import $OUTPUT_DIR/report_dpsgd_bs8_seq256.ncu-rep --csv --page raw > analysis.csv
+Re-render: $PYTHON profiling_script.py --mode=ncu_report --input_dir $OUTPUT_DIR
+MSG
+exit $status

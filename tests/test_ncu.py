@@ -1,0 +1,443 @@
+"""ncu.py and run_profiling_ncu.sh on CPU: command lines, metric names, CSV parsing, summaries.
+
+tests/fixtures/ncu_raw_small.csv is hand-written to the documented shape of Nsight Compute 2025's
+``ncu --csv --page raw`` output (quoted fields, a unit row, thousands separators, per-column unit
+prefixes, ==PROF== lines, n/a values); replace it with a real recording when one exists.
+"""
+
+import os
+import shutil
+import stat
+import subprocess
+import sys
+
+import pytest
+
+import kernels
+import ncu
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+FIXTURE = os.path.join(ROOT, "tests", "fixtures", "ncu_raw_small.csv")
+SCRIPT = os.path.join(ROOT, "run_profiling_ncu.sh")
+PY_BIN = os.path.dirname(sys.executable)
+BASE_PATH = f"{PY_BIN}:/usr/bin:/bin"
+
+GEMM = "sm90_xmma_gemm_f32f32_tf32f32_f32_tn_n_tilesize128x128x32_warpgroupsize1x1x1_execute"
+ELEMENTWISE = "void at::native::vectorized_elementwise_kernel<(int)4, at::native::CUDAFunctor_add<float>, std::array<char *, (unsigned long)3>>(int, T2, T3)"  # noqa: E501
+NORM = "void at::native::reduce_kernel<(int)512, (int)1, at::native::ReduceOp<float, at::native::NormTwoOps<float, float, float, (bool)0>, unsigned int, float, (int)4, (int)4>>(T3)"  # noqa: E501
+
+
+def fixture_rows():
+    with open(FIXTURE, encoding="utf-8") as f:
+        return ncu.parse_raw_csv(f.read())
+
+
+# ---------------------------------------------------------------- command lines
+
+
+def test_ncu_command_exact_argv():
+    args = ncu.profile_args("hooks", 8, 256, ["--hidden_dim", "1024"])
+    cmd = ncu.ncu_command("ncu_reports/report_dpsgd_bs8_seq256.ncu-rep", args, python="python3")
+    assert cmd == [
+        "ncu",
+        "--profile-from-start",
+        "off",
+        "--clock-control",
+        "none",
+        "--metrics",
+        "dram__bytes_read.sum,dram__bytes_write.sum,dram__bytes_read.sum.per_second,"
+        "dram__bytes_write.sum.per_second,lts__t_bytes.sum,lts__t_sectors_op_read.sum,"
+        "lts__t_sectors_op_write.sum,l1tex__t_bytes_pipe_lsu_mem_global_op_ld.sum,"
+        "l1tex__t_bytes_pipe_lsu_mem_global_op_st.sum,gpu__time_duration.sum",
+        "--target-processes",
+        "all",
+        "-f",
+        "-o",
+        "ncu_reports/report_dpsgd_bs8_seq256",
+        "python3",
+        "profiling_script.py",
+        "--mode=profile",
+        "--trainer=dpsgd",
+        "--batch_size=8",
+        "--seq_len=256",
+        "--device=cuda",
+        "--no_trace",
+        "--hidden_dim",
+        "1024",
+        "--ncu",
+    ]
+
+
+def test_ncu_command_options():
+    cmd = ncu.ncu_command(
+        "r", ["--ncu", "--mode=profile"], metrics="dram__bytes_read.sum", clock_control="base",
+        nvtx=True, ncu="/opt/ncu",
+    )  # fmt: skip
+    assert cmd[:9] == [
+        "/opt/ncu", "--profile-from-start", "off", "--clock-control", "base",
+        "--metrics", "dram__bytes_read.sum", "--nvtx", "--nvtx-include",
+    ]  # fmt: skip
+    assert cmd[9] == "step/"
+    assert cmd[-2:] == ["--ncu", "--mode=profile"]  # --ncu not added twice
+    with pytest.raises(ValueError, match="clock-control"):
+        ncu.ncu_command("r", [], clock_control="fast")
+    with pytest.raises(ValueError, match="nvprof"):
+        ncu.ncu_command("r", [], metrics=["gld_throughput"])
+
+
+def test_export_command():
+    cmd = ncu.export_command("d/report_flash_bs8_seq256.ncu-rep")
+    assert cmd[:4] == ["ncu", "--import", "d/report_flash_bs8_seq256.ncu-rep", "--csv"]
+    assert cmd[4:6] == ["--page", "raw"]
+    assert "--print-kernel-base" in cmd and "demangled" in cmd
+
+
+def test_report_names():
+    assert ncu.report_name("dpsgd_ghost", 16, 1024) == "report_ghost_bs16_seq1024"
+    assert ncu.parse_report_name("x/report_flash_bs8_seq256.ncu-rep") == ("flash", 8, 256)
+    assert ncu.parse_report_name("report_standard_bs16_seq1024.csv") == ("standard", 16, 1024)
+    assert ncu.parse_report_name("report_vanilla_bs8_seq256") is None  # aliases are never written
+    assert ncu.parse_report_name("ncu_summary.csv") is None
+    with pytest.raises(ValueError, match="unknown trainer"):
+        ncu.report_name("adam", 8, 256)
+
+
+def test_trainer_names_match_the_registry():
+    trainers = pytest.importorskip("trainers")
+    assert set(ncu.TRAINERS) == set(trainers.TRAINERS)
+    assert ncu.ALIASES == trainers.ALIASES
+
+
+def test_command_cli_prints_a_shell_command():
+    proc = subprocess.run(
+        [sys.executable, "ncu.py", "command", "--trainer", "ghost", "--batch_size", "16",
+         "--seq_len", "1024", "--report_dir", "out dir", "--python", "py",
+         "--", "--dtype", "bfloat16"],
+        cwd=ROOT, capture_output=True, text=True,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    assert "-o 'out dir/report_ghost_bs16_seq1024' py profiling_script.py" in proc.stdout
+    assert proc.stdout.rstrip().endswith("--dtype bfloat16 --ncu")
+
+
+# ---------------------------------------------------------------- metric names
+
+
+@pytest.mark.parametrize("name", sorted(ncu.NVPROF_TO_NCU))
+def test_nvprof_names_map_to_ncu_names(name):
+    replacement = ncu.NVPROF_TO_NCU[name]
+    if replacement is None:
+        with pytest.raises(ValueError, match="no ncu equivalent"):
+            ncu.translate_metrics([name])
+        return
+    for metric in ncu.metrics_in_formula(replacement):
+        assert metric in ncu.METRICS or ncu.NCU_METRIC_NAME.match(metric), metric
+        assert metric not in ncu.NVPROF_TO_NCU
+    with pytest.raises(ValueError) as error:
+        ncu.translate_metrics(f"dram__bytes_read.sum,{name}")
+    assert str(error.value) == f"{name!r} is an nvprof metric; in ncu use {replacement}"
+
+
+def test_seed_names_are_known():
+    for name in ("dram_read_throughput", "dram_write_throughput", "l2_read_throughput",
+                 "l2_write_throughput", "gld_throughput", "gst_throughput", "achieved_occupancy",
+                 "sm_efficiency", "dram_read_bytes", "gld_transactions",
+                 "gst_transactions"):  # fmt: skip
+        assert name in ncu.NVPROF_TO_NCU
+    assert ncu.NVPROF_TO_NCU["dram_read_throughput"] == "dram__bytes_read.sum.per_second"
+    assert ncu.NVPROF_TO_NCU["dram_write_bytes"] == "dram__bytes_write.sum"
+    assert ncu.NVPROF_TO_NCU["gst_throughput"] == (
+        "l1tex__t_bytes_pipe_lsu_mem_global_op_st.sum.per_second"
+    )
+    assert ncu.NVPROF_TO_NCU["achieved_occupancy"] == (
+        "sm__warps_active.avg.pct_of_peak_sustained_active"
+    )
+    assert ncu.metrics_in_formula(ncu.NVPROF_TO_NCU["l2_read_throughput"]) == [
+        "lts__t_sectors_op_read.sum.per_second",
+        "lts__t_sectors_op_atom.sum.per_second",
+        "lts__t_sectors_op_red.sum.per_second",
+    ]
+
+
+def test_valid_names_pass():
+    assert ncu.translate_metrics(list(ncu.METRICS)) == list(ncu.METRICS)
+    assert ncu.translate_metrics(" dram__bytes_read.sum , dram__bytes_read.sum,regex:lts__.*") == [
+        "dram__bytes_read.sum",
+        "regex:lts__.*",
+    ]
+    with pytest.raises(ValueError, match="not an ncu metric"):
+        ncu.translate_metrics("dram_bytes")
+    with pytest.raises(ValueError, match="no metric"):
+        ncu.translate_metrics(" , ")
+
+
+# ---------------------------------------------------------------- parsing
+
+
+def test_units():
+    assert ncu.unit_factor("byte") == 1
+    assert ncu.unit_factor("Kbyte") == 1e3
+    assert ncu.unit_factor("Gbyte") == 1e9
+    assert ncu.unit_factor("Mibyte") == 2**20
+    assert ncu.unit_factor("Gbyte/second") == 1e9
+    assert ncu.unit_factor("byte/usecond") == pytest.approx(1e6)
+    assert ncu.unit_factor("msecond") == 1e6  # to ns
+    assert ncu.unit_factor("nsecond") == 1
+    assert ncu.unit_factor("Ksector") == 1e3
+    assert ncu.unit_factor("%") == 1
+    assert ncu.unit_factor("") == 1
+
+
+def test_parse_fixture():
+    rows = fixture_rows()
+    assert len(rows) == 7
+    first = rows[0]
+    assert first["ID"] == "0" and first["Kernel Name"].startswith(GEMM)
+    assert first["Stream"] == "7" and first["Block Size"] == "(384, 1, 1)"
+    assert first["dram__bytes_read.sum"] == pytest.approx(12.58e6)  # Mbyte
+    assert first["dram__bytes_write.sum"] == pytest.approx(4194.30e3)  # "4,194.30" Kbyte
+    assert first["gpu__time_duration.sum"] == pytest.approx(85410)  # usecond -> ns
+    assert first["lts__t_sectors_op_read.sum"] == 1048576  # "1,048,576" sector
+    assert rows[3]["dram__bytes_write.sum"] == pytest.approx(1048576e3)  # "1,048,576.00" Kbyte
+    assert rows[0]["dram__bytes_read.sum.per_second"] > 1e11  # Gbyte/second -> bytes/s
+    assert rows[6]["l1tex__t_bytes_pipe_lsu_mem_global_op_ld.sum"] is None  # n/a
+    assert rows[1]["Kernel Name"] == ELEMENTWISE  # quoted commas kept
+    assert rows[2]["Kernel Name"] == NORM
+
+
+def test_parse_edge_cases():
+    assert ncu.parse_raw_csv("==PROF== Disconnected from process 1\n") == []
+    with pytest.raises(ValueError, match="raw CSV"):
+        ncu.parse_raw_csv("Kernel,Time\nx,1\n")
+    no_units = '"ID","Kernel Name","dram__bytes_read.sum"\n"0","k","1,000"\n'
+    assert ncu.parse_raw_csv(no_units) == [
+        {"ID": "0", "Kernel Name": "k", "dram__bytes_read.sum": 1000.0}
+    ]
+
+
+def test_fixture_categories():
+    names = [row["Kernel Name"] for row in fixture_rows()]
+    assert [kernels.categorize(n) for n in names] == [
+        "gemm", "elementwise", "norm_clip", "reduction", "optimizer", "gemm", "other",
+    ]  # fmt: skip
+
+
+def test_aggregate_fixture_by_hand():
+    agg = ncu.aggregate(fixture_rows())
+    # Column sums by hand, in the fixture's units (Mbyte, Kbyte, usecond, sector).
+    assert agg["dram_read_bytes"] == pytest.approx(1112.14e6)
+    assert agg["dram_write_bytes"] == pytest.approx(1077936.76e3)
+    assert agg["l2_bytes"] == pytest.approx(2265.19e6)
+    assert agg["l2_read_sectors"] == 37619712
+    assert agg["l2_write_sectors"] == 33689616
+    assert agg["global_load_bytes"] == pytest.approx(1137.23e6)  # the n/a kernel left out
+    assert agg["global_store_bytes"] == pytest.approx(1077936.63e3)
+    assert agg["kernel_time_ms"] == pytest.approx(1.19516)
+    assert agg["kernel_count"] == 7
+    assert agg["achieved_dram_gbps"] == pytest.approx((1112.14e6 + 1077936.76e3) / 1.19516e-3 / 1e9)
+    assert agg["incomplete"] == [
+        "l1tex__t_bytes_pipe_lsu_mem_global_op_ld.sum",
+        "l1tex__t_bytes_pipe_lsu_mem_global_op_st.sum",
+    ]
+    cats = agg["categories"]
+    assert set(cats) == set(kernels.CATEGORIES)
+    assert cats["gemm"]["count"] == 2
+    assert cats["gemm"]["dram_read_bytes"] == pytest.approx(25.16e6)
+    assert cats["gemm"]["dram_write_bytes"] == pytest.approx(8388.60e3)
+    assert cats["gemm"]["l2_bytes"] == pytest.approx(81.0e6)
+    assert cats["gemm"]["time_ms"] == pytest.approx(0.1704)
+    assert cats["norm_clip"]["dram_read_bytes"] == pytest.approx(4.19e6)
+    assert cats["reduction"]["time_ms"] == pytest.approx(0.98025)
+    assert cats["optimizer"]["dram_write_bytes"] == pytest.approx(16777.22e3)
+    assert cats["other"]["count"] == 1
+    assert cats["attention"] == {
+        "dram_read_bytes": 0.0, "dram_write_bytes": 0.0, "l2_bytes": 0.0, "time_ms": 0.0,
+        "count": 0,
+    }  # fmt: skip
+    total = sum(c["dram_read_bytes"] for c in cats.values())
+    assert total == pytest.approx(agg["dram_read_bytes"])
+
+
+def test_aggregate_missing_metric_is_none():
+    agg = ncu.aggregate([{"Kernel Name": "ampere_sgemm_128x64_tn", "gpu__time_duration.sum": 5e3}])
+    assert agg["dram_read_bytes"] is None and agg["achieved_dram_gbps"] is None
+    assert agg["categories"]["gemm"]["dram_read_bytes"] is None
+    assert agg["categories"]["gemm"]["time_ms"] == pytest.approx(0.005)
+    assert ncu.aggregate([])["kernel_count"] == 0
+
+
+def test_dram_lower_bound():
+    bound = ncu.dram_lower_bound_bytes(1000, batch=2, seq=3, hidden=4, num_layers=5, vocab=7)
+    assert bound["weights_forward"] == bound["weights_backward"] == bound["gradients_write"] == 4000
+    assert bound["optimizer"] == 12000
+    assert bound["activations"] == 2 * 4 * 5 * 2 * 3 * 4 * 4
+    assert bound["logits"] == 4 * 2 * 3 * 7 * 4
+    assert bound["total"] == 24000 + bound["activations"] + bound["logits"]
+    assert "4 activations" in bound["assumptions"]
+
+
+# ---------------------------------------------------------------- summary
+
+UNITS = ["byte", "byte", "byte", "nsecond"]
+METRIC_COLS = ["dram__bytes_read.sum", "dram__bytes_write.sum", "lts__t_bytes.sum",
+               "gpu__time_duration.sum"]  # fmt: skip
+
+
+def raw_csv(kernel_rows) -> str:
+    """A --page raw CSV of (name, dram read, dram write, L2 bytes, time ns) rows."""
+    labels = ["ID", "Process ID", "Process Name", "Host Name", "Kernel Name", "Context", "Stream"]
+    quote = lambda cells: ",".join(f'"{c}"' for c in cells)
+    lines = [quote(labels + METRIC_COLS), quote([""] * len(labels) + UNITS)]
+    for i, (name, *values) in enumerate(kernel_rows):
+        lines.append(quote([i, 1, "python3", "h", name, 1, 7] + [f"{v:,.0f}" for v in values]))
+    return "\n".join(lines) + "\n"
+
+
+STANDARD = [(GEMM, 1e9, 0.5e9, 3e9, 1e6), (ELEMENTWISE, 0.5e9, 0.5e9, 1e9, 0.5e6)]
+# dpsgd = standard + one norm kernel: DRAM 2.5 -> 5 GB (x2), L2 4 -> 5 GB (x1.25),
+# kernel time 1.5 -> 4.5 ms (x3)
+DPSGD = STANDARD + [(NORM, 2.5e9, 0, 1e9, 3e6)]
+
+
+def write_reports(directory):
+    (directory / "report_standard_bs8_seq256.csv").write_text(raw_csv(STANDARD))
+    (directory / "report_dpsgd_bs8_seq256.csv").write_text(raw_csv(DPSGD))
+
+
+def test_write_ncu_summary_from_csvs(tmp_path, monkeypatch):
+    monkeypatch.setattr(ncu, "find_ncu", lambda: None)  # CSVs alone must do
+    write_reports(tmp_path)
+    (tmp_path / "notes.csv").write_text("not a report\n")
+    text = ncu.write_ncu_summary(str(tmp_path))
+    assert {"ncu_summary.csv", "ncu_summary.md", "ncu_comparison.png"} <= set(os.listdir(tmp_path))
+    assert not [n for n in os.listdir(tmp_path) if ".tmp" in n]
+    assert (tmp_path / "ncu_comparison.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+    import csv
+
+    with open(tmp_path / "ncu_summary.csv") as f:
+        rows = {r["trainer"]: r for r in csv.DictReader(f)}
+    assert list(rows) == ["standard", "dpsgd"]
+    std, dp = rows["standard"], rows["dpsgd"]
+    assert float(std["dram_bytes"]) == 2.5e9 and float(std["dram_vs_standard"]) == 1.0
+    assert float(dp["dram_vs_standard"]) == pytest.approx(2.0)
+    assert float(dp["l2_vs_standard"]) == pytest.approx(1.25)
+    assert float(dp["time_vs_standard"]) == pytest.approx(3.0)
+    assert float(dp["norm_clip_dram_read_bytes"]) == 2.5e9
+    assert float(dp["gemm_time_ms"]) == pytest.approx(1.0)
+    assert int(dp["kernels"]) == 3 and dp["batch"] == "8" and dp["seq"] == "256"
+
+    md = (tmp_path / "ncu_summary.md").read_text()
+    dp_line = next(line for line in md.splitlines() if line.startswith("| dpsgd | 8 | 256 | 3 |"))
+    assert "| 2.00 | 1.25 | 3.00 |" in dp_line
+    assert "2.500 (+2.500)" in md  # norm_clip: extra DRAM GB over standard
+    assert "5.000 (+2.500)" in md  # total
+    assert "GB = 10^9 bytes" in md
+    assert "dpsgd" in text and "2.00" in text and "(+2.500)" in text
+
+
+def test_summary_usage_errors(tmp_path, monkeypatch):
+    with pytest.raises(ValueError, match="existing directory"):
+        ncu.write_ncu_summary(str(tmp_path / "missing"))
+    with pytest.raises(ValueError, match="no report_"):
+        ncu.write_ncu_summary(str(tmp_path))
+    monkeypatch.setattr(ncu, "find_ncu", lambda: None)
+    (tmp_path / "report_flash_bs8_seq256.ncu-rep").write_bytes(b"binary")
+    with pytest.raises(ValueError, match="ncu .*not found"):
+        ncu.write_ncu_summary(str(tmp_path))
+    # A CSV newer than its report is used as is: no ncu needed.
+    (tmp_path / "report_flash_bs8_seq256.csv").write_text(raw_csv(STANDARD))
+    os.utime(tmp_path / "report_flash_bs8_seq256.ncu-rep", (1, 1))
+    assert "flash" in ncu.write_ncu_summary(str(tmp_path))
+
+
+def fake_ncu(directory, body: str) -> str:
+    path = directory / "ncu"
+    path.write_text("#!/bin/sh\n" + body)
+    path.chmod(path.stat().st_mode | stat.S_IEXEC)
+    return str(path)
+
+
+def test_summary_exports_reports_with_ncu(tmp_path, monkeypatch):
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    log = tmp_path / "ncu_args"
+    monkeypatch.setenv("NCU", fake_ncu(bin_dir, f'echo "$@" > {log}\ncat {FIXTURE}\n'))
+    reports = tmp_path / "reports"
+    reports.mkdir()
+    (reports / "report_ghost_bs8_seq256.ncu-rep").write_bytes(b"binary")
+    text = ncu.write_ncu_summary(str(reports))
+    assert "--import" in log.read_text() and "--page raw" in log.read_text()
+    assert (reports / "report_ghost_bs8_seq256.csv").read_text() == open(FIXTURE).read()
+    assert "ghost" in text and "1.112" in text  # dram read GB of the fixture
+
+
+def test_broken_report_is_listed_not_fatal(tmp_path):
+    write_reports(tmp_path)
+    (tmp_path / "report_ghost_bs8_seq256.csv").write_text("garbage\n")
+    text = ncu.write_ncu_summary(str(tmp_path))
+    assert "report_ghost_bs8_seq256: ValueError" in text
+    assert "Not measured" in (tmp_path / "ncu_summary.md").read_text()
+
+
+# ---------------------------------------------------------------- run_profiling_ncu.sh
+
+
+def run_script(*args, path, tmp_path, **env):
+    environ = {k: v for k, v in os.environ.items() if k != "NCU"}
+    environ.update(PATH=path, PYTHON=sys.executable, OUTPUT_DIR=str(tmp_path / "out"), **env)
+    return subprocess.run(
+        ["bash", SCRIPT, *args], capture_output=True, text=True, env=environ, timeout=120
+    )
+
+
+def test_script_without_ncu_stops_first(tmp_path):
+    if shutil.which("ncu", path=BASE_PATH):
+        pytest.skip("ncu is installed in a system directory")
+    proc = run_script(path=BASE_PATH, tmp_path=tmp_path)
+    assert proc.returncode == 1
+    assert ncu.NCU_MISSING_MESSAGE in proc.stderr
+    assert "==>" not in proc.stdout
+    assert not (tmp_path / "out").exists()
+
+
+def test_script_rejects_nvprof_metric(tmp_path):
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    marker = tmp_path / "ncu_ran"
+    fake_ncu(bin_dir, f"touch {marker}\n")
+    proc = run_script(
+        "--metrics", "dram_read_throughput", path=f"{bin_dir}:{BASE_PATH}", tmp_path=tmp_path
+    )
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines()[-1] == (
+        "error: 'dram_read_throughput' is an nvprof metric; in ncu use "
+        "dram__bytes_read.sum.per_second"
+    )
+    assert not marker.exists() and not (tmp_path / "out").exists()
+
+
+def test_script_dry_run_prints_one_command_per_config(tmp_path):
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    marker = tmp_path / "ncu_ran"
+    fake = fake_ncu(bin_dir, f"touch {marker}\n")
+    proc = run_script(
+        "--dry-run", "--metrics", "dram__bytes_read.sum", "--", "--dtype", "bfloat16",
+        path=f"{bin_dir}:{BASE_PATH}", tmp_path=tmp_path, TRAINERS="standard hooks",
+        BATCH_SIZES="8", SEQ_LENS="256 1024", RUN_NAME="r",
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    commands = [line[4:] for line in proc.stdout.splitlines() if line.startswith("==> ")]
+    assert len(commands) == 4
+    out = tmp_path / "out"
+    assert commands[1].startswith(
+        f"{fake} --profile-from-start off --clock-control none --metrics dram__bytes_read.sum "
+        f"--target-processes all -f -o {out}/report_dpsgd_bs8_seq256 {sys.executable} "
+        "profiling_script.py --mode=profile --trainer=dpsgd --batch_size=8 --seq_len=256"
+    )
+    assert commands[1].endswith(
+        "--hidden_dim 1024 --num_layers 4 --num_heads 16 --vocab_size 32000 "
+        f"--output_dir {out}/runs --run_name r --resume --dtype bfloat16 --ncu"
+    )
+    assert not marker.exists() and not out.exists()
