@@ -30,8 +30,19 @@ MODE_DEFAULTS = {
     "memory": dict(
         model="1b", batch_sizes=[1], seq_lens=[4096], steps=3, warmup_steps=2, device="auto"
     ),
+    # Hugging Face sequence classifier (seed 004's single-GPU script defaults).
+    "hf": dict(
+        model="meta-llama/Llama-3.2-3B-Instruct",
+        batch_sizes=[32],
+        seq_lens=[128],
+        physical=[1],
+        steps=5,
+        warmup_steps=1,
+        device="auto",
+        lr=1e-5,
+    ),
 }
-MODES = ("test", "profile", "memory", "report")
+MODES = ("test", "profile", "memory", "hf", "report", "ncu_report")
 
 
 class UsageError(Exception):
@@ -67,12 +78,19 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--steps", "--num_steps", "--num_iter", type=int, help="measured steps")
     p.add_argument("--warmup_steps", "--warmup_iter", type=int, help="steps before measuring")
-    p.add_argument("--lr", "--learning_rate", type=float, default=1e-4)
+    p.add_argument(
+        "--lr", "--learning_rate", type=float, default=None, help="default 1e-4 (hf: 1e-5)"
+    )
     p.add_argument("--noise_multiplier", "--sigma", type=float, default=1.0)
     p.add_argument("--max_grad_norm", type=float, default=1.0)
     p.add_argument("--optimizer", choices=("sgd", "adam"), default="sgd")
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
-    p.add_argument("--attention", choices=("explicit", "sdpa"), default="explicit")
+    p.add_argument(
+        "--attention",
+        choices=("explicit", "sdpa"),
+        default=None,
+        help="default: explicit (the seeds' model); sdpa for Hugging Face models",
+    )
     p.add_argument("--flash_route", choices=("auto", "gram", "direct"), default="auto")
     p.add_argument("--no_trace", action="store_true", help="numbers only: no torch.profiler trace")
     p.add_argument(
@@ -92,6 +110,27 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="recompute each transformer block in backward (standard trainer only)",
     )
+    p.add_argument(
+        "--ncu",
+        action="store_true",
+        help="run one step inside cudaProfilerStart/Stop for `ncu --profile-from-start off` "
+        "(see run_profiling_ncu.sh); traces and timing are off",
+    )
+    hf = p.add_argument_group(
+        "Hugging Face models (--mode=hf, or --model tiny-llama / a Llama name)"
+    )
+    hf.add_argument("--use_lora", action="store_true", help="LoRA (peft) on attention and MLP")
+    hf.add_argument("--lora_rank", type=int, default=16)
+    hf.add_argument(
+        "--pretrained",
+        action="store_true",
+        help="load the real weights (needs the hub or a local cache; default: random weights)",
+    )
+    hf.add_argument("--token", default=None, help="HF token for --pretrained (prefer HF_TOKEN)")
+    hf.add_argument("--dataset_path", default=None, help="a local SNLI JSONL (default: synthetic)")
+    hf.add_argument("--dataset_size", type=int, default=10000, help="N for the sampling rate B/N")
+    hf.add_argument("--no_poisson", action="store_true", help="fixed-size batches")
+    hf.add_argument("--delta", type=float, default=1e-5, help="delta of the reported epsilon")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", choices=("auto", "cuda", "cpu"), default=None)
     p.add_argument("--output_dir", "--results_dir", "--output-dir", default="./runs")
@@ -113,7 +152,6 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def plan(args: argparse.Namespace, device: str) -> list:
     """The experiment plan: one ExperimentConfig per trainer x batch x physical x seq."""
-    import models
     import runner
     import trainers
 
@@ -124,27 +162,32 @@ def plan(args: argparse.Namespace, device: str) -> list:
     except ValueError as error:
         raise UsageError(str(error)) from None
     model = args.model or defaults["model"]
+    import hf_models
+
+    if args.attention is None:
+        args.attention = "sdpa" if model in hf_models.HF_CONFIGS else "explicit"
     overrides = {
         k: getattr(args, k)
         for k in ("vocab_size", "hidden_dim", "num_layers", "num_heads", "max_seq_len")
         if getattr(args, k) is not None
     }
-    try:
-        config = models.get_config(model, attention=args.attention, **overrides)
-    except (ValueError, TypeError) as error:
-        raise UsageError(str(error)) from None
+    max_seq_len = model_max_seq_len(model, args.attention, overrides)
+    if args.dataset_path and not os.path.exists(args.dataset_path):
+        raise UsageError(f"--dataset_path {args.dataset_path} does not exist")
+    if args.lora_rank <= 0 or args.dataset_size <= 0:
+        raise UsageError("--lora_rank and --dataset_size must be positive")
     batch_sizes = args.batch_sizes or defaults["batch_sizes"]
     seq_lens = args.seq_lens or defaults["seq_lens"]
-    physical = args.max_physical_batch_sizes or [None]
+    physical = args.max_physical_batch_sizes or defaults.get("physical") or [None]
     steps = args.steps if args.steps is not None else defaults["steps"]
     warmup = args.warmup_steps if args.warmup_steps is not None else defaults["warmup_steps"]
     for b in batch_sizes:
         if b <= 0:
             raise UsageError(f"batch size must be positive, got {b}")
     for t in seq_lens:
-        if not 0 < t <= config.max_seq_len:
+        if not 0 < t <= max_seq_len:
             raise UsageError(
-                f"seq_len {t} must be in 1..{config.max_seq_len} (the max_seq_len of model "
+                f"seq_len {t} must be in 1..{max_seq_len} (the max_seq_len of model "
                 f"{model!r}; raise it with --max_seq_len)"
             )
     for pb in physical:
@@ -164,7 +207,7 @@ def plan(args: argparse.Namespace, device: str) -> list:
             dtype=args.dtype,
             attention=args.attention,
             optimizer=args.optimizer,
-            lr=args.lr,
+            lr=args.lr if args.lr is not None else defaults.get("lr", 1e-4),
             noise_multiplier=args.noise_multiplier,
             max_grad_norm=args.max_grad_norm,
             steps=steps,
@@ -172,8 +215,16 @@ def plan(args: argparse.Namespace, device: str) -> list:
             seed=args.seed,
             device=device,
             flash_route=args.flash_route,
-            trace=not args.no_trace and args.mode != "memory",
-            breakdown=args.mode == "memory",
+            trace=not args.no_trace and args.mode != "memory" and not args.ncu,
+            breakdown=args.mode == "memory" and not args.ncu,
+            ncu=args.ncu,
+            use_lora=args.use_lora,
+            lora_rank=args.lora_rank,
+            pretrained=args.pretrained,
+            dataset_path=args.dataset_path,
+            dataset_size=args.dataset_size,
+            poisson=not args.no_poisson,
+            delta=args.delta,
             save_snapshot=args.save_snapshot,
             activation_checkpointing=args.activation_checkpointing,
             trace_gzip=args.trace_gzip,
@@ -182,6 +233,24 @@ def plan(args: argparse.Namespace, device: str) -> list:
         )
         for b, pb, t, name in itertools.product(batch_sizes, physical, seq_lens, names)
     ]
+
+
+def model_max_seq_len(model: str, attention: str, overrides: dict) -> int:
+    """The longest sequence the named model takes (UsageError for an unknown name)."""
+    import hf_models
+    import models
+
+    if model in hf_models.HF_CONFIGS:
+        return hf_models.HF_CONFIGS[model]["max_position_embeddings"]
+    try:
+        return models.get_config(model, attention=attention, **overrides).max_seq_len
+    except (ValueError, TypeError) as error:
+        known = ", ".join([*models.CONFIGS, *hf_models.HF_CONFIGS])
+        raise UsageError(
+            f"{error}"
+            if "unknown" not in str(error)
+            else f"unknown model {model!r}; known: {known}"
+        ) from None
 
 
 def resolve_device(args: argparse.Namespace) -> str:
@@ -252,8 +321,29 @@ def run_experiments(args) -> int:
     return exit_code(results)
 
 
+def run_ncu_report(args) -> int:
+    import ncu
+
+    if not args.input_dir:
+        raise UsageError("--mode=ncu_report needs --input_dir DIR (the ncu_reports directory)")
+    try:
+        print(ncu.write_ncu_summary(args.input_dir))
+    except ValueError as error:
+        raise UsageError(str(error)) from None
+    return EXIT_OK
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
+    if args.token:  # only the forked workers read it, from the environment; never written
+        os.environ["HF_TOKEN"] = args.token
+        args.token = None
+    if args.mode == "ncu_report":  # needs neither torch's GPU nor opacus
+        try:
+            return run_ncu_report(args)
+        except UsageError as error:
+            print(f"error: {error}", file=sys.stderr)
+            return EXIT_BAD_ARGS
     try:
         import opacus  # noqa: F401 - fail early with one line, before any config runs
     except ImportError:

@@ -48,6 +48,8 @@ def shape_key(config: dict) -> tuple:
         config["dtype"],
         config["attention"],
         config.get("optimizer"),
+        config.get("lora_rank") if config.get("use_lora") else None,
+        config.get("activation_checkpointing", False),
     )
 
 
@@ -86,7 +88,9 @@ def summary_rows(results: list[dict]) -> list[dict]:
                 "physical": config.get("physical_batch_size"),
                 "dtype": config["dtype"],
                 "attention": config["attention"],
-                "model": config["model"],
+                "model": config["model"]
+                + (f" r{config['lora_rank']}" if config.get("use_lora") else "")
+                + (" ckpt" if config.get("activation_checkpointing") else ""),
                 "median_ms": result.get("median_time_ms"),
                 "peak_alloc_mb": result.get("peak_memory_mb"),
                 "peak_reserved_mb": result.get("peak_reserved_mb"),
@@ -191,7 +195,7 @@ def plot_memory_curves(run_dir: str, results: list[dict]) -> str | None:
         for result, curve in lines:
             t, mb = zip(*curve)
             ax.plot(t, [m / 1024 for m in mb], label=result["config"]["trainer"], lw=1.2)
-        model, batch, seq, physical, dtype, attention, _ = key
+        model, batch, seq, physical, dtype, attention = key[:6]
         ax.set_title(f"{model}  batch {batch}  seq {seq}  {dtype}  {attention}", fontsize=10)
         ax.set_xlabel("time in the traced step (ms)")
         ax.set_ylabel("allocated (GiB)")

@@ -10,11 +10,13 @@
 # Environment knobs (read here only, never by the CLI):
 #   TRAINERS="standard dpsgd ghost flash"  BATCH_SIZES="8 16"  SEQ_LENS="256 1024"
 #   OUTPUT_DIR=ncu_reports  RUN_NAME=ncu_<timestamp> (result files: $OUTPUT_DIR/runs/$RUN_NAME)
-#   MODEL_ARGS="--hidden_dim 1024 --num_layers 4 --num_heads 16 --vocab_size 32000"
+#   MODEL_ARGS="--hidden_dim 1024 --num_layers 1 --num_heads 16 --vocab_size 32000"
 #   NCU=/path/to/ncu (default: ncu on PATH)  PYTHON=python3
 # ncu replays every kernel of the profiled step once per metric pass, so a step costs minutes
-# instead of milliseconds: the suite profiles a 4-layer model (d 1024) of the 1b family so that
-# all 16 configs fit in about 8 minutes on one H100. Per-step bytes scale with the layer count.
+# instead of milliseconds. Measured on an H100 (2025-11-25): with 4 layers (d 1024) one config
+# took ~100 s (standard 304 kernels, dpsgd 917), so 16 configs need ~27 min. The default is one
+# layer of the 1b family (d 1024), about a quarter of the kernels; set MODEL_ARGS for more.
+# Per-step bytes of the transformer blocks scale with the layer count.
 set -euo pipefail
 cd "$(dirname "$0")"
 PYTHON=${PYTHON:-python3}
@@ -68,7 +70,7 @@ BATCH_SIZES=${BATCH_SIZES:-"8 16"}
 SEQ_LENS=${SEQ_LENS:-"256 1024"}
 OUTPUT_DIR=${OUTPUT_DIR:-ncu_reports}
 RUN_NAME=${RUN_NAME:-ncu_$(date +%Y%m%d_%H%M%S)}
-MODEL_ARGS=${MODEL_ARGS:-"--hidden_dim 1024 --num_layers 4 --num_heads 16 --vocab_size 32000"}
+MODEL_ARGS=${MODEL_ARGS:-"--hidden_dim 1024 --num_layers 1 --num_heads 16 --vocab_size 32000"}
 read -r -a model_args <<<"$MODEL_ARGS"
 PYTHON_BIN=$(command -v "$PYTHON")
 

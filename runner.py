@@ -55,6 +55,15 @@ class ExperimentConfig:
     breakdown: bool = False  # one extra step under the allocator history: where the peak goes
     save_snapshot: bool = False  # keep the allocator snapshot (pickle + HTML timeline)
     activation_checkpointing: bool = False
+    ncu: bool = False  # one step inside cudaProfilerStart/Stop for `ncu --profile-from-start off`
+    # Hugging Face models (--mode=hf): LoRA, data, sampling, accounting.
+    use_lora: bool = False
+    lora_rank: int = 16
+    pretrained: bool = False
+    dataset_path: str | None = None
+    dataset_size: int = 10000
+    poisson: bool = True
+    delta: float = 1e-5
     model_overrides: dict = field(default_factory=dict)  # vocab_size, hidden_dim, ...
     default_model: str = "tiny"  # the mode's default: the directory name omits it
 
@@ -63,15 +72,22 @@ class ExperimentConfig:
         return self.max_physical_batch_size or self.batch_size
 
     @property
+    def default_attention(self) -> str:
+        """Hugging Face models default to SDPA, the seeds' LM to explicit softmax."""
+        return "sdpa" if is_hf_model(self.model) else "explicit"
+
+    @property
     def config_dir(self) -> str:
         """``<trainer>_bs<B>_seq<T>`` plus the non-default parts, as the contract names them."""
         name = f"{self.trainer}_bs{self.batch_size}_seq{self.seq_len}"
         if self.physical_batch_size != self.batch_size:
             name += f"_pb{self.physical_batch_size}"
+        if self.use_lora:
+            name += f"_r{self.lora_rank}"
         if self.dtype == "bfloat16":
             name += "_bf16"
-        if self.attention == "sdpa":
-            name += "_sdpa"
+        if self.attention != self.default_attention:
+            name += f"_{self.attention}"
         if self.activation_checkpointing:
             name += "_ckpt"
         if self.model != self.default_model:
@@ -147,6 +163,85 @@ def is_oom(error: BaseException) -> bool:
     return isinstance(error, torch.cuda.OutOfMemoryError) or "out of memory" in str(error)
 
 
+class Workload:
+    """What a config trains on: the model, its per-sample loss and a batch source.
+
+    The causal LM trains on one fixed synthetic batch of tokens (inputs and next-token targets);
+    a Hugging Face classifier on a synthetic (or local) SNLI-shaped dataset, with Poisson
+    sampling of each logical batch unless disabled.
+    """
+
+    def __init__(self, config: ExperimentConfig, device: torch.device, recorder, env: dict):
+        self.config, self.device = config, device
+        generator = torch.Generator().manual_seed(config.seed)
+        if is_hf_model(config.model):
+            import hf_models
+
+            self.model, info = hf_models.build_hf_model(
+                config.model,
+                device=device,
+                use_lora=config.use_lora,
+                lora_rank=config.lora_rank,
+                pretrained=config.pretrained,
+                attention="explicit" if config.attention == "explicit" else "sdpa",
+            )
+            env["model_info"] = info
+            recorder("0_model_loaded")
+            vocab = self.model.config.vocab_size
+            if config.dataset_path:
+                self.inputs, self.labels = hf_models.load_snli(
+                    config.dataset_path, config.seq_len, vocab
+                )
+            else:
+                self.inputs, self.labels = hf_models.synthetic_snli(
+                    config.dataset_size, config.seq_len, vocab, config.seed
+                )
+            recorder("dataset_prepared")
+            self.loss_fn = hf_models.sequence_classification_loss
+            self.sample_rate = config.batch_size / len(self.inputs)
+            self.generator = generator
+        else:
+            self.model = models.build_model(
+                config.model,
+                device=device,
+                attention=config.attention,
+                activation_checkpointing=config.activation_checkpointing,
+                **config.model_overrides,
+            )
+            recorder("0_model_loaded")
+            tokens = torch.randint(
+                self.model.config.vocab_size,
+                (config.batch_size, config.seq_len + 1),
+                generator=generator,
+            ).to(device)
+            self.inputs, self.labels = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+            self.loss_fn = None  # the trainers' default: mean token cross-entropy
+            self.sample_rate = None
+        env["parameters"] = models.count_parameters(self.model)
+
+    def batch(self):
+        """The next logical batch (inputs, targets) on the device."""
+        if self.sample_rate is None:
+            return self.inputs, self.labels
+        import hf_models
+
+        if self.config.poisson:
+            index = torch.empty(0, dtype=torch.long)
+            while len(index) == 0:  # an empty Poisson batch (probability (1-q)^N) is redrawn
+                index = hf_models.poisson_batch(len(self.inputs), self.sample_rate, self.generator)
+        else:
+            index = torch.randperm(len(self.inputs), generator=self.generator)[
+                : self.config.batch_size
+            ]
+        return self.inputs[index].to(self.device), self.labels[index].to(self.device)
+
+
+def is_hf_model(name: str) -> bool:
+    import hf_models
+
+    return name in hf_models.HF_CONFIGS
+
+
 def run_experiment(config: ExperimentConfig, out_dir: str) -> dict:
     """Build, warm up and measure one config in this process; returns its result dict.
 
@@ -161,15 +256,8 @@ def run_experiment(config: ExperimentConfig, out_dir: str) -> dict:
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
 
-    model = models.build_model(
-        config.model,
-        device=device,
-        attention=config.attention,
-        activation_checkpointing=config.activation_checkpointing,
-        **config.model_overrides,
-    )
-    env["parameters"] = models.count_parameters(model)
-    recorder("0_model_loaded")
+    workload = Workload(config, device, recorder, env)
+    model = workload.model
     trainer = trainers.make_trainer(
         config.trainer,
         model,
@@ -180,24 +268,29 @@ def run_experiment(config: ExperimentConfig, out_dir: str) -> dict:
         optimizer=config.optimizer,
         dtype=getattr(torch, config.dtype),
         max_physical_batch_size=config.max_physical_batch_size,
+        loss_fn=workload.loss_fn,
         on_phase=recorder,
         **({"flash_route": config.flash_route} if config.trainer == "flash" else {}),
     )
-    generator = torch.Generator(device=device).manual_seed(config.seed)
-    vocab = model.config.vocab_size
-    tokens = torch.randint(
-        vocab, (config.batch_size, config.seq_len + 1), device=device, generator=generator
-    )
-    inputs, targets = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+    inputs, targets = workload.batch()
 
     for _ in range(config.warmup_steps):
-        trainer.step(inputs, targets)
+        trainer.step(*workload.batch())
     synchronize(device)
+    if config.ncu:
+        recorder.enabled = False
+        ncu_profiled_step(trainer, inputs, targets, device)
+        env["ncu_note"] = (
+            "one step ran inside cudaProfilerStart/Stop for Nsight Compute; its time under "
+            "kernel replay is not a measurement, so times and peaks are null"
+        )
+        return result
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     first_measured = len(recorder.snapshots)
     step_times, physical_times, losses = [], [], []
     for _ in range(config.steps):
+        inputs, targets = workload.batch()  # sampled outside the timed region
         synchronize(device)
         start = time.perf_counter()
         out = trainer.step(inputs, targets)
@@ -227,6 +320,20 @@ def run_experiment(config: ExperimentConfig, out_dir: str) -> dict:
     )
     if hasattr(trainer, "routes"):
         result["flash_routes"] = trainer.routes()
+    if workload.sample_rate is not None and trainer.is_private:
+        import hf_models
+
+        steps = config.warmup_steps + config.steps
+        result["privacy"] = {
+            "epsilon": hf_models.epsilon(
+                config.noise_multiplier, workload.sample_rate, steps, config.delta
+            ),
+            "delta": config.delta,
+            "sample_rate": workload.sample_rate,
+            "steps": steps,
+            "poisson": config.poisson,
+            "accountant": "prv",
+        }
     if config.breakdown:
         recorder.enabled = False
         result["breakdown"] = breakdown_of_one_step(
@@ -248,6 +355,40 @@ def run_experiment(config: ExperimentConfig, out_dir: str) -> dict:
         else:
             env["kernels_note"] = "GPU kernel times exist only for CUDA runs"
     return result
+
+
+def ncu_profiled_step(trainer, inputs, targets, device) -> None:
+    """Exactly one training step inside the profiler range; warm-up stays outside it.
+
+    cudaProfilerStart/Stop is process-wide, so the backward kernels that autograd launches from
+    its own thread and the optimizer step are inside the range. NVTX ranges name the phases for
+    ``ncu --nvtx --nvtx-include "step/"`` (NVTX ranges are per thread: with that filter, kernels
+    launched by autograd's thread are not matched; the default suite does not filter).
+    """
+    if device.type != "cuda":
+        raise ValueError("--ncu needs a CUDA device")
+    nvtx = torch.cuda.nvtx
+    next_range = {"forward_done": "backward", "backward_done": "optimizer"}
+    saved_on_phase = trainer.on_phase
+
+    def on_phase(name):
+        if name in next_range:
+            nvtx.range_pop()
+            nvtx.range_push(next_range[name])
+
+    trainer.on_phase = on_phase
+    synchronize(device)
+    torch.cuda.profiler.start()
+    nvtx.range_push("step")
+    nvtx.range_push("forward")
+    try:
+        trainer.step(inputs, targets)
+        synchronize(device)
+    finally:
+        nvtx.range_pop()
+        nvtx.range_pop()
+        torch.cuda.profiler.stop()
+        trainer.on_phase = saved_on_phase
 
 
 def breakdown_of_one_step(trainer, inputs, targets, device, out_dir, config):

@@ -326,3 +326,132 @@ def test_report_mode_rerenders_from_result_files(tmp_path):
     proc = cli("--mode=report", "--input_dir", str(tmp_path / "r"))
     assert proc.returncode == 0, proc.stderr
     assert "dpsgd" in (tmp_path / "r" / "summary.csv").read_text()
+
+
+def test_hf_mode_tiny_llama_with_lora_and_physical_batches(tmp_path):
+    env_token = "hf_SECRET_TOKEN_123"
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "profiling_script.py",
+            "--mode=hf",
+            "--model_name",
+            "tiny-llama",
+            "--seq_length",
+            "16",
+            "--batch_size",
+            "6",
+            "--max_physical_batch_size",
+            "4",
+            "--use_lora",
+            "--lora_rank",
+            "4",
+            "--steps",
+            "2",
+            "--trainers",
+            "standard",
+            "dpsgd",
+            "ghost",
+            "flash",
+            "--token",
+            env_token,
+            "--no_trace",
+            "--dataset_size",
+            "60",
+            "--output_dir",
+            str(tmp_path),
+            "--run_name",
+            "r",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "HF_HUB_OFFLINE": "1"},
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    results = results_in(tmp_path / "r")
+    assert sorted(results) == sorted(
+        f"{t}_bs6_seq16_pb4_r4_tiny-llama" for t in ("standard", "dpsgd", "ghost", "flash")
+    )
+    for name, result in results.items():
+        assert result["status"] == "ok", result["error"]
+        names = [s["name"] for s in result["snapshots"]]
+        assert names[:2] == ["0_model_loaded", "dataset_prepared"]
+        info = result["env"]["model_info"]
+        assert 0 < info["trainable_params"] < info["frozen_params"]
+        if not name.startswith("standard"):
+            privacy = result["privacy"]
+            assert privacy["sample_rate"] == 6 / 60 and privacy["epsilon"] > 0
+    # The token reaches no file and no output.
+    for path in tmp_path.rglob("*"):
+        if path.is_file():
+            assert env_token not in path.read_text(errors="ignore")
+    assert env_token not in proc.stdout + proc.stderr
+
+
+def test_memory_mode_on_cpu_and_activation_checkpointing(tmp_path):
+    proc = cli(
+        "--mode=memory",
+        "--device",
+        "cpu",
+        "--model",
+        "tiny",
+        "--trainers",
+        "standard",
+        "dpsgd",
+        "--batch_sizes",
+        "2",
+        "--seq_lens",
+        "16",
+        "--steps",
+        "1",
+        "--activation_checkpointing",
+        "--output_dir",
+        str(tmp_path),
+        "--run_name",
+        "r",
+        *SMALL_MODEL,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    results = results_in(tmp_path / "r")
+    standard = results["standard_bs2_seq16_ckpt_tiny"]
+    assert standard["status"] == "ok"
+    assert standard["breakdown"] is None and "CUDA" in standard["env"]["breakdown_note"]
+    skipped = results["dpsgd_bs2_seq16_ckpt_tiny"]
+    assert skipped["status"] == "skipped" and "checkpointing" in skipped["error"]
+    assert "SUMMARY" in (tmp_path / "r" / "summary.txt").read_text()
+
+
+def test_ncu_flag_without_cuda_is_a_recorded_error(tmp_path):
+    proc = cli(
+        "--mode=test",
+        "--device",
+        "cpu",
+        "--trainers",
+        "standard",
+        "--batch_sizes",
+        "2",
+        "--seq_lens",
+        "8",
+        "--ncu",
+        "--output_dir",
+        str(tmp_path),
+        "--run_name",
+        "r",
+        *SMALL_MODEL,
+    )
+    assert proc.returncode == 1
+    assert "--ncu needs a CUDA device" in results_in(tmp_path / "r")["standard_bs2_seq8"]["error"]
+
+
+def test_ncu_report_mode_from_exported_csvs(tmp_path):
+    fixture = os.path.join(ROOT, "tests", "fixtures", "ncu_raw_h100_standard.csv")
+    for trainer in ("standard", "dpsgd"):
+        with open(fixture) as src, open(tmp_path / f"report_{trainer}_bs8_seq256.csv", "w") as dst:
+            dst.write(src.read())
+    proc = cli("--mode=ncu_report", "--input_dir", str(tmp_path))
+    assert proc.returncode == 0, proc.stderr
+    assert (tmp_path / "ncu_summary.md").exists() and (tmp_path / "ncu_comparison.png").exists()
+    missing = cli("--mode=ncu_report", "--input_dir", str(tmp_path / "nope"))
+    assert missing.returncode == 2 and "Traceback" not in missing.stderr

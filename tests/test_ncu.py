@@ -437,7 +437,39 @@ def test_script_dry_run_prints_one_command_per_config(tmp_path):
         "profiling_script.py --mode=profile --trainer=dpsgd --batch_size=8 --seq_len=256"
     )
     assert commands[1].endswith(
-        "--hidden_dim 1024 --num_layers 4 --num_heads 16 --vocab_size 32000 "
+        "--hidden_dim 1024 --num_layers 1 --num_heads 16 --vocab_size 32000 "
         f"--output_dir {out}/runs --run_name r --resume --dtype bfloat16 --ncu"
     )
     assert not marker.exists() and not out.exists()
+
+
+def test_real_h100_export_parses_and_sums():
+    """A real export (`ncu --import --csv --page raw --print-units base`) of the standard
+    trainer's step on an H100 (first 60 kernels, columns trimmed): parsed sums equal a plain
+    csv-module sum of the same columns, and every kernel gets a category."""
+    import csv
+
+    from kernels import CATEGORIES
+
+    path = os.path.join(ROOT, "tests", "fixtures", "ncu_raw_h100_standard.csv")
+    with open(path) as f:
+        text = f.read()
+    table = list(csv.reader(text.splitlines()))
+    header, data = table[0], table[2:]
+
+    def column_sum(name):
+        index = header.index(name)
+        return sum(float(row[index].replace(",", "")) for row in data)
+
+    rows = ncu.parse_raw_csv(text)
+    totals = ncu.aggregate(rows)
+    assert totals["kernel_count"] == len(data) == 60
+    assert totals["dram_read_bytes"] == pytest.approx(column_sum("dram__bytes_read.sum"))
+    assert totals["dram_write_bytes"] == pytest.approx(column_sum("dram__bytes_write.sum"))
+    assert totals["l2_bytes"] == pytest.approx(column_sum("lts__t_bytes.sum"))
+    assert totals["kernel_time_ms"] == pytest.approx(column_sum("gpu__time_duration.sum") / 1e6)
+    assert not totals["incomplete"]
+    by_category = totals["categories"]
+    assert set(by_category) == set(CATEGORIES)
+    assert sum(c["count"] for c in by_category.values()) == 60
+    assert by_category["gemm"]["count"] > 0 and by_category["norm_clip"]["count"] > 0
