@@ -198,11 +198,22 @@ class StandardTrainer(Trainer):
         return per_sample.detach().sum().item()
 
 
-@register_trainer("dpsgd")
-class DPSGDTrainer(Trainer):
-    """Opacus per-sample gradients: GradSampleModule hooks + DPOptimizer."""
+class OpacusTrainer(Trainer):
+    """Opacus' optimizers with BatchMemoryManager's protocol for physical chunks."""
 
     is_private = True
+
+    def accumulate_unless_last(self, is_last: bool) -> None:
+        if not is_last:
+            # Clip and accumulate this chunk; noise and the update wait for the last chunk.
+            self.optimizer.signal_skip_step(do_skip=True)
+            self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
+
+
+@register_trainer("dpsgd")
+class DPSGDTrainer(OpacusTrainer):
+    """Opacus per-sample gradients: GradSampleModule hooks + DPOptimizer."""
 
     def __init__(self, model, **kwargs):
         super().__init__(model, **kwargs)
@@ -226,19 +237,13 @@ class DPSGDTrainer(Trainer):
         # Mean over the chunk: Opacus rescales grad_sample by the chunk size ("mean" reduction).
         per_sample.mean().backward()
         self.on_phase("backward_done")
-        if not is_last:
-            # Clip and accumulate this chunk; noise and the update wait for the last chunk.
-            self.optimizer.signal_skip_step(do_skip=True)
-            self.optimizer.step()
-            self.optimizer.zero_grad(set_to_none=True)
+        self.accumulate_unless_last(is_last)
         return per_sample.detach().sum().item()
 
 
 @register_trainer("ghost")
-class GhostClippingTrainer(Trainer):
+class GhostClippingTrainer(OpacusTrainer):
     """Opacus fast gradient / ghost clipping: two backward passes, no per-sample gradients."""
-
-    is_private = True
 
     def __init__(self, model, **kwargs):
         super().__init__(model, **kwargs)
@@ -272,10 +277,7 @@ class GhostClippingTrainer(Trainer):
         loss = DPTensorFastGradientClipping(self.wrapped, self.optimizer, per_sample, "mean")
         loss.backward()  # first backward (norms), then the clipped second backward
         self.on_phase("backward_done")
-        if not is_last:
-            self.optimizer.signal_skip_step(do_skip=True)
-            self.optimizer.step()
-            self.optimizer.zero_grad(set_to_none=True)
+        self.accumulate_unless_last(is_last)
         return per_sample.detach().sum().item()
 
 
