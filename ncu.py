@@ -32,6 +32,7 @@ import subprocess
 import sys
 
 import kernels
+import trainers
 
 # Every one is valid on Hopper (sm_90); check a new one with `ncu --query-metrics`.
 METRICS = (
@@ -116,8 +117,7 @@ NVPROF_TO_NCU: dict[str, str | None] = {
 NCU_METRIC_NAME = re.compile(r"^[a-z0-9]+__[a-z0-9_]+(\.[a-z0-9_]+)*$")
 _METRIC_PREFIXES = ("regex:", "group:", "breakdown:")  # also accepted by `ncu --metrics`
 
-TRAINERS = ("standard", "dpsgd", "ghost", "flash")  # the contract's names, in table order
-ALIASES = {"vanilla": "standard", "hooks": "dpsgd", "dpsgd_ghost": "ghost", "flash_clip": "flash"}
+TRAINERS = tuple(trainers.TRAINERS)  # the one registry: canonical names, in table order
 CLOCK_CONTROLS = ("none", "base", "boost", "force-boost", "reset")
 NVTX_INCLUDE = "step/"  # the push/pop range around the measured step
 REPORT_RE = re.compile(r"^report_(?P<trainer>\w+?)_bs(?P<batch>\d+)_seq(?P<seq>\d+)$")
@@ -195,10 +195,7 @@ def find_ncu() -> str | None:
 
 
 def canonical_trainer(name: str) -> str:
-    trainer = ALIASES.get(name, name)
-    if trainer not in TRAINERS:
-        raise ValueError(f"unknown trainer {name!r}; known: {', '.join(TRAINERS + tuple(ALIASES))}")
-    return trainer
+    return trainers.canonical_trainer_name(name)
 
 
 def report_name(trainer: str, batch: int, seq: int) -> str:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import itertools
+import json
 import os
 import sys
 import time
@@ -176,9 +177,25 @@ def plan(args: argparse.Namespace, device: str) -> list:
         raise UsageError(f"--dataset_path {args.dataset_path} does not exist")
     if args.lora_rank <= 0 or args.dataset_size <= 0:
         raise UsageError("--lora_rank and --dataset_size must be positive")
-    batch_sizes = args.batch_sizes or defaults["batch_sizes"]
-    seq_lens = args.seq_lens or defaults["seq_lens"]
-    physical = args.max_physical_batch_sizes or defaults.get("physical") or [None]
+    # Repeated values would run one config directory twice: keep each once, in order.
+    batch_sizes = list(dict.fromkeys(args.batch_sizes or defaults["batch_sizes"]))
+    seq_lens = list(dict.fromkeys(args.seq_lens or defaults["seq_lens"]))
+    physical = list(
+        dict.fromkeys(args.max_physical_batch_sizes or defaults.get("physical") or [None])
+    )
+    lr = args.lr if args.lr is not None else defaults.get("lr", 1e-4)
+    if args.noise_multiplier < 0 or args.max_grad_norm <= 0 or lr <= 0:
+        raise UsageError("--noise_multiplier must be >= 0, --max_grad_norm and --lr > 0")
+    if not 0 < args.delta < 1:
+        raise UsageError(f"--delta must be in (0, 1), got {args.delta}")
+    if model in hf_models.HF_CONFIGS:
+        if min(seq_lens) < 3:
+            raise UsageError("a sentence pair needs seq_len >= 3 (premise, separator, hypothesis)")
+        if not args.dataset_path and max(batch_sizes) > args.dataset_size:
+            raise UsageError(
+                f"batch size {max(batch_sizes)} > --dataset_size {args.dataset_size}: the "
+                "sampling rate B/N must be at most 1"
+            )
     steps = args.steps if args.steps is not None else defaults["steps"]
     warmup = args.warmup_steps if args.warmup_steps is not None else defaults["warmup_steps"]
     for b in batch_sizes:
@@ -207,7 +224,7 @@ def plan(args: argparse.Namespace, device: str) -> list:
             dtype=args.dtype,
             attention=args.attention,
             optimizer=args.optimizer,
-            lr=args.lr if args.lr is not None else defaults.get("lr", 1e-4),
+            lr=lr,
             noise_multiplier=args.noise_multiplier,
             max_grad_norm=args.max_grad_norm,
             steps=steps,
@@ -294,16 +311,38 @@ def exit_code(results: list[dict]) -> int:
     return EXIT_CONFIG_ERROR if any(r["status"] == "error" for r in results) else EXIT_OK
 
 
+def refuse_changed_settings(configs: list, run_dir: str) -> None:
+    """--resume adds missing configs; a finished one measured with other settings (lr, sigma,
+    steps, ...: not all are in the directory name) must not pass as this run's result."""
+    import runner
+
+    for config in configs:
+        previous = runner.read_result(os.path.join(run_dir, config.config_dir, "result.json"))
+        if not previous:
+            continue
+        wanted = json.loads(json.dumps(config.to_dict()))
+        changed = sorted(k for k in wanted if previous["config"].get(k) != wanted[k])
+        if changed:
+            raise UsageError(
+                f"{config.config_dir} in {run_dir} was measured with other settings "
+                f"({', '.join(changed)}): use a new --run_name"
+            )
+
+
 def run_experiments(args) -> int:
     import report
     import runner
 
     device = resolve_device(args)
+    if args.ncu and device != "cuda":
+        raise UsageError("--ncu profiles CUDA kernels: it needs a CUDA device")
     configs = plan(args, device)
     run_name = args.run_name or f"{args.mode}_{time.strftime('%Y%m%d_%H%M%S')}"
     run_dir = os.path.join(args.output_dir, run_name)
     if os.path.exists(run_dir) and not args.resume:
         raise UsageError(f"run directory {run_dir} exists: pick another --run_name or add --resume")
+    if args.resume:
+        refuse_changed_settings(configs, run_dir)
     os.makedirs(run_dir, exist_ok=True)
     print(f"{len(configs)} configs on {device}, results in {run_dir}")
     try:

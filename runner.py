@@ -320,20 +320,6 @@ def run_experiment(config: ExperimentConfig, out_dir: str) -> dict:
     )
     if hasattr(trainer, "routes"):
         result["flash_routes"] = trainer.routes()
-    if workload.sample_rate is not None and trainer.is_private:
-        import hf_models
-
-        steps = config.warmup_steps + config.steps
-        result["privacy"] = {
-            "epsilon": hf_models.epsilon(
-                config.noise_multiplier, workload.sample_rate, steps, config.delta
-            ),
-            "delta": config.delta,
-            "sample_rate": workload.sample_rate,
-            "steps": steps,
-            "poisson": config.poisson,
-            "accountant": "prv",
-        }
     if config.breakdown:
         recorder.enabled = False
         result["breakdown"] = breakdown_of_one_step(
@@ -354,6 +340,22 @@ def run_experiment(config: ExperimentConfig, out_dir: str) -> dict:
             result["top_kernels"] = summary["top"]
         else:
             env["kernels_note"] = "GPU kernel times exist only for CUDA runs"
+    if workload.sample_rate is not None and trainer.is_private:
+        import hf_models
+
+        # Every DP update the model received: warm-up, measured, and the measurement steps
+        # after them (CPU peak, breakdown, traces), which reuse the last sampled batch.
+        steps = trainer.steps_taken
+        result["privacy"] = {
+            "epsilon": hf_models.epsilon(
+                config.noise_multiplier, workload.sample_rate, steps, config.delta
+            ),
+            "delta": config.delta,
+            "sample_rate": workload.sample_rate,
+            "steps": steps,
+            "poisson": config.poisson,
+            "accountant": "prv",
+        }
     return result
 
 
@@ -406,11 +408,15 @@ def breakdown_of_one_step(trainer, inputs, targets, device, out_dir, config):
 
         with open(snapshot_path, "rb") as f:
             html = _memory_viz.trace_plot(pickle.load(f))
-        with open(os.path.join(out_dir, "memory_timeline.html"), "w") as f:
+        html_path = os.path.join(out_dir, "memory_timeline.html")
+        with open(html_path + ".tmp", "w") as f:
             f.write(html)
+        os.replace(html_path + ".tmp", html_path)
         # The trimmed recording is what the attribution reads: small enough to keep as a fixture.
-        with gzip.open(os.path.join(out_dir, "breakdown_recording.json.gz"), "wt") as f:
+        recording_path = os.path.join(out_dir, "breakdown_recording.json.gz")
+        with gzip.open(recording_path + ".tmp", "wt") as f:
             json.dump({**recording, "check": check}, f)
+        os.replace(recording_path + ".tmp", recording_path)
     return breakdown, check
 
 
@@ -478,6 +484,8 @@ def skip_reason(config: ExperimentConfig) -> str | None:
 
 
 def run_in_child(context, config, config_path, result_path) -> dict:
+    if os.path.exists(result_path):  # an unfinished earlier attempt (--resume reruns it)
+        os.replace(result_path, result_path + ".previous")
     process = context.Process(target=worker_main, args=(config, config_path))
     process.start()
     try:

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import glob
 import os
+import shutil
+import tempfile
 
 import torch
 from torch.profiler import ProfilerActivity, profile, schedule, tensorboard_trace_handler
@@ -24,11 +26,13 @@ def trace_steps(step, device: torch.device, out_dir: str, use_gzip: bool) -> str
     activities = [ProfilerActivity.CPU]
     if device.type == "cuda":
         activities.append(ProfilerActivity.CUDA)
-    before = set(trace_files(out_dir))
+    # The handler writes into a private folder; the finished file is then renamed into the
+    # config directory, so an interrupted run never leaves a half-written trace there.
+    staging = tempfile.mkdtemp(prefix=".trace-", dir=out_dir)
     with profile(
         activities=activities,
         schedule=schedule(wait=WAIT, warmup=WARMUP, active=ACTIVE, repeat=1),
-        on_trace_ready=tensorboard_trace_handler(out_dir, worker_name="trace", use_gzip=use_gzip),
+        on_trace_ready=tensorboard_trace_handler(staging, worker_name="trace", use_gzip=use_gzip),
         profile_memory=True,  # the Memory view
         record_shapes=True,  # the Operator view's input shapes
         with_stack=True,  # the Module view and source lines in the Trace view
@@ -37,8 +41,12 @@ def trace_steps(step, device: torch.device, out_dir: str, use_gzip: bool) -> str
             with torch.profiler.record_function("train_step"):
                 step()
             prof.step()
-    new = sorted(set(trace_files(out_dir)) - before)
-    return new[-1] if new else None
+    written = sorted(trace_files(staging))
+    paths = [os.path.join(out_dir, os.path.basename(p)) for p in written]
+    for source, target in zip(written, paths):
+        os.replace(source, target)
+    shutil.rmtree(staging, ignore_errors=True)
+    return paths[-1] if paths else None
 
 
 def trace_files(directory: str) -> list[str]:

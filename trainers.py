@@ -116,6 +116,8 @@ class Trainer:
     ):
         if batch_size <= 0:
             raise ValueError(f"batch_size must be positive, got {batch_size}")
+        if noise_multiplier < 0 or max_grad_norm <= 0:
+            raise ValueError("noise_multiplier must be >= 0 and max_grad_norm > 0")
         if max_physical_batch_size is not None and max_physical_batch_size <= 0:
             raise ValueError(
                 f"max_physical_batch_size must be positive, got {max_physical_batch_size}"
@@ -134,6 +136,7 @@ class Trainer:
         # Per-sample loss of a chunk, [n]: the mean of each sample's token losses by default.
         self.per_sample_loss = loss_fn or (lambda m, x, y: token_losses(m(x), y).mean(dim=1))
         self.on_phase = on_phase or (lambda name: None)
+        self.steps_taken = 0
         params = self.trainable_parameters(model)
         if optimizer == "sgd":  # plain: no momentum, no weight decay
             self.optimizer = torch.optim.SGD(params, lr=lr)
@@ -156,6 +159,7 @@ class Trainer:
         return list(torch.arange(batch).tensor_split(num_chunks))
 
     def step(self, inputs: torch.Tensor, targets: torch.Tensor) -> dict:
+        self.steps_taken += 1
         self.optimizer.zero_grad(set_to_none=True)
         chunk_list = self.chunks(inputs.shape[0])
         loss_sum, chunk_times_ms = 0.0, []
@@ -297,7 +301,11 @@ class FlashClippingTrainer(Trainer):
         # The engine sets requires_grad=False on the weights it manages so autograd computes no
         # weight gradient; the optimizer still updates them from the .grad we write.
         self.engine = FlashClipping(model, route=flash_route)
-        super().__init__(model, **kwargs)
+        try:
+            super().__init__(model, **kwargs)
+        except Exception:
+            self.engine.remove()  # leave the model as it was given: no hooks, trainable
+            raise
         self.on_phase("privacy_wrapped")
 
     def trainable_parameters(self, model):

@@ -102,12 +102,6 @@ def test_report_names():
         ncu.report_name("adam", 8, 256)
 
 
-def test_trainer_names_match_the_registry():
-    trainers = pytest.importorskip("trainers")
-    assert set(ncu.TRAINERS) == set(trainers.TRAINERS)
-    assert ncu.ALIASES == trainers.ALIASES
-
-
 def test_command_cli_prints_a_shell_command():
     proc = subprocess.run(
         [sys.executable, "ncu.py", "command", "--trainer", "ghost", "--batch_size", "16",

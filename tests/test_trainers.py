@@ -87,7 +87,7 @@ def test_noise_free_update_matches_brute_force(name, physical, attention):
     assert relative_error(update, ref) < 1e-5
 
 
-@pytest.mark.parametrize("name", ["dpsgd", "flash"])
+@pytest.mark.parametrize("name", DP_TRAINERS)
 def test_batch_of_one(name):
     torch.manual_seed(1)
     model = models.build_model(SMALL)
