@@ -12,7 +12,6 @@ from __future__ import annotations
 import gc
 import json
 import os
-import pickle
 import re
 import tempfile
 import time
@@ -319,10 +318,11 @@ def trim_trace(trace: list[dict]) -> list[dict]:
     ]
 
 
-def record_breakdown(trainer, step, device: torch.device, snapshot_path: str | None = None):
+def record_breakdown(trainer, step, device: torch.device):
     """Run ``step()`` once under the allocator's history recorder; attribute its peak.
 
-    Returns (breakdown in MB keyed as the contract says, a check dict). The check compares the
+    Returns (breakdown in MB keyed as the contract says, a check dict, the trimmed recording the
+    attribution read, the allocator snapshot itself). The check compares the
     replayed peak with torch's own ``max_memory_allocated`` for the same step and the replayed
     starting bytes with ``memory_allocated`` before it.
     """
@@ -344,10 +344,6 @@ def record_breakdown(trainer, step, device: torch.device, snapshot_path: str | N
         step()
         torch.cuda.synchronize(device)
         snapshot = torch.cuda.memory._snapshot(device)
-        if snapshot_path:
-            with open(snapshot_path + ".tmp", "wb") as f:
-                pickle.dump(snapshot, f)
-            os.replace(snapshot_path + ".tmp", snapshot_path)
     finally:
         torch.cuda.memory._record_memory_history(enabled=None)
         trainer.on_phase = saved_on_phase
@@ -366,4 +362,5 @@ def record_breakdown(trainer, step, device: torch.device, snapshot_path: str | N
             {**source, "mb": source.pop("bytes") / MB} for source in attributed["top_sources"]
         ],
     }
-    return breakdown, check, {"trace": trace, "initial": start, "identities": identities}
+    recording = {"trace": trace, "initial": start, "identities": identities}
+    return breakdown, check, recording, snapshot

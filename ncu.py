@@ -33,6 +33,7 @@ import sys
 
 import kernels
 import trainers
+from report import atomic_write
 
 # Every one is valid on Hopper (sm_90); check a new one with `ncu --query-metrics`.
 METRICS = (
@@ -465,11 +466,9 @@ def dram_lower_bound_bytes(
 # ---------------------------------------------------------------- summary files
 
 
-def _write_atomic(path: str, data: str | bytes) -> None:
-    tmp = f"{path}.tmp{os.getpid()}"
-    with open(tmp, "wb" if isinstance(data, bytes) else "w") as f:
-        f.write(data)
-    os.replace(tmp, path)
+def _write_atomic(path: str, text: str) -> None:
+    with atomic_write(path) as f:
+        f.write(text)
 
 
 def export_report(report_path: str, ncu: str | None = None) -> str:
@@ -693,10 +692,9 @@ def plot_comparison(rows: list[dict], path: str) -> str | None:
         title="kernel category", title_fontsize=8,
     )  # fmt: skip
     fig.suptitle("DRAM traffic of one training step (Nsight Compute)", fontsize=11)
-    tmp = f"{path}.tmp{os.getpid()}.png"
-    fig.savefig(tmp, dpi=110)
+    with atomic_write(path, "wb") as f:
+        fig.savefig(f, format="png", dpi=110)
     plt.close(fig)
-    os.replace(tmp, path)
     return path
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import glob
 import io
@@ -241,9 +242,9 @@ def _save(fig, run_dir: str, name: str) -> str:
     out_dir = os.path.join(run_dir, "visualizations")
     os.makedirs(out_dir, exist_ok=True)
     path = os.path.join(out_dir, name)
-    fig.savefig(path + ".tmp.png", dpi=110)
+    with atomic_write(path, "wb") as f:
+        fig.savefig(f, format="png", dpi=110)
     _pyplot().close(fig)
-    os.replace(path + ".tmp.png", path)
     return path
 
 
@@ -443,11 +444,24 @@ def _config_dir_of(result: dict) -> str:
     return result.get("config_dir") or ""
 
 
-def _write_atomic(path: str, text: str) -> None:
+@contextlib.contextmanager
+def atomic_write(path: str, mode: str = "w", opener=open):
+    """Open a temporary name beside ``path``; rename it to ``path`` once written, so a reader
+    (or an interrupted run) never sees a half-written file. ``opener``: e.g. ``gzip.open``."""
     tmp = f"{path}.tmp{os.getpid()}"
-    with open(tmp, "w") as f:
-        f.write(text)
+    try:
+        with opener(tmp, mode) as f:
+            yield f
+    except BaseException:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        raise
     os.replace(tmp, path)
+
+
+def _write_atomic(path: str, text: str) -> None:
+    with atomic_write(path) as f:
+        f.write(text)
 
 
 def write_summary(run_dir: str, results: list[dict]) -> str:

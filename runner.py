@@ -27,6 +27,7 @@ import memory
 import models
 import tracing
 import trainers
+from report import atomic_write
 
 MB = memory.MB
 FINISHED = ("ok", "oom", "skipped")  # statuses --resume does not run again
@@ -102,11 +103,8 @@ class ExperimentConfig:
 
 
 def write_json_atomic(path: str, data) -> None:
-    """Write to a temporary name in the same directory, then rename: readers never see half."""
-    tmp = f"{path}.tmp{os.getpid()}"
-    with open(tmp, "w") as f:
+    with atomic_write(path) as f:
         json.dump(data, f, indent=2)
-    os.replace(tmp, path)
 
 
 def read_result(path: str) -> dict | None:
@@ -397,26 +395,21 @@ def breakdown_of_one_step(trainer, inputs, targets, device, out_dir, config):
     """(breakdown, check) of one extra step recorded with the allocator history; None on CPU."""
     if device.type != "cuda":
         return None
-    snapshot_path = (
-        os.path.join(out_dir, "memory_snapshot.pickle") if config.save_snapshot else None
+    breakdown, check, recording, snapshot = memory.record_breakdown(
+        trainer, lambda: trainer.step(inputs, targets), device
     )
-    breakdown, check, recording = memory.record_breakdown(
-        trainer, lambda: trainer.step(inputs, targets), device, snapshot_path
-    )
-    if snapshot_path:
+    if config.save_snapshot:
         from torch.cuda import _memory_viz
 
-        with open(snapshot_path, "rb") as f:
-            html = _memory_viz.trace_plot(pickle.load(f))
-        html_path = os.path.join(out_dir, "memory_timeline.html")
-        with open(html_path + ".tmp", "w") as f:
-            f.write(html)
-        os.replace(html_path + ".tmp", html_path)
+        # The pickle feeds `python -m torch.cuda._memory_viz`; the HTML is its timeline, ready.
+        with atomic_write(os.path.join(out_dir, "memory_snapshot.pickle"), "wb") as f:
+            pickle.dump(snapshot, f)
+        with atomic_write(os.path.join(out_dir, "memory_timeline.html")) as f:
+            f.write(_memory_viz.trace_plot(snapshot))
         # The trimmed recording is what the attribution reads: small enough to keep as a fixture.
         recording_path = os.path.join(out_dir, "breakdown_recording.json.gz")
-        with gzip.open(recording_path + ".tmp", "wt") as f:
+        with atomic_write(recording_path, "wt", opener=gzip.open) as f:
             json.dump({**recording, "check": check}, f)
-        os.replace(recording_path + ".tmp", recording_path)
     return breakdown, check
 
 
