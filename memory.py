@@ -336,17 +336,16 @@ def record_breakdown(trainer, step, device: torch.device):
         phases.append(name)
         _phase_marker(device)
 
-    saved_on_phase, trainer.on_phase = trainer.on_phase, on_phase
     torch.cuda.reset_peak_memory_stats(device)
     allocated_at_start = torch.cuda.memory_allocated(device)
     torch.cuda.memory._record_memory_history(max_entries=10_000_000, stacks="python")
     try:
-        step()
+        with trainer.observing_phases(on_phase):
+            step()
         torch.cuda.synchronize(device)
         snapshot = torch.cuda.memory._snapshot(device)
     finally:
         torch.cuda.memory._record_memory_history(enabled=None)
-        trainer.on_phase = saved_on_phase
     torch_peak = torch.cuda.max_memory_allocated(device)
     trace = trim_trace(snapshot["device_traces"][device.index or 0])
     start = initial_blocks(snapshot, trace)

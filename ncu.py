@@ -195,13 +195,9 @@ def find_ncu() -> str | None:
     return None
 
 
-def canonical_trainer(name: str) -> str:
-    return trainers.canonical_trainer_name(name)
-
-
 def report_name(trainer: str, batch: int, seq: int) -> str:
     """``report_<trainer>_bs<B>_seq<T>`` with the canonical trainer name."""
-    return f"report_{canonical_trainer(trainer)}_bs{int(batch)}_seq{int(seq)}"
+    return f"report_{trainers.canonical_trainer_name(trainer)}_bs{int(batch)}_seq{int(seq)}"
 
 
 def parse_report_name(name: str) -> tuple[str, int, int] | None:
@@ -219,7 +215,7 @@ def profile_args(trainer: str, batch: int, seq: int, extra=()) -> list[str]:
     """profiling_script.py arguments of one config (ncu_command adds --ncu at the end)."""
     return [
         "--mode=profile",
-        f"--trainer={canonical_trainer(trainer)}",
+        f"--trainer={trainers.canonical_trainer_name(trainer)}",
         f"--batch_size={int(batch)}",
         f"--seq_len={int(seq)}",
         "--device=cuda",

@@ -138,11 +138,16 @@ def kernel_rows(results: list[dict]) -> list[dict]:
         if r["config"]["trainer"] == "standard" and r.get("kernels")
     }
     rows = []
-    for row, result in zip(summary_rows(results), _sorted(results), strict=True):
+    for result in _sorted(results):
         if not result.get("kernels"):
             continue
-        base = baselines.get(shape_key(result["config"]))
-        out = {k: row[k] for k in ("trainer", "batch", "seq")}
+        config = result["config"]
+        base = baselines.get(shape_key(config))
+        out = {
+            "trainer": config["trainer"],
+            "batch": config["batch_size"],
+            "seq": config["seq_len"],
+        }
         for cat in CATEGORIES:
             ms = result["kernels"].get(cat, {}).get("time_ms", 0.0)
             out[cat] = ms

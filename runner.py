@@ -369,26 +369,24 @@ def ncu_profiled_step(trainer, inputs, targets, device) -> None:
         raise ValueError("--ncu needs a CUDA device")
     nvtx = torch.cuda.nvtx
     next_range = {"forward_done": "backward", "backward_done": "optimizer"}
-    saved_on_phase = trainer.on_phase
 
     def on_phase(name):
         if name in next_range:
             nvtx.range_pop()
             nvtx.range_push(next_range[name])
 
-    trainer.on_phase = on_phase
     synchronize(device)
     torch.cuda.profiler.start()
     nvtx.range_push("step")
     nvtx.range_push("forward")
     try:
-        trainer.step(inputs, targets)
+        with trainer.observing_phases(on_phase):
+            trainer.step(inputs, targets)
         synchronize(device)
     finally:
         nvtx.range_pop()
         nvtx.range_pop()
         torch.cuda.profiler.stop()
-        trainer.on_phase = saved_on_phase
 
 
 def breakdown_of_one_step(trainer, inputs, targets, device, out_dir, config):

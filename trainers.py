@@ -145,6 +145,16 @@ class Trainer:
         self.base_optimizer = self.optimizer  # holds the optimizer states
         self.on_phase("optimizer_created")
 
+    @contextlib.contextmanager
+    def observing_phases(self, callback: Callable[[str], None]):
+        """Send the phase events to ``callback`` instead, for one measurement (a recorded or
+        profiled step), then give them back to the regular observer."""
+        saved, self.on_phase = self.on_phase, callback
+        try:
+            yield
+        finally:
+            self.on_phase = saved
+
     def trainable_parameters(self, model: nn.Module) -> list[nn.Parameter]:
         return [p for p in model.parameters() if p.requires_grad]
 
