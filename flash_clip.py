@@ -5,6 +5,14 @@ tensor hooks keep its output gradient G, and autograd never forms a weight gradi
 (managed parameters are set to requires_grad=False while wrapped). Per-sample norms and
 the clipped sum sum_b c_b * grad_b are then computed from (A, G) by per-layer-type rules.
 
+Where a layer's per-sample gradients are no larger than its own A and G (Linear with
+d*p <= T*(d+p), i.e. long sequences; LayerNorm/RMSNorm always), the output-gradient hook forms
+them at once (one batched GEMM, the FLOPs of the weight gradient it replaces) and drops A and G:
+the clipped gradient is then a weighted sum of them, with no second GEMM. The comparison counts
+each layer's A whole; layers that read one input (q, k and v) share it, so at the threshold
+such a group holds up to ~1.5x what the Gram route would (measured peaks stay <= 1.01x standard's
+at the benchmark shapes: the peak is in forward, before any of this is held).
+
 Usage, per physical chunk::
 
     flash = FlashClipping(model)
@@ -44,6 +52,15 @@ def _acc(x: Tensor) -> Tensor:
     return x.to(torch.promote_types(x.dtype, torch.float32))
 
 
+def _round_down(c: Tensor, dtype: torch.dtype) -> Tensor:
+    """Clip factors in ``dtype``, rounded toward zero: a factor rounded up (bf16 keeps 8 bits)
+    would let a sample's clipped gradient exceed C, the bound DP's noise is calibrated to."""
+    low = c.to(dtype)
+    if dtype == c.dtype:
+        return low
+    return torch.where(low.to(c.dtype) > c, torch.nextafter(low, torch.zeros_like(low)), low)
+
+
 def _gemm_operands(A: Tensor, G: Tensor) -> tuple[Tensor, Tensor]:
     """A and G in one dtype for the norm GEMMs: under autocast a Linear's input can be fp32
     (a LayerNorm output) while its output gradient is bf16; the layer itself multiplied in
@@ -64,6 +81,10 @@ class Layer:
     tile_size: int = 512
     block_numel: int = DEFAULT_BLOCK_NUMEL
     calls: list[list] = field(default_factory=list)  # one [A, G] per forward call
+    # Per-sample gradients [B, ...] by parameter name, for calls whose rule kept them instead of
+    # A and G (summed over calls: a reused module's gradient is the sum over its calls).
+    per_sample: dict[str, Tensor] = field(default_factory=dict)
+    described: list[dict] = field(default_factory=list)  # the route of each call, for routes()
 
 
 class NormRule:
@@ -75,6 +96,14 @@ class NormRule:
 
     def describe(self, layer: Layer, A: Tensor, G: Tensor) -> dict:
         return {"route": type(self).__name__}
+
+    def keeps_per_sample(self, layer: Layer, A: Tensor, G: Tensor) -> bool:
+        """Form per-sample gradients from this call at once (instead of keeping A and G)?"""
+        return False
+
+    def per_sample_grads(self, layer: Layer, A: Tensor, G: Tensor) -> dict[str, Tensor]:
+        """Per-sample gradients [B, *param.shape] by name (rules that keep them)."""
+        raise NotImplementedError
 
     def squared_norms(self, layer: Layer, A: Tensor, G: Tensor) -> Tensor:
         """Per-sample squared gradient norm [B], summed over the layer's managed params."""
@@ -103,7 +132,11 @@ def register_norm_rule(*layer_types: type):
 
 
 def gram_squared_norms(A: Tensor, G: Tensor, tile: int) -> Tensor:
-    """||G_b^T A_b||^2 = sum_{s,t} (a_s.a_t)(g_s.g_t), over tile pairs t <= s (no B x T x T)."""
+    """||G_b^T A_b||^2 = sum_{s,t} (a_s.a_t)(g_s.g_t), over tile pairs t <= s (no B x T x T).
+
+    (flash_kernels.gram_squared_norms is the fused Triton version; it is measured by
+    bench_flash.py but not used here until it beats this path: see BENCHMARKS.md.)
+    """
     A, G = _gemm_operands(A, G)
     total = _acc(A.new_zeros(A.shape[0]))
     for s in range(0, A.shape[1], tile):
@@ -131,13 +164,14 @@ def direct_squared_norms(A: Tensor, G: Tensor, block_numel: int) -> Tensor:
 
 
 def linear_route(layer: Layer, T: int) -> str:
+    """auto: "product" where per-sample weight gradients take no more memory than the layer's A
+    and G (and no extra FLOPs: they replace the clipped-gradient GEMM), else "gram": below that
+    T, T(d+p) < dp, so Gram's T^2(d+p)(1 + 1/n) FLOPs are always fewer than direct's 2Tdp.
+    "direct" (least memory: no T x T, no B x d x p) is there to be forced."""
     if layer.route != "auto":
         return layer.route
     d, p = layer.module.in_features, layer.module.out_features
-    # FLOPs: Gram over the t <= s tile pairs is T^2(d+p)(1 + 1/n) for n tiles along T
-    # (the diagonal tiles are computed whole); direct is 2Tdp.
-    num_tiles = math.ceil(T / layer.tile_size)
-    return "gram" if T * (d + p) * (1 + 1 / num_tiles) < 2 * d * p else "direct"
+    return "product" if d * p <= T * (d + p) else "gram"
 
 
 @register_norm_rule(nn.Linear)
@@ -145,6 +179,20 @@ class LinearRule(NormRule):
     def describe(self, layer, A, G):
         d, p = layer.module.in_features, layer.module.out_features
         return {"d": d, "p": p, "route": linear_route(layer, A.shape[1])}
+
+    def keeps_per_sample(self, layer, A, G):
+        return linear_route(layer, A.shape[1]) == "product"
+
+    def per_sample_grads(self, layer, A, G):
+        grads = {}
+        if "weight" in layer.params:
+            A_op, G_op = _gemm_operands(A, G)
+            # [B, p, d], one batched GEMM accumulating in fp32; in the operands' dtype (bf16 under
+            # autocast, as the non-private weight gradient), rounded once.
+            grads["weight"] = G_op.mT @ A_op
+        if "bias" in layer.params:
+            grads["bias"] = G.sum(1, dtype=_acc_dtype(G))
+        return grads
 
     def squared_norms(self, layer, A, G):
         norms = _acc(G.new_zeros(G.shape[0]))
@@ -162,7 +210,7 @@ class LinearRule(NormRule):
         if "weight" in layer.params:
             A_op, G_op = _gemm_operands(A, G)  # the dtype autocast's own weight GEMM uses
             A2, G2 = A_op.flatten(0, 1), G_op.flatten(0, 1)  # [B*T, d], [B*T, p]
-            c_tok = c.to(A2.dtype).repeat_interleave(A.shape[1])[:, None]
+            c_tok = _round_down(c, A2.dtype).repeat_interleave(A.shape[1])[:, None]
             if G2.shape[1] <= A2.shape[1]:  # fold c into the narrower operand
                 G2 = G2 * c_tok
             else:
@@ -224,6 +272,9 @@ class NormLayerRule(NormRule):
     def describe(self, layer, A, G):
         return {"route": "norm"}
 
+    def keeps_per_sample(self, layer, A, G):
+        return True  # [B, d] per parameter: always smaller than A and G ([B, T, d] each)
+
     @staticmethod
     def per_sample_grads(layer: Layer, A: Tensor, G: Tensor) -> dict[str, Tensor]:
         """Exact per-sample grads [B, d]: weight = sum_t g_t * xhat_t, bias = sum_t g_t."""
@@ -259,6 +310,9 @@ def _flatten_tokens(x: Tensor, feature_dims: int) -> Tensor:
     return x.reshape(x.shape[0], -1, math.prod(x.shape[x.dim() - feature_dims :]))
 
 
+ROUTES = ("auto", "gram", "direct", "product")  # how Linear layers get their per-sample norms
+
+
 class FlashClipping:
     """Per-sample gradient norms and clipped gradients with one backward pass."""
 
@@ -269,8 +323,8 @@ class FlashClipping:
         tile_size: int = 512,
         block_numel: int = DEFAULT_BLOCK_NUMEL,
     ):
-        if route not in ("auto", "gram", "direct"):
-            raise ValueError(f"route must be 'auto', 'gram' or 'direct', got {route!r}")
+        if route not in ROUTES:
+            raise ValueError(f"route must be one of {', '.join(ROUTES)}; got {route!r}")
         self.layers: list[Layer] = []
         owner: dict[int, str] = {}
         for name, module in model.named_modules():
@@ -314,7 +368,17 @@ class FlashClipping:
             layer.calls.append(call)
 
             def save_grad(grad):
-                call[1] = _flatten_tokens(grad.detach(), k_out)
+                if not call or call[0] is None:  # a second backward through the same graph
+                    raise RuntimeError("FlashClipping: one backward per forward (release() first)")
+                A, G = call[0], _flatten_tokens(grad.detach(), k_out)
+                layer.described.append(
+                    {"layer": layer.name, "T": A.shape[1], **layer.rule.describe(layer, A, G)}
+                )
+                if layer.rule.keeps_per_sample(layer, A, G):
+                    self._add_per_sample(layer, layer.rule.per_sample_grads(layer, A, G))
+                    call[0] = None  # A and G are not needed any more
+                else:
+                    call[1] = G
 
             if not output.requires_grad:  # e.g. first layer: make a leaf so G still flows
                 output = output.detach().requires_grad_(True)
@@ -326,6 +390,20 @@ class FlashClipping:
 
         return forward_hook
 
+    @staticmethod
+    def _add_per_sample(layer: Layer, grads: dict[str, Tensor]) -> None:
+        for name, grad in grads.items():
+            held = layer.per_sample.get(name)
+            if held is None:
+                layer.per_sample[name] = grad
+            elif held.shape != grad.shape:  # e.g. a call on x and one on x[:1]: no broadcasting
+                raise ValueError(
+                    f"{layer.name!r} was called with different batch sizes in one forward "
+                    f"({held.shape[0]} and {grad.shape[0]}); per-sample gradients need one"
+                )
+            else:
+                held.add_(grad.to(held.dtype))  # in place: no third B x d x p buffer
+
     def backward(self, loss: Tensor) -> None:
         """One backward of the SUM of per-sample losses; no .grad is written anywhere."""
         if not self._leaves:
@@ -334,23 +412,36 @@ class FlashClipping:
         self._after_backward = True
         for layer in self.layers:
             hooked = layer.calls
-            calls = [list(c) for c in hooked if c[1] is not None]  # unused outputs add nothing
+            # Calls whose G never came (unused outputs) add nothing; kept per-sample grads
+            # already hold theirs.
+            calls = [list(c) for c in hooked if c[0] is not None and c[1] is not None]
+            if calls and layer.per_sample:  # some calls kept per-sample grads: fold in the rest
+                for A, G in calls:
+                    self._add_per_sample(layer, layer.rule.per_sample_grads(layer, A, G))
+                calls = []
+                layer.described = [dict(d, route="product") for d in layer.described]
             if len(calls) > 1:  # a reused module's grad sums over calls: concatenate along T
                 calls = [[torch.cat(t, 1) for t in zip(*calls, strict=True)]]
+                A, G = calls[0]  # the route is decided again on the joined T: report that one
+                layer.described = [
+                    {"layer": layer.name, "T": A.shape[1], **layer.rule.describe(layer, A, G)}
+                ]
+                if layer.rule.keeps_per_sample(layer, A, G):
+                    self._add_per_sample(layer, layer.rule.per_sample_grads(layer, A, G))
+                    calls = []
             layer.calls = calls
             # The hook closures hold the original lists and live as long as the autograd graph
             # (the caller's loss keeps it): empty them so layer.calls is the only reference and
             # dropping it frees A and G.
             for call in hooked:
                 call.clear()
-        self._routes = [
-            {"layer": layer.name, "T": A.shape[1], **layer.rule.describe(layer, A, G)}
-            for layer in self.layers
-            for A, G in layer.calls
-        ]
+        self._routes = [route for layer in self.layers for route in layer.described]
 
     def _batch_size(self) -> int:
         sizes = {layer.name: A.shape[0] for layer in self.layers for A, _ in layer.calls}
+        sizes.update(
+            {layer.name: g.shape[0] for layer in self.layers for g in layer.per_sample.values()}
+        )
         if not self._after_backward or not sizes:
             raise RuntimeError("call backward(loss) first")
         if len(set(sizes.values())) > 1:
@@ -365,6 +456,14 @@ class FlashClipping:
             for layer in self.layers:
                 for A, G in layer.calls:
                     norms = norms + layer.rule.squared_norms(layer, A, G)
+                for grad in layer.per_sample.values():
+                    # fp32 accumulation inside the reduction: no fp32 copy of bf16 grads
+                    norms = (
+                        norms
+                        + torch.linalg.vector_norm(
+                            grad.flatten(1), dim=1, dtype=_acc_dtype(grad)
+                        ).square()
+                    )
             self._norms = norms
         return self._norms
 
@@ -378,12 +477,21 @@ class FlashClipping:
         if clip_factors.shape != (self._batch_size(),):
             raise ValueError(f"clip_factors must have shape [B], got {tuple(clip_factors.shape)}")
         for layer in self.layers:
-            for A, G in layer.calls:
-                for name, grad in layer.rule.clipped_grads(layer, A, G, clip_factors).items():
-                    p = layer.params[name]
-                    grad = grad.to(p.dtype)
-                    p.grad = grad if p.grad is None else p.grad.add_(grad)
+            clipped = [layer.rule.clipped_grads(layer, A, G, clip_factors) for A, G in layer.calls]
             layer.calls = []
+            # Kept per-sample grads: the clipped sum is one [B] x [B, n] product, no GEMM over T.
+            clipped.append(
+                {
+                    name: _round_down(clip_factors, grad.dtype) @ grad.flatten(1)
+                    for name, grad in layer.per_sample.items()
+                }
+            )
+            layer.per_sample = {}
+            for grads in clipped:
+                for name, grad in grads.items():
+                    p = layer.params[name]
+                    grad = grad.to(p.dtype).view(p.shape)
+                    p.grad = grad if p.grad is None else p.grad.add_(grad)
 
     def routes(self) -> list[dict]:
         """Per layer of the last backward: name, T, route (Linear layers also d, p)."""
@@ -392,7 +500,7 @@ class FlashClipping:
     def release(self) -> None:
         """Drop saved activations, output gradients and leaves (call after each chunk)."""
         for layer in self.layers:
-            layer.calls = []
+            layer.calls, layer.per_sample, layer.described = [], {}, []
         self._leaves, self._norms, self._after_backward = [], None, False
 
     def remove(self) -> None:

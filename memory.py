@@ -40,11 +40,14 @@ class PhaseRecorder:
         self.start = time.perf_counter()
 
     def __call__(self, name: str) -> None:
-        if not self.enabled:
+        if not self.enabled or name.startswith("_"):  # internal markers are no snapshots
             return
+        if self.device.type == "cuda":
+            # Kernels run asynchronously: the phase ends when the GPU is done with it, not when
+            # the CPU has launched it (a timestamp taken before this wait lags one phase behind).
+            torch.cuda.synchronize(self.device)
         snapshot = {"name": name, "timestamp": time.perf_counter() - self.start}
         if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
             snapshot["allocated_mb"] = torch.cuda.memory_allocated(self.device) / MB
             snapshot["reserved_mb"] = torch.cuda.memory_reserved(self.device) / MB
             snapshot["phase_peak_mb"] = torch.cuda.max_memory_allocated(self.device) / MB
@@ -132,6 +135,8 @@ STACK_RULES = [
         ),
     ),
     ("per_sample_gradients", re.compile(r"opacus/optimizers/\w+\.py:clip")),
+    # Flash's per-sample grads of the layers that keep them (formed in the backward hook).
+    ("per_sample_gradients", re.compile(r"flash_clip\.py:(per_sample_grads|_add_per_sample)")),
     # Clipped gradients written by flash; Opacus' summed / noised gradients; flash's noise.
     ("gradients", re.compile(r"flash_clip\.py:\w*clipped_grads|opacus/optimizers/")),
     ("gradients", re.compile(r"trainers\.py:optimizer_step")),
@@ -178,6 +183,10 @@ def tensor_identities(trainer) -> dict[int, str]:
     engine = getattr(trainer, "engine", None)  # flash: the saved A and G of each layer
     if engine is not None:
         tag((x for layer in engine.layers for x in flat(layer.calls)), "activation_hooks")
+        tag(
+            (g for layer in engine.layers for g in layer.per_sample.values()),
+            "per_sample_gradients",
+        )
     tag((p.grad for p in params if p.grad is not None), "gradients")
     tag((getattr(p, "summed_grad", None) for p in params), "gradients")
     states = trainer.base_optimizer.state.values()

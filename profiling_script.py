@@ -42,8 +42,23 @@ MODE_DEFAULTS = {
         device="auto",
         lr=1e-5,
     ),
+    # Sweep of seq x batch x physical x LoRA rank (seed 003's command; the ranks apply with
+    # --use_lora). One trainer by default, the seeds' Opacus per-sample gradients: a sweep
+    # multiplies configs; --trainers adds others. Traces off, module census and breakdown on.
+    "hf_sweep": dict(
+        model="meta-llama/Llama-3.1-8B-Instruct",
+        trainers=["dpsgd"],
+        batch_sizes=[8, 16, 32],
+        seq_lens=[128, 256, 512],
+        physical=[1, 2, 4],
+        lora_ranks=[8, 16],
+        steps=5,
+        warmup_steps=1,
+        device="auto",
+        lr=1e-5,
+    ),
 }
-MODES = ("test", "profile", "memory", "hf", "report", "ncu_report")
+MODES = ("test", "profile", "memory", "hf", "hf_sweep", "report", "ncu_report")
 
 
 class UsageError(Exception):
@@ -92,7 +107,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="default: explicit (the seeds' model); sdpa for Hugging Face models",
     )
-    p.add_argument("--flash_route", choices=("auto", "gram", "direct"), default="auto")
+    p.add_argument("--flash_route", choices=("auto", "gram", "direct", "product"), default="auto")
     p.add_argument("--no_trace", action="store_true", help="numbers only: no torch.profiler trace")
     p.add_argument(
         "--trace_gzip",
@@ -121,7 +136,14 @@ def build_parser() -> argparse.ArgumentParser:
         "Hugging Face models (--mode=hf, or --model tiny-llama / a Llama name)"
     )
     hf.add_argument("--use_lora", action="store_true", help="LoRA (peft) on attention and MLP")
-    hf.add_argument("--lora_rank", type=int, default=16)
+    hf.add_argument(
+        "--lora_ranks",
+        "--lora_rank",
+        nargs="+",
+        type=int,
+        default=None,
+        help="LoRA rank(s), with --use_lora (default 16; hf_sweep: 8 16)",
+    )
     hf.add_argument(
         "--pretrained",
         action="store_true",
@@ -157,7 +179,8 @@ def plan(args: argparse.Namespace, device: str) -> list:
     import trainers
 
     defaults = MODE_DEFAULTS[getattr(args, "defaults_mode", None) or args.mode]
-    names = [args.trainer] if args.trainer else (args.trainers or list(trainers.TRAINERS))
+    names = [args.trainer] if args.trainer else args.trainers
+    names = names or defaults.get("trainers") or list(trainers.TRAINERS)
     try:
         names = list(dict.fromkeys(trainers.canonical_trainer_name(n) for n in names))
     except ValueError as error:
@@ -175,8 +198,16 @@ def plan(args: argparse.Namespace, device: str) -> list:
     max_seq_len = model_max_seq_len(model, args.attention, overrides)
     if args.dataset_path and not os.path.exists(args.dataset_path):
         raise UsageError(f"--dataset_path {args.dataset_path} does not exist")
-    if args.lora_rank <= 0 or args.dataset_size <= 0:
-        raise UsageError("--lora_rank and --dataset_size must be positive")
+    if args.mode == "hf_sweep" and model not in hf_models.HF_CONFIGS:
+        known = ", ".join(hf_models.HF_CONFIGS)
+        raise UsageError(f"--mode=hf_sweep needs a Hugging Face model ({known}), got {model!r}")
+    lora_ranks = list(dict.fromkeys(args.lora_ranks or defaults.get("lora_ranks") or [16]))
+    if args.lora_ranks and len(lora_ranks) > 1 and not args.use_lora:
+        raise UsageError("several --lora_ranks need --use_lora (without it there is no LoRA)")
+    if not args.use_lora:  # one rank, recorded in the config and not used
+        lora_ranks = [args.lora_ranks[0] if args.lora_ranks else 16]
+    if min(lora_ranks) <= 0 or args.dataset_size <= 0:
+        raise UsageError("--lora_ranks and --dataset_size must be positive")
     # Repeated values would run one config directory twice: keep each once, in order.
     batch_sizes = list(dict.fromkeys(args.batch_sizes or defaults["batch_sizes"]))
     seq_lens = list(dict.fromkeys(args.seq_lens or defaults["seq_lens"]))
@@ -232,11 +263,12 @@ def plan(args: argparse.Namespace, device: str) -> list:
             seed=args.seed,
             device=device,
             flash_route=args.flash_route,
-            trace=not args.no_trace and args.mode != "memory" and not args.ncu,
-            breakdown=args.mode == "memory" and not args.ncu,
+            trace=not args.no_trace and args.mode not in ("memory", "hf_sweep") and not args.ncu,
+            breakdown=args.mode in ("memory", "hf_sweep") and not args.ncu,
+            detailed_memory=args.mode == "hf_sweep",
             ncu=args.ncu,
             use_lora=args.use_lora,
-            lora_rank=args.lora_rank,
+            lora_rank=rank,
             pretrained=args.pretrained,
             dataset_path=args.dataset_path,
             dataset_size=args.dataset_size,
@@ -248,7 +280,9 @@ def plan(args: argparse.Namespace, device: str) -> list:
             model_overrides=overrides,
             default_model=defaults["model"],
         )
-        for b, pb, t, name in itertools.product(batch_sizes, physical, seq_lens, names)
+        for b, pb, t, rank, name in itertools.product(
+            batch_sizes, physical, seq_lens, lora_ranks, names
+        )
     ]
 
 
@@ -282,7 +316,11 @@ def resolve_device(args: argparse.Namespace) -> str:
         return "cuda"
     if requested == "cuda":
         raise UsageError("--device cuda was given but no CUDA device is available")
-    if args.mode == "memory":
+    if args.mode == "hf_sweep":  # the sweep stays a sweep; a Llama on CPU would take hours
+        if not args.model:
+            args.model = "tiny-llama"
+        print(f"No CUDA device found: --mode=hf_sweep runs on the CPU with {args.model}.")
+    elif args.mode == "memory":
         print(
             "No CUDA device found: the memory breakdown needs one; running the CPU test "
             "defaults (breakdown fields are null)."
@@ -316,12 +354,15 @@ def refuse_changed_settings(configs: list, run_dir: str) -> None:
     steps, ...: not all are in the directory name) must not pass as this run's result."""
     import runner
 
+    # A setting added after a result was written reads as its default there.
+    defaults = runner.ExperimentConfig(trainer="", batch_size=0, seq_len=0).to_dict()
     for config in configs:
         previous = runner.read_result(os.path.join(run_dir, config.config_dir, "result.json"))
         if not previous:
             continue
         wanted = json.loads(json.dumps(config.to_dict()))
-        changed = sorted(k for k in wanted if previous["config"].get(k) != wanted[k])
+        old = previous["config"]
+        changed = sorted(k for k in wanted if old.get(k, defaults.get(k)) != wanted[k])
         if changed:
             raise UsageError(
                 f"{config.config_dir} in {run_dir} was measured with other settings "
@@ -346,7 +387,9 @@ def run_experiments(args) -> int:
     os.makedirs(run_dir, exist_ok=True)
     print(f"{len(configs)} configs on {device}, results in {run_dir}")
     try:
-        results = runner.run_configs(configs, run_dir, resume=args.resume)
+        results = runner.run_configs(
+            configs, run_dir, resume=args.resume, progress=args.mode == "hf_sweep"
+        )
     except runner.Interrupted as interrupted:
         finished = report.load_results(run_dir)
         print(f"\nInterrupted during {interrupted}; {len(finished)} finished configs kept.")

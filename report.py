@@ -389,6 +389,10 @@ def plot_tradeoff(run_dir: str, results: list[dict]) -> str | None:
     return _save(fig, run_dir, "performance_tradeoff.png")
 
 
+def _fixed(value) -> str:
+    return "n/a" if value is None else f"{value:.2f}"
+
+
 def summary_text(results: list[dict]) -> str:
     """summary.txt: the seed's layout — trainer, peak, average time, memory/time — plus the
     component table of every config with a breakdown."""
@@ -409,10 +413,10 @@ def summary_text(results: list[dict]) -> str:
         if r["status"] != "ok":
             lines.append(f"{name:<48}{r['status'] + ': ' + str(r.get('error'))[:50]:>48}")
             continue
-        ratio = r["peak_memory_mb"] / r["avg_time_ms"] if r["avg_time_ms"] else float("nan")
-        lines.append(
-            f"{name:<48}{r['peak_memory_mb']:>18.2f}{r['avg_time_ms']:>16.2f}{ratio:>14.2f}"
-        )
+        peak, avg = r["peak_memory_mb"], r["avg_time_ms"]
+        ratio = peak / avg if peak is not None and avg else None
+        # null under --ncu (a replayed step is no measurement): shown as n/a, never as 0
+        lines.append(f"{name:<48}{_fixed(peak):>18}{_fixed(avg):>16}{_fixed(ratio):>14}")
     lines += [
         rule,
         "",
@@ -496,17 +500,25 @@ def write_summary(run_dir: str, results: list[dict]) -> str:
         text += format_kernel_table(kernel_table)
         markdown += "\nGPU kernel time per category, ms (extra over standard):\n\n"
         markdown += format_kernel_table(kernel_table, markdown=True)
-    _write_atomic(os.path.join(run_dir, "summary.md"), markdown + notes)
-    _write_atomic(os.path.join(run_dir, "summary.txt"), summary_text(results))
+    import hf_sweep  # its plots import torch: only where a summary is written, not for ncu_report
+
+    findings = ""
+    if hf_sweep.is_sweep(results):  # the sweep's own files, and what it shows
+        findings = "\n" + hf_sweep.write_sweep_report(run_dir, results)
+    _write_atomic(os.path.join(run_dir, "summary.md"), markdown + notes + findings)
+    _write_atomic(os.path.join(run_dir, "summary.txt"), summary_text(results) + findings)
+    # A large sweep has its own per-config timelines and module view: a bar or panel per config
+    # here would be unreadable.
+    crowded = bool(findings) and len(results) > 16
     plots = [
         plot_memory_curves(run_dir, results),
-        plot_breakdown(run_dir, results),
-        plot_timeline(run_dir, results),
-        plot_tradeoff(run_dir, results),
+        None if crowded else plot_breakdown(run_dir, results),
+        None if crowded else plot_timeline(run_dir, results),
+        None if crowded else plot_tradeoff(run_dir, results),
     ]
     made = [p for p in plots if p]
     if made:
         text += "\nPlots: " + ", ".join(made) + "\n"
     if any(r.get("breakdown") for r in results):
         text += "\n" + summary_text(results)
-    return text
+    return text + findings

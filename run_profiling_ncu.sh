@@ -12,17 +12,18 @@
 #   OUTPUT_DIR=ncu_reports  RUN_NAME=ncu_<timestamp> (result files: $OUTPUT_DIR/runs/$RUN_NAME)
 #   MODEL_ARGS="--hidden_dim 1024 --num_layers 1 --num_heads 16 --vocab_size 32000"
 #   NCU=/path/to/ncu (default: ncu on PATH)  PYTHON=python3
-# ncu replays every kernel of the profiled step once per metric pass, so a step costs minutes
-# instead of milliseconds. Measured on an H100 (2025-11-25): with 4 layers (d 1024) one config
-# took ~100 s (standard 304 kernels, dpsgd 917), so 16 configs need ~27 min. The default is one
-# layer of the 1b family (d 1024), about a quarter of the kernels; set MODEL_ARGS for more.
-# Per-step bytes of the transformer blocks scale with the layer count.
+# ncu replays every kernel of the profiled step (~0.15 s each), so a step costs about a minute
+# instead of milliseconds. Measured on an H100 (2026-11-26) with the default, one layer of the
+# 1b family (d 1024): 8 configs (bs 8) in 523 s, so the full default grid takes ~17-18 min.
+# Kernel count, not model size, sets the time: a DP step launches 300-520 kernels even for one
+# layer. For a shorter run narrow the grid (BATCH_SIZES=8 SEQ_LENS=256: 4 configs, ~4 min).
+# Per-step bytes of the transformer blocks scale with the layer count (MODEL_ARGS).
 set -euo pipefail
 cd "$(dirname "$0")"
 PYTHON=${PYTHON:-python3}
 
 usage() {
-    sed -n '2,17p' "$0" | sed 's/^# \{0,1\}//'
+    sed -n '2,20p' "$0" | sed 's/^# \{0,1\}//'
 }
 
 METRICS=""

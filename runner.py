@@ -7,6 +7,7 @@ every config (no pool pollution between trainers) and an OOM or crash stays insi
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import gzip
 import json
@@ -15,6 +16,7 @@ import os
 import pickle
 import signal
 import statistics
+import sys
 import time
 import traceback
 import warnings
@@ -25,6 +27,7 @@ import torch
 import kernels
 import memory
 import models
+import module_memory
 import tracing
 import trainers
 from report import atomic_write
@@ -57,6 +60,7 @@ class ExperimentConfig:
     save_snapshot: bool = False  # keep the allocator snapshot (pickle + HTML timeline)
     activation_checkpointing: bool = False
     ncu: bool = False  # one step inside cudaProfilerStart/Stop for `ncu --profile-from-start off`
+    detailed_memory: bool = False  # hf_sweep: module_memory and phase_costs result keys
     # Hugging Face models (--mode=hf): LoRA, data, sampling, accounting.
     use_lora: bool = False
     lora_rank: int = 16
@@ -286,28 +290,34 @@ def run_experiment(config: ExperimentConfig, out_dir: str) -> dict:
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     first_measured = len(recorder.snapshots)
-    step_times, physical_times, losses = [], [], []
+    step_times, physical_times, losses, step_starts = [], [], [], []
     for _ in range(config.steps):
         inputs, targets = workload.batch()  # sampled outside the timed region
         synchronize(device)
         start = time.perf_counter()
+        step_starts.append(start - recorder.start)
         out = trainer.step(inputs, targets)
         synchronize(device)
         step_times.append((time.perf_counter() - start) * 1e3)
         physical_times.extend(out["physical_step_times_ms"])
         losses.append(out["loss"])
 
+    measured = recorder.snapshots[first_measured:]
+    census = module_memory.ModuleCensus(trainer) if config.detailed_memory else None
+
+    def measurement_step():
+        """An extra step after the timed ones; the module census (if any) observes it."""
+        with census.observing() if census else contextlib.nullcontext():
+            trainer.step(inputs, targets)
+
     if device.type == "cuda":
         # The recorder resets the peak counters at every snapshot, so the measured steps' peak
         # is the largest phase peak among their snapshots.
-        measured = recorder.snapshots[first_measured:]
         result["peak_memory_mb"] = max(s["phase_peak_mb"] for s in measured)
         result["peak_reserved_mb"] = max(s["phase_peak_reserved_mb"] for s in measured)
     else:
         recorder.enabled = False
-        result["peak_memory_mb"] = (
-            memory.cpu_step_peak_bytes(lambda: trainer.step(inputs, targets)) / MB
-        )
+        result["peak_memory_mb"] = memory.cpu_step_peak_bytes(measurement_step) / MB
     result.update(
         avg_time_ms=statistics.fmean(step_times),
         median_time_ms=statistics.median(step_times),
@@ -321,12 +331,18 @@ def run_experiment(config: ExperimentConfig, out_dir: str) -> dict:
     if config.breakdown:
         recorder.enabled = False
         result["breakdown"] = breakdown_of_one_step(
-            trainer, inputs, targets, device, out_dir, config
+            trainer, measurement_step, device, out_dir, config
         )
         if result["breakdown"] is None:
             env["breakdown_note"] = "the allocator history that attributes the peak is CUDA-only"
         else:
             result["breakdown"], result["breakdown_check"] = result["breakdown"]
+    if census is not None:
+        if not census.steps_observed:  # no measurement step ran yet (CUDA without breakdown)
+            recorder.enabled = False
+            measurement_step()
+        result["module_memory"] = census.result()
+        result["phase_costs"] = module_memory.phase_costs(measured, step_starts)
     if config.trace:
         recorder.enabled = False
         use_gzip = device.type == "cuda" if config.trace_gzip is None else config.trace_gzip
@@ -389,13 +405,11 @@ def ncu_profiled_step(trainer, inputs, targets, device) -> None:
         torch.cuda.profiler.stop()
 
 
-def breakdown_of_one_step(trainer, inputs, targets, device, out_dir, config):
-    """(breakdown, check) of one extra step recorded with the allocator history; None on CPU."""
+def breakdown_of_one_step(trainer, step, device, out_dir, config):
+    """(breakdown, check) of ``step()`` recorded with the allocator history; None on CPU."""
     if device.type != "cuda":
         return None
-    breakdown, check, recording, snapshot = memory.record_breakdown(
-        trainer, lambda: trainer.step(inputs, targets), device
-    )
+    breakdown, check, recording, snapshot = memory.record_breakdown(trainer, step, device)
     if config.save_snapshot:
         from torch.cuda import _memory_viz
 
@@ -431,28 +445,45 @@ class Interrupted(Exception):
 
 
 def run_configs(
-    configs: list[ExperimentConfig], run_dir: str, resume: bool = False, log=print
+    configs: list[ExperimentConfig],
+    run_dir: str,
+    resume: bool = False,
+    log=print,
+    progress: bool = False,
 ) -> list[dict]:
-    """Run every config in its own forked worker; returns the results in config order."""
+    """Run every config in its own forked worker; returns the results in config order.
+    ``progress``: a progress bar over the configs on stderr (``ProgressBar``)."""
     try:
-        return _run_configs(configs, run_dir, resume, log)
+        return _run_configs(configs, run_dir, resume, log, progress)
     except KeyboardInterrupt:  # between two configs: nothing is running
         raise Interrupted("between configs") from None
 
 
-def _run_configs(configs, run_dir, resume, log) -> list[dict]:
+def _finished(result_path: str, resume: bool) -> dict | None:
+    previous = read_result(result_path) if resume else None
+    return previous if previous and previous.get("status") in FINISHED else None
+
+
+def _run_configs(configs, run_dir, resume, log, progress) -> list[dict]:
     context = multiprocessing.get_context("fork")
+    paths = [os.path.join(run_dir, c.config_dir, "result.json") for c in configs]
+    to_run = sum(not _finished(p, resume) and not skip_reason(c) for c, p in zip(configs, paths))
+    bar = ProgressBar(len(configs), to_run) if progress else None
+    if bar:
+        log = bar.wrap(log)
     results = []
-    for index, config in enumerate(configs, 1):
-        config_path = os.path.join(run_dir, config.config_dir)
-        result_path = os.path.join(config_path, "result.json")
-        previous = read_result(result_path)
-        if resume and previous and previous.get("status") in FINISHED:
+    for index, (config, result_path) in enumerate(zip(configs, paths), 1):
+        config_path = os.path.dirname(result_path)
+        previous = _finished(result_path, resume)
+        if previous:
             log(f"[{index}/{len(configs)}] {config.config_dir}: {previous['status']} (resumed)")
             results.append(previous)
+            if bar:
+                bar.advance(None)
             continue
         os.makedirs(config_path, exist_ok=True)
         reason = skip_reason(config)
+        started = time.monotonic()
         if reason:
             result = empty_result(config, "skipped", reason)
             write_json_atomic(result_path, result)
@@ -461,7 +492,83 @@ def _run_configs(configs, run_dir, resume, log) -> list[dict]:
             result = run_in_child(context, config, config_path, result_path)
         log(f"[{index}/{len(configs)}] {config.config_dir}: {describe(result)}")
         results.append(result)
+        if bar:
+            bar.advance(None if reason else time.monotonic() - started)
+    if bar:
+        bar.close()
     return results
+
+
+class ProgressBar:
+    """Configs done and left, elapsed time and an estimate of the rest, on stderr.
+
+    The estimate is the mean time of the configs that ran a worker times the workers still to
+    run (resumed and skipped configs take no time). A terminal gets one line redrawn in place;
+    anything else (a pipe, a log file) one plain line per config, with no carriage returns.
+    """
+
+    def __init__(self, total: int, to_run: int, stream=None, width: int = 24):
+        self.total, self.to_run, self.width = total, to_run, width
+        self.stream = stream or sys.stderr
+        self.tty = self.stream.isatty()
+        self.done = self.ran = 0
+        self.run_seconds = 0.0
+        self.start = time.monotonic()
+
+    def advance(self, seconds: float | None) -> None:
+        """One config finished; ``seconds``: how long its worker ran, None if none ran."""
+        self.done += 1
+        if seconds is not None:
+            self.ran += 1
+            self.run_seconds += seconds
+        self.draw()
+
+    def line(self) -> str:
+        filled = self.width * self.done // max(1, self.total)
+        if self.ran:
+            estimate = _duration(self.run_seconds / self.ran * max(0, self.to_run - self.ran))
+        else:
+            estimate = "estimating" if self.to_run else "0s"
+        return (
+            f"[{'#' * filled}{'-' * (self.width - filled)}] {self.done}/{self.total} configs "
+            f"done, {self.total - self.done} left, elapsed "
+            f"{_duration(time.monotonic() - self.start)}, estimate {estimate} left"
+        )
+
+    def draw(self) -> None:
+        if self.tty:
+            self.stream.write("\r\033[K" + self.line())
+        else:
+            self.stream.write(self.line() + "\n")
+        self.stream.flush()
+
+    def wrap(self, log):
+        """``log`` that lifts the redrawn line out of the way of the message (terminals)."""
+
+        def logged(message):
+            if self.tty:
+                self.stream.write("\r\033[K")
+                self.stream.flush()
+            log(message)
+            sys.stdout.flush()
+            if self.tty:
+                self.draw()
+
+        return logged
+
+    def close(self) -> None:
+        if self.tty:
+            self.stream.write("\n")
+            self.stream.flush()
+
+
+def _duration(seconds: float) -> str:
+    seconds = int(round(seconds))
+    if seconds < 60:
+        return f"{seconds}s"
+    if seconds < 3600:
+        return f"{seconds // 60}m{seconds % 60:02d}s"
+    return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m"
 
 
 def skip_reason(config: ExperimentConfig) -> str | None:
@@ -495,11 +602,12 @@ def run_in_child(context, config, config_path, result_path) -> dict:
 
 
 def describe(result: dict) -> str:
-    if result["status"] == "ok":
-        return (
-            f"ok, median {result['median_time_ms']:.1f} ms, peak {result['peak_memory_mb']:.1f} MB"
-        )
-    return f"{result['status']}: {result.get('error')}"
+    if result["status"] != "ok":
+        return f"{result['status']}: {result.get('error')}"
+    if result["median_time_ms"] is None:  # an --ncu step: its time under replay is no measurement
+        return "ok (" + result["env"].get("ncu_note", "not timed") + ")"
+    median, peak = result["median_time_ms"], result["peak_memory_mb"]
+    return f"ok, median {median:.1f} ms, peak " + ("n/a" if peak is None else f"{peak:.1f} MB")
 
 
 def probe_device(requested: str) -> dict:

@@ -92,6 +92,8 @@ class Trainer:
     ``on_phase(name)`` is called at the contract's phase points (``optimizer_created``,
     ``privacy_wrapped``, then per physical chunk ``forward_done``/``backward_done`` and per step
     ``step_done``) so the runner can take memory snapshots without the trainer knowing how.
+    Names starting with ``_`` are internal markers, not snapshots: moments where a trainer holds
+    state the memory breakdown should see by identity (flash's saved A and G mid-backward).
     """
 
     name = "base"
@@ -300,7 +302,9 @@ class FlashClippingTrainer(Trainer):
     """Ours: one forward, one backward, exact per-sample norms by the cheaper route per layer.
 
     Book-keeping (Bu et al. 2023): keep each layer's input A and output gradient G from the one
-    backward pass, compute per-sample norms, then each layer's clipped gradient as one GEMM.
+    backward pass (or, where smaller, its per-sample gradients, formed in the backward hook),
+    compute per-sample norms, then each layer's clipped gradient as one GEMM (or one weighted sum
+    of the kept per-sample gradients).
     """
 
     is_private = True
@@ -327,6 +331,7 @@ class FlashClippingTrainer(Trainer):
         self.on_phase("forward_done")
         # Sum over samples: each sample's G is then exactly the gradient of its own loss.
         self.engine.backward(per_sample.sum())
+        self.on_phase("_clip_inputs_saved")  # A, G and per-sample grads all held: name them
         norms = self.engine.per_sample_squared_norms().sqrt()
         self.engine.accumulate_clipped_grads(self.clip_factors(norms))
         self.engine.release()

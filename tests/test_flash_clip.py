@@ -95,7 +95,7 @@ def assert_close(actual, expected, rtol):
     assert err <= rtol, f"relative error {err:.3g} > {rtol}"
 
 
-@pytest.mark.parametrize("route", ["gram", "direct", "auto"])
+@pytest.mark.parametrize("route", ["gram", "direct", "product", "auto"])
 @pytest.mark.parametrize("T", [1, 5, 257])
 @pytest.mark.parametrize("B", [1, 3])
 def test_matches_brute_force(route, T, B):
@@ -135,8 +135,9 @@ def test_fp32_matches_brute_force():
 def test_auto_route_choice():
     model = make_model()
     flash = FlashClipping(model, tile_size=16)
-    # up: d=8, p=12; gram iff T(d+p)(1 + 1/n_tiles) < 2dp: T=3 (one tile) yes, T=257 no
-    for T, expected in [(3, "gram"), (257, "direct")]:
+    # up: d=8, p=12. Per-sample grads are kept iff dp <= T(d+p), i.e. T >= 4.8; below that,
+    # gram iff T(d+p)(1 + 1/n_tiles) < 2dp (T=3, one tile: 120 < 192).
+    for T, expected in [(3, "gram"), (5, "product"), (257, "product")]:
         ids, targets = make_batch(2, T)
         _, routes = flash_step(flash, model, ids, targets, 1.0)
         up = next(r for r in routes if r["layer"] == "up")
@@ -177,9 +178,42 @@ def test_module_called_twice():
         )
         for b in range(3)
     ]
+    for route in ("auto", "gram", "product"):
+        flash = FlashClipping(model, route=route, tile_size=2)
+        flash.backward(run(model, x).sum())
+        assert_close(flash.per_sample_squared_norms(), torch.stack(ref).square().sum(1), 1e-9)
+        flash.remove()
+
+
+def test_module_called_on_short_and_long_inputs():
+    """One call keeps per-sample grads (T=4 >= dp/(d+p)=3), the other keeps A and G (T=2):
+    the second is folded into the first, and norms and clipped sums stay exact."""
+    torch.manual_seed(1)
+    model = nn.ModuleDict({"lin": nn.Linear(6, 6)}).double()
+    reference = copy.deepcopy(model)
+
+    def run(m, x):
+        return m["lin"](x).square().sum((1, 2)) + m["lin"](x[:, :2]).sin().sum((1, 2))
+
+    x = torch.randn(3, 4, 6, dtype=torch.float64)
+    params = list(reference.parameters())
+    ref = torch.stack(
+        [
+            torch.cat(
+                [g.flatten() for g in torch.autograd.grad(run(reference, x[b : b + 1]), params)]
+            )
+            for b in range(3)
+        ]
+    )
     flash = FlashClipping(model, tile_size=2)
     flash.backward(run(model, x).sum())
-    assert_close(flash.per_sample_squared_norms(), torch.stack(ref).square().sum(1), 1e-9)
+    # the T=2 call's A and G (Gram by itself) were folded into the kept per-sample grads
+    assert [r["route"] for r in flash.routes()] == ["product", "product"]
+    norms = flash.per_sample_squared_norms().sqrt()
+    assert_close(norms, ref.norm(dim=1), 1e-9)
+    clip = torch.tensor([0.5, 1.0, 0.25], dtype=torch.float64)
+    flash.accumulate_clipped_grads(clip)
+    assert_close(flat_grads(model), (clip[:, None] * ref).sum(0), 1e-9)
 
 
 class LargestAlloc(TorchDispatchMode):
@@ -228,17 +262,19 @@ def test_no_large_intermediates(route):
     assert (p, d) not in in_backward.shapes  # autograd formed no weight gradient
 
 
-def test_bf16_autocast_close_to_fp32():
+@pytest.mark.parametrize("route", ["gram", "direct", "product"])
+def test_bf16_autocast_close_to_fp32(route):
     model = make_model(torch.float32)
     reference = copy.deepcopy(model)
     ids, targets = make_batch(3, 33, seed=5)
     ref_norms = brute_force(reference, ids, targets)[0]
     max_norm = ref_norms.median()
     _, _, ref_sum = brute_force(reference, ids, targets, max_norm)
-    flash = FlashClipping(model, tile_size=16)
+    flash = FlashClipping(model, route=route, tile_size=16)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         loss = sample_losses(model(ids).float(), targets).sum()
     flash.backward(loss)
+    assert {r["route"] for r in flash.routes() if "d" in r} == {route}
     norms = flash.per_sample_squared_norms().sqrt()
     assert norms.dtype == torch.float32
     assert_close(norms, ref_norms, 2e-2)
@@ -307,10 +343,56 @@ def test_saved_tensors_freed_layer_by_layer_while_the_graph_lives():
     loss = sample_losses(model(ids), targets).sum()
     flash.backward(loss)
     saved = [weakref.ref(t) for layer in flash.layers for call in layer.calls for t in call]
-    assert len(saved) >= 2 * len(flash.layers)
+    saved += [weakref.ref(g) for layer in flash.layers for g in layer.per_sample.values()]
+    # Embeddings keep A and G; Linears (T=9 >= dp/(d+p)) and norms keep per-sample grads.
+    assert len(saved) >= len(flash.layers) + 2
     norms = flash.per_sample_squared_norms().sqrt()
     flash.accumulate_clipped_grads((1.0 / (norms + 1e-6)).clamp(max=1.0))
     assert loss.grad_fn is not None  # the graph is still referenced here
     alive = [ref for ref in saved if ref() is not None]
     # Token ids of the embeddings are the model's own input (the test holds them); nothing else.
+    # (The kept per-sample grads of the Linears and norm layers are freed as well.)
     assert all(ref().dtype == torch.long for ref in alive)
+
+
+def test_product_route_drops_inputs_during_backward():
+    """Layers that keep per-sample grads let go of A and G inside backward itself."""
+    import weakref
+
+    model = make_model()
+    flash = FlashClipping(model, route="product")
+    ids, targets = make_batch(2, 6)
+    loss = sample_losses(model(ids), targets).sum()
+    inputs = {layer.name: weakref.ref(layer.calls[0][0]) for layer in flash.layers}
+    flash.backward(loss)
+    kept = {layer.name for layer in flash.layers if layer.per_sample}
+    assert kept == {"ln", "up", "down", "rms", "head"}  # every Linear and norm; not embeddings
+    assert all(inputs[name]() is None for name in kept)
+    up = next(layer for layer in flash.layers if layer.name == "up")
+    assert up.per_sample["weight"].shape == (2, 12, 8) and up.calls == []
+
+
+def test_different_batch_sizes_in_one_forward_raise():
+    """Per-sample grads of a module called on x and on x[:1] cannot be summed (no broadcast)."""
+    model = nn.ModuleDict({"lin": nn.Linear(4, 4)}).double()
+    flash = FlashClipping(model, route="product")
+    x = torch.randn(3, 5, 4, dtype=torch.float64)
+    loss = model["lin"](x).sum() + model["lin"](x[:1]).sum()
+    with pytest.raises(ValueError, match="different batch sizes"):
+        flash.backward(loss)
+
+
+def test_clip_factors_are_never_rounded_up():
+    """In bf16 a clip factor rounded up would scale a sample's gradient past C (the sensitivity
+    the noise is calibrated to): the low-precision factor must be <= the exact one, 1 ulp off."""
+    from flash_clip import _round_down
+
+    c = torch.rand(10_000, generator=torch.Generator().manual_seed(0)).clamp(min=1e-3)
+    c[:3] = torch.tensor([1.0, 0.5, 0.3])
+    low = _round_down(c, torch.bfloat16)
+    assert low.dtype == torch.bfloat16
+    assert (low.float() <= c).all()
+    assert low[0] == 1 and low[1] == 0.5  # exactly representable: kept as they are
+    ulp = c * 2.0**-7
+    assert ((c - low.float()) <= ulp).all()
+    assert torch.equal(_round_down(c, torch.float32), c)

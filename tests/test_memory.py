@@ -113,6 +113,7 @@ def test_frames_classification_table():
     )
     assert role("/w/flash_clip.py", "gram_squared_norms") == "temp_matrices"
     assert role("/w/flash_clip.py", "accumulate_clipped_grads") == "gradients"
+    assert role("/w/flash_clip.py", "per_sample_grads") == "per_sample_gradients"
     assert role("/s/torch/optim/adam.py", "_init_group") == "optimizer_states"
     assert role("/s/torch/nn/modules/linear.py", "forward") == "activations"
     assert memory.classify_frames([]) == "activations"
@@ -148,3 +149,49 @@ def test_recorded_gpu_histories(path):
     trainer = os.path.basename(path).split("_")[1]
     if trainer == "dpsgd":
         assert parts["per_sample_gradients_mb"] > 0
+
+
+def test_internal_markers_are_not_snapshots():
+    """Trainers call on_phase("_...") where the breakdown must see held state by identity;
+    the phase snapshots keep the contract's names only."""
+    import torch
+
+    from trainers import make_trainer
+
+    recorder = memory.PhaseRecorder(torch.device("cpu"))
+    model = torch.nn.Sequential(torch.nn.Embedding(7, 4), torch.nn.Linear(4, 7))
+    trainer = make_trainer("flash", model, lr=0.1, batch_size=2, on_phase=recorder)
+    seen = []
+    with trainer.observing_phases(lambda name: (seen.append(name), recorder(name))):
+        trainer.step(torch.randint(0, 7, (2, 5)), torch.randint(0, 7, (2, 5)))
+    assert "_clip_inputs_saved" in seen
+    names = [s["name"] for s in recorder.snapshots]
+    assert names == [
+        "optimizer_created",
+        "privacy_wrapped",
+        "forward_done",
+        "backward_done",
+        "step_done",
+    ]
+
+
+def test_phase_timestamp_is_taken_after_the_gpu_finished(monkeypatch):
+    """A phase ends when its kernels have run, not when the CPU launched them: the timestamp
+    must follow the synchronize (else the timeline and per-phase times lag one phase)."""
+    import time
+
+    import torch
+
+    waited = 0.05
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: time.sleep(waited))
+    for counter in (
+        "memory_allocated",
+        "memory_reserved",
+        "max_memory_allocated",
+        "max_memory_reserved",
+    ):
+        monkeypatch.setattr(torch.cuda, counter, lambda device=None: 0)
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda device=None: None)
+    recorder = memory.PhaseRecorder(torch.device("cuda"))
+    recorder("forward_done")
+    assert recorder.snapshots[0]["timestamp"] >= waited

@@ -467,3 +467,22 @@ def test_real_h100_export_parses_and_sums():
     assert set(by_category) == set(CATEGORIES)
     assert sum(c["count"] for c in by_category.values()) == 60
     assert by_category["gemm"]["count"] > 0 and by_category["norm_clip"]["count"] > 0
+
+
+def test_ncu_step_result_is_reported_without_numbers(tmp_path):
+    """Under --ncu the worker's result is ok with null times and peaks (a replayed step is no
+    measurement): the progress line and every summary file must say so, not crash on None."""
+    import report
+    import runner
+
+    config = runner.ExperimentConfig("dpsgd", 8, 256, ncu=True)
+    result = runner.empty_result(config, "ok")
+    result["env"] = {"ncu_note": "one step ran inside cudaProfilerStart/Stop"}
+    assert result["median_time_ms"] is None and result["peak_memory_mb"] is None
+    assert "cudaProfilerStart" in runner.describe(result)
+    run_dir = tmp_path / "run"
+    (run_dir / config.config_dir).mkdir(parents=True)
+    runner.write_json_atomic(str(run_dir / config.config_dir / "result.json"), result)
+    report.write_summary(str(run_dir), report.load_results(str(run_dir)))
+    text = (run_dir / "summary.txt").read_text()
+    assert "n/a" in text and "dpsgd" in (run_dir / "summary.md").read_text()

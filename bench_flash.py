@@ -1,0 +1,366 @@
+"""Flash Clipping benchmarks: per-layer norm work against its floor, and whole steps against goals.
+
+    python bench_flash.py kernels [--dtype bfloat16] [--output_dir DIR]   # GPU
+    python bench_flash.py steps [--dtypes float32 bfloat16] [--output_dir DIR]   # GPU
+
+``kernels``: for each Linear shape of the ``1b`` model at the step goals' (B, T), the time of each
+norm route (gram, direct, product: what flash runs per layer besides the model's own GEMMs) next
+to its floor, max(FLOPs / GEMM rate, bytes / copy bandwidth), with both rates measured on the card
+in the same run. ``steps``: the step goals of issue #6 (flash / standard step time, peak memory,
+speed against Opacus' ghost clipping and hooks), each config in its own worker process through
+the toolkit's one path (runner.run_configs), standard and the Opacus trainers in the same run.
+Where a goal is missed the table says by how much. Results: ``<output_dir>/<run>/bench_*.md``
+and ``.json``; the step configs' own result files sit beside them (``--mode=report`` reads them).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import torch
+
+import flash_clip
+import models
+import report
+import runner
+
+# (batch, seq) -> flash / standard step-time goal; the attention each dtype is benchmarked with.
+STEP_GOALS = {(8, 512): 1.15, (8, 1024): 1.20, (2, 4096): 1.25, (1, 16384): 1.25}
+ATTENTION = {"float32": "explicit", "bfloat16": "sdpa"}
+BF16_ONLY = {(1, 16384)}  # explicit fp32 attention cannot hold B*H*T^2 probabilities there
+PEAK_GOAL = 1.05  # flash peak memory / standard's
+GHOST_SPEEDUP_GOAL = 1.6  # ghost step time / flash's
+TRAINERS = ("standard", "flash", "ghost", "dpsgd")
+# The torch routes flash runs, and the fused Triton Gram kernel (flash_kernels) measured beside
+# them: it replaces the torch Gram path in flash once it is the faster one.
+ROUTES_MEASURED = ("gram", "gram_triton", "direct", "product")
+
+
+def step_configs(
+    dtypes, steps: int, warmup_steps: int, shapes=None
+) -> list[runner.ExperimentConfig]:
+    configs = []
+    for dtype in dtypes:
+        for batch, seq in shapes or STEP_GOALS:
+            if dtype == "float32" and (batch, seq) in BF16_ONLY:
+                continue
+            for trainer in TRAINERS:
+                configs.append(
+                    runner.ExperimentConfig(
+                        trainer=trainer,
+                        batch_size=batch,
+                        seq_len=seq,
+                        model="1b",
+                        default_model="1b",
+                        dtype=dtype,
+                        attention=ATTENTION[dtype],
+                        steps=steps,
+                        warmup_steps=warmup_steps,
+                        device="cuda",
+                        trace=False,
+                    )
+                )
+    return configs
+
+
+def _ratio(numerator, denominator):
+    if numerator is None or denominator is None or denominator == 0:
+        return None
+    return numerator / denominator
+
+
+def step_rows(results: list[dict]) -> list[dict]:
+    """One row per (dtype, B, T): flash's ratios and whether each goal is met."""
+    by_shape: dict[tuple, dict[str, dict]] = {}
+    for result in results:
+        config = result["config"]
+        key = (config["dtype"], config["batch_size"], config["seq_len"])
+        by_shape.setdefault(key, {})[config["trainer"]] = result
+    rows = []
+    for (dtype, batch, seq), trainers in by_shape.items():
+
+        def time_of(name, trainers=trainers):
+            result = trainers.get(name)
+            return result["median_time_ms"] if result and result["status"] == "ok" else None
+
+        def peak_of(name, trainers=trainers):
+            result = trainers.get(name)
+            return result["peak_memory_mb"] if result and result["status"] == "ok" else None
+
+        flash_time = time_of("flash")
+        row = {
+            "dtype": dtype,
+            "batch": batch,
+            "seq": seq,
+            "standard_ms": time_of("standard"),
+            "flash_ms": flash_time,
+            "ghost_ms": time_of("ghost"),
+            "dpsgd_ms": time_of("dpsgd"),
+            "time_x": _ratio(flash_time, time_of("standard")),
+            "time_goal": STEP_GOALS.get((batch, seq)),
+            "peak_x": _ratio(peak_of("flash"), peak_of("standard")),
+            "ghost_over_flash": _ratio(time_of("ghost"), flash_time),
+            "dpsgd_over_flash": _ratio(time_of("dpsgd"), flash_time),
+            "status": {name: r["status"] for name, r in trainers.items()},
+        }
+        row["misses"] = goal_misses(row)
+        rows.append(row)
+    return rows
+
+
+def goal_misses(row: dict) -> list[str]:
+    """Each goal the row misses, with by how much; unmeasured values are said, not guessed."""
+    checks = [
+        ("time_x", row["time_goal"], "<=", "flash/standard time"),
+        ("peak_x", PEAK_GOAL, "<=", "flash/standard peak"),
+        ("ghost_over_flash", GHOST_SPEEDUP_GOAL, ">=", "ghost/flash time"),
+        ("dpsgd_over_flash", 1.0, ">", "dpsgd/flash time"),
+    ]
+    misses = []
+    for key, goal, op, label in checks:
+        value = row[key]
+        if goal is None:
+            continue
+        if value is None:
+            misses.append(f"{label}: not measured")
+        elif (op == "<=" and value > goal) or (op == ">=" and value < goal):
+            misses.append(f"{label} {value:.2f} vs goal {op} {goal:.2f} ({value / goal - 1:+.0%})")
+        elif op == ">" and value <= goal:
+            misses.append(f"{label} {value:.2f} vs goal > {goal:.2f}")
+    return misses
+
+
+def format_step_table(rows: list[dict]) -> str:
+    def cell(value, fmt="{:.2f}"):
+        return "-" if value is None else fmt.format(value)
+
+    lines = [
+        "| dtype | B | T | standard ms | flash ms | ghost ms | dpsgd ms | flash/std time (goal) "
+        "| flash/std peak (goal 1.05) | ghost/flash (goal 1.6) | dpsgd/flash (goal >1) | misses |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for row in rows:
+        ms = "{:.1f}"
+        lines.append(
+            f"| {row['dtype']} | {row['batch']} | {row['seq']} | {cell(row['standard_ms'], ms)}"
+            f" | {cell(row['flash_ms'], ms)} | {cell(row['ghost_ms'], ms)}"
+            f" | {cell(row['dpsgd_ms'], ms)}"
+            f" | {cell(row['time_x'])} ({cell(row['time_goal'])}) | {cell(row['peak_x'])}"
+            f" | {cell(row['ghost_over_flash'])} | {cell(row['dpsgd_over_flash'])}"
+            f" | {'; '.join(row['misses']) or 'all met'} |"
+        )
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------- kernel level
+
+
+def _time_ms(fn, *args, repeats: int = 3) -> float:
+    """Median CUDA-event time of ``fn(*args)`` after one warm-up call."""
+    fn(*args)
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn(*args)
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+    return sorted(times)[len(times) // 2]
+
+
+def card_rates(dtype: torch.dtype) -> dict:
+    """The card's dense GEMM rate (FLOP/s) in ``dtype`` and its device-to-device copy bandwidth
+    (bytes/s, read + write), measured now: the floors are relative to this card, this run."""
+    n = 8192
+    a = torch.randn(n, n, device="cuda", dtype=dtype)
+    b = torch.randn(n, n, device="cuda", dtype=dtype)
+    gemm_ms = _time_ms(torch.matmul, a, b)
+    src = torch.empty(2**28, device="cuda", dtype=torch.uint8)  # 256 MiB: far beyond L2
+    dst = torch.empty_like(src)
+    copy_ms = _time_ms(dst.copy_, src)
+    return {
+        "gemm_flops": 2 * n**3 / (gemm_ms / 1e3),
+        "copy_bytes_per_s": 2 * src.numel() / (copy_ms / 1e3),
+    }
+
+
+def route_costs(B: int, T: int, d: int, p: int, elem: int) -> dict[str, tuple]:
+    """(FLOPs, bytes) each route must at least do per layer call: its floor on any tiling.
+
+    gram: the lower triangles of A A^T and G G^T (T^2 (d+p) FLOPs per sample, symmetric) plus the
+    clipped GEMM (2BTdp, the weight gradient's own FLOPs), A and G read once for each; direct:
+    G_b^T A_b (2BTdp) plus the clipped GEMM, A and G read twice; product: G_b^T A_b only (it
+    replaces the weight gradient), A and G read once, B*d*p written and read twice.
+    """
+    ag_bytes = B * T * (d + p) * elem
+    weight_grad_flops = 2 * B * T * d * p
+    return {
+        "gram": (B * T * T * (d + p) + weight_grad_flops, 2 * ag_bytes),
+        "direct": (2 * weight_grad_flops, 2 * ag_bytes),
+        "product": (weight_grad_flops, ag_bytes + 3 * B * d * p * elem),
+    }
+
+
+def run_route(layer, A, G, c, route: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """One layer's squared norms [B] and clipped weight gradient by ``route``, as a step does."""
+    rule = layer.rule
+    if route == "gram_triton":  # the fused Triton Gram kernel, then the same clipped GEMM
+        import flash_kernels
+
+        A_op, G_op = flash_clip._gemm_operands(A, G)
+        norms = flash_kernels.gram_squared_norms(A_op, G_op)
+        return norms, rule.clipped_grads(layer, A, G, c)["weight"]
+    if route == "product":
+        grads = rule.per_sample_grads(layer, A, G)["weight"]
+        norms = torch.linalg.vector_norm(grads.flatten(1), dim=1, dtype=torch.float32).square()
+        return norms, (c.to(grads.dtype) @ grads.flatten(1)).view(grads.shape[1:])
+    layer.route = route
+    return rule.squared_norms(layer, A, G), rule.clipped_grads(layer, A, G, c)["weight"]
+
+
+def shape_rows(B: int, T: int, d: int, p: int, dtype: torch.dtype, rates: dict) -> list[dict]:
+    """Each route's time on random A [B, T, d] and G [B, T, p] against its floor."""
+    module = torch.nn.Linear(d, p, bias=False, device="cuda")
+    layer = flash_clip.Layer(
+        f"{d}x{p}", module, flash_clip.NORM_RULES[torch.nn.Linear], {"weight": module.weight}
+    )
+    A = torch.randn(B, T, d, device="cuda", dtype=dtype)
+    G = torch.randn(B, T, p, device="cuda", dtype=dtype)
+    clip_factors = torch.rand(B, device="cuda")
+    costs = route_costs(B, T, d, p, A.element_size())
+    auto = flash_clip.linear_route(layer, T)
+    rows = []
+    for route in ROUTES_MEASURED:
+        try:
+            ms = _time_ms(run_route, layer, A, G, clip_factors, route)
+        except torch.OutOfMemoryError:
+            ms = None
+        torch.cuda.empty_cache()
+        flops, moved = costs[route.removesuffix("_triton")]
+        floor_ms = 1e3 * max(flops / rates["gemm_flops"], moved / rates["copy_bytes_per_s"])
+        rows.append(
+            {
+                "batch": B,
+                "seq": T,
+                "d": d,
+                "p": p,
+                "route": route,
+                "auto": route == auto,  # what flash runs for this layer
+                "ms": ms,
+                "floor_ms": floor_ms,
+                "x_floor": None if ms is None else ms / floor_ms,
+                # the model's own weight-gradient GEMM: what standard pays for this layer
+                "weight_grad_ms": 1e3 * 2 * B * T * d * p / rates["gemm_flops"],
+            }
+        )
+    return rows
+
+
+def kernel_rows(dtype: torch.dtype, shapes=None) -> tuple[list[dict], dict]:
+    rates = card_rates(dtype)
+    linear_shapes = sorted(
+        {
+            (m.in_features, m.out_features)
+            for m in models.build_model("1b", "meta").modules()
+            if isinstance(m, torch.nn.Linear)
+        }
+    )
+    rows = []
+    for B, T in shapes or STEP_GOALS:
+        for d, p in linear_shapes:
+            rows += shape_rows(B, T, d, p, dtype, rates)
+    return rows, rates
+
+
+def format_kernel_table(rows: list[dict]) -> str:
+    lines = [
+        "| B | T | d x p | route | auto | ms | floor ms | x floor | weight-grad GEMM floor ms |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        ms = "OOM" if r["ms"] is None else f"{r['ms']:.3f}"
+        x = "-" if r["x_floor"] is None else f"{r['x_floor']:.1f}"
+        lines.append(
+            f"| {r['batch']} | {r['seq']} | {r['d']}x{r['p']} | {r['route']} | "
+            f"{'yes' if r['auto'] else ''} | {ms} | {r['floor_ms']:.3f} | {x} | "
+            f"{r['weight_grad_ms']:.3f} |"
+        )
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------- CLI
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("what", choices=("kernels", "steps"))
+    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="bfloat16")
+    parser.add_argument(
+        "--dtypes", nargs="+", choices=("float32", "bfloat16"), default=["float32", "bfloat16"]
+    )
+    parser.add_argument(
+        "--shapes",
+        nargs="+",
+        default=None,
+        metavar="BxT",
+        help="(batch, seq) pairs, e.g. 8x512 2x4096 (default: the goals' shapes)",
+    )
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--warmup_steps", type=int, default=2)
+    parser.add_argument("--output_dir", default="./runs")
+    parser.add_argument("--run_name", default=None)
+    args = parser.parse_args(argv)
+    try:
+        shapes = [tuple(int(v) for v in s.lower().split("x")) for s in args.shapes or []] or None
+        if shapes and any(len(s) != 2 or min(s) <= 0 for s in shapes):
+            raise ValueError
+    except ValueError:
+        print(f"error: --shapes takes BxT pairs like 8x512, got {args.shapes}", file=sys.stderr)
+        return 2
+    device = runner.probe_device("cuda")  # in a child: step workers fork from this process
+    if not device["cuda"]:
+        print(
+            "error: bench_flash.py needs a CUDA GPU (CPU checks: python -m pytest)", file=sys.stderr
+        )
+        return 1
+    card = device["name"]
+    run_name = args.run_name or f"bench_flash_{time.strftime('%Y%m%d_%H%M%S')}"
+    run_dir = os.path.join(args.output_dir, run_name)
+    os.makedirs(run_dir, exist_ok=True)
+    if args.what == "kernels":
+        rows, rates = kernel_rows(getattr(torch, args.dtype), shapes)
+        table = format_kernel_table(rows)
+        header = (
+            f"# Flash norm routes per Linear shape of 1b, {args.dtype}, {card}\n\n"
+            f"Measured now: GEMM {rates['gemm_flops'] / 1e12:.0f} TFLOP/s, "
+            f"copy {rates['copy_bytes_per_s'] / 1e9:.0f} GB/s (read + write).\n\n"
+        )
+        name = f"bench_kernels_{args.dtype}"
+        payload = {"card": card, "dtype": args.dtype, "rates": rates, "rows": rows}
+    else:
+        # Steps run in forked workers: this process must not have touched CUDA beyond the check.
+        configs = step_configs(args.dtypes, args.steps, args.warmup_steps, shapes)
+        results = runner.run_configs(configs, run_dir)
+        rows = step_rows(results)
+        table = format_step_table(rows)
+        header = f"# Flash Clipping step goals, 1b model, {card}\n\n"
+        name = "bench_steps"
+        payload = {"card": card, "rows": rows}
+        report.write_summary(run_dir, results)
+    with report.atomic_write(os.path.join(run_dir, name + ".md")) as f:
+        f.write(header + table + "\n")
+    with report.atomic_write(os.path.join(run_dir, name + ".json")) as f:
+        json.dump(payload, f, indent=2)
+    print(header + table)
+    print(f"\nWritten: {os.path.join(run_dir, name)}.md, .json")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
