@@ -15,8 +15,8 @@ Limits:
   attributed by ``breakdown``).
 - The census counts distinct tensor storages, each whole, where the trainer keeps them and in
   autograd's pack hook: temporaries freed inside a phase, kernel workspaces and the caching
-  allocator's reserve are not counted, nor flash's output gradients G, which exist only inside
-  its backward call. Activations are one physical chunk's.
+  allocator's reserve are not counted. Flash's output gradients G and kept per-sample gradients
+  are counted at its internal ``_clip_inputs_saved`` event. Activations are one physical chunk's.
 - Memory per phase needs the CUDA allocator: on CPU, ``phase_costs`` has times only.
 """
 
@@ -93,8 +93,8 @@ class ModuleCensus:
     (``torch.autograd.graph.saved_tensors_hooks``) while a module of that group ran its forward.
     Parameters are excluded from the saved tensors. The census reads sizes only, allocates no
     device memory and keeps no tensor alive, so the step it observes measures the same.
-    Flash's output gradients G exist only inside its backward call, where no phase event fires:
-    they are not counted.
+    Flash's output gradients G and the per-sample gradients it keeps exist from the end of its
+    backward to its clipping: they are counted at its internal ``_clip_inputs_saved`` event.
     """
 
     def __init__(self, trainer):
@@ -180,6 +180,7 @@ class ModuleCensus:
         for layer in getattr(engine, "layers", []):
             group = self.group_of_module.get(id(layer.module), OTHER)
             add("dp_saved_tensors", group, layer.calls, exclude)
+            add("per_sample_gradients", group, list(layer.per_sample.values()))
         return counts
 
     def _hooked_modules(self):

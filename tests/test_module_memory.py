@@ -68,13 +68,14 @@ def tiny_lora_trainer(name, physical=3):
     return model, trainer, reference
 
 
-def reference_parameter_bytes(model):
-    """(all, trainable) bytes per group, found by module type, not by name patterns."""
+def reference_parameter_bytes(model, only=None):
+    """(all, trainable) bytes per group, found by module type, not by name patterns; ``only``:
+    count just the parameters whose id is in it."""
     from peft.tuners.lora import LoraLayer
     from transformers.models.llama.modeling_llama import LlamaAttention, LlamaMLP
 
     def nbytes(params):
-        return sum(p.numel() * p.element_size() for p in params)
+        return sum(p.numel() * p.element_size() for p in params if only is None or id(p) in only)
 
     lora = {id(p) for m in model.modules() if isinstance(m, LoraLayer) for p in
             [*m.lora_A.parameters(), *m.lora_B.parameters()]}  # fmt: skip
@@ -96,6 +97,19 @@ def reference_parameter_bytes(model):
     return total, trainable
 
 
+def flash_keeps_per_sample(model, seq_len, trained):
+    """Parameters whose per-sample grads flash keeps, by its rule (not by running it): Linears
+    with d*p <= T*(d+p), and norm layers; ``trained``: ids of the optimizer's parameters (flash
+    turns requires_grad off on what it manages)."""
+    kept = set()
+    for m in model.modules():
+        linear = isinstance(m, torch.nn.Linear)
+        if (linear and m.in_features * m.out_features <= seq_len * (m.in_features + m.out_features)
+                or isinstance(m, torch.nn.RMSNorm)):  # fmt: skip
+            kept |= {id(p) for p in m.parameters(recurse=False) if id(p) in trained}
+    return kept
+
+
 def census_of_one_step(trainer, seq_len=12, seed=1):
     inputs, labels = hf_models.synthetic_snli(6, seq_len, VOCAB, seed=seed)
     trainer.step(inputs, labels)  # warm-up: optimizer state and Opacus' buffers exist
@@ -110,14 +124,20 @@ def mb_to_bytes(value):
     return round(value * module_memory.MB)
 
 
-# trainer -> (gradient copies after the step, per-sample gradients per chunk sample)
+# trainer -> (gradient copies after the step, per-sample gradients per chunk sample; flash keeps
+# them for some layers only, checked separately)
 EXPECTED_STATE = {"standard": (1, 0), "dpsgd": (2, 1), "flash": (1, 0)}
 
 
 @pytest.mark.parametrize("name", sorted(EXPECTED_STATE))
 def test_census_parameters_gradients_and_per_sample_state_against_direct_counts(name):
-    _, trainer, (total, trainable) = tiny_lora_trainer(name, physical=3)  # chunks of 3, 3
+    model, trainer, (total, trainable) = tiny_lora_trainer(name, physical=3)  # chunks of 3, 3
     result = census_of_one_step(trainer)
+    if name == "flash":  # seen at its _clip_inputs_saved event: one chunk's kept grads
+        trained = {id(p) for g in trainer.optimizer.param_groups for p in g["params"]}
+        kept = reference_parameter_bytes(model, only=flash_keeps_per_sample(model, 12, trained))
+        kept = kept[0]  # (all bytes of the kept parameters; they are trained ones)
+        assert sum(kept.values()) > 0  # the classifier head (d x 3) keeps them at T=12
     groups = result["groups"]
     copies, per_sample = EXPECTED_STATE[name]
     for group in total:
@@ -126,7 +146,7 @@ def test_census_parameters_gradients_and_per_sample_state_against_direct_counts(
         # Opacus after the step: p.grad and its accumulated summed_grad, one of each.
         assert mb_to_bytes(groups[group]["gradients_mb"]) == copies * trainable[group], group
         # One chunk's per-sample gradients at its backward_done: 3 x the trainable bytes.
-        expected = 3 * per_sample * trainable[group]
+        expected = 3 * (kept[group] if name == "flash" else per_sample * trainable[group])
         assert mb_to_bytes(groups[group]["per_sample_gradients_mb"]) == expected, group
         assert groups[group]["norm_samples_mb"] == 0
     assert result["phase_of"]["norm_samples_mb"] is None  # only ghost keeps norm samples
