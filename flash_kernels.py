@@ -20,6 +20,29 @@ import triton.language as tl
 
 
 @triton.jit
+def _gram_tile(
+    base, rows_s, rows_t, T, K, stride_t, stride_k,
+    BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, INPUT_PRECISION: tl.constexpr,
+):  # fmt: skip
+    """The (s, t) tile of X X^T for one sample's X [T, K] at ``base``, accumulated in fp32."""
+    gram = tl.zeros((BLOCK_T, BLOCK_T), dtype=tl.float32)
+    k = tl.arange(0, BLOCK_K)
+    for k0 in range(0, K, BLOCK_K):
+        cols = k0 + k
+        keep = cols[None, :] < K
+        x_s = tl.load(
+            base + rows_s[:, None] * stride_t + cols[None, :] * stride_k,
+            mask=(rows_s[:, None] < T) & keep, other=0.0,
+        )  # fmt: skip
+        x_t = tl.load(
+            base + rows_t[:, None] * stride_t + cols[None, :] * stride_k,
+            mask=(rows_t[:, None] < T) & keep, other=0.0,
+        )  # fmt: skip
+        gram += tl.dot(x_s, tl.trans(x_t), input_precision=INPUT_PRECISION)
+    return gram
+
+
+@triton.jit
 def _gram_pair_kernel(
     A, G, out,
     T, D, P,
@@ -34,38 +57,14 @@ def _gram_pair_kernel(
         return
     rows_s = s * BLOCK_T + tl.arange(0, BLOCK_T)
     rows_t = t * BLOCK_T + tl.arange(0, BLOCK_T)
-    k = tl.arange(0, BLOCK_K)
-
-    gram_a = tl.zeros((BLOCK_T, BLOCK_T), dtype=tl.float32)
-    a_base = A + b * stride_ab
-    for k0 in range(0, D, BLOCK_K):
-        cols = k0 + k
-        keep = cols[None, :] < D
-        a_s = tl.load(
-            a_base + rows_s[:, None] * stride_at + cols[None, :] * stride_ad,
-            mask=(rows_s[:, None] < T) & keep, other=0.0,
-        )  # fmt: skip
-        a_t = tl.load(
-            a_base + rows_t[:, None] * stride_at + cols[None, :] * stride_ad,
-            mask=(rows_t[:, None] < T) & keep, other=0.0,
-        )  # fmt: skip
-        gram_a += tl.dot(a_s, tl.trans(a_t), input_precision=INPUT_PRECISION)
-
-    gram_g = tl.zeros((BLOCK_T, BLOCK_T), dtype=tl.float32)
-    g_base = G + b * stride_gb
-    for k0 in range(0, P, BLOCK_K):
-        cols = k0 + k
-        keep = cols[None, :] < P
-        g_s = tl.load(
-            g_base + rows_s[:, None] * stride_gt + cols[None, :] * stride_gp,
-            mask=(rows_s[:, None] < T) & keep, other=0.0,
-        )  # fmt: skip
-        g_t = tl.load(
-            g_base + rows_t[:, None] * stride_gt + cols[None, :] * stride_gp,
-            mask=(rows_t[:, None] < T) & keep, other=0.0,
-        )  # fmt: skip
-        gram_g += tl.dot(g_s, tl.trans(g_t), input_precision=INPUT_PRECISION)
-
+    gram_a = _gram_tile(
+        A + b * stride_ab, rows_s, rows_t, T, D, stride_at, stride_ad,
+        BLOCK_T, BLOCK_K, INPUT_PRECISION,
+    )  # fmt: skip
+    gram_g = _gram_tile(
+        G + b * stride_gb, rows_s, rows_t, T, P, stride_gt, stride_gp,
+        BLOCK_T, BLOCK_K, INPUT_PRECISION,
+    )  # fmt: skip
     pair_sum = tl.sum(tl.sum(gram_a * gram_g, axis=1), axis=0)
     pair_sum = tl.where(s == t, pair_sum, 2.0 * pair_sum)
     tl.atomic_add(out + b, pair_sum)
