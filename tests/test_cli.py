@@ -1,7 +1,6 @@
 """The CLI end to end on CPU: plan, isolated workers, result files, summaries, exit codes."""
 
 import csv
-import json
 import os
 import signal
 import subprocess
@@ -9,54 +8,15 @@ import sys
 import time
 
 import pytest
+from cli_helpers import ROOT, SMALL_MODEL, cli, results_in, small_run_args
 
 import profiling_script
 import runner
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SMALL_MODEL = ["--hidden_dim", "32", "--num_layers", "1", "--num_heads", "2", "--vocab_size", "50"]
-
-
-def cli(*args, timeout=300):
-    return subprocess.run(
-        [sys.executable, "profiling_script.py", *args],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
-
-
-def results_in(run_dir):
-    out = {}
-    for name in sorted(os.listdir(run_dir)):
-        path = os.path.join(run_dir, name, "result.json")
-        if os.path.exists(path):
-            with open(path) as f:
-                out[name] = json.load(f)
-    return out
-
 
 def test_test_mode_runs_every_trainer_and_writes_summaries(tmp_path):
-    proc = cli(
-        "--mode=test",
-        "--batch_sizes",
-        "2",
-        "--seq_lens",
-        "16",
-        "--steps",
-        "2",
-        "--trainers",
-        "vanilla",
-        "hooks",
-        "dpsgd_ghost",
-        "flash_clip",
-        "--output_dir",
-        str(tmp_path),
-        "--run_name",
-        "r",
-        *SMALL_MODEL,
-    )
+    trainers = ("vanilla", "hooks", "dpsgd_ghost", "flash_clip")
+    proc = cli(*small_run_args(tmp_path, *trainers, seq_lens=(16,), steps=2))
     assert proc.returncode == 0, proc.stderr[-2000:]
     run_dir = tmp_path / "r"
     results = results_in(run_dir)
@@ -85,23 +45,7 @@ def test_test_mode_runs_every_trainer_and_writes_summaries(tmp_path):
 
 
 def test_peak_memory_on_cpu_grows_with_the_batch(tmp_path):
-    proc = cli(
-        "--mode=test",
-        "--trainers",
-        "standard",
-        "--batch_sizes",
-        "1",
-        "8",
-        "--seq_lens",
-        "64",
-        "--steps",
-        "1",
-        "--output_dir",
-        str(tmp_path),
-        "--run_name",
-        "r",
-        *SMALL_MODEL,
-    )
+    proc = cli(*small_run_args(tmp_path, "standard", batch_sizes=(1, 8), seq_lens=(64,)))
     assert proc.returncode == 0, proc.stderr[-2000:]
     results = results_in(tmp_path / "r")
     small = results["standard_bs1_seq64"]["peak_memory_mb"]
@@ -110,22 +54,7 @@ def test_peak_memory_on_cpu_grows_with_the_batch(tmp_path):
 
 
 def test_resume_skips_finished_configs_and_existing_run_is_refused(tmp_path):
-    args = [
-        "--mode=test",
-        "--trainers",
-        "standard",
-        "--batch_sizes",
-        "2",
-        "--seq_lens",
-        "8",
-        "--steps",
-        "1",
-        "--output_dir",
-        str(tmp_path),
-        "--run_name",
-        "r",
-        *SMALL_MODEL,
-    ]
+    args = small_run_args(tmp_path, "standard")
     assert cli(*args).returncode == 0
     stamp = os.path.getmtime(tmp_path / "r" / "standard_bs2_seq8" / "result.json")
     refused = cli(*args)
@@ -205,25 +134,7 @@ def test_failed_config_is_recorded_others_finish_and_exit_1(tmp_path, monkeypatc
 
     # The workers are forked from this process, so they see the patched function.
     monkeypatch.setattr(runner, "run_experiment", crash_for_ghost)
-    code = profiling_script.main(
-        [
-            "--mode=test",
-            "--trainers",
-            "ghost",
-            "standard",
-            "--batch_sizes",
-            "2",
-            "--seq_lens",
-            "8",
-            "--steps",
-            "1",
-            "--output_dir",
-            str(tmp_path),
-            "--run_name",
-            "r",
-            *SMALL_MODEL,
-        ]
-    )
+    code = profiling_script.main(small_run_args(tmp_path, "ghost", "standard"))
     assert code == 1
     results = results_in(tmp_path / "r")
     assert results["ghost_bs2_seq8"]["status"] == "error"
@@ -239,46 +150,14 @@ def test_oom_is_a_measurement_not_an_error(tmp_path, monkeypatch):
         raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
 
     monkeypatch.setattr(runner, "run_experiment", oom)
-    code = profiling_script.main(
-        [
-            "--mode=test",
-            "--trainers",
-            "standard",
-            "--batch_sizes",
-            "2",
-            "--seq_lens",
-            "8",
-            "--output_dir",
-            str(tmp_path),
-            "--run_name",
-            "r",
-            *SMALL_MODEL,
-        ]
-    )
+    code = profiling_script.main(small_run_args(tmp_path, "standard", steps=None))
     assert code == 0
     assert results_in(tmp_path / "r")["standard_bs2_seq8"]["status"] == "oom"
 
 
 def test_physical_larger_than_some_logical_batches_is_skipped(tmp_path):
-    proc = cli(
-        "--mode=test",
-        "--trainers",
-        "dpsgd",
-        "--batch_sizes",
-        "2",
-        "4",
-        "--max_physical_batch_sizes",
-        "3",
-        "--seq_lens",
-        "8",
-        "--steps",
-        "1",
-        "--output_dir",
-        str(tmp_path),
-        "--run_name",
-        "r",
-        *SMALL_MODEL,
-    )
+    args = small_run_args(tmp_path, "dpsgd", batch_sizes=(2, 4))
+    proc = cli(*args, "--max_physical_batch_sizes", "3")
     assert proc.returncode == 0, proc.stderr[-2000:]
     results = results_in(tmp_path / "r")
     assert results["dpsgd_bs2_seq8_pb3"]["status"] == "skipped"
@@ -330,26 +209,7 @@ def test_ctrl_c_keeps_only_complete_results(tmp_path):
 
 
 def test_report_mode_rerenders_from_result_files(tmp_path):
-    assert (
-        cli(
-            "--mode=test",
-            "--trainers",
-            "standard",
-            "dpsgd",
-            "--batch_sizes",
-            "2",
-            "--seq_lens",
-            "8",
-            "--steps",
-            "1",
-            "--output_dir",
-            str(tmp_path),
-            "--run_name",
-            "r",
-            *SMALL_MODEL,
-        ).returncode
-        == 0
-    )
+    assert cli(*small_run_args(tmp_path, "standard", "dpsgd")).returncode == 0
     (tmp_path / "r" / "summary.csv").unlink()
     proc = cli("--mode=report", "--input_dir", str(tmp_path / "r"))
     assert proc.returncode == 0, proc.stderr
@@ -454,24 +314,7 @@ def test_memory_mode_on_cpu_and_activation_checkpointing(tmp_path):
 
 
 def test_resume_refuses_changed_settings_and_duplicates_run_once(tmp_path):
-    args = [
-        "--mode=test",
-        "--trainers",
-        "standard",
-        "--batch_sizes",
-        "2",
-        "2",
-        "--seq_lens",
-        "8",
-        "--steps",
-        "1",
-        "--no_trace",
-        "--output_dir",
-        str(tmp_path),
-        "--run_name",
-        "r",
-        *SMALL_MODEL,
-    ]
+    args = [*small_run_args(tmp_path, "standard", batch_sizes=(2, 2)), "--no_trace"]
     first = cli(*args)
     assert first.returncode == 0, first.stderr[-2000:]
     assert first.stdout.count("standard_bs2_seq8: running") == 1

@@ -11,7 +11,6 @@ import json  # noqa: E402
 import math  # noqa: E402
 import stat  # noqa: E402
 import subprocess  # noqa: E402
-import sys  # noqa: E402
 import time  # noqa: E402
 
 import pytest  # noqa: E402
@@ -19,11 +18,12 @@ import pytest  # noqa: E402
 pytest.importorskip("transformers")
 pytest.importorskip("peft")
 
+from cli_helpers import ROOT, cli  # noqa: E402
+
 import hf_sweep  # noqa: E402
 import module_memory  # noqa: E402
 import report  # noqa: E402
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SWEEP_FILES = (
     "memory_profile_results.json",
     "memory_profile_summary.csv",
@@ -132,8 +132,6 @@ def test_report_of_a_cuda_like_sweep_with_oom_and_skips(tmp_path):
 
 def sweep_cli(tmp_path, *extra, token=None):
     args = [
-        sys.executable,
-        "profiling_script.py",
         "--mode=hf_sweep",
         "--model_name",
         "tiny-llama",
@@ -163,7 +161,7 @@ def sweep_cli(tmp_path, *extra, token=None):
     if token:
         args += ["--token", token]
     start = time.monotonic()
-    proc = subprocess.run(args, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    proc = cli(*args)
     return proc, time.monotonic() - start
 
 

@@ -12,11 +12,11 @@ import subprocess
 import sys
 
 import pytest
+from cli_helpers import ROOT
 
 import kernels
 import ncu
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FIXTURE = os.path.join(ROOT, "tests", "fixtures", "ncu_raw_small.csv")
 SCRIPT = os.path.join(ROOT, "run_profiling_ncu.sh")
 PY_BIN = os.path.dirname(sys.executable)

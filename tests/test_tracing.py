@@ -2,7 +2,6 @@
 
 import gzip
 import json
-import os
 import socket
 import subprocess
 import sys
@@ -10,38 +9,14 @@ import time
 import urllib.request
 
 import pytest
+from cli_helpers import cli, small_run_args
 
 import kernels
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SMALL_MODEL = ["--hidden_dim", "32", "--num_layers", "1", "--num_heads", "2", "--vocab_size", "50"]
-
 
 def run_cli(tmp_path, *extra):
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "profiling_script.py",
-            "--mode=test",
-            "--trainers",
-            "standard",
-            "flash",
-            "--batch_sizes",
-            "2",
-            "--seq_lens",
-            "16",
-            "--steps",
-            "1",
-            "--output_dir",
-            str(tmp_path),
-            *SMALL_MODEL,
-            *extra,
-        ],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    args = small_run_args(tmp_path, "standard", "flash", seq_lens=(16,), run_name=None)
+    proc = cli(*args, *extra)
     assert proc.returncode == 0, proc.stderr[-2000:]
     return proc
 

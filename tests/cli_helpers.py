@@ -1,0 +1,46 @@
+"""Shared by the end-to-end tests: run the CLI as a user does and read what a run wrote."""
+
+import json
+import os
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# A one-layer model small enough that a CPU test-mode config takes about a second.
+SMALL_MODEL = ["--hidden_dim", "32", "--num_layers", "1", "--num_heads", "2", "--vocab_size", "50"]
+
+
+def cli(*args, timeout=300, **options):
+    """``python profiling_script.py *args`` from the repository root, output captured."""
+    return subprocess.run(
+        [sys.executable, "profiling_script.py", *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        **options,
+    )
+
+
+def small_run_args(output_dir, *trainers, batch_sizes=(2,), seq_lens=(8,), steps=1, run_name="r"):
+    """Arguments of a --mode=test run of the small model (``steps=None``: the mode's default;
+    ``run_name=None``: the default timestamped name)."""
+    args = ["--mode=test", "--trainers", *trainers]
+    args += ["--batch_sizes", *map(str, batch_sizes), "--seq_lens", *map(str, seq_lens)]
+    if steps is not None:
+        args += ["--steps", str(steps)]
+    args += ["--output_dir", str(output_dir)]
+    if run_name is not None:
+        args += ["--run_name", run_name]
+    return [*args, *SMALL_MODEL]
+
+
+def results_in(run_dir):
+    """Config directory name -> its result.json, for every finished config of a run."""
+    out = {}
+    for name in sorted(os.listdir(run_dir)):
+        path = os.path.join(run_dir, name, "result.json")
+        if os.path.exists(path):
+            with open(path) as f:
+                out[name] = json.load(f)
+    return out
