@@ -1,17 +1,27 @@
 """Nsight Compute (ncu): command lines, report export and parsing, per-step traffic aggregation.
 
-    ncu --profile-from-start off --clock-control none --metrics dram__bytes_read.sum,... \\
+    ncu --replay-mode app-range --clock-control none --metrics dram__bytes_read.sum,... \\
         --target-processes all -f -o ncu_reports/report_dpsgd_bs8_seq256 \\
         python profiling_script.py --mode=profile --trainer=dpsgd ... --ncu
     ncu --import ncu_reports/report_dpsgd_bs8_seq256.ncu-rep --csv --page raw ...  # parse_raw_csv
     python profiling_script.py --mode=ncu_report --input_dir ncu_reports   # write_ncu_summary
 
 The worker (``--ncu``) runs its warm-up steps outside the profiled range and one step between
-``torch.cuda.profiler.start()`` and ``stop()``, so every kernel of that step -- the backward ones
-that autograd launches from its own thread included -- is in the report, and nothing else is.
-ncu replays each kernel once per metric pass and, by default, flushes the caches before each
-replay, so the DRAM bytes of a kernel are what it moves from a cold L2; their sum over the step
-is the step's traffic when no data survives in L2 between kernels.
+``torch.cuda.profiler.start()`` and ``stop()`` (cudaProfilerStart/Stop), so every kernel of that
+step -- the backward ones that autograd launches from its own thread included -- is inside the
+range, and nothing else is. Two ways to measure it (``REPLAY_MODES``):
+
+- kernel replay (``--profile-from-start off``): one result per kernel. ncu replays each kernel
+  once per metric pass and, by default, flushes the caches before each replay, so the DRAM bytes
+  of a kernel are what it moves from a cold L2; their sum over the step is the step's traffic
+  when no data survives in L2 between kernels. Per-kernel numbers give the per-category
+  breakdown, at ~0.15 s of ncu overhead per kernel (a step launches 100-520).
+- range replay (``--replay-mode app-range`` or ``range``): one result for the whole range, a
+  row named ``range`` in the export: the real step's DRAM / L2 bytes with warm caches between
+  kernels (dirty lines written back during the step count as writes) and the range's GPU time.
+  app-range reruns the whole application once per metric pass and has no API restrictions;
+  range captures the API calls inside the range and replays them, which supports only a subset
+  of CUDA APIs (some trainers' steps are rejected).
 
 Units: bytes, bytes/s, ns and plain counts after parsing; GB in tables is 10^9 bytes.
 ``python ncu.py command ...`` and ``python ncu.py metrics ...`` serve run_profiling_ncu.sh.
@@ -120,6 +130,9 @@ _METRIC_PREFIXES = ("regex:", "group:", "breakdown:")  # also accepted by `ncu -
 
 TRAINERS = tuple(trainers.TRAINERS)  # the one registry: canonical names, in table order
 CLOCK_CONTROLS = ("none", "base", "boost", "force-boost", "reset")
+# ncu --replay-mode: ncu_command's default is kernel, run_profiling_ncu.sh's app-range
+REPLAY_MODES = ("app-range", "kernel", "range")
+RANGE_NAME = "range"  # the "Kernel Name" of a range replay's one result per range
 NVTX_INCLUDE = "step/"  # the push/pop range around the measured step
 REPORT_RE = re.compile(r"^report_(?P<trainer>\w+?)_bs(?P<batch>\d+)_seq(?P<seq>\d+)$")
 
@@ -230,6 +243,7 @@ def ncu_command(
     metrics=METRICS,
     clock_control: str = "none",
     nvtx: bool = False,
+    replay_mode: str = "kernel",
     *,
     ncu: str = "ncu",
     python: str | None = None,
@@ -237,20 +251,37 @@ def ncu_command(
 ) -> list[str]:
     """argv that profiles one config's measured step into ``<report_path>.ncu-rep``.
 
-    ``--profile-from-start off``: only kernels between cudaProfilerStart/Stop (the worker's
-    torch.cuda.profiler.start()/stop()) are profiled. ``--target-processes all``: the CLI forks
-    one worker per config, and ncu must follow it. ``nvtx=True`` also keeps only kernels inside
-    the push/pop range ``step``; NVTX push/pop ranges are per thread, so check that autograd's
-    backward kernels (launched from its own thread) are still in the report before using it.
+    ``replay_mode="kernel"``: ``--profile-from-start off``, so only kernels between
+    cudaProfilerStart/Stop (the worker's torch.cuda.profiler.start()/stop()) are profiled, each
+    replayed per metric pass (~0.15 s of ncu overhead per kernel; per-kernel numbers).
+    ``"app-range"`` / ``"range"``: ``--replay-mode <mode>``, one result for the range that
+    cudaProfilerStart/Stop delimits (ncu rejects ``--profile-from-start`` there): app-range reruns
+    the application once per metric pass and has no API restrictions; range captures and replays
+    the range's API calls and rejects some. ``--target-processes all``: the CLI forks one worker
+    per config, and ncu must follow it. ``nvtx=True`` (kernel replay only) also keeps only kernels
+    inside the push/pop range ``step``; NVTX push/pop ranges are per thread, so check that
+    autograd's backward kernels (launched from its own thread) are still in the report.
     """
     if clock_control not in CLOCK_CONTROLS:
         raise ValueError(f"--clock-control must be one of {', '.join(CLOCK_CONTROLS)}")
+    if replay_mode not in REPLAY_MODES:
+        raise ValueError(
+            f"--replay-mode must be one of {', '.join(REPLAY_MODES)} (got {replay_mode!r})"
+        )
+    if nvtx and replay_mode != "kernel":
+        raise ValueError(
+            f"--nvtx (kernels inside the NVTX range {NVTX_INCLUDE!r}) needs --replay-mode kernel; "
+            f"in {replay_mode} replay the cudaProfilerStart/Stop range already is the measured step"
+        )
     metrics = translate_metrics(metrics)
     args = [str(a) for a in python_args]
     if "--ncu" not in args:
         args.append("--ncu")
-    cmd = [ncu, "--profile-from-start", "off", "--clock-control", clock_control]
-    cmd += ["--metrics", ",".join(metrics)]
+    if replay_mode == "kernel":
+        cmd = [ncu, "--profile-from-start", "off"]
+    else:  # the range is cudaProfilerStart/Stop; --profile-from-start is an error here
+        cmd = [ncu, "--replay-mode", replay_mode]
+    cmd += ["--clock-control", clock_control, "--metrics", ",".join(metrics)]
     if nvtx:
         cmd += ["--nvtx", "--nvtx-include", NVTX_INCLUDE]
     cmd += ["--target-processes", "all", "-f", "-o", str(report_path).removesuffix(".ncu-rep")]
@@ -317,7 +348,8 @@ def is_metric_column(name: str) -> bool:
 
 
 def parse_raw_csv(text: str) -> list[dict]:
-    """Rows of ``ncu --csv --page raw``: one dict per kernel launch.
+    """Rows of ``ncu --csv --page raw``: one dict per kernel launch (kernel replay) or per range
+    (range replay: "Kernel Name" is ``range``).
 
     Label columns ("ID", "Kernel Name", "Context", "Stream", "Block Size", ...) stay strings;
     metric columns become floats in base units (bytes, bytes/s, ns, counts) or None for n/a.
@@ -376,37 +408,62 @@ def _sum(rows: list[dict], metric: str) -> float | None:
 
 
 def aggregate(rows: list[dict]) -> dict:
-    """Step totals and per-category totals (kernels.categorize of "Kernel Name") of one report.
+    """Step totals of one report and, for kernel replay, per-category totals.
 
-    Totals of a metric the report lacks are None; ``incomplete`` lists metrics that some
-    kernels report as n/a (their sums cover the other kernels only).
+    ``replay`` is "kernel" (one row per kernel: ``kernel_count``, ``kernel_time_ms`` the sum of
+    kernel durations, ``categories`` by kernels.categorize of "Kernel Name") or "range" (rows
+    named ``range``, from ``--replay-mode app-range`` or ``range``: ``range_count``,
+    ``range_time_ms``; no per-kernel numbers, so ``kernel_count``, ``kernel_time_ms`` and
+    ``categories`` are None). A report that mixes both raises ValueError. Totals of a metric the
+    report lacks are None; ``incomplete`` lists metrics that some rows report as n/a (their sums
+    cover the other rows only).
     """
+    ranges = sum(row.get("Kernel Name") == RANGE_NAME for row in rows)
+    if 0 < ranges < len(rows):
+        raise ValueError(
+            f"the report mixes {ranges} range results with {len(rows) - ranges} kernel results; "
+            "profile a config with one replay mode (kernel, or app-range / range)"
+        )
     out: dict = {key: _sum(rows, metric) for key, metric in TOTALS.items()}
     time_ns = _sum(rows, _TIME)
-    out["kernel_time_ms"] = None if time_ns is None else time_ns / 1e6
-    out["kernel_count"] = len(rows)
+    time_ms = None if time_ns is None else time_ns / 1e6
+    out["replay"] = "range" if ranges else "kernel"
+    if ranges:
+        # app-range: the range's elapsed GPU time, idle gaps between kernels included (launch
+        # overhead, host work), not the kernels' busy time; so is achieved_dram_gbps below.
+        out.update(kernel_time_ms=None, range_time_ms=time_ms, kernel_count=None)
+        out["range_count"] = ranges
+    else:
+        out.update(kernel_time_ms=time_ms, range_time_ms=None, kernel_count=len(rows))
+        out["range_count"] = None
     dram = [out["dram_read_bytes"], out["dram_write_bytes"]]
     seconds = (time_ns or 0.0) / 1e9
     out["achieved_dram_gbps"] = (
         sum(dram) / seconds / GB if None not in dram and seconds > 0 else None
     )
+    out["categories"] = None if ranges else _categories(rows, time_ns is not None)
+    wanted = [*TOTALS.values(), _TIME]
+    out["incomplete"] = sorted(
+        m for m in wanted if any(m in row and row[m] is None for row in rows)
+    )
+    return out
+
+
+def _categories(rows: list[dict], timed: bool) -> dict:
+    """Per-category totals of a kernel replay's rows (every category, empty ones as zeros)."""
     by_category: dict[str, list[dict]] = {c: [] for c in kernels.CATEGORIES}
     for row in rows:
         by_category[kernels.categorize(row.get("Kernel Name", ""))].append(row)
-    out["categories"] = {}
+    out = {}
     for category, members in by_category.items():
         entry = {}
         for key, metric in _CATEGORY_TOTALS.items():
             total = _sum(rows, metric)  # None for every category when the metric is missing
             entry[key] = None if total is None else (_sum(members, metric) or 0.0)
-        time = (_sum(members, _TIME) or 0.0) if time_ns is not None else None
+        time = (_sum(members, _TIME) or 0.0) if timed else None
         entry["time_ms"] = None if time is None else time / 1e6
         entry["count"] = len(members)
-        out["categories"][category] = entry
-    wanted = [*TOTALS.values(), _TIME]
-    out["incomplete"] = sorted(
-        m for m in wanted if any(m in row and row[m] is None for row in rows)
-    )
+        out[category] = entry
     return out
 
 
@@ -513,7 +570,8 @@ def load_reports(input_dir: str) -> list[dict]:
                 export_report(rep, ncu)
             with open(csv_path, encoding="utf-8") as f:
                 entry.update(aggregate(parse_raw_csv(f.read())))
-            entry["error"] = None if entry["kernel_count"] else "no kernels in the report"
+            measured = entry["kernel_count"] or entry["range_count"]
+            entry["error"] = None if measured else "no kernels in the report"
         except (OSError, RuntimeError, ValueError) as error:  # this report only
             entry["error"] = f"{type(error).__name__}: {error}"
         entries.append(entry)
@@ -528,24 +586,40 @@ def _ratio(value, base):
     return None if value is None or not base else value / base
 
 
+def _step_time_ms(entry: dict) -> float | None:
+    """Kernel time (sum of kernel durations) of a kernel replay, range time of a range replay."""
+    key = "range_time_ms" if entry.get("replay") == "range" else "kernel_time_ms"
+    return entry.get(key)
+
+
 def summary_rows(entries: list[dict]) -> list[dict]:
-    """One flat row per config (the ncu_summary.csv columns), with ratios against standard."""
+    """One flat row per config (the ncu_summary.csv columns), with ratios against standard.
+
+    A ratio needs the standard report at the same shape to use the same replay mode (else None):
+    kernel replay sums every kernel's traffic from a flushed L2 and its kernel durations, range
+    replay measures the real step with warm caches and its elapsed time, so their DRAM, L2 and
+    time figures are not comparable.
+    """
     base = {(e["batch"], e["seq"]): e for e in entries if e["trainer"] == "standard"}
     rows = []
     for e in entries:
         b = base.get((e["batch"], e["seq"]), {})
+        if not (e.get("replay") and b.get("replay") == e.get("replay")):
+            b = {}  # no standard report of the same replay mode at this shape: no ratios
         row = {k: e[k] for k in ("trainer", "batch", "seq", "report")}
+        row["replay"] = e.get("replay")
         row["kernels"] = e.get("kernel_count")
         row["kernel_time_ms"] = e.get("kernel_time_ms")
+        row["range_time_ms"] = e.get("range_time_ms")
         for key in TOTALS:
             row[key] = e.get(key)
         row["dram_bytes"] = dram_bytes(e)
         row["achieved_dram_gbps"] = e.get("achieved_dram_gbps")
         row["dram_vs_standard"] = _ratio(row["dram_bytes"], dram_bytes(b) if b else None)
         row["l2_vs_standard"] = _ratio(e.get("l2_bytes"), b.get("l2_bytes"))
-        row["time_vs_standard"] = _ratio(e.get("kernel_time_ms"), b.get("kernel_time_ms"))
+        row["time_vs_standard"] = _ratio(_step_time_ms(e), _step_time_ms(b) if b else None)
         for category in kernels.CATEGORIES:
-            c = e.get("categories", {}).get(category, {})
+            c = (e.get("categories") or {}).get(category, {})
             for key in ("dram_read_bytes", "dram_write_bytes", "l2_bytes", "time_ms", "count"):
                 row[f"{category}_{key}"] = c.get(key)
         row["error"] = e.get("error")
@@ -573,9 +647,12 @@ def _table(header: list[str], body: list[list[str]], markdown: bool) -> str:
 
 
 MAIN_HEADER = [
-    "trainer", "batch", "seq", "kernels", "kernel_ms", "dram_read_GB", "dram_write_GB",
-    "l2_GB", "dram_GB/s", "dram_x", "l2_x", "time_x",
+    "trainer", "batch", "seq", "replay", "kernels", "kernel_ms", "range_ms", "dram_read_GB",
+    "dram_write_GB", "l2_GB", "dram_GB/s", "dram_x", "l2_x", "time_x",
 ]  # fmt: skip
+CATEGORIES_NEED_KERNEL_REPLAY = (
+    "per-category numbers need per-kernel replay: ./run_profiling_ncu.sh --replay-mode kernel"
+)
 
 
 def format_main_table(rows: list[dict], markdown: bool = False) -> str:
@@ -584,8 +661,10 @@ def format_main_table(rows: list[dict], markdown: bool = False) -> str:
             row["trainer"],
             str(row["batch"]),
             str(row["seq"]),
-            _cell(row["kernels"]),
+            _cell(row["replay"]),
+            _cell(row["kernels"]),  # "-" for a range replay: no per-kernel results
             _cell(row["kernel_time_ms"], digits=1),
+            _cell(row["range_time_ms"], digits=1),
             _cell(row["dram_read_bytes"], GB, 3),
             _cell(row["dram_write_bytes"], GB, 3),
             _cell(row["l2_bytes"], GB, 3),
@@ -600,7 +679,15 @@ def format_main_table(rows: list[dict], markdown: bool = False) -> str:
 
 
 def format_category_table(rows: list[dict], markdown: bool = False) -> str:
-    """DRAM GB (read + write) per category and, in brackets, the extra GB over standard."""
+    """DRAM GB (read + write) per category and, in brackets, the extra GB over standard.
+
+    Kernel replay rows only (and unmeasured ones, as "-"): a range replay has no per-kernel
+    numbers. With range replays and no kernel replay, one line that says how to get them.
+    """
+    measured = {r["replay"] for r in rows}
+    rows = [r for r in rows if r["replay"] != "range"]
+    if "range" in measured and "kernel" not in measured:
+        return CATEGORIES_NEED_KERNEL_REPLAY + "\n"
     base = {(r["batch"], r["seq"]): r for r in rows if r["trainer"] == "standard"}
 
     def gb(row, category):
@@ -634,7 +721,9 @@ def _csv_text(rows: list[dict]) -> str:
 
 
 def plot_comparison(rows: list[dict], path: str) -> str | None:
-    """Stacked DRAM GB per kernel category, one bar per trainer, one panel per (batch, seq)."""
+    """Stacked DRAM GB per step, one bar per trainer, one panel per (batch, seq): stacked by
+    kernel category when every bar is a kernel replay, else DRAM read and DRAM write stacked
+    (whole-step totals of range replays; a mixed set names each bar's replay mode)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -646,7 +735,9 @@ def plot_comparison(rows: list[dict], path: str) -> str | None:
             shapes.setdefault((row["batch"], row["seq"]), []).append(row)
     if not shapes:
         return None
-    colors = dict(zip(kernels.CATEGORIES, plt.get_cmap("tab10").colors))
+    plotted = [r for group in shapes.values() for r in group]
+    by_category = all(r["replay"] == "kernel" for r in plotted)
+    modes = {r["replay"] for r in plotted}
     fig, axes = plt.subplots(
         1,
         len(shapes),
@@ -660,13 +751,28 @@ def plot_comparison(rows: list[dict], path: str) -> str | None:
             (row[f"{category}_dram_read_bytes"] or 0) + (row[f"{category}_dram_write_bytes"] or 0)
         ) / GB
 
-    shown = [c for c in kernels.CATEGORIES if any(gb(r, c) for r in rows if r["dram_bytes"])]
+    if by_category:
+        colors = dict(zip(kernels.CATEGORIES, plt.get_cmap("tab10").colors))
+        shown = [c for c in kernels.CATEGORIES if any(gb(r, c) for r in plotted)]
+        segments = [(c, colors[c], lambda r, c=c: gb(r, c)) for c in shown]
+        legend_title = "kernel category"
+        title = "DRAM traffic of one training step (Nsight Compute)"
+    else:
+        read, write = plt.get_cmap("tab10").colors[:2]
+        segments = [
+            ("DRAM read", read, lambda r: r["dram_read_bytes"] / GB),
+            ("DRAM write", write, lambda r: r["dram_write_bytes"] / GB),
+        ]
+        legend_title = "whole step"
+        title = "DRAM traffic of one training step (Nsight Compute)\nwhole-step totals, " + (
+            "range replay" if modes == {"range"} else "replay mode under each bar"
+        )
     for ax, ((batch, seq), group) in zip(axes[0], sorted(shapes.items())):
         x = range(len(group))
         bottom = [0.0] * len(group)
-        for category in shown:
-            heights = [gb(r, category) for r in group]
-            ax.bar(x, heights, 0.65, bottom=bottom, color=colors[category], label=category)
+        for label, color, height in segments:
+            heights = [height(r) for r in group]
+            ax.bar(x, heights, 0.65, bottom=bottom, color=color, label=label)
             bottom = [b + h for b, h in zip(bottom, heights)]
         top = max(bottom) or 1.0
         for i, r in enumerate(group):
@@ -675,19 +781,22 @@ def plot_comparison(rows: list[dict], path: str) -> str | None:
                 label += f"\n×{r['dram_vs_standard']:.2f}"
             ax.text(i, bottom[i] + 0.02 * top, label, ha="center", va="bottom", fontsize=8)
         ax.set_ylim(0, top * 1.22)
-        ax.set_xticks(list(x), [r["trainer"] for r in group])
+        names = [
+            r["trainer"] if len(modes) == 1 else f"{r['trainer']}\n{r['replay']}" for r in group
+        ]
+        ax.set_xticks(list(x), names)
         ax.set_title(f"batch {batch}, seq {seq}", fontsize=10)
         ax.set_xlabel("trainer")
         if ax is axes[0][0]:
             ax.set_ylabel("DRAM read + write per step (GB = 10⁹ bytes)")
         ax.grid(axis="y", alpha=0.3)
     handles, labels = axes[0][0].get_legend_handles_labels()
-    ncol = max(1, min(len(shown), 3 * len(shapes)))
+    ncol = max(1, min(len(segments), 3 * len(shapes)))
     fig.legend(
         handles, labels, loc="outside lower center", ncol=ncol, fontsize=8, frameon=False,
-        title="kernel category", title_fontsize=8,
+        title=legend_title, title_fontsize=8,
     )  # fmt: skip
-    fig.suptitle("DRAM traffic of one training step (Nsight Compute)", fontsize=11)
+    fig.suptitle(title, fontsize=11)
     with atomic_write(path, "wb") as f:
         fig.savefig(f, format="png", dpi=110)
     plt.close(fig)
@@ -695,10 +804,15 @@ def plot_comparison(rows: list[dict], path: str) -> str | None:
 
 
 NOTES = """
-GB = 10^9 bytes. One training step per report (warm-up steps excluded), every kernel replayed by
-ncu with its caches flushed first: each kernel's DRAM bytes are a cold-L2 figure, and kernel_ms is
-the sum of kernel durations (serialised; not the step's wall time). Ratios (`_x`) are against
-`standard` at the same batch and sequence length; `-` means not measured.
+GB = 10^9 bytes. One training step per report (warm-up steps excluded). replay `kernel`
+(`--replay-mode kernel`): every kernel replayed by ncu with its caches flushed first, so each
+kernel's DRAM bytes are a cold-L2 figure, and kernel_ms is the sum of kernel durations
+(serialised; not the step's wall time). replay `range` (`--replay-mode app-range` or `range`): one
+result for the whole step with warm caches between kernels (re-reads that hit L2 are not DRAM
+traffic; dirty lines written back during the step count as writes), and range_ms is the step's
+elapsed GPU time, idle gaps included. Ratios (`_x`, time_x on kernel_ms or range_ms) are against
+`standard` at the same batch and sequence length and the same replay mode only, since the two
+modes count DRAM differently; `-` means not measured or not comparable.
 """
 
 
@@ -744,6 +858,9 @@ def main(argv=None) -> int:
     cmd.add_argument("--metrics", default=",".join(METRICS))
     cmd.add_argument("--clock_control", "--clock-control", default="none")
     cmd.add_argument("--nvtx", action="store_true")
+    cmd.add_argument(
+        "--replay_mode", "--replay-mode", default="kernel", help=" | ".join(REPLAY_MODES)
+    )
     cmd.add_argument("--ncu", default="ncu")
     cmd.add_argument("--python", default=None)
     cmd.add_argument("extra", nargs="*", help="after --: more profiling_script.py arguments")
@@ -761,6 +878,7 @@ def main(argv=None) -> int:
             metrics=args.metrics,
             clock_control=args.clock_control,
             nvtx=args.nvtx,
+            replay_mode=args.replay_mode,
             ncu=args.ncu,
             python=args.python,
         )

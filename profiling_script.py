@@ -129,8 +129,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--ncu",
         action="store_true",
-        help="run one step inside cudaProfilerStart/Stop for `ncu --profile-from-start off` "
-        "(see run_profiling_ncu.sh); traces and timing are off",
+        help="run one step inside cudaProfilerStart/Stop, the range ncu profiles "
+        "(`--replay-mode app-range`, or `--profile-from-start off` for per-kernel replay; see "
+        "run_profiling_ncu.sh); traces and timing are off",
     )
     hf = p.add_argument_group(
         "Hugging Face models (--mode=hf, or --model tiny-llama / a Llama name)"

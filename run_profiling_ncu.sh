@@ -1,47 +1,63 @@
 #!/usr/bin/env bash
-# Nsight Compute suite (seed 001): DRAM / L2 traffic of one training step, per trainer and kernel
-# category. Every trainer x batch x seq config runs under ncu in its own process and writes
+# Nsight Compute suite (seed 001): DRAM / L2 traffic of one training step per trainer x batch x
+# seq config. Every config runs under ncu in its own process and writes
 # $OUTPUT_DIR/report_<trainer>_bs<B>_seq<T>.ncu-rep; then the comparison table and plot are
 # written next to them (profiling_script.py --mode=ncu_report).
 #
-#   ./run_profiling_ncu.sh [--metrics NAME[,NAME...]] [--clock-control none|base] [--dry-run]
+#   ./run_profiling_ncu.sh [--replay-mode app-range|kernel|range] [--metrics NAME[,NAME...]]
+#                          [--clock-control none|base|boost|force-boost|reset] [--dry-run]
 #                          [-- more profiling_script.py arguments, e.g. --dtype bfloat16]
+#
+# --replay-mode app-range (default): ncu reruns the app once per metric pass and keeps one result
+#   for the measured step (the worker's cudaProfilerStart/Stop range): whole-step totals per
+#   config (DRAM read / write, L2 bytes, the range's GPU time), warm caches between kernels as in
+#   training; no per-kernel numbers. One config (flash bs 8 seq 256) took 16 s on an H200; the
+#   default suite (16 configs) took 390 s on an H100 (BENCHMARKS.md, 2026-11-26).
+# --replay-mode kernel: per-kernel numbers and the per-category breakdown; ncu replays every
+#   kernel of the step from a flushed L2 (~0.15 s each), so a config takes about a minute (71 s
+#   for the one above, same H200). Measured on an H100 (2026-11-26) with the default model:
+#   8 configs (bs 8) in 523 s, so the full default grid takes ~17-18 min. Kernel count, not model
+#   size, sets the time: a DP step launches 300-520 kernels even for one layer. Narrow the grid
+#   for a shorter run (BATCH_SIZES=8 SEQ_LENS=256: 4 configs, ~4 min).
+# --replay-mode range: one result per step like app-range, but ncu captures and replays the
+#   range's CUDA API calls; it supports only a subset of them (the ghost trainer's step failed).
 #
 # Environment knobs (read here only, never by the CLI):
 #   TRAINERS="standard dpsgd ghost flash"  BATCH_SIZES="8 16"  SEQ_LENS="256 1024"
 #   OUTPUT_DIR=ncu_reports  RUN_NAME=ncu_<timestamp> (result files: $OUTPUT_DIR/runs/$RUN_NAME)
 #   MODEL_ARGS="--hidden_dim 1024 --num_layers 1 --num_heads 16 --vocab_size 32000"
 #   NCU=/path/to/ncu (default: ncu on PATH)  PYTHON=python3
-# ncu replays every kernel of the profiled step (~0.15 s each), so a step costs about a minute
-# instead of milliseconds. Measured on an H100 (2026-11-26) with the default, one layer of the
-# 1b family (d 1024): 8 configs (bs 8) in 523 s, so the full default grid takes ~17-18 min.
-# Kernel count, not model size, sets the time: a DP step launches 300-520 kernels even for one
-# layer. For a shorter run narrow the grid (BATCH_SIZES=8 SEQ_LENS=256: 4 configs, ~4 min).
 # Per-step bytes of the transformer blocks scale with the layer count (MODEL_ARGS).
 set -euo pipefail
 cd "$(dirname "$0")"
 PYTHON=${PYTHON:-python3}
 
-usage() {
-    sed -n '2,20p' "$0" | sed 's/^# \{0,1\}//'
+usage() {  # the header comment above
+    awk 'NR > 1 && !/^#/ { exit } NR > 1 { sub(/^# ?/, ""); print }' "$0"
 }
 
 METRICS=""
 CLOCK_CONTROL=none
+REPLAY_MODE=app-range
 DRY_RUN=0
 EXTRA=()
 while [[ $# -gt 0 ]]; do
     case "$1" in
-        --metrics | --clock-control | --clock_control)
+        --metrics | --clock-control | --clock_control | --replay-mode | --replay_mode)
             if [[ $# -lt 2 ]]; then
                 echo "error: $1 needs a value" >&2
                 exit 2
             fi
-            if [[ $1 == --metrics ]]; then METRICS=$2; else CLOCK_CONTROL=$2; fi
+            case "$1" in
+                --metrics) METRICS=$2 ;;
+                --replay-mode | --replay_mode) REPLAY_MODE=$2 ;;
+                *) CLOCK_CONTROL=$2 ;;
+            esac
             shift 2
             ;;
         --metrics=*) METRICS=${1#*=}; shift ;;
         --clock-control=* | --clock_control=*) CLOCK_CONTROL=${1#*=}; shift ;;
+        --replay-mode=* | --replay_mode=*) REPLAY_MODE=${1#*=}; shift ;;
         --dry-run) DRY_RUN=1; shift ;;
         -h | --help) usage; exit 0 ;;
         --) shift; EXTRA+=("$@"); break ;;
@@ -65,6 +81,10 @@ case "$CLOCK_CONTROL" in
     none | base | boost | force-boost | reset) ;;
     *) echo "error: --clock-control must be none, base, boost, force-boost or reset (got '$CLOCK_CONTROL')" >&2; exit 2 ;;
 esac
+case "$REPLAY_MODE" in
+    app-range | kernel | range) ;;
+    *) echo "error: --replay-mode must be app-range, kernel or range (got '$REPLAY_MODE')" >&2; exit 2 ;;
+esac
 
 TRAINERS=${TRAINERS:-"standard dpsgd ghost flash"}
 BATCH_SIZES=${BATCH_SIZES:-"8 16"}
@@ -83,7 +103,8 @@ for batch in $BATCH_SIZES; do
             # ncu.py builds the command (one source of truth); it prints it shell-quoted.
             cmd=$("$PYTHON" ncu.py command --ncu "$NCU" --python "$PYTHON_BIN" \
                 --report_dir "$OUTPUT_DIR" --trainer "$trainer" --batch_size "$batch" \
-                --seq_len "$seq" --clock_control "$CLOCK_CONTROL" ${METRICS:+--metrics "$METRICS"} \
+                --seq_len "$seq" --clock_control "$CLOCK_CONTROL" --replay_mode "$REPLAY_MODE" \
+                ${METRICS:+--metrics "$METRICS"} \
                 -- ${model_args[@]+"${model_args[@]}"} --output_dir "$OUTPUT_DIR/runs" \
                 --run_name "$RUN_NAME" --resume ${EXTRA[@]+"${EXTRA[@]}"})
             echo "==> $cmd"

@@ -59,7 +59,7 @@ class ExperimentConfig:
     breakdown: bool = False  # one extra step under the allocator history: where the peak goes
     save_snapshot: bool = False  # keep the allocator snapshot (pickle + HTML timeline)
     activation_checkpointing: bool = False
-    ncu: bool = False  # one step inside cudaProfilerStart/Stop for `ncu --profile-from-start off`
+    ncu: bool = False  # one step inside cudaProfilerStart/Stop: ncu's profiled range (ncu.py)
     detailed_memory: bool = False  # hf_sweep: module_memory and phase_costs result keys
     # Hugging Face models (--mode=hf): LoRA, data, sampling, accounting.
     use_lora: bool = False
@@ -284,7 +284,7 @@ def run_experiment(config: ExperimentConfig, out_dir: str) -> dict:
         ncu_profiled_step(trainer, inputs, targets, device)
         env["ncu_note"] = (
             "one step ran inside cudaProfilerStart/Stop for Nsight Compute; its time under "
-            "kernel replay is not a measurement, so times and peaks are null"
+            "ncu replay is not a measurement, so times and peaks are null"
         )
         return result
     if device.type == "cuda":
@@ -461,6 +461,10 @@ def run_configs(
 
 def _finished(result_path: str, resume: bool) -> dict | None:
     previous = read_result(result_path) if resume else None
+    if previous and previous.get("config", {}).get("ncu"):
+        # An ncu config is never done: ncu runs the app to profile it now (again in each metric
+        # pass of app-range replay); skipping it would leave an empty report in place of one.
+        return None
     return previous if previous and previous.get("status") in FINISHED else None
 
 

@@ -2,9 +2,12 @@
 
 tests/fixtures/ncu_raw_small.csv is hand-written to the documented shape of Nsight Compute 2025's
 ``ncu --csv --page raw`` output (quoted fields, a unit row, thousands separators, per-column unit
-prefixes, ==PROF== lines, n/a values); replace it with a real recording when one exists.
+prefixes, ==PROF== lines, n/a values); ncu_raw_h100_standard.csv (kernel replay) and
+ncu_raw_range_h200.csv (app-range replay: one row named ``range``) are real recordings.
 """
 
+import csv
+import io
 import os
 import shutil
 import stat
@@ -18,6 +21,7 @@ import kernels
 import ncu
 
 FIXTURE = os.path.join(ROOT, "tests", "fixtures", "ncu_raw_small.csv")
+RANGE_FIXTURE = os.path.join(ROOT, "tests", "fixtures", "ncu_raw_range_h200.csv")
 SCRIPT = os.path.join(ROOT, "run_profiling_ncu.sh")
 PY_BIN = os.path.dirname(sys.executable)
 BASE_PATH = f"{PY_BIN}:/usr/bin:/bin"
@@ -85,6 +89,50 @@ def test_ncu_command_options():
         ncu.ncu_command("r", [], metrics=["gld_throughput"])
 
 
+DEFAULT_METRICS = (
+    "dram__bytes_read.sum,dram__bytes_write.sum,dram__bytes_read.sum.per_second,"
+    "dram__bytes_write.sum.per_second,lts__t_bytes.sum,lts__t_sectors_op_read.sum,"
+    "lts__t_sectors_op_write.sum,l1tex__t_bytes_pipe_lsu_mem_global_op_ld.sum,"
+    "l1tex__t_bytes_pipe_lsu_mem_global_op_st.sum,gpu__time_duration.sum"
+)
+
+
+@pytest.mark.parametrize("mode", ["app-range", "range"])
+def test_ncu_command_range_modes_exact_argv(mode):
+    args = ncu.profile_args("flash", 8, 256)
+    cmd = ncu.ncu_command(
+        "ncu_reports/report_flash_bs8_seq256", args, python="python3", replay_mode=mode
+    )
+    assert cmd == [
+        "ncu", "--replay-mode", mode, "--clock-control", "none", "--metrics", DEFAULT_METRICS,
+        "--target-processes", "all", "-f", "-o", "ncu_reports/report_flash_bs8_seq256",
+        "python3", "profiling_script.py", "--mode=profile", "--trainer=flash", "--batch_size=8",
+        "--seq_len=256", "--device=cuda", "--no_trace", "--ncu",
+    ]  # fmt: skip
+    assert "--profile-from-start" not in cmd  # ncu rejects it in range replay
+
+
+def test_ncu_command_kernel_mode_is_the_default():
+    args = ncu.profile_args("flash", 8, 256)
+    default = ncu.ncu_command("r", args, python="python3")
+    assert ncu.ncu_command("r", args, python="python3", replay_mode="kernel") == default
+    assert default[:3] == ["ncu", "--profile-from-start", "off"]
+    assert "--replay-mode" not in default
+    assert ncu.REPLAY_MODES == ("app-range", "kernel", "range")
+
+
+def test_ncu_command_replay_mode_errors():
+    with pytest.raises(ValueError, match="--nvtx .* needs --replay-mode kernel"):
+        ncu.ncu_command("r", [], nvtx=True, replay_mode="app-range")
+    with pytest.raises(ValueError, match="--nvtx"):
+        ncu.ncu_command("r", [], nvtx=True, replay_mode="range")
+    with pytest.raises(ValueError) as error:
+        ncu.ncu_command("r", [], replay_mode="application")
+    assert str(error.value) == (
+        "--replay-mode must be one of app-range, kernel, range (got 'application')"
+    )
+
+
 def test_export_command():
     cmd = ncu.export_command("d/report_flash_bs8_seq256.ncu-rep")
     assert cmd[:4] == ["ncu", "--import", "d/report_flash_bs8_seq256.ncu-rep", "--csv"]
@@ -112,6 +160,22 @@ def test_command_cli_prints_a_shell_command():
     assert proc.returncode == 0, proc.stderr
     assert "-o 'out dir/report_ghost_bs16_seq1024' py profiling_script.py" in proc.stdout
     assert proc.stdout.rstrip().endswith("--dtype bfloat16 --ncu")
+
+
+def test_command_cli_replay_mode():
+    base = [sys.executable, "ncu.py", "command", "--trainer", "flash", "--batch_size", "8",
+            "--seq_len", "256", "--ncu", "/opt/ncu"]  # fmt: skip
+    proc = subprocess.run([*base, "--replay_mode", "app-range"], cwd=ROOT, capture_output=True,
+                          text=True)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.startswith("/opt/ncu --replay-mode app-range --clock-control none ")
+    assert "--profile-from-start" not in proc.stdout
+    bad = subprocess.run([*base, "--replay-mode", "bogus"], cwd=ROOT, capture_output=True,
+                         text=True)  # fmt: skip
+    assert bad.returncode == 2 and bad.stdout == ""
+    assert bad.stderr.splitlines() == [
+        "error: --replay-mode must be one of app-range, kernel, range (got 'bogus')"
+    ]
 
 
 # ---------------------------------------------------------------- metric names
@@ -260,6 +324,61 @@ def test_aggregate_missing_metric_is_none():
     assert ncu.aggregate([])["kernel_count"] == 0
 
 
+def test_aggregate_range_fixture_by_hand():
+    """The real app-range export: one row named "range" with the whole step's totals."""
+    with open(RANGE_FIXTURE, encoding="utf-8") as f:
+        rows = ncu.parse_raw_csv(f.read())
+    assert len(rows) == 1 and rows[0]["Kernel Name"] == "range"
+    agg = ncu.aggregate(rows)
+    assert agg["replay"] == "range"
+    assert agg["dram_read_bytes"] == 5961269248
+    assert agg["dram_write_bytes"] == 4189005312
+    assert agg["l2_bytes"] == 32688062368
+    assert agg["range_time_ms"] == pytest.approx(117.483968)
+    assert agg["range_count"] == 1
+    assert agg["kernel_count"] is None and agg["kernel_time_ms"] is None
+    assert agg["categories"] is None
+    assert agg["achieved_dram_gbps"] == pytest.approx((5961269248 + 4189005312) / 0.117483968 / 1e9)
+    assert agg["l2_read_sectors"] is None  # not exported in this fixture
+    assert agg["incomplete"] == []
+
+
+def test_full_range_export_from_an_h100():
+    """A whole, unfiltered export of a real app-range report (ghost, bs 16, seq 1024, the suite's
+    model; ncu 2025.3.1 on an H100): 282 columns, device attributes included. The totals must be
+    the metric cells as ncu printed them (read here with the csv module), sectors as counts."""
+    path = os.path.join(os.path.dirname(RANGE_FIXTURE), "ncu_raw_range_h100_ghost_full.csv")
+    with open(path, encoding="utf-8") as f:
+        text = f.read()
+    header, units, values = csv.reader(io.StringIO(text))
+
+    def cell(name):
+        return int(values[header.index(name)].replace(",", ""))
+
+    assert units[header.index("lts__t_sectors_op_read.sum")] == "sector"
+    agg = ncu.aggregate(ncu.parse_raw_csv(text))
+    assert agg["replay"] == "range" and agg["range_count"] == 1
+    assert agg["dram_read_bytes"] == cell("dram__bytes_read.sum") == 115_467_052_032
+    assert agg["dram_write_bytes"] == cell("dram__bytes_write.sum")
+    assert agg["l2_bytes"] == cell("lts__t_bytes.sum")
+    assert agg["l2_read_sectors"] == cell("lts__t_sectors_op_read.sum")
+    assert agg["range_time_ms"] == pytest.approx(cell("gpu__time_duration.sum") / 1e6)
+    assert agg["incomplete"] == []
+
+
+def test_aggregate_kernel_replay_keys():
+    agg = ncu.aggregate(fixture_rows())
+    assert agg["replay"] == "kernel"
+    assert agg["range_time_ms"] is None and agg["range_count"] is None
+    assert agg["kernel_count"] == 7
+
+
+def test_aggregate_rejects_mixed_range_and_kernel_rows():
+    rows = ncu.parse_raw_csv(raw_csv([("range", 1e9, 1e9, 1e9, 1e6), (GEMM, 1e9, 0, 1e9, 1e3)]))
+    with pytest.raises(ValueError, match="mixes 1 range results with 1 kernel results"):
+        ncu.aggregate(rows)
+
+
 def test_dram_lower_bound():
     bound = ncu.dram_lower_bound_bytes(1000, batch=2, seq=3, hidden=4, num_layers=5, vocab=7)
     assert bound["weights_forward"] == bound["weights_backward"] == bound["gradients_write"] == 4000
@@ -322,12 +441,89 @@ def test_write_ncu_summary_from_csvs(tmp_path, monkeypatch):
     assert int(dp["kernels"]) == 3 and dp["batch"] == "8" and dp["seq"] == "256"
 
     md = (tmp_path / "ncu_summary.md").read_text()
-    dp_line = next(line for line in md.splitlines() if line.startswith("| dpsgd | 8 | 256 | 3 |"))
+    dp_line = next(
+        line for line in md.splitlines() if line.startswith("| dpsgd | 8 | 256 | kernel | 3 |")
+    )
     assert "| 2.00 | 1.25 | 3.00 |" in dp_line
     assert "2.500 (+2.500)" in md  # norm_clip: extra DRAM GB over standard
     assert "5.000 (+2.500)" in md  # total
     assert "GB = 10^9 bytes" in md
     assert "dpsgd" in text and "2.00" in text and "(+2.500)" in text
+
+
+def read_summary_csv(directory) -> dict:
+    import csv
+
+    with open(directory / "ncu_summary.csv") as f:
+        return {r["trainer"]: r for r in csv.DictReader(f)}
+
+
+# A range replay's export: one row named "range" (read, write, L2 bytes, time ns).
+RANGE_STANDARD = [("range", 2e9, 1e9, 10e9, 50e6)]
+
+
+def test_summary_mixed_replay_modes_has_no_cross_mode_ratios(tmp_path, monkeypatch):
+    monkeypatch.setattr(ncu, "find_ncu", lambda: None)
+    write_reports(tmp_path)  # standard and dpsgd: kernel replay
+    shutil.copy(RANGE_FIXTURE, tmp_path / "report_flash_bs8_seq256.csv")  # app-range
+    mixed = raw_csv([("range", 1e9, 1e9, 1e9, 1e6), (GEMM, 1e9, 0, 1e9, 1e3)])
+    (tmp_path / "report_ghost_bs8_seq256.csv").write_text(mixed)
+    text = ncu.write_ncu_summary(str(tmp_path))
+    assert (tmp_path / "ncu_comparison.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+    rows = read_summary_csv(tmp_path)
+    std, dp, flash = rows["standard"], rows["dpsgd"], rows["flash"]
+    assert std["replay"] == dp["replay"] == "kernel" and flash["replay"] == "range"
+    assert float(dp["dram_vs_standard"]) == pytest.approx(2.0)  # same mode: ratios as before
+    assert float(dp["time_vs_standard"]) == pytest.approx(3.0)
+    assert dp["range_time_ms"] == ""
+    # flash is a range replay, standard a kernel replay: no ratios across modes
+    assert flash["dram_vs_standard"] == flash["l2_vs_standard"] == flash["time_vs_standard"] == ""
+    assert float(flash["range_time_ms"]) == pytest.approx(117.483968)
+    assert float(flash["dram_read_bytes"]) == 5961269248
+    assert float(flash["dram_write_bytes"]) == 4189005312
+    assert flash["kernels"] == flash["kernel_time_ms"] == flash["gemm_dram_read_bytes"] == ""
+    assert flash["error"] == ""  # one range row is a measured report
+    assert "mixes 1 range results with 1 kernel results" in rows["ghost"]["error"]
+
+    md = (tmp_path / "ncu_summary.md").read_text()
+    assert "| flash | 8 | 256 | range | - | - | 117.5 | 5.961 | 4.189 | 32.688 |" in md
+    assert md.count("| - | - | - |") >= 1  # flash's three ratios
+    categories = md.split("## DRAM GB per kernel category")[1].split("GB = 10^9")[0]
+    assert "| dpsgd | 8 | 256 |" in categories and "| flash |" not in categories
+    assert ncu.CATEGORIES_NEED_KERNEL_REPLAY not in text
+    assert "report_ghost_bs8_seq256: ValueError" in text
+
+
+def test_summary_of_range_replays_only(tmp_path, monkeypatch):
+    monkeypatch.setattr(ncu, "find_ncu", lambda: None)
+    (tmp_path / "report_standard_bs8_seq256.csv").write_text(raw_csv(RANGE_STANDARD))
+    shutil.copy(RANGE_FIXTURE, tmp_path / "report_flash_bs8_seq256.csv")
+    text = ncu.write_ncu_summary(str(tmp_path))
+    assert (tmp_path / "ncu_comparison.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+    rows = read_summary_csv(tmp_path)
+    flash = rows["flash"]
+    assert rows["standard"]["replay"] == flash["replay"] == "range"
+    # same replay mode at the same shape: ratios against standard (DRAM 3 GB, L2 10 GB, 50 ms)
+    assert float(flash["dram_vs_standard"]) == pytest.approx((5961269248 + 4189005312) / 3e9)
+    assert float(flash["l2_vs_standard"]) == pytest.approx(32688062368 / 10e9)
+    assert float(flash["time_vs_standard"]) == pytest.approx(117.483968 / 50)
+
+    line = (
+        "per-category numbers need per-kernel replay: ./run_profiling_ncu.sh --replay-mode kernel"
+    )
+    md = (tmp_path / "ncu_summary.md").read_text()
+    assert line in text and line in md
+    assert "| attention |" not in md and "attention" not in text  # no category table
+
+
+def test_load_reports_range_report_is_measured(tmp_path):
+    shutil.copy(RANGE_FIXTURE, tmp_path / "report_flash_bs8_seq256.csv")
+    (tmp_path / "report_standard_bs8_seq256.csv").write_text(raw_csv([]))  # header, no rows
+    entries = {e["trainer"]: e for e in ncu.load_reports(str(tmp_path))}
+    assert entries["flash"]["error"] is None and entries["flash"]["range_count"] == 1
+    assert entries["standard"]["error"] == "no kernels in the report"
 
 
 def test_summary_usage_errors(tmp_path, monkeypatch):
@@ -425,8 +621,8 @@ def test_script_dry_run_prints_one_command_per_config(tmp_path):
     commands = [line[4:] for line in proc.stdout.splitlines() if line.startswith("==> ")]
     assert len(commands) == 4
     out = tmp_path / "out"
-    assert commands[1].startswith(
-        f"{fake} --profile-from-start off --clock-control none --metrics dram__bytes_read.sum "
+    assert commands[1].startswith(  # the suite's default: app-range replay
+        f"{fake} --replay-mode app-range --clock-control none --metrics dram__bytes_read.sum "
         f"--target-processes all -f -o {out}/report_dpsgd_bs8_seq256 {sys.executable} "
         "profiling_script.py --mode=profile --trainer=dpsgd --batch_size=8 --seq_len=256"
     )
@@ -434,7 +630,44 @@ def test_script_dry_run_prints_one_command_per_config(tmp_path):
         "--hidden_dim 1024 --num_layers 1 --num_heads 16 --vocab_size 32000 "
         f"--output_dir {out}/runs --run_name r --resume --dtype bfloat16 --ncu"
     )
+    assert "--profile-from-start" not in proc.stdout
     assert not marker.exists() and not out.exists()
+
+
+@pytest.mark.parametrize(
+    "option", [["--replay-mode", "kernel"], ["--replay_mode", "kernel"], ["--replay-mode=kernel"]]
+)
+def test_script_dry_run_kernel_replay(tmp_path, option):
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    fake = fake_ncu(bin_dir, "exit 1\n")
+    proc = run_script(
+        "--dry-run", *option, path=f"{bin_dir}:{BASE_PATH}", tmp_path=tmp_path,
+        TRAINERS="flash", BATCH_SIZES="8", SEQ_LENS="256",
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    commands = [line[4:] for line in proc.stdout.splitlines() if line.startswith("==> ")]
+    assert len(commands) == 1
+    assert commands[0].startswith(f"{fake} --profile-from-start off --clock-control none ")
+    assert "--replay-mode" not in commands[0]
+
+
+@pytest.mark.parametrize("option", [["--replay-mode", "bogus"], ["--replay_mode=bogus"]])
+def test_script_rejects_unknown_replay_mode(tmp_path, option):
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    marker = tmp_path / "ncu_ran"
+    fake_ncu(bin_dir, f"touch {marker}\n")
+    proc = run_script(*option, path=f"{bin_dir}:{BASE_PATH}", tmp_path=tmp_path)
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines() == [
+        "error: --replay-mode must be app-range, kernel or range (got 'bogus')"
+    ]
+    assert "==>" not in proc.stdout
+    assert not marker.exists() and not (tmp_path / "out").exists()
+    missing = run_script("--replay-mode", path=f"{bin_dir}:{BASE_PATH}", tmp_path=tmp_path)
+    assert missing.returncode == 2
+    assert missing.stderr.strip() == "error: --replay-mode needs a value"
 
 
 def test_real_h100_export_parses_and_sums():
@@ -486,3 +719,20 @@ def test_ncu_step_result_is_reported_without_numbers(tmp_path):
     report.write_summary(str(run_dir), report.load_results(str(run_dir)))
     text = (run_dir / "summary.txt").read_text()
     assert "n/a" in text and "dpsgd" in (run_dir / "summary.md").read_text()
+
+
+def test_a_finished_ncu_config_is_profiled_again_on_resume(tmp_path):
+    """The suite passes --resume so configs can share one run directory; an ncu config must
+    still run each time ncu launches it (again in every metric pass of app-range replay), or
+    ncu would overwrite a good report with an empty one. Other finished configs are skipped."""
+    import runner
+
+    def write(name, ncu_flag):
+        config = runner.ExperimentConfig(trainer="standard", batch_size=1, seq_len=4, ncu=ncu_flag)
+        result = runner.empty_result(config, "ok")
+        path = tmp_path / name
+        runner.write_json_atomic(str(path), result)
+        return str(path)
+
+    assert runner._finished(write("ncu.json", True), resume=True) is None
+    assert runner._finished(write("plain.json", False), resume=True)["status"] == "ok"
