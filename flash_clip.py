@@ -5,6 +5,8 @@ tensor hooks keep its output gradient G, and autograd never forms a weight gradi
 (managed parameters are set to requires_grad=False while wrapped). Per-sample norms and
 the clipped sum sum_b c_b * grad_b are then computed from (A, G) by per-layer-type rules.
 
+Under autocast a Linear's A is kept in the autocast dtype (what the layer multiplied). The bias
+and norm layers' per-sample gradients ([B, p], [B, d]) are always formed in the backward hook.
 Where a layer's per-sample gradients are no larger than its own A and G (Linear with
 d*p <= T*(d+p), i.e. long sequences; LayerNorm/RMSNorm always), the output-gradient hook forms
 them at once (one batched GEMM, the FLOPs of the weight gradient it replaces) and drops A and G:
@@ -30,6 +32,7 @@ that require grad are not supported); no activation checkpointing.
 from __future__ import annotations
 
 import math
+import weakref
 from dataclasses import dataclass, field
 
 import torch
@@ -37,6 +40,10 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 DEFAULT_BLOCK_NUMEL = 64 * 2**20  # largest intermediate of the direct route, in elements
+# Kept per-sample gradients with at most this many elements per sample (biases, norm layers)
+# are normed and clip-summed together, one concatenation per dtype: a few launches per step
+# instead of a few per parameter (flash is launch-bound at short sequences).
+SMALL_PER_SAMPLE_NUMEL = 2**16
 
 
 class UnsupportedLayerError(ValueError):
@@ -65,6 +72,8 @@ def _gemm_operands(A: Tensor, G: Tensor) -> tuple[Tensor, Tensor]:
     """A and G in one dtype for the norm GEMMs: under autocast a Linear's input can be fp32
     (a LayerNorm output) while its output gradient is bf16; the layer itself multiplied in
     the narrower dtype, and so do we (tensor cores), accumulating the squares in fp32."""
+    if A.dtype == G.dtype:
+        return A, G
     dtype = min((A.dtype, G.dtype), key=lambda t: torch.finfo(t).bits)
     return A.to(dtype), G.to(dtype)
 
@@ -80,37 +89,86 @@ class Layer:
     route: str = "auto"
     tile_size: int = 512
     block_numel: int = DEFAULT_BLOCK_NUMEL
-    calls: list[list] = field(default_factory=list)  # one [A, G] per forward call
-    # Per-sample gradients [B, ...] by parameter name, for calls whose rule kept them instead of
-    # A and G (summed over calls: a reused module's gradient is the sum over its calls).
+    # One [A, G, names] per forward call: the names of the parameters still to be done from A and
+    # G (the others were formed per sample in the backward hook).
+    calls: list[list] = field(default_factory=list)
+    # Per-sample gradients [B, ...] by parameter name, formed in the backward hook instead of
+    # keeping A and G for them (summed over calls: a reused module's gradient is the sum).
     per_sample: dict[str, Tensor] = field(default_factory=dict)
     described: list[dict] = field(default_factory=list)  # the route of each call, for routes()
 
 
+class ClipFactors:
+    """One chunk's clip factors c [B], with the casts the layers need made once per chunk (not
+    once per layer: flash is launch-bound at short sequences)."""
+
+    def __init__(self, c: Tensor):
+        self.c = c
+        self._cast: dict[torch.dtype, Tensor] = {}
+        self._per_token: dict[tuple, Tensor] = {}
+
+    def to(self, dtype: torch.dtype) -> Tensor:
+        """c in ``dtype``, rounded toward zero (see _round_down). In 16-bit dtypes also shrunk by
+        one ulp at 1 (2u; bf16: 2^-7): the operand the clipped GEMM reads is c * g rounded to
+        nearest, up to u larger than c * g in each element, so a sample's clipped contribution
+        could exceed C by that much (0.4% measured with g and c at a rounding tie). Costs 0.8%
+        of every Linear's clipped gradient in bf16; fp32 stays exact."""
+        if dtype not in self._cast:
+            c = self.c
+            if torch.finfo(dtype).bits == 16:
+                c = c * (1 - torch.finfo(dtype).eps)
+            self._cast[dtype] = _round_down(c, dtype)
+        return self._cast[dtype]
+
+    def per_token(self, dtype: torch.dtype, tokens: int) -> Tensor:
+        """c repeated for each of a sample's ``tokens`` rows of a flattened [B*T, n], [B*T, 1]."""
+        key = (dtype, tokens)
+        if key not in self._per_token:
+            self._per_token[key] = self.to(dtype).repeat_interleave(tokens)[:, None]
+        return self._per_token[key]
+
+
 class NormRule:
-    """Per-layer-type rule. Subclass it and register with @register_norm_rule(Type)."""
+    """Per-layer-type rule. Subclass it and register with @register_norm_rule(Type).
+
+    Each call of a managed layer gives A (its input) and G (its output gradient). In the
+    backward hook, ``kept_per_sample`` names the parameters whose per-sample gradients are formed
+    at once (where they are small); the rest are done after backward from A and G by
+    ``squared_norms`` and ``clipped_grads``, which handle exactly those parameters.
+    """
 
     def feature_dims(self, module: nn.Module) -> tuple[int, int]:
         """Trailing feature dims of (input, output); the rest is flattened into [B, T]."""
         return 1, 1
 
+    def saved_input(self, module: nn.Module, x: Tensor) -> Tensor:
+        """What to keep as A, from the (detached) input the forward hook sees."""
+        return x
+
     def describe(self, layer: Layer, A: Tensor, G: Tensor) -> dict:
         return {"route": type(self).__name__}
 
-    def keeps_per_sample(self, layer: Layer, A: Tensor, G: Tensor) -> bool:
-        """Form per-sample gradients from this call at once (instead of keeping A and G)?"""
-        return False
+    def kept_per_sample(self, layer: Layer, A: Tensor, G: Tensor) -> set[str]:
+        """Parameters (of layer.params) whose per-sample gradients this call forms at once."""
+        return set()
 
-    def per_sample_grads(self, layer: Layer, A: Tensor, G: Tensor) -> dict[str, Tensor]:
-        """Per-sample gradients [B, *param.shape] by name (rules that keep them)."""
+    def per_sample_grads(
+        self, layer: Layer, A: Tensor, G: Tensor, names: set[str]
+    ) -> dict[str, Tensor]:
+        """Per-sample gradients [B, *param.shape] of the named parameters."""
         raise NotImplementedError
 
     def squared_norms(self, layer: Layer, A: Tensor, G: Tensor) -> Tensor:
-        """Per-sample squared gradient norm [B], summed over the layer's managed params."""
+        """Per-sample squared gradient norm [B] over the parameters not kept per sample."""
         raise NotImplementedError
 
-    def clipped_grads(self, layer: Layer, A: Tensor, G: Tensor, c: Tensor) -> dict[str, Tensor]:
-        """sum_b c_b * grad_b for each managed parameter name."""
+    def squared_norms_many(self, calls: list[tuple[Layer, Tensor, Tensor]]) -> list[Tensor]:
+        """squared_norms of every call of this rule's layers in a step, as terms to be summed
+        (a rule may compute several layers at once)."""
+        return [self.squared_norms(layer, A, G) for layer, A, G in calls]
+
+    def clipped_grads(self, layer: Layer, A: Tensor, G: Tensor, c: ClipFactors) -> dict:
+        """sum_b c_b * grad_b for each parameter not kept per sample, by name."""
         raise NotImplementedError
 
 
@@ -131,13 +189,27 @@ def register_norm_rule(*layer_types: type):
 # ---------------------------------------------------------------- Linear
 
 
-def gram_squared_norms(A: Tensor, G: Tensor, tile: int) -> Tensor:
+def triton_kernels():
+    """flash_kernels (fused Triton kernels, for CUDA tensors) where Triton imports, else None."""
+    try:
+        import flash_kernels
+    except ImportError:  # no triton: the torch path
+        return None
+    return flash_kernels
+
+
+def gram_squared_norms(A: Tensor, G: Tensor, tile: int, fused: bool | None = None) -> Tensor:
     """||G_b^T A_b||^2 = sum_{s,t} (a_s.a_t)(g_s.g_t), over tile pairs t <= s (no B x T x T).
 
-    (flash_kernels.gram_squared_norms is the fused Triton version; it is measured by
-    bench_flash.py but not used here until it beats this path: see BENCHMARKS.md.)
+    bf16/fp16 on CUDA (unless fused=False): one fused Triton kernel does it all on chip
+    (flash_kernels.gram_squared_norms; on an H100 at the 1b shapes, T 512 and 1024, from 1.6x
+    faster to 3% slower than this torch path per layer, and a step runs all layers in one launch:
+    LinearRule.squared_norms_many). fp32 keeps the torch path: there cuBLAS' IEEE fp32 GEMMs beat
+    the kernel's IEEE dots (1.2-1.4x, same card). See BENCHMARKS.md.
     """
     A, G = _gemm_operands(A, G)
+    if fused is not False and fused_gram_available(A):
+        return triton_kernels().gram_squared_norms(A, G).to(_acc_dtype(A))
     total = _acc(A.new_zeros(A.shape[0]))
     for s in range(0, A.shape[1], tile):
         a_s, g_s = A[:, s : s + tile], G[:, s : s + tile]
@@ -163,6 +235,11 @@ def direct_squared_norms(A: Tensor, G: Tensor, block_numel: int) -> Tensor:
     return total
 
 
+def fused_gram_available(A: Tensor) -> bool:
+    """Does the Gram route of a layer with saved input A run on flash_kernels (16-bit on CUDA)?"""
+    return A.is_cuda and A.element_size() == 2 and triton_kernels() is not None
+
+
 def linear_route(layer: Layer, T: int) -> str:
     """auto: "product" where per-sample weight gradients take no more memory than the layer's A
     and G (and no extra FLOPs: they replace the clipped-gradient GEMM), else "gram": below that
@@ -176,50 +253,66 @@ def linear_route(layer: Layer, T: int) -> str:
 
 @register_norm_rule(nn.Linear)
 class LinearRule(NormRule):
+    def saved_input(self, module, x):
+        # Under autocast the layer multiplied x cast to the autocast dtype (a LayerNorm's fp32
+        # output becomes bf16): keep that, half the bytes of x and no cast per use later.
+        device = x.device.type
+        if x.is_floating_point() and torch.is_autocast_enabled(device):
+            return x.to(torch.get_autocast_dtype(device))
+        return x
+
     def describe(self, layer, A, G):
         d, p = layer.module.in_features, layer.module.out_features
         return {"d": d, "p": p, "route": linear_route(layer, A.shape[1])}
 
-    def keeps_per_sample(self, layer, A, G):
-        return linear_route(layer, A.shape[1]) == "product"
+    def kept_per_sample(self, layer, A, G):
+        # The bias's per-sample gradient is [B, p], smaller than G: always formed at once.
+        kept = {"bias"} if linear_route(layer, A.shape[1]) != "product" else {"weight", "bias"}
+        return kept & layer.params.keys()
 
-    def per_sample_grads(self, layer, A, G):
+    def per_sample_grads(self, layer, A, G, names):
         grads = {}
-        if "weight" in layer.params:
+        if "weight" in names:
             A_op, G_op = _gemm_operands(A, G)
             # [B, p, d], one batched GEMM accumulating in fp32; in the operands' dtype (bf16 under
             # autocast, as the non-private weight gradient), rounded once.
             grads["weight"] = G_op.mT @ A_op
-        if "bias" in layer.params:
+        if "bias" in names:
             grads["bias"] = G.sum(1, dtype=_acc_dtype(G))
         return grads
 
-    def squared_norms(self, layer, A, G):
-        norms = _acc(G.new_zeros(G.shape[0]))
-        if "weight" in layer.params:
-            if linear_route(layer, A.shape[1]) == "gram":
-                norms += gram_squared_norms(A, G, layer.tile_size)
+    def squared_norms(self, layer, A, G):  # the weight: the bias is always kept per sample
+        if linear_route(layer, A.shape[1]) == "gram":
+            return gram_squared_norms(A, G, layer.tile_size)
+        return direct_squared_norms(A, G, layer.block_numel)
+
+    def squared_norms_many(self, calls):
+        """Gram-route layers with 16-bit inputs on CUDA: one fused launch per (B, T, dtype) for
+        all of them (flash_kernels.gram_squared_norms_grouped); the rest one by one."""
+        terms, groups = [], {}
+        for layer, A, G in calls:
+            A_op, G_op = _gemm_operands(A, G)
+            if fused_gram_available(A_op) and linear_route(layer, A.shape[1]) == "gram":
+                groups.setdefault((A_op.shape[:2], A_op.dtype), []).append((A_op, G_op))
             else:
-                norms += direct_squared_norms(A, G, layer.block_numel)
-        if "bias" in layer.params:
-            norms += G.sum(1, dtype=norms.dtype).square().sum(1)  # no fp32 copy of G
-        return norms
+                terms.append(self.squared_norms(layer, A, G))
+        terms += [triton_kernels().gram_squared_norms_grouped(pairs) for pairs in groups.values()]
+        return terms
 
     def clipped_grads(self, layer, A, G, c):
-        grads = {}
-        if "weight" in layer.params:
-            A_op, G_op = _gemm_operands(A, G)  # the dtype autocast's own weight GEMM uses
-            A2, G2 = A_op.flatten(0, 1), G_op.flatten(0, 1)  # [B*T, d], [B*T, p]
-            c_tok = _round_down(c, A2.dtype).repeat_interleave(A.shape[1])[:, None]
-            if G2.shape[1] <= A2.shape[1]:  # fold c into the narrower operand
-                G2 = G2 * c_tok
-            else:
-                A2 = A2 * c_tok
-            grads["weight"] = G2.T @ A2  # one GEMM over all B*T tokens
-        if "bias" in layer.params:
-            per_sample = G.sum(1, dtype=_acc_dtype(G))  # [B, p]
-            grads["bias"] = _acc(c) @ per_sample
-        return grads
+        A_op, G_op = _gemm_operands(A, G)  # the dtype autocast's own weight GEMM uses
+        A2, G2 = A_op.flatten(0, 1), G_op.flatten(0, 1)  # [B*T, d], [B*T, p]
+        c_tok = c.per_token(A2.dtype, A.shape[1])
+        if G2.shape[1] <= A2.shape[1]:  # fold c into the narrower operand
+            G2 = G2 * c_tok
+        else:
+            A2 = A2 * c_tok
+        # One GEMM over all B*T tokens. bf16/fp16 operands on CUDA: fp32 straight out of the
+        # GEMM's fp32 accumulator (cuBLAS has it, the CPU backend not), so the fp32 parameter's
+        # gradient is neither rounded to bf16 nor cast in a second pass.
+        if A2.is_cuda and A2.element_size() == 2 and layer.params["weight"].dtype == torch.float32:
+            return {"weight": torch.mm(G2.T, A2, out_dtype=torch.float32)}
+        return {"weight": G2.T @ A2}
 
 
 # ---------------------------------------------------------------- Embedding
@@ -235,28 +328,37 @@ class EmbeddingRule(NormRule):
 
     @staticmethod
     def _tokens(layer: Layer, ids: Tensor, G: Tensor):
-        """Flat (sample index, token id, g) of tokens that receive gradient."""
+        """Flat (sample index, token id, g) of every token; padding tokens get g = 0 (torch gives
+        the padding row no gradient). Masking by multiplication, not boolean indexing: indexing
+        by a mask waits for the GPU to count it (a host sync mid-step)."""
         samples = torch.arange(ids.shape[0], device=ids.device)[:, None].expand_as(ids)
-        if layer.module.padding_idx is None:
-            return samples.flatten(), ids.flatten(), G.flatten(0, 1)
-        keep = ids != layer.module.padding_idx  # torch gives the padding row no gradient
-        return samples[keep], ids[keep], G[keep]
+        g = G.flatten(0, 1)
+        if layer.module.padding_idx is not None:
+            g = g * (ids != layer.module.padding_idx).flatten()[:, None].to(g.dtype)
+        return samples.flatten(), ids.flatten(), g
 
     def squared_norms(self, layer, A, G):
         samples, ids, g = self._tokens(layer, A, G)
         g = _acc(g)
-        # Per-sample grad rows are sums of g over equal (sample, id): segment-sum, O(B*T*d).
-        keys, inverse = torch.unique(
-            samples * layer.module.num_embeddings + ids, return_inverse=True
-        )
-        rows = g.new_zeros(len(keys), g.shape[-1]).index_add_(0, inverse, g)
+        # A sample's gradient row for token id v is the sum of g over its tokens with id v:
+        # sort the (sample, id) keys, number the runs of equal keys, segment-sum g into one row
+        # per run. Sorting has a fixed output size (torch.unique would sync with the host).
+        keys, order = (samples * layer.module.num_embeddings + ids).sort()
+        run = torch.ones_like(keys, dtype=torch.bool)
+        run[1:] = keys[1:] != keys[:-1]
+        run_index = run.cumsum(0) - 1  # of each sorted token; runs <= n
+        run_of_token = torch.empty_like(run_index).scatter_(0, order, run_index)  # unsorted
+        rows = g.new_zeros(g.shape).index_add_(0, run_of_token, g)  # no sorted copy of g
+        run_sample = torch.zeros_like(keys).scatter_(
+            0, run_index, keys // layer.module.num_embeddings
+        )  # a run's tokens share their sample; rows past the last run are zero
         norms = rows.new_zeros(A.shape[0])
-        return norms.index_add_(0, keys // layer.module.num_embeddings, rows.square().sum(1))
+        return norms.index_add_(0, run_sample, rows.square().sum(1))
 
     def clipped_grads(self, layer, A, G, c):
         samples, ids, g = self._tokens(layer, A, G)
         weight = layer.module.weight
-        scaled = (_acc(g) * _acc(c)[samples, None]).to(weight.dtype)
+        scaled = (_acc(g) * _acc(c.c)[samples, None]).to(weight.dtype)
         return {"weight": torch.zeros_like(weight).index_add_(0, ids, scaled)}
 
 
@@ -272,35 +374,58 @@ class NormLayerRule(NormRule):
     def describe(self, layer, A, G):
         return {"route": "norm"}
 
-    def keeps_per_sample(self, layer, A, G):
-        return True  # [B, d] per parameter: always smaller than A and G ([B, T, d] each)
+    def kept_per_sample(self, layer, A, G):
+        return set(layer.params)  # [B, d] per parameter: always smaller than A and G ([B, T, d])
 
     @staticmethod
-    def per_sample_grads(layer: Layer, A: Tensor, G: Tensor) -> dict[str, Tensor]:
+    def per_sample_grads(layer: Layer, A: Tensor, G: Tensor, names) -> dict[str, Tensor]:
         """Exact per-sample grads [B, d]: weight = sum_t g_t * xhat_t, bias = sum_t g_t."""
         m, x, g = layer.module, _acc(A), _acc(G)
         grads = {}
-        if "weight" in layer.params:
+        if "weight" in names:
             shape = (x.shape[-1],)  # normalized dims were flattened into one
             if isinstance(m, nn.LayerNorm):
                 xhat = F.layer_norm(x, shape, eps=m.eps)
             else:  # eps=None means eps of the compute dtype, as in torch
                 xhat = F.rms_norm(x, shape, eps=m.eps)
             grads["weight"] = (g * xhat).sum(1)
-        if "bias" in layer.params:
+        if "bias" in names:
             grads["bias"] = g.sum(1)
         return grads
 
-    def squared_norms(self, layer, A, G):
-        return sum(g.square().sum(1) for g in self.per_sample_grads(layer, A, G).values())
-
-    def clipped_grads(self, layer, A, G, c):
-        grads = self.per_sample_grads(layer, A, G)
-        shape = layer.module.normalized_shape
-        return {name: (_acc(c) @ g).view(shape) for name, g in grads.items()}
-
 
 # ---------------------------------------------------------------- the wrapper
+
+
+def _squared_row_norms(x: Tensor) -> Tensor:
+    """||x_b||^2 of each row of [B, n], accumulated in fp32 (no fp32 copy of bf16 rows)."""
+    return torch.linalg.vector_norm(x, dim=1, dtype=_acc_dtype(x)).square()
+
+
+def _is_small(per_sample_grad: Tensor) -> bool:
+    # numel // B, not grad[0].numel(): indexing is an op (and flash is launch/CPU-bound here)
+    return per_sample_grad.numel() <= SMALL_PER_SAMPLE_NUMEL * per_sample_grad.shape[0]
+
+
+def _accumulate(param: nn.Parameter, grad: Tensor) -> None:
+    """param.grad += grad (param.grad = grad when there is none yet)."""
+    grad = grad.to(param.dtype).view(param.shape)
+    param.grad = grad if param.grad is None else param.grad.add_(grad)
+
+
+def _accumulate_many(params: list[nn.Parameter], grads: list[Tensor]) -> None:
+    """_accumulate for many parameters with multi-tensor kernels; each .grad gets its own
+    storage (not a view of ``grads``' buffer), as autograd would give it."""
+    grads = [grad.view(param.shape) for param, grad in zip(params, grads, strict=True)]
+    fresh = [i for i, param in enumerate(params) if param.grad is None]
+    held = [i for i, param in enumerate(params) if param.grad is not None]
+    if fresh:
+        new = [torch.empty_like(params[i]) for i in fresh]
+        torch._foreach_copy_(new, [grads[i] for i in fresh])
+        for i, grad in zip(fresh, new, strict=True):
+            params[i].grad = grad
+    if held:
+        torch._foreach_add_([params[i].grad for i in held], [grads[i] for i in held])
 
 
 def _flatten_tokens(x: Tensor, feature_dims: int) -> Tensor:
@@ -351,9 +476,22 @@ class FlashClipping:
             for layer in self.layers
         ]
         self._leaves: list[Tensor] = []
+        self._last_saved: tuple | None = None  # (rule, weakref to input, saved A)
         self._norms: Tensor | None = None
         self._routes: list[dict] = []
         self._after_backward = False
+
+    def _saved_input(self, layer: Layer, x: Tensor) -> Tensor:
+        """The rule's A for input x; layers reading one input (q, k and v) share one cast, as
+        long as x was not modified in place and autocast is in the same state in between."""
+        device = x.device.type
+        state = (x._version, torch.is_autocast_enabled(device), torch.get_autocast_dtype(device))
+        last = self._last_saved
+        if last is not None and last[0] is layer.rule and last[1]() is x and last[2] == state:
+            return last[3]
+        saved = layer.rule.saved_input(layer.module, x.detach())
+        self._last_saved = (layer.rule, weakref.ref(x), state, saved)
+        return saved
 
     def _make_hook(self, layer: Layer):
         k_in, k_out = layer.rule.feature_dims(layer.module)
@@ -364,21 +502,30 @@ class FlashClipping:
             if self._after_backward:
                 raise RuntimeError("FlashClipping: call release() before the next forward")
             x = args[0] if args else next(iter(kwargs.values()))
-            call = [_flatten_tokens(x.detach(), k_in), None]
+            call = [_flatten_tokens(self._saved_input(layer, x), k_in), None, None]
             layer.calls.append(call)
+            version = call[0]._version
 
             def save_grad(grad):
                 if not call or call[0] is None:  # a second backward through the same graph
                     raise RuntimeError("FlashClipping: one backward per forward (release() first)")
+                if call[0]._version != version:  # autograd would refuse a saved input changed so
+                    raise RuntimeError(
+                        f"FlashClipping: the input of {layer.name!r} was modified in place "
+                        "after its forward; its per-sample gradients need it unchanged"
+                    )
                 A, G = call[0], _flatten_tokens(grad.detach(), k_out)
                 layer.described.append(
                     {"layer": layer.name, "T": A.shape[1], **layer.rule.describe(layer, A, G)}
                 )
-                if layer.rule.keeps_per_sample(layer, A, G):
-                    self._add_per_sample(layer, layer.rule.per_sample_grads(layer, A, G))
-                    call[0] = None  # A and G are not needed any more
+                kept = layer.rule.kept_per_sample(layer, A, G)
+                if kept:
+                    self._add_per_sample(layer, layer.rule.per_sample_grads(layer, A, G, kept))
+                rest = layer.params.keys() - kept
+                if rest:
+                    call[1], call[2] = G, rest
                 else:
-                    call[1] = G
+                    call[0] = None  # A and G are not needed any more
 
             if not output.requires_grad:  # e.g. first layer: make a leaf so G still flows
                 output = output.detach().requires_grad_(True)
@@ -408,27 +555,30 @@ class FlashClipping:
         """One backward of the SUM of per-sample losses; no .grad is written anywhere."""
         if not self._leaves:
             raise RuntimeError("no managed layer was called with grad enabled since release()")
+        self._last_saved = None
         torch.autograd.grad(loss, self._leaves, allow_unused=True)
         self._after_backward = True
         for layer in self.layers:
             hooked = layer.calls
-            # Calls whose G never came (unused outputs) add nothing; kept per-sample grads
+            # Calls whose G never came (unused outputs) add nothing; parameters kept per sample
             # already hold theirs.
             calls = [list(c) for c in hooked if c[0] is not None and c[1] is not None]
-            if calls and layer.per_sample:  # some calls kept per-sample grads: fold in the rest
-                for A, G in calls:
-                    self._add_per_sample(layer, layer.rule.per_sample_grads(layer, A, G))
+            pending = set().union(*(rest for _, _, rest in calls))
+            if pending & layer.per_sample.keys():  # other calls formed these per sample: join
+                for A, G, rest in calls:
+                    self._add_per_sample(layer, layer.rule.per_sample_grads(layer, A, G, rest))
                 calls = []
                 layer.described = [dict(d, route="product") for d in layer.described]
             if len(calls) > 1:  # a reused module's grad sums over calls: concatenate along T
-                calls = [[torch.cat(t, 1) for t in zip(*calls, strict=True)]]
-                A, G = calls[0]  # the route is decided again on the joined T: report that one
+                A, G = (torch.cat(t, 1) for t in zip(*(c[:2] for c in calls), strict=True))
+                # The route is decided again on the joined T: report that one.
                 layer.described = [
                     {"layer": layer.name, "T": A.shape[1], **layer.rule.describe(layer, A, G)}
                 ]
-                if layer.rule.keeps_per_sample(layer, A, G):
-                    self._add_per_sample(layer, layer.rule.per_sample_grads(layer, A, G))
-                    calls = []
+                kept = layer.rule.kept_per_sample(layer, A, G) & pending
+                if kept:
+                    self._add_per_sample(layer, layer.rule.per_sample_grads(layer, A, G, kept))
+                calls = [[A, G, pending - kept]] if pending - kept else []
             layer.calls = calls
             # The hook closures hold the original lists and live as long as the autograd graph
             # (the caller's loss keeps it): empty them so layer.calls is the only reference and
@@ -438,7 +588,7 @@ class FlashClipping:
         self._routes = [route for layer in self.layers for route in layer.described]
 
     def _batch_size(self) -> int:
-        sizes = {layer.name: A.shape[0] for layer in self.layers for A, _ in layer.calls}
+        sizes = {layer.name: call[0].shape[0] for layer in self.layers for call in layer.calls}
         sizes.update(
             {layer.name: g.shape[0] for layer in self.layers for g in layer.per_sample.values()}
         )
@@ -448,23 +598,33 @@ class FlashClipping:
             raise ValueError(f"managed layers saw different batch sizes: {sizes}")
         return next(iter(sizes.values()))
 
+    def _small_per_sample(self) -> list[tuple[nn.Parameter, Tensor]]:
+        """(parameter, [B, n] per-sample gradient) of every kept gradient with n small."""
+        return [
+            (layer.params[name], grad.flatten(1))
+            for layer in self.layers
+            for name, grad in layer.per_sample.items()
+            if _is_small(grad)
+        ]
+
     def per_sample_squared_norms(self) -> Tensor:
         """Squared norm of each sample's gradient over all managed parameters, [B]."""
         if self._norms is None:
-            B = self._batch_size()
-            norms = torch.zeros(B, device=self.params[0].device)
+            self._batch_size()  # checks that backward ran and that the batch sizes agree
+            terms, calls_by_rule = [], {}
             for layer in self.layers:
-                for A, G in layer.calls:
-                    norms = norms + layer.rule.squared_norms(layer, A, G)
+                for A, G, _ in layer.calls:
+                    calls_by_rule.setdefault(layer.rule, []).append((layer, A, G))
                 for grad in layer.per_sample.values():
-                    # fp32 accumulation inside the reduction: no fp32 copy of bf16 grads
-                    norms = (
-                        norms
-                        + torch.linalg.vector_norm(
-                            grad.flatten(1), dim=1, dtype=_acc_dtype(grad)
-                        ).square()
-                    )
-            self._norms = norms
+                    if not _is_small(grad):
+                        terms.append(_squared_row_norms(grad.flatten(1)))
+            by_dtype: dict[torch.dtype, list[Tensor]] = {}
+            for _, grad in self._small_per_sample():
+                by_dtype.setdefault(grad.dtype, []).append(grad)
+            terms += [_squared_row_norms(torch.cat(grads, 1)) for grads in by_dtype.values()]
+            for rule, calls in calls_by_rule.items():
+                terms += rule.squared_norms_many(calls)
+            self._norms = torch.stack(terms).sum(0)
         return self._norms
 
     def accumulate_clipped_grads(self, clip_factors: Tensor) -> None:
@@ -476,22 +636,33 @@ class FlashClipping:
         """
         if clip_factors.shape != (self._batch_size(),):
             raise ValueError(f"clip_factors must have shape [B], got {tuple(clip_factors.shape)}")
+        c = ClipFactors(clip_factors)
+        small = self._small_per_sample()
         for layer in self.layers:
-            clipped = [layer.rule.clipped_grads(layer, A, G, clip_factors) for A, G in layer.calls]
+            clipped = [layer.rule.clipped_grads(layer, A, G, c) for A, G, _ in layer.calls]
             layer.calls = []
-            # Kept per-sample grads: the clipped sum is one [B] x [B, n] product, no GEMM over T.
+            # Large kept per-sample grads: the clipped sum is one [B] x [B, n] product, no GEMM
+            # over T; then they are dropped.
             clipped.append(
                 {
-                    name: _round_down(clip_factors, grad.dtype) @ grad.flatten(1)
+                    name: c.to(grad.dtype) @ grad.flatten(1)
                     for name, grad in layer.per_sample.items()
+                    if not _is_small(grad)
                 }
             )
-            layer.per_sample = {}
             for grads in clipped:
                 for name, grad in grads.items():
-                    p = layer.params[name]
-                    grad = grad.to(p.dtype).view(p.shape)
-                    p.grad = grad if p.grad is None else p.grad.add_(grad)
+                    _accumulate(layer.params[name], grad)
+        # Small ones (biases, norm layers): one [B] x [B, sum n] product per dtype.
+        by_dtype: dict[torch.dtype, list] = {}
+        for param, grad in small:
+            by_dtype.setdefault(grad.dtype, []).append((param, grad))
+        for dtype, members in by_dtype.items():
+            sums = c.to(dtype) @ torch.cat([grad for _, grad in members], 1)
+            parts = sums.split([grad.shape[1] for _, grad in members])
+            _accumulate_many([param for param, _ in members], parts)
+        for layer in self.layers:
+            layer.per_sample = {}
 
     def routes(self) -> list[dict]:
         """Per layer of the last backward: name, T, route (Linear layers also d, p)."""
@@ -502,6 +673,7 @@ class FlashClipping:
         for layer in self.layers:
             layer.calls, layer.per_sample, layer.described = [], {}, []
         self._leaves, self._norms, self._after_backward = [], None, False
+        self._last_saved = None
 
     def remove(self) -> None:
         """Remove hooks and make the managed parameters trainable again."""

@@ -50,7 +50,7 @@ RULES: list[tuple[str, str]] = [
     (
         "elementwise",
         r"elementwise|CatArray|copy|fill|dropout|indexSelect|index_|gather|scatter|embedding"
-        r"|PointwiseApply|^triton_poi_",
+        r"|PointwiseApply|^triton_poi_|noise",
     ),
 ]
 _COMPILED_RULES = [(category, re.compile(pattern, re.IGNORECASE)) for category, pattern in RULES]

@@ -297,6 +297,34 @@ class GhostClippingTrainer(OpacusTrainer):
         return per_sample.detach().sum().item()
 
 
+NOISE_GROUP_BYTES = 256 * 2**20
+
+
+def add_gaussian_noise(tensors: list[torch.Tensor], std: float) -> None:
+    """t += N(0, std^2) elementwise for each tensor. CUDA: one fused Triton kernel (noise drawn
+    and added in one pass). Elsewhere: noise drawn per tensor, added by one multi-tensor kernel
+    per group of <= NOISE_GROUP_BYTES of noise (bounded extra memory)."""
+    from flash_clip import triton_kernels
+
+    fused = (
+        tensors
+        and all(t.is_cuda and t.is_contiguous() for t in tensors)
+        and len({t.device for t in tensors}) == 1
+    )
+    kernels = triton_kernels() if fused else None
+    if kernels is not None:
+        kernels.add_gaussian_noise_(tensors, std)
+        return
+    group: list[torch.Tensor] = []
+    group_bytes = 0
+    for i, tensor in enumerate(tensors):
+        group.append(tensor)
+        group_bytes += tensor.numel() * tensor.element_size()
+        if group_bytes >= NOISE_GROUP_BYTES or i == len(tensors) - 1:
+            torch._foreach_add_(group, [torch.randn_like(t) for t in group], alpha=std)
+            group, group_bytes = [], 0
+
+
 @register_trainer("flash")
 class FlashClippingTrainer(Trainer):
     """Ours: one forward, one backward, exact per-sample norms by the cheaper route per layer.
@@ -333,19 +361,23 @@ class FlashClippingTrainer(Trainer):
         self.engine.backward(per_sample.sum())
         self.on_phase("_clip_inputs_saved")  # A, G and per-sample grads all held: name them
         norms = self.engine.per_sample_squared_norms().sqrt()
-        self.engine.accumulate_clipped_grads(self.clip_factors(norms))
+        # 1/B folded into the clip factors (and the noise's std): no division pass over every
+        # gradient afterwards.
+        self.engine.accumulate_clipped_grads(self.clip_factors(norms) / self.batch_size)
         self.engine.release()
         self.on_phase("backward_done")
         return per_sample.detach().sum().item()
 
     def optimizer_step(self):
-        std = self.noise_multiplier * self.max_grad_norm
+        # The gradients already hold sum_b c_b g_b / B: the noise N(0, (sigma C)^2) / B.
+        std = self.noise_multiplier * self.max_grad_norm / self.batch_size
+        grads = []
         for p in self.engine.params:
             if p.grad is None:  # a layer the batch never reached still gets noise
                 p.grad = torch.zeros_like(p)
-            if std > 0:
-                p.grad.add_(torch.normal(0.0, std, p.shape, device=p.device, dtype=p.dtype))
-            p.grad.div_(self.batch_size)
+            grads.append(p.grad)
+        if std > 0:
+            add_gaussian_noise(grads, std)
         self.optimizer.step()
 
     def routes(self) -> list[dict]:

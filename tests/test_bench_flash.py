@@ -29,7 +29,7 @@ def test_step_rows_and_misses():
     assert row["ghost_over_flash"] == pytest.approx(180 / 130)
     assert row["dpsgd_over_flash"] is None
     misses = row["misses"]
-    assert misses[0] == "flash/standard time 1.30 vs goal <= 1.20 (+8%)"
+    assert misses[0] == "flash/standard time 1.30 vs goal <= 1.20 (+8.3%)"
     assert misses[1].startswith("ghost/flash time 1.38 vs goal >= 1.60")
     assert misses[2] == "dpsgd/flash time: not measured"
     assert len(misses) == 3  # the peak goal is met

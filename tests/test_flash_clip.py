@@ -283,6 +283,37 @@ def test_bf16_autocast_close_to_fp32(route):
     assert_close(flat_grads(model), ref_sum, 2e-2)
 
 
+def test_autocast_keeps_one_low_precision_input_per_tensor():
+    """Under autocast a Linear multiplies its input cast to bf16: flash keeps that cast (half the
+    bytes of an fp32 LayerNorm output), once for layers that read the same tensor (q, k, v)."""
+
+    class QKV(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.ln = nn.LayerNorm(8)
+            self.q, self.k, self.v = (nn.Linear(8, 8) for _ in range(3))
+
+        def forward(self, x):
+            h = self.ln(x)  # fp32 under autocast
+            return self.q(h) * self.k(h) + self.v(h)
+
+    torch.manual_seed(0)
+    model = QKV()
+    flash = FlashClipping(model, route="gram")
+    x = torch.randn(2, 5, 8)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = model(x)
+    saved = {layer.name: layer.calls[0][0] for layer in flash.layers if layer.name in "qkv"}
+    assert all(A.dtype == torch.bfloat16 for A in saved.values())
+    assert len({A.untyped_storage().data_ptr() for A in saved.values()}) == 1  # one cast
+    expected = F.layer_norm(x, (8,), model.ln.weight, model.ln.bias).to(torch.bfloat16)
+    assert torch.equal(saved["q"], expected)
+    flash.backward(out.float().sum())
+    q = next(layer for layer in flash.layers if layer.name == "q")
+    # gram route: the weight waits for A and G; the [B, p] bias gradient was formed at once
+    assert q.calls[0][2] == {"weight"} and q.per_sample["bias"].shape == (2, 8)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_bf16_autocast():
@@ -294,8 +325,14 @@ def test_cuda_bf16_autocast():
     with torch.autocast("cuda", dtype=torch.bfloat16):
         loss = sample_losses(model(ids).float(), targets).sum()
     flash.backward(loss)
-    norms = flash.per_sample_squared_norms().sqrt()
-    flash.accumulate_clipped_grads((1.0 / (norms + 1e-6)).clamp(max=1.0))
+    # No host sync between backward and the optimizer (torch.unique or boolean-mask indexing
+    # would wait for the GPU mid-step): CUDA raises on any synchronising op here.
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        norms = flash.per_sample_squared_norms().sqrt()
+        flash.accumulate_clipped_grads((1.0 / (norms + 1e-6)).clamp(max=1.0))
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
     assert_close(norms.cpu(), ref_norms, 2e-2)
     assert_close(flat_grads(model).cpu(), ref_sum, 2e-2)
 
@@ -396,3 +433,59 @@ def test_clip_factors_are_never_rounded_up():
     ulp = c * 2.0**-7
     assert ((c - low.float()) <= ulp).all()
     assert torch.equal(_round_down(c, torch.float32), c)
+
+
+def test_bf16_clipped_contribution_never_exceeds_the_clip_norm():
+    """The clipped GEMM reads c * g rounded to nearest in bf16, up to 2^-8 above c * g: with g
+    and c at a rounding tie (g = 1.15625, c = 0.875) and nothing to cancel it, the sample's
+    clipped gradient would exceed C by 0.4% unless c is shrunk by that rounding first."""
+    lin = nn.Linear(64, 64, bias=False)
+    flash = FlashClipping(lin, route="gram")
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = lin(torch.ones(1, 1, 64))
+    flash.backward((out.float() * 1.15625).sum())  # G = 1.15625 everywhere (exact in bf16)
+    norm = flash.per_sample_squared_norms().sqrt()
+    C = 0.875 * (norm.item() + 1e-6)  # clip factor exactly 0.875
+    flash.accumulate_clipped_grads((C / (norm + 1e-6)).clamp(max=1.0))
+    clipped = lin.weight.grad.double().norm().item()
+    assert clipped <= C
+    assert clipped >= C * (1 - 2**-6)  # shrunk by about one bf16 ulp, not more
+
+
+def test_input_modified_in_place_between_layers():
+    """Two Linears read h and h changes in place between them (legal here: flash freezes the
+    weights, so autograd saves no input). In fp32 flash's A is h itself: it must refuse, as
+    autograd does for a saved tensor. Under autocast A is a cast copy: the second layer must get
+    a fresh cast of the changed h (not the first layer's), and the norms stay exact."""
+
+    class TwoReaders(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = nn.Linear(6, 4), nn.Linear(6, 4)
+
+        def forward(self, x):
+            h = x * 1.0
+            y = self.a(h)
+            h.add_(3.0)
+            return y + self.b(h)
+
+    torch.manual_seed(0)
+    model = TwoReaders()
+    x = torch.randn(3, 5, 6)
+    flash = FlashClipping(model, route="gram")
+    with pytest.raises(RuntimeError, match="modified in place"):
+        flash.backward(model(x).square().sum())
+    flash.release()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = model(x)
+    flash.backward(out.float().square().sum())
+    norms = flash.per_sample_squared_norms()
+    flash.remove()
+    reference = []
+    for b in range(3):  # brute force in the same precision: the layers' own bf16 products
+        model.zero_grad()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = model(x[b : b + 1])
+        out.float().square().sum().backward()
+        reference.append(sum(p.grad.double().square().sum() for p in model.parameters()))
+    assert_close(norms.double(), torch.stack(reference), 2e-2)

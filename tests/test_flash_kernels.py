@@ -58,3 +58,62 @@ def test_shape_errors():
         flash_kernels.gram_squared_norms(torch.randn(1, 2, 3), torch.randn(1, 2, 3).half())
     with pytest.raises(ValueError, match=r"A \[B, T, d\]"):
         flash_kernels.gram_squared_norms(torch.randn(1, 2, 3), torch.randn(1, 3, 3))
+
+
+def test_pair_index_covers_every_tile_pair_once():
+    """The grid launches only the n(n+1)/2 pairs t <= s and each program recovers its (s, t)
+    from a float square root: with 33 tiles (561 pairs) every pair must be counted exactly once,
+    which brute force over all token pairs checks."""
+    torch.manual_seed(2)
+    A, G = torch.randn(1, 33 * 16, 16), torch.randn(1, 33 * 16, 16)
+    norms = flash_kernels.gram_squared_norms(A, G, block_t=16, block_k=16)
+    assert relative_error(norms, per_sample_squared_norms(A, G)) < 1e-5
+
+
+def noise_added(tensors, std, seed):
+    """The noise the kernel adds to copies of ``tensors`` after torch.manual_seed(seed)."""
+    copies = [t.clone() for t in tensors]
+    torch.manual_seed(seed)
+    flash_kernels.add_gaussian_noise_(copies, std)
+    return [c - t for c, t in zip(copies, tensors)]
+
+
+def test_noise_kernel_is_gaussian_independent_and_reproducible():
+    torch.manual_seed(0)
+    tensors = [torch.randn(250_000), torch.zeros(4097), torch.zeros(3)]
+    big, edge, tiny = noise_added(tensors, 0.5, seed=1)
+    n = big.numel()
+    assert abs(big.mean().item()) < 5 * 0.5 / n**0.5  # 5 standard errors
+    assert abs(big.std().item() / 0.5 - 1) < 0.01  # the std's standard error is ~0.0014
+    outside = (big.abs() > 1.5).float().mean().item()  # P(|z| > 3) = 0.0027 for a Gaussian
+    assert abs(outside - 0.0027) < 5 * (0.0027 / n) ** 0.5
+    # every element of every tensor drawn: block edges (4096 | 4097) and a 3-element tensor
+    assert (edge != 0).all() and (tiny != 0).all()
+    # tensors and blocks get independent draws, not the same stream
+    assert abs(torch.corrcoef(torch.stack([big[:4097], edge]))[0, 1].item()) < 0.1
+    assert abs(torch.corrcoef(torch.stack([big[:4096], big[4096:8192]]))[0, 1].item()) < 0.1
+    # the four normals of one Philox draw go to the four quarters of a block
+    quarters = big[:4096].view(4, 1024)
+    assert (torch.corrcoef(quarters) - torch.eye(4)).abs().max().item() < 0.15
+    again = noise_added(tensors, 0.5, seed=1)
+    assert all(torch.equal(a, b) for a, b in zip(again, (big, edge, tiny)))
+    assert not torch.equal(noise_added(tensors, 0.5, seed=2)[0], big)
+
+
+def test_grouped_layers_sum_to_brute_force():
+    """Many layers in one launch (each layer's pointers and widths read from a table): the sum
+    over layers of brute-force per-sample norms, fp16 inputs (bf16 cannot be interpreted). A
+    layer whose rows are not feature-contiguous, or whose width breaks the alignment the kernel
+    is promised (d = 20: widths must be multiples of 16), goes through the one-layer kernel
+    instead; the total is the same."""
+    torch.manual_seed(3)
+    B, T = 2, 70
+    widths = [(16, 48), (32, 64), (20, 24)]
+    pairs = [(torch.randn(B, T, d).half(), torch.randn(B, T, p).half()) for d, p in widths]
+    pairs.append((torch.randn(B, 32, T).half().mT, torch.randn(B, T, 16).half()))  # strided A
+    assert [flash_kernels._groupable(A, G) for A, G in pairs] == [True, True, False, False]
+    expected = sum(per_sample_squared_norms(A, G) for A, G in pairs)
+    norms = flash_kernels.gram_squared_norms_grouped(pairs)
+    assert norms.dtype == torch.float32 and relative_error(norms, expected) < 1e-4
+    with pytest.raises(ValueError, match="one B, T and dtype"):
+        flash_kernels.gram_squared_norms_grouped([pairs[0], (pairs[1][0][:1], pairs[1][1][:1])])

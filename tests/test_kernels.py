@@ -75,6 +75,9 @@ def test_rules_use_only_contract_categories():
         ),
         ("void cub::DeviceRadixSortHistogramKernel<...>", "other"),
         ("_gram_squared_norms_kernel", "norm_clip"),
+        # flash's own Triton kernels: the Gram norms, and the noise drawn and added in one pass
+        ("_gram_group_kernel", "norm_clip"),
+        ("_add_noise_kernel", "elementwise"),
         ("triton_red_fused_bmm_gram_0", "norm_clip"),
         ("triton_poi_fused_clip_div_1", "norm_clip"),
         # attention beats gemm (cutlass inside), gemm beats reduction (splitK reduce of a GEMM).

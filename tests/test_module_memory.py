@@ -99,14 +99,16 @@ def reference_parameter_bytes(model, only=None):
 
 def flash_keeps_per_sample(model, seq_len, trained):
     """Parameters whose per-sample grads flash keeps, by its rule (not by running it): Linears
-    with d*p <= T*(d+p), and norm layers; ``trained``: ids of the optimizer's parameters (flash
-    turns requires_grad off on what it manages)."""
+    with d*p <= T*(d+p), every Linear's bias, and norm layers; ``trained``: ids of the
+    optimizer's parameters (flash turns requires_grad off on what it manages)."""
     kept = set()
     for m in model.modules():
         linear = isinstance(m, torch.nn.Linear)
         if (linear and m.in_features * m.out_features <= seq_len * (m.in_features + m.out_features)
                 or isinstance(m, torch.nn.RMSNorm)):  # fmt: skip
             kept |= {id(p) for p in m.parameters(recurse=False) if id(p) in trained}
+        elif linear and m.bias is not None and id(m.bias) in trained:
+            kept.add(id(m.bias))
     return kept
 
 

@@ -108,11 +108,24 @@ def test_standard_update_is_plain_mean_gradient():
     assert relative_error(update, -grads.mean(0)) < 1e-5
 
 
-@pytest.mark.parametrize("name", DP_TRAINERS)
-def test_noise_std_is_sigma_c_over_b(name):
+@pytest.mark.parametrize(
+    "name, device",
+    [(name, "cpu") for name in DP_TRAINERS]
+    + [  # flash's fused Triton noise kernel on CUDA
+        pytest.param(
+            "flash",
+            "cuda",
+            marks=[
+                pytest.mark.gpu,
+                pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
+            ],
+        )
+    ],
+)
+def test_noise_std_is_sigma_c_over_b(name, device):
     torch.manual_seed(123)
-    model = models.build_model(SMALL)
-    inputs, targets = make_batch(batch=4, seq=6)
+    model = models.build_model(SMALL, device=torch.device(device))
+    inputs, targets = (t.to(device) for t in make_batch(batch=4, seq=6))
     sigma, clip, batch = 0.7, 0.05, inputs.shape[0]
     ref, _ = reference_update(model, inputs, targets, clip, 1.0)
     update = run_one_step(
