@@ -31,6 +31,7 @@ that require grad are not supported); no activation checkpointing.
 
 from __future__ import annotations
 
+import functools
 import math
 import weakref
 from dataclasses import dataclass, field
@@ -189,6 +190,7 @@ def register_norm_rule(*layer_types: type):
 # ---------------------------------------------------------------- Linear
 
 
+@functools.cache  # a failed import is not cached by Python: try it once, not per layer
 def triton_kernels():
     """flash_kernels (fused Triton kernels, for CUDA tensors) where Triton imports, else None."""
     try:
@@ -476,7 +478,8 @@ class FlashClipping:
             for layer in self.layers
         ]
         self._leaves: list[Tensor] = []
-        self._last_saved: tuple | None = None  # (rule, weakref to input, saved A)
+        self._last_saved: tuple | None = None  # (rule, weakref to input, its state, saved A)
+        self._small: list | None = None  # _small_per_sample's batches of this chunk
         self._norms: Tensor | None = None
         self._routes: list[dict] = []
         self._after_backward = False
@@ -598,14 +601,21 @@ class FlashClipping:
             raise ValueError(f"managed layers saw different batch sizes: {sizes}")
         return next(iter(sizes.values()))
 
-    def _small_per_sample(self) -> list[tuple[nn.Parameter, Tensor]]:
-        """(parameter, [B, n] per-sample gradient) of every kept gradient with n small."""
-        return [
-            (layer.params[name], grad.flatten(1))
-            for layer in self.layers
-            for name, grad in layer.per_sample.items()
-            if _is_small(grad)
-        ]
+    def _small_per_sample(self) -> list[tuple[list[nn.Parameter], Tensor]]:
+        """The kept per-sample gradients with few elements per sample, per dtype: (their
+        parameters, the gradients concatenated [B, sum n]). Made once per chunk, used by both
+        the norms and the clipped sums."""
+        if self._small is None:
+            by_dtype: dict[torch.dtype, list] = {}
+            for layer in self.layers:
+                for name, grad in layer.per_sample.items():
+                    if _is_small(grad):
+                        by_dtype.setdefault(grad.dtype, []).append((layer.params[name], grad))
+            self._small = [
+                ([param for param, _ in members], torch.cat([g.flatten(1) for _, g in members], 1))
+                for members in by_dtype.values()
+            ]
+        return self._small
 
     def per_sample_squared_norms(self) -> Tensor:
         """Squared norm of each sample's gradient over all managed parameters, [B]."""
@@ -618,10 +628,7 @@ class FlashClipping:
                 for grad in layer.per_sample.values():
                     if not _is_small(grad):
                         terms.append(_squared_row_norms(grad.flatten(1)))
-            by_dtype: dict[torch.dtype, list[Tensor]] = {}
-            for _, grad in self._small_per_sample():
-                by_dtype.setdefault(grad.dtype, []).append(grad)
-            terms += [_squared_row_norms(torch.cat(grads, 1)) for grads in by_dtype.values()]
+            terms += [_squared_row_norms(grads) for _, grads in self._small_per_sample()]
             for rule, calls in calls_by_rule.items():
                 terms += rule.squared_norms_many(calls)
             self._norms = torch.stack(terms).sum(0)
@@ -638,6 +645,7 @@ class FlashClipping:
             raise ValueError(f"clip_factors must have shape [B], got {tuple(clip_factors.shape)}")
         c = ClipFactors(clip_factors)
         small = self._small_per_sample()
+        self._small = None
         for layer in self.layers:
             clipped = [layer.rule.clipped_grads(layer, A, G, c) for A, G, _ in layer.calls]
             layer.calls = []
@@ -654,13 +662,9 @@ class FlashClipping:
                 for name, grad in grads.items():
                     _accumulate(layer.params[name], grad)
         # Small ones (biases, norm layers): one [B] x [B, sum n] product per dtype.
-        by_dtype: dict[torch.dtype, list] = {}
-        for param, grad in small:
-            by_dtype.setdefault(grad.dtype, []).append((param, grad))
-        for dtype, members in by_dtype.items():
-            sums = c.to(dtype) @ torch.cat([grad for _, grad in members], 1)
-            parts = sums.split([grad.shape[1] for _, grad in members])
-            _accumulate_many([param for param, _ in members], parts)
+        for params, grads in small:
+            sums = c.to(grads.dtype) @ grads
+            _accumulate_many(params, sums.split([p.numel() for p in params]))
         for layer in self.layers:
             layer.per_sample = {}
 
@@ -673,7 +677,7 @@ class FlashClipping:
         for layer in self.layers:
             layer.calls, layer.per_sample, layer.described = [], {}, []
         self._leaves, self._norms, self._after_backward = [], None, False
-        self._last_saved = None
+        self._last_saved = self._small = None
 
     def remove(self) -> None:
         """Remove hooks and make the managed parameters trainable again."""

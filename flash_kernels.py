@@ -181,6 +181,14 @@ def _gram_group_kernel(
     tl.atomic_add(out + b, pair_sum)
 
 
+def _table_to(table: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host-built table of a step (pointers, offsets) on ``device``: through pinned memory on
+    CUDA, so the copy is queued on the stream instead of waiting for the GPU."""
+    if device.type == "cuda":
+        return table.pin_memory().to(device, non_blocking=True)
+    return table.to(device)
+
+
 def _groupable(A: torch.Tensor, G: torch.Tensor) -> bool:
     """What _gram_group_kernel's hints promise (else the one-layer kernel runs)."""
     return all(
@@ -211,9 +219,11 @@ def gram_squared_norms_grouped(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -
         raise ValueError(f"grouped Gram norms are for 16-bit inputs, got {A0.dtype}")
     out = torch.zeros(B, device=A0.device, dtype=torch.float32)
     block_t = 64 if T <= 64 else 128
-    grouped = [(A, G) for A, G in pairs if _groupable(A, G)]
+    grouped = []
     for A, G in pairs:
-        if not _groupable(A, G):  # the one-layer kernel, same tiles
+        if _groupable(A, G):
+            grouped.append((A, G))
+        else:  # the one-layer kernel, same tiles
             out += gram_squared_norms(A, G, block_t, 64)
     if not grouped or B == 0 or T == 0:
         return out
@@ -227,8 +237,7 @@ def gram_squared_norms_grouped(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -
         ],
         dtype=torch.int64,
     )
-    if A0.is_cuda:  # pinned: the copy does not wait for the GPU
-        meta = meta.pin_memory().to(A0.device, non_blocking=True)
+    meta = _table_to(meta, A0.device)
     n_tiles = triton.cdiv(T, block_t)
     _gram_group_kernel[(n_tiles * (n_tiles + 1) // 2, B, len(grouped))](
         base, meta, out, T, BLOCK_T=block_t, BLOCK_K=64,
@@ -263,9 +272,10 @@ def _add_noise_kernel(
     # One Philox draw (keyed by the tensor's seed, counter unique per block and lane) gives four
     # normals, one for each quarter of the block: a quarter of the Philox rounds and half the
     # Box-Muller transcendentals of one randn per element (the kernel is ALU-bound otherwise).
-    counter = (block - tl.load(first_block + i)).to(tl.int64) * QUARTER + tl.arange(0, QUARTER)
+    block_in_tensor = (block - tl.load(first_block + i)).to(tl.int64)
+    counter = block_in_tensor * QUARTER + tl.arange(0, QUARTER)
     n0, n1, n2, n3 = tl.randn4x(tl.load(seeds + i), counter)
-    start = (block - tl.load(first_block + i)).to(tl.int64) * BLOCK + tl.arange(0, QUARTER)
+    start = block_in_tensor * BLOCK + tl.arange(0, QUARTER)
     _noisy_quarter(base, start, size, std, n0, DTYPE)
     _noisy_quarter(base, start + QUARTER, size, std, n1, DTYPE)
     _noisy_quarter(base, start + 2 * QUARTER, size, std, n2, DTYPE)
@@ -297,9 +307,7 @@ def add_gaussian_noise_(tensors: list[torch.Tensor], std: float) -> None:
             table = (owner.int(), first.int(), torch.tensor(sizes, dtype=torch.int64))
             _BLOCK_TABLES[key] = tuple(t.to(device) for t in table)
         tensor_of_block, first_block, numels = _BLOCK_TABLES[key]
-        pointers = torch.tensor([t.data_ptr() for t in group], dtype=torch.int64)
-        if device.type == "cuda":  # pinned: the copy does not wait for the GPU
-            pointers = pointers.pin_memory().to(device, non_blocking=True)
+        pointers = _table_to(torch.tensor([t.data_ptr() for t in group]), device)
         seeds = torch.randint(2**62, (len(group),), device=device)
         _add_noise_kernel[(len(tensor_of_block),)](
             pointers, tensor_of_block, first_block, numels, seeds, std,
