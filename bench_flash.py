@@ -35,9 +35,9 @@ BF16_ONLY = {(1, 16384)}  # explicit fp32 attention cannot hold B*H*T^2 probabil
 PEAK_GOAL = 1.05  # flash peak memory / standard's
 GHOST_SPEEDUP_GOAL = 1.6  # ghost step time / flash's
 TRAINERS = ("standard", "flash", "ghost", "dpsgd")
-# The routes flash runs (gram: the fused Triton kernel on CUDA), and the torch Gram path it
-# replaced, measured beside it.
-ROUTES_MEASURED = ("gram", "gram_torch", "direct", "product")
+# The routes flash runs (gram and direct: the fused Triton kernels on CUDA in 16-bit), and the
+# torch paths they replaced, measured beside them.
+ROUTES_MEASURED = ("gram", "gram_torch", "direct", "direct_torch", "product")
 
 
 def step_configs(
@@ -213,10 +213,16 @@ def run_route(layer, A, G, c, route: str) -> tuple[torch.Tensor, torch.Tensor]:
     if route == "gram_torch":  # the torch Gram path, then the same clipped GEMM
         norms = flash_clip.gram_squared_norms(A, G, layer.tile_size, fused=False)
         return norms, rule.clipped_grads(layer, A, G, c)["weight"]
+    if route == "direct_torch":  # the torch direct path (blocks through HBM), same clipped GEMM
+        norms = flash_clip.direct_squared_norms(A, G, layer.block_numel, fused=False)
+        return norms, rule.clipped_grads(layer, A, G, c)["weight"]
     if route == "product":
         grads = rule.per_sample_grads(layer, A, G, {"weight"})["weight"]
         norms = torch.linalg.vector_norm(grads.flatten(1), dim=1, dtype=torch.float32).square()
-        return norms, (c.to(grads.dtype) @ grads.flatten(1)).view(grads.shape[1:])
+        weight = layer.params["weight"]
+        weight.grad = None
+        flash_clip.accumulate_weighted_sums([weight], [grads], c)
+        return norms, weight.grad
     layer.route = route
     return rule.squared_norms(layer, A, G), rule.clipped_grads(layer, A, G, c)["weight"]
 

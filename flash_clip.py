@@ -113,7 +113,8 @@ class ClipFactors:
         one ulp at 1 (2u; bf16: 2^-7): the operand the clipped GEMM reads is c * g rounded to
         nearest, up to u larger than c * g in each element, so a sample's clipped contribution
         could exceed C by that much (0.4% measured with g and c at a rounding tie). Costs 0.8%
-        of every Linear's clipped gradient in bf16; fp32 stays exact."""
+        of a GEMM-route Linear's clipped gradient in bf16; fp32 stays exact (and so do the
+        product route's sums on CUDA: accumulate_weighted_sums takes the fp32 c)."""
         if dtype not in self._cast:
             c = self.c
             if torch.finfo(dtype).bits == 16:
@@ -210,7 +211,7 @@ def gram_squared_norms(A: Tensor, G: Tensor, tile: int, fused: bool | None = Non
     the kernel's IEEE dots (1.2-1.4x, same card). See BENCHMARKS.md.
     """
     A, G = _gemm_operands(A, G)
-    if fused is not False and fused_gram_available(A):
+    if fused is not False and fused_norms_available(A):
         return triton_kernels().gram_squared_norms(A, G).to(_acc_dtype(A))
     total = _acc(A.new_zeros(A.shape[0]))
     for s in range(0, A.shape[1], tile):
@@ -225,11 +226,19 @@ def gram_squared_norms(A: Tensor, G: Tensor, tile: int, fused: bool | None = Non
     return total
 
 
-def direct_squared_norms(A: Tensor, G: Tensor, block_numel: int) -> Tensor:
-    """||G_b^T A_b||^2 formed in blocks of m output rows, each block <= block_numel elements."""
+def direct_squared_norms(
+    A: Tensor, G: Tensor, block_numel: int, fused: bool | None = None
+) -> Tensor:
+    """||G_b^T A_b||^2 formed in blocks of m output rows, each block <= block_numel elements.
+
+    bf16/fp16 on CUDA (unless fused=False): flash_kernels.direct_squared_norms forms each tile
+    of G_b^T A_b on chip and square-sums it there (no block reaches HBM). fp32 keeps this path,
+    as the Gram route does (cuBLAS' IEEE fp32 GEMMs)."""
     (B, T, d), p = A.shape, G.shape[-1]
     rows = max(1, min(p, block_numel // (B * max(d, T))))
     A, G = _gemm_operands(A, G)
+    if fused is not False and fused_norms_available(A):
+        return triton_kernels().direct_squared_norms(A, G).to(_acc_dtype(A))
     total = _acc(A.new_zeros(B))
     for j in range(0, p, rows):
         block = G[:, :, j : j + rows].mT @ A
@@ -237,8 +246,9 @@ def direct_squared_norms(A: Tensor, G: Tensor, block_numel: int) -> Tensor:
     return total
 
 
-def fused_gram_available(A: Tensor) -> bool:
-    """Does the Gram route of a layer with saved input A run on flash_kernels (16-bit on CUDA)?"""
+def fused_norms_available(A: Tensor) -> bool:
+    """Do the Gram and direct routes of a layer with saved input A run on flash_kernels
+    (16-bit on CUDA)?"""
     return A.is_cuda and A.element_size() == 2 and triton_kernels() is not None
 
 
@@ -294,7 +304,7 @@ class LinearRule(NormRule):
         terms, groups = [], {}
         for layer, A, G in calls:
             A_op, G_op = _gemm_operands(A, G)
-            if fused_gram_available(A_op) and linear_route(layer, A.shape[1]) == "gram":
+            if fused_norms_available(A_op) and linear_route(layer, A.shape[1]) == "gram":
                 groups.setdefault((A_op.shape[:2], A_op.dtype), []).append((A_op, G_op))
             else:
                 terms.append(self.squared_norms(layer, A, G))
@@ -382,14 +392,24 @@ class NormLayerRule(NormRule):
     @staticmethod
     def per_sample_grads(layer: Layer, A: Tensor, G: Tensor, names) -> dict[str, Tensor]:
         """Exact per-sample grads [B, d]: weight = sum_t g_t * xhat_t, bias = sum_t g_t."""
-        m, x, g = layer.module, _acc(A), _acc(G)
+        m = layer.module
+        rms = isinstance(m, nn.RMSNorm)
+        kernels = triton_kernels()
+        if kernels is not None and kernels.norm_layer_grads_supported(A, G):
+            # One fused pass over A and G (flash_kernels.norm_layer_per_sample_grads); eps=None
+            # means eps of the compute dtype, as in torch.
+            eps = m.eps if m.eps is not None else torch.finfo(_acc_dtype(A)).eps
+            weight, bias = kernels.norm_layer_per_sample_grads(A, G, eps, rms)
+            fused = {"weight": weight, "bias": bias}
+            return {name: fused[name] for name in names}
+        x, g = _acc(A), _acc(G)
         grads = {}
         if "weight" in names:
             shape = (x.shape[-1],)  # normalized dims were flattened into one
-            if isinstance(m, nn.LayerNorm):
-                xhat = F.layer_norm(x, shape, eps=m.eps)
-            else:  # eps=None means eps of the compute dtype, as in torch
+            if rms:  # eps=None means eps of the compute dtype, as in torch
                 xhat = F.rms_norm(x, shape, eps=m.eps)
+            else:
+                xhat = F.layer_norm(x, shape, eps=m.eps)
             grads["weight"] = (g * xhat).sum(1)
         if "bias" in names:
             grads["bias"] = g.sum(1)
@@ -428,6 +448,28 @@ def _accumulate_many(params: list[nn.Parameter], grads: list[Tensor]) -> None:
             params[i].grad = grad
     if held:
         torch._foreach_add_([params[i].grad for i in held], [grads[i] for i in held])
+
+
+def accumulate_weighted_sums(params, grads, c: ClipFactors) -> None:
+    """param.grad += sum_b c_b * grad[b] for each per-sample gradient grad [B, ...].
+
+    On CUDA: flash_kernels.weighted_sums_, one launch for all of them, fp32 clip factors (no
+    16-bit rounding of c: each c_b * g_b is formed in fp32) and fp32 accumulation straight into
+    .grad. Elsewhere one [B] x [B, n] product per parameter."""
+    kernels = triton_kernels()
+    accumulate = [param.grad is not None for param in params]
+    targets = [param.grad if param.grad is not None else param for param in params]
+    if kernels is not None and all(
+        kernels.weighted_sums_supported(target, grad)
+        for target, grad in zip(targets, grads, strict=True)
+    ):
+        targets = [t if acc else torch.empty_like(t) for t, acc in zip(targets, accumulate)]
+        kernels.weighted_sums_(targets, [g.flatten(1) for g in grads], c.c, accumulate)
+        for param, target in zip(params, targets, strict=True):
+            param.grad = target
+        return
+    for param, grad in zip(params, grads, strict=True):
+        _accumulate(param, c.to(grad.dtype) @ grad.flatten(1))
 
 
 def _flatten_tokens(x: Tensor, feature_dims: int) -> Tensor:
@@ -644,29 +686,31 @@ class FlashClipping:
         if clip_factors.shape != (self._batch_size(),):
             raise ValueError(f"clip_factors must have shape [B], got {tuple(clip_factors.shape)}")
         c = ClipFactors(clip_factors)
-        small = self._small_per_sample()
+        small = self._small_per_sample()  # biases, norm layers: batched per dtype
+        large = [
+            (layer.params[name], grad)
+            for layer in self.layers
+            for name, grad in layer.per_sample.items()
+            if not _is_small(grad)
+        ]
         self._small = None
+        for layer in self.layers:
+            layer.per_sample = {}
+        # Large kept per-sample grads first (no GEMM over T: a weighted sum of each), so they
+        # are freed before the clipped GEMMs below allocate their gradients.
+        if large:
+            accumulate_weighted_sums(*zip(*large, strict=True), c)
+        del large
         for layer in self.layers:
             clipped = [layer.rule.clipped_grads(layer, A, G, c) for A, G, _ in layer.calls]
             layer.calls = []
-            # Large kept per-sample grads: the clipped sum is one [B] x [B, n] product, no GEMM
-            # over T; then they are dropped.
-            clipped.append(
-                {
-                    name: c.to(grad.dtype) @ grad.flatten(1)
-                    for name, grad in layer.per_sample.items()
-                    if not _is_small(grad)
-                }
-            )
             for grads in clipped:
                 for name, grad in grads.items():
                     _accumulate(layer.params[name], grad)
-        # Small ones (biases, norm layers): one [B] x [B, sum n] product per dtype.
+        # Small ones: one [B] x [B, sum n] product per dtype.
         for params, grads in small:
             sums = c.to(grads.dtype) @ grads
             _accumulate_many(params, sums.split([p.numel() for p in params]))
-        for layer in self.layers:
-            layer.per_sample = {}
 
     def routes(self) -> list[dict]:
         """Per layer of the last backward: name, T, route (Linear layers also d, p)."""

@@ -15,6 +15,9 @@ Inputs in bf16/fp16 use tensor cores; fp32 inputs use IEEE-precision dots by def
 fp32 rounding, as the torch path), or TF32 when asked. Accumulation is fp32 throughout.
 
 add_gaussian_noise_: DP-SGD's noise drawn (Philox) and added in one pass over every gradient.
+weighted_sums_: the clipped sums of kept per-sample gradients, one read of each, one launch.
+direct_squared_norms: the direct route, each tile of G_b^T A_b square-summed on chip.
+norm_layer_per_sample_grads: LayerNorm / RMSNorm per-sample gradients in one pass over x and g.
 """
 
 from __future__ import annotations
@@ -246,9 +249,117 @@ def gram_squared_norms_grouped(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -
     return out
 
 
+# ---------------------------------------------------------------- direct route
+
+
+@triton.jit
+def _direct_kernel(
+    A, G, out,
+    T, D, P,
+    stride_ab, stride_at, stride_ad,
+    stride_gb, stride_gt, stride_gp,
+    BLOCK_P: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_T: tl.constexpr,
+    INPUT_PRECISION: tl.constexpr,
+):  # fmt: skip
+    """One program per (output tile, sample): the [BLOCK_P, BLOCK_D] tile of G_b^T A_b
+    accumulated over all T tokens on chip, square-summed in registers and added to the
+    sample's total. No B x p x d tensor is written."""
+    n_tiles_d = tl.cdiv(D, BLOCK_D)
+    tile = tl.program_id(0)
+    rows_p = (tile // n_tiles_d) * BLOCK_P + tl.arange(0, BLOCK_P)
+    cols_d = (tile % n_tiles_d) * BLOCK_D + tl.arange(0, BLOCK_D)
+    b = tl.program_id(1).to(tl.int64)
+    t = tl.arange(0, BLOCK_T)
+    # G_b^T is read as [BLOCK_P, BLOCK_T] by addressing; pointers advance one token block a step
+    ptr_g = G + b * stride_gb + rows_p[:, None] * stride_gp + t[None, :].to(tl.int64) * stride_gt
+    ptr_a = A + b * stride_ab + t[:, None].to(tl.int64) * stride_at + cols_d[None, :] * stride_ad
+    tile_sum = tl.zeros((BLOCK_P, BLOCK_D), dtype=tl.float32)
+    for t0 in range(0, T, BLOCK_T):
+        g = tl.load(ptr_g, mask=(rows_p[:, None] < P) & (t0 + t[None, :] < T), other=0.0)
+        a = tl.load(ptr_a, mask=(t0 + t[:, None] < T) & (cols_d[None, :] < D), other=0.0)
+        tile_sum = tl.dot(g, a, tile_sum, input_precision=INPUT_PRECISION)
+        ptr_g += BLOCK_T * stride_gt
+        ptr_a += BLOCK_T * stride_at
+    tl.atomic_add(out + b, tl.sum(tl.sum(tile_sum * tile_sum, axis=1), axis=0))
+
+
+# Output tiles of a GEMM with fp32 accumulators; sizes tried once per (T, d, p, dtype) on the card.
+_direct_autotuned = triton.autotune(
+    configs=[
+        triton.Config({"BLOCK_P": 128, "BLOCK_D": 128, "BLOCK_T": 64}, num_warps=8, num_stages=3),
+        triton.Config({"BLOCK_P": 128, "BLOCK_D": 256, "BLOCK_T": 64}, num_warps=8, num_stages=3),
+        triton.Config({"BLOCK_P": 64, "BLOCK_D": 128, "BLOCK_T": 64}, num_warps=4, num_stages=4),
+        triton.Config({"BLOCK_P": 128, "BLOCK_D": 128, "BLOCK_T": 32}, num_warps=4, num_stages=4),
+    ],
+    key=["T", "D", "P"],
+    reset_to_zero=["out"],
+)(_direct_kernel)
+
+
+def direct_squared_norms(
+    A: torch.Tensor,
+    G: torch.Tensor,
+    blocks: tuple[int, int, int] | None = None,
+    tf32: bool = False,
+) -> torch.Tensor:
+    """Per-sample ||G_b^T A_b||_F^2 [B] in fp32 for A [B, T, d] and G [B, T, p] of one dtype,
+    the per-sample gradient formed tile by tile on chip (2BTdp FLOPs, no B x p x d output).
+    ``blocks`` (BLOCK_P, BLOCK_D, BLOCK_T) fixes the tiles (tests); else autotuned."""
+    if A.dim() != 3 or G.dim() != 3 or A.shape[:2] != G.shape[:2] or A.dtype != G.dtype:
+        raise ValueError(
+            f"need A [B, T, d] and G [B, T, p] of one dtype; got {tuple(A.shape)} {A.dtype}, "
+            f"{tuple(G.shape)} {G.dtype}"
+        )
+    B, T, D = A.shape
+    P = G.shape[2]
+    out = torch.zeros(B, device=A.device, dtype=torch.float32)
+    if B == 0 or T == 0:
+        return out
+    precision = "tf32" if (tf32 and A.dtype == torch.float32) else "ieee"
+    args = (
+        A, G, out, T, D, P,
+        A.stride(0), A.stride(1), A.stride(2), G.stride(0), G.stride(1), G.stride(2),
+    )  # fmt: skip
+
+    def grid(meta):
+        return (triton.cdiv(P, meta["BLOCK_P"]) * triton.cdiv(D, meta["BLOCK_D"]), B)
+
+    if blocks is None:
+        _direct_autotuned[grid](*args, INPUT_PRECISION=precision)
+    else:
+        block_p, block_d, block_t = blocks
+        meta = {"BLOCK_P": block_p, "BLOCK_D": block_d, "BLOCK_T": block_t}
+        _direct_kernel[grid(meta)](*args, **meta, INPUT_PRECISION=precision)
+    return out
+
+
+# ---------------------------------------------------------------- many tensors, one launch
+
+_BLOCK_TABLES: dict[
+    tuple, tuple
+] = {}  # (device, sizes, block) -> (tensor_of_block, first_block, sizes)
+
+
+def _block_table(device: torch.device, sizes: tuple[int, ...], block: int) -> tuple:
+    """For a launch over a list of tensors, one program per ``block`` elements of each:
+    (tensor of each program, first program of each tensor, sizes) on ``device``. A model's
+    parameter sizes are fixed, so each table is built once and reused every step."""
+    key = (device, sizes, block)
+    if key not in _BLOCK_TABLES:
+        blocks = torch.tensor([triton.cdiv(n, block) for n in sizes])
+        first = torch.cumsum(blocks, 0) - blocks
+        owner = torch.repeat_interleave(torch.arange(len(sizes)), blocks)
+        table = (owner.int(), first.int(), torch.tensor(sizes, dtype=torch.int64))
+        _BLOCK_TABLES[key] = tuple(_table_to(t, device) for t in table)  # no host sync
+    return _BLOCK_TABLES[key]
+
+
 # ---------------------------------------------------------------- Gaussian noise
 
-NOISE_BLOCK = 4096  # elements per program of the noise kernel
+# Elements per program of the noise kernel: on an H100 with the 1b model's 325 fp32 gradients
+# (1.17G elements), 2048 ran at 3.35 ms, as fast as torch's read-and-write foreach add_ (3.56
+# ms); 4096 took 5.24 ms and 8192 6.34 ms (4 warps; fewer programs keep fewer loads in flight).
+NOISE_BLOCK = 2048
 
 
 @triton.jit
@@ -282,9 +393,6 @@ def _add_noise_kernel(
     _noisy_quarter(base, start + 3 * QUARTER, size, std, n3, DTYPE)
 
 
-_BLOCK_TABLES: dict[tuple, tuple] = {}  # (device, sizes) -> (tensor_of_block, first_block, sizes)
-
-
 def add_gaussian_noise_(tensors: list[torch.Tensor], std: float) -> None:
     """t += N(0, std^2) elementwise for every (contiguous, one-device) tensor, one launch per
     dtype: the noise is drawn in registers and added in the same pass, so each element is read
@@ -299,17 +407,190 @@ def add_gaussian_noise_(tensors: list[torch.Tensor], std: float) -> None:
     for dtype, group in by_dtype.items():
         device = group[0].device
         sizes = tuple(t.numel() for t in group)
-        key = (device, sizes)
-        if key not in _BLOCK_TABLES:  # fixed for a model's parameters: built once
-            blocks = torch.tensor([triton.cdiv(n, NOISE_BLOCK) for n in sizes])
-            first = torch.cumsum(blocks, 0) - blocks
-            owner = torch.repeat_interleave(torch.arange(len(sizes)), blocks)
-            table = (owner.int(), first.int(), torch.tensor(sizes, dtype=torch.int64))
-            _BLOCK_TABLES[key] = tuple(t.to(device) for t in table)
-        tensor_of_block, first_block, numels = _BLOCK_TABLES[key]
+        tensor_of_block, first_block, numels = _block_table(device, sizes, NOISE_BLOCK)
         pointers = _table_to(torch.tensor([t.data_ptr() for t in group]), device)
         seeds = torch.randint(2**62, (len(group),), device=device)
         _add_noise_kernel[(len(tensor_of_block),)](
             pointers, tensor_of_block, first_block, numels, seeds, std,
             BLOCK=NOISE_BLOCK, DTYPE=_TL_DTYPES[dtype],
         )  # fmt: skip
+
+
+# ---------------------------------------------------------------- clipped sums of kept grads
+
+WEIGHTED_SUM_BLOCK = 2048  # elements per program; memory-bound like the noise kernel
+
+
+@triton.jit
+def _weighted_sum_kernel(
+    table, tensor_of_block, first_block, sizes, weights, batch,
+    BLOCK: tl.constexpr, SOURCE_DTYPE: tl.constexpr, TARGET_DTYPE: tl.constexpr,
+):  # fmt: skip
+    """target_i (+)= sum_b weights[b] * source_i[b] for a list of (source [B, n_i], target [n_i])
+    in one launch. ``table`` rows: source pointer, target pointer, accumulate (0: overwrite)."""
+    block = tl.program_id(0)
+    i = tl.load(tensor_of_block + block)
+    n = tl.load(sizes + i)
+    source = tl.load(table + 3 * i).to(tl.pointer_type(SOURCE_DTYPE))
+    target = tl.load(table + 3 * i + 1).to(tl.pointer_type(TARGET_DTYPE))
+    offsets = (block - tl.load(first_block + i)).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    keep = offsets < n
+    total = tl.zeros((BLOCK,), dtype=tl.float32)
+    for b in range(batch):  # weights in fp32: c_b * x_b rounded once, in fp32
+        x = tl.load(source + b * n + offsets, mask=keep, other=0.0)
+        total += tl.load(weights + b) * x.to(tl.float32)
+    if tl.load(table + 3 * i + 2) != 0:
+        total += tl.load(target + offsets, mask=keep, other=0.0).to(tl.float32)
+    tl.store(target + offsets, total.to(TARGET_DTYPE), mask=keep)
+
+
+def weighted_sums_supported(target: torch.Tensor, source: torch.Tensor) -> bool:
+    """Can weighted_sums_ run on these (CUDA, a kernel dtype, contiguous)?"""
+    return (
+        target.is_cuda
+        and source.device == target.device
+        and target.dtype in _TL_DTYPES
+        and source.dtype in _TL_DTYPES
+        and target.is_contiguous()
+        and source.is_contiguous()
+    )
+
+
+def weighted_sums_(
+    targets: list[torch.Tensor],
+    sources: list[torch.Tensor],
+    weights: torch.Tensor,
+    accumulate: list[bool],
+) -> None:
+    """targets[i] = (targets[i] if accumulate[i] else 0) + sum_b weights[b] * sources[i][b], in
+    place, one launch per (source dtype, target dtype), accumulated in fp32.
+
+    Flash's clipped sum of kept per-sample gradients (sources [B, ...], weights the clip factors
+    [B]). torch's ``weights @ sources.flatten(1)`` is a GEMV with K = B, which cuBLAS runs at a
+    third of the copy bandwidth (76 us against a 23 us read floor for [8, 2048 x 2048] bf16 on an
+    H100), writes its result in the source dtype and leaves the cast and the add to .grad to two
+    more passes; here each source is read once and each target written once, in its own dtype.
+    """
+    if not (len(targets) == len(sources) == len(accumulate)):
+        raise ValueError("weighted_sums_ needs one source and one accumulate flag per target")
+    B = weights.shape[0]
+    for target, source in zip(targets, sources, strict=True):
+        if source.shape[0] != B or source[0].numel() != target.numel():
+            raise ValueError(
+                f"source {tuple(source.shape)} does not match weights [{B}] and a target of "
+                f"{target.numel()} elements"
+            )
+        if not (target.is_contiguous() and source.is_contiguous()):
+            raise ValueError("weighted_sums_ needs contiguous tensors")
+    groups: dict[tuple, list[int]] = {}
+    for i, (target, source) in enumerate(zip(targets, sources, strict=True)):
+        groups.setdefault((source.dtype, target.dtype), []).append(i)
+    weights = weights.to(torch.float32).contiguous()
+    for (source_dtype, target_dtype), members in groups.items():
+        device = targets[members[0]].device
+        sizes = tuple(targets[i].numel() for i in members)
+        tensor_of_block, first_block, numels = _block_table(device, sizes, WEIGHTED_SUM_BLOCK)
+        table = torch.tensor(
+            [[sources[i].data_ptr(), targets[i].data_ptr(), int(accumulate[i])] for i in members],
+            dtype=torch.int64,
+        )
+        _weighted_sum_kernel[(len(tensor_of_block),)](
+            _table_to(table, device), tensor_of_block, first_block, numels, weights, B,
+            BLOCK=WEIGHTED_SUM_BLOCK, SOURCE_DTYPE=_TL_DTYPES[source_dtype],
+            TARGET_DTYPE=_TL_DTYPES[target_dtype],
+        )  # fmt: skip
+
+
+# ---------------------------------------------------------------- norm layers' per-sample grads
+
+
+@triton.jit
+def _norm_layer_grads_kernel(
+    X, G, out, T, D, eps,
+    stride_xb, stride_xt, stride_gb, stride_gt,
+    BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, RMS: tl.constexpr,
+):  # fmt: skip
+    """One program per (token tile, sample): sum over the tile's tokens of g_t * xhat_t (the
+    weight's gradient) and of g_t (the bias's), written to out[b, tile, 0 / 1, :]; the host sums
+    the tiles (deterministic, no atomics). xhat is recomputed from x in fp32 as the layer did:
+    (x - mean) / sqrt(var + eps), or x / sqrt(mean(x^2) + eps) for RMSNorm. A tile's rows are
+    read three times (mean, variance, sums), the second and third from L2."""
+    tile = tl.program_id(0)
+    b = tl.program_id(1).to(tl.int64)
+    rows = tile * BLOCK_T + tl.arange(0, BLOCK_T)
+    cols = tl.arange(0, BLOCK_D)
+    x_rows = X + b * stride_xb + rows.to(tl.int64)[:, None] * stride_xt
+    g_rows = G + b * stride_gb + rows.to(tl.int64)[:, None] * stride_gt
+    row_ok = rows[:, None] < T
+    mean = tl.zeros((BLOCK_T,), dtype=tl.float32)
+    if not RMS:
+        total = tl.zeros((BLOCK_T,), dtype=tl.float32)
+        for d0 in range(0, D, BLOCK_D):
+            keep = row_ok & (d0 + cols[None, :] < D)
+            x = tl.load(x_rows + d0 + cols[None, :], mask=keep, other=0.0).to(tl.float32)
+            total += tl.sum(x, axis=1)
+        mean = total / D
+    squares = tl.zeros((BLOCK_T,), dtype=tl.float32)
+    for d0 in range(0, D, BLOCK_D):
+        keep = row_ok & (d0 + cols[None, :] < D)
+        x = tl.load(x_rows + d0 + cols[None, :], mask=keep, other=0.0).to(tl.float32)
+        centred = tl.where(keep, x - mean[:, None], 0.0)
+        squares += tl.sum(centred * centred, axis=1)
+    rstd = 1.0 / tl.sqrt(squares / D + eps)
+    out_tile = out + (b * tl.num_programs(0) + tile) * 2 * D
+    for d0 in range(0, D, BLOCK_D):
+        keep = row_ok & (d0 + cols[None, :] < D)
+        x = tl.load(x_rows + d0 + cols[None, :], mask=keep, other=0.0).to(tl.float32)
+        g = tl.load(g_rows + d0 + cols[None, :], mask=keep, other=0.0).to(tl.float32)
+        xhat = (x - mean[:, None]) * rstd[:, None]
+        in_row = d0 + cols < D
+        tl.store(out_tile + d0 + cols, tl.sum(g * xhat, axis=0), mask=in_row)
+        tl.store(out_tile + D + d0 + cols, tl.sum(g, axis=0), mask=in_row)
+
+
+def norm_layer_grads_supported(x: torch.Tensor, g: torch.Tensor) -> bool:
+    """Can norm_layer_per_sample_grads run on x and g (CUDA, kernel dtypes, unit feature stride)?"""
+    return (
+        x.is_cuda
+        and g.device == x.device
+        and x.dtype in _TL_DTYPES
+        and g.dtype in _TL_DTYPES
+        and x.stride(-1) == 1
+        and g.stride(-1) == 1
+    )
+
+
+def norm_layer_per_sample_grads(
+    x: torch.Tensor,
+    g: torch.Tensor,
+    eps: float,
+    rms: bool,
+    block_t: int = 16,
+    block_d: int = 256,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-sample gradients of a LayerNorm's (rms: RMSNorm's) weight and bias, [B, d] each in
+    fp32, from its input x [B, T, d] and output gradient g [B, T, d]: sum_t g_t * xhat_t and
+    sum_t g_t.
+
+    The torch path recomputes xhat with F.layer_norm, then multiplies and reduces: about seven
+    passes over [B, T, d] in fp32. Here x and g are read once from HBM and only
+    [B, T / block_t, 2, d] partials are written: on an H100 at (8, 1024, 2048) fp32, 0.114 ms
+    against the torch path's 0.193 (BENCHMARKS.md).
+    """
+    if x.dim() != 3 or x.shape != g.shape:
+        raise ValueError(
+            f"need x and g [B, T, d] of one shape; got {tuple(x.shape)}, {tuple(g.shape)}"
+        )
+    B, T, D = x.shape
+    n_tiles = triton.cdiv(T, block_t)
+    partials = torch.empty(B, n_tiles, 2, D, device=x.device, dtype=torch.float32)
+    if B == 0 or T == 0 or D == 0:
+        partials = x.new_zeros(B, 1, 2, D, dtype=torch.float32)
+    else:
+        _norm_layer_grads_kernel[(n_tiles, B)](
+            x, g, partials, T, D, eps,
+            x.stride(0), x.stride(1), g.stride(0), g.stride(1),
+            BLOCK_T=block_t, BLOCK_D=block_d, RMS=rms,
+        )  # fmt: skip
+    sums = partials.sum(1)
+    return sums[:, 0], sums[:, 1]

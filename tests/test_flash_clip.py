@@ -118,6 +118,26 @@ def test_matches_brute_force(route, T, B):
         assert set(linear_routes.values()) == {route}
 
 
+@pytest.mark.parametrize("B", [1, 3])
+def test_large_kept_per_sample_grads_match_brute_force(monkeypatch, B):
+    """Kept per-sample gradients above SMALL_PER_SAMPLE_NUMEL (the 1b model's product-route
+    weights) are clip-summed one by one, not batched: with the threshold at 0 every kept one
+    (weights, biases, norm layers) takes that path."""
+    import flash_clip
+
+    monkeypatch.setattr(flash_clip, "SMALL_PER_SAMPLE_NUMEL", 0)
+    model = make_model()
+    reference = copy.deepcopy(model)
+    ids, targets = make_batch(B, 5, seed=B)
+    ref_norms = brute_force(reference, ids, targets)[0]
+    max_norm = ref_norms.min() * 0.9  # every sample clipped
+    _, _, ref_sum = brute_force(reference, ids, targets, max_norm)
+    flash = FlashClipping(model, route="product")
+    norms, _ = flash_step(flash, model, ids, targets, max_norm)
+    assert_close(norms, ref_norms, 1e-9)
+    assert_close(flat_grads(model), ref_sum, 1e-9)
+
+
 def test_fp32_matches_brute_force():
     model = make_model(torch.float32)
     reference = copy.deepcopy(model)
@@ -316,13 +336,27 @@ def test_autocast_keeps_one_low_precision_input_per_tensor():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_cuda_bf16_autocast():
+@pytest.mark.parametrize("autocast, tolerance", [(True, 2e-2), (False, 1e-5)])
+def test_cuda_step_matches_brute_force(monkeypatch, autocast, tolerance):
+    """On CUDA flash runs its fused kernels (LayerNorm/RMSNorm per-sample gradients, the
+    clipped sums of kept per-sample gradients): bf16 autocast, and fp32 exact to 1e-5."""
+    import flash_clip
+    import flash_kernels
+
+    # TinyLM's per-sample weight gradients (<= 96 elements) count as large here, so they take
+    # the weighted-sum kernel as the 1b model's do; biases and norm layers stay small.
+    monkeypatch.setattr(flash_clip, "SMALL_PER_SAMPLE_NUMEL", 64)
+    calls = []
+    for name in ("norm_layer_per_sample_grads", "weighted_sums_"):
+        kernel = getattr(flash_kernels, name)
+        spy = lambda *a, _kernel=kernel, _name=name, **k: calls.append(_name) or _kernel(*a, **k)
+        monkeypatch.setattr(flash_kernels, name, spy)
     model = make_model(torch.float32)
     ids, targets = make_batch(3, 257, seed=6)
     ref_norms, _, ref_sum = brute_force(copy.deepcopy(model), ids, targets, max_norm=1.0)
     model, ids, targets = model.cuda(), ids.cuda(), targets.cuda()
     flash = FlashClipping(model, tile_size=64)
-    with torch.autocast("cuda", dtype=torch.bfloat16):
+    with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
         loss = sample_losses(model(ids).float(), targets).sum()
     flash.backward(loss)
     # No host sync between backward and the optimizer (torch.unique or boolean-mask indexing
@@ -333,8 +367,10 @@ def test_cuda_bf16_autocast():
         flash.accumulate_clipped_grads((1.0 / (norms + 1e-6)).clamp(max=1.0))
     finally:
         torch.cuda.set_sync_debug_mode("default")
-    assert_close(norms.cpu(), ref_norms, 2e-2)
-    assert_close(flat_grads(model).cpu(), ref_sum, 2e-2)
+    assert_close(norms.cpu(), ref_norms, tolerance)
+    assert_close(flat_grads(model).cpu(), ref_sum, tolerance)
+    # two norm layers, each once; the product-route Linears' sums in one launch
+    assert sorted(calls) == ["norm_layer_per_sample_grads"] * 2 + ["weighted_sums_"]
 
 
 def test_unsupported_layer_raises():

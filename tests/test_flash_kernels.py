@@ -117,3 +117,85 @@ def test_grouped_layers_sum_to_brute_force():
     assert norms.dtype == torch.float32 and relative_error(norms, expected) < 1e-4
     with pytest.raises(ValueError, match="one B, T and dtype"):
         flash_kernels.gram_squared_norms_grouped([pairs[0], (pairs[1][0][:1], pairs[1][1][:1])])
+
+
+def test_weighted_sums_match_brute_force():
+    """Clipped sums of kept per-sample gradients, several tensors per launch: fp64 reference
+    target (+)= w @ source, overwriting or accumulating per target, sizes around the block
+    (2049 = one block + 1, a 1-element tensor), fp16 sources into fp32 targets, B = 1 and 3."""
+    torch.manual_seed(4)
+    for B in (1, 3):
+        weights = torch.rand(B)
+        sources = [torch.randn(B, 2049), torch.randn(B, 40, 125).half(), torch.randn(B, 1)]
+        targets = [torch.randn(2049), torch.randn(40, 125), torch.randn(1)]
+        accumulate = [True, False, True]
+        expected = [
+            (t.double() if acc else 0) + weights.double() @ s.double().flatten(1)
+            for t, s, acc in zip(targets, sources, accumulate)
+        ]
+        flash_kernels.weighted_sums_(targets, sources, weights, accumulate)
+        for target, reference in zip(targets, expected):
+            assert relative_error(target.flatten(), reference) < 1e-6
+    with pytest.raises(ValueError, match="does not match"):
+        flash_kernels.weighted_sums_([torch.zeros(4)], [torch.zeros(2, 5)], torch.ones(2), [False])
+
+
+def per_sample_norm_layer_grads(x, g, eps, rms):
+    """Brute force: autograd through the layer one sample at a time, in fp64."""
+    d = x.shape[-1]
+    weights, biases = [], []
+    for x_b, g_b in zip(x.double(), g.double()):
+        w = torch.ones(d, dtype=torch.float64, requires_grad=True)
+        b = torch.zeros(d, dtype=torch.float64, requires_grad=True)
+        if rms:
+            y = torch.nn.functional.rms_norm(x_b, (d,), w, eps) + b
+        else:
+            y = torch.nn.functional.layer_norm(x_b, (d,), w, b, eps)
+        grad_w, grad_b = torch.autograd.grad(y, (w, b), g_b)
+        weights.append(grad_w)
+        biases.append(grad_b)
+    return torch.stack(weights), torch.stack(biases)
+
+
+@pytest.mark.parametrize("rms", [False, True])
+@pytest.mark.parametrize(
+    "B, T, d",
+    [
+        (2, 17, 48),  # T past a token tile, d past a feature block
+        (1, 1, 5),  # one token, one partial block
+        (3, 16, 32),  # exact multiples
+    ],
+)
+def test_norm_layer_grads_match_autograd(rms, B, T, d):
+    torch.manual_seed(T + d)
+    # rows far from zero mean: the variance is taken around the mean, not as E[x^2] - mean^2
+    x = torch.randn(B, T, 2 * d)[:, :, :d] * 3 + 50  # token stride 2d: strided rows
+    g = torch.randn(B, T, d)
+    weight, bias = flash_kernels.norm_layer_per_sample_grads(
+        x, g, eps=1e-5, rms=rms, block_t=8, block_d=32
+    )
+    expected_weight, expected_bias = per_sample_norm_layer_grads(x, g, 1e-5, rms)
+    assert weight.dtype == torch.float32 and weight.shape == (B, d)
+    assert relative_error(weight, expected_weight) < 1e-4
+    assert relative_error(bias, expected_bias) < 1e-5
+
+
+@pytest.mark.parametrize(
+    "B, T, d, p, blocks",
+    [
+        (2, 1, 8, 8, (16, 16, 16)),  # one token, a single masked tile
+        (3, 257, 48, 48, (32, 32, 16)),  # T past a token block, d = p past an output tile
+        (2, 70, 20, 33, (16, 32, 32)),  # d != p, rectangular tiles
+    ],
+)
+def test_direct_kernel_matches_brute_force(B, T, d, p, blocks):
+    torch.manual_seed(T + p)
+    A, G = torch.randn(B, T, d), torch.randn(B, T, p)
+    norms = flash_kernels.direct_squared_norms(A, G, blocks=blocks)
+    assert norms.dtype == torch.float32
+    assert relative_error(norms, per_sample_squared_norms(A, G)) < 1e-5
+    # strided A (token-major storage read through a transpose) and fp16 inputs
+    A_strided = torch.randn(B, d, T).mT
+    norms = flash_kernels.direct_squared_norms(A_strided.half(), G.half(), blocks=blocks)
+    expected = per_sample_squared_norms(A_strided.half(), G.half())
+    assert relative_error(norms, expected) < 1e-4
