@@ -114,7 +114,7 @@ class ClipFactors:
         nearest, up to u larger than c * g in each element, so a sample's clipped contribution
         could exceed C by that much (0.4% measured with g and c at a rounding tie). Costs 0.8%
         of a GEMM-route Linear's clipped gradient in bf16; fp32 stays exact (and so do the
-        product route's sums on CUDA: accumulate_weighted_sums takes the fp32 c)."""
+        large kept per-sample gradients' sums on CUDA: accumulate_weighted_sums takes fp32 c)."""
         if dtype not in self._cast:
             c = self.c
             if torch.finfo(dtype).bits == 16:
@@ -453,23 +453,26 @@ def _accumulate_many(params: list[nn.Parameter], grads: list[Tensor]) -> None:
 def accumulate_weighted_sums(params, grads, c: ClipFactors) -> None:
     """param.grad += sum_b c_b * grad[b] for each per-sample gradient grad [B, ...].
 
-    On CUDA: flash_kernels.weighted_sums_, one launch for all of them, fp32 clip factors (no
-    16-bit rounding of c: each c_b * g_b is formed in fp32) and fp32 accumulation straight into
-    .grad. Elsewhere one [B] x [B, n] product per parameter."""
+    On CUDA: flash_kernels.weighted_sums_, one launch per dtype pair for all of them, fp32 clip
+    factors (no 16-bit rounding of c: each c_b * g_b is formed in fp32) and fp32 accumulation
+    straight into .grad. Elsewhere (or for a tensor the kernel cannot take) one [B] x [B, n]
+    product per parameter."""
     kernels = triton_kernels()
-    accumulate = [param.grad is not None for param in params]
-    targets = [param.grad if param.grad is not None else param for param in params]
-    if kernels is not None and all(
-        kernels.weighted_sums_supported(target, grad)
-        for target, grad in zip(targets, grads, strict=True)
-    ):
-        targets = [t if acc else torch.empty_like(t) for t, acc in zip(targets, accumulate)]
-        kernels.weighted_sums_(targets, [g.flatten(1) for g in grads], c.c, accumulate)
-        for param, target in zip(params, targets, strict=True):
-            param.grad = target
-        return
+    fused, targets, sources, accumulate = [], [], [], []
     for param, grad in zip(params, grads, strict=True):
-        _accumulate(param, c.to(grad.dtype) @ grad.flatten(1))
+        target = param.grad if param.grad is not None else param
+        source = grad.flatten(1)
+        if kernels is not None and kernels.weighted_sums_supported(target, source):
+            fused.append(param)
+            accumulate.append(param.grad is not None)
+            targets.append(target if param.grad is not None else torch.empty_like(param))
+            sources.append(source)
+        else:
+            _accumulate(param, c.to(grad.dtype) @ source)
+    if fused:
+        kernels.weighted_sums_(targets, sources, c.to(torch.float32), accumulate)
+        for param, target in zip(fused, targets, strict=True):
+            param.grad = target
 
 
 def _flatten_tokens(x: Tensor, feature_dims: int) -> Tensor:

@@ -22,6 +22,8 @@ norm_layer_per_sample_grads: LayerNorm / RMSNorm per-sample gradients in one pas
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import triton
 import triton.language as tl
@@ -41,8 +43,9 @@ def _gram_tile(
     """
     k = tl.arange(0, BLOCK_K)
     # int64 row offsets: T * stride_t can pass 2^31 elements (long sequences, wide layers)
-    ptr_s = base + rows_s.to(tl.int64)[:, None] * stride_t + k[None, :] * stride_k
-    ptr_t = base + rows_t.to(tl.int64)[None, :] * stride_t + k[:, None] * stride_k
+    k64 = k.to(tl.int64)
+    ptr_s = base + rows_s.to(tl.int64)[:, None] * stride_t + k64[None, :] * stride_k
+    ptr_t = base + rows_t.to(tl.int64)[None, :] * stride_t + k64[:, None] * stride_k
     gram = tl.zeros((BLOCK_T, BLOCK_T), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         x_s = tl.load(ptr_s, mask=(rows_s[:, None] < T) & (k0 + k[None, :] < K), other=0.0)
@@ -271,8 +274,9 @@ def _direct_kernel(
     b = tl.program_id(1).to(tl.int64)
     t = tl.arange(0, BLOCK_T)
     # G_b^T is read as [BLOCK_P, BLOCK_T] by addressing; pointers advance one token block a step
-    ptr_g = G + b * stride_gb + rows_p[:, None] * stride_gp + t[None, :].to(tl.int64) * stride_gt
-    ptr_a = A + b * stride_ab + t[:, None].to(tl.int64) * stride_at + cols_d[None, :] * stride_ad
+    rows_p64, cols_d64, t64 = rows_p.to(tl.int64), cols_d.to(tl.int64), t.to(tl.int64)
+    ptr_g = G + b * stride_gb + rows_p64[:, None] * stride_gp + t64[None, :] * stride_gt
+    ptr_a = A + b * stride_ab + t64[:, None] * stride_at + cols_d64[None, :] * stride_ad
     tile_sum = tl.zeros((BLOCK_P, BLOCK_D), dtype=tl.float32)
     for t0 in range(0, T, BLOCK_T):
         g = tl.load(ptr_g, mask=(rows_p[:, None] < P) & (t0 + t[None, :] < T), other=0.0)
@@ -484,21 +488,23 @@ def weighted_sums_(
             raise ValueError("weighted_sums_ needs contiguous tensors")
     groups: dict[tuple, list[int]] = {}
     for i, (target, source) in enumerate(zip(targets, sources, strict=True)):
-        groups.setdefault((source.dtype, target.dtype), []).append(i)
-    weights = weights.to(torch.float32).contiguous()
-    for (source_dtype, target_dtype), members in groups.items():
-        device = targets[members[0]].device
+        if source.device != target.device:
+            raise ValueError(f"source on {source.device}, target on {target.device}")
+        groups.setdefault((target.device, source.dtype, target.dtype), []).append(i)
+    for (device, source_dtype, target_dtype), members in groups.items():
+        weights_here = weights.to(device, torch.float32).contiguous()
         sizes = tuple(targets[i].numel() for i in members)
         tensor_of_block, first_block, numels = _block_table(device, sizes, WEIGHTED_SUM_BLOCK)
         table = torch.tensor(
             [[sources[i].data_ptr(), targets[i].data_ptr(), int(accumulate[i])] for i in members],
             dtype=torch.int64,
         )
-        _weighted_sum_kernel[(len(tensor_of_block),)](
-            _table_to(table, device), tensor_of_block, first_block, numels, weights, B,
-            BLOCK=WEIGHTED_SUM_BLOCK, SOURCE_DTYPE=_TL_DTYPES[source_dtype],
-            TARGET_DTYPE=_TL_DTYPES[target_dtype],
-        )  # fmt: skip
+        with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
+            _weighted_sum_kernel[(len(tensor_of_block),)](
+                _table_to(table, device), tensor_of_block, first_block, numels, weights_here, B,
+                BLOCK=WEIGHTED_SUM_BLOCK, SOURCE_DTYPE=_TL_DTYPES[source_dtype],
+                TARGET_DTYPE=_TL_DTYPES[target_dtype],
+            )  # fmt: skip
 
 
 # ---------------------------------------------------------------- norm layers' per-sample grads
@@ -511,10 +517,11 @@ def _norm_layer_grads_kernel(
     BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, RMS: tl.constexpr,
 ):  # fmt: skip
     """One program per (token tile, sample): sum over the tile's tokens of g_t * xhat_t (the
-    weight's gradient) and of g_t (the bias's), written to out[b, tile, 0 / 1, :]; the host sums
-    the tiles (deterministic, no atomics). xhat is recomputed from x in fp32 as the layer did:
-    (x - mean) / sqrt(var + eps), or x / sqrt(mean(x^2) + eps) for RMSNorm. A tile's rows are
-    read three times (mean, variance, sums), the second and third from L2."""
+    weight's gradient) and of g_t (the bias's), written to out[0 / 1, b, tile, :]; one torch
+    reduction then sums the tiles (deterministic, no atomics). xhat is recomputed from x in
+    fp32 as the layer did: (x - mean) / sqrt(var + eps), or x / sqrt(mean(x^2) + eps) for
+    RMSNorm. A tile's rows are read three times (mean, variance, sums), the second and third
+    from L2."""
     tile = tl.program_id(0)
     b = tl.program_id(1).to(tl.int64)
     rows = tile * BLOCK_T + tl.arange(0, BLOCK_T)
@@ -536,16 +543,20 @@ def _norm_layer_grads_kernel(
         x = tl.load(x_rows + d0 + cols[None, :], mask=keep, other=0.0).to(tl.float32)
         centred = tl.where(keep, x - mean[:, None], 0.0)
         squares += tl.sum(centred * centred, axis=1)
-    rstd = 1.0 / tl.sqrt(squares / D + eps)
-    out_tile = out + (b * tl.num_programs(0) + tile) * 2 * D
+    # rows past T have zero variance: 1/sqrt(eps) is inf for eps = 0, and inf * 0 a NaN that
+    # tl.sum would spread over the tile; give them any finite scale (their x and g are 0)
+    rstd = 1.0 / tl.sqrt(tl.where(rows < T, squares / D + eps, 1.0))
+    # out [2, B, tiles, D]: the weight's partials, then the bias's (each a contiguous [B, D] sum)
+    out_weight = out + (b * tl.num_programs(0) + tile) * D
+    out_bias = out_weight + tl.num_programs(1) * tl.num_programs(0) * D
     for d0 in range(0, D, BLOCK_D):
         keep = row_ok & (d0 + cols[None, :] < D)
         x = tl.load(x_rows + d0 + cols[None, :], mask=keep, other=0.0).to(tl.float32)
         g = tl.load(g_rows + d0 + cols[None, :], mask=keep, other=0.0).to(tl.float32)
         xhat = (x - mean[:, None]) * rstd[:, None]
         in_row = d0 + cols < D
-        tl.store(out_tile + d0 + cols, tl.sum(g * xhat, axis=0), mask=in_row)
-        tl.store(out_tile + D + d0 + cols, tl.sum(g, axis=0), mask=in_row)
+        tl.store(out_weight + d0 + cols, tl.sum(g * xhat, axis=0), mask=in_row)
+        tl.store(out_bias + d0 + cols, tl.sum(g, axis=0), mask=in_row)
 
 
 def norm_layer_grads_supported(x: torch.Tensor, g: torch.Tensor) -> bool:
@@ -574,7 +585,7 @@ def norm_layer_per_sample_grads(
 
     The torch path recomputes xhat with F.layer_norm, then multiplies and reduces: about seven
     passes over [B, T, d] in fp32. Here x and g are read once from HBM and only
-    [B, T / block_t, 2, d] partials are written: on an H100 at (8, 1024, 2048) fp32, 0.114 ms
+    [2, B, T / block_t, d] partials are written: on an H100 at (8, 1024, 2048) fp32, 0.114 ms
     against the torch path's 0.193 (BENCHMARKS.md).
     """
     if x.dim() != 3 or x.shape != g.shape:
@@ -583,14 +594,14 @@ def norm_layer_per_sample_grads(
         )
     B, T, D = x.shape
     n_tiles = triton.cdiv(T, block_t)
-    partials = torch.empty(B, n_tiles, 2, D, device=x.device, dtype=torch.float32)
+    partials = torch.empty(2, B, n_tiles, D, device=x.device, dtype=torch.float32)
     if B == 0 or T == 0 or D == 0:
-        partials = x.new_zeros(B, 1, 2, D, dtype=torch.float32)
+        partials = x.new_zeros(2, B, 1, D, dtype=torch.float32)
     else:
         _norm_layer_grads_kernel[(n_tiles, B)](
             x, g, partials, T, D, eps,
             x.stride(0), x.stride(1), g.stride(0), g.stride(1),
             BLOCK_T=block_t, BLOCK_D=block_d, RMS=rms,
         )  # fmt: skip
-    sums = partials.sum(1)
-    return sums[:, 0], sums[:, 1]
+    sums = partials.sum(2)  # one reduction launch for both
+    return sums[0], sums[1]

@@ -1,6 +1,7 @@
 """Tests for flash_clip: numbers are checked against per-sample brute force with autograd."""
 
 import copy
+import os
 
 import pytest
 import torch
@@ -148,6 +149,41 @@ def test_fp32_matches_brute_force():
     flash = FlashClipping(model, tile_size=16)
     norms, _ = flash_step(flash, model, ids, targets, max_norm)
     assert norms.dtype == torch.float32
+    assert_close(norms, ref_norms, 1e-5)
+    assert_close(flat_grads(model), ref_sum, 1e-5)
+
+
+@pytest.mark.skipif(
+    os.environ.get("TRITON_INTERPRET") != "1", reason="CUDA runs this wiring compiled"
+)
+def test_fused_kernel_wiring_interpreted_on_cpu(monkeypatch):
+    """The CUDA path through flash_clip (LayerNorm/RMSNorm per-sample gradients and the clipped
+    sums of kept per-sample gradients on flash_kernels, in two chunks, so .grad is written once
+    and then accumulated into), run on CPU tensors by the Triton interpreter: against brute
+    force in fp32. Every kept per-sample gradient counts as large, so all take the kernel."""
+    import flash_clip
+
+    kernels = pytest.importorskip("flash_kernels", reason="needs triton")
+    monkeypatch.setattr(flash_clip, "SMALL_PER_SAMPLE_NUMEL", 0)
+    calls = []
+    for name in ("norm_layer_grads_supported", "weighted_sums_supported"):
+        check = getattr(kernels, name)
+        # the checks ask for CUDA; the interpreter runs the same kernels on CPU tensors
+        monkeypatch.setattr(
+            kernels, name, lambda *a, _check=check: calls.append(a) or _check(*a) or True
+        )
+    model = make_model(torch.float32)
+    reference = copy.deepcopy(model)
+    ids, targets = make_batch(4, 17, seed=9)
+    ref_norms = brute_force(reference, ids, targets)[0]
+    max_norm = ref_norms.median()
+    _, clip, ref_sum = brute_force(reference, ids, targets, max_norm)
+    assert (clip < 1).any() and (clip == 1).any()
+    flash = FlashClipping(model, route="product")
+    norms = torch.cat(
+        [flash_step(flash, model, ids[i : i + 2], targets[i : i + 2], max_norm)[0] for i in (0, 2)]
+    )
+    assert calls  # the fused path was asked for
     assert_close(norms, ref_norms, 1e-5)
     assert_close(flat_grads(model), ref_sum, 1e-5)
 

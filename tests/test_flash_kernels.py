@@ -176,6 +176,7 @@ def test_norm_layer_grads_match_autograd(rms, B, T, d):
     )
     expected_weight, expected_bias = per_sample_norm_layer_grads(x, g, 1e-5, rms)
     assert weight.dtype == torch.float32 and weight.shape == (B, d)
+    assert weight.is_contiguous() and bias.is_contiguous()  # the clipped-sum kernel takes them
     assert relative_error(weight, expected_weight) < 1e-4
     assert relative_error(bias, expected_bias) < 1e-5
 
@@ -199,3 +200,18 @@ def test_direct_kernel_matches_brute_force(B, T, d, p, blocks):
     norms = flash_kernels.direct_squared_norms(A_strided.half(), G.half(), blocks=blocks)
     expected = per_sample_squared_norms(A_strided.half(), G.half())
     assert relative_error(norms, expected) < 1e-4
+
+
+@pytest.mark.parametrize("rms", [False, True])
+def test_norm_layer_grads_with_zero_eps(rms):
+    """eps = 0 is a legal LayerNorm/RMSNorm: the masked rows of a partial token tile (T = 17
+    with 8-token tiles) have zero variance, and must not turn into inf * 0 = NaN."""
+    torch.manual_seed(7)
+    x, g = torch.randn(2, 17, 48), torch.randn(2, 17, 48)
+    weight, bias = flash_kernels.norm_layer_per_sample_grads(
+        x, g, eps=0.0, rms=rms, block_t=8, block_d=32
+    )
+    expected_weight, expected_bias = per_sample_norm_layer_grads(x, g, 0.0, rms)
+    assert torch.isfinite(weight).all()
+    assert relative_error(weight, expected_weight) < 1e-4
+    assert relative_error(bias, expected_bias) < 1e-5

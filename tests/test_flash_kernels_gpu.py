@@ -138,10 +138,12 @@ def test_norm_layer_grads_on_cuda(dtype, rms):
 @pytest.mark.parametrize("B, T, d, p", [(3, 257, 48, 48), (8, 512, 256, 1024), (2, 1, 64, 64)])
 def test_direct_kernel_on_cuda(dtype, tolerance, B, T, d, p):
     """The direct route's fused kernel, autotuned, against brute force; flash_clip's direct
-    route dispatches to it for bf16 on CUDA."""
+    route matches too, through the kernel in bf16 and the torch path in fp32."""
     import flash_clip
     import flash_kernels
 
+    fused = flash_clip.fused_norms_available(torch.empty(0, device="cuda", dtype=dtype))
+    assert fused == (dtype == torch.bfloat16)
     torch.manual_seed(5)
     A = torch.randn(B, T, d, device="cuda").to(dtype)
     G = torch.randn(B, T, p, device="cuda").to(dtype)
