@@ -115,6 +115,25 @@ _gram_pair_autotuned = triton.autotune(
 )(_gram_pair_kernel)
 
 
+def _norm_kernel_args(A: torch.Tensor, G: torch.Tensor, tf32: bool) -> tuple:
+    """The checks and launch arguments the one-layer Gram and direct kernels share: (out [B]
+    zeroed in fp32, the kernel's positional arguments, its dot precision)."""
+    if A.dim() != 3 or G.dim() != 3 or A.shape[:2] != G.shape[:2]:
+        raise ValueError(
+            f"need A [B, T, d] and G [B, T, p]; got {tuple(A.shape)}, {tuple(G.shape)}"
+        )
+    if A.dtype != G.dtype:
+        raise ValueError(f"A and G must share a dtype, got {A.dtype} and {G.dtype}")
+    (B, T, D), P = A.shape, G.shape[2]
+    out = torch.zeros(B, device=A.device, dtype=torch.float32)
+    precision = "tf32" if (tf32 and A.dtype == torch.float32) else "ieee"
+    args = (
+        A, G, out, T, D, P,
+        A.stride(0), A.stride(1), A.stride(2), G.stride(0), G.stride(1), G.stride(2),
+    )  # fmt: skip
+    return out, args, precision
+
+
 def gram_squared_norms(
     A: torch.Tensor,
     G: torch.Tensor,
@@ -127,22 +146,10 @@ def gram_squared_norms(
     Tiles are autotuned unless ``block_t`` and ``block_k`` are given (tests give small ones).
     Masked loads handle any T, d, p (tiles past the end read zeros, which add nothing).
     """
-    if A.dim() != 3 or G.dim() != 3 or A.shape[:2] != G.shape[:2]:
-        raise ValueError(
-            f"need A [B, T, d] and G [B, T, p]; got {tuple(A.shape)}, {tuple(G.shape)}"
-        )
-    if A.dtype != G.dtype:
-        raise ValueError(f"A and G must share a dtype, got {A.dtype} and {G.dtype}")
-    B, T, D = A.shape
-    P = G.shape[2]
-    out = torch.zeros(B, device=A.device, dtype=torch.float32)
+    out, args, precision = _norm_kernel_args(A, G, tf32)
+    B, T = A.shape[:2]
     if B == 0 or T == 0:
         return out
-    precision = "tf32" if (tf32 and A.dtype == torch.float32) else "ieee"
-    args = (
-        A, G, out, T, D, P,
-        A.stride(0), A.stride(1), A.stride(2), G.stride(0), G.stride(1), G.stride(2),
-    )  # fmt: skip
 
     def grid(meta):
         n_tiles = triton.cdiv(T, meta["BLOCK_T"])
@@ -309,21 +316,10 @@ def direct_squared_norms(
     """Per-sample ||G_b^T A_b||_F^2 [B] in fp32 for A [B, T, d] and G [B, T, p] of one dtype,
     the per-sample gradient formed tile by tile on chip (2BTdp FLOPs, no B x p x d output).
     ``blocks`` (BLOCK_P, BLOCK_D, BLOCK_T) fixes the tiles (tests); else autotuned."""
-    if A.dim() != 3 or G.dim() != 3 or A.shape[:2] != G.shape[:2] or A.dtype != G.dtype:
-        raise ValueError(
-            f"need A [B, T, d] and G [B, T, p] of one dtype; got {tuple(A.shape)} {A.dtype}, "
-            f"{tuple(G.shape)} {G.dtype}"
-        )
-    B, T, D = A.shape
-    P = G.shape[2]
-    out = torch.zeros(B, device=A.device, dtype=torch.float32)
+    out, args, precision = _norm_kernel_args(A, G, tf32)
+    (B, T, D), P = A.shape, G.shape[2]
     if B == 0 or T == 0:
         return out
-    precision = "tf32" if (tf32 and A.dtype == torch.float32) else "ieee"
-    args = (
-        A, G, out, T, D, P,
-        A.stride(0), A.stride(1), A.stride(2), G.stride(0), G.stride(1), G.stride(2),
-    )  # fmt: skip
 
     def grid(meta):
         return (triton.cdiv(P, meta["BLOCK_P"]) * triton.cdiv(D, meta["BLOCK_D"]), B)
@@ -339,9 +335,8 @@ def direct_squared_norms(
 
 # ---------------------------------------------------------------- many tensors, one launch
 
-_BLOCK_TABLES: dict[
-    tuple, tuple
-] = {}  # (device, sizes, block) -> (tensor_of_block, first_block, sizes)
+# (device, sizes, block) -> (tensor_of_block, first_block, sizes)
+_BLOCK_TABLES: dict[tuple, tuple] = {}
 
 
 def _block_table(device: torch.device, sizes: tuple[int, ...], block: int) -> tuple:
