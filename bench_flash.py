@@ -6,9 +6,10 @@
 ``kernels``: for each Linear shape of the ``1b`` model at the step goals' (B, T), the time of each
 norm route (gram, direct, product: what flash runs per layer besides the model's own GEMMs) next
 to its floor, max(FLOPs / GEMM rate, bytes / copy bandwidth), with both rates measured on the card
-in the same run. ``steps``: the step goals of issue #6 (flash / standard step time, peak memory,
+in the same run. ``steps``: Flash Clipping's step goals (flash / standard step time, peak memory,
 speed against Opacus' ghost clipping and hooks), each config in its own worker process through
-the toolkit's one path (runner.run_configs), standard and the Opacus trainers in the same run.
+the toolkit's one path (``measure.processes.run_configs``), standard and the Opacus trainers in
+the same run.
 Where a goal is missed the table says by how much. Results: ``<output_dir>/<run>/bench_*.md``
 and ``.json``; the step configs' own result files sit beside them (``--mode=report`` reads them).
 """
@@ -16,17 +17,21 @@ and ``.json``; the step configs' own result files sit beside them (``--mode=repo
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
 
 import torch
 
-import flash_clip
 import models
-import report
-import runner
+from core.files import atomic_write, write_json
+from core.fmt import ratio
+from core.settings import ExperimentConfig
+from flash import engine as flash_clip
+from flash.clip import ClipFactors, accumulate_weighted_sums
+from flash.rules.linear import direct_squared_norms, gram_squared_norms, linear_route
+from measure import processes
+from report import summary as report
 
 # (batch, seq) -> flash / standard step-time goal; the attention each dtype is benchmarked with.
 STEP_GOALS = {(8, 512): 1.15, (8, 1024): 1.20, (2, 4096): 1.25, (1, 16384): 1.25}
@@ -40,9 +45,7 @@ TRAINERS = ("standard", "flash", "ghost", "dpsgd")
 ROUTES_MEASURED = ("gram", "gram_torch", "direct", "direct_torch", "product")
 
 
-def step_configs(
-    dtypes, steps: int, warmup_steps: int, shapes=None
-) -> list[runner.ExperimentConfig]:
+def step_configs(dtypes, steps: int, warmup_steps: int, shapes=None) -> list[ExperimentConfig]:
     configs = []
     for dtype in dtypes:
         for batch, seq in shapes or STEP_GOALS:
@@ -50,7 +53,7 @@ def step_configs(
                 continue
             for trainer in TRAINERS:
                 configs.append(
-                    runner.ExperimentConfig(
+                    ExperimentConfig(
                         trainer=trainer,
                         batch_size=batch,
                         seq_len=seq,
@@ -65,12 +68,6 @@ def step_configs(
                     )
                 )
     return configs
-
-
-def _ratio(numerator, denominator):
-    if numerator is None or denominator is None or denominator == 0:
-        return None
-    return numerator / denominator
 
 
 def step_rows(results: list[dict]) -> list[dict]:
@@ -100,11 +97,11 @@ def step_rows(results: list[dict]) -> list[dict]:
             "flash_ms": flash_time,
             "ghost_ms": time_of("ghost"),
             "dpsgd_ms": time_of("dpsgd"),
-            "time_x": _ratio(flash_time, time_of("standard")),
+            "time_x": ratio(flash_time, time_of("standard")),
             "time_goal": STEP_GOALS.get((batch, seq)),
-            "peak_x": _ratio(peak_of("flash"), peak_of("standard")),
-            "ghost_over_flash": _ratio(time_of("ghost"), flash_time),
-            "dpsgd_over_flash": _ratio(time_of("dpsgd"), flash_time),
+            "peak_x": ratio(peak_of("flash"), peak_of("standard")),
+            "ghost_over_flash": ratio(time_of("ghost"), flash_time),
+            "dpsgd_over_flash": ratio(time_of("dpsgd"), flash_time),
             "status": {name: r["status"] for name, r in trainers.items()},
         }
         row["misses"] = goal_misses(row)
@@ -209,19 +206,19 @@ def route_costs(B: int, T: int, d: int, p: int, elem: int) -> dict[str, tuple]:
 
 def run_route(layer, A, G, c, route: str) -> tuple[torch.Tensor, torch.Tensor]:
     """One layer's squared norms [B] and clipped weight gradient by ``route``, as a step does."""
-    rule, c = layer.rule, flash_clip.ClipFactors(c)  # a step makes one per chunk
+    rule, c = layer.rule, ClipFactors(c)  # a step makes one per chunk
     if route == "gram_torch":  # the torch Gram path, then the same clipped GEMM
-        norms = flash_clip.gram_squared_norms(A, G, layer.tile_size, fused=False)
+        norms = gram_squared_norms(A, G, layer.tile_size, fused=False)
         return norms, rule.clipped_grads(layer, A, G, c)["weight"]
     if route == "direct_torch":  # the torch direct path (blocks through HBM), same clipped GEMM
-        norms = flash_clip.direct_squared_norms(A, G, layer.block_numel, fused=False)
+        norms = direct_squared_norms(A, G, layer.block_numel, fused=False)
         return norms, rule.clipped_grads(layer, A, G, c)["weight"]
     if route == "product":
         grads = rule.per_sample_grads(layer, A, G, {"weight"})["weight"]
         norms = torch.linalg.vector_norm(grads.flatten(1), dim=1, dtype=torch.float32).square()
         weight = layer.params["weight"]
         weight.grad = None
-        flash_clip.accumulate_weighted_sums([weight], [grads], c)
+        accumulate_weighted_sums([weight], [grads], c)
         return norms, weight.grad
     layer.route = route
     return rule.squared_norms(layer, A, G), rule.clipped_grads(layer, A, G, c)["weight"]
@@ -237,7 +234,7 @@ def shape_rows(B: int, T: int, d: int, p: int, dtype: torch.dtype, rates: dict) 
     G = torch.randn(B, T, p, device="cuda", dtype=dtype)
     clip_factors = torch.rand(B, device="cuda")
     costs = route_costs(B, T, d, p, A.element_size())
-    auto = flash_clip.linear_route(layer, T)
+    auto = linear_route(layer, T)
     rows = []
     for route in ROUTES_MEASURED:
         try:
@@ -326,7 +323,7 @@ def main(argv=None) -> int:
     except ValueError:
         print(f"error: --shapes takes BxT pairs like 8x512, got {args.shapes}", file=sys.stderr)
         return 2
-    device = runner.probe_device("cuda")  # in a child: step workers fork from this process
+    device = processes.probe_device()  # in a child: step workers fork from this process
     if not device["cuda"]:
         print(
             "error: bench_flash.py needs a CUDA GPU (CPU checks: python -m pytest)", file=sys.stderr
@@ -349,17 +346,16 @@ def main(argv=None) -> int:
     else:
         # Steps run in forked workers: this process must not have touched CUDA beyond the check.
         configs = step_configs(args.dtypes, args.steps, args.warmup_steps, shapes)
-        results = runner.run_configs(configs, run_dir)
+        results = processes.run_configs(configs, run_dir)
         rows = step_rows(results)
         table = format_step_table(rows)
         header = f"# Flash Clipping step goals, 1b model, {card}\n\n"
         name = "bench_steps"
         payload = {"card": card, "rows": rows}
         report.write_summary(run_dir, results)
-    with report.atomic_write(os.path.join(run_dir, name + ".md")) as f:
+    with atomic_write(os.path.join(run_dir, name + ".md")) as f:
         f.write(header + table + "\n")
-    with report.atomic_write(os.path.join(run_dir, name + ".json")) as f:
-        json.dump(payload, f, indent=2)
+    write_json(os.path.join(run_dir, name + ".json"), payload)
     print(header + table)
     print(f"\nWritten: {os.path.join(run_dir, name)}.md, .json")
     return 0

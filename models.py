@@ -27,7 +27,9 @@ class ModelConfig:
     num_heads: int = 16
     mlp_dim: int = 8192
     max_seq_len: int = 16384
-    attention: str = "explicit"  # "explicit" softmax (as the seeds' model) or "sdpa"
+    attention: str = (
+        "explicit"  # "explicit" softmax (as the older profiling scripts' model) or "sdpa"
+    )
     activation_checkpointing: bool = False  # recompute each block in backward (standard only)
     dropout: float = 0.0
 
@@ -49,7 +51,7 @@ CONFIGS: dict[str, ModelConfig] = {
         vocab_size=2000, hidden_dim=128, num_layers=2, num_heads=4, mlp_dim=512, max_seq_len=1024
     ),
     # ~1.14B parameters without the position table (32000·2048·2 + 20·50.3M), +33.5M for
-    # 16384 positions, so the seeds' T=16384 memory runs need no override.
+    # 16384 positions, so T=16384 memory runs need no override.
     "1b": ModelConfig(),
 }
 

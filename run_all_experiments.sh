@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Memory breakdown suite (seed 002): every registered trainer in its own process on one shape,
-# the exact breakdown of each peak, then the plots and summary.txt. The knobs are environment
+# Memory breakdown suite (as the older memory_test/test_algo/run_all_experiments.sh): every
+# registered trainer in its own process on one shape, the exact breakdown of each peak, then the plots and summary.txt. The knobs are environment
 # variables, read here only (the CLI takes flags):
 #   VOCAB_SIZE=32000 HIDDEN_DIM=2048 NUM_LAYERS=20 NUM_HEADS=16 SEQ_LEN=16384 BATCH_SIZE=1
 #   NUM_ITER=3 WARMUP_ITER=2 ATTENTION=sdpa TRAINERS="standard dpsgd ghost flash" DTYPE=float32

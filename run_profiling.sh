@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# GPU suite (seed 000): the 1b model, every registered trainer x batch {4,8} x seq {512,1024},
+# GPU suite (as the older run_profiling.sh): the 1b model, every registered trainer x batch {4,8} x seq {512,1024},
 # each config in its own process, torch.profiler traces for TensorBoard / Perfetto, and a table.
 # Extra arguments go to profiling_script.py (e.g. --trainers standard dpsgd, --dtype bfloat16).
 set -euo pipefail

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Nsight Compute suite (seed 001): DRAM / L2 traffic of one training step per trainer x batch x
-# seq config. Every config runs under ncu in its own process and writes
+# Nsight Compute suite (as the older run_profiling_ncu.sh): DRAM / L2 traffic of one training
+# step per trainer x batch x seq config. Every config runs under ncu in its own process and writes
 # $OUTPUT_DIR/report_<trainer>_bs<B>_seq<T>.ncu-rep; then the comparison table and plot are
 # written next to them (profiling_script.py --mode=ncu_report).
 #
@@ -68,14 +68,15 @@ done
 # ncu first: nothing runs or is written without it.
 NCU=${NCU:-$(command -v ncu || true)}
 if [[ -z $NCU || ! -x $NCU ]]; then
-    "$PYTHON" -c 'import ncu; print("error: " + ncu.NCU_MISSING_MESSAGE)' >&2 2>/dev/null \
+    "$PYTHON" -c 'from ncu.command import NCU_MISSING_MESSAGE as m; print("error: " + m)' \
+        >&2 2>/dev/null \
         || echo "error: ncu (Nsight Compute CLI) not found: put it on PATH or set NCU=/path/to/ncu" >&2
     exit 1
 fi
 
 # nvprof-era names (dram_read_throughput, ...) do not exist in ncu: stop with the replacement.
 if [[ -n $METRICS ]]; then
-    METRICS=$("$PYTHON" ncu.py metrics "$METRICS") || exit 2
+    METRICS=$("$PYTHON" -m ncu metrics "$METRICS") || exit 2
 fi
 case "$CLOCK_CONTROL" in
     none | base | boost | force-boost | reset) ;;
@@ -100,8 +101,8 @@ failed=()
 for batch in $BATCH_SIZES; do
     for seq in $SEQ_LENS; do
         for trainer in $TRAINERS; do
-            # ncu.py builds the command (one source of truth); it prints it shell-quoted.
-            cmd=$("$PYTHON" ncu.py command --ncu "$NCU" --python "$PYTHON_BIN" \
+            # python -m ncu builds the command (one source of truth); it prints it shell-quoted.
+            cmd=$("$PYTHON" -m ncu command --ncu "$NCU" --python "$PYTHON_BIN" \
                 --report_dir "$OUTPUT_DIR" --trainer "$trainer" --batch_size "$batch" \
                 --seq_len "$seq" --clock_control "$CLOCK_CONTROL" --replay_mode "$REPLAY_MODE" \
                 ${METRICS:+--metrics "$METRICS"} \

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Single-GPU Hugging Face analysis (seed 004's suite) as one --mode=hf_sweep run directory:
+# Single-GPU Hugging Face analysis (the older run_single_gpu_analysis.sh's suite) as one
+# --mode=hf_sweep run directory:
 #   1. basic: seq 128, batch 8, physical 1, full fine-tuning
 #   2. sequence length 64 / 128 / 256 at batch 8
 #   3. logical batch 8 / 16 / 32 at seq 128
@@ -15,7 +16,7 @@
 # users) reaches the workers through the environment only; it is never printed or written. It is
 # needed with --pretrained (real weights from the Hub or a local cache); the default random
 # weights have the same shapes, so the same memory and time.
-# Knobs, read here only: MODEL (meta-llama/Llama-3.2-3B-Instruct), TRAINERS ("dpsgd", the seed's
+# Knobs, read here only: MODEL (meta-llama/Llama-3.2-3B-Instruct), TRAINERS ("dpsgd", the older script's
 # Opacus per-sample gradients), NUM_STEPS (5), OUTPUT_DIR (./single_gpu_memory_results),
 # RUN_NAME (analysis_<timestamp>), DEVICE (cuda; cpu for a check with MODEL=tiny-llama), PYTHON.
 set -euo pipefail

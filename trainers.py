@@ -1,6 +1,6 @@
 """One ``Trainer`` interface and a registry: ``standard``, ``dpsgd``, ``ghost``, ``flash``.
 
-DP semantics shared by every DP trainer (see DESIGN.md, "The contract"): per-sample loss is the
+DP semantics shared by every DP trainer (README.md says the same): per-sample loss is the
 mean over that sample's tokens; clip factor min(1, C / (||grad_b|| + 1e-6)); update direction
 (1/B)(sum_b c_b grad_b + N(0, sigma^2 C^2 I)). A logical batch larger than
 ``max_physical_batch_size`` is split into near-equal physical chunks (as Opacus'
@@ -18,9 +18,17 @@ from collections.abc import Callable
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from opacus import GradSampleModule
+from opacus.grad_sample import GradSampleModuleFastGradientClipping
+from opacus.optimizers import DPOptimizer, DPOptimizerFastGradientClipping
+from opacus.utils.fast_gradient_clipping_utils import DPTensorFastGradientClipping
+
+import flash.engine
+from core import schema
+from core.schema import AllocationSite
+from flash.fused import triton_kernels
 
 TRAINERS: dict[str, type[Trainer]] = {}
-ALIASES = {"vanilla": "standard", "hooks": "dpsgd", "dpsgd_ghost": "ghost", "flash_clip": "flash"}
 OPTIMIZERS = ("sgd", "adam")
 
 
@@ -35,11 +43,7 @@ def register_trainer(name: str):
 
 def canonical_trainer_name(name: str) -> str:
     """Map a user-typed name or alias to its canonical registry name (ValueError if unknown)."""
-    canonical = ALIASES.get(name, name)
-    if canonical not in TRAINERS:
-        known = sorted(TRAINERS) + sorted(ALIASES)
-        raise ValueError(f"unknown trainer {name!r}; known: {', '.join(known)}")
-    return canonical
+    return schema.canonical_trainer_name(name, TRAINERS)
 
 
 def make_trainer(
@@ -59,16 +63,9 @@ def make_trainer(
     if getattr(getattr(model, "config", None), "activation_checkpointing", False):
         if not cls.supports_activation_checkpointing:
             raise ValueError(checkpointing_refusal(cls.name))
-    return cls(
-        model,
-        lr=lr,
-        max_grad_norm=max_grad_norm,
-        noise_multiplier=noise_multiplier,
-        batch_size=batch_size,
-        optimizer=optimizer,
-        dtype=dtype,
-        **trainer_options,
-    )
+    privacy = dict(max_grad_norm=max_grad_norm, noise_multiplier=noise_multiplier)
+    options = dict(lr=lr, batch_size=batch_size, optimizer=optimizer, dtype=dtype)
+    return cls(model, **options, **privacy, **trainer_options)
 
 
 def checkpointing_refusal(name: str) -> str:
@@ -89,7 +86,7 @@ def token_losses(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
 class Trainer:
     """Runs one logical batch per ``step``: forward, backward, (clip, noise,) optimizer step.
 
-    ``on_phase(name)`` is called at the contract's phase points (``optimizer_created``,
+    ``on_phase(name)`` is called at the phase points (``optimizer_created``,
     ``privacy_wrapped``, then per physical chunk ``forward_done``/``backward_done`` and per step
     ``step_done``) so the runner can take memory snapshots without the trainer knowing how.
     Names starting with ``_`` are internal markers, not snapshots: moments where a trainer holds
@@ -98,6 +95,7 @@ class Trainer:
 
     name = "base"
     is_private = False
+    options: tuple[str, ...] = ()  # experiment settings this trainer takes as keyword arguments
     # Opacus' hooks and flash's book-keeping save each layer's input in forward; recomputing a
     # checkpointed block in backward saves it again (double memory, mismatched per-sample grads).
     supports_activation_checkpointing = False
@@ -106,13 +104,13 @@ class Trainer:
         self,
         model: nn.Module,
         *,
-        lr: float,
-        max_grad_norm: float = 1.0,
-        noise_multiplier: float = 1.0,
         batch_size: int,
+        max_physical_batch_size: int | None = None,
+        lr: float,
         optimizer: str = "sgd",
         dtype: torch.dtype = torch.float32,
-        max_physical_batch_size: int | None = None,
+        max_grad_norm: float = 1.0,
+        noise_multiplier: float = 1.0,
         loss_fn: Callable[[nn.Module, torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
         on_phase: Callable[[str], None] | None = None,
     ):
@@ -159,6 +157,52 @@ class Trainer:
 
     def trainable_parameters(self, model: nn.Module) -> list[nn.Parameter]:
         return [p for p in model.parameters() if p.requires_grad]
+
+    # ------------------------------------------------------------ where the state lives
+    def state_tensors(self) -> list[tuple[str, str, torch.Tensor]]:
+        """Every tensor this trainer holds now, as (role, owner, tensor): ``role`` one of
+        ``core.schema.ROLES``, ``owner`` the qualified name of the parameter or module it belongs
+        to. Most specific role first: a storage reachable several ways takes the first role
+        listed. Memory attribution and the module census read this, nothing else."""
+        named = list(self.model.named_parameters())
+        states = self.base_optimizer.state
+        return [
+            *self.dp_state_tensors(),
+            *(("gradients", n, p.grad) for n, p in named if p.grad is not None),
+            *(
+                ("optimizer_states", n, t)
+                for n, p in named
+                for t in states.get(p, {}).values()
+                if isinstance(t, torch.Tensor)
+            ),
+            *(("model_parameters", n, p) for n, p in named),
+        ]
+
+    def dp_state_tensors(self) -> list[tuple[str, str, torch.Tensor]]:
+        """What the DP machinery adds (per-sample gradients, norms, saved inputs): none here."""
+        return []
+
+    def allocation_sites(self) -> list[AllocationSite]:
+        """Which functions' allocations have which role, most specific first; a block that no
+        identity names is classified by the first site on its allocating stack."""
+        model_code = {type(m).forward for m in self.model.modules()}
+        return [
+            *self.dp_allocation_sites(),
+            AllocationSite.of("gradients", Trainer.optimizer_step),
+            AllocationSite("optimizer_states", package="torch.optim"),
+            # Allocated by a module's forward (or the loss): activations kept for backward.
+            AllocationSite("activations", package="torch.nn"),
+            AllocationSite("activations", package="transformers"),
+            AllocationSite("activations", package="peft"),
+            AllocationSite.of("activations", *model_code),
+        ]
+
+    def dp_allocation_sites(self) -> list[AllocationSite]:
+        return []
+
+    def result_extras(self) -> dict:
+        """Result keys of this trainer's own (e.g. flash's route per layer)."""
+        return {}
 
     def autocast(self, device_type: str):
         if self.dtype == torch.bfloat16:
@@ -214,10 +258,86 @@ class StandardTrainer(Trainer):
         return per_sample.detach().sum().item()
 
 
+def _tensors(obj):
+    """The tensors in a tensor or a (nested) list/tuple of them."""
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif isinstance(obj, (list, tuple)):
+        for item in obj:
+            yield from _tensors(item)
+
+
 class OpacusTrainer(Trainer):
     """Opacus' optimizers with BatchMemoryManager's protocol for physical chunks."""
 
     is_private = True
+    # Opacus' functions by package and name (its registries hold one function per layer type).
+    OPACUS_SITES = (
+        # Ghost clipping's B x T x T ggT/aaT and Opacus' rescaled copies of each layer's output
+        # gradient (B x T x p, made for the norm or per-sample computation).
+        AllocationSite("temp_matrices", "norm_sample", package="opacus.grad_sample"),
+        AllocationSite("temp_matrices", "^rearrange_grad_samples", package="opacus.grad_sample"),
+        AllocationSite("norm_samples", "^(get_clipping_coef|get_norm_)"),
+        # Per-sample gradients and their clipped copies in the optimizer.
+        AllocationSite(
+            "per_sample_gradients",
+            r"^(compute_\w+_grad_sample|create_or_accumulate_grad_sample)",
+            package="opacus.grad_sample",
+        ),
+        AllocationSite("per_sample_gradients", "^clip", package="opacus.optimizers"),
+        AllocationSite("gradients", "", package="opacus.optimizers"),  # summed, noised
+    )
+
+    def dp_state_tensors(self):
+        params = list(self.model.named_parameters())
+        return [
+            *(
+                ("per_sample_gradients", n, t)
+                for n, p in params
+                for t in _tensors(getattr(p, "grad_sample", None))
+            ),
+            *(
+                ("norm_samples", n, t)
+                for n, p in params
+                for t in _tensors(getattr(p, "_norm_sample", None))
+            ),
+            *(
+                ("activation_hooks", n, t)
+                for n, m in self.model.named_modules()
+                for t in _tensors(getattr(m, "activations", None))
+            ),
+            *(
+                ("gradients", n, p.summed_grad)
+                for n, p in params
+                if getattr(p, "summed_grad", None) is not None
+            ),
+        ]
+
+    def dp_allocation_sites(self):
+        return list(self.OPACUS_SITES)
+
+    def wrap_optimizer(self, dp_optimizer_class) -> None:
+        """Opacus' DP optimizer around the base optimizer, with this trainer's settings."""
+        self.optimizer = dp_optimizer_class(
+            self.base_optimizer,
+            noise_multiplier=self.noise_multiplier,
+            max_grad_norm=self.max_grad_norm,
+            expected_batch_size=self.batch_size,
+            loss_reduction="mean",
+        )
+        self.on_phase("privacy_wrapped")
+
+    def wrapped_forward(self, inputs, targets) -> torch.Tensor:
+        """Per-sample losses of a chunk through the Opacus-wrapped model."""
+        with self.autocast(inputs.device.type):
+            per_sample = self.per_sample_loss(self.wrapped, inputs, targets)
+        self.on_phase("forward_done")
+        return per_sample
+
+    def end_chunk(self, per_sample: torch.Tensor, is_last: bool) -> float:
+        self.on_phase("backward_done")
+        self.accumulate_unless_last(is_last)
+        return per_sample.detach().sum().item()
 
     def accumulate_unless_last(self, is_last: bool) -> None:
         if not is_last:
@@ -233,28 +353,14 @@ class DPSGDTrainer(OpacusTrainer):
 
     def __init__(self, model, **kwargs):
         super().__init__(model, **kwargs)
-        from opacus import GradSampleModule
-        from opacus.optimizers import DPOptimizer
-
         self.wrapped = GradSampleModule(model, batch_first=True, loss_reduction="mean")
-        self.optimizer = DPOptimizer(
-            self.base_optimizer,
-            noise_multiplier=self.noise_multiplier,
-            max_grad_norm=self.max_grad_norm,
-            expected_batch_size=self.batch_size,
-            loss_reduction="mean",
-        )
-        self.on_phase("privacy_wrapped")
+        self.wrap_optimizer(DPOptimizer)
 
     def chunk_step(self, inputs, targets, is_last):
-        with self.autocast(inputs.device.type):
-            per_sample = self.per_sample_loss(self.wrapped, inputs, targets)
-        self.on_phase("forward_done")
+        per_sample = self.wrapped_forward(inputs, targets)
         # Mean over the chunk: Opacus rescales grad_sample by the chunk size ("mean" reduction).
         per_sample.mean().backward()
-        self.on_phase("backward_done")
-        self.accumulate_unless_last(is_last)
-        return per_sample.detach().sum().item()
+        return self.end_chunk(per_sample, is_last)
 
 
 @register_trainer("ghost")
@@ -263,9 +369,6 @@ class GhostClippingTrainer(OpacusTrainer):
 
     def __init__(self, model, **kwargs):
         super().__init__(model, **kwargs)
-        from opacus.grad_sample import GradSampleModuleFastGradientClipping
-        from opacus.optimizers import DPOptimizerFastGradientClipping
-
         self.wrapped = GradSampleModuleFastGradientClipping(
             model,
             batch_first=True,
@@ -273,28 +376,15 @@ class GhostClippingTrainer(OpacusTrainer):
             max_grad_norm=self.max_grad_norm,
             use_ghost_clipping=True,
         )
-        self.optimizer = DPOptimizerFastGradientClipping(
-            self.base_optimizer,
-            noise_multiplier=self.noise_multiplier,
-            max_grad_norm=self.max_grad_norm,
-            expected_batch_size=self.batch_size,
-            loss_reduction="mean",
-        )
-        self.on_phase("privacy_wrapped")
+        self.wrap_optimizer(DPOptimizerFastGradientClipping)
 
     def chunk_step(self, inputs, targets, is_last):
-        from opacus.utils.fast_gradient_clipping_utils import DPTensorFastGradientClipping
-
-        with self.autocast(inputs.device.type):
-            per_sample = self.per_sample_loss(self.wrapped, inputs, targets)
-        self.on_phase("forward_done")
+        per_sample = self.wrapped_forward(inputs, targets)
         # Opacus' DPLossFastGradientClipping builds exactly this tensor from a criterion; we
         # build it from our per-sample loss so HF models and LM share one loss definition.
         loss = DPTensorFastGradientClipping(self.wrapped, self.optimizer, per_sample, "mean")
         loss.backward()  # first backward (norms), then the clipped second backward
-        self.on_phase("backward_done")
-        self.accumulate_unless_last(is_last)
-        return per_sample.detach().sum().item()
+        return self.end_chunk(per_sample, is_last)
 
 
 NOISE_GROUP_BYTES = 256 * 2**20
@@ -304,8 +394,6 @@ def add_gaussian_noise(tensors: list[torch.Tensor], std: float) -> None:
     """t += N(0, std^2) elementwise for each tensor. CUDA: one fused Triton kernel (noise drawn
     and added in one pass). Elsewhere: noise drawn per tensor, added by one multi-tensor kernel
     per group of <= NOISE_GROUP_BYTES of noise (bounded extra memory)."""
-    from flash_clip import triton_kernels
-
     fused = (
         tensors
         and all(t.is_cuda and t.is_contiguous() for t in tensors)
@@ -336,13 +424,12 @@ class FlashClippingTrainer(Trainer):
     """
 
     is_private = True
+    options = ("flash_route",)
 
     def __init__(self, model, *, flash_route: str = "auto", **kwargs):
-        from flash_clip import FlashClipping
-
         # The engine sets requires_grad=False on the weights it manages so autograd computes no
         # weight gradient; the optimizer still updates them from the .grad we write.
-        self.engine = FlashClipping(model, route=flash_route)
+        self.engine = flash.engine.FlashClipping(model, route=flash_route)
         try:
             super().__init__(model, **kwargs)
         except Exception:
@@ -381,4 +468,17 @@ class FlashClippingTrainer(Trainer):
         self.optimizer.step()
 
     def routes(self) -> list[dict]:
+        """The route each Linear layer's norms took in the last step, with its sizes."""
         return self.engine.routes()
+
+    def result_extras(self) -> dict:
+        return {"flash_routes": self.routes()}
+
+    def dp_state_tensors(self):
+        names = {id(m): n for n, m in self.model.named_modules()}
+        return [(role, names.get(id(m), ""), t) for m, role, t in self.engine.kept_tensors()]
+
+    def dp_allocation_sites(self):
+        sites = flash.engine.ALLOCATION_SITES
+        order = ("temp_matrices", "norm_samples", "per_sample_gradients", "gradients")
+        return [AllocationSite.of(role, *sites[role]) for role in order if sites.get(role)]

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 import bench_flash
-import flash_clip
+from flash import engine as flash_clip
 
 
 def result(trainer, batch, seq, dtype, ms, peak, status="ok"):

@@ -11,7 +11,7 @@ import pytest
 from cli_helpers import ROOT, SMALL_MODEL, cli, results_in, small_run_args
 
 import profiling_script
-import runner
+from measure import worker
 
 
 def test_test_mode_runs_every_trainer_and_writes_summaries(tmp_path):
@@ -20,7 +20,7 @@ def test_test_mode_runs_every_trainer_and_writes_summaries(tmp_path):
     assert proc.returncode == 0, proc.stderr[-2000:]
     run_dir = tmp_path / "r"
     results = results_in(run_dir)
-    # Canonical names only, in directories named as the contract says.
+    # Canonical names only, in directories named as README says.
     assert sorted(results) == sorted(
         f"{t}_bs2_seq16" for t in ("standard", "dpsgd", "ghost", "flash")
     )
@@ -125,7 +125,7 @@ def test_profile_mode_without_cuda_falls_back_or_refuses(tmp_path):
 
 
 def test_failed_config_is_recorded_others_finish_and_exit_1(tmp_path, monkeypatch, capsys):
-    real = runner.run_experiment
+    real = worker.run_experiment
 
     def crash_for_ghost(config, out_dir):
         if config.trainer == "ghost":
@@ -133,7 +133,7 @@ def test_failed_config_is_recorded_others_finish_and_exit_1(tmp_path, monkeypatc
         return real(config, out_dir)
 
     # The workers are forked from this process, so they see the patched function.
-    monkeypatch.setattr(runner, "run_experiment", crash_for_ghost)
+    monkeypatch.setattr(worker, "run_experiment", crash_for_ghost)
     code = profiling_script.main(small_run_args(tmp_path, "ghost", "standard"))
     assert code == 1
     results = results_in(tmp_path / "r")
@@ -149,7 +149,7 @@ def test_oom_is_a_measurement_not_an_error(tmp_path, monkeypatch):
     def oom(config, out_dir):
         raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
 
-    monkeypatch.setattr(runner, "run_experiment", oom)
+    monkeypatch.setattr(worker, "run_experiment", oom)
     code = profiling_script.main(small_run_args(tmp_path, "standard", steps=None))
     assert code == 0
     assert results_in(tmp_path / "r")["standard_bs2_seq8"]["status"] == "oom"

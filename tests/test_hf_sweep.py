@@ -1,6 +1,5 @@
-"""HF sweeps (hf_sweep.py, hf_sweep_plots.py, --mode=hf_sweep, run_single_gpu_analysis.sh) on
-CPU: fits against hand-computed values, the report from CUDA-like result files, the CLI end to end
-with resume, and the suite script."""
+"""HF sweeps (--mode=hf_sweep, run_single_gpu_analysis.sh) on CPU: the CLI end to end with resume,
+and the suite script. The sweep's report from result files alone: tests/report/."""
 
 import os
 
@@ -8,7 +7,6 @@ os.environ["HF_HUB_OFFLINE"] = "1"  # before transformers/huggingface_hub read i
 os.environ["TRANSFORMERS_OFFLINE"] = "1"
 
 import json  # noqa: E402
-import math  # noqa: E402
 import stat  # noqa: E402
 import subprocess  # noqa: E402
 import time  # noqa: E402
@@ -20,9 +18,7 @@ pytest.importorskip("peft")
 
 from cli_helpers import ROOT, cli  # noqa: E402
 
-import hf_sweep  # noqa: E402
-import module_memory  # noqa: E402
-import report  # noqa: E402
+from measure import census as module_memory  # noqa: E402
 
 SWEEP_FILES = (
     "memory_profile_results.json",
@@ -35,99 +31,6 @@ SWEEP_FILES = (
     "detailed_memory_analysis.png",
     "operation_level_breakdown.png",
 )
-
-
-def synthetic_result(trainer, seq, batch, physical, rank, status="ok", peak=None):
-    """A CUDA-like result.json for report tests; the numbers are made up, not measurements."""
-    config = {
-        "trainer": trainer,
-        "model": "meta-llama/Llama-3.1-8B-Instruct",
-        "batch_size": batch,
-        "seq_len": seq,
-        "max_physical_batch_size": physical,
-        "physical_batch_size": physical,
-        "use_lora": rank is not None,
-        "lora_rank": rank or 16,
-        "dtype": "float32",
-        "attention": "sdpa",
-        "optimizer": "sgd",
-        "detailed_memory": True,
-    }
-    result = {
-        "experiment": trainer,
-        "config_dir": f"{trainer}_bs{batch}_seq{seq}_pb{physical}" + (f"_r{rank}" if rank else ""),
-        "status": status,
-        "error": None if status == "ok" else f"{status} reason",
-        "config": config,
-        "env": {"memory_source": "cuda", "model_info": {"trainable_params": 1}},
-        "avg_time_ms": 100.0,
-        "median_time_ms": 100.0,
-        "peak_memory_mb": peak,
-        "peak_reserved_mb": peak,
-        "breakdown": None,
-        "snapshots": [],
-    }
-    if status != "ok":
-        result["peak_memory_mb"] = result["peak_reserved_mb"] = None
-        return result
-    phases = ["0_model_loaded", "dataset_prepared", "optimizer_created", "privacy_wrapped"]
-    phases += ["forward_done", "backward_done", "step_done"] * 3
-    result["snapshots"] = [
-        {"name": n, "timestamp": 0.1 * i, "allocated_mb": peak / 2, "phase_peak_mb": peak}
-        for i, n in enumerate(phases)
-    ]
-    kinds = {f"{kind}_mb": 1.0 for kind in module_memory.KINDS}
-    result["module_memory"] = {"groups": {g: dict(kinds) for g in module_memory.GROUPS}}
-    op = {"time_ms": 30.0, "peak_mb": peak, "allocated_after_mb": peak / 2}
-    result["phase_costs"] = {name: dict(op) for name, _ in module_memory.OPERATIONS}
-    result["breakdown"] = {
-        key: peak / len(report.BREAKDOWN_LABELS) for key in report.BREAKDOWN_LABELS
-    }
-    return result
-
-
-def test_scaling_fits_recover_exponents_and_say_why_not():
-    results = []
-    for seq in (128, 256, 512):
-        for physical in (1, 2):
-            peak = 1000 * (seq / 128) ** 1.5 * physical**0.5
-            results.append(synthetic_result("dpsgd", seq, 8, physical, 16, peak=peak))
-    results.append(synthetic_result("dpsgd", 1024, 8, 1, 16, status="oom"))
-    fits = hf_sweep.scaling_fits(results)["dpsgd"]
-    assert fits["seq_len"]["exponent"] == pytest.approx(1.5) and fits["seq_len"]["series"] == 2
-    assert fits["physical_batch_size"]["exponent"] == pytest.approx(0.5)
-    assert fits["batch_size"]["exponent"] is None and "one value" in fits["batch_size"]["reason"]
-    full = [synthetic_result("dpsgd", s, 8, 1, None, peak=float(s)) for s in (64, 128)]
-    assert "no LoRA" in hf_sweep.scaling_fits(full)["dpsgd"]["lora_rank"]["reason"]
-    text = hf_sweep.findings_text(results, hf_sweep.scaling_fits(results))
-    assert "Out of memory:\n- dpsgd T1024 bs8 pb1 r16: oom reason" in text
-    assert "sequence length (tokens): k = 1.50 (median of 2 series, range 1.50 to 1.50)" in text
-
-
-def test_report_of_a_cuda_like_sweep_with_oom_and_skips(tmp_path):
-    results = [
-        synthetic_result(t, s, b, p, r, peak=1000.0 + s * p * (2 if t == "ghost" else 1))
-        for t in ("dpsgd", "ghost")
-        for s in (128, 256)
-        for b in (2, 4)
-        for p in (1, 2)
-        for r in (8,)
-    ]
-    results[-1] = synthetic_result("ghost", 256, 4, 2, 8, status="oom")
-    results.append(synthetic_result("dpsgd", 128, 2, 4, 8, status="skipped"))
-    for r in results:
-        os.makedirs(tmp_path / r["config_dir"])
-        (tmp_path / r["config_dir"] / "result.json").write_text(json.dumps(r))
-    text = report.write_summary(str(tmp_path), report.load_results(str(tmp_path)))
-    assert "ghost T256 bs4 pb2 r8: oom reason" in text and "Skipped:" in text
-    for name in SWEEP_FILES:
-        assert (tmp_path / name).stat().st_size > 0, name
-    timelines = list(tmp_path.glob("memory_timeline_config_*.png"))
-    assert len(timelines) == 15  # every ok config
-    assert "HF sweep findings" in (tmp_path / "summary.md").read_text()
-    saved = json.loads((tmp_path / "memory_profile_results.json").read_text())
-    assert len(saved["configs"]) == 17
-    assert saved["scaling"]["ghost"]["seq_len"]["exponent"] > 0
 
 
 def sweep_cli(tmp_path, *extra, token=None):
@@ -221,20 +124,6 @@ def test_hf_sweep_bad_input_is_one_line_and_exit_2(args, message, tmp_path, caps
     assert not any(tmp_path.iterdir())
 
 
-def test_progress_bar_estimate():
-    import io
-
-    import runner
-
-    stream = io.StringIO()
-    bar = runner.ProgressBar(total=5, to_run=3, stream=stream)
-    bar.advance(None)  # resumed: takes no time
-    assert "1/5 configs done, 4 left" in stream.getvalue() and "estimating" in stream.getvalue()
-    bar.advance(10.0)
-    line = stream.getvalue().splitlines()[-1]
-    assert "2/5 configs done, 3 left" in line and "estimate 20s left" in line  # 2 more x 10 s
-
-
 FAKE_PYTHON = """#!/bin/sh
 # Stands in for python: logs the arguments and whether the token arrived, then exits.
 echo "$*" >> "$LOG"
@@ -296,10 +185,3 @@ def test_single_gpu_suite_exit_codes(tmp_path, fake_python):
     (tmp_path / "log").unlink()
     stopped, log = run_suite(tmp_path, fake_python, fail_on="--seq_lengths 64", fail_code=2)
     assert stopped.returncode == 2 and log.count("profiling_script.py") == 2
-
-
-def test_exponent_of_a_pure_power_law_is_exact():
-    # numpy.polyfit on log-log, as the findings use it: an independent check of the slope.
-    results = [synthetic_result("flash", 8, b, 1, 8, peak=3.0 * b**2) for b in (2, 4, 16)]
-    fit = hf_sweep.scaling_fits(results)["flash"]["batch_size"]
-    assert math.isclose(fit["exponent"], 2.0, rel_tol=1e-9)

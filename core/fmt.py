@@ -1,0 +1,31 @@
+"""Numbers into table cells: one ratio helper and one table renderer (text or Markdown)."""
+
+from __future__ import annotations
+
+
+def ratio(value, baseline):
+    """value / baseline, or None where either is missing (or the baseline is 0)."""
+    if value is None or not baseline:
+        return None
+    return value / baseline
+
+
+def cell(value, scale: float = 1.0, digits: int = 2) -> str:
+    """``-`` for a missing value; floats divided by ``scale`` to ``digits`` decimals."""
+    if value is None:
+        return "-"
+    if isinstance(value, float):
+        return f"{value / scale:.{digits}f}"
+    return str(value)
+
+
+def render_table(header: list[str], body: list[list[str]], markdown: bool = False) -> str:
+    """Cells already formatted. Text: left-aligned columns under a dashed rule."""
+    if markdown:
+        lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+        return "\n".join(lines + ["| " + " | ".join(cells) + " |" for cells in body]) + "\n"
+    widths = [max([len(h), *(len(cells[i]) for cells in body)]) for i, h in enumerate(header)]
+    lines = [header, ["-" * w for w in widths], *body]
+    return "".join(
+        "  ".join(c.ljust(w) for c, w in zip(cells, widths)).rstrip() + "\n" for cells in lines
+    )

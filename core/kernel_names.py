@@ -1,0 +1,191 @@
+"""GPU kernel names -> kernel categories, and summaries of torch.profiler (Kineto) traces.
+
+Kernel names are matched as they appear in Kineto traces (demangled by the C++ ABI:
+``void at::native::reduce_kernel<512, 1, ...>(...)``) and in Nsight Systems / Compute
+(``void at::native::<unnamed>::...<(int)4, ...>(T3)``); the rules only look for words that both
+spellings share.
+"""
+
+from __future__ import annotations
+
+import functools
+import gzip
+import json
+import math
+import os
+import re
+from collections.abc import Iterable
+
+from core.schema import KERNEL_CATEGORIES as CATEGORIES
+
+# One ordered table: a kernel gets the category of the FIRST row whose pattern it contains
+# (case-insensitive search), else "other". Why the order:
+#  1. attention before gemm: fused attention kernels name cutlass/gemm types in their templates
+#     (fmha_cutlassF_..., pytorch_flash::flash_fwd_kernel<... cutlass::half_t ...>).
+#  2. library GEMMs (cuBLAS/cuBLASLt/CUTLASS) before norm_clip: a CUTLASS epilogue may say Clamp,
+#     and cublasLt::splitKreduce_kernel is the tail of a GEMM, not a reduction.
+#  3. norm_clip before optimizer, reduction and elementwise: DP-SGD's per-sample norms and clipping
+#     run inside generic kernels -- _foreach_norm in a multi_tensor_apply_kernel (LpNormFunctor),
+#     torch.norm / linalg_vector_norm in a reduce_kernel (NormTwoOps), the clip factor's clamp in a
+#     vectorized_elementwise_kernel -- and the word in the template is what tells them apart.
+#     "normal" is Gaussian noise (normal_kernel), not a norm; "gram" must start a word, so
+#     cub's DeviceRadixSortHistogramKernel is not a Gram matrix.
+#  4. Triton GEMM templates after norm_clip: an Inductor mm fused with a norm/clip is norm work.
+#  5. optimizer before elementwise/reduction: foreach kernels are elementwise in shape.
+#  6. reduction before elementwise: triton_red_/triton_per_ vs triton_poi_, softmax, losses.
+# Caveat: ReLU's forward also runs launch_clamp_scalar, so a ReLU model's activations land in
+# norm_clip; the models profiled here use GELU.
+RULES: list[tuple[str, str]] = [
+    # dot_do_o / convert_dq: the softmax-grad and dQ-cast steps of FA2's and cuDNN SDPA's backward
+    ("attention", r"attention|attn|fmha|sdpa|flash_fwd|flash_bwd|flash::|dot_do_o|convert_dq"),
+    ("gemm", r"gemm|gemv|nvjet|xmma|cutlass|cublas|splitKreduce"),
+    ("norm_clip", r"norm(?!al)|clip|clamp|einsum|GammaBeta|RowwiseMoments|(?<![a-z])gram"),
+    ("gemm", r"^triton_tem_|matmul"),
+    ("optimizer", r"multi_tensor_apply|_foreach_|adam(?!ard)|sgd"),
+    (
+        "reduction",
+        r"reduce_kernel|softmax|cross_entropy|nll_loss|ClassNLLCriterion|DeviceReduce"
+        r"|DeviceSegmentedReduce|^triton_(red|per)_",
+    ),
+    (
+        "elementwise",
+        r"elementwise|CatArray|copy|fill|dropout|indexSelect|index_|gather|scatter|embedding"
+        r"|PointwiseApply|^triton_poi_|noise",
+    ),
+]
+_COMPILED_RULES = [(category, re.compile(pattern, re.IGNORECASE)) for category, pattern in RULES]
+
+KERNEL_CATEGORY = "kernel"  # Kineto's "cat" of GPU kernel events
+MEMORY_EVENT = "[memory]"
+CPU_DEVICE, CUDA_DEVICE = 0, 1  # c10::DeviceType values in "[memory]" events
+_GZIP_MAGIC = b"\x1f\x8b"
+
+
+@functools.lru_cache(maxsize=4096)  # a trace repeats a few hundred names thousands of times
+def categorize(name: str) -> str:
+    """The category (``core.schema.KERNEL_CATEGORIES``) of one CUDA kernel name."""
+    for category, pattern in _COMPILED_RULES:
+        if pattern.search(name):
+            return category
+    return "other"
+
+
+def _strip_templates(name: str) -> str:
+    """Drop every <...> group, nested ones included; a '>' with nothing open (as in '->') stays."""
+    out, depth = [], 0
+    for ch in name:
+        if ch == "<":
+            depth += 1
+        elif ch == ">" and depth:
+            depth -= 1
+        elif not depth:
+            out.append(ch)
+    return "".join(out)
+
+
+def short_name(name: str) -> str:
+    """A readable name: no template arguments, no parameter list, no return type.
+
+    ``void at::native::(anonymous namespace)::cunn_SoftMaxForward<8, c10::Half, ...>(...)``
+    -> ``at::native::cunn_SoftMaxForward``. Names that are not C++ signatures
+    (``nvjet_tst_...``, ``Memcpy DtoD (Device -> Device)``) are kept whole.
+    """
+    s = name.replace("(anonymous namespace)::", "").replace("<unnamed>::", "")
+    s = _strip_templates(s).strip()
+    signature = re.search(r"\w\(", s)  # a '(' right after an identifier opens the parameters
+    if signature:
+        # Before the parameters: "[return type] qualified::name"; keep the name.
+        s = s[: signature.start() + 1].split()[-1]
+    s = s.removeprefix("void ")  # a name cut short before its parameters keeps its "void "
+    return s or name
+
+
+def summarize(kernels: Iterable[tuple[str, float]], top: int = 10) -> dict:
+    """Time and launch count per category, and the `top` kernels by total time.
+
+    `kernels` are (name, duration in microseconds) pairs; kernels are grouped by full name.
+    """
+    by_name: dict[str, list[float]] = {}  # full name -> [total µs, launches]
+    for name, duration_us in kernels:
+        entry = by_name.setdefault(name, [0.0, 0])
+        entry[0] += duration_us
+        entry[1] += 1
+
+    categories = {category: {"time_ms": 0.0, "count": 0} for category in CATEGORIES}
+    for name, (total_us, count) in by_name.items():
+        bucket = categories[categorize(name)]
+        bucket["time_ms"] += total_us / 1000
+        bucket["count"] += count
+
+    ranked = sorted(by_name.items(), key=lambda item: (-item[1][0], item[0]))[:top]
+    return {
+        "categories": categories,
+        "total_time_ms": math.fsum(c["time_ms"] for c in categories.values()),
+        "count": sum(c["count"] for c in categories.values()),
+        "top": [
+            {
+                "name": short_name(name),
+                "full_name": name,
+                "category": categorize(name),
+                "time_ms": total_us / 1000,
+                "count": count,
+            }
+            for name, (total_us, count) in ranked
+        ],
+    }
+
+
+def category_deltas(summary: dict, baseline: dict) -> dict[str, float]:
+    """Extra ms per category of `summary` over `baseline` (e.g. a DP trainer vs the standard one).
+
+    Either argument may be a summarize() result or just its "categories" mapping.
+    """
+
+    def time_ms(s: dict, category: str) -> float:
+        return s.get("categories", s).get(category, {}).get("time_ms", 0.0)
+
+    return {c: time_ms(summary, c) - time_ms(baseline, c) for c in CATEGORIES}
+
+
+def load_trace_events(path: str | os.PathLike) -> list[dict]:
+    """The events of a Chrome/Kineto trace, plain or gzipped (by extension or magic bytes)."""
+    path = os.fspath(path)
+    with open(path, "rb") as f:
+        gzipped = path.endswith(".gz") or f.read(2) == _GZIP_MAGIC
+    with (gzip.open if gzipped else open)(path, "rt", encoding="utf-8") as f:
+        trace = json.load(f)
+    # The Chrome trace format allows a bare event list as well as {"traceEvents": [...]}.
+    return trace.get("traceEvents", []) if isinstance(trace, dict) else trace
+
+
+def kernels_from_trace(path: str | os.PathLike) -> list[tuple[str, float]]:
+    """(name, duration µs) of every GPU kernel event in a *.pt.trace.json[.gz] file."""
+    return [
+        (event["name"], float(event["dur"]))
+        for event in load_trace_events(path)
+        if str(event.get("cat", "")).lower() == KERNEL_CATEGORY and "dur" in event
+    ]
+
+
+def memory_curve_from_trace(
+    path: str | os.PathLike, device_type: int | None = None
+) -> list[tuple[float, float]]:
+    """Allocated memory over time from the trace's "[memory]" events (profile_memory=True).
+
+    Returns (ms since the first kept event, allocated MiB) sorted by time, for one device type
+    (0 = CPU, 1 = CUDA); by default CUDA when the trace has CUDA events, else CPU.
+    """
+    samples = []  # (device type, ts µs, allocated bytes)
+    for event in load_trace_events(path):
+        args = event.get("args") or {}
+        if event.get("name") == MEMORY_EVENT and "Total Allocated" in args:
+            device = int(args.get("Device Type", -1))
+            samples.append((device, float(event["ts"]), float(args["Total Allocated"])))
+    if device_type is None:
+        has_cuda = any(device == CUDA_DEVICE for device, _, _ in samples)
+        device_type = CUDA_DEVICE if has_cuda else CPU_DEVICE
+    curve = sorted((ts, allocated) for device, ts, allocated in samples if device == device_type)
+    if not curve:
+        return []
+    start_us = curve[0][0]
+    return [((ts - start_us) / 1000, allocated / 2**20) for ts, allocated in curve]

@@ -1,0 +1,94 @@
+"""Clip factors and the clipped sums they weight, written into the parameters' .grad."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+from flash.fused import triton_kernels
+
+
+def _round_down(c: Tensor, dtype: torch.dtype) -> Tensor:
+    """Clip factors in ``dtype``, rounded toward zero: a factor rounded up (bf16 keeps 8 bits)
+    would let a sample's clipped gradient exceed C, the bound DP's noise is calibrated to."""
+    low = c.to(dtype)
+    if dtype == c.dtype:
+        return low
+    return torch.where(low.to(c.dtype) > c, torch.nextafter(low, torch.zeros_like(low)), low)
+
+
+class ClipFactors:
+    """One chunk's clip factors c [B], with the casts the layers need made once per chunk (not
+    once per layer: flash is launch-bound at short sequences)."""
+
+    def __init__(self, c: Tensor):
+        self.c = c
+        self._cast: dict[torch.dtype, Tensor] = {}
+        self._per_token: dict[tuple, Tensor] = {}
+
+    def to(self, dtype: torch.dtype) -> Tensor:
+        """c in ``dtype``, rounded toward zero (see _round_down). In 16-bit dtypes also shrunk by
+        one ulp at 1 (2u; bf16: 2^-7): the operand the clipped GEMM reads is c * g rounded to
+        nearest, up to u larger than c * g in each element, so a sample's clipped contribution
+        could exceed C by that much (0.4% measured with g and c at a rounding tie). Costs 0.8%
+        of a GEMM-route Linear's clipped gradient in bf16; fp32 stays exact (and so do the
+        large kept per-sample gradients' sums on CUDA: accumulate_weighted_sums takes fp32 c)."""
+        if dtype not in self._cast:
+            c = self.c
+            if torch.finfo(dtype).bits == 16:
+                c = c * (1 - torch.finfo(dtype).eps)
+            self._cast[dtype] = _round_down(c, dtype)
+        return self._cast[dtype]
+
+    def per_token(self, dtype: torch.dtype, tokens: int) -> Tensor:
+        """c repeated for each of a sample's ``tokens`` rows of a flattened [B*T, n], [B*T, 1]."""
+        key = (dtype, tokens)
+        if key not in self._per_token:
+            self._per_token[key] = self.to(dtype).repeat_interleave(tokens)[:, None]
+        return self._per_token[key]
+
+
+def _accumulate(param: nn.Parameter, grad: Tensor) -> None:
+    """param.grad += grad (param.grad = grad when there is none yet)."""
+    grad = grad.to(param.dtype).view(param.shape)
+    param.grad = grad if param.grad is None else param.grad.add_(grad)
+
+
+def _accumulate_many(params: list[nn.Parameter], grads: list[Tensor]) -> None:
+    """_accumulate for many parameters with multi-tensor kernels; each .grad gets its own
+    storage (not a view of ``grads``' buffer), as autograd would give it."""
+    grads = [grad.view(param.shape) for param, grad in zip(params, grads, strict=True)]
+    fresh = [i for i, param in enumerate(params) if param.grad is None]
+    held = [i for i, param in enumerate(params) if param.grad is not None]
+    if fresh:
+        new = [torch.empty_like(params[i]) for i in fresh]
+        torch._foreach_copy_(new, [grads[i] for i in fresh])
+        for i, grad in zip(fresh, new, strict=True):
+            params[i].grad = grad
+    if held:
+        torch._foreach_add_([params[i].grad for i in held], [grads[i] for i in held])
+
+
+def accumulate_weighted_sums(params, grads, c: ClipFactors) -> None:
+    """param.grad += sum_b c_b * grad[b] for each per-sample gradient grad [B, ...].
+
+    On CUDA: flash.kernels.weighted_sums_, one launch per dtype pair for all of them, fp32 clip
+    factors (no 16-bit rounding of c: each c_b * g_b is formed in fp32) and fp32 accumulation
+    straight into .grad. Elsewhere (or for a tensor the kernel cannot take) one [B] x [B, n]
+    product per parameter."""
+    kernels = triton_kernels()
+    fused, targets, sources, accumulate = [], [], [], []
+    for param, grad in zip(params, grads, strict=True):
+        target = param.grad if param.grad is not None else param
+        source = grad.flatten(1)
+        if kernels is not None and kernels.weighted_sums_supported(target, source):
+            fused.append(param)
+            accumulate.append(param.grad is not None)
+            targets.append(target if param.grad is not None else torch.empty_like(param))
+            sources.append(source)
+        else:
+            _accumulate(param, c.to(grad.dtype) @ source)
+    if fused:
+        kernels.weighted_sums_(targets, sources, c.to(torch.float32), accumulate)
+        for param, target in zip(fused, targets, strict=True):
+            param.grad = target

@@ -1,0 +1,390 @@
+"""Exact per-sample gradient norms and clipped gradients from ONE backward pass.
+
+"Book-keeping" DP-SGD (Bu et al. 2023): forward hooks keep each managed layer's input A,
+tensor hooks keep its output gradient G, and autograd never forms a weight gradient
+(managed parameters are set to requires_grad=False while wrapped). Per-sample norms and
+the clipped sum sum_b c_b * grad_b are then computed from (A, G) by per-layer-type rules
+(flash.rules).
+
+Under autocast a Linear's A is kept in the autocast dtype (what the layer multiplied). The bias
+and norm layers' per-sample gradients ([B, p], [B, d]) are always formed in the backward hook.
+Where a layer's per-sample gradients are no larger than its own A and G (Linear with
+d*p <= T*(d+p), i.e. long sequences; LayerNorm/RMSNorm always), the output-gradient hook forms
+them at once (one batched GEMM, the FLOPs of the weight gradient it replaces) and drops A and G:
+the clipped gradient is then a weighted sum of them, with no second GEMM. The comparison counts
+each layer's A whole; layers that read one input (q, k and v) share it, so at the threshold
+such a group holds up to ~1.5x what the Gram route would (measured peaks stay <= 1.01x standard's
+at the benchmark shapes: the peak is in forward, before any of this is held).
+
+Usage, per physical chunk::
+
+    flash = FlashClipping(model)
+    loss = per_sample_losses(model(x), y).sum()  # SUM over samples
+    flash.backward(loss)
+    norms = flash.per_sample_squared_norms().sqrt()
+    flash.accumulate_clipped_grads((C / (norms + 1e-6)).clamp(max=1.0))
+    flash.release()
+
+Assumptions: dimension 0 of every managed layer's input/output is the batch; one forward
+per backward; gradients reach managed layers only through their outputs (model inputs
+that require grad are not supported); no activation checkpointing.
+"""
+
+from __future__ import annotations
+
+import math
+import weakref
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor, nn
+
+from flash.clip import ClipFactors, _accumulate, _accumulate_many, accumulate_weighted_sums
+from flash.rules import NORM_RULES, NormRule
+from flash.rules.base import _acc_dtype
+from flash.rules.linear import direct_squared_norms, gram_squared_norms
+
+DEFAULT_BLOCK_NUMEL = 64 * 2**20  # largest intermediate of the direct route, in elements
+# Kept per-sample gradients with at most this many elements per sample (biases, norm layers)
+# are normed and clip-summed together, one concatenation per dtype: a few launches per step
+# instead of a few per parameter (flash is launch-bound at short sequences).
+SMALL_PER_SAMPLE_NUMEL = 2**16
+
+
+class UnsupportedLayerError(ValueError):
+    """A layer owns trainable parameters but no norm rule is registered for its type."""
+
+
+@dataclass
+class Layer:
+    """A managed module and what its rule needs; A/G are [B, T, features] (ids: [B, T])."""
+
+    name: str
+    module: nn.Module
+    rule: NormRule
+    params: dict[str, nn.Parameter]  # managed (trainable) parameters, by attribute name
+    route: str = "auto"
+    tile_size: int = 512
+    block_numel: int = DEFAULT_BLOCK_NUMEL
+    # One [A, G, names] per forward call: the names of the parameters still to be done from A and
+    # G (the others were formed per sample in the backward hook).
+    calls: list[list] = field(default_factory=list)
+    # Per-sample gradients [B, ...] by parameter name, formed in the backward hook instead of
+    # keeping A and G for them (summed over calls: a reused module's gradient is the sum).
+    per_sample: dict[str, Tensor] = field(default_factory=dict)
+    described: list[dict] = field(default_factory=list)  # the route of each call, for routes()
+
+
+def _squared_row_norms(x: Tensor) -> Tensor:
+    """||x_b||^2 of each row of [B, n], accumulated in fp32 (no fp32 copy of bf16 rows)."""
+    return torch.linalg.vector_norm(x, dim=1, dtype=_acc_dtype(x)).square()
+
+
+def _is_small(per_sample_grad: Tensor) -> bool:
+    # numel // B, not grad[0].numel(): indexing is an op (and flash is launch/CPU-bound here)
+    return per_sample_grad.numel() <= SMALL_PER_SAMPLE_NUMEL * per_sample_grad.shape[0]
+
+
+def _flatten_tokens(x: Tensor, feature_dims: int) -> Tensor:
+    """View [B, ..., features] as [B, T, prod(features)] ([B, T] when no feature dims)."""
+    if feature_dims == 0:
+        return x.reshape(x.shape[0], -1)
+    return x.reshape(x.shape[0], -1, math.prod(x.shape[x.dim() - feature_dims :]))
+
+
+def _tensors_in(obj) -> Iterator[Tensor]:
+    """The tensors in nested lists and tuples (a layer's calls: [A, G, names], A or G None)."""
+    if isinstance(obj, Tensor):
+        yield obj
+    elif isinstance(obj, (list, tuple)):
+        for item in obj:
+            yield from _tensors_in(item)
+
+
+ROUTES = ("auto", "gram", "direct", "product")  # how Linear layers get their per-sample norms
+
+
+class FlashClipping:
+    """Per-sample gradient norms and clipped gradients with one backward pass."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        route: str = "auto",
+        tile_size: int = 512,
+        block_numel: int = DEFAULT_BLOCK_NUMEL,
+    ):
+        if route not in ROUTES:
+            raise ValueError(f"route must be one of {', '.join(ROUTES)}; got {route!r}")
+        self.layers: list[Layer] = []
+        owner: dict[int, str] = {}
+        for name, module in model.named_modules():
+            params = {n: p for n, p in module.named_parameters(recurse=False) if p.requires_grad}
+            if not params:
+                continue
+            for n, p in params.items():
+                if id(p) in owner:
+                    raise ValueError(f"parameter shared by {owner[id(p)]} and {name}.{n} (tied)")
+                owner[id(p)] = f"{name}.{n}"
+            rule = NORM_RULES.get(type(module))
+            if rule is None:
+                raise UnsupportedLayerError(
+                    f"no norm rule for layer {name!r} of type {type(module).__qualname__}"
+                )
+            if getattr(module, "scale_grad_by_freq", False):  # grad depends on the whole batch
+                raise UnsupportedLayerError(f"{name!r}: Embedding(scale_grad_by_freq=True)")
+            self.layers.append(Layer(name, module, rule, params, route, tile_size, block_numel))
+        self.params = [p for p in model.parameters() if id(p) in owner]
+        for p in self.params:
+            p.requires_grad_(False)  # autograd then computes no weight gradient at all
+        self._handles = [
+            layer.module.register_forward_hook(self._make_hook(layer), with_kwargs=True)
+            for layer in self.layers
+        ]
+        self._leaves: list[Tensor] = []
+        self._last_saved: tuple | None = None  # (rule, weakref to input, its state, saved A)
+        self._small: list | None = None  # _small_per_sample's batches of this chunk
+        self._norms: Tensor | None = None
+        self._routes: list[dict] = []
+        self._after_backward = False
+
+    def _saved_input(self, layer: Layer, x: Tensor) -> Tensor:
+        """The rule's A for input x; layers reading one input (q, k and v) share one cast, as
+        long as x was not modified in place and autocast is in the same state in between."""
+        device = x.device.type
+        state = (x._version, torch.is_autocast_enabled(device), torch.get_autocast_dtype(device))
+        last = self._last_saved
+        if last is not None and last[0] is layer.rule and last[1]() is x and last[2] == state:
+            return last[3]
+        saved = layer.rule.saved_input(layer.module, x.detach())
+        self._last_saved = (layer.rule, weakref.ref(x), state, saved)
+        return saved
+
+    def _make_hook(self, layer: Layer):
+        k_in, k_out = layer.rule.feature_dims(layer.module)
+
+        def forward_hook(module, args, kwargs, output):
+            if not torch.is_grad_enabled():
+                return None
+            if self._after_backward:
+                raise RuntimeError("FlashClipping: call release() before the next forward")
+            x = args[0] if args else next(iter(kwargs.values()))
+            call = [_flatten_tokens(self._saved_input(layer, x), k_in), None, None]
+            layer.calls.append(call)
+            version = call[0]._version
+
+            def save_grad(grad):
+                if not call or call[0] is None:  # a second backward through the same graph
+                    raise RuntimeError("FlashClipping: one backward per forward (release() first)")
+                if call[0]._version != version:  # autograd would refuse a saved input changed so
+                    raise RuntimeError(
+                        f"FlashClipping: the input of {layer.name!r} was modified in place "
+                        "after its forward; its per-sample gradients need it unchanged"
+                    )
+                A, G = call[0], _flatten_tokens(grad.detach(), k_out)
+                layer.described.append(
+                    {"layer": layer.name, "T": A.shape[1], **layer.rule.describe(layer, A, G)}
+                )
+                kept = layer.rule.kept_per_sample(layer, A, G)
+                if kept:
+                    self._add_per_sample(layer, layer.rule.per_sample_grads(layer, A, G, kept))
+                rest = layer.params.keys() - kept
+                if rest:
+                    call[1], call[2] = G, rest
+                else:
+                    call[0] = None  # A and G are not needed any more
+
+            if not output.requires_grad:  # e.g. first layer: make a leaf so G still flows
+                output = output.detach().requires_grad_(True)
+                self._leaves.append(output)
+                output.register_hook(save_grad)
+                return output
+            output.register_hook(save_grad)
+            return None
+
+        return forward_hook
+
+    @staticmethod
+    def _add_per_sample(layer: Layer, grads: dict[str, Tensor]) -> None:
+        for name, grad in grads.items():
+            held = layer.per_sample.get(name)
+            if held is None:
+                layer.per_sample[name] = grad
+            elif held.shape != grad.shape:  # e.g. a call on x and one on x[:1]: no broadcasting
+                raise ValueError(
+                    f"{layer.name!r} was called with different batch sizes in one forward "
+                    f"({held.shape[0]} and {grad.shape[0]}); per-sample gradients need one"
+                )
+            else:
+                held.add_(grad.to(held.dtype))  # in place: no third B x d x p buffer
+
+    def backward(self, loss: Tensor) -> None:
+        """One backward of the SUM of per-sample losses; no .grad is written anywhere."""
+        if not self._leaves:
+            raise RuntimeError("no managed layer was called with grad enabled since release()")
+        self._last_saved = None
+        torch.autograd.grad(loss, self._leaves, allow_unused=True)
+        self._after_backward = True
+        for layer in self.layers:
+            hooked = layer.calls
+            # Calls whose G never came (unused outputs) add nothing; parameters kept per sample
+            # already hold theirs.
+            calls = [list(c) for c in hooked if c[0] is not None and c[1] is not None]
+            pending = set().union(*(rest for _, _, rest in calls))
+            if pending & layer.per_sample.keys():  # other calls formed these per sample: join
+                for A, G, rest in calls:
+                    self._add_per_sample(layer, layer.rule.per_sample_grads(layer, A, G, rest))
+                calls = []
+                layer.described = [dict(d, route="product") for d in layer.described]
+            if len(calls) > 1:  # a reused module's grad sums over calls: concatenate along T
+                A, G = (torch.cat(t, 1) for t in zip(*(c[:2] for c in calls), strict=True))
+                # The route is decided again on the joined T: report that one.
+                layer.described = [
+                    {"layer": layer.name, "T": A.shape[1], **layer.rule.describe(layer, A, G)}
+                ]
+                kept = layer.rule.kept_per_sample(layer, A, G) & pending
+                if kept:
+                    self._add_per_sample(layer, layer.rule.per_sample_grads(layer, A, G, kept))
+                calls = [[A, G, pending - kept]] if pending - kept else []
+            layer.calls = calls
+            # The hook closures hold the original lists and live as long as the autograd graph
+            # (the caller's loss keeps it): empty them so layer.calls is the only reference and
+            # dropping it frees A and G.
+            for call in hooked:
+                call.clear()
+        self._routes = [route for layer in self.layers for route in layer.described]
+
+    def _batch_size(self) -> int:
+        sizes = {layer.name: call[0].shape[0] for layer in self.layers for call in layer.calls}
+        sizes.update(
+            {layer.name: g.shape[0] for layer in self.layers for g in layer.per_sample.values()}
+        )
+        if not self._after_backward or not sizes:
+            raise RuntimeError("call backward(loss) first")
+        if len(set(sizes.values())) > 1:
+            raise ValueError(f"managed layers saw different batch sizes: {sizes}")
+        return next(iter(sizes.values()))
+
+    def _small_per_sample(self) -> list[tuple[list[nn.Parameter], Tensor]]:
+        """The kept per-sample gradients with few elements per sample, per dtype: (their
+        parameters, the gradients concatenated [B, sum n]). Made once per chunk, used by both
+        the norms and the clipped sums."""
+        if self._small is None:
+            by_dtype: dict[torch.dtype, list] = {}
+            for layer in self.layers:
+                for name, grad in layer.per_sample.items():
+                    if _is_small(grad):
+                        by_dtype.setdefault(grad.dtype, []).append((layer.params[name], grad))
+            self._small = [
+                ([param for param, _ in members], torch.cat([g.flatten(1) for _, g in members], 1))
+                for members in by_dtype.values()
+            ]
+        return self._small
+
+    def per_sample_squared_norms(self) -> Tensor:
+        """Squared norm of each sample's gradient over all managed parameters, [B]."""
+        if self._norms is None:
+            self._batch_size()  # checks that backward ran and that the batch sizes agree
+            terms, calls_by_rule = [], {}
+            for layer in self.layers:
+                for A, G, _ in layer.calls:
+                    calls_by_rule.setdefault(layer.rule, []).append((layer, A, G))
+                for grad in layer.per_sample.values():
+                    if not _is_small(grad):
+                        terms.append(_squared_row_norms(grad.flatten(1)))
+            terms += [_squared_row_norms(grads) for _, grads in self._small_per_sample()]
+            for rule, calls in calls_by_rule.items():
+                terms += rule.squared_norms_many(calls)
+            self._norms = torch.stack(terms).sum(0)
+        return self._norms
+
+    def accumulate_clipped_grads(self, clip_factors: Tensor) -> None:
+        """p.grad += sum_b c_b * grad_b(p) for every managed parameter.
+
+        Consumes the saved A and G: each layer's are dropped as soon as its clipped gradient
+        exists, so the weight gradients grow while the saved activations shrink and the peak
+        stays near the non-private step's (holding both would add all of A and G on top).
+        """
+        if clip_factors.shape != (self._batch_size(),):
+            raise ValueError(f"clip_factors must have shape [B], got {tuple(clip_factors.shape)}")
+        c = ClipFactors(clip_factors)
+        small = self._small_per_sample()  # biases, norm layers: batched per dtype
+        large = [
+            (layer.params[name], grad)
+            for layer in self.layers
+            for name, grad in layer.per_sample.items()
+            if not _is_small(grad)
+        ]
+        self._small = None
+        for layer in self.layers:
+            layer.per_sample = {}
+        # Large kept per-sample grads first (no GEMM over T: a weighted sum of each), so they
+        # are freed before the clipped GEMMs below allocate their gradients.
+        if large:
+            accumulate_weighted_sums(*zip(*large, strict=True), c)
+        del large
+        for layer in self.layers:
+            clipped = [layer.rule.clipped_grads(layer, A, G, c) for A, G, _ in layer.calls]
+            layer.calls = []
+            for grads in clipped:
+                for name, grad in grads.items():
+                    _accumulate(layer.params[name], grad)
+        # Small ones: one [B] x [B, sum n] product per dtype.
+        for params, grads in small:
+            sums = c.to(grads.dtype) @ grads
+            _accumulate_many(params, sums.split([p.numel() for p in params]))
+
+    def routes(self) -> list[dict]:
+        """Per layer of the last backward: name, T, route (Linear layers also d, p)."""
+        return [dict(r) for r in self._routes]
+
+    def kept_tensors(self) -> Iterator[tuple[nn.Module, str, Tensor]]:
+        """(module, role, tensor) for every tensor the engine holds for a managed module between
+        its forward and release(): the saved inputs A and output gradients G ("activation_hooks")
+        and the per-sample gradients formed in the backward hook ("per_sample_gradients")."""
+        for layer in self.layers:
+            for tensor in _tensors_in(layer.calls):
+                yield layer.module, "activation_hooks", tensor
+            for grad in layer.per_sample.values():
+                yield layer.module, "per_sample_gradients", grad
+
+    def release(self) -> None:
+        """Drop saved activations, output gradients and leaves (call after each chunk)."""
+        for layer in self.layers:
+            layer.calls, layer.per_sample, layer.described = [], {}, []
+        self._leaves, self._norms, self._after_backward = [], None, False
+        self._last_saved = self._small = None
+
+    def remove(self) -> None:
+        """Remove hooks and make the managed parameters trainable again."""
+        self.release()
+        for handle in self._handles:
+            handle.remove()
+        for p in self.params:
+            p.requires_grad_(True)
+
+
+def _rule_methods(name: str) -> tuple:
+    """NormRule's method ``name`` and each registered rule's own override of it."""
+    rule_types = dict.fromkeys([NormRule, *(type(rule) for rule in NORM_RULES.values())])
+    return tuple(dict.fromkeys(getattr(rule_type, name) for rule_type in rule_types))
+
+
+# The memory role of what flash allocates, by the Python functions that allocate it: the memory
+# attribution matches the function names on an allocation's stack against these
+# (fn.__code__.co_name). Roles are in order of precedence: a stack holding functions of several
+# roles gets the first (Gram tiles are made below per_sample_squared_norms). Overrides are
+# listed beside their base method.
+ALLOCATION_SITES: dict[str, tuple] = {
+    # The Gram route's T x T tiles and the direct route's blocks of G_b^T A_b.
+    "temp_matrices": (gram_squared_norms, direct_squared_norms),
+    "norm_samples": (
+        FlashClipping.per_sample_squared_norms,
+        *_rule_methods("squared_norms"),
+        *_rule_methods("squared_norms_many"),
+    ),
+    # Per-sample gradients of the layers that keep them, formed in the backward hook.
+    "per_sample_gradients": (*_rule_methods("per_sample_grads"), FlashClipping._add_per_sample),
+    "gradients": (*_rule_methods("clipped_grads"), FlashClipping.accumulate_clipped_grads),
+}

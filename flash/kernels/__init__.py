@@ -1,0 +1,41 @@
+"""Triton kernels for Flash Clipping (CUDA; CPU tests use TRITON_INTERPRET=1), one family per
+module:
+
+- gram: the Gram route, ||G_b^T A_b||_F^2 from tiles of A A^T and G G^T formed and reduced on
+  chip (nothing of size T x T reaches HBM); gram_squared_norms_grouped runs every Gram-route
+  layer of a step in one launch. Flash uses it for bf16/fp16 on CUDA in place of the torch path
+  (flash.rules.linear.gram_squared_norms: two batched GEMMs written to HBM, a product and a
+  reduction per 512-token tile pair, per layer).
+- direct: direct_squared_norms, the direct route, each tile of G_b^T A_b square-summed on chip.
+- noise: add_gaussian_noise_, DP-SGD's noise drawn (Philox) and added in one pass over every
+  gradient.
+- weighted_sums: weighted_sums_, the clipped sums of kept per-sample gradients, one read of
+  each, one launch.
+- norm_layer: norm_layer_per_sample_grads, LayerNorm / RMSNorm per-sample gradients in one pass
+  over x and g.
+
+Inputs in bf16/fp16 use tensor cores; fp32 inputs use IEEE-precision dots by default (exact to
+fp32 rounding, as the torch path), or TF32 when asked. Accumulation is fp32 throughout.
+
+The engine looks the kernels up on this package at call time (flash.fused.triton_kernels), so
+replacing an attribute here (a test's monkeypatch) reaches every caller.
+"""
+
+from flash.kernels.direct import direct_squared_norms
+from flash.kernels.gram import gram_squared_norms, gram_squared_norms_grouped
+from flash.kernels.noise import NOISE_BLOCK, add_gaussian_noise_
+from flash.kernels.norm_layer import norm_layer_grads_supported, norm_layer_per_sample_grads
+from flash.kernels.weighted_sums import WEIGHTED_SUM_BLOCK, weighted_sums_, weighted_sums_supported
+
+__all__ = [
+    "NOISE_BLOCK",
+    "WEIGHTED_SUM_BLOCK",
+    "add_gaussian_noise_",
+    "direct_squared_norms",
+    "gram_squared_norms",
+    "gram_squared_norms_grouped",
+    "norm_layer_grads_supported",
+    "norm_layer_per_sample_grads",
+    "weighted_sums_",
+    "weighted_sums_supported",
+]

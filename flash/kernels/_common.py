@@ -1,0 +1,67 @@
+"""What the kernel families share: the dtype table, the one-layer norm kernels' launch
+arguments, and host-built tables (pointers, offsets, per-program block tables) on the device."""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+_TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
+
+
+def _on_cuda_in_kernel_dtypes(x: torch.Tensor, y: torch.Tensor) -> bool:
+    """Are x and y on one CUDA device, both in a dtype the kernels take?"""
+    return x.is_cuda and y.device == x.device and x.dtype in _TL_DTYPES and y.dtype in _TL_DTYPES
+
+
+def _autotuned_norm_kernel(kernel, configs: list[triton.Config]):
+    """A one-layer norm kernel (Gram or direct) autotuned over ``configs``, tried once per (T, d,
+    p, dtype) on the card. Its per-sample sums are atomically added, so ``out`` is zeroed before
+    each trial."""
+    return triton.autotune(configs=configs, key=["T", "D", "P"], reset_to_zero=["out"])(kernel)
+
+
+def _norm_kernel_args(A: torch.Tensor, G: torch.Tensor, tf32: bool) -> tuple:
+    """The checks and launch arguments the one-layer Gram and direct kernels share: (out [B]
+    zeroed in fp32, the kernel's positional arguments, its dot precision)."""
+    if A.dim() != 3 or G.dim() != 3 or A.shape[:2] != G.shape[:2]:
+        raise ValueError(
+            f"need A [B, T, d] and G [B, T, p]; got {tuple(A.shape)}, {tuple(G.shape)}"
+        )
+    if A.dtype != G.dtype:
+        raise ValueError(f"A and G must share a dtype, got {A.dtype} and {G.dtype}")
+    (B, T, D), P = A.shape, G.shape[2]
+    out = torch.zeros(B, device=A.device, dtype=torch.float32)
+    precision = "tf32" if (tf32 and A.dtype == torch.float32) else "ieee"
+    args = (
+        A, G, out, T, D, P,
+        A.stride(0), A.stride(1), A.stride(2), G.stride(0), G.stride(1), G.stride(2),
+    )  # fmt: skip
+    return out, args, precision
+
+
+def _table_to(table: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host-built table of a step (pointers, offsets) on ``device``: through pinned memory on
+    CUDA, so the copy is queued on the stream instead of waiting for the GPU."""
+    if device.type == "cuda":
+        return table.pin_memory().to(device, non_blocking=True)
+    return table.to(device)
+
+
+# (device, sizes, block) -> (tensor_of_block, first_block, sizes)
+_BLOCK_TABLES: dict[tuple, tuple] = {}
+
+
+def _block_table(device: torch.device, sizes: tuple[int, ...], block: int) -> tuple:
+    """For a launch over a list of tensors, one program per ``block`` elements of each:
+    (tensor of each program, first program of each tensor, sizes) on ``device``. A model's
+    parameter sizes are fixed, so each table is built once and reused every step."""
+    key = (device, sizes, block)
+    if key not in _BLOCK_TABLES:
+        blocks = torch.tensor([triton.cdiv(n, block) for n in sizes])
+        first = torch.cumsum(blocks, 0) - blocks
+        owner = torch.repeat_interleave(torch.arange(len(sizes)), blocks)
+        table = (owner.int(), first.int(), torch.tensor(sizes, dtype=torch.int64))
+        _BLOCK_TABLES[key] = tuple(_table_to(t, device) for t in table)  # no host sync
+    return _BLOCK_TABLES[key]

@@ -1,0 +1,90 @@
+"""The NormRule interface and its registry (one rule per module type, as Opacus' grad_sample/
+has one function per layer type), with the accumulation helpers the rules share."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+from torch import Tensor, nn
+
+if TYPE_CHECKING:
+    from flash.clip import ClipFactors
+    from flash.engine import Layer
+
+
+def _acc_dtype(x: Tensor) -> torch.dtype:
+    return torch.promote_types(x.dtype, torch.float32)
+
+
+def _acc(x: Tensor) -> Tensor:
+    """Cast to the accumulation dtype: fp32, or fp64 for fp64 inputs."""
+    return x.to(torch.promote_types(x.dtype, torch.float32))
+
+
+def _gemm_operands(A: Tensor, G: Tensor) -> tuple[Tensor, Tensor]:
+    """A and G in one dtype for the norm GEMMs: under autocast a Linear's input can be fp32
+    (a LayerNorm output) while its output gradient is bf16; the layer itself multiplied in
+    the narrower dtype, and so do we (tensor cores), accumulating the squares in fp32."""
+    if A.dtype == G.dtype:
+        return A, G
+    dtype = min((A.dtype, G.dtype), key=lambda t: torch.finfo(t).bits)
+    return A.to(dtype), G.to(dtype)
+
+
+class NormRule:
+    """Per-layer-type rule. Subclass it and register with @register_norm_rule(Type).
+
+    Each call of a managed layer gives A (its input) and G (its output gradient). In the
+    backward hook, ``kept_per_sample`` names the parameters whose per-sample gradients are formed
+    at once (where they are small); the rest are done after backward from A and G by
+    ``squared_norms`` and ``clipped_grads``, which handle exactly those parameters.
+    """
+
+    def feature_dims(self, module: nn.Module) -> tuple[int, int]:
+        """Trailing feature dims of (input, output); the rest is flattened into [B, T]."""
+        return 1, 1
+
+    def saved_input(self, module: nn.Module, x: Tensor) -> Tensor:
+        """What to keep as A, from the (detached) input the forward hook sees."""
+        return x
+
+    def describe(self, layer: Layer, A: Tensor, G: Tensor) -> dict:
+        return {"route": type(self).__name__}
+
+    def kept_per_sample(self, layer: Layer, A: Tensor, G: Tensor) -> set[str]:
+        """Parameters (of layer.params) whose per-sample gradients this call forms at once."""
+        return set()
+
+    def per_sample_grads(
+        self, layer: Layer, A: Tensor, G: Tensor, names: set[str]
+    ) -> dict[str, Tensor]:
+        """Per-sample gradients [B, *param.shape] of the named parameters."""
+        raise NotImplementedError
+
+    def squared_norms(self, layer: Layer, A: Tensor, G: Tensor) -> Tensor:
+        """Per-sample squared gradient norm [B] over the parameters not kept per sample."""
+        raise NotImplementedError
+
+    def squared_norms_many(self, calls: list[tuple[Layer, Tensor, Tensor]]) -> list[Tensor]:
+        """squared_norms of every call of this rule's layers in a step, as terms to be summed
+        (a rule may compute several layers at once)."""
+        return [self.squared_norms(layer, A, G) for layer, A, G in calls]
+
+    def clipped_grads(self, layer: Layer, A: Tensor, G: Tensor, c: ClipFactors) -> dict:
+        """sum_b c_b * grad_b for each parameter not kept per sample, by name."""
+        raise NotImplementedError
+
+
+NORM_RULES: dict[type, NormRule] = {}
+
+
+def register_norm_rule(*layer_types: type):
+    """Class decorator: register an instance of the rule for exactly these module types."""
+
+    def register(rule_cls: type[NormRule]) -> type[NormRule]:
+        for layer_type in layer_types:
+            NORM_RULES[layer_type] = rule_cls()
+        return rule_cls
+
+    return register

@@ -1,0 +1,140 @@
+"""nn.Linear: per-sample norms by the Gram, direct or product route, clipped sums by one GEMM."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+from torch import Tensor, nn
+
+from flash.fused import triton_kernels
+from flash.rules.base import NormRule, _acc, _acc_dtype, _gemm_operands, register_norm_rule
+
+if TYPE_CHECKING:
+    from flash.engine import Layer
+
+
+def gram_squared_norms(A: Tensor, G: Tensor, tile: int, fused: bool | None = None) -> Tensor:
+    """||G_b^T A_b||^2 = sum_{s,t} (a_s.a_t)(g_s.g_t), over tile pairs t <= s (no B x T x T).
+
+    bf16/fp16 on CUDA (unless fused=False): one fused Triton kernel does it all on chip
+    (flash.kernels.gram_squared_norms; on an H100 at the 1b shapes, T 512 and 1024, from 1.6x
+    faster to 3% slower than this torch path per layer, and a step runs all layers in one launch:
+    LinearRule.squared_norms_many). fp32 keeps the torch path: there cuBLAS' IEEE fp32 GEMMs beat
+    the kernel's IEEE dots (1.2-1.4x, same card). See BENCHMARKS.md.
+    """
+    A, G = _gemm_operands(A, G)
+    if fused is not False and fused_norms_available(A):
+        return triton_kernels().gram_squared_norms(A, G).to(_acc_dtype(A))
+    total = _acc(A.new_zeros(A.shape[0]))
+    for s in range(0, A.shape[1], tile):
+        a_s, g_s = A[:, s : s + tile], G[:, s : s + tile]
+        for t in range(0, s + 1, tile):
+            a_t, g_t = A[:, t : t + tile], G[:, t : t + tile]
+            # Products in the input dtype (bf16 stays on tensor cores, as the non-private
+            # step's weight-gradient GEMMs do); the reduction accumulates in fp32.
+            products = (a_s @ a_t.mT) * (g_s @ g_t.mT)  # no fp32 copies of the tiles
+            tile_sum = products.sum((1, 2), dtype=total.dtype)
+            total += tile_sum if t == s else 2 * tile_sum  # symmetric off-diagonal pair
+    return total
+
+
+def direct_squared_norms(
+    A: Tensor, G: Tensor, block_numel: int, fused: bool | None = None
+) -> Tensor:
+    """||G_b^T A_b||^2 formed in blocks of m output rows, each block <= block_numel elements.
+
+    bf16/fp16 on CUDA (unless fused=False): flash.kernels.direct_squared_norms forms each tile
+    of G_b^T A_b on chip and square-sums it there (no block reaches HBM). fp32 keeps this path,
+    as the Gram route does (cuBLAS' IEEE fp32 GEMMs)."""
+    (B, T, d), p = A.shape, G.shape[-1]
+    rows = max(1, min(p, block_numel // (B * max(d, T))))
+    A, G = _gemm_operands(A, G)
+    if fused is not False and fused_norms_available(A):
+        return triton_kernels().direct_squared_norms(A, G).to(_acc_dtype(A))
+    total = _acc(A.new_zeros(B))
+    for j in range(0, p, rows):
+        block = G[:, :, j : j + rows].mT @ A
+        total += (block * block).sum((1, 2), dtype=total.dtype)
+    return total
+
+
+def fused_norms_available(A: Tensor) -> bool:
+    """Do the Gram and direct routes of a layer with saved input A run on flash.kernels
+    (16-bit on CUDA)?"""
+    return A.is_cuda and A.element_size() == 2 and triton_kernels() is not None
+
+
+def linear_route(layer: Layer, T: int) -> str:
+    """auto: "product" where per-sample weight gradients take no more memory than the layer's A
+    and G (and no extra FLOPs: they replace the clipped-gradient GEMM), else "gram": below that
+    T, T(d+p) < dp, so Gram's T^2(d+p)(1 + 1/n) FLOPs are always fewer than direct's 2Tdp.
+    "direct" (least memory: no T x T, no B x d x p) is there to be forced."""
+    if layer.route != "auto":
+        return layer.route
+    d, p = layer.module.in_features, layer.module.out_features
+    return "product" if d * p <= T * (d + p) else "gram"
+
+
+@register_norm_rule(nn.Linear)
+class LinearRule(NormRule):
+    def saved_input(self, module, x):
+        # Under autocast the layer multiplied x cast to the autocast dtype (a LayerNorm's fp32
+        # output becomes bf16): keep that, half the bytes of x and no cast per use later.
+        device = x.device.type
+        if x.is_floating_point() and torch.is_autocast_enabled(device):
+            return x.to(torch.get_autocast_dtype(device))
+        return x
+
+    def describe(self, layer, A, G):
+        d, p = layer.module.in_features, layer.module.out_features
+        return {"d": d, "p": p, "route": linear_route(layer, A.shape[1])}
+
+    def kept_per_sample(self, layer, A, G):
+        # The bias's per-sample gradient is [B, p], smaller than G: always formed at once.
+        kept = {"bias"} if linear_route(layer, A.shape[1]) != "product" else {"weight", "bias"}
+        return kept & layer.params.keys()
+
+    def per_sample_grads(self, layer, A, G, names):
+        grads = {}
+        if "weight" in names:
+            A_op, G_op = _gemm_operands(A, G)
+            # [B, p, d], one batched GEMM accumulating in fp32; in the operands' dtype (bf16 under
+            # autocast, as the non-private weight gradient), rounded once.
+            grads["weight"] = G_op.mT @ A_op
+        if "bias" in names:
+            grads["bias"] = G.sum(1, dtype=_acc_dtype(G))
+        return grads
+
+    def squared_norms(self, layer, A, G):  # the weight: the bias is always kept per sample
+        if linear_route(layer, A.shape[1]) == "gram":
+            return gram_squared_norms(A, G, layer.tile_size)
+        return direct_squared_norms(A, G, layer.block_numel)
+
+    def squared_norms_many(self, calls):
+        """Gram-route layers with 16-bit inputs on CUDA: one fused launch per (B, T, dtype) for
+        all of them (flash.kernels.gram_squared_norms_grouped); the rest one by one."""
+        terms, groups = [], {}
+        for layer, A, G in calls:
+            A_op, G_op = _gemm_operands(A, G)
+            if fused_norms_available(A_op) and linear_route(layer, A.shape[1]) == "gram":
+                groups.setdefault((A_op.shape[:2], A_op.dtype), []).append((A_op, G_op))
+            else:
+                terms.append(self.squared_norms(layer, A, G))
+        terms += [triton_kernels().gram_squared_norms_grouped(pairs) for pairs in groups.values()]
+        return terms
+
+    def clipped_grads(self, layer, A, G, c):
+        A_op, G_op = _gemm_operands(A, G)  # the dtype autocast's own weight GEMM uses
+        A2, G2 = A_op.flatten(0, 1), G_op.flatten(0, 1)  # [B*T, d], [B*T, p]
+        c_tok = c.per_token(A2.dtype, A.shape[1])
+        if G2.shape[1] <= A2.shape[1]:  # fold c into the narrower operand
+            G2 = G2 * c_tok
+        else:
+            A2 = A2 * c_tok
+        # One GEMM over all B*T tokens. bf16/fp16 operands on CUDA: fp32 straight out of the
+        # GEMM's fp32 accumulator (cuBLAS has it, the CPU backend not), so the fp32 parameter's
+        # gradient is neither rounded to bf16 nor cast in a second pass.
+        if A2.is_cuda and A2.element_size() == 2 and layer.params["weight"].dtype == torch.float32:
+            return {"weight": torch.mm(G2.T, A2, out_dtype=torch.float32)}
+        return {"weight": G2.T @ A2}

@@ -1,0 +1,100 @@
+"""Memory measurement: phase snapshots, the peak of a step, and what counts as "measured".
+
+CUDA: torch's caching-allocator counters (``memory_allocated`` / ``max_memory_allocated`` after a
+reset, and their ``reserved`` twins). CPU has no such counters, so there the peak of a step is
+the bytes of every live tensor storage when the step starts plus the highest running total of
+the allocations and frees torch.profiler reports during the step (``memory_source =
+"cpu-profiler"``); CPU snapshots and reserved bytes are ``null``: nothing measures them.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import os
+import tempfile
+import time
+import warnings
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from core.schema import MB
+
+
+def memory_source(device: torch.device) -> str:
+    return "cuda" if device.type == "cuda" else "cpu-profiler"
+
+
+class PhaseRecorder:
+    """Snapshots of allocated/reserved memory at the trainers' phase names.
+
+    Each snapshot also carries the peak allocated since the previous snapshot (the peak inside
+    that phase), read from the allocator's peak counter, which is reset at every snapshot.
+    """
+
+    def __init__(self, device: torch.device, enabled: bool = True):
+        self.device = device
+        self.enabled = enabled
+        self.snapshots: list[dict] = []
+        self.start = time.perf_counter()
+
+    def __call__(self, name: str) -> None:
+        if not self.enabled or name.startswith("_"):  # internal markers are no snapshots
+            return
+        if self.device.type == "cuda":
+            # Kernels run asynchronously: the phase ends when the GPU is done with it, not when
+            # the CPU has launched it (a timestamp taken before this wait lags one phase behind).
+            torch.cuda.synchronize(self.device)
+        snapshot = {"name": name, "timestamp": time.perf_counter() - self.start}
+        if self.device.type == "cuda":
+            snapshot["allocated_mb"] = torch.cuda.memory_allocated(self.device) / MB
+            snapshot["reserved_mb"] = torch.cuda.memory_reserved(self.device) / MB
+            snapshot["phase_peak_mb"] = torch.cuda.max_memory_allocated(self.device) / MB
+            snapshot["phase_peak_reserved_mb"] = torch.cuda.max_memory_reserved(self.device) / MB
+            torch.cuda.reset_peak_memory_stats(self.device)
+        else:
+            snapshot.update(
+                allocated_mb=None, reserved_mb=None, phase_peak_mb=None, phase_peak_reserved_mb=None
+            )
+        self.snapshots.append(snapshot)
+
+
+def live_tensor_bytes() -> int:
+    """Bytes of every distinct storage reachable from a Python tensor object (and its .grad)."""
+    storages: dict[int, int] = {}
+
+    def add(tensor):
+        if isinstance(tensor, torch.Tensor) and tensor.device.type == "cpu":
+            storage = tensor.untyped_storage()
+            storages[storage.data_ptr()] = storage.nbytes()
+
+    with warnings.catch_warnings():  # isinstance() on deprecated torch objects warns
+        warnings.simplefilter("ignore")
+        tensors = [obj for obj in gc.get_objects() if isinstance(obj, torch.Tensor)]
+    for tensor in tensors:
+        add(tensor)
+        add(tensor.grad)
+    return sum(storages.values())
+
+
+def cpu_step_peak_bytes(step) -> int:
+    """Peak bytes during ``step()`` on CPU, from the profiler's allocation events."""
+    gc.collect()
+    baseline = live_tensor_bytes()
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        step()
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "trace.json")
+        prof.export_chrome_trace(path)
+        with open(path) as f:
+            events = json.load(f)["traceEvents"]
+    memory_events = sorted(
+        (e for e in events if e.get("name") == "[memory]" and e["args"].get("Device Type") == 0),
+        key=lambda e: e["ts"],
+    )
+    running = peak = 0
+    for event in memory_events:
+        running += event["args"]["Bytes"]
+        peak = max(peak, running)
+    return baseline + peak

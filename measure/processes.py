@@ -1,0 +1,189 @@
+"""Each config in its own forked worker process; resume, progress and Ctrl-C.
+
+The CLI process imports torch and opacus once and never touches CUDA; each config runs in a
+child forked from it, so the import cost is paid once, the caching allocator starts empty for
+every config (no pool pollution between trainers) and an OOM or crash stays inside its child.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import sys
+
+import torch
+from tqdm import tqdm
+
+import trainers
+from core.files import read_json, write_json
+from core.schema import FINISHED
+from measure.worker import result_skeleton, worker_main
+
+
+class Interrupted(Exception):
+    """Ctrl-C during a run: the finished configs are summarised, the running one dropped."""
+
+
+def run_configs(configs: list, run_dir: str, resume: bool = False, progress: bool = False):
+    """Run every config in its own forked worker; returns the results in config order.
+    ``progress``: a progress bar over the configs on stderr (plain lines when it is no tty)."""
+    try:
+        return _run_configs(configs, run_dir, resume, progress)
+    except KeyboardInterrupt:  # between two configs: nothing is running
+        raise Interrupted("between configs") from None
+
+
+def finished_result(result_path: str, resume: bool) -> dict | None:
+    """The earlier result that ``--resume`` keeps, or None when the config must run."""
+    previous = read_json(result_path) if resume else None
+    if not isinstance(previous, dict):
+        return None
+    if previous.get("config", {}).get("ncu"):
+        # An ncu config is never done: ncu runs the app to profile it now (again in each metric
+        # pass of app-range replay); skipping it would leave an empty report in place of one.
+        return None
+    return previous if previous.get("status") in FINISHED else None
+
+
+def _run_configs(configs, run_dir, resume, progress) -> list[dict]:
+    context = multiprocessing.get_context("fork")
+    paths = [os.path.join(run_dir, c.config_dir, "result.json") for c in configs]
+    # Resumed and skipped configs take no time: counted as done from the start, they do not
+    # shorten the estimate of the rest.
+    no_worker = sum(
+        bool(finished_result(p, resume) or skip_reason(c)) for c, p in zip(configs, paths)
+    )
+    bar = ProgressBar(len(configs), no_worker) if progress else None
+    log = bar.write if bar else print
+    results = []
+    for index, (config, result_path) in enumerate(zip(configs, paths), 1):
+        config_path = os.path.dirname(result_path)
+        tag = f"[{index}/{len(configs)}] {config.config_dir}"
+        result = finished_result(result_path, resume)
+        if result:
+            log(f"{tag}: {result['status']} (resumed)")
+        else:
+            os.makedirs(config_path, exist_ok=True)
+            reason = skip_reason(config)
+            if reason:
+                result = result_skeleton(config, "skipped", reason)
+                write_json(result_path, result)
+            else:
+                log(f"{tag}: running")
+                result = run_in_child(context, config, config_path, result_path)
+                if bar:
+                    bar.update()
+            log(f"{tag}: {describe(result)}")
+        results.append(result)
+    if bar:
+        bar.close()
+    return results
+
+
+class ProgressBar(tqdm):
+    """Configs done and left, elapsed time and an estimate of the rest, on stderr: tqdm's bar
+    redrawn in place on a terminal; one plain line per config elsewhere (a pipe, a log file)."""
+
+    FORMAT = (
+        "[{bar:24}] {n}/{total} configs done, {left} left, elapsed {elapsed}, "
+        "estimate {remaining} left"
+    )
+
+    def __init__(self, total: int, done_already: int = 0, stream=None):
+        stream = stream or sys.stderr
+        self.lines = None if stream.isatty() else stream
+        super().__init__(
+            total=total,
+            initial=done_already,
+            file=stream if self.lines is None else open(os.devnull, "w"),  # noqa: SIM115
+            ascii="-#",
+            bar_format=self.FORMAT,
+            mininterval=0,
+        )
+        self.print_line()
+
+    @property
+    def format_dict(self):
+        return {**super().format_dict, "left": self.total - self.n}
+
+    def update(self, n: int = 1):
+        super().update(n)
+        self.print_line()
+
+    def print_line(self):
+        if self.lines is not None:
+            self.lines.write(str(self) + "\n")
+            self.lines.flush()
+
+    def write(self, message: str):  # type: ignore[override]
+        """``message`` on stdout, above the bar."""
+        tqdm.write(message, file=sys.stdout)
+        sys.stdout.flush()
+
+    def close(self):
+        file = self.fp
+        super().close()
+        if self.lines is not None:
+            file.close()
+
+
+def skip_reason(config) -> str | None:
+    """Why a combination of the plan cannot run (the others still do), or None."""
+    if config.physical_batch_size > config.batch_size:
+        return f"physical batch {config.physical_batch_size} > logical batch {config.batch_size}"
+    trainer = trainers.TRAINERS[config.trainer]
+    if config.activation_checkpointing and not trainer.supports_activation_checkpointing:
+        return trainers.checkpointing_refusal(config.trainer)
+    return None
+
+
+def run_in_child(context, config, config_path, result_path) -> dict:
+    if os.path.exists(result_path):  # an unfinished earlier attempt (--resume reruns it)
+        os.replace(result_path, result_path + ".previous")
+    process = context.Process(target=worker_main, args=(config, config_path))
+    process.start()
+    try:
+        process.join()
+    except KeyboardInterrupt:
+        process.terminate()
+        process.join()
+        raise Interrupted(config.config_dir) from None
+    result = read_json(result_path)
+    if result is None:  # killed or crashed before writing (segfault, SIGKILL from the OOM killer)
+        code = process.exitcode
+        reason = f"signal {-code}" if code is not None and code < 0 else f"exit code {code}"
+        result = result_skeleton(config, "error", f"worker died without a result ({reason})")
+        write_json(result_path, result)
+    return result
+
+
+def describe(result: dict) -> str:
+    if result["status"] != "ok":
+        return f"{result['status']}: {result.get('error')}"
+    if result["median_time_ms"] is None:  # an --ncu step: its time under replay is no measurement
+        return "ok (" + result["env"].get("ncu_note", "not timed") + ")"
+    median, peak = result["median_time_ms"], result["peak_memory_mb"]
+    return f"ok, median {median:.1f} ms, peak " + ("n/a" if peak is None else f"{peak:.1f} MB")
+
+
+def probe_device() -> dict:
+    """Ask a forked child whether CUDA is usable (and the card's name), so this process never
+    initialises CUDA: the workers fork from it."""
+    context = multiprocessing.get_context("fork")
+    parent_end, child_end = context.Pipe(duplex=False)
+
+    def probe():
+        available = torch.cuda.is_available()
+        child_end.send(
+            {"cuda": available, "name": torch.cuda.get_device_name(0) if available else None}
+        )
+
+    process = context.Process(target=probe)
+    process.start()
+    info = parent_end.recv() if parent_end.poll(120) else {"cuda": False, "name": None}
+    process.join()
+    return info
+
+
+def cuda_available() -> bool:
+    return probe_device()["cuda"]

@@ -1,0 +1,236 @@
+"""The measurements of one config, in order, each with one interface: ``run(session, result)``.
+
+``measurements(config)`` is the sequence a config asks for. The timed steps come first and
+nothing else runs during them; every later measurement runs extra steps on the last sampled
+batch and never records phase snapshots (``Session.extra_step``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gzip
+import json
+import os
+import pickle
+import statistics
+import time
+from dataclasses import dataclass, field
+
+import torch
+from torch.cuda import _memory_viz
+
+from core import kernel_names
+from core.files import atomic_write
+from core.schema import MB
+from hf import privacy
+from measure import breakdown, census, phases, tracing
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+@dataclass
+class Session:
+    """What the measurements of one config share, in its worker process."""
+
+    config: object  # ExperimentConfig
+    device: torch.device
+    trainer: object  # trainers.Trainer
+    workload: object  # measure.workload.Workload
+    recorder: phases.PhaseRecorder
+    out_dir: str
+    env: dict
+    inputs: torch.Tensor = None  # the last sampled batch: the extra steps reuse it
+    targets: torch.Tensor = None
+    measured_snapshots: list = field(default_factory=list)
+    step_starts: list = field(default_factory=list)
+    census: census.ModuleCensus | None = None
+
+    def extra_step(self) -> None:
+        """One step after the timed ones; the module census (if any) observes it."""
+        with self.census.observing() if self.census else contextlib.nullcontext():
+            self.trainer.step(self.inputs, self.targets)
+
+
+class TimedSteps:
+    """Warm-up, then the timed steps (synchronised), with the phase snapshots they record."""
+
+    def run(self, s: Session, result: dict) -> None:
+        with s.trainer.observing_phases(s.recorder):
+            for _ in range(s.config.warmup_steps):
+                s.trainer.step(*s.workload.batch())
+            synchronize(s.device)
+            if s.device.type == "cuda":
+                torch.cuda.reset_peak_memory_stats(s.device)
+            first_measured = len(s.recorder.snapshots)
+            step_times, physical_times, losses = [], [], []
+            for _ in range(s.config.steps):
+                s.inputs, s.targets = s.workload.batch()  # sampled outside the timed region
+                synchronize(s.device)
+                start = time.perf_counter()
+                s.step_starts.append(start - s.recorder.start)
+                out = s.trainer.step(s.inputs, s.targets)
+                synchronize(s.device)
+                step_times.append((time.perf_counter() - start) * 1e3)
+                physical_times.extend(out["physical_step_times_ms"])
+                losses.append(out["loss"])
+        s.measured_snapshots = s.recorder.snapshots[first_measured:]
+        result.update(
+            avg_time_ms=statistics.fmean(step_times),
+            median_time_ms=statistics.median(step_times),
+            step_times_ms=step_times,
+            physical_step_times_ms=physical_times,
+            losses=losses,
+            snapshots=s.recorder.snapshots,
+            **s.trainer.result_extras(),
+        )
+
+
+class PeakMemory:
+    """CUDA: the largest phase peak of the timed steps (the recorder resets the counters at
+    every snapshot). CPU: the peak of one extra step, from the profiler's allocation events."""
+
+    def run(self, s: Session, result: dict) -> None:
+        if s.device.type == "cuda":
+            result["peak_memory_mb"] = max(x["phase_peak_mb"] for x in s.measured_snapshots)
+            result["peak_reserved_mb"] = max(
+                x["phase_peak_reserved_mb"] for x in s.measured_snapshots
+            )
+        else:
+            result["peak_memory_mb"] = phases.cpu_step_peak_bytes(s.extra_step) / MB
+
+
+class Breakdown:
+    """Where the peak of one extra step goes (CUDA: the allocator's history)."""
+
+    def run(self, s: Session, result: dict) -> None:
+        if s.device.type != "cuda":
+            s.env["breakdown_note"] = "the allocator history that attributes the peak is CUDA-only"
+            return
+        parts, check, recording, snapshot = breakdown.record_breakdown(
+            s.trainer, s.extra_step, s.device
+        )
+        result["breakdown"], result["breakdown_check"] = parts, check
+        if s.config.save_snapshot:
+            save_snapshot(s.out_dir, snapshot, {**recording, "check": check})
+
+
+def save_snapshot(out_dir: str, snapshot: dict, recording: dict) -> None:
+    """The pickle feeds ``python -m torch.cuda._memory_viz``; the HTML is its timeline; the
+    trimmed recording is what the attribution read (small enough to keep as a test fixture)."""
+    with atomic_write(os.path.join(out_dir, "memory_snapshot.pickle"), "wb") as f:
+        pickle.dump(snapshot, f)
+    with atomic_write(os.path.join(out_dir, "memory_timeline.html")) as f:
+        f.write(_memory_viz.trace_plot(snapshot))
+    path = os.path.join(out_dir, "breakdown_recording.json.gz")
+    with atomic_write(path, "wt", opener=gzip.open) as f:
+        json.dump(recording, f)
+
+
+class ModuleCensus:
+    """Bytes by module group and kind in one extra step, and time and memory per phase."""
+
+    def run(self, s: Session, result: dict) -> None:
+        if not s.census.steps_observed:  # no extra step ran yet (CUDA without breakdown)
+            s.extra_step()
+        result["module_memory"] = s.census.result()
+        result["phase_costs"] = census.phase_costs(s.measured_snapshots, s.step_starts)
+
+
+class Trace:
+    """torch.profiler trace of extra steps; on CUDA, GPU kernel time per category from it."""
+
+    def run(self, s: Session, result: dict) -> None:
+        config = s.config
+        use_gzip = s.device.type == "cuda" if config.trace_gzip is None else config.trace_gzip
+        path = tracing.trace_steps(
+            lambda: s.trainer.step(s.inputs, s.targets), s.device, s.out_dir, use_gzip
+        )
+        result["trace_file"] = os.path.basename(path) if path else None
+        if s.device.type == "cuda" and path:
+            summary = kernel_names.summarize(kernel_names.kernels_from_trace(path))
+            result["kernels"] = summary["categories"]
+            result["top_kernels"] = summary["top"]
+        else:
+            s.env["kernels_note"] = "GPU kernel times exist only for CUDA runs"
+
+
+class Privacy:
+    """The epsilon of every DP update the model received (Poisson-sampled workloads)."""
+
+    def run(self, s: Session, result: dict) -> None:
+        if s.workload.sample_rate is None or not s.trainer.is_private:
+            return
+        config = s.config
+        # Warm-up, measured, and the extra steps after them (CPU peak, breakdown, traces),
+        # which reuse the last sampled batch.
+        steps = s.trainer.steps_taken
+        result["privacy"] = {
+            "epsilon": privacy.epsilon(
+                config.noise_multiplier, s.workload.sample_rate, steps, config.delta
+            ),
+            "delta": config.delta,
+            "sample_rate": s.workload.sample_rate,
+            "steps": steps,
+            "poisson": config.poisson,
+            "accountant": "prv",
+        }
+
+
+class NcuRange:
+    """Warm-up, then exactly one step inside cudaProfilerStart/Stop, the range ncu profiles.
+
+    cudaProfilerStart/Stop is process-wide, so the backward kernels that autograd launches from
+    its own thread and the optimizer step are inside the range. NVTX ranges name the phases for
+    ``ncu --nvtx --nvtx-include "step/"`` (NVTX ranges are per thread: with that filter, kernels
+    launched by autograd's thread are not matched; the default suite does not filter). Its time
+    under ncu's replay is no measurement: times and peaks stay null.
+    """
+
+    def run(self, s: Session, result: dict) -> None:
+        if s.device.type != "cuda":
+            raise ValueError("--ncu needs a CUDA device")
+        with s.trainer.observing_phases(s.recorder):
+            for _ in range(s.config.warmup_steps):
+                s.trainer.step(*s.workload.batch())
+        inputs, targets = s.workload.batch()
+        nvtx = torch.cuda.nvtx
+        next_range = {"forward_done": "backward", "backward_done": "optimizer"}
+
+        def on_phase(name):
+            if name in next_range:
+                nvtx.range_pop()
+                nvtx.range_push(next_range[name])
+
+        synchronize(s.device)
+        torch.cuda.profiler.start()
+        nvtx.range_push("step")
+        nvtx.range_push("forward")
+        try:
+            with s.trainer.observing_phases(on_phase):
+                s.trainer.step(inputs, targets)
+            synchronize(s.device)
+        finally:
+            nvtx.range_pop()
+            nvtx.range_pop()
+            torch.cuda.profiler.stop()
+        s.env["ncu_note"] = (
+            "one step ran inside cudaProfilerStart/Stop for Nsight Compute; its time under "
+            "ncu replay is not a measurement, so times and peaks are null"
+        )
+
+
+def measurements(config) -> list:
+    """The measurements ``config`` asks for, in the order they run."""
+    if config.ncu:
+        return [NcuRange()]
+    sequence = [TimedSteps(), PeakMemory()]
+    if config.breakdown:
+        sequence.append(Breakdown())
+    if config.detailed_memory:
+        sequence.append(ModuleCensus())
+    if config.trace:
+        sequence.append(Trace())
+    return [*sequence, Privacy()]

@@ -1,0 +1,77 @@
+"""What a config trains on: the model, its per-sample loss and where each batch comes from."""
+
+from __future__ import annotations
+
+import torch
+
+import models
+from hf import data as hf_data
+from hf import models as hf_models
+from hf import privacy
+from hf.configs import HF_CONFIGS
+
+
+class Workload:
+    """The causal LM trains on one fixed synthetic batch of tokens (inputs and next-token
+    targets); a Hugging Face classifier on a synthetic (or local) SNLI-shaped dataset, with
+    Poisson sampling of each logical batch unless disabled. ``on_phase`` gets the phase names
+    ``0_model_loaded`` (and ``dataset_prepared``); ``env`` gains what was built."""
+
+    def __init__(self, config, device: torch.device, on_phase, env: dict):
+        self.config, self.device = config, device
+        generator = torch.Generator().manual_seed(config.seed)
+        if config.model in HF_CONFIGS:
+            self.model, env["model_info"] = hf_models.build_hf_model(
+                config.model,
+                device=device,
+                use_lora=config.use_lora,
+                lora_rank=config.lora_rank,
+                pretrained=config.pretrained,
+                attention="explicit" if config.attention == "explicit" else "sdpa",
+            )
+            on_phase("0_model_loaded")
+            vocab = self.model.config.vocab_size
+            if config.dataset_path:
+                self.inputs, self.labels = hf_data.load_snli(
+                    config.dataset_path, config.seq_len, vocab
+                )
+            else:
+                self.inputs, self.labels = hf_data.synthetic_snli(
+                    config.dataset_size, config.seq_len, vocab, config.seed
+                )
+            on_phase("dataset_prepared")
+            self.loss_fn = hf_models.sequence_classification_loss
+            self.sample_rate = config.batch_size / len(self.inputs)
+            self.generator = generator
+        else:
+            self.model = models.build_model(
+                config.model,
+                device=device,
+                attention=config.attention,
+                activation_checkpointing=config.activation_checkpointing,
+                **config.model_overrides,
+            )
+            on_phase("0_model_loaded")
+            tokens = torch.randint(
+                self.model.config.vocab_size,
+                (config.batch_size, config.seq_len + 1),
+                generator=generator,
+            ).to(device)
+            self.inputs, self.labels = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+            self.loss_fn = None  # the trainers' default: mean token cross-entropy
+            self.sample_rate = None
+        env["parameters"] = models.count_parameters(self.model)
+
+    def batch(self):
+        """The next logical batch (inputs, targets) on the device."""
+        if self.sample_rate is None:
+            return self.inputs, self.labels
+        if self.config.poisson:
+            index = torch.empty(0, dtype=torch.long)
+            while len(index) == 0:  # an empty Poisson batch (probability (1-q)^N) is redrawn
+                index = privacy.poisson_batch(len(self.inputs), self.sample_rate, self.generator)
+        else:
+            index = torch.randperm(len(self.inputs), generator=self.generator)[
+                : self.config.batch_size
+            ]
+        return self.inputs[index].to(self.device), self.labels[index].to(self.device)

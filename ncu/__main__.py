@@ -1,0 +1,5 @@
+import sys
+
+from ncu.cli import main
+
+sys.exit(main())

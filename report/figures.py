@@ -1,0 +1,78 @@
+"""matplotlib, set up once for files (no display), the one way a figure is saved, and the
+pieces the figures share (trainer colours, phase shades, units, axes)."""
+
+from __future__ import annotations
+
+import os
+
+from core.files import atomic_write
+
+
+def pyplot():
+    """matplotlib.pyplot on the Agg backend (imported here: matplotlib is heavy)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def save_figure(fig, path: str, dpi: int = 110) -> str:
+    """Write ``fig`` as a PNG at ``path`` (atomically, creating its folder) and close it."""
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    with atomic_write(path, "wb") as f:
+        fig.savefig(f, format="png", dpi=dpi)
+    pyplot().close(fig)
+    return path
+
+
+# ---------------------------------------------------------------- what the figures share
+SWEEP_DPI = 100  # a sweep's plots (a run's: save_figure's default)
+TRAINER_COLORS = {
+    "standard": "tab:blue",
+    "dpsgd": "tab:orange",
+    "ghost": "tab:green",
+    "flash": "tab:red",
+}
+# The phase a snapshot ends: its shade, and its name in a legend.
+PHASE_SHADES = {
+    "forward_done": ("#cfe8ff", "forward"),
+    "backward_done": ("#ffe0c2", "backward"),
+    "step_done": ("#d8f5d0", "optimizer step"),
+}
+
+
+def shade_phases(ax, snapshots: list[dict]) -> None:
+    """Shade forward, backward and optimizer step: each from the snapshot before its end."""
+    for previous, snap in zip(snapshots, snapshots[1:]):
+        if snap["name"] in PHASE_SHADES:
+            color, _ = PHASE_SHADES[snap["name"]]
+            ax.axvspan(previous["timestamp"], snap["timestamp"], color=color, lw=0)
+
+
+def phase_legend(plt) -> tuple[list, list[str]]:
+    """Legend handles and labels of the phase shades."""
+    handles = [plt.Rectangle((0, 0), 1, 1, color=color) for color, _ in PHASE_SHADES.values()]
+    return handles, [name for _, name in PHASE_SHADES.values()]
+
+
+def mb_scale(values_mb) -> tuple[float, str]:
+    """Divisor and unit for a set of MB values: GiB from 1 GiB up, else MB (2^20 bytes)."""
+    values = [v for v in values_mb if v is not None]
+    return (1024.0, "GiB") if values and max(values) >= 1024 else (1.0, "MB")
+
+
+def say(ax, text: str) -> None:
+    """A panel that holds a sentence instead of a plot."""
+    ax.text(0.5, 0.5, text, ha="center", va="center", wrap=True, transform=ax.transAxes)
+    ax.set_xticks([])
+    ax.set_yticks([])
+
+
+def log2_axis(ax, values) -> None:
+    """Swept values doubling: a log2 axis ticked at exactly the values swept."""
+    if len(values) >= 2:
+        ax.set_xscale("log", base=2)
+    ax.set_xticks(values, [str(v) for v in values])
+    ax.minorticks_off()

@@ -1,0 +1,183 @@
+"""A run's plots, one PNG each in ``<run_dir>/visualizations``: memory over the traced step,
+the breakdown at the peak, memory per phase over time, and memory against time."""
+
+from __future__ import annotations
+
+import os
+
+from core.kernel_names import memory_curve_from_trace
+from core.schema import BREAKDOWN_LABELS, trainer_title
+from report.figures import (
+    PHASE_SHADES,
+    TRAINER_COLORS,
+    phase_legend,
+    pyplot,
+    save_figure,
+    shade_phases,
+)
+from report.results import BASELINE, allocated_snapshots, baselines, ordered, shape_key
+
+
+def _save_visualization(fig, run_dir: str, name: str) -> str:
+    return save_figure(fig, os.path.join(run_dir, "visualizations", name))
+
+
+def _label(result: dict, shapes: int) -> str:
+    c = result["config"]
+    return c["trainer"] if shapes == 1 else f"{c['trainer']}\nbs{c['batch_size']} T{c['seq_len']}"
+
+
+def plot_memory_curves(run_dir: str, results: list[dict]) -> str | None:
+    """visualizations/memory_curve.png: allocated memory over the traced step, one panel per
+    shape, one line per trainer, read from each config's trace file."""
+    curves: dict[tuple, list] = {}
+    for result in ordered(results):
+        trace = result.get("trace_file")
+        path = os.path.join(run_dir, result.get("config_dir") or "", trace) if trace else None
+        if not path or not os.path.exists(path):
+            continue
+        curve = memory_curve_from_trace(path)
+        if curve:
+            curves.setdefault(shape_key(result["config"]), []).append((result, curve))
+    if not curves:
+        return None
+    plt = pyplot()
+    fig, axes = plt.subplots(
+        len(curves), 1, figsize=(10, 3.2 * len(curves)), squeeze=False, constrained_layout=True
+    )
+    for ax, lines in zip(axes[:, 0], curves.values()):
+        for result, curve in lines:
+            t, mb = zip(*curve)
+            ax.plot(t, [m / 1024 for m in mb], label=result["config"]["trainer"], lw=1.2)
+        c = lines[0][0]["config"]
+        ax.set_title(
+            f"{c['model']}  batch {c['batch_size']}  seq {c['seq_len']}  {c['dtype']}  "
+            f"{c['attention']}",
+            fontsize=10,
+        )
+        ax.set_xlabel("time in the traced step (ms)")
+        ax.set_ylabel("allocated (GiB)")
+        ax.grid(alpha=0.3)
+        ax.legend(loc="upper left", fontsize=8)
+    return _save_visualization(fig, run_dir, "memory_curve.png")
+
+
+def plot_breakdown(run_dir: str, results: list[dict]) -> str | None:
+    """memory_breakdown_comparison.png: stacked components per config (left), and each DP
+    trainer's extra memory over standard at the same shape by component (right)."""
+    rows = [r for r in ordered(results) if r["status"] == "ok" and r.get("breakdown")]
+    if not rows:
+        return None
+    plt = pyplot()
+    shapes = len({shape_key(r["config"]) for r in rows})
+    fig, (left, right) = plt.subplots(1, 2, figsize=(15, 6.5), constrained_layout=True)
+    colors = plt.get_cmap("tab10").colors
+    x = range(len(rows))
+    bottom = [0.0] * len(rows)
+    for i, (key, label) in enumerate(BREAKDOWN_LABELS.items()):
+        values = [r["breakdown"][key] / 1024 for r in rows]
+        left.bar(x, values, bottom=bottom, color=colors[i % 10], label=label, width=0.7)
+        bottom = [b + v for b, v in zip(bottom, values)]
+    for xi, r in zip(x, rows):
+        left.text(xi, bottom[xi], f"{r['peak_memory_mb'] / 1024:.1f}", ha="center", va="bottom")
+    left.set_xticks(list(x), [_label(r, shapes) for r in rows], fontsize=8)
+    left.set_ylabel("memory at the peak (GiB)")
+    left.set_title("Peak memory by component (number: measured peak)")
+    left.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.13), ncol=3)
+    standard = baselines(rows)
+    dp_rows = [
+        r for r in rows if r["config"]["trainer"] != BASELINE and shape_key(r["config"]) in standard
+    ]
+    width = 0.8 / max(1, len(dp_rows))
+    for j, r in enumerate(dp_rows):
+        base = standard[shape_key(r["config"])]["breakdown"]
+        extra = [(r["breakdown"][k] - base[k]) / 1024 for k in BREAKDOWN_LABELS]
+        positions = [i + (j - (len(dp_rows) - 1) / 2) * width for i in range(len(extra))]
+        right.bar(positions, extra, width=width, label=_label(r, shapes).replace("\n", " "))
+    right.axhline(0, color="black", lw=0.8)
+    right.set_xticks(
+        range(len(BREAKDOWN_LABELS)),
+        [v.split(" (")[0] for v in BREAKDOWN_LABELS.values()],
+        rotation=30,
+        ha="right",
+        fontsize=8,
+    )
+    right.set_ylabel("extra over standard at the peak (GiB)")
+    right.set_title("What each DP trainer adds, by component")
+    if dp_rows:
+        right.legend(fontsize=8)
+    return _save_visualization(fig, run_dir, "memory_breakdown_comparison.png")
+
+
+def plot_timeline(run_dir: str, results: list[dict]) -> str | None:
+    """memory_timeline.png: allocated memory at each phase point of every step, one panel per
+    config, with forward / backward / optimizer step shaded and each phase's peak drawn."""
+    rows = [r for r in ordered(results) if r["status"] == "ok" and allocated_snapshots(r)]
+    if not rows:
+        return None
+    plt = pyplot()
+    fig, axes = plt.subplots(
+        len(rows), 1, figsize=(11, 2.6 * len(rows)), squeeze=False, constrained_layout=True
+    )
+    for ax, r in zip(axes[:, 0], rows):
+        snaps = allocated_snapshots(r)
+        t = [s["timestamp"] for s in snaps]
+        ax.plot(t, [s["allocated_mb"] / 1024 for s in snaps], "k.-", lw=1, label="allocated")
+        shade_phases(ax, snaps)
+        for prev, snap in zip(snaps, snaps[1:]):
+            if snap["name"] in PHASE_SHADES:
+                peak = snap["phase_peak_mb"] / 1024
+                ax.hlines(peak, prev["timestamp"], snap["timestamp"], colors="tab:red", lw=1.5)
+        c = r["config"]
+        ax.set_title(
+            f"{trainer_title(c['trainer'])} — bs{c['batch_size']} "
+            f"T{c['seq_len']} {c['dtype']} {c['attention']}",
+            fontsize=9,
+        )
+        ax.set_ylabel("GiB")
+        ax.grid(alpha=0.3)
+    axes[-1, 0].set_xlabel("time since the worker started (s)")
+    handles, labels = phase_legend(plt)
+    handles += [plt.Line2D([], [], color="tab:red"), plt.Line2D([], [], color="k", marker=".")]
+    labels += ["peak inside the phase", "allocated at phase end"]
+    fig.legend(handles, labels, fontsize=8, loc="outside lower center", ncol=5)
+    return _save_visualization(fig, run_dir, "memory_timeline.png")
+
+
+def plot_tradeoff(run_dir: str, results: list[dict]) -> str | None:
+    """performance_tradeoff.png: peak memory against step time, one point per config."""
+    rows = [r for r in ordered(results) if r["status"] == "ok" and r.get("median_time_ms")]
+    if not rows:
+        return None
+    plt = pyplot()
+    fig, ax = plt.subplots(figsize=(8, 5.5), constrained_layout=True)
+    markers = "osD^v<>"
+    shapes: dict[tuple, dict] = {}  # shape_key -> the first config of that shape
+    for r in rows:
+        shapes.setdefault(shape_key(r["config"]), r["config"])
+    keys = list(shapes)
+    for r in rows:
+        c = r["config"]
+        ax.scatter(
+            r["median_time_ms"],
+            r["peak_memory_mb"] / 1024,
+            s=60,
+            color=TRAINER_COLORS.get(c["trainer"], "gray"),
+            marker=markers[keys.index(shape_key(c)) % len(markers)],
+        )
+    for trainer, color in TRAINER_COLORS.items():
+        ax.scatter([], [], color=color, label=trainer)
+    for i, c in enumerate(shapes.values()):
+        ax.scatter(
+            [],
+            [],
+            color="gray",
+            marker=markers[i % len(markers)],
+            label=f"bs{c['batch_size']} T{c['seq_len']} {c['dtype']}",
+        )
+    ax.set_xlabel("median step time (ms)")
+    ax.set_ylabel("peak allocated memory (GiB)")
+    ax.set_title("Memory vs time per trainer (lower left is better)")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    return _save_visualization(fig, run_dir, "performance_tradeoff.png")

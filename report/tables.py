@@ -1,0 +1,105 @@
+"""A run's tables: one row per config (time, peak memory, ratios against ``standard`` at the same
+shape) and GPU kernel time per category, as text, Markdown and CSV."""
+
+from __future__ import annotations
+
+import csv
+import io
+
+from core.fmt import cell, ratio, render_table
+from core.schema import KERNEL_CATEGORIES
+from report.results import baselines, ordered, shape_key
+
+COLUMNS = (
+    "trainer",
+    "batch",
+    "seq",
+    "physical",
+    "dtype",
+    "attention",
+    "model",
+    "median_ms",
+    "peak_alloc_mb",
+    "peak_reserved_mb",
+    "time_vs_standard",
+    "mem_vs_standard",
+    "status",
+)
+
+
+def summary_rows(results: list[dict]) -> list[dict]:
+    """One row per result, with time and peak-memory ratios against standard at the same shape."""
+    standard = baselines(r for r in results if r["status"] == "ok")
+    rows = []
+    for result in ordered(results):
+        config = result["config"]
+        base = standard.get(shape_key(config), {})
+        rows.append(
+            {
+                "trainer": config["trainer"],
+                "batch": config["batch_size"],
+                "seq": config["seq_len"],
+                "physical": config.get("physical_batch_size"),
+                "dtype": config["dtype"],
+                "attention": config["attention"],
+                "model": config["model"]
+                + (f" r{config['lora_rank']}" if config.get("use_lora") else "")
+                + (" ckpt" if config.get("activation_checkpointing") else ""),
+                "median_ms": result.get("median_time_ms"),
+                "peak_alloc_mb": result.get("peak_memory_mb"),
+                "peak_reserved_mb": result.get("peak_reserved_mb"),
+                "time_vs_standard": ratio(result.get("median_time_ms"), base.get("median_time_ms")),
+                "mem_vs_standard": ratio(result.get("peak_memory_mb"), base.get("peak_memory_mb")),
+                "status": result["status"],
+            }
+        )
+    return rows
+
+
+def format_table(rows: list[dict], markdown: bool = False) -> str:
+    header = list(COLUMNS)
+    return render_table(header, [[cell(row[c]) for c in header] for row in rows], markdown)
+
+
+def kernel_rows(results: list[dict]) -> list[dict]:
+    """Per config with a kernel summary: ms per category and the extra ms against standard."""
+    standard = baselines(r for r in results if r.get("kernels"))
+    rows = []
+    for result in ordered(results):
+        if not result.get("kernels"):
+            continue
+        config = result["config"]
+        base = standard.get(shape_key(config), {}).get("kernels")
+        out = {
+            "trainer": config["trainer"],
+            "batch": config["batch_size"],
+            "seq": config["seq_len"],
+        }
+        for cat in KERNEL_CATEGORIES:
+            ms = result["kernels"].get(cat, {}).get("time_ms", 0.0)
+            out[cat] = ms
+            out[f"+{cat}"] = ms - base[cat]["time_ms"] if base else None
+        rows.append(out)
+    return rows
+
+
+def _kernel_cell(row: dict, col: str) -> str:
+    if col in KERNEL_CATEGORIES:
+        extra = row[f"+{col}"]
+        return f"{row[col]:.1f}" + (f" ({extra:+.1f})" if extra is not None else "")
+    return str(row[col])
+
+
+def format_kernel_table(rows: list[dict], markdown: bool = False) -> str:
+    """Kernel time per category (ms) and, in brackets, the extra ms over standard."""
+    header = ["trainer", "batch", "seq", *KERNEL_CATEGORIES]
+    return render_table(header, [[_kernel_cell(row, c) for c in header] for row in rows], markdown)
+
+
+def csv_text(columns, rows) -> str:
+    """``rows`` (dicts) as CSV under a header of ``columns``."""
+    buffer = io.StringIO()
+    writer = csv.DictWriter(buffer, fieldnames=columns)
+    writer.writeheader()
+    writer.writerows(rows)
+    return buffer.getvalue()

@@ -1,0 +1,131 @@
+"""The settings table: config directory names as README spells them, comparison keys,
+and the command line and the plan both reading the one table."""
+
+import argparse
+
+import pytest
+
+import profiling_script
+from core import settings
+from core.settings import ExperimentConfig
+
+
+@pytest.mark.parametrize(
+    "fields, name",
+    [
+        ({}, "dpsgd_bs8_seq256"),
+        ({"max_physical_batch_size": 8}, "dpsgd_bs8_seq256"),  # physical = logical: no part
+        ({"max_physical_batch_size": 2}, "dpsgd_bs8_seq256_pb2"),
+        ({"lora_rank": 4}, "dpsgd_bs8_seq256"),  # a rank without LoRA names nothing
+        ({"use_lora": True, "lora_rank": 4}, "dpsgd_bs8_seq256_r4"),
+        ({"dtype": "bfloat16", "attention": "sdpa"}, "dpsgd_bs8_seq256_bf16_sdpa"),
+        ({"activation_checkpointing": True}, "dpsgd_bs8_seq256_ckpt"),
+        ({"model": "1b"}, "dpsgd_bs8_seq256_1b"),
+        ({"model": "1b", "default_model": "1b"}, "dpsgd_bs8_seq256"),
+        # HF models default to SDPA: explicit attention is the part that differs.
+        (
+            {"model": "meta-llama/Llama-3.2-1B", "attention": "explicit"},
+            "dpsgd_bs8_seq256_explicit_meta-llama-Llama-3.2-1B",
+        ),
+        (
+            {"max_physical_batch_size": 2, "use_lora": True, "lora_rank": 8,
+             "dtype": "bfloat16", "attention": "sdpa", "model": "1b"},
+            "dpsgd_bs8_seq256_pb2_r8_bf16_sdpa_1b",
+        ),
+    ],
+)  # fmt: skip
+def test_config_dir_names_parts_in_documented_order(fields, name):
+    assert ExperimentConfig("dpsgd", 8, 256, **fields).config_dir == name
+
+
+def test_result_config_records_every_setting_but_plan_internals():
+    data = ExperimentConfig("flash", 4, 64, max_physical_batch_size=2).to_dict()
+    assert "default_model" not in data
+    assert data["physical_batch_size"] == 2
+    flags = {s.name for s in settings.SETTINGS if s.flags and s.into is None}
+    assert flags <= set(data)
+
+
+def test_comparison_key_ignores_the_trainer_and_lora_rank_without_lora():
+    base = ExperimentConfig("standard", 4, 64).to_dict()
+    other = ExperimentConfig("ghost", 4, 64, lora_rank=32).to_dict()
+    assert settings.comparison_key(base) == settings.comparison_key(other)
+    for change in ({"dtype": "bfloat16"}, {"max_physical_batch_size": 2}, {"optimizer": "adam"}):
+        changed = ExperimentConfig("ghost", 4, 64, **change).to_dict()
+        assert settings.comparison_key(changed) != settings.comparison_key(base), change
+    # An older result without the newer keys reads as their defaults.
+    old_keys = ("model", "batch_size", "seq_len", "physical_batch_size", "dtype", "attention")
+    old = {k: base[k] for k in old_keys}
+    assert settings.comparison_key(old) == settings.comparison_key(base)
+
+
+def test_changed_settings_names_what_differs():
+    old = ExperimentConfig("ghost", 4, 64).to_dict()
+    new = ExperimentConfig("ghost", 4, 64, lr=0.5, steps=9).to_dict()
+    assert settings.changed_settings(old, new) == ["lr", "steps"]
+    del old["delta"]  # written before the setting existed: its default
+    assert settings.changed_settings(old, ExperimentConfig("ghost", 4, 64).to_dict()) == []
+
+
+def test_every_flag_of_the_table_is_on_the_command_line_with_its_aliases():
+    parser = profiling_script.build_parser()
+    spelled = {s for action in parser._actions for s in action.option_strings}
+    for setting in settings.SETTINGS:
+        assert set(setting.flags) <= spelled, setting.name
+    for alias in ("--batch_size", "--seq_length", "--num_iter", "--sigma", "--model_name",
+                  "--max_physical_batch_size", "--lora_rank", "--learning_rate"):  # fmt: skip
+        assert alias in spelled
+
+
+def test_mode_defaults_reach_the_plan_and_flags_override_them():
+    from measure import plan
+
+    def planned(*argv):
+        args = profiling_script.parse_args(list(argv))
+        return plan.make_plan(args, cuda_available=lambda: True)
+
+    profile = planned("--mode=profile", "--trainers", "standard")
+    assert profile.device == "cuda"
+    assert [(c.batch_size, c.seq_len) for c in profile.configs] == [
+        (4, 512), (4, 1024), (8, 512), (8, 1024)
+    ]  # fmt: skip
+    first = profile.configs[0]
+    assert (first.model, first.steps, first.warmup_steps, first.trace, first.breakdown) == (
+        "1b", 5, 2, True, False
+    )  # fmt: skip
+    memory = planned("--mode=memory", "--trainers", "ghost").configs[0]
+    assert (memory.batch_size, memory.seq_len, memory.trace, memory.breakdown) == (
+        1, 4096, False, True
+    )  # fmt: skip
+    sweep = planned("--mode=hf_sweep")
+    assert {c.trainer for c in sweep.configs} == {"dpsgd"} and sweep.configs[0].lr == 1e-5
+    assert len(sweep.configs) == 3 * 3 * 3  # batch x seq x physical; one rank without LoRA
+    assert sweep.configs[0].lora_rank == 16 and sweep.configs[0].detailed_memory
+    given = planned("--mode=profile", "--trainer", "vanilla", "--steps", "7", "--no_trace")
+    assert {(c.trainer, c.steps, c.trace) for c in given.configs} == {("standard", 7, False)}
+
+
+def test_without_cuda_a_gpu_mode_runs_what_its_mode_row_says():
+    from measure import plan
+
+    def planned(*argv):
+        return plan.make_plan(profiling_script.parse_args(list(argv)), cuda_available=lambda: False)
+
+    profile = planned("--mode=profile")
+    assert profile.mode == "test" and profile.device == "cpu" and "test defaults" in profile.note
+    assert profile.configs[0].model == "tiny"
+    memory = planned("--mode=memory")
+    assert memory.mode == "memory" and memory.configs[0].breakdown  # null on CPU, still asked
+    assert memory.configs[0].seq_len == 256
+    sweep = planned("--mode=hf_sweep")
+    assert sweep.configs[0].model == "tiny-llama" and "tiny-llama" in sweep.note
+    forced = planned("--mode=hf_sweep", "--device", "cpu")
+    assert forced.note is None and forced.configs[0].model == "meta-llama/Llama-3.1-8B-Instruct"
+    with pytest.raises(settings.UsageError):
+        planned("--device", "cuda")
+
+
+def test_switches_set_their_value_and_stay_unset_otherwise():
+    args = profiling_script.parse_args(["--no_poisson", "--use_lora"])
+    assert isinstance(args, argparse.Namespace)
+    assert args.no_poisson is False and args.use_lora is True and args.no_trace is None

@@ -1,0 +1,89 @@
+"""Brute-force references for the flash tests: a tiny LM with every layer type flash has a rule
+for, per-sample gradients by autograd one sample at a time, and one flash step to compare."""
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+VOCAB, PAD = 11, 0
+
+
+class TinyLM(nn.Module):
+    """Token + positional embeddings, LayerNorm, GELU MLP, RMSNorm, per-token logits."""
+
+    def __init__(self, d=8, hidden=12, max_len=300):
+        super().__init__()
+        self.tok = nn.Embedding(VOCAB, d, padding_idx=PAD)
+        self.pos = nn.Embedding(max_len, d)
+        self.ln = nn.LayerNorm(d)
+        self.up = nn.Linear(d, hidden)
+        self.down = nn.Linear(hidden, d, bias=False)
+        self.rms = nn.RMSNorm(d)
+        self.head = nn.Linear(d, VOCAB)
+
+    def forward(self, ids):
+        B, T = ids.shape
+        x = self.tok(ids) + self.pos(torch.arange(T, device=ids.device).expand(B, T))
+        x = x + self.down(F.gelu(self.up(self.ln(x))))
+        return self.head(self.rms(x))
+
+
+def make_batch(B, T, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.randint(1, VOCAB, (B, T), generator=gen)
+    if T >= 3:
+        ids[:, 1] = ids[:, 0]  # repeated token id within a sample
+        ids[:, 2] = PAD
+    targets = torch.randint(0, VOCAB, (B, T), generator=gen)
+    return ids, targets
+
+
+def sample_losses(logits, targets):
+    """Mean cross-entropy over each sample's tokens, shape [B]."""
+    losses = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="none")
+    return losses.view(targets.shape).mean(1)
+
+
+def make_model(dtype=torch.float64, seed=0):
+    torch.manual_seed(seed)
+    model = TinyLM().to(dtype)
+    with torch.no_grad():  # non-trivial norm affine params
+        for m in (model.ln, model.rms):
+            m.weight.add_(0.3 * torch.randn_like(m.weight))
+        model.ln.bias.add_(0.3 * torch.randn_like(model.ln.bias))
+    return model
+
+
+def brute_force(model, ids, targets, max_norm=None):
+    """Per-sample gradients one sample at a time on an untouched copy of the model."""
+    params = list(model.parameters())
+    rows = []
+    for b in range(len(ids)):
+        loss = sample_losses(model(ids[b : b + 1]), targets[b : b + 1]).sum()
+        grads = torch.autograd.grad(loss, params)
+        rows.append(torch.cat([g.flatten() for g in grads]))
+    per_sample = torch.stack(rows)
+    norms = per_sample.norm(dim=1)
+    if max_norm is None:
+        return norms, None, None
+    clip = (max_norm / (norms + 1e-6)).clamp(max=1.0)
+    return norms, clip, (clip[:, None] * per_sample).sum(0)
+
+
+def flash_step(flash, model, ids, targets, max_norm):
+    """One chunk: forward, one backward, norms, clip factors, accumulate, release."""
+    flash.backward(sample_losses(model(ids), targets).sum())
+    norms = flash.per_sample_squared_norms().sqrt()
+    flash.accumulate_clipped_grads((max_norm / (norms + 1e-6)).clamp(max=1.0))
+    routes = flash.routes()
+    flash.release()
+    return norms, routes
+
+
+def flat_grads(model):
+    return torch.cat([p.grad.flatten() for p in model.parameters()])
+
+
+def assert_close(actual, expected, rtol):
+    err = (actual - expected).abs().max() / expected.abs().max()
+    assert err <= rtol, f"relative error {err:.3g} > {rtol}"

@@ -1,0 +1,349 @@
+"""FlashClipping's book-keeping: hooks, chunks, reused modules, what it keeps and frees, and when
+it refuses; numbers checked against per-sample brute force with autograd."""
+
+import copy
+import weakref
+
+import pytest
+import torch
+import torch.nn.functional as F
+from flash_reference import (
+    assert_close,
+    brute_force,
+    flash_step,
+    flat_grads,
+    make_batch,
+    make_model,
+    sample_losses,
+)
+from torch import nn
+
+from flash.engine import FlashClipping, UnsupportedLayerError
+
+
+@pytest.mark.parametrize("B", [1, 3])
+def test_large_kept_per_sample_grads_match_brute_force(monkeypatch, B):
+    """Kept per-sample gradients above SMALL_PER_SAMPLE_NUMEL (the 1b model's product-route
+    weights) are clip-summed one by one, not batched: with the threshold at 0 every kept one
+    (weights, biases, norm layers) takes that path."""
+    from flash import engine as flash_clip
+
+    monkeypatch.setattr(flash_clip, "SMALL_PER_SAMPLE_NUMEL", 0)
+    model = make_model()
+    reference = copy.deepcopy(model)
+    ids, targets = make_batch(B, 5, seed=B)
+    ref_norms = brute_force(reference, ids, targets)[0]
+    max_norm = ref_norms.min() * 0.9  # every sample clipped
+    _, _, ref_sum = brute_force(reference, ids, targets, max_norm)
+    flash = FlashClipping(model, route="product")
+    norms, _ = flash_step(flash, model, ids, targets, max_norm)
+    assert_close(norms, ref_norms, 1e-9)
+    assert_close(flat_grads(model), ref_sum, 1e-9)
+
+
+def test_two_chunks_equal_full_batch():
+    model = make_model()
+    reference = copy.deepcopy(model)
+    ids, targets = make_batch(4, 7, seed=3)
+    ref_norms = brute_force(reference, ids, targets)[0]
+    max_norm = ref_norms.median()
+    _, clip, ref_sum = brute_force(reference, ids, targets, max_norm)
+    assert (clip < 1).any() and (clip == 1).any()
+    flash = FlashClipping(model, tile_size=4)
+    for half in (slice(0, 2), slice(2, 4)):
+        flash_step(flash, model, ids[half], targets[half], max_norm)
+    assert_close(flat_grads(model), ref_sum, 1e-9)
+
+
+def test_module_called_twice():
+    torch.manual_seed(0)
+    model = nn.ModuleDict({"lin": nn.Linear(6, 6), "out": nn.Linear(6, 1)}).double()
+    reference = copy.deepcopy(model)
+
+    def run(m, x):
+        return m["out"](torch.tanh(m["lin"](torch.tanh(m["lin"](x))))).sum((1, 2))
+
+    x = torch.randn(3, 4, 6, dtype=torch.float64)
+    ref = [
+        torch.cat(
+            [
+                g.flatten()
+                for g in torch.autograd.grad(
+                    run(reference, x[b : b + 1]).sum(), list(reference.parameters())
+                )
+            ]
+        )
+        for b in range(3)
+    ]
+    for route in ("auto", "gram", "product"):
+        flash = FlashClipping(model, route=route, tile_size=2)
+        flash.backward(run(model, x).sum())
+        assert_close(flash.per_sample_squared_norms(), torch.stack(ref).square().sum(1), 1e-9)
+        flash.remove()
+
+
+def test_module_called_on_short_and_long_inputs():
+    """One call keeps per-sample grads (T=4 >= dp/(d+p)=3), the other keeps A and G (T=2):
+    the second is folded into the first, and norms and clipped sums stay exact."""
+    torch.manual_seed(1)
+    model = nn.ModuleDict({"lin": nn.Linear(6, 6)}).double()
+    reference = copy.deepcopy(model)
+
+    def run(m, x):
+        return m["lin"](x).square().sum((1, 2)) + m["lin"](x[:, :2]).sin().sum((1, 2))
+
+    x = torch.randn(3, 4, 6, dtype=torch.float64)
+    params = list(reference.parameters())
+    ref = torch.stack(
+        [
+            torch.cat(
+                [g.flatten() for g in torch.autograd.grad(run(reference, x[b : b + 1]), params)]
+            )
+            for b in range(3)
+        ]
+    )
+    flash = FlashClipping(model, tile_size=2)
+    flash.backward(run(model, x).sum())
+    # the T=2 call's A and G (Gram by itself) were folded into the kept per-sample grads
+    assert [r["route"] for r in flash.routes()] == ["product", "product"]
+    norms = flash.per_sample_squared_norms().sqrt()
+    assert_close(norms, ref.norm(dim=1), 1e-9)
+    clip = torch.tensor([0.5, 1.0, 0.25], dtype=torch.float64)
+    flash.accumulate_clipped_grads(clip)
+    assert_close(flat_grads(model), (clip[:, None] * ref).sum(0), 1e-9)
+
+
+def test_autocast_keeps_one_low_precision_input_per_tensor():
+    """Under autocast a Linear multiplies its input cast to bf16: flash keeps that cast (half the
+    bytes of an fp32 LayerNorm output), once for layers that read the same tensor (q, k, v)."""
+
+    class QKV(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.ln = nn.LayerNorm(8)
+            self.q, self.k, self.v = (nn.Linear(8, 8) for _ in range(3))
+
+        def forward(self, x):
+            h = self.ln(x)  # fp32 under autocast
+            return self.q(h) * self.k(h) + self.v(h)
+
+    torch.manual_seed(0)
+    model = QKV()
+    flash = FlashClipping(model, route="gram")
+    x = torch.randn(2, 5, 8)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = model(x)
+    saved = {layer.name: layer.calls[0][0] for layer in flash.layers if layer.name in "qkv"}
+    assert all(A.dtype == torch.bfloat16 for A in saved.values())
+    assert len({A.untyped_storage().data_ptr() for A in saved.values()}) == 1  # one cast
+    expected = F.layer_norm(x, (8,), model.ln.weight, model.ln.bias).to(torch.bfloat16)
+    assert torch.equal(saved["q"], expected)
+    flash.backward(out.float().sum())
+    q = next(layer for layer in flash.layers if layer.name == "q")
+    # gram route: the weight waits for A and G; the [B, p] bias gradient was formed at once
+    assert q.calls[0][2] == {"weight"} and q.per_sample["bias"].shape == (2, 8)
+
+
+def test_unsupported_layer_raises():
+    model = nn.ModuleDict({"conv": nn.Conv1d(3, 4, 2), "lin": nn.Linear(4, 2)})
+    with pytest.raises(UnsupportedLayerError, match=r"'conv'.*Conv1d"):
+        FlashClipping(model)
+    model.conv.requires_grad_(False)  # frozen layers need no rule
+    FlashClipping(model)
+
+
+def test_tied_weights_raise():
+    model = nn.ModuleDict({"emb": nn.Embedding(5, 4), "head": nn.Linear(4, 5, bias=False)})
+    model.head.weight = model.emb.weight
+    with pytest.raises(ValueError, match=r"emb\.weight.*head\.weight"):
+        FlashClipping(model)
+
+
+def test_remove_restores_training():
+    model = make_model()
+    frozen = model.pos.weight
+    frozen.requires_grad_(False)
+    flash = FlashClipping(model)
+    assert not any(p.requires_grad for p in model.parameters())
+    assert all(p is not frozen for p in flash.params)
+    flash.remove()
+    assert [p.requires_grad for p in model.parameters()] == [
+        p is not frozen for p in model.parameters()
+    ]
+    ids, targets = make_batch(2, 5)
+    sample_losses(model(ids), targets).sum().backward()
+    assert all(p.grad is not None for p in model.parameters() if p is not frozen)
+
+
+def test_saved_tensors_freed_layer_by_layer_while_the_graph_lives():
+    """accumulate_clipped_grads must free each layer's A and G even though the caller's loss
+    (and with it the autograd graph and the hooks' closures) is still alive: holding them until
+    the step ends would put every A and G on top of the full weight gradients at the peak."""
+
+    model = make_model()
+    flash = FlashClipping(model, tile_size=16)
+    ids, targets = make_batch(3, 9)
+    loss = sample_losses(model(ids), targets).sum()
+    flash.backward(loss)
+    saved = [weakref.ref(t) for layer in flash.layers for call in layer.calls for t in call]
+    saved += [weakref.ref(g) for layer in flash.layers for g in layer.per_sample.values()]
+    # Embeddings keep A and G; Linears (T=9 >= dp/(d+p)) and norms keep per-sample grads.
+    assert len(saved) >= len(flash.layers) + 2
+    norms = flash.per_sample_squared_norms().sqrt()
+    flash.accumulate_clipped_grads((1.0 / (norms + 1e-6)).clamp(max=1.0))
+    assert loss.grad_fn is not None  # the graph is still referenced here
+    alive = [ref for ref in saved if ref() is not None]
+    # Token ids of the embeddings are the model's own input (the test holds them); nothing else.
+    # (The kept per-sample grads of the Linears and norm layers are freed as well.)
+    assert all(ref().dtype == torch.long for ref in alive)
+
+
+def test_product_route_drops_inputs_during_backward():
+    """Layers that keep per-sample grads let go of A and G inside backward itself."""
+
+    model = make_model()
+    flash = FlashClipping(model, route="product")
+    ids, targets = make_batch(2, 6)
+    loss = sample_losses(model(ids), targets).sum()
+    inputs = {layer.name: weakref.ref(layer.calls[0][0]) for layer in flash.layers}
+    flash.backward(loss)
+    kept = {layer.name for layer in flash.layers if layer.per_sample}
+    assert kept == {"ln", "up", "down", "rms", "head"}  # every Linear and norm; not embeddings
+    assert all(inputs[name]() is None for name in kept)
+    up = next(layer for layer in flash.layers if layer.name == "up")
+    assert up.per_sample["weight"].shape == (2, 12, 8) and up.calls == []
+
+
+def test_different_batch_sizes_in_one_forward_raise():
+    """Per-sample grads of a module called on x and on x[:1] cannot be summed (no broadcast)."""
+    model = nn.ModuleDict({"lin": nn.Linear(4, 4)}).double()
+    flash = FlashClipping(model, route="product")
+    x = torch.randn(3, 5, 4, dtype=torch.float64)
+    loss = model["lin"](x).sum() + model["lin"](x[:1]).sum()
+    with pytest.raises(ValueError, match="different batch sizes"):
+        flash.backward(loss)
+
+
+def test_input_modified_in_place_between_layers():
+    """Two Linears read h and h changes in place between them (legal here: flash freezes the
+    weights, so autograd saves no input). In fp32 flash's A is h itself: it must refuse, as
+    autograd does for a saved tensor. Under autocast A is a cast copy: the second layer must get
+    a fresh cast of the changed h (not the first layer's), and the norms stay exact."""
+
+    class TwoReaders(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = nn.Linear(6, 4), nn.Linear(6, 4)
+
+        def forward(self, x):
+            h = x * 1.0
+            y = self.a(h)
+            h.add_(3.0)
+            return y + self.b(h)
+
+    torch.manual_seed(0)
+    model = TwoReaders()
+    x = torch.randn(3, 5, 6)
+    flash = FlashClipping(model, route="gram")
+    with pytest.raises(RuntimeError, match="modified in place"):
+        flash.backward(model(x).square().sum())
+    flash.release()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = model(x)
+    flash.backward(out.float().square().sum())
+    norms = flash.per_sample_squared_norms()
+    flash.remove()
+    reference = []
+    for b in range(3):  # brute force in the same precision: the layers' own bf16 products
+        model.zero_grad()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = model(x[b : b + 1])
+        out.float().square().sum().backward()
+        reference.append(sum(p.grad.double().square().sum() for p in model.parameters()))
+    assert_close(norms.double(), torch.stack(reference), 2e-2)
+
+
+@pytest.mark.parametrize("route", ["gram", "product"])
+def test_kept_tensors_are_the_saved_inputs_output_grads_and_per_sample_grads(route):
+    """kept_tensors() yields what the engine holds for each hooked module: after backward, each
+    Linear's input A [B, T, d] and output gradient G [B, T, p] (gram: the weight waits for them)
+    or its per-sample weight gradients (product), and the per-sample gradients of biases and the
+    LayerNorm; checked against a forward hook and autograd on an untouched copy. After
+    release() it yields nothing."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 6), nn.GELU(), nn.LayerNorm(6), nn.Linear(6, 3)).double()
+    reference = copy.deepcopy(model)
+    x = torch.randn(2, 5, 4, dtype=torch.float64)
+    per_sample = {}  # (module index, parameter name) -> brute-force per-sample gradients [B, ...]
+    for b in range(2):
+        reference.zero_grad()
+        reference(x[b : b + 1]).square().sum().backward()
+        for name, param in reference.named_parameters():
+            per_sample.setdefault(tuple(name.split(".")), []).append(param.grad.clone())
+    inputs, outputs = {}, {}
+
+    def record(module, args, output):
+        inputs[module] = args[0].detach()
+        output.retain_grad()
+        outputs[module] = output
+
+    for module in reference:
+        module.register_forward_hook(record)
+    reference.zero_grad()
+    reference(x).square().sum().backward()
+    ref_of = dict(zip(model, reference, strict=True))
+
+    flash = FlashClipping(model, route=route)
+    out = model(x)
+    # Between forward and backward: the saved inputs only, one per hooked module
+    held = [(module, role) for module, role, _ in flash.kept_tensors()]
+    assert held == [(m, "activation_hooks") for m in (model[0], model[2], model[3])]
+    flash.backward(out.square().sum())
+    kept = {}
+    for module, role, tensor in flash.kept_tensors():
+        kept.setdefault((module, role), []).append(tensor)
+    linears = (model[0], model[3])
+    if route == "gram":
+        assert set(kept) == {(m, "activation_hooks") for m in linears} | {
+            (m, "per_sample_gradients") for m in (*linears, model[2])
+        }
+        for module in linears:
+            A, G = kept[module, "activation_hooks"]
+            torch.testing.assert_close(A, inputs[ref_of[module]], rtol=0, atol=0)
+            torch.testing.assert_close(G, outputs[ref_of[module]].grad)
+            assert A.shape == (2, 5, module.in_features) and G.shape == (2, 5, module.out_features)
+    else:  # every Linear and the LayerNorm formed per-sample grads and dropped A and G
+        assert set(kept) == {(m, "per_sample_gradients") for m in (*linears, model[2])}
+    for module in (*linears, model[2]):
+        grads = kept[module, "per_sample_gradients"]
+        names = {"bias"} if route == "gram" and module in linears else {"weight", "bias"}
+        assert len(grads) == len(names)
+        index = str(list(model).index(module))
+        for name in names:  # each sample's own gradient, as autograd gives it for that sample
+            expected = torch.stack(per_sample[index, name])
+            matches = [
+                g for g in grads if g.shape == expected.shape and torch.allclose(g, expected)
+            ]
+            assert len(matches) == 1, f"{name} of {module}"
+    flash.release()
+    assert list(flash.kept_tensors()) == []
+
+
+def test_allocation_sites_name_the_functions_that_allocate():
+    """The memory attribution reads each entry's function name: every role lists the functions
+    (and each rule's overrides) that make its allocations, under the names they have."""
+    from flash.engine import ALLOCATION_SITES
+    from flash.rules.linear import LinearRule
+
+    names = {role: {fn.__code__.co_name for fn in fns} for role, fns in ALLOCATION_SITES.items()}
+    assert list(names) == ["temp_matrices", "norm_samples", "per_sample_gradients", "gradients"]
+    assert names["temp_matrices"] == {"gram_squared_norms", "direct_squared_norms"}
+    assert names["norm_samples"] == {
+        "per_sample_squared_norms",
+        "squared_norms",
+        "squared_norms_many",
+    }
+    assert names["per_sample_gradients"] == {"per_sample_grads", "_add_per_sample"}
+    assert names["gradients"] == {"clipped_grads", "accumulate_clipped_grads"}
+    overrides = (LinearRule.squared_norms, LinearRule.per_sample_grads, LinearRule.clipped_grads)
+    assert all(any(fn in fns for fns in ALLOCATION_SITES.values()) for fn in overrides)

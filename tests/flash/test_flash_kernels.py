@@ -1,0 +1,218 @@
+"""Flash's Triton Gram kernel against brute force on CPU, interpreted (TRITON_INTERPRET=1), with
+explicit tiles: autotuning needs a GPU driver, so the autotuned path and bf16 (which the
+interpreter cannot represent) are checked compiled, in tests/flash/test_flash_kernels_gpu.py."""
+
+import os
+
+import pytest
+import torch
+
+if os.environ.get("TRITON_INTERPRET") != "1":  # set by conftest.py where there is no GPU
+    pytest.skip("kernels compile here: test_flash_kernels_gpu.py", allow_module_level=True)
+flash_kernels = pytest.importorskip("flash.kernels", reason="needs triton")
+gram = pytest.importorskip("flash.kernels.gram", reason="needs triton")
+
+
+def per_sample_squared_norms(A, G):
+    """Brute force: form each sample's gradient G_b^T A_b in fp64 and square-sum it."""
+    return torch.einsum("btp,btd->bpd", G.double(), A.double()).square().sum((1, 2))
+
+
+def relative_error(actual, expected):
+    return ((actual.double() - expected).abs().max() / expected.abs().max()).item()
+
+
+def test_kernel_is_interpreted_on_cpu():
+    assert type(gram._gram_pair_kernel).__name__ == "InterpretedFunction"
+
+
+@pytest.mark.parametrize(
+    "B, T, d, p, block_t",
+    [
+        (2, 1, 8, 8, 16),  # one token: a single diagonal pair, mostly masked
+        (3, 257, 48, 48, 64),  # T one past a tile, d = p not a multiple of the K block
+        (2, 70, 20, 33, 32),  # d != p, both smaller than the K block
+        (1, 64, 16, 16, 32),  # B = 1, T an exact multiple of the tile
+    ],
+)
+def test_fp32_matches_brute_force(B, T, d, p, block_t):
+    torch.manual_seed(T)
+    A, G = torch.randn(B, T, d), torch.randn(B, T, p)
+    norms = flash_kernels.gram_squared_norms(A, G, block_t=block_t, block_k=32)
+    assert norms.dtype == torch.float32 and norms.shape == (B,)
+    assert relative_error(norms, per_sample_squared_norms(A, G)) < 1e-5
+
+
+def test_strided_inputs_and_fp16():
+    torch.manual_seed(1)
+    A = torch.randn(2, 48, 70).mT  # [2, 70, 48], not contiguous
+    G = torch.randn(2, 70, 40)
+    expected = per_sample_squared_norms(A, G)
+    assert relative_error(flash_kernels.gram_squared_norms(A, G, 32, 32), expected) < 1e-5
+    # fp16 inputs on the low-precision path, fp32 accumulation: rounding of the inputs only
+    half = flash_kernels.gram_squared_norms(A.half(), G.half(), 32, 32)
+    assert relative_error(half, per_sample_squared_norms(A.half(), G.half())) < 1e-4
+
+
+def test_shape_errors():
+    with pytest.raises(ValueError, match="share a dtype"):
+        flash_kernels.gram_squared_norms(torch.randn(1, 2, 3), torch.randn(1, 2, 3).half())
+    with pytest.raises(ValueError, match=r"A \[B, T, d\]"):
+        flash_kernels.gram_squared_norms(torch.randn(1, 2, 3), torch.randn(1, 3, 3))
+
+
+def test_pair_index_covers_every_tile_pair_once():
+    """The grid launches only the n(n+1)/2 pairs t <= s and each program recovers its (s, t)
+    from a float square root: with 33 tiles (561 pairs) every pair must be counted exactly once,
+    which brute force over all token pairs checks."""
+    torch.manual_seed(2)
+    A, G = torch.randn(1, 33 * 16, 16), torch.randn(1, 33 * 16, 16)
+    norms = flash_kernels.gram_squared_norms(A, G, block_t=16, block_k=16)
+    assert relative_error(norms, per_sample_squared_norms(A, G)) < 1e-5
+
+
+def noise_added(tensors, std, seed):
+    """The noise the kernel adds to copies of ``tensors`` after torch.manual_seed(seed)."""
+    copies = [t.clone() for t in tensors]
+    torch.manual_seed(seed)
+    flash_kernels.add_gaussian_noise_(copies, std)
+    return [c - t for c, t in zip(copies, tensors)]
+
+
+def test_noise_kernel_is_gaussian_independent_and_reproducible():
+    torch.manual_seed(0)
+    tensors = [torch.randn(250_000), torch.zeros(4097), torch.zeros(3)]
+    big, edge, tiny = noise_added(tensors, 0.5, seed=1)
+    n = big.numel()
+    assert abs(big.mean().item()) < 5 * 0.5 / n**0.5  # 5 standard errors
+    assert abs(big.std().item() / 0.5 - 1) < 0.01  # the std's standard error is ~0.0014
+    outside = (big.abs() > 1.5).float().mean().item()  # P(|z| > 3) = 0.0027 for a Gaussian
+    assert abs(outside - 0.0027) < 5 * (0.0027 / n) ** 0.5
+    # every element of every tensor drawn: block edges (4096 | 4097) and a 3-element tensor
+    assert (edge != 0).all() and (tiny != 0).all()
+    # tensors and blocks get independent draws, not the same stream
+    assert abs(torch.corrcoef(torch.stack([big[:4097], edge]))[0, 1].item()) < 0.1
+    assert abs(torch.corrcoef(torch.stack([big[:4096], big[4096:8192]]))[0, 1].item()) < 0.1
+    # the four normals of one Philox draw go to the four quarters of a block
+    quarters = big[:4096].view(4, 1024)
+    assert (torch.corrcoef(quarters) - torch.eye(4)).abs().max().item() < 0.15
+    again = noise_added(tensors, 0.5, seed=1)
+    assert all(torch.equal(a, b) for a, b in zip(again, (big, edge, tiny)))
+    assert not torch.equal(noise_added(tensors, 0.5, seed=2)[0], big)
+
+
+def test_grouped_layers_sum_to_brute_force():
+    """Many layers in one launch (each layer's pointers and widths read from a table): the sum
+    over layers of brute-force per-sample norms, fp16 inputs (bf16 cannot be interpreted). A
+    layer whose rows are not feature-contiguous, or whose width breaks the alignment the kernel
+    is promised (d = 20: widths must be multiples of 16), goes through the one-layer kernel
+    instead; the total is the same."""
+    torch.manual_seed(3)
+    B, T = 2, 70
+    widths = [(16, 48), (32, 64), (20, 24)]
+    pairs = [(torch.randn(B, T, d).half(), torch.randn(B, T, p).half()) for d, p in widths]
+    pairs.append((torch.randn(B, 32, T).half().mT, torch.randn(B, T, 16).half()))  # strided A
+    assert [gram._groupable(A, G) for A, G in pairs] == [True, True, False, False]
+    expected = sum(per_sample_squared_norms(A, G) for A, G in pairs)
+    norms = flash_kernels.gram_squared_norms_grouped(pairs)
+    assert norms.dtype == torch.float32 and relative_error(norms, expected) < 1e-4
+    with pytest.raises(ValueError, match="one B, T and dtype"):
+        flash_kernels.gram_squared_norms_grouped([pairs[0], (pairs[1][0][:1], pairs[1][1][:1])])
+
+
+def test_weighted_sums_match_brute_force():
+    """Clipped sums of kept per-sample gradients, several tensors per launch: fp64 reference
+    target (+)= w @ source, overwriting or accumulating per target, sizes around the block
+    (2049 = one block + 1, a 1-element tensor), fp16 sources into fp32 targets, B = 1 and 3."""
+    torch.manual_seed(4)
+    for B in (1, 3):
+        weights = torch.rand(B)
+        sources = [torch.randn(B, 2049), torch.randn(B, 40, 125).half(), torch.randn(B, 1)]
+        targets = [torch.randn(2049), torch.randn(40, 125), torch.randn(1)]
+        accumulate = [True, False, True]
+        expected = [
+            (t.double() if acc else 0) + weights.double() @ s.double().flatten(1)
+            for t, s, acc in zip(targets, sources, accumulate)
+        ]
+        flash_kernels.weighted_sums_(targets, sources, weights, accumulate)
+        for target, reference in zip(targets, expected):
+            assert relative_error(target.flatten(), reference) < 1e-6
+    with pytest.raises(ValueError, match="does not match"):
+        flash_kernels.weighted_sums_([torch.zeros(4)], [torch.zeros(2, 5)], torch.ones(2), [False])
+
+
+def per_sample_norm_layer_grads(x, g, eps, rms):
+    """Brute force: autograd through the layer one sample at a time, in fp64."""
+    d = x.shape[-1]
+    weights, biases = [], []
+    for x_b, g_b in zip(x.double(), g.double()):
+        w = torch.ones(d, dtype=torch.float64, requires_grad=True)
+        b = torch.zeros(d, dtype=torch.float64, requires_grad=True)
+        if rms:
+            y = torch.nn.functional.rms_norm(x_b, (d,), w, eps) + b
+        else:
+            y = torch.nn.functional.layer_norm(x_b, (d,), w, b, eps)
+        grad_w, grad_b = torch.autograd.grad(y, (w, b), g_b)
+        weights.append(grad_w)
+        biases.append(grad_b)
+    return torch.stack(weights), torch.stack(biases)
+
+
+@pytest.mark.parametrize("rms", [False, True])
+@pytest.mark.parametrize(
+    "B, T, d",
+    [
+        (2, 17, 48),  # T past a token tile, d past a feature block
+        (1, 1, 5),  # one token, one partial block
+        (3, 16, 32),  # exact multiples
+    ],
+)
+def test_norm_layer_grads_match_autograd(rms, B, T, d):
+    torch.manual_seed(T + d)
+    # rows far from zero mean: the variance is taken around the mean, not as E[x^2] - mean^2
+    x = torch.randn(B, T, 2 * d)[:, :, :d] * 3 + 50  # token stride 2d: strided rows
+    g = torch.randn(B, T, d)
+    weight, bias = flash_kernels.norm_layer_per_sample_grads(
+        x, g, eps=1e-5, rms=rms, block_t=8, block_d=32
+    )
+    expected_weight, expected_bias = per_sample_norm_layer_grads(x, g, 1e-5, rms)
+    assert weight.dtype == torch.float32 and weight.shape == (B, d)
+    assert weight.is_contiguous() and bias.is_contiguous()  # the clipped-sum kernel takes them
+    assert relative_error(weight, expected_weight) < 1e-4
+    assert relative_error(bias, expected_bias) < 1e-5
+
+
+@pytest.mark.parametrize(
+    "B, T, d, p, blocks",
+    [
+        (2, 1, 8, 8, (16, 16, 16)),  # one token, a single masked tile
+        (3, 257, 48, 48, (32, 32, 16)),  # T past a token block, d = p past an output tile
+        (2, 70, 20, 33, (16, 32, 32)),  # d != p, rectangular tiles
+    ],
+)
+def test_direct_kernel_matches_brute_force(B, T, d, p, blocks):
+    torch.manual_seed(T + p)
+    A, G = torch.randn(B, T, d), torch.randn(B, T, p)
+    norms = flash_kernels.direct_squared_norms(A, G, blocks=blocks)
+    assert norms.dtype == torch.float32
+    assert relative_error(norms, per_sample_squared_norms(A, G)) < 1e-5
+    # strided A (token-major storage read through a transpose) and fp16 inputs
+    A_strided = torch.randn(B, d, T).mT
+    norms = flash_kernels.direct_squared_norms(A_strided.half(), G.half(), blocks=blocks)
+    expected = per_sample_squared_norms(A_strided.half(), G.half())
+    assert relative_error(norms, expected) < 1e-4
+
+
+@pytest.mark.parametrize("rms", [False, True])
+def test_norm_layer_grads_with_zero_eps(rms):
+    """eps = 0 is a legal LayerNorm/RMSNorm: the masked rows of a partial token tile (T = 17
+    with 8-token tiles) have zero variance, and must not turn into inf * 0 = NaN."""
+    torch.manual_seed(7)
+    x, g = torch.randn(2, 17, 48), torch.randn(2, 17, 48)
+    weight, bias = flash_kernels.norm_layer_per_sample_grads(
+        x, g, eps=0.0, rms=rms, block_t=8, block_d=32
+    )
+    expected_weight, expected_bias = per_sample_norm_layer_grads(x, g, 0.0, rms)
+    assert torch.isfinite(weight).all()
+    assert relative_error(weight, expected_weight) < 1e-4
+    assert relative_error(bias, expected_bias) < 1e-5

@@ -1,0 +1,156 @@
+"""The compiled, autotuned Gram kernel on a GPU: bf16 on tensor cores and IEEE fp32, against
+brute force (run on the device; skipped without CUDA)."""
+
+import pytest
+import torch
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
+]
+
+
+# bf16 inputs are exact in the fp64 reference; only the fp32 accumulation differs.
+@pytest.mark.parametrize("dtype, tolerance", [(torch.float32, 1e-5), (torch.bfloat16, 1e-4)])
+@pytest.mark.parametrize("B, T, d, p", [(3, 257, 48, 48), (8, 512, 256, 1024), (2, 1, 64, 64)])
+def test_gram_kernel_on_cuda(dtype, tolerance, B, T, d, p):
+    from flash import kernels as flash_kernels
+
+    torch.manual_seed(0)
+    A = torch.randn(B, T, d, device="cuda").to(dtype)
+    G = torch.randn(B, T, p, device="cuda").to(dtype)
+    expected = torch.einsum("btp,btd->bpd", G.double(), A.double()).square().sum((1, 2))
+    norms = flash_kernels.gram_squared_norms(A, G)
+    error = ((norms.double() - expected).abs().max() / expected.abs().max()).item()
+    assert error < tolerance
+
+
+def test_flash_gram_route_runs_the_fused_kernel_on_cuda(monkeypatch):
+    """flash's Gram route goes through the Triton kernel for bf16 on CUDA (the torch path
+    stays for CPU, fp32 and fused=False); both match brute force on a bf16 layer of the 1b
+    model's shape."""
+    from flash import kernels as flash_kernels
+    from flash.rules import linear as linear_rule
+
+    calls = []
+    kernel = flash_kernels.gram_squared_norms
+    monkeypatch.setattr(
+        flash_kernels, "gram_squared_norms", lambda *a, **k: calls.append(a[0].shape) or kernel(*a)
+    )
+    torch.manual_seed(1)
+    A = torch.randn(4, 512, 2048, device="cuda").bfloat16()
+    G = torch.randn(4, 512, 2048, device="cuda").bfloat16()
+    expected = torch.einsum("btp,btd->bpd", G.double(), A.double()).square().sum((1, 2))
+
+    def error(norms):
+        return ((norms.double() - expected).abs().max() / expected.abs().max()).item()
+
+    assert error(linear_rule.gram_squared_norms(A, G, 512)) < 1e-4
+    assert calls == [A.shape]
+    # the torch path rounds its T x T products to bf16
+    assert error(linear_rule.gram_squared_norms(A, G, 512, fused=False)) < 1e-2
+    assert calls == [A.shape]
+    # fp32 keeps the torch path (cuBLAS' IEEE fp32 GEMMs are faster than the kernel's dots)
+    linear_rule.gram_squared_norms(A.float(), G.float(), 512)
+    assert calls == [A.shape]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_noise_kernel_on_cuda(dtype):
+    """Fused noise on the GPU: N(0, std^2) added in place, in the tensors' own dtype."""
+    from flash import kernels as flash_kernels
+
+    torch.manual_seed(0)
+    base = [torch.randn(3_000_000, device="cuda").to(dtype), torch.zeros(4097, device="cuda")]
+    noisy = [t.clone() for t in base]
+    flash_kernels.add_gaussian_noise_(noisy, 0.01)
+    noise = (noisy[0].double() - base[0].double()) / 0.01
+    assert noisy[0].dtype == dtype
+    assert abs(noise.mean().item()) < 5 / noise.numel() ** 0.5
+    # bf16 rounds x + noise to 8 bits: the noise keeps its scale only roughly then
+    assert abs(noise.std().item() - 1) < (0.01 if dtype == torch.float32 else 0.1)
+    assert (noisy[1] != 0).all()
+
+
+def test_grouped_kernel_on_cuda():
+    """All Gram-route layers of a step in one launch: layers of the 1b model's shapes, bf16."""
+    from flash import kernels as flash_kernels
+
+    torch.manual_seed(2)
+    widths = [(2048, 2048), (2048, 8192), (8192, 2048)]
+    pairs = [
+        (
+            torch.randn(2, 512, d, device="cuda").bfloat16(),
+            torch.randn(2, 512, p, device="cuda").bfloat16(),
+        )
+        for d, p in widths
+    ]
+    expected = sum(
+        torch.einsum("btp,btd->bpd", G.double(), A.double()).square().sum((1, 2)) for A, G in pairs
+    )
+    norms = flash_kernels.gram_squared_norms_grouped(pairs)
+    assert ((norms.double() - expected).abs().max() / expected.abs().max()).item() < 1e-4
+
+
+def test_weighted_sums_on_cuda():
+    """Clipped sums of kept bf16 per-sample gradients into fp32 .grad buffers, one launch:
+    against an fp64 reference, overwriting one target and accumulating into another."""
+    from flash import kernels as flash_kernels
+
+    torch.manual_seed(3)
+    weights = torch.rand(8, device="cuda")
+    sources = [torch.randn(8, 2048, 2048, device="cuda").bfloat16() for _ in range(2)]
+    targets = [torch.randn(2048, 2048, device="cuda") for _ in range(2)]
+    expected = [
+        targets[0].double() + torch.einsum("b,bpd->pd", weights.double(), sources[0].double()),
+        torch.einsum("b,bpd->pd", weights.double(), sources[1].double()),
+    ]
+    flash_kernels.weighted_sums_(targets, sources, weights, [True, False])
+    for target, reference in zip(targets, expected):
+        error = ((target.double() - reference).abs().max() / reference.abs().max()).item()
+        assert error < 1e-6
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rms", [False, True])
+def test_norm_layer_grads_on_cuda(dtype, rms):
+    """Per-sample LayerNorm / RMSNorm gradients at a 1b shape against fp64 autograd per sample
+    (the closed form sum_t g_t * xhat_t is what autograd gives; checked in the CPU tests)."""
+    from flash import kernels as flash_kernels
+
+    torch.manual_seed(4)
+    x = (torch.randn(2, 1024, 2048, device="cuda") + 1).to(dtype)
+    g = torch.randn(2, 1024, 2048, device="cuda").to(dtype)
+    weight, bias = flash_kernels.norm_layer_per_sample_grads(x, g, 1e-5, rms)
+    x64, g64 = x.double(), g.double()
+    if rms:
+        xhat = x64 * torch.rsqrt(x64.square().mean(-1, keepdim=True) + 1e-5)
+    else:
+        var, mean = torch.var_mean(x64, -1, keepdim=True, correction=0)
+        xhat = (x64 - mean) * torch.rsqrt(var + 1e-5)
+    expected_weight, expected_bias = (g64 * xhat).sum(1), g64.sum(1)
+    for actual, expected in ((weight, expected_weight), (bias, expected_bias)):
+        error = ((actual.double() - expected).abs().max() / expected.abs().max()).item()
+        assert error < 1e-5
+
+
+@pytest.mark.parametrize("dtype, tolerance", [(torch.float32, 1e-5), (torch.bfloat16, 1e-4)])
+@pytest.mark.parametrize("B, T, d, p", [(3, 257, 48, 48), (8, 512, 256, 1024), (2, 1, 64, 64)])
+def test_direct_kernel_on_cuda(dtype, tolerance, B, T, d, p):
+    """The direct route's fused kernel, autotuned, against brute force; flash's direct
+    route matches too, through the kernel in bf16 and the torch path in fp32."""
+    from flash import kernels as flash_kernels
+    from flash.rules import linear as linear_rule
+
+    fused = linear_rule.fused_norms_available(torch.empty(0, device="cuda", dtype=dtype))
+    assert fused == (dtype == torch.bfloat16)
+    torch.manual_seed(5)
+    A = torch.randn(B, T, d, device="cuda").to(dtype)
+    G = torch.randn(B, T, p, device="cuda").to(dtype)
+    expected = torch.einsum("btp,btd->bpd", G.double(), A.double()).square().sum((1, 2))
+    for norms in (
+        flash_kernels.direct_squared_norms(A, G),
+        linear_rule.direct_squared_norms(A, G, 2**20),
+    ):
+        error = ((norms.double() - expected).abs().max() / expected.abs().max()).item()
+        assert error < tolerance

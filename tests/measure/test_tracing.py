@@ -1,0 +1,92 @@
+"""torch.profiler traces per config, as TensorBoard's profiler plugin sees them."""
+
+import gzip
+import json
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+
+import pytest
+from cli_helpers import cli, small_run_args
+
+from core import kernel_names as kernels
+
+
+def run_cli(tmp_path, *extra):
+    args = small_run_args(tmp_path, "standard", "flash", seq_lens=(16,), run_name=None)
+    proc = cli(*args, *extra)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return proc
+
+
+def test_one_trace_per_config_and_gzip_flag(tmp_path):
+    run_cli(tmp_path, "--run_name", "plain")
+    run_cli(tmp_path, "--run_name", "gz", "--trace_gzip")
+    run_cli(tmp_path, "--run_name", "none", "--no_trace")
+    for config in ("standard_bs2_seq16", "flash_bs2_seq16"):
+        plain = list((tmp_path / "plain" / config).glob("*.pt.trace.json"))
+        assert len(plain) == 1
+        result = json.loads((tmp_path / "plain" / config / "result.json").read_text())
+        assert result["trace_file"] == plain[0].name
+        events = kernels.load_trace_events(plain[0])
+        steps = [e for e in events if e.get("name") == "train_step"]
+        assert len(steps) == 1  # exactly the active step of the schedule
+        assert any(e.get("name") == "[memory]" for e in events)  # Memory view data
+        compressed = list((tmp_path / "gz" / config).glob("*.pt.trace.json.gz"))
+        assert len(compressed) == 1
+        with gzip.open(compressed[0]) as f:
+            assert json.load(f)["traceEvents"]
+        assert not list((tmp_path / "none" / config).glob("*.pt.trace*"))
+    assert (tmp_path / "plain" / "visualizations" / "memory_curve.png").stat().st_size > 10_000
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_tensorboard_plugin_lists_one_run_per_config(tmp_path):
+    pytest.importorskip("torch_tb_profiler")
+    run_cli(tmp_path, "--run_name", "r", "--trainers", "standard", "dpsgd", "flash")
+    port = free_port()
+    server = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "tensorboard.main",
+            "--logdir",
+            str(tmp_path),
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    url = f"http://127.0.0.1:{port}/data/plugin/pytorch_profiler/runs"
+    runs, deadline = None, time.time() + 90
+    try:
+        while time.time() < deadline:
+            try:
+                with urllib.request.urlopen(url, timeout=5) as response:
+                    data = json.load(response)
+                if not data.get("loading") and len(data.get("runs", [])) >= 3:
+                    runs = data["runs"]
+                    break
+            except OSError:
+                pass
+            time.sleep(1)
+        views = None
+        if runs:
+            query = f"{url[:-5]}/views?run={runs[0]}"
+            with urllib.request.urlopen(query, timeout=10) as response:
+                views = json.load(response)
+    finally:
+        server.terminate()
+        server.wait(timeout=30)
+    assert sorted(runs or []) == [f"r/{t}_bs2_seq16" for t in ("dpsgd", "flash", "standard")]
+    assert {"Overview", "Operator", "Trace", "Memory"} <= set(views)

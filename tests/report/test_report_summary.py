@@ -1,0 +1,117 @@
+"""A run's report (report/summary.py and what it draws on) from result files alone: same-shape
+comparisons, the tables, the files it writes, and a report that needs neither torch nor measure/."""
+
+import csv
+import json
+import subprocess
+import sys
+
+from cli_helpers import ROOT
+
+from core.schema import BREAKDOWN_KEYS, KERNEL_CATEGORIES
+from report import summary as report
+from report import tables
+from report.results import shape_key
+
+
+def run_result(trainer, batch, peak, ms, lora=False, status="ok"):
+    """A CUDA-like result.json of a run; the numbers are made up, not measurements."""
+    config = {
+        "trainer": trainer,
+        "model": "1b",
+        "batch_size": batch,
+        "seq_len": 16,
+        "physical_batch_size": None,
+        "dtype": "bfloat16",
+        "attention": "sdpa",
+        "optimizer": "adamw",
+        "use_lora": lora,
+        "lora_rank": 8,
+    }
+    ok = status == "ok"
+    return {
+        "experiment": trainer,
+        "config_dir": f"{trainer}_bs{batch}_seq16" + ("_lora" if lora else ""),
+        "status": status,
+        "error": None if ok else f"{status} why",
+        "config": config,
+        "avg_time_ms": ms if ok else None,
+        "median_time_ms": ms if ok else None,
+        "peak_memory_mb": peak if ok else None,
+        "peak_reserved_mb": peak if ok else None,
+        "breakdown": {k: peak / len(BREAKDOWN_KEYS) for k in BREAKDOWN_KEYS} if ok else None,
+        "snapshots": [],
+        "kernels": {c: {"time_ms": ms / 10, "count": 1} for c in KERNEL_CATEGORIES} if ok else None,
+    }
+
+
+RESULTS = [
+    run_result("dpsgd", 2, 3000.0, 30.0),
+    run_result("standard", 2, 1000.0, 10.0),
+    run_result("standard", 2, 500.0, 5.0, lora=True),
+    run_result("dpsgd", 2, 2000.0, 20.0, lora=True),
+    run_result("ghost", 4, 0.0, 0.0, status="oom"),
+]
+
+
+def write_run(run_dir, results):
+    for r in results:
+        (run_dir / r["config_dir"]).mkdir(parents=True)
+        (run_dir / r["config_dir"] / "result.json").write_text(json.dumps(r))
+
+
+def test_each_config_is_compared_with_standard_at_its_own_shape():
+    assert shape_key(RESULTS[0]["config"]) == shape_key(RESULTS[1]["config"])
+    assert shape_key(RESULTS[1]["config"]) != shape_key(RESULTS[2]["config"])  # LoRA: its own
+    rows = {(r["trainer"], r["model"]): r for r in tables.summary_rows(RESULTS)}
+    assert rows["dpsgd", "1b"]["mem_vs_standard"] == 3.0
+    assert rows["dpsgd", "1b r8"]["time_vs_standard"] == 4.0
+    assert rows["ghost", "1b"]["mem_vs_standard"] is None  # no standard at batch 4
+    assert [r["trainer"] for r in tables.summary_rows(RESULTS)[:2]] == ["standard", "dpsgd"]
+
+
+def test_tables_share_one_renderer_with_a_rule_under_the_header():
+    kernel = tables.format_kernel_table(tables.kernel_rows(RESULTS)).splitlines()
+    assert kernel[0].split() == ["trainer", "batch", "seq", *KERNEL_CATEGORIES]
+    assert set(kernel[1].replace(" ", "")) == {"-"}
+    # full fine-tuning dpsgd: 3 ms per category, 2 more than standard; with LoRA: 2, 1.5 more
+    assert kernel[3].startswith("dpsgd") and "2.0 (+1.5)" in kernel[3]
+    assert kernel[5].startswith("dpsgd") and "3.0 (+2.0)" in kernel[5]
+    summary = tables.format_table(tables.summary_rows(RESULTS)).splitlines()
+    assert set(summary[1].replace(" ", "")) == {"-"}
+    assert all(line == line.rstrip() for line in kernel + summary)
+    markdown = tables.format_kernel_table(tables.kernel_rows(RESULTS), markdown=True)
+    assert markdown.startswith("| trainer | batch | seq | gemm |")
+
+
+def test_write_summary_writes_every_file_from_the_result_files(tmp_path):
+    write_run(tmp_path, RESULTS)
+    (tmp_path / "broken").mkdir()
+    (tmp_path / "broken" / "result.json").write_text("{not json")
+    results = report.load_results(str(tmp_path))
+    assert len(results) == len(RESULTS)  # the unreadable file is skipped
+    text = report.write_summary(str(tmp_path), results)
+    assert "time_vs_standard" in text and "GPU kernel time per category" in text
+    with open(tmp_path / "summary.csv") as f:
+        reader = csv.DictReader(f)
+        assert tuple(reader.fieldnames) == tables.COLUMNS and len(list(reader)) == len(RESULTS)
+    markdown = (tmp_path / "summary.md").read_text()
+    assert "| trainer |" in markdown and "- ghost bs4 seq16: oom: oom why" in markdown
+    assert "COMPONENT-LEVEL BREAKDOWN" in (tmp_path / "summary.txt").read_text()
+    for name in ("memory_breakdown_comparison.png", "performance_tradeoff.png"):
+        assert (tmp_path / "visualizations" / name).stat().st_size > 0
+    assert not list(tmp_path.glob("memory_profile_*"))  # no sweep here
+
+
+def test_report_imports_neither_torch_nor_measure():
+    code = (
+        "import sys\n"
+        "import report.summary, report.sweep, report.plots, report.figures\n"
+        "heavy = ('torch', 'measure', 'trainers', 'models', 'matplotlib', 'numpy')\n"
+        "print(sorted(m for m in sys.modules if m.split('.')[0] in heavy))\n"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "[]"
