@@ -88,7 +88,7 @@ class Trainer:
 
     ``on_phase(name)`` is called at the phase points (``optimizer_created``,
     ``privacy_wrapped``, then per physical chunk ``forward_done``/``backward_done`` and per step
-    ``step_done``) so the runner can take memory snapshots without the trainer knowing how.
+    ``step_done``) so the measurement can take memory snapshots without the trainer knowing how.
     Names starting with ``_`` are internal markers, not snapshots: moments where a trainer holds
     state the memory breakdown should see by identity (flash's saved A and G mid-backward).
     """

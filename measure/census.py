@@ -1,9 +1,9 @@
 """Memory of one training step by module group, and time and memory per phase (HF sweeps).
 
-Measured in the worker (``runner.run_experiment`` for configs with ``detailed_memory``), two
+Measured in the worker (``measure.steps.ModuleCensus`` for configs with ``detailed_memory``), two
 result keys:
 - ``module_memory``: parameters, gradients, optimizer states, per-sample state and the tensors
-  autograd saves for backward, split by module group (``MODULE_GROUPS``: a table of name
+  autograd saves for backward, split by module group (``core.schema.MODULE_GROUPS``: a table of name
   patterns) by a census of one measurement step (``ModuleCensus``);
 - ``phase_costs``: time and memory of forward, backward and optimizer step (``phase_costs``).
 
@@ -55,9 +55,9 @@ def _storage(tensor) -> tuple[int, int] | None:
 class ModuleCensus:
     """Bytes by module group and kind during one observed training step.
 
-    Identity, not estimates: every count is the size of distinct tensor storages found where the
-    trainer keeps them (``p.grad``, ``p.grad_sample``, ``p._norm_sample``, optimizer states,
-    ``module.activations``, flash's saved A/G) or handed to autograd's pack hook
+    Identity, not estimates: every count is the size of distinct tensor storages the trainer says
+    it holds (``Trainer.state_tensors``: gradients, optimizer states, Opacus' per-sample gradients
+    and norm samples, tensors kept by DP hooks, flash's saved A/G) or handed to autograd's pack hook
     (``torch.autograd.graph.saved_tensors_hooks``) while a module of that group ran its forward.
     Parameters are excluded from the saved tensors. The census reads sizes only, allocates no
     device memory and keeps no tensor alive, so the step it observes measures the same.
@@ -68,7 +68,7 @@ class ModuleCensus:
     def __init__(self, trainer):
         self.trainer = trainer
         model = trainer.model
-        trainable = {id(p) for g in trainer.base_optimizer.param_groups for p in g["params"]}
+        trainable = {id(p) for p in trainer.trainable_parameters(model)}
         self.params = [(module_group(n) or OTHER, p) for n, p in model.named_parameters()]
         self.param_addresses = {s[0] for _, p in self.params if (s := _storage(p))}
         self.static = {"parameters": Counter(), "trainable_parameters": Counter()}

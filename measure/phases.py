@@ -33,14 +33,13 @@ class PhaseRecorder:
     that phase), read from the allocator's peak counter, which is reset at every snapshot.
     """
 
-    def __init__(self, device: torch.device, enabled: bool = True):
+    def __init__(self, device: torch.device):
         self.device = device
-        self.enabled = enabled
         self.snapshots: list[dict] = []
         self.start = time.perf_counter()
 
     def __call__(self, name: str) -> None:
-        if not self.enabled or name.startswith("_"):  # internal markers are no snapshots
+        if name.startswith("_"):  # internal markers are no snapshots
             return
         if self.device.type == "cuda":
             # Kernels run asynchronously: the phase ends when the GPU is done with it, not when

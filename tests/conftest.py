@@ -3,8 +3,8 @@
 - Where no GPU exists (CI), Triton kernels can only run interpreted: TRITON_INTERPRET must be set
   before triton is first imported (its own library functions are decorated at that import).
 - One intra-op thread in the pytest process: tests compute in it and also fork workers from it
-  (runner.run_configs), and a child forked while an OpenMP pool exists can hang in its first
-  parallel op (seen here in layer_norm). The CLI itself never computes before forking.
+  (measure.processes.run_configs), and a child forked while an OpenMP pool exists can hang in
+  its first parallel op (seen here in layer_norm). The CLI itself never computes before forking.
 """
 
 import os

@@ -165,7 +165,7 @@ def test_summarize_totals_and_counts():
     assert summary["total_time_ms"] == pytest.approx(0.3175)
     assert summary["total_time_ms"] == pytest.approx(sum(c["time_ms"] for c in categories.values()))
     assert summary["count"] == len(KERNELS) == sum(c["count"] for c in categories.values())
-    json.dumps(summary)  # runner.py stores it in result.json
+    json.dumps(summary)  # the worker stores it in result.json
 
 
 def test_summarize_top_ordering():
@@ -198,7 +198,7 @@ def test_category_deltas():
     assert deltas["norm_clip"] == pytest.approx(0.06)
     assert deltas["elementwise"] == pytest.approx(0.0025)
     assert deltas["optimizer"] == 0.0
-    # the "categories" mapping alone (as runner.py stores it) works too
+    # the "categories" mapping alone (as the worker stores it) works too
     assert kernels.category_deltas(dp["categories"], standard["categories"]) == deltas
 
 
