@@ -24,9 +24,10 @@ from opacus.optimizers import DPOptimizer, DPOptimizerFastGradientClipping
 from opacus.utils.fast_gradient_clipping_utils import DPTensorFastGradientClipping
 
 import flash.engine
+import samplers
 from core import schema
 from core.schema import AllocationSite
-from flash.fused import triton_kernels
+from flash.clip import add_gaussian_noise
 
 TRAINERS: dict[str, type[Trainer]] = {}
 OPTIMIZERS = ("sgd", "adam")
@@ -217,6 +218,13 @@ class Trainer:
     def step(self, inputs: torch.Tensor, targets: torch.Tensor) -> dict:
         self.steps_taken += 1
         self.optimizer.zero_grad(set_to_none=True)
+        if inputs.shape[0] == 0:
+            # An empty Poisson sample is still a step: no forward or backward, the clipped sum
+            # is zero, and a DP trainer still adds its noise (Opacus does the same).
+            self.empty_batch_gradients()
+            self.optimizer_step()
+            self.on_phase("step_done")
+            return {"loss": None, "physical_step_times_ms": []}
         chunk_list = self.chunks(inputs.shape[0])
         loss_sum, chunk_times_ms = 0.0, []
         for i, index in enumerate(chunk_list):
@@ -234,6 +242,10 @@ class Trainer:
     def chunk_step(self, inputs, targets, is_last: bool) -> float:
         """Forward and backward of one physical chunk; returns the sum of its per-sample losses."""
         raise NotImplementedError
+
+    def empty_batch_gradients(self) -> None:
+        """Gradients of a batch with no samples, as ``optimizer_step`` expects them: none here
+        (the optimizer skips parameters without a gradient)."""
 
     def optimizer_step(self):
         self.optimizer.step()
@@ -286,6 +298,9 @@ class OpacusTrainer(Trainer):
         ),
         AllocationSite("per_sample_gradients", "^clip", package="opacus.optimizers"),
         AllocationSite("gradients", "", package="opacus.optimizers"),  # summed, noised
+        # The masked copy of the output gradient made by our embedding samplers (the per-sample
+        # gradients themselves come from the stock samplers they call, matched above).
+        AllocationSite.of("temp_matrices", samplers.embedding.without_padding),
     )
 
     def dp_state_tensors(self):
@@ -356,6 +371,11 @@ class DPSGDTrainer(OpacusTrainer):
         self.wrapped = GradSampleModule(model, batch_first=True, loss_reduction="mean")
         self.wrap_optimizer(DPOptimizer)
 
+    def empty_batch_gradients(self):
+        # Zero rows of per-sample gradients: Opacus' clipping takes this as an empty batch.
+        for p in self.optimizer.params:
+            p.grad_sample = p.new_zeros((0, *p.shape))
+
     def chunk_step(self, inputs, targets, is_last):
         per_sample = self.wrapped_forward(inputs, targets)
         # Mean over the chunk: Opacus rescales grad_sample by the chunk size ("mean" reduction).
@@ -378,6 +398,11 @@ class GhostClippingTrainer(OpacusTrainer):
         )
         self.wrap_optimizer(DPOptimizerFastGradientClipping)
 
+    def empty_batch_gradients(self):
+        # The second backward's clipped sum is what this optimizer accumulates: zero here.
+        for p in self.optimizer.params:
+            p.grad = torch.zeros_like(p)
+
     def chunk_step(self, inputs, targets, is_last):
         per_sample = self.wrapped_forward(inputs, targets)
         # Opacus' DPLossFastGradientClipping builds exactly this tensor from a criterion; we
@@ -385,32 +410,6 @@ class GhostClippingTrainer(OpacusTrainer):
         loss = DPTensorFastGradientClipping(self.wrapped, self.optimizer, per_sample, "mean")
         loss.backward()  # first backward (norms), then the clipped second backward
         return self.end_chunk(per_sample, is_last)
-
-
-NOISE_GROUP_BYTES = 256 * 2**20
-
-
-def add_gaussian_noise(tensors: list[torch.Tensor], std: float) -> None:
-    """t += N(0, std^2) elementwise for each tensor. CUDA: one fused Triton kernel (noise drawn
-    and added in one pass). Elsewhere: noise drawn per tensor, added by one multi-tensor kernel
-    per group of <= NOISE_GROUP_BYTES of noise (bounded extra memory)."""
-    fused = (
-        tensors
-        and all(t.is_cuda and t.is_contiguous() for t in tensors)
-        and len({t.device for t in tensors}) == 1
-    )
-    kernels = triton_kernels() if fused else None
-    if kernels is not None:
-        kernels.add_gaussian_noise_(tensors, std)
-        return
-    group: list[torch.Tensor] = []
-    group_bytes = 0
-    for i, tensor in enumerate(tensors):
-        group.append(tensor)
-        group_bytes += tensor.numel() * tensor.element_size()
-        if group_bytes >= NOISE_GROUP_BYTES or i == len(tensors) - 1:
-            torch._foreach_add_(group, [torch.randn_like(t) for t in group], alpha=std)
-            group, group_bytes = [], 0
 
 
 @register_trainer("flash")

@@ -1,4 +1,4 @@
-"""Clip factors and the clipped sums they weight, written into the parameters' .grad."""
+"""Clip factors, the clipped sums they weight (written into .grad) and the Gaussian noise."""
 
 from __future__ import annotations
 
@@ -92,3 +92,29 @@ def accumulate_weighted_sums(params, grads, c: ClipFactors) -> None:
         kernels.weighted_sums_(targets, sources, c.to(torch.float32), accumulate)
         for param, target in zip(fused, targets, strict=True):
             param.grad = target
+
+
+NOISE_GROUP_BYTES = 256 * 2**20
+
+
+def add_gaussian_noise(tensors: list[torch.Tensor], std: float) -> None:
+    """t += N(0, std^2) elementwise for each tensor. CUDA: one fused Triton kernel (noise drawn
+    and added in one pass). Elsewhere: noise drawn per tensor, added by one multi-tensor kernel
+    per group of <= NOISE_GROUP_BYTES of noise (bounded extra memory)."""
+    fused = (
+        tensors
+        and all(t.is_cuda and t.is_contiguous() for t in tensors)
+        and len({t.device for t in tensors}) == 1
+    )
+    kernels = triton_kernels() if fused else None
+    if kernels is not None:
+        kernels.add_gaussian_noise_(tensors, std)
+        return
+    group: list[torch.Tensor] = []
+    group_bytes = 0
+    for i, tensor in enumerate(tensors):
+        group.append(tensor)
+        group_bytes += tensor.numel() * tensor.element_size()
+        if group_bytes >= NOISE_GROUP_BYTES or i == len(tensors) - 1:
+            torch._foreach_add_(group, [torch.randn_like(t) for t in group], alpha=std)
+            group, group_bytes = [], 0

@@ -59,8 +59,10 @@ class PhaseRecorder:
         self.snapshots.append(snapshot)
 
 
-def live_tensor_bytes() -> int:
-    """Bytes of every distinct storage reachable from a Python tensor object (and its .grad)."""
+def live_tensor_bytes(exclude=()) -> int:
+    """Bytes of every distinct CPU storage reachable from a Python tensor object (and its
+    .grad), except the storages of the tensors in ``exclude``."""
+    excluded = {tensor.untyped_storage().data_ptr() for tensor in exclude}
     storages: dict[int, int] = {}
 
     def add(tensor):
@@ -74,13 +76,15 @@ def live_tensor_bytes() -> int:
     for tensor in tensors:
         add(tensor)
         add(tensor.grad)
-    return sum(storages.values())
+    return sum(nbytes for address, nbytes in storages.items() if address not in excluded)
 
 
-def cpu_step_peak_bytes(step) -> int:
-    """Peak bytes during ``step()`` on CPU, from the profiler's allocation events."""
+def cpu_step_peak_bytes(step, exclude=()) -> int:
+    """Peak bytes during ``step()`` on CPU: the live tensor bytes when it starts (but those of
+    ``exclude``, e.g. a host-side dataset: what the CUDA peak counts) plus the highest running
+    total of the profiler's allocation events during the step."""
     gc.collect()
-    baseline = live_tensor_bytes()
+    baseline = live_tensor_bytes(exclude)
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         step()
     with tempfile.TemporaryDirectory() as tmp:

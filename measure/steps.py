@@ -47,11 +47,18 @@ class Session:
     measured_snapshots: list = field(default_factory=list)
     step_starts: list = field(default_factory=list)
     census: census.ModuleCensus | None = None
+    extra_steps: int = 0  # steps on the last sampled batch after the timed ones
+
+    def reused_batch_step(self) -> None:
+        """One step after the timed ones, on the last sampled batch (counted: a DP step that
+        reuses a batch is accounted as such)."""
+        self.extra_steps += 1
+        self.trainer.step(self.inputs, self.targets)
 
     def extra_step(self) -> None:
-        """One step after the timed ones; the module census (if any) observes it."""
+        """A reused-batch step that the module census (if any) observes."""
         with self.census.observing() if self.census else contextlib.nullcontext():
-            self.trainer.step(self.inputs, self.targets)
+            self.reused_batch_step()
 
 
 class TimedSteps:
@@ -99,7 +106,8 @@ class PeakMemory:
                 x["phase_peak_reserved_mb"] for x in s.measured_snapshots
             )
         else:
-            result["peak_memory_mb"] = phases.cpu_step_peak_bytes(s.extra_step) / MB
+            host_dataset = s.workload.host_dataset()
+            result["peak_memory_mb"] = phases.cpu_step_peak_bytes(s.extra_step, host_dataset) / MB
 
 
 class Breakdown:
@@ -145,9 +153,7 @@ class Trace:
     def run(self, s: Session, result: dict) -> None:
         config = s.config
         use_gzip = s.device.type == "cuda" if config.trace_gzip is None else config.trace_gzip
-        path = tracing.trace_steps(
-            lambda: s.trainer.step(s.inputs, s.targets), s.device, s.out_dir, use_gzip
-        )
+        path = tracing.trace_steps(s.reused_batch_step, s.device, s.out_dir, use_gzip)
         result["trace_file"] = os.path.basename(path) if path else None
         if s.device.type == "cuda" and path:
             summary = kernel_names.summarize(kernel_names.kernels_from_trace(path))
@@ -164,16 +170,21 @@ class Privacy:
         if s.workload.sample_rate is None or not s.trainer.is_private:
             return
         config = s.config
-        # Warm-up, measured, and the extra steps after them (CPU peak, breakdown, traces),
-        # which reuse the last sampled batch.
-        steps = s.trainer.steps_taken
+        # Warm-up and timed steps each drew a fresh Poisson batch; the extra steps after them
+        # (CPU peak, breakdown, census, trace) reused the last one: accounted as such.
+        steps, last_batch_uses = s.trainer.steps_taken, 1 + s.extra_steps
         result["privacy"] = {
             "epsilon": privacy.epsilon(
-                config.noise_multiplier, s.workload.sample_rate, steps, config.delta
+                config.noise_multiplier,
+                s.workload.sample_rate,
+                steps,
+                config.delta,
+                last_batch_uses=last_batch_uses,
             ),
             "delta": config.delta,
             "sample_rate": s.workload.sample_rate,
             "steps": steps,
+            "last_batch_uses": last_batch_uses,
             "poisson": config.poisson,
             "accountant": "prv",
         }

@@ -62,14 +62,19 @@ class Workload:
             self.sample_rate = None
         env["parameters"] = models.count_parameters(self.model)
 
+    def host_dataset(self) -> list[torch.Tensor]:
+        """The dataset batches are drawn from, when it is a host-side table apart from the
+        batches (HF): not part of a training step's memory."""
+        return [self.inputs, self.labels] if self.sample_rate is not None else []
+
     def batch(self):
         """The next logical batch (inputs, targets) on the device."""
         if self.sample_rate is None:
             return self.inputs, self.labels
         if self.config.poisson:
-            index = torch.empty(0, dtype=torch.long)
-            while len(index) == 0:  # an empty Poisson batch (probability (1-q)^N) is redrawn
-                index = privacy.poisson_batch(len(self.inputs), self.sample_rate, self.generator)
+            # Possibly empty (probability (1-q)^N): the trainers take that step too, as the
+            # accountant assumes.
+            index = privacy.poisson_batch(len(self.inputs), self.sample_rate, self.generator)
         else:
             index = torch.randperm(len(self.inputs), generator=self.generator)[
                 : self.config.batch_size

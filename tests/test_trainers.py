@@ -139,6 +139,32 @@ def test_noise_std_is_sigma_c_over_b(name, device):
     assert abs(noise.mean().item()) < 5 * expected / noise.numel() ** 0.5
 
 
+@pytest.mark.parametrize("name", ["standard", *DP_TRAINERS])
+def test_an_empty_batch_is_a_noise_only_step(name):
+    """An empty Poisson sample: no samples, so the clipped sum is 0 and a DP trainer's update is
+    its noise alone, N(0, (sigma C / B)^2) per coordinate with B the expected batch; standard
+    does not move. The step is counted (the accountant counts it too)."""
+    torch.manual_seed(5)
+    model = models.build_model(SMALL)
+    before = flat_params(model)
+    sigma, clip, expected_batch = 0.7, 0.05, 4
+    trainer = trainers.make_trainer(
+        name, model, lr=1.0, batch_size=expected_batch, max_grad_norm=clip, noise_multiplier=sigma
+    )
+    inputs, targets = make_batch(batch=4, seq=6)
+    out = trainer.step(inputs[:0], targets[:0])
+    assert out["loss"] is None and out["physical_step_times_ms"] == []
+    assert trainer.steps_taken == 1
+    moved = flat_params(model) - before
+    if name == "standard":
+        assert not moved.any()
+        return
+    expected = sigma * clip / expected_batch
+    assert abs(moved.std().item() / expected - 1) < 0.05
+    assert abs(moved.mean().item()) < 5 * expected / moved.numel() ** 0.5
+    trainer.step(inputs, targets)  # and the next, non-empty step runs as usual
+
+
 @pytest.mark.parametrize("optimizer", ["sgd", "adam"])
 @pytest.mark.parametrize("name", ["standard", *DP_TRAINERS])
 def test_every_trainer_steps_with_both_optimizers_and_bf16(name, optimizer):

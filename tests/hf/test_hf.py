@@ -64,11 +64,23 @@ def reference_update(model, inputs, labels, max_grad_norm):
     return (factors[:, None] * grads).sum(0) / inputs.shape[0], norms
 
 
+def left_padded(inputs: torch.Tensor) -> torch.Tensor:
+    """Pad tokens before each sequence (left padding, which HF's classifier pooling supports):
+    the pad embedding row then sits inside every sample's forward, and gets no gradient."""
+    padded = inputs.clone()
+    for b in range(len(padded)):
+        padded[b, : 1 + b % 3] = hf_configs.PAD_TOKEN_ID
+    return padded
+
+
+@pytest.mark.parametrize("padding", ["none", "left"])
 @pytest.mark.parametrize("use_lora", [False, True])
 @pytest.mark.parametrize("name", DP_TRAINERS)
-def test_noise_free_update_matches_brute_force(name, use_lora):
+def test_noise_free_update_matches_brute_force(name, use_lora, padding):
     model, _ = tiny_model(use_lora)
     inputs, labels = hf_data.synthetic_snli(5, 10, VOCAB, seed=1)
+    if padding == "left":
+        inputs = left_padded(inputs)
     _, norms = reference_update(model, inputs, labels, 1.0)
     max_grad_norm = norms.median().item()  # some samples clipped, some not
     ref, norms = reference_update(model, inputs, labels, max_grad_norm)
@@ -243,6 +255,20 @@ def test_epsilon_monotone(accountant):
     assert privacy.epsilon(0.0, 0.01, 10) == float("inf")
     with pytest.raises(ValueError, match="accountant"):
         privacy.epsilon(1.0, 0.01, 10, accountant="gdp?")
+
+
+@pytest.mark.parametrize("accountant", ["prv", "rdp"])
+def test_epsilon_of_steps_that_reuse_the_last_batch(accountant):
+    """k steps on one Poisson sample are accounted as one step at sigma / sqrt(k). Without
+    subsampling (q = 1) every step sees the same data anyway, so reuse changes nothing; with
+    q < 1 reusing a batch costs more privacy than drawing fresh ones."""
+    e = lambda q, steps, uses: privacy.epsilon(1.0, q, steps, 1e-5, accountant, uses)
+    assert e(0.01, 50, 1) == privacy.epsilon(1.0, 0.01, 50, 1e-5, accountant)
+    assert e(1.0, 50, 4) == pytest.approx(e(1.0, 50, 1), rel=1e-3)
+    assert e(0.01, 50, 4) > e(0.01, 50, 1)
+    assert e(0.01, 4, 4) > e(0.01, 4, 1)  # every step on one batch
+    with pytest.raises(ValueError, match="last_batch_uses"):
+        e(0.01, 3, 4)
 
 
 def test_poisson_batch_is_bernoulli_per_sample():
