@@ -16,6 +16,8 @@ import torch.nn.functional as F
 from opacus.layers import DPMultiheadAttention
 from torch.utils.checkpoint import checkpoint
 
+from core.kernel_names import ATTENTION_RANGE
+
 ATTENTION_KINDS = ("explicit", "sdpa")
 
 
@@ -92,13 +94,16 @@ class CausalSelfAttention(DPMultiheadAttention):
             split_heads(self.klinear(x)),
             split_heads(self.vlinear(x)),
         )
-        if self.attention == "sdpa":
-            out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        else:
-            scores = (q @ k.transpose(-2, -1)) * head_dim**-0.5
-            causal = torch.ones(seq, seq, dtype=torch.bool, device=x.device).triu(1)
-            probs = scores.masked_fill(causal, float("-inf")).softmax(dim=-1)
-            out = self.dropout(probs) @ v
+        # The profiler range tells the trace's kernel table which GEMMs are attention (q·kᵀ,
+        # probs·v and their backward) and which are projections.
+        with torch.profiler.record_function(ATTENTION_RANGE):
+            if self.attention == "sdpa":
+                out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            else:
+                scores = (q @ k.transpose(-2, -1)) * head_dim**-0.5
+                causal = torch.ones(seq, seq, dtype=torch.bool, device=x.device).triu(1)
+                probs = scores.masked_fill(causal, float("-inf")).softmax(dim=-1)
+                out = self.dropout(probs) @ v
         out = out.transpose(1, 2).reshape(batch, seq, embed)
         return self.out_proj(out)
 

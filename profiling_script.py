@@ -13,25 +13,54 @@ run is about to start, so ``--help``, bad arguments and the report modes stay fa
 from __future__ import annotations
 
 import argparse
+import glob
 import os
+import re
+import signal
 import sys
 import time
 
-from core import files
+from core import rundir
+from core.fmt import count
+from core.reading import read_json_or_none
 from core.schema import (
     EXIT_BAD_ARGS,
     EXIT_CONFIG_ERROR,
     EXIT_INTERRUPTED,
     EXIT_OK,
+    EXIT_TERMINATED,
     STATUSES,
 )
 from core.settings import HF_SETTINGS, MODES, SETTINGS, UsageError, changed_settings
 from ncu import summary as ncu_summary
 from report import summary
 
+# What a secret looks like: a Hugging Face token, or a long run of letters mixed with digits.
+TOKEN_LIKE = re.compile(r"hf_\w+|\b(?=[\w-]*\d)(?=[\w-]*[A-Za-z])[\w-]{24,}\b")
+
+
+def redacted(text: str) -> str:
+    return TOKEN_LIKE.sub("<hidden>", text)
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse, but a mistake is one line and never echoes what looks like a secret: an
+    unknown flag is named without its value (``--tokn=hf_...`` stays off the screen)."""
+
+    def error(self, message: str):
+        prefix = "unrecognized arguments: "
+        if message.startswith(prefix):
+            words = message[len(prefix) :].split()
+            flags = [w.split("=", 1)[0] for w in words if w.startswith("-")]
+            hidden = len(words) - len(flags)
+            message = prefix + ", ".join(flags) if flags else "unexpected arguments"
+            message += f" (and {hidden} value(s), not shown)" if hidden else ""
+        print(f"error: {redacted(message)} (see --help)", file=sys.stderr)
+        sys.exit(EXIT_BAD_ARGS)
+
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = Parser(
         description="Measure the memory and time DP-SGD costs per clipping method.",
     )
     p.add_argument(
@@ -55,7 +84,12 @@ def build_parser() -> argparse.ArgumentParser:
         if setting.flags:
             group = hf if setting.name in HF_SETTINGS else p
             group.add_argument(*setting.flags, **_argument(setting))
-    hf.add_argument("--token", default=None, help="HF token for --pretrained (prefer HF_TOKEN)")
+    hf.add_argument(
+        "--token",
+        default=None,
+        help="HF token for --pretrained (visible to other users: prefer HF_TOKEN or --token_file)",
+    )
+    hf.add_argument("--token_file", default=None, help="a file holding the HF token")
     p.add_argument(
         "--output_dir",
         "--results_dir",
@@ -63,9 +97,14 @@ def build_parser() -> argparse.ArgumentParser:
         default="./runs",
         help="every mode writes under <output_dir>/<run_name>/ (default: ./runs)",
     )
-    p.add_argument("--run_name", default=None, help="default: <mode>_<timestamp>")
+    p.add_argument("--run_name", default=None, help="one folder name (default: <mode>_<timestamp>)")
     p.add_argument("--resume", action="store_true", help="skip configs already finished")
     p.add_argument("--input_dir", "--input-dir", default=None, help="run directory (report mode)")
+    p.add_argument(
+        "--verbose",
+        action="store_true",
+        help="also show the libraries' known-harmless messages (profiler, allocator, warnings)",
+    )
     return p
 
 
@@ -74,8 +113,11 @@ def _argument(setting) -> dict:
     help_text = setting.help
     if "default" not in help_text and setting.switch is None:
         shown = [] if setting.default is None else [f"default: {_shown(setting.default)}"]
-        shown += [f"{mode}: {_shown(value)}" for mode, value in setting.modes.items()]
-        help_text += f" ({'; '.join(shown)})"
+        by_value = {}  # modes that share a default are named together: each value shown once
+        for mode, value in setting.modes.items():
+            by_value.setdefault(_shown(value), []).append(mode)
+        shown += [f"{', '.join(modes)}: {value}" for value, modes in by_value.items()]
+        help_text += f" ({'; '.join(shown)})" if shown else ""
     options = {"dest": setting.dest, "default": None, "help": help_text}
     if setting.switch is True:
         options.update(action="store_const", const=True)
@@ -111,6 +153,13 @@ def run_report(args) -> int:
         raise UsageError(f"--input_dir must be an existing run directory, got {args.input_dir!r}")
     results = summary.load_results(args.input_dir)
     if not results:
+        found = glob.glob(os.path.join(glob.escape(args.input_dir), "*", "*", "result.json"))
+        runs = sorted({os.path.dirname(os.path.dirname(path)) for path in found})
+        if runs:
+            raise UsageError(
+                f"{args.input_dir} holds run folders, not results: give one of them as "
+                f"--input_dir: {', '.join(runs)}"
+            )
         raise UsageError(f"no */result.json files under {args.input_dir}")
     print(summary.write_summary(args.input_dir, results))
     print(f"Summary written to {args.input_dir}/summary.csv and summary.md")
@@ -131,10 +180,12 @@ def refuse_changed_settings(configs: list, run_dir: str) -> None:
     """--resume adds missing configs; a finished one measured with other settings (lr, sigma,
     steps, ...: not all are in the directory name) must not pass as this run's result."""
     for config in configs:
-        previous = files.read_json(os.path.join(run_dir, config.config_dir, "result.json"))
+        previous = read_json_or_none(os.path.join(run_dir, config.config_dir, "result.json"))
         if not isinstance(previous, dict) or previous.get("status") not in STATUSES:
             continue
-        changed = changed_settings(previous.get("config", {}), config.to_dict())
+        if not isinstance(previous.get("config"), dict):
+            continue  # not a result this run can have written: --resume measures it again
+        changed = changed_settings(previous["config"], config.to_dict())
         if changed:
             raise UsageError(
                 f"{config.config_dir} in {run_dir} was measured with other settings "
@@ -150,24 +201,54 @@ def run_experiments(args) -> int:
     if experiment.note:
         print(experiment.note)
     configs = experiment.configs
-    run_name = args.run_name or f"{experiment.mode}_{time.strftime('%Y%m%d_%H%M%S')}"
-    run_dir = os.path.join(args.output_dir, run_name)
-    if os.path.exists(run_dir) and not args.resume:
-        raise UsageError(f"run directory {run_dir} exists: pick another --run_name or add --resume")
-    if args.resume:
-        refuse_changed_settings(configs, run_dir)
-    os.makedirs(run_dir, exist_ok=True)
-    print(f"{len(configs)} configs on {experiment.device}, results in {run_dir}")
+    run_dir = make_run_dir(args, experiment.mode)
+    lock = rundir.RunLock(run_dir)
+    try:
+        if args.resume:
+            refuse_changed_settings(configs, run_dir)
+        for config in configs:
+            rundir.check_contained(run_dir, os.path.join(run_dir, config.config_dir))
+        return measure_and_summarise(args, experiment, run_dir, processes)
+    finally:
+        lock.release()
+
+
+def make_run_dir(args, mode: str) -> str:
+    """The run directory, created (or found, with --resume) inside --output_dir."""
+    run_name = args.run_name or f"{mode}_{time.strftime('%Y%m%d_%H%M%S')}"
+    try:
+        os.makedirs(args.output_dir, exist_ok=True)
+        if args.resume:
+            run_dir = os.path.join(args.output_dir, run_name)
+            os.makedirs(run_dir, exist_ok=True)
+        else:
+            run_dir = rundir.new_run_dir(args.output_dir, run_name, numbered=not args.run_name)
+    except OSError as error:
+        raise UsageError(f"cannot create the run directory: {error}") from None
+    rundir.check_contained(args.output_dir, run_dir)
+    return run_dir
+
+
+def measure_and_summarise(args, experiment, run_dir: str, processes) -> int:
+    configs = experiment.configs
+    print(f"{count(len(configs), 'config')} on {experiment.device}, results in {run_dir}")
     try:
         results = processes.run_configs(
-            configs, run_dir, resume=args.resume, progress=experiment.mode == "hf_sweep"
+            configs,
+            run_dir,
+            resume=args.resume,
+            progress=experiment.mode == "hf_sweep",
+            verbose=args.verbose,
         )
     except processes.Interrupted as interrupted:
+        ignore_signals()  # a second Ctrl-C while the summary is written: no traceback
         finished = summary.load_results(run_dir)
-        print(f"\nInterrupted during {interrupted}; {len(finished)} finished configs kept.")
+        print(
+            f"\nInterrupted during {interrupted}; {count(len(finished), 'finished config')} kept."
+        )
         if finished:
             print(summary.write_summary(run_dir, finished))
-        return EXIT_INTERRUPTED
+        return interrupted_exit_code()
     print()
     # Summarise every result in the run directory: a --resume run adds to earlier ones.
     print(summary.write_summary(run_dir, summary.load_results(run_dir)))
@@ -175,24 +256,87 @@ def run_experiments(args) -> int:
     return exit_code(results)
 
 
-def main(argv=None) -> int:
-    args = parse_args(argv)
-    if args.token:  # only the forked workers read it, from the environment; never written
-        os.environ["HF_TOKEN"] = args.token
-        args.token = None
-    try:
-        if args.mode == "ncu_report":  # needs neither torch nor opacus
-            return run_ncu_report(args)
-        if args.mode == "report":
-            return run_report(args)
+class Terminated(KeyboardInterrupt):
+    """SIGTERM (``timeout``, batch schedulers): handled exactly like Ctrl-C, exit 143."""
+
+
+_received = []  # the signals that interrupted this run
+
+
+def _on_sigterm(signum, frame):
+    _received.append(signum)
+    raise Terminated()
+
+
+def ignore_signals() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+
+
+def interrupted_exit_code() -> int:
+    return EXIT_TERMINATED if signal.SIGTERM in _received else EXIT_INTERRUPTED
+
+
+def hf_token(args) -> str | None:
+    """The token of --token or --token_file (UsageError when the file cannot be read)."""
+    if args.token:
+        print(
+            "warning: --token is visible to other users of this machine (ps, /proc): "
+            "prefer the HF_TOKEN environment variable or --token_file FILE",
+            file=sys.stderr,
+        )
+        return args.token
+    if args.token_file:
         try:
-            import opacus  # noqa: F401 - fail early with one line, before any config runs
-        except ImportError:
-            raise UsageError("opacus is not installed: pip install -r requirements.txt") from None
-        return run_experiments(args)
+            with open(args.token_file, encoding="utf-8") as f:
+                return f.read().strip()
+        except (OSError, UnicodeDecodeError) as error:
+            raise UsageError(f"--token_file {args.token_file}: cannot read it ({error})") from None
+    return None
+
+
+def main(argv=None) -> int:
+    try:
+        args = parse_args(argv)
+    except SystemExit as stop:  # --help, or a parser error already printed
+        return stop.code if isinstance(stop.code, int) else EXIT_BAD_ARGS
+    _received.clear()
+    handlers = signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)
+    signal.signal(signal.SIGTERM, _on_sigterm)
+    try:
+        return run_mode(args)
     except UsageError as error:
         print(f"error: {error}", file=sys.stderr)
         return EXIT_BAD_ARGS
+    except KeyboardInterrupt:  # before any config ran (imports, the plan): nothing to keep
+        ignore_signals()
+        print("\nInterrupted before any config ran.", file=sys.stderr)
+        return interrupted_exit_code()
+    except OSError as error:  # the disk filled up while writing the summary, ...
+        print(f"error: {error}", file=sys.stderr)
+        return EXIT_CONFIG_ERROR
+    finally:
+        signal.signal(signal.SIGINT, handlers[0])
+        signal.signal(signal.SIGTERM, handlers[1])
+
+
+def run_mode(args) -> int:
+    token = hf_token(args)
+    if token:  # only the forked workers read it, from the environment; never written
+        os.environ["HF_TOKEN"] = token
+    args.token = args.token_file = None
+    if args.mode == "ncu_report":  # needs neither torch nor opacus
+        return run_ncu_report(args)
+    if args.mode == "report":
+        return run_report(args)
+    if args.run_name is not None:
+        rundir.check_run_name(args.run_name)
+    rundir.check_output_dir(args.output_dir)
+    try:
+        import opacus  # noqa: F401 - fail early with one line, before any config runs
+    except ImportError:
+        raise UsageError("opacus is not installed: pip install -r requirements.txt") from None
+    return run_experiments(args)
 
 
 if __name__ == "__main__":

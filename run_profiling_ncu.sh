@@ -65,9 +65,12 @@ while [[ $# -gt 0 ]]; do
     esac
 done
 
-# ncu first: nothing runs or is written without it.
+# ncu first: nothing runs or is written without it. A dry run only prints the commands, so it
+# needs no ncu (they name plain `ncu`).
 NCU=${NCU:-$(command -v ncu || true)}
-if [[ -z $NCU || ! -x $NCU ]]; then
+if [[ $DRY_RUN == 1 && -z $NCU ]]; then
+    NCU=ncu
+elif [[ -z $NCU || ! -x $NCU ]]; then
     "$PYTHON" -c 'from ncu.command import NCU_MISSING_MESSAGE as m; print("error: " + m)' \
         >&2 2>/dev/null \
         || echo "error: ncu (Nsight Compute CLI) not found: put it on PATH or set NCU=/path/to/ncu" >&2

@@ -10,6 +10,11 @@ def ratio(value, baseline):
     return value / baseline
 
 
+def count(n: int, noun: str) -> str:
+    """``1 config``, ``2 configs``: a count with its noun (plural by an added s)."""
+    return f"{n} {noun}" if n == 1 else f"{n} {noun}s"
+
+
 def cell(value, scale: float = 1.0, digits: int = 2) -> str:
     """``-`` for a missing value; floats divided by ``scale`` to ``digits`` decimals."""
     if value is None:

@@ -8,14 +8,14 @@ spellings share.
 
 from __future__ import annotations
 
+import bisect
 import functools
-import gzip
-import json
 import math
 import os
 import re
 from collections.abc import Iterable
 
+from core.reading import UnreadableFile, read_json
 from core.schema import KERNEL_CATEGORIES as CATEGORIES
 
 # One ordered table: a kernel gets the category of the FIRST row whose pattern it contains
@@ -58,7 +58,11 @@ _COMPILED_RULES = [(category, re.compile(pattern, re.IGNORECASE)) for category, 
 KERNEL_CATEGORY = "kernel"  # Kineto's "cat" of GPU kernel events
 MEMORY_EVENT = "[memory]"
 CPU_DEVICE, CUDA_DEVICE = 0, 1  # c10::DeviceType values in "[memory]" events
-_GZIP_MAGIC = b"\x1f\x8b"
+# The record_function range around the attention proper (q·kᵀ, mask, softmax, probs·v; not the
+# projections): kernels launched inside it, or by the backward of an op recorded inside it, are
+# attention whatever their names say (an explicit q·kᵀ is a plain GEMM kernel).
+ATTENTION_RANGE = "attention"
+BACKWARD_PREFIX = "autograd::engine::evaluate_function"
 
 
 @functools.lru_cache(maxsize=4096)  # a trace repeats a few hundred names thousands of times
@@ -103,17 +107,20 @@ def short_name(name: str) -> str:
 def summarize(kernels: Iterable[tuple[str, float]], top: int = 10) -> dict:
     """Time and launch count per category, and the `top` kernels by total time.
 
-    `kernels` are (name, duration in microseconds) pairs; kernels are grouped by full name.
+    `kernels` are (name, duration in microseconds) pairs, or (name, duration, category) where
+    the trace knows better than the name (``kernels_from_trace``: attention by its range);
+    kernels are grouped by full name and category.
     """
-    by_name: dict[str, list[float]] = {}  # full name -> [total µs, launches]
-    for name, duration_us in kernels:
-        entry = by_name.setdefault(name, [0.0, 0])
+    by_name: dict[tuple[str, str], list[float]] = {}  # (name, category) -> [total µs, launches]
+    for name, duration_us, *known in kernels:
+        category = known[0] if known and known[0] else categorize(name)
+        entry = by_name.setdefault((name, category), [0.0, 0])
         entry[0] += duration_us
         entry[1] += 1
 
     categories = {category: {"time_ms": 0.0, "count": 0} for category in CATEGORIES}
-    for name, (total_us, count) in by_name.items():
-        bucket = categories[categorize(name)]
+    for (_, category), (total_us, count) in by_name.items():
+        bucket = categories[category]
         bucket["time_ms"] += total_us / 1000
         bucket["count"] += count
 
@@ -126,11 +133,11 @@ def summarize(kernels: Iterable[tuple[str, float]], top: int = 10) -> dict:
             {
                 "name": short_name(name),
                 "full_name": name,
-                "category": categorize(name),
+                "category": category,
                 "time_ms": total_us / 1000,
                 "count": count,
             }
-            for name, (total_us, count) in ranked
+            for (name, category), (total_us, count) in ranked
         ],
     }
 
@@ -148,23 +155,96 @@ def category_deltas(summary: dict, baseline: dict) -> dict[str, float]:
 
 
 def load_trace_events(path: str | os.PathLike) -> list[dict]:
-    """The events of a Chrome/Kineto trace, plain or gzipped (by extension or magic bytes)."""
-    path = os.fspath(path)
-    with open(path, "rb") as f:
-        gzipped = path.endswith(".gz") or f.read(2) == _GZIP_MAGIC
-    with (gzip.open if gzipped else open)(path, "rt", encoding="utf-8") as f:
-        trace = json.load(f)
+    """The events of a Chrome/Kineto trace, plain or gzipped (by extension or magic bytes).
+
+    Raises ``core.reading.UnreadableFile`` (a ValueError) for a file that is not a regular,
+    UTF-8, complete JSON trace (a truncated trace is not JSON); entries that are not objects
+    are dropped.
+    """
+    trace = read_json(path, max_depth=None)  # a trace nests 4 deep but has millions of items
     # The Chrome trace format allows a bare event list as well as {"traceEvents": [...]}.
-    return trace.get("traceEvents", []) if isinstance(trace, dict) else trace
+    events = trace.get("traceEvents", []) if isinstance(trace, dict) else trace
+    if not isinstance(events, list):
+        raise UnreadableFile("no list of trace events")
+    return [event for event in events if isinstance(event, dict)]
 
 
-def kernels_from_trace(path: str | os.PathLike) -> list[tuple[str, float]]:
-    """(name, duration µs) of every GPU kernel event in a *.pt.trace.json[.gz] file."""
-    return [
-        (event["name"], float(event["dur"]))
-        for event in load_trace_events(path)
-        if str(event.get("cat", "")).lower() == KERNEL_CATEGORY and "dur" in event
-    ]
+def _number(value) -> float | None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    return float(value) if math.isfinite(value) else None
+
+
+def _merged(intervals: list[tuple[float, float]]) -> tuple[list[float], list[float]]:
+    """Starts and ends of the union of (start, end) intervals, sorted, for bisect."""
+    starts: list[float] = []
+    ends: list[float] = []
+    for start, end in sorted(intervals):
+        if ends and start <= ends[-1]:
+            ends[-1] = max(ends[-1], end)
+        else:
+            starts.append(start)
+            ends.append(end)
+    return starts, ends
+
+
+def attention_spans(events: list[dict]) -> dict:
+    """Per CPU thread, the merged time spans whose kernel launches are attention work: every
+    ``ATTENTION_RANGE`` range, and the backward (``autograd::engine::evaluate_function``) of
+    every op recorded inside one, matched by the op's autograd "Sequence number"."""
+    ranges: dict = {}
+    for e in events:
+        ts, dur = _number(e.get("ts")), _number(e.get("dur"))
+        if e.get("name") == ATTENTION_RANGE and e.get("ph") == "X" and None not in (ts, dur):
+            ranges.setdefault(e.get("tid"), []).append((ts, ts + dur))
+    merged = {tid: _merged(spans) for tid, spans in ranges.items()}
+    sequences = set()
+    for e in events:
+        seq = (e.get("args") or {}).get("Sequence number")
+        if seq is not None and e.get("cat") == "cpu_op" and _inside(merged, e):
+            if not str(e.get("name", "")).startswith(BACKWARD_PREFIX):
+                sequences.add(seq)
+    for e in events:
+        ts, dur = _number(e.get("ts")), _number(e.get("dur"))
+        name, seq = str(e.get("name", "")), (e.get("args") or {}).get("Sequence number")
+        if name.startswith(BACKWARD_PREFIX) and seq in sequences and None not in (ts, dur):
+            ranges.setdefault(e.get("tid"), []).append((ts, ts + dur))
+    return {tid: _merged(spans) for tid, spans in ranges.items()}
+
+
+def _inside(spans: dict, event: dict) -> bool:
+    """Does the event start inside one of ``spans`` (attention_spans) of its thread?"""
+    ts = _number(event.get("ts"))
+    if ts is None or event.get("tid") not in spans:
+        return False
+    starts, ends = spans[event.get("tid")]
+    i = bisect.bisect_right(starts, ts) - 1
+    return i >= 0 and ts <= ends[i]
+
+
+def kernels_from_trace(path: str | os.PathLike) -> list[tuple[str, float, str | None]]:
+    """(name, duration µs, category or None) of every GPU kernel event in a
+    *.pt.trace.json[.gz] file. The category is "attention" for a kernel whose launch (the CPU
+    runtime call with its "correlation" id) lies in ``attention_spans``; None lets ``summarize``
+    go by the name. Raises UnreadableFile for a file that is not a complete trace."""
+    events = load_trace_events(path)
+    spans = attention_spans(events)
+    attention_launches = {
+        (e.get("args") or {}).get("correlation")
+        for e in events
+        if e.get("cat") in ("cuda_runtime", "cuda_driver") and _inside(spans, e)
+    }
+    attention_launches.discard(None)
+    out = []
+    for event in events:
+        name, dur = event.get("name"), _number(event.get("dur"))
+        if str(event.get("cat", "")).lower() != KERNEL_CATEGORY or dur is None:
+            continue
+        if not isinstance(name, str):
+            continue
+        correlation = (event.get("args") or {}).get("correlation")
+        out.append((name, dur, "attention" if correlation in attention_launches else None))
+    return out
 
 
 def memory_curve_from_trace(
@@ -177,10 +257,11 @@ def memory_curve_from_trace(
     """
     samples = []  # (device type, ts µs, allocated bytes)
     for event in load_trace_events(path):
-        args = event.get("args") or {}
-        if event.get("name") == MEMORY_EVENT and "Total Allocated" in args:
-            device = int(args.get("Device Type", -1))
-            samples.append((device, float(event["ts"]), float(args["Total Allocated"])))
+        args = event.get("args") if isinstance(event.get("args"), dict) else {}
+        ts, allocated = _number(event.get("ts")), _number(args.get("Total Allocated"))
+        if event.get("name") == MEMORY_EVENT and None not in (ts, allocated):
+            device = args.get("Device Type", -1)
+            samples.append((device, ts, allocated))
     if device_type is None:
         has_cuda = any(device == CUDA_DEVICE for device, _, _ in samples)
         device_type = CUDA_DEVICE if has_cuda else CPU_DEVICE

@@ -14,7 +14,7 @@ MB = 2**20  # bytes per MB, as torch reports memory
 # ---------------------------------------------------------------- statuses and exit codes
 STATUSES = ("ok", "oom", "error", "skipped")
 FINISHED = ("ok", "oom", "skipped")  # statuses --resume does not run again
-EXIT_OK, EXIT_CONFIG_ERROR, EXIT_BAD_ARGS, EXIT_INTERRUPTED = 0, 1, 2, 130
+EXIT_OK, EXIT_CONFIG_ERROR, EXIT_BAD_ARGS, EXIT_INTERRUPTED, EXIT_TERMINATED = 0, 1, 2, 130, 143
 
 # ---------------------------------------------------------------- trainers, as reports show them
 # Canonical order and titles; a trainer not listed (a new one) sorts last, titled by its name.

@@ -14,6 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from core.schema import TRAINER_ALIASES, TRAINER_ORDER
 from hf.configs import HF_CONFIGS
 
 
@@ -52,9 +53,9 @@ MODES = {
         Mode(
             "hf",
             "Hugging Face Llama sequence classifier (LoRA, Poisson sampling, epsilon)",
-            cpu_defaults="test",
-            cpu_becomes=True,
-            cpu_message="No CUDA device found: --mode=hf runs the CPU test defaults instead.",
+            cpu_model="tiny-llama",
+            cpu_message="No CUDA device found: --mode=hf runs on the CPU with {model}, "
+            "with the hf mode's defaults.",
         ),
         Mode(
             "hf_sweep",
@@ -112,6 +113,8 @@ def _physical_part(config) -> str | None:
     return f"_pb{physical}" if physical != config.batch_size else None
 
 
+# The causal LM's named configs (``models.CONFIGS``), listed here so --help needs no torch.
+LM_MODELS = ("tiny", "1b")
 MODEL_OVERRIDES = ("vocab_size", "hidden_dim", "num_layers", "num_heads", "max_seq_len")
 HF_MODES = {
     "hf": "meta-llama/Llama-3.2-3B-Instruct",
@@ -124,7 +127,9 @@ SETTINGS: tuple[Setting, ...] = (
     Setting(
         "trainer",
         None,
-        "trainers to run (default: every registered one; hf_sweep: dpsgd)",
+        f"trainers to run: {', '.join(TRAINER_ORDER)} (aliases: "
+        f"{', '.join(f'{a}={t}' for a, t in TRAINER_ALIASES.items())}) (default: every "
+        "registered one; hf_sweep: dpsgd)",
         flags=("--trainers",),
         axis=True,
         modes={"hf_sweep": ["dpsgd"]},
@@ -208,7 +213,7 @@ SETTINGS: tuple[Setting, ...] = (
     Setting(
         "model",
         "tiny",
-        "named model config",
+        f"named model: {', '.join([*LM_MODELS, *HF_CONFIGS])}",
         flags=("--model", "--model_name"),
         modes={"profile": "1b", "memory": "1b", **HF_MODES},
         dir_part=lambda c: "_" + c.model.replace("/", "-") if c.model != c.default_model else None,
@@ -238,7 +243,7 @@ SETTINGS: tuple[Setting, ...] = (
         "measured steps",
         flags=("--steps", "--num_steps", "--num_iter"),
         type=int,
-        modes={"profile": 5, "hf": 5, "hf_sweep": 5},
+        modes={"profile": 5, "memory": 5, "hf": 5, "hf_sweep": 5},  # GPU modes: >= 5
     ),
     Setting(
         "warmup_steps",
@@ -340,7 +345,7 @@ SETTINGS: tuple[Setting, ...] = (
         Setting(
             name,
             None,
-            "override the model config",
+            f"override the causal LM's {name}",
             flags=(f"--{name}",),
             type=int,
             into="model_overrides",

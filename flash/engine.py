@@ -74,6 +74,7 @@ class Layer:
     # keeping A and G for them (summed over calls: a reused module's gradient is the sum).
     per_sample: dict[str, Tensor] = field(default_factory=dict)
     described: list[dict] = field(default_factory=list)  # the route of each call, for routes()
+    plans: dict[tuple, tuple] = field(default_factory=dict)  # FlashClipping._plan's, by shapes
 
 
 CPU_ROW_CHUNK = 2**16  # columns per chunk: bounds the temporary of the CPU sum of squares
@@ -93,6 +94,24 @@ def _squared_row_norms(x: Tensor) -> Tensor:
     return total.to(_acc_dtype(x))
 
 
+def _squared_row_norms_many(grads: list[Tensor]) -> list[Tensor]:
+    """The sum over ``grads`` of _squared_row_norms(grad.flatten(1)), [B], one term per (dtype,
+    device): one multi-tensor norm over all their sample rows, not a reduction per tensor (LoRA
+    keeps hundreds of per-sample gradients per chunk and flash is launch/CPU-bound there). CPU
+    accumulates in fp64 (fp32 drifts on long rows, see _squared_row_norms)."""
+    groups: dict[tuple, list[Tensor]] = {}
+    for grad in grads:
+        groups.setdefault((grad.dtype, grad.device), []).append(grad)
+    terms = []
+    for members in groups.values():
+        acc = _acc_dtype(members[0])
+        rows = [row for grad in members for row in grad.unbind(0)]
+        on_cpu = members[0].device.type == "cpu"
+        norms = torch._foreach_norm(rows, 2, dtype=torch.float64 if on_cpu else acc)
+        terms.append(torch.stack(norms).view(len(members), -1).square().sum(0).to(acc))
+    return terms
+
+
 def _is_small(per_sample_grad: Tensor) -> bool:
     # numel // B, not grad[0].numel(): indexing is an op (and flash is launch/CPU-bound here)
     return per_sample_grad.numel() <= SMALL_PER_SAMPLE_NUMEL * per_sample_grad.shape[0]
@@ -102,6 +121,8 @@ def _flatten_tokens(x: Tensor, feature_dims: int) -> Tensor:
     """View [B, ..., features] as [B, T, prod(features)] ([B, T] when no feature dims)."""
     if feature_dims == 0:
         return x.reshape(x.shape[0], -1)
+    if feature_dims == 1:  # Linear: the common case, without math.prod (a hook per call)
+        return x.reshape(x.shape[0], -1, x.shape[-1])
     return x.reshape(x.shape[0], -1, math.prod(x.shape[x.dim() - feature_dims :]))
 
 
@@ -195,15 +216,12 @@ class FlashClipping:
                         "after its forward; its per-sample gradients need it unchanged"
                     )
                 A, G = call[0], _flatten_tokens(grad.detach(), k_out)
-                layer.described.append(
-                    {"layer": layer.name, "T": A.shape[1], **layer.rule.describe(layer, A, G)}
-                )
-                kept = layer.rule.kept_per_sample(layer, A, G)
+                description, kept, rest = self._plan(layer, A, G)
+                layer.described.append(description)
                 if kept:
                     self._add_per_sample(layer, layer.rule.per_sample_grads(layer, A, G, kept))
-                rest = layer.params.keys() - kept
                 if rest:
-                    call[1], call[2] = G, rest
+                    call[1], call[2] = G, set(rest)  # the call's own: the plan's is shared
                 else:
                     call[0] = None  # A and G are not needed any more
 
@@ -216,6 +234,18 @@ class FlashClipping:
             return None
 
         return forward_hook
+
+    @staticmethod
+    def _plan(layer: Layer, A: Tensor, G: Tensor) -> tuple[dict, set[str], set[str]]:
+        """(route description, parameters kept per sample, the rest) of a call, decided once per
+        layer and shapes, not per chunk (LoRA: hundreds of layers, each hook's Python counts)."""
+        key = (A.shape, G.shape)
+        plan = layer.plans.get(key)
+        if plan is None:
+            description = {"layer": layer.name, "T": A.shape[1], **layer.rule.describe(layer, A, G)}
+            kept = layer.rule.kept_per_sample(layer, A, G)
+            plan = layer.plans[key] = (description, kept, layer.params.keys() - kept)
+        return plan
 
     @staticmethod
     def _add_per_sample(layer: Layer, grads: dict[str, Tensor]) -> None:
@@ -243,22 +273,8 @@ class FlashClipping:
             # Calls whose G never came (unused outputs) add nothing; parameters kept per sample
             # already hold theirs.
             calls = [list(c) for c in hooked if c[0] is not None and c[1] is not None]
-            pending = set().union(*(rest for _, _, rest in calls))
-            if pending & layer.per_sample.keys():  # other calls formed these per sample: join
-                for A, G, rest in calls:
-                    self._add_per_sample(layer, layer.rule.per_sample_grads(layer, A, G, rest))
-                calls = []
-                layer.described = [dict(d, route="product") for d in layer.described]
-            if len(calls) > 1:  # a reused module's grad sums over calls: concatenate along T
-                A, G = (torch.cat(t, 1) for t in zip(*(c[:2] for c in calls), strict=True))
-                # The route is decided again on the joined T: report that one.
-                layer.described = [
-                    {"layer": layer.name, "T": A.shape[1], **layer.rule.describe(layer, A, G)}
-                ]
-                kept = layer.rule.kept_per_sample(layer, A, G) & pending
-                if kept:
-                    self._add_per_sample(layer, layer.rule.per_sample_grads(layer, A, G, kept))
-                calls = [[A, G, pending - kept]] if pending - kept else []
+            if calls:  # most layers (all of LoRA's) kept per-sample grads: nothing to join
+                calls = self._join_calls(layer, calls)
             layer.calls = calls
             # The hook closures hold the original lists and live as long as the autograd graph
             # (the caller's loss keeps it): empty them so layer.calls is the only reference and
@@ -266,6 +282,27 @@ class FlashClipping:
             for call in hooked:
                 call.clear()
         self._routes = [route for layer in self.layers for route in layer.described]
+
+    def _join_calls(self, layer: Layer, calls: list[list]) -> list[list]:
+        """A layer's calls still to be done from A and G, joined: a reused module's gradient is
+        the sum over its calls."""
+        pending = set().union(*(rest for _, _, rest in calls))
+        if pending & layer.per_sample.keys():  # other calls formed these per sample: join
+            for A, G, rest in calls:
+                self._add_per_sample(layer, layer.rule.per_sample_grads(layer, A, G, rest))
+            layer.described = [dict(d, route="product") for d in layer.described]
+            return []
+        if len(calls) == 1:
+            return calls
+        # Concatenated along T; the route is decided again on the joined T: report that one.
+        A, G = (torch.cat(t, 1) for t in zip(*(c[:2] for c in calls), strict=True))
+        layer.described = [
+            {"layer": layer.name, "T": A.shape[1], **layer.rule.describe(layer, A, G)}
+        ]
+        kept = layer.rule.kept_per_sample(layer, A, G) & pending
+        if kept:
+            self._add_per_sample(layer, layer.rule.per_sample_grads(layer, A, G, kept))
+        return [[A, G, pending - kept]] if pending - kept else []
 
     def _batch_size(self) -> int:
         sizes = {layer.name: call[0].shape[0] for layer in self.layers for call in layer.calls}
@@ -298,13 +335,12 @@ class FlashClipping:
         """Squared norm of each sample's gradient over all managed parameters, [B]."""
         if self._norms is None:
             self._batch_size()  # checks that backward ran and that the batch sizes agree
-            terms, calls_by_rule = [], {}
+            large, calls_by_rule = [], {}
             for layer in self.layers:
                 for A, G, _ in layer.calls:
                     calls_by_rule.setdefault(layer.rule, []).append((layer, A, G))
-                for grad in layer.per_sample.values():
-                    if not _is_small(grad):
-                        terms.append(_squared_row_norms(grad.flatten(1)))
+                large += [grad for grad in layer.per_sample.values() if not _is_small(grad)]
+            terms = _squared_row_norms_many(large)
             terms += [_squared_row_norms(grads) for _, grads in self._small_per_sample()]
             for rule, calls in calls_by_rule.items():
                 terms += rule.squared_norms_many(calls)

@@ -10,7 +10,6 @@ the allocations and frees torch.profiler reports during the step (``memory_sourc
 from __future__ import annotations
 
 import gc
-import json
 import os
 import tempfile
 import time
@@ -19,6 +18,7 @@ import warnings
 import torch
 from torch.profiler import ProfilerActivity, profile
 
+from core import kernel_names
 from core.schema import MB
 
 
@@ -90,8 +90,7 @@ def cpu_step_peak_bytes(step, exclude=()) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "trace.json")
         prof.export_chrome_trace(path)
-        with open(path) as f:
-            events = json.load(f)["traceEvents"]
+        events = kernel_names.load_trace_events(path)
     memory_events = sorted(
         (e for e in events if e.get("name") == "[memory]" and e["args"].get("Device Type") == 0),
         key=lambda e: e["ts"],

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import argparse
 import itertools
+import json
+import math
 import os
 from dataclasses import dataclass
 
@@ -83,6 +85,13 @@ def make_plan(args: argparse.Namespace, cuda_available) -> Plan:
     axes["max_physical_batch_size"] = _unique(values.pop("max_physical_batch_size") or [None])
     axes["lora_rank"] = _lora_ranks(args, values.pop("lora_rank"))
     check(values, axes, args)
+    if note and args.model:  # no CUDA, and the CPU was not asked for: a huge model is a mistake
+        count = parameter_count(args.model, values["model_overrides"])
+        if count >= BILLION:
+            raise UsageError(
+                f"no CUDA device found and --model {args.model} has about "
+                f"{count / BILLION:.1f}B parameters: add --device cpu to run it on the CPU anyway"
+            )
     order = ("batch_size", "max_physical_batch_size", "seq_len", "lora_rank", "trainer")
     configs = [
         ExperimentConfig(**values, **dict(zip(order, combination)))
@@ -108,9 +117,10 @@ def _lora_ranks(args, ranks) -> list[int]:
 def check(values: dict, axes: dict, args) -> None:
     """UsageError for a plan that cannot run as asked."""
     model = values["model"]
+    check_numbers(values)
     max_seq_len = model_max_seq_len(model, values["attention"], values["model_overrides"])
-    if values["dataset_path"] and not os.path.exists(values["dataset_path"]):
-        raise UsageError(f"--dataset_path {values['dataset_path']} does not exist")
+    if values["dataset_path"]:
+        check_dataset_file(values["dataset_path"])
     if args.mode == "hf_sweep" and model not in HF_CONFIGS:
         known = ", ".join(HF_CONFIGS)
         raise UsageError(f"--mode=hf_sweep needs a Hugging Face model ({known}), got {model!r}")
@@ -145,8 +155,78 @@ def check(values: dict, axes: dict, args) -> None:
             raise UsageError(f"physical batch {pb} > every logical batch size {batch_sizes}")
     if values["steps"] <= 0 or values["warmup_steps"] < 0:
         raise UsageError("--steps must be positive and --warmup_steps non-negative")
+    if values["steps"] > MAX_STEPS or values["warmup_steps"] > MAX_STEPS:
+        raise UsageError(f"--steps and --warmup_steps must be at most {MAX_STEPS}")
     if values["ncu"] and values["device"] != "cuda":
         raise UsageError("--ncu profiles CUDA kernels: it needs a CUDA device")
+    physical = max(pb or b for pb in axes["max_physical_batch_size"] for b in batch_sizes)
+    needed = bytes_lower_bound(
+        model, values["model_overrides"], physical, max(seq_lens), values["dataset_size"]
+    )
+    if needed > ADDRESS_SPACE:
+        raise UsageError(
+            f"model {model!r} at batch {physical} x seq_len {max(seq_lens)} needs at least "
+            f"{needed / 2**40:.0f} TiB: more than any process can address"
+        )
+
+
+MAX_STEPS = 1_000_000
+MAX_SEED = 2**63 - 1  # torch.manual_seed takes 64-bit seeds
+BILLION = 10**9
+ADDRESS_SPACE = 2**47  # bytes of a process's user address space (x86-64, 4-level paging)
+
+
+def check_numbers(values: dict) -> None:
+    """Every float finite; the seed and model overrides in range (sizes: in ``check``)."""
+    for name in ("lr", "noise_multiplier", "max_grad_norm", "delta"):
+        if not math.isfinite(values[name]):
+            raise UsageError(f"--{name} must be a finite number, got {values[name]}")
+    if not 0 <= values["seed"] <= MAX_SEED:
+        raise UsageError(f"--seed must be in 0..{MAX_SEED}, got {values['seed']}")
+    for name, value in values["model_overrides"].items():
+        if value <= 0:
+            raise UsageError(f"--{name} must be positive, got {value}")
+
+
+def check_dataset_file(path: str) -> None:
+    """UsageError unless ``path`` is a file whose first non-empty line is a JSON object."""
+    if not os.path.isfile(path):
+        raise UsageError(f"--dataset_path {path} is not a file (JSON lines expected)")
+    try:
+        with open(path, encoding="utf-8") as f:
+            first = next((line for line in f if line.strip()), "")
+        record = json.loads(first) if first else None
+    except (OSError, ValueError) as error:  # UnicodeDecodeError and JSONDecodeError included
+        raise UsageError(f"--dataset_path {path} is not JSON lines: {error}") from None
+    if not isinstance(record, dict):
+        raise UsageError(f"--dataset_path {path} is not JSON lines (one object per line)")
+
+
+def model_shape(model: str, overrides: dict) -> tuple[int, int, int, int]:
+    """(vocab, hidden, layers, MLP width) of a named model with its overrides."""
+    if model in HF_CONFIGS:
+        c = HF_CONFIGS[model]
+        shape = (c["vocab_size"], c["hidden_size"], c["num_hidden_layers"])
+        return (*shape, c["intermediate_size"])
+    c = models.get_config(model, **overrides)
+    return c.vocab_size, c.hidden_dim, c.num_layers, c.mlp_dim
+
+
+def parameter_count(model: str, overrides: dict) -> int:
+    """About how many parameters the model has: embeddings plus attention and MLP weights."""
+    vocab, hidden, layers, mlp = model_shape(model, overrides)
+    return 2 * vocab * hidden + layers * (4 * hidden * hidden + 3 * hidden * mlp)
+
+
+def bytes_lower_bound(model, overrides, physical_batch, seq_len, dataset_size) -> int:
+    """Bytes a config needs at the least: fp32 parameters, one hidden state per layer, the LM's
+    logits, the HF task's synthetic dataset. Python integers: no overflow, however large."""
+    vocab, hidden, layers, _ = model_shape(model, overrides)
+    tokens = physical_batch * seq_len
+    hf = model in HF_CONFIGS  # a sequence classifier: no vocabulary-wide logits
+    activations = tokens * (hidden * layers + (0 if hf else vocab))
+    dataset = 8 * dataset_size * seq_len if hf else 0
+    return 4 * (parameter_count(model, overrides) + activations) + dataset
 
 
 def model_max_seq_len(model: str, attention: str, overrides: dict) -> int:

@@ -7,15 +7,20 @@ every config (no pool pollution between trainers) and an OOM or crash stays insi
 
 from __future__ import annotations
 
+import contextlib
+import glob
 import multiprocessing
 import os
+import shutil
+import signal
 import sys
 
 import torch
 from tqdm import tqdm
 
 import trainers
-from core.files import read_json, write_json
+from core.files import write_json
+from core.reading import read_json_or_none
 from core.schema import FINISHED
 from measure.worker import result_skeleton, worker_main
 
@@ -24,28 +29,31 @@ class Interrupted(Exception):
     """Ctrl-C during a run: the finished configs are summarised, the running one dropped."""
 
 
-def run_configs(configs: list, run_dir: str, resume: bool = False, progress: bool = False):
+def run_configs(
+    configs: list, run_dir: str, resume: bool = False, progress: bool = False, verbose=False
+):
     """Run every config in its own forked worker; returns the results in config order.
-    ``progress``: a progress bar over the configs on stderr (plain lines when it is no tty)."""
+    ``progress``: a progress bar over the configs on stderr (plain lines when it is no tty).
+    ``verbose``: the workers show the libraries' known-harmless noise too."""
     try:
-        return _run_configs(configs, run_dir, resume, progress)
+        return _run_configs(configs, run_dir, resume, progress, verbose)
     except KeyboardInterrupt:  # between two configs: nothing is running
         raise Interrupted("between configs") from None
 
 
 def finished_result(result_path: str, resume: bool) -> dict | None:
     """The earlier result that ``--resume`` keeps, or None when the config must run."""
-    previous = read_json(result_path) if resume else None
-    if not isinstance(previous, dict):
+    previous = read_json_or_none(result_path) if resume else None
+    if not isinstance(previous, dict) or not isinstance(previous.get("config"), dict):
         return None
-    if previous.get("config", {}).get("ncu"):
+    if previous["config"].get("ncu"):
         # An ncu config is never done: ncu runs the app to profile it now (again in each metric
         # pass of app-range replay); skipping it would leave an empty report in place of one.
         return None
     return previous if previous.get("status") in FINISHED else None
 
 
-def _run_configs(configs, run_dir, resume, progress) -> list[dict]:
+def _run_configs(configs, run_dir, resume, progress, verbose) -> list[dict]:
     context = multiprocessing.get_context("fork")
     paths = [os.path.join(run_dir, c.config_dir, "result.json") for c in configs]
     # Resumed and skipped configs take no time: counted as done from the start, they do not
@@ -53,6 +61,9 @@ def _run_configs(configs, run_dir, resume, progress) -> list[dict]:
     no_worker = sum(
         bool(finished_result(p, resume) or skip_reason(c)) for c, p in zip(configs, paths)
     )
+    if resume:  # what an earlier interrupted or killed run left behind
+        for config_path in glob.glob(os.path.join(run_dir, "*", "")):
+            remove_leftovers(config_path.rstrip(os.sep))
     bar = ProgressBar(len(configs), no_worker) if progress else None
     log = bar.write if bar else print
     results = []
@@ -70,7 +81,7 @@ def _run_configs(configs, run_dir, resume, progress) -> list[dict]:
                 write_json(result_path, result)
             else:
                 log(f"{tag}: running")
-                result = run_in_child(context, config, config_path, result_path)
+                result = run_in_child(context, config, config_path, result_path, verbose)
                 if bar:
                     bar.update()
             log(f"{tag}: {describe(result)}")
@@ -137,24 +148,70 @@ def skip_reason(config) -> str | None:
     return None
 
 
-def run_in_child(context, config, config_path, result_path) -> dict:
+def run_in_child(context, config, config_path, result_path, verbose=False) -> dict:
     if os.path.exists(result_path):  # an unfinished earlier attempt (--resume reruns it)
         os.replace(result_path, result_path + ".previous")
-    process = context.Process(target=worker_main, args=(config, config_path))
+    errors, child_errors = context.Pipe(duplex=False)
+    process = context.Process(
+        target=worker_main, args=(config, config_path, child_errors), kwargs={"verbose": verbose}
+    )
     process.start()
+    child_errors.close()
     try:
         process.join()
-    except KeyboardInterrupt:
+    except KeyboardInterrupt:  # Ctrl-C, or SIGTERM (the CLI raises it as one)
+        # A second signal must not cut the clean-up short (the CLI restores the handlers).
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
         process.terminate()
         process.join()
+        errors.close()
+        remove_leftovers(config_path)
         raise Interrupted(config.config_dir) from None
-    result = read_json(result_path)
+    result = read_json_or_none(result_path)
+    reported = last_words(errors)
+    errors.close()
     if result is None:  # killed or crashed before writing (segfault, SIGKILL from the OOM killer)
-        code = process.exitcode
-        reason = f"signal {-code}" if code is not None and code < 0 else f"exit code {code}"
-        result = result_skeleton(config, "error", f"worker died without a result ({reason})")
-        write_json(result_path, result)
+        result = died_result(config, process.exitcode, reported)
+        try:
+            write_json(result_path, result)
+        except OSError as error:  # the disk is full for this one too: the summary still has it
+            print(f"{config.config_dir}: could not write result.json: {error}", file=sys.stderr)
+    remove_leftovers(config_path)
     return result
+
+
+def last_words(errors) -> str | None:
+    """What a worker reported before dying, if anything (a killed one closed the pipe)."""
+    try:
+        return errors.recv() if errors.poll() else None
+    except EOFError:
+        return None
+
+
+def died_result(config, exitcode: int | None, reported: str | None) -> dict:
+    """The result of a worker that wrote none: ``reported`` is what it said before dying."""
+    if exitcode == -signal.SIGKILL:  # the kernel's OOM killer sends SIGKILL
+        return result_skeleton(
+            config,
+            "oom",
+            "worker killed by SIGKILL: most likely the kernel's OOM killer (host out of memory)",
+        )
+    reason = (
+        f"signal {-exitcode}" if exitcode is not None and exitcode < 0 else f"exit code {exitcode}"
+    )
+    return result_skeleton(config, "error", reported or f"worker died without a result ({reason})")
+
+
+def remove_leftovers(config_path: str) -> None:
+    """What an interrupted or killed worker leaves: a trace's staging folder, temporary files,
+    and the config directory itself when nothing else is in it."""
+    for staging in glob.glob(os.path.join(config_path, ".trace-*")):
+        shutil.rmtree(staging, ignore_errors=True)
+    for partial in glob.glob(os.path.join(config_path, "*.tmp[0-9]*")):
+        os.remove(partial)
+    with contextlib.suppress(OSError):  # not empty: it holds results or earlier files
+        os.rmdir(config_path)
 
 
 def describe(result: dict) -> str:

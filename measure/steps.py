@@ -46,7 +46,7 @@ class Session:
     targets: torch.Tensor = None
     measured_snapshots: list = field(default_factory=list)
     step_starts: list = field(default_factory=list)
-    census: census.ModuleCensus | None = None
+    module_census: census.ModuleCensus | None = None
     extra_steps: int = 0  # steps on the last sampled batch after the timed ones
 
     def reused_batch_step(self) -> None:
@@ -57,7 +57,7 @@ class Session:
 
     def extra_step(self) -> None:
         """A reused-batch step that the module census (if any) observes."""
-        with self.census.observing() if self.census else contextlib.nullcontext():
+        with self.module_census.observing() if self.module_census else contextlib.nullcontext():
             self.reused_batch_step()
 
 
@@ -137,13 +137,13 @@ def save_snapshot(out_dir: str, snapshot: dict, recording: dict) -> None:
         json.dump(recording, f)
 
 
-class ModuleCensus:
+class Census:
     """Bytes by module group and kind in one extra step, and time and memory per phase."""
 
     def run(self, s: Session, result: dict) -> None:
-        if not s.census.steps_observed:  # no extra step ran yet (CUDA without breakdown)
+        if not s.module_census.steps_observed:  # no extra step ran yet (CUDA without breakdown)
             s.extra_step()
-        result["module_memory"] = s.census.result()
+        result["module_memory"] = s.module_census.result()
         result["phase_costs"] = census.phase_costs(s.measured_snapshots, s.step_starts)
 
 
@@ -155,12 +155,16 @@ class Trace:
         use_gzip = s.device.type == "cuda" if config.trace_gzip is None else config.trace_gzip
         path = tracing.trace_steps(s.reused_batch_step, s.device, s.out_dir, use_gzip)
         result["trace_file"] = os.path.basename(path) if path else None
-        if s.device.type == "cuda" and path:
-            summary = kernel_names.summarize(kernel_names.kernels_from_trace(path))
-            result["kernels"] = summary["categories"]
-            result["top_kernels"] = summary["top"]
-        else:
+        if s.device.type != "cuda" or not path:
             s.env["kernels_note"] = "GPU kernel times exist only for CUDA runs"
+            return
+        try:
+            summary = kernel_names.summarize(kernel_names.kernels_from_trace(path))
+        except ValueError as error:  # an unreadable trace (truncated, over the size cap)
+            s.env["kernels_note"] = f"the trace could not be read: {error}"
+            return
+        result["kernels"] = summary["categories"]
+        result["top_kernels"] = summary["top"]
 
 
 class Privacy:
@@ -241,7 +245,7 @@ def measurements(config) -> list:
     if config.breakdown:
         sequence.append(Breakdown())
     if config.detailed_memory:
-        sequence.append(ModuleCensus())
+        sequence.append(Census())
     if config.trace:
         sequence.append(Trace())
     return [*sequence, Privacy()]

@@ -3,18 +3,20 @@ classify the outcome, write ``result.json``. ``measure.processes`` runs this in 
 
 from __future__ import annotations
 
+import ctypes
+import multiprocessing
 import os
 import signal
+import sys
 import traceback
-import warnings
 
 import opacus
 import torch
 
 import trainers
-from core.files import write_json
+from core.files import non_finite_paths, write_json
 from core.schema import empty_result
-from measure import census, phases
+from measure import census, phases, quiet
 from measure.steps import Session, measurements
 from measure.workload import Workload
 
@@ -67,7 +69,7 @@ def run_experiment(config, out_dir: str) -> dict:
     )
     session = Session(config, device, trainer, workload, recorder, out_dir, env)
     if config.detailed_memory:
-        session.census = census.ModuleCensus(trainer)
+        session.module_census = census.ModuleCensus(trainer)
     # Only the timed steps record phase snapshots (they observe with the recorder themselves).
     with trainer.observing_phases(lambda name: None):
         for measurement in measurements(config):
@@ -75,20 +77,75 @@ def run_experiment(config, out_dir: str) -> dict:
     return result
 
 
-def worker_main(config, config_path: str) -> None:
-    """Entry point of the forked child: run, classify the outcome, write result.json."""
+def worker_main(config, config_path: str, errors=None, verbose: bool = False) -> None:
+    """Entry point of the forked child: run, classify the outcome, write result.json.
+    ``errors``: a pipe end on which a result that cannot be written (disk full) is reported."""
+    die_with_parent()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent decides what Ctrl-C stops
-    # Opacus' hooks warn on every backward of a model whose inputs need no grad (token ids).
-    warnings.filterwarnings("ignore", message="Full backward hook is firing")
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)  # not the CLI's handler: terminate() stops it
+    if verbose:
+        result = classified_run(config, config_path)
+    else:
+        quiet.filter_warnings()
+        with quiet.quiet_stderr():
+            result = classified_run(config, config_path)
+    try:
+        write_json(os.path.join(config_path, "result.json"), result)
+    except OSError as error:  # the parent records it: "worker died" would hide the cause
+        message = f"could not write result.json: {type(error).__name__}: {error}"
+        if errors is not None:
+            errors.send(message)
+        else:
+            print(f"{config.config_dir}: {message}", file=sys.stderr)
+        sys.exit(1)
+
+
+def classified_run(config, config_path: str) -> dict:
+    """The result of one config, whatever happens: ok, oom or error."""
     try:
         result = run_experiment(config, config_path)
     except Exception as error:  # noqa: BLE001 - every failure becomes a recorded status
         status = "oom" if is_oom(error) else "error"
-        result = result_skeleton(config, status, f"{type(error).__name__}: {error}")
+        message = f"{type(error).__name__}: {error}"
+        if isinstance(error, MemoryError):
+            message = f"MemoryError: host out of memory {error}".rstrip()
+        result = result_skeleton(config, status, message)
         if status == "error":
             result["traceback"] = traceback.format_exc()
-    write_json(os.path.join(config_path, "result.json"), result)
+    # Strict JSON has no NaN or infinity: they are written as null, and the result says why.
+    paths = non_finite_paths({k: v for k, v in result.items() if k != "config"})
+    if paths:
+        note = f"non-finite values (NaN or infinity) written as null: {', '.join(paths[:10])}"
+        if result["status"] == "ok" and any(p.startswith("losses") for p in paths):
+            result["status"], result["error"] = "error", note  # a diverged run is no measurement
+        elif isinstance(result["env"], dict):
+            result["env"]["non_finite_note"] = note  # e.g. epsilon without noise
+    return result
 
 
 def is_oom(error: BaseException) -> bool:
-    return isinstance(error, torch.cuda.OutOfMemoryError) or "out of memory" in str(error)
+    """CUDA out of memory, or the host's: MemoryError, or torch's CPU allocator failing."""
+    text = str(error)
+    return (
+        isinstance(error, (torch.cuda.OutOfMemoryError, MemoryError))
+        or "out of memory" in text
+        or "can't allocate memory" in text
+    )
+
+
+PR_SET_PDEATHSIG = 1  # linux/prctl.h
+
+
+def die_with_parent() -> None:
+    """Linux: the kernel kills this worker when the CLI process dies, so a killed run never
+    leaves a worker measuring beside the next one. Elsewhere nothing is done."""
+    parent = multiprocessing.parent_process()
+    if not sys.platform.startswith("linux") or parent is None:
+        return
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    except (OSError, AttributeError):
+        return
+    if os.getppid() != parent.pid:  # the parent died before prctl took effect
+        os._exit(1)

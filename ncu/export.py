@@ -14,6 +14,7 @@ import subprocess
 
 from core.files import write_text
 from core.kernel_names import categorize
+from core.reading import MAX_BYTES, read_text
 from core.schema import KERNEL_CATEGORIES, trainer_rank
 from ncu.command import NCU_MISSING_MESSAGE, TRAINERS, export_command, find_ncu, parse_report_name
 
@@ -58,9 +59,10 @@ def unit_factor(unit: str) -> float:
 def _number(text: str) -> float | None:
     text = text.strip().replace(",", "")
     try:
-        return float(text)
+        value = float(text)
     except ValueError:
         return None  # n/a, empty
+    return value if math.isfinite(value) else None  # "inf", "nan": no measurement, shown blank
 
 
 def is_metric_column(name: str) -> bool:
@@ -81,6 +83,8 @@ def parse_raw_csv(text: str) -> list[dict]:
         if lines:
             raise ValueError('not ncu --page raw CSV: no header row starting with "ID"')
         return []  # nothing but ncu messages: no kernel was profiled
+    # ncu writes long kernel names (templates) whole: a field may pass csv's 128 KiB default
+    csv.field_size_limit(max(csv.field_size_limit(), MAX_BYTES))
     table = list(csv.reader(lines[start:]))
     header, body = table[0], table[1:]
     factors = [1.0] * len(header)
@@ -287,11 +291,11 @@ def load_reports(input_dir: str) -> list[dict]:
         try:
             if stale:
                 export_report(rep, ncu)
-            with open(csv_path, encoding="utf-8") as f:
-                entry.update(aggregate(parse_raw_csv(f.read())))
+            # read_text: a regular file under the size cap, UTF-8 (a FIFO is refused, not read)
+            entry.update(aggregate(parse_raw_csv(read_text(csv_path))))
             measured = entry["kernel_count"] or entry["range_count"]
             entry["error"] = None if measured else "no kernels in the report"
-        except (OSError, RuntimeError, ValueError) as error:  # this report only
+        except (OSError, RuntimeError, ValueError, csv.Error) as error:  # this report only
             entry["error"] = f"{type(error).__name__}: {error}"
         entries.append(entry)
     return sorted(entries, key=_order)

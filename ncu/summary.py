@@ -9,10 +9,10 @@ import io
 import os
 
 from core.files import write_text
-from core.fmt import cell, ratio, render_table
+from core.fmt import cell, count, ratio, render_table
 from core.schema import KERNEL_CATEGORIES
 from ncu.export import GB, TOTALS, dram_bytes, load_reports
-from report.figures import pyplot, save_figure
+from report.figures import draw_each, pyplot, save_figure
 
 
 def _step_time_ms(entry: dict) -> float | None:
@@ -237,11 +237,15 @@ def write_ncu_summary(input_dir: str) -> str:
     markdown += "\n## DRAM GB per kernel category (extra over standard)\n\n"
     markdown += format_category_table(rows, markdown=True) + NOTES
     if errors:
-        markdown += "\nNot measured:\n" + errors
-        text += "\nNot measured:\n" + errors
+        failed = count(sum(1 for r in rows if r["error"]), "report")
+        markdown += f"\nNot measured ({failed}):\n" + errors
+        text += f"\nNot measured ({failed}):\n" + errors
     write_text(os.path.join(input_dir, "ncu_summary.csv"), _csv_text(rows))
     write_text(os.path.join(input_dir, "ncu_summary.md"), markdown)
-    plot = plot_comparison(rows, os.path.join(input_dir, "ncu_comparison.png"))
+    png = os.path.join(input_dir, "ncu_comparison.png")
+    plot, failed_plot = draw_each([("ncu comparison", lambda: plot_comparison(rows, png))])
     text += f"\nWritten: {os.path.join(input_dir, 'ncu_summary.csv')}, ncu_summary.md"
+    if failed_plot:
+        return text + "\n" + failed_plot[0] + "\n"
     text += ", ncu_comparison.png\n" if plot else " (no DRAM data to plot)\n"
     return text

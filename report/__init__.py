@@ -2,7 +2,9 @@
 
 ``summary.write_summary(run_dir, results)`` is the entry point (``results``: ``load_results``).
 Below it: ``results`` (reading, ordering, and the comparison keys ``shape_key`` and the sweep's
-``series_key``), ``tables`` (summary and kernel tables, CSV), ``text`` (summary.txt), ``plots``
-(a run's four plots), ``sweep`` (a sweep's fits, findings and files) with ``sweep_peak_plots``
-and ``sweep_detail_plots``, and ``figures`` (matplotlib setup, saving, shared drawing pieces).
+``series_key``), ``result_check`` (is a parsed file a usable result), ``tables`` (summary with
+the steps' spread, kernel table, CSV), ``text`` (summary.txt), ``plots`` (a run's four plots),
+``html_report`` (report.html, the offline view), ``sweep`` (a sweep's fits, findings and files)
+with ``sweep_peak_plots`` and ``sweep_detail_plots``, and ``figures`` (matplotlib setup, saving,
+running each plot so one failure loses nothing else, shared drawing pieces).
 """

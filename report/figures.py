@@ -1,9 +1,10 @@
 """matplotlib, set up once for files (no display), the one way a figure is saved, and the
-pieces the figures share (trainer colours, phase shades, units, axes)."""
+pieces the figures share (trainer colours, phase shades, the unit, axes, markers)."""
 
 from __future__ import annotations
 
 import os
+import sys
 
 from core.files import atomic_write
 
@@ -25,6 +26,28 @@ def save_figure(fig, path: str, dpi: int = 110) -> str:
         fig.savefig(f, format="png", dpi=dpi)
     pyplot().close(fig)
     return path
+
+
+def save_visualization(fig, run_dir: str, name: str, dpi: int = 110) -> str:
+    """Save ``fig`` as ``<run_dir>/visualizations/<name>``: every plot of a run lives there."""
+    return save_figure(fig, os.path.join(run_dir, "visualizations", name), dpi=dpi)
+
+
+def draw_each(jobs, warn=None) -> tuple[list[str], list[str]]:
+    """Run each (what, draw) job: the paths drawn, and one line per plot that failed (also
+    printed on ``warn``, default stderr) -- a plot never takes the tables or the others with it."""
+    made, failed = [], []
+    for what, job in jobs:
+        try:
+            path = job()
+        except Exception as error:  # any failure of one plot (disk, matplotlib, odd data)
+            line = f"plot {what} not written: {type(error).__name__}: {error}"
+            failed.append(line)
+            print(f"warning: {line}", file=warn or sys.stderr)
+        else:
+            if path:
+                made.append(path)
+    return made, failed
 
 
 # ---------------------------------------------------------------- what the figures share
@@ -57,10 +80,16 @@ def phase_legend(plt) -> tuple[list, list[str]]:
     return handles, [name for _, name in PHASE_SHADES.values()]
 
 
-def mb_scale(values_mb) -> tuple[float, str]:
-    """Divisor and unit for a set of MB values: GiB from 1 GiB up, else MB (2^20 bytes)."""
-    values = [v for v in values_mb if v is not None]
-    return (1024.0, "GiB") if values and max(values) >= 1024 else (1.0, "MB")
+MB = "MB"  # every plot's memory unit, as in the tables: 2^20 bytes
+
+
+# Shapes drawn by marker: as many distinct ones as matplotlib offers, so none repeats.
+MARKERS = "osD^v<>pPhH*Xd8"
+
+
+def marker(i: int) -> str:
+    """The i-th distinct marker; past the list, repeats are told apart by the label alone."""
+    return MARKERS[i % len(MARKERS)]
 
 
 def say(ax, text: str) -> None:

@@ -4,27 +4,64 @@ the breakdown at the peak, memory per phase over time, and memory against time."
 from __future__ import annotations
 
 import os
+import sys
 
 from core.kernel_names import memory_curve_from_trace
+from core.reading import UnreadableFile
 from core.schema import BREAKDOWN_LABELS, trainer_title
 from report.figures import (
+    MB,
     PHASE_SHADES,
     TRAINER_COLORS,
+    marker,
     phase_legend,
     pyplot,
-    save_figure,
+    save_visualization,
     shade_phases,
 )
-from report.results import BASELINE, allocated_snapshots, baselines, ordered, shape_key
+from report.results import (
+    BASELINE,
+    allocated_snapshots,
+    baselines,
+    ordered,
+    shape_key,
+    shape_label,
+    trainers_in,
+)
 
-
-def _save_visualization(fig, run_dir: str, name: str) -> str:
-    return save_figure(fig, os.path.join(run_dir, "visualizations", name))
+# On CPU the curve is the trace's allocations summed from 0 at the traced step's start, while the
+# table's peak adds the bytes live then (parameters, optimizer state): the legend says so.
+CPU_CURVE_NOTE = "CPU: curve from 0 at the step's start;\nthe table's peak adds what was live then"
 
 
 def _label(result: dict, shapes: int) -> str:
     c = result["config"]
-    return c["trainer"] if shapes == 1 else f"{c['trainer']}\nbs{c['batch_size']} T{c['seq_len']}"
+    return c["trainer"] if shapes == 1 else f"{c['trainer']}\n{shape_label(c)}"
+
+
+def _curve(run_dir: str, result: dict) -> list:
+    """The memory curve of a config's trace; [] without one, or (one warning line) when the
+    trace file is unreadable."""
+    trace = result.get("trace_file")
+    path = os.path.join(run_dir, result.get("config_dir") or "", trace) if trace else None
+    if not path or not os.path.exists(path):
+        return []
+    try:
+        return memory_curve_from_trace(path)
+    except UnreadableFile as error:
+        print(f"warning: skipped trace {path}: {error}", file=sys.stderr)
+        return []
+
+
+def _curve_label(result: dict, curve: list) -> tuple[str, bool]:
+    """The trainer, and on CPU where the curve's maximum is not the table's peak, both numbers;
+    whether it differs."""
+    trainer, peak = result["config"]["trainer"], result.get("peak_memory_mb")
+    top = max(mb for _, mb in curve)
+    cpu = (result.get("env") or {}).get("memory_source") == "cpu-profiler"
+    if cpu and peak is not None and abs(peak - top) > 0.01 * max(peak, 1e-9):
+        return f"{trainer} (curve max {top:.1f}, peak {peak:.1f} MB)", True
+    return trainer, False
 
 
 def plot_memory_curves(run_dir: str, results: list[dict]) -> str | None:
@@ -32,11 +69,7 @@ def plot_memory_curves(run_dir: str, results: list[dict]) -> str | None:
     shape, one line per trainer, read from each config's trace file."""
     curves: dict[tuple, list] = {}
     for result in ordered(results):
-        trace = result.get("trace_file")
-        path = os.path.join(run_dir, result.get("config_dir") or "", trace) if trace else None
-        if not path or not os.path.exists(path):
-            continue
-        curve = memory_curve_from_trace(path)
+        curve = _curve(run_dir, result)
         if curve:
             curves.setdefault(shape_key(result["config"]), []).append((result, curve))
     if not curves:
@@ -46,20 +79,26 @@ def plot_memory_curves(run_dir: str, results: list[dict]) -> str | None:
         len(curves), 1, figsize=(10, 3.2 * len(curves)), squeeze=False, constrained_layout=True
     )
     for ax, lines in zip(axes[:, 0], curves.values()):
+        offsets = False
         for result, curve in lines:
             t, mb = zip(*curve)
-            ax.plot(t, [m / 1024 for m in mb], label=result["config"]["trainer"], lw=1.2)
-        c = lines[0][0]["config"]
-        ax.set_title(
-            f"{c['model']}  batch {c['batch_size']}  seq {c['seq_len']}  {c['dtype']}  "
-            f"{c['attention']}",
-            fontsize=10,
-        )
+            trainer = result["config"]["trainer"]
+            label, differs = _curve_label(result, curve)
+            offsets |= differs
+            ax.plot(t, mb, label=label, lw=1.2, color=TRAINER_COLORS.get(trainer))
+        ax.set_title(shape_label(lines[0][0]["config"]), fontsize=10)
         ax.set_xlabel("time in the traced step (ms)")
-        ax.set_ylabel("allocated (GiB)")
+        ax.set_ylabel(f"allocated ({MB})")
+        ax.set_ylim(bottom=0)
         ax.grid(alpha=0.3)
-        ax.legend(loc="upper left", fontsize=8)
-    return _save_visualization(fig, run_dir, "memory_curve.png")
+        ax.legend(
+            loc="upper left",
+            bbox_to_anchor=(1.01, 1.0),
+            fontsize=8,
+            title=CPU_CURVE_NOTE if offsets else None,
+            title_fontsize=7,
+        )
+    return save_visualization(fig, run_dir, "memory_curve.png")
 
 
 def plot_breakdown(run_dir: str, results: list[dict]) -> str | None:
@@ -75,13 +114,13 @@ def plot_breakdown(run_dir: str, results: list[dict]) -> str | None:
     x = range(len(rows))
     bottom = [0.0] * len(rows)
     for i, (key, label) in enumerate(BREAKDOWN_LABELS.items()):
-        values = [r["breakdown"][key] / 1024 for r in rows]
+        values = [r["breakdown"][key] for r in rows]
         left.bar(x, values, bottom=bottom, color=colors[i % 10], label=label, width=0.7)
         bottom = [b + v for b, v in zip(bottom, values)]
     for xi, r in zip(x, rows):
-        left.text(xi, bottom[xi], f"{r['peak_memory_mb'] / 1024:.1f}", ha="center", va="bottom")
+        left.text(xi, bottom[xi], f"{r['peak_memory_mb']:.1f}", ha="center", va="bottom")
     left.set_xticks(list(x), [_label(r, shapes) for r in rows], fontsize=8)
-    left.set_ylabel("memory at the peak (GiB)")
+    left.set_ylabel(f"memory at the peak ({MB})")
     left.set_title("Peak memory by component (number: measured peak)")
     left.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.13), ncol=3)
     standard = baselines(rows)
@@ -91,7 +130,7 @@ def plot_breakdown(run_dir: str, results: list[dict]) -> str | None:
     width = 0.8 / max(1, len(dp_rows))
     for j, r in enumerate(dp_rows):
         base = standard[shape_key(r["config"])]["breakdown"]
-        extra = [(r["breakdown"][k] - base[k]) / 1024 for k in BREAKDOWN_LABELS]
+        extra = [r["breakdown"][k] - base[k] for k in BREAKDOWN_LABELS]
         positions = [i + (j - (len(dp_rows) - 1) / 2) * width for i in range(len(extra))]
         right.bar(positions, extra, width=width, label=_label(r, shapes).replace("\n", " "))
     right.axhline(0, color="black", lw=0.8)
@@ -102,11 +141,11 @@ def plot_breakdown(run_dir: str, results: list[dict]) -> str | None:
         ha="right",
         fontsize=8,
     )
-    right.set_ylabel("extra over standard at the peak (GiB)")
+    right.set_ylabel(f"extra over standard at the peak ({MB})")
     right.set_title("What each DP trainer adds, by component")
     if dp_rows:
         right.legend(fontsize=8)
-    return _save_visualization(fig, run_dir, "memory_breakdown_comparison.png")
+    return save_visualization(fig, run_dir, "memory_breakdown_comparison.png")
 
 
 def plot_timeline(run_dir: str, results: list[dict]) -> str | None:
@@ -122,26 +161,23 @@ def plot_timeline(run_dir: str, results: list[dict]) -> str | None:
     for ax, r in zip(axes[:, 0], rows):
         snaps = allocated_snapshots(r)
         t = [s["timestamp"] for s in snaps]
-        ax.plot(t, [s["allocated_mb"] / 1024 for s in snaps], "k.-", lw=1, label="allocated")
+        ax.plot(t, [s["allocated_mb"] for s in snaps], "k.-", lw=1, label="allocated")
         shade_phases(ax, snaps)
         for prev, snap in zip(snaps, snaps[1:]):
             if snap["name"] in PHASE_SHADES:
-                peak = snap["phase_peak_mb"] / 1024
+                peak = snap["phase_peak_mb"]
                 ax.hlines(peak, prev["timestamp"], snap["timestamp"], colors="tab:red", lw=1.5)
         c = r["config"]
-        ax.set_title(
-            f"{trainer_title(c['trainer'])} — bs{c['batch_size']} "
-            f"T{c['seq_len']} {c['dtype']} {c['attention']}",
-            fontsize=9,
-        )
-        ax.set_ylabel("GiB")
+        ax.set_title(f"{trainer_title(c['trainer'])} — {shape_label(c)}", fontsize=9)
+        ax.set_ylabel(MB)
+        ax.set_ylim(bottom=0)
         ax.grid(alpha=0.3)
     axes[-1, 0].set_xlabel("time since the worker started (s)")
     handles, labels = phase_legend(plt)
     handles += [plt.Line2D([], [], color="tab:red"), plt.Line2D([], [], color="k", marker=".")]
     labels += ["peak inside the phase", "allocated at phase end"]
     fig.legend(handles, labels, fontsize=8, loc="outside lower center", ncol=5)
-    return _save_visualization(fig, run_dir, "memory_timeline.png")
+    return save_visualization(fig, run_dir, "memory_timeline.png")
 
 
 def plot_tradeoff(run_dir: str, results: list[dict]) -> str | None:
@@ -151,7 +187,6 @@ def plot_tradeoff(run_dir: str, results: list[dict]) -> str | None:
         return None
     plt = pyplot()
     fig, ax = plt.subplots(figsize=(8, 5.5), constrained_layout=True)
-    markers = "osD^v<>"
     shapes: dict[tuple, dict] = {}  # shape_key -> the first config of that shape
     for r in rows:
         shapes.setdefault(shape_key(r["config"]), r["config"])
@@ -160,24 +195,19 @@ def plot_tradeoff(run_dir: str, results: list[dict]) -> str | None:
         c = r["config"]
         ax.scatter(
             r["median_time_ms"],
-            r["peak_memory_mb"] / 1024,
+            r["peak_memory_mb"],
             s=60,
             color=TRAINER_COLORS.get(c["trainer"], "gray"),
-            marker=markers[keys.index(shape_key(c)) % len(markers)],
+            marker=marker(keys.index(shape_key(c))),
         )
-    for trainer, color in TRAINER_COLORS.items():
-        ax.scatter([], [], color=color, label=trainer)
+    for trainer in trainers_in(rows):  # only the trainers that ran
+        ax.scatter([], [], color=TRAINER_COLORS.get(trainer, "gray"), label=trainer)
     for i, c in enumerate(shapes.values()):
-        ax.scatter(
-            [],
-            [],
-            color="gray",
-            marker=markers[i % len(markers)],
-            label=f"bs{c['batch_size']} T{c['seq_len']} {c['dtype']}",
-        )
+        ax.scatter([], [], color="gray", marker=marker(i), label=shape_label(c))
     ax.set_xlabel("median step time (ms)")
-    ax.set_ylabel("peak allocated memory (GiB)")
+    ax.set_ylabel(f"peak allocated memory ({MB})")
+    ax.set_ylim(bottom=0)
     ax.set_title("Memory vs time per trainer (lower left is better)")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
-    return _save_visualization(fig, run_dir, "performance_tradeoff.png")
+    return save_visualization(fig, run_dir, "performance_tradeoff.png")

@@ -10,24 +10,68 @@ from __future__ import annotations
 
 import glob
 import os
+import sys
 
-from core.files import read_json
+from core.reading import UnreadableFile, read_json
 from core.schema import trainer_rank
 from core.settings import comparison_key
+from report.result_check import result_problem
 
 BASELINE = "standard"  # the trainer every other one is compared with
 
 
-def load_results(run_dir: str) -> list[dict]:
-    """Every ``<config_dir>/result.json`` under a run directory (unreadable files skipped)."""
-    paths = sorted(glob.glob(os.path.join(run_dir, "*", "result.json")))
-    return [result for result in map(read_json, paths) if result is not None]
+class LoadedResults(list):
+    """The results read from a run directory; ``skipped``: (path, reason) of every file that was
+    not read (summary.md counts them)."""
+
+    def __init__(self, results=(), skipped=()):
+        super().__init__(results)
+        self.skipped = list(skipped)
+
+
+def load_results(run_dir: str, warn=None) -> LoadedResults:
+    """Every ``<config_dir>/result.json`` under a run directory. A file that is not a regular
+    UTF-8 JSON file of a result's shape is skipped with one warning line on ``warn`` (default:
+    stderr)."""
+    results, skipped = [], []
+    for path in sorted(glob.glob(os.path.join(run_dir, "*", "result.json"))):
+        try:
+            result = read_json(path)
+        except UnreadableFile as error:
+            problem = str(error)
+        else:
+            problem = result_problem(result)
+        if problem is None:
+            results.append(result)
+        else:
+            skipped.append((path, problem))
+            print(f"warning: skipped {path}: {problem}", file=warn or sys.stderr)
+    return LoadedResults(results, skipped)
 
 
 # ---------------------------------------------------------------- a run: same-shape comparisons
 def shape_key(config: dict) -> tuple:
     """Everything but the trainer: configs with the same key are compared with each other."""
     return comparison_key(config)
+
+
+def shape_label(config: dict) -> str:
+    """Every compared setting of a config in a few words (two shapes never share a label):
+    model, logical and physical batch, sequence length, dtype, attention, LoRA rank,
+    checkpointing, optimizer."""
+    physical = config.get("physical_batch_size") or config["batch_size"]
+    rank = f"r{config.get('lora_rank')}" if config.get("use_lora") else "full"
+    return " ".join(
+        [
+            config["model"],
+            f"bs{config['batch_size']} pb{physical} T{config['seq_len']}",
+            config["dtype"],
+            config["attention"],
+            rank,
+            *(["ckpt"] if config.get("activation_checkpointing") else []),
+            str(config.get("optimizer", "")),
+        ]
+    ).strip()
 
 
 def baselines(results) -> dict[tuple, dict]:

@@ -1,12 +1,15 @@
-"""A run's report from its result files alone: summary.csv, summary.md, summary.txt and the plots
-(and, for a Hugging Face sweep, the sweep's own files). ``write_summary`` is the entry point."""
+"""A run's report from its result files alone: summary.csv, summary.md, summary.txt, the plots,
+report.html (and, for a Hugging Face sweep, the sweep's own files). ``write_summary`` is the
+entry point."""
 
 from __future__ import annotations
 
 import os
 
 from core.files import write_text
-from report import plots, sweep
+from core.fmt import count
+from report import html_report, plots, sweep
+from report.figures import draw_each
 from report.results import load_results
 from report.tables import (
     COLUMNS,
@@ -21,8 +24,9 @@ from report.text import summary_text
 __all__ = ["load_results", "write_summary"]
 
 NOTES = (
-    "\nTimes are the median of the measured steps; memory in MB (2^20 bytes); ratios "
-    "against `standard` at the same shape.\n"
+    "\nTimes are the median of the measured steps; steps_ms is their range and spread "
+    "(max - min) / median, NOISY over 10%; memory in MB (2^20 bytes); ratios against "
+    "`standard` at the same shape.\n"
 )
 KERNEL_TITLE = "\nGPU kernel time per category, ms (extra over standard):\n"
 
@@ -39,35 +43,58 @@ def _failures(results: list[dict]) -> str:
     )
 
 
+def _skipped(results) -> str:
+    """The result files load_results could not use, counted, one line each."""
+    skipped = getattr(results, "skipped", [])
+    if not skipped:
+        return ""
+    lines = "".join(f"- {path}: {why}\n" for path, why in skipped)
+    return f"\n{count(len(skipped), 'result file')} skipped (not usable):\n{lines}"
+
+
+def _run_plot_jobs(run_dir: str, results: list[dict], crowded: bool) -> list:
+    jobs = [("memory curve", lambda: plots.plot_memory_curves(run_dir, results))]
+    if not crowded:
+        jobs += [
+            ("breakdown", lambda: plots.plot_breakdown(run_dir, results)),
+            ("timeline", lambda: plots.plot_timeline(run_dir, results)),
+            ("tradeoff", lambda: plots.plot_tradeoff(run_dir, results)),
+        ]
+    return jobs
+
+
 def write_summary(run_dir: str, results: list[dict]) -> str:
-    """Write summary.csv and summary.md into the run directory; return the text table."""
+    """Write the tables (summary.csv, .md, .txt) first, then the plots and report.html; return
+    the text of the tables, the plots written and any that failed."""
     rows = summary_rows(results)
     write_text(os.path.join(run_dir, "summary.csv"), csv_text(COLUMNS, rows))
     text = format_table(rows)
     markdown = format_table(rows, markdown=True)
-    kernel_table = kernel_rows(results)
-    if kernel_table:
-        text += KERNEL_TITLE + format_kernel_table(kernel_table)
-        markdown += KERNEL_TITLE + "\n" + format_kernel_table(kernel_table, markdown=True)
+    kernels = kernel_rows(results)
+    if kernels:
+        text += KERNEL_TITLE + format_kernel_table(kernels)
+        markdown += KERNEL_TITLE + "\n" + format_kernel_table(kernels, markdown=True)
     findings = ""
     if sweep.is_sweep(results):  # the sweep's own files, and what it shows
-        findings = "\n" + sweep.write_sweep_report(run_dir, results)
-    notes = NOTES + _failures(results)
+        findings = "\n" + sweep.write_sweep_files(run_dir, results)
+    skipped = _skipped(results)
+    notes = NOTES + _failures(results) + skipped
     write_text(os.path.join(run_dir, "summary.md"), markdown + notes + findings)
     write_text(os.path.join(run_dir, "summary.txt"), summary_text(results) + findings)
+    text += skipped
     # A large sweep has its own per-config timelines and module view: a bar or panel per config
-    # here would be unreadable.
+    # in a run's plots would be unreadable.
     crowded = bool(findings) and len(results) > 16
-    made = [plots.plot_memory_curves(run_dir, results)]
-    if not crowded:
-        made += [
-            plots.plot_breakdown(run_dir, results),
-            plots.plot_timeline(run_dir, results),
-            plots.plot_tradeoff(run_dir, results),
-        ]
-    made = [p for p in made if p]
+    jobs = _run_plot_jobs(run_dir, results, crowded)
+    if findings:
+        jobs += sweep.sweep_plots(run_dir, results)
+    made, failed = draw_each(jobs)
+    page = lambda: html_report.write_html_report(run_dir, results, made, findings)
+    html, html_failed = draw_each([("report.html", page)])
     if made:
         text += "\nPlots: " + ", ".join(made) + "\n"
+    text += "".join(f"{line}\n" for line in failed + html_failed)
+    text += "".join(f"Offline report: {path}\n" for path in html)
     if any(r.get("breakdown") for r in results):
         text += "\n" + summary_text(results)
     return text + findings

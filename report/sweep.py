@@ -1,6 +1,6 @@
 """Hugging Face sweeps (``--mode=hf_sweep``): the sweep's report.
 
-Rendered from the result files alone (``write_sweep_report``): the older sweep scripts' files
+Rendered from the result files alone (``write_sweep_files``, ``sweep_plots``): the older sweep files
 in the run directory (JSON, CSV, and the plots of ``sweep_peak_plots`` and
 ``sweep_detail_plots``: overview, heatmap, timelines, module and operation views) and the
 findings: which configs ran out of memory and how the peak grows with each swept parameter
@@ -15,6 +15,7 @@ import statistics
 from collections import Counter
 
 from core.files import write_json, write_text
+from core.fmt import count
 from report import sweep_detail_plots, sweep_peak_plots
 from report.results import (
     SWEEP_FIELDS,
@@ -81,7 +82,7 @@ def findings_text(results: list[dict], fits: dict) -> str:
     lines = [
         "## HF sweep findings",
         "",
-        f"{len(results)} configs: "
+        f"{count(len(results), 'config')}: "
         + ", ".join(f"{counts[s]} {s}" for s in ("ok", "oom", "skipped", "error"))
         + f". Peak = peak allocated memory of a step (source: {', '.join(sorted(sources)) or '-'})."
         "",
@@ -150,11 +151,10 @@ def _csv_row(result: dict) -> dict:
     }
 
 
-def write_sweep_report(run_dir: str, results: list[dict]) -> str:
-    """Every file of the sweep view in ``run_dir``; returns the findings (Markdown)."""
+def write_sweep_files(run_dir: str, results: list[dict]) -> str:
+    """The sweep's data files in ``run_dir`` (JSON and CSV); returns the findings (Markdown)."""
     results = sorted(results, key=sweep_order)
     fits = scaling_fits(results)
-    findings = findings_text(results, fits)
     path = lambda name: os.path.join(run_dir, name)
     write_json(path("memory_profile_results.json"), {"scaling": fits, "configs": results})
     detailed_keys = ("status", "error", "module_memory", "phase_costs", "breakdown")
@@ -168,13 +168,28 @@ def write_sweep_report(run_dir: str, results: list[dict]) -> str:
     )
     rows = [_csv_row(r) for r in results]
     write_text(path("memory_profile_summary.csv"), csv_text(CSV_COLUMNS, rows))
+    return findings_text(results, fits)
+
+
+def sweep_plots(run_dir: str, results: list[dict]) -> list[tuple[str, object]]:
+    """The sweep's plots, not drawn yet: (what, a function that draws it and returns its path),
+    so the caller can report a plot that fails and go on with the next."""
+    results = sorted(results, key=sweep_order)
+    fits = scaling_fits(results)
     ok = [r for r in results if r["status"] == "ok"]
-    sweep_peak_plots.plot_overview(run_dir, results, fits)
-    sweep_peak_plots.plot_heatmap(run_dir, results)
-    sweep_peak_plots.plot_peak_comparison(run_dir, results)
-    sweep_detail_plots.plot_usage_timeline(run_dir, ok)
+    jobs = [
+        ("overview", lambda: sweep_peak_plots.plot_overview(run_dir, results, fits)),
+        ("heatmap", lambda: sweep_peak_plots.plot_heatmap(run_dir, results)),
+        ("peak comparison", lambda: sweep_peak_plots.plot_peak_comparison(run_dir, results)),
+        ("usage timeline", lambda: sweep_detail_plots.plot_usage_timeline(run_dir, ok)),
+    ]
     for result in ok:
-        sweep_detail_plots.plot_config_timeline(run_dir, result)
-    sweep_detail_plots.plot_module_groups(run_dir, ok)
-    sweep_detail_plots.plot_operations(run_dir, ok)
-    return findings
+        jobs.append(
+            (
+                f"timeline of {result.get('config_dir')}",
+                lambda r=result: sweep_detail_plots.plot_config_timeline(run_dir, r),
+            )
+        )
+    jobs.append(("module groups", lambda: sweep_detail_plots.plot_module_groups(run_dir, ok)))
+    jobs.append(("operations", lambda: sweep_detail_plots.plot_operations(run_dir, ok)))
+    return jobs

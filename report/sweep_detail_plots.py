@@ -4,16 +4,15 @@ operation (forward, backward, optimizer step)."""
 
 from __future__ import annotations
 
-import os
-
 from core.schema import BREAKDOWN_LABELS, GROUPS, OPERATIONS
 from report.figures import (
+    MB,
     SWEEP_DPI,
     log2_axis,
-    mb_scale,
+    marker,
     phase_legend,
     pyplot,
-    save_figure,
+    save_visualization,
     say,
     shade_phases,
 )
@@ -59,10 +58,9 @@ def plot_usage_timeline(run_dir: str, ok: list[dict]) -> str:
             f"Allocated memory over time: {NOT_ON_CPU}.\n"
             "Peaks per config: peak_memory_comparison.png",
         )
-        return save_figure(fig, os.path.join(run_dir, "memory_usage_timeline.png"), dpi=SWEEP_DPI)
-    div, unit = mb_scale(s["allocated_mb"] for r in measured for s in allocated_snapshots(r))
+        return save_visualization(fig, run_dir, "memory_usage_timeline.png", dpi=SWEEP_DPI)
     # Colour: the config's peak, so the lines that matter stand out among many.
-    peaks = [ok_peak(r) / div for r in measured]
+    peaks = [ok_peak(r) for r in measured]
     norm = plt.Normalize(min(peaks), max(peaks) if max(peaks) > min(peaks) else min(peaks) + 1)
     cmap = plt.get_cmap("viridis")
     for ax, trainer in zip(axes[:, 0], trainers):
@@ -71,20 +69,21 @@ def plot_usage_timeline(run_dir: str, ok: list[dict]) -> str:
             snaps = allocated_snapshots(r)
             ax.plot(
                 [s["timestamp"] for s in snaps],
-                [s["allocated_mb"] / div for s in snaps],
+                [s["allocated_mb"] for s in snaps],
                 lw=1,
-                color=cmap(norm(ok_peak(r) / div)),
+                color=cmap(norm(ok_peak(r))),
                 label=config_label(r["config"]),
             )
         ax.set_title(f"{trainer}: allocated memory at every phase event", fontsize=10)
         ax.set_xlabel("time since the worker started (s)")
-        ax.set_ylabel(f"allocated ({unit})")
+        ax.set_ylabel(f"allocated ({MB})")
+        ax.set_ylim(bottom=0)
         ax.grid(alpha=0.3)
         if len(mine) <= 12:
             ax.legend(fontsize=6, loc="upper left", bbox_to_anchor=(1.25, 1.0))
     mappable = plt.cm.ScalarMappable(norm=norm, cmap=cmap)
-    fig.colorbar(mappable, ax=axes, label=f"the config's peak ({unit})")
-    return save_figure(fig, os.path.join(run_dir, "memory_usage_timeline.png"), dpi=SWEEP_DPI)
+    fig.colorbar(mappable, ax=axes, label=f"the config's peak ({MB})")
+    return save_visualization(fig, run_dir, "memory_usage_timeline.png", dpi=SWEEP_DPI)
 
 
 def plot_config_timeline(run_dir: str, result: dict) -> str:
@@ -100,18 +99,18 @@ def plot_config_timeline(run_dir: str, result: dict) -> str:
             ax.axvline(snap["timestamp"], color=setup_colors[snap["name"]], ls="--", lw=1)
     allocated = allocated_snapshots(result)
     if allocated:
-        div, unit = mb_scale([s.get("phase_peak_mb") for s in allocated])
         ax.plot(
             [s["timestamp"] for s in allocated],
-            [s["allocated_mb"] / div for s in allocated],
+            [s["allocated_mb"] for s in allocated],
             "k.-",
             lw=1,
             ms=3,
         )
         for previous, snap in zip(allocated, allocated[1:]):
-            peak = snap["phase_peak_mb"] / div
+            peak = snap["phase_peak_mb"]
             ax.hlines(peak, previous["timestamp"], snap["timestamp"], colors="tab:red", lw=1.2)
-        ax.set_ylabel(f"allocated ({unit})")
+        ax.set_ylabel(f"allocated ({MB})")
+        ax.set_ylim(bottom=0)
     else:
         ax.text(
             0.5,
@@ -138,7 +137,7 @@ def plot_config_timeline(run_dir: str, result: dict) -> str:
         labels += ["allocated at the phase end", "peak inside the phase"]
     ax.legend(handles, labels, fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     name = f"memory_timeline_config_{result.get('config_dir') or 'unknown'}.png"
-    return save_figure(fig, os.path.join(run_dir, name), dpi=SWEEP_DPI)
+    return save_visualization(fig, run_dir, name, dpi=SWEEP_DPI)
 
 
 def _group_kinds(groups: dict) -> dict[str, dict[str, float]]:
@@ -158,7 +157,7 @@ def _group_kinds(groups: dict) -> dict[str, dict[str, float]]:
     return out
 
 
-def _by_group_series(ax, ok, param, value_of, title, div, unit) -> None:
+def _by_group_series(ax, ok, param, value_of, title) -> None:
     """Lines per module group (colour) and trainer (style) of ``value_of(groups)[group]`` along
     the longest series of ``param``."""
     styles = ("-", "--", ":", "-.")
@@ -170,11 +169,16 @@ def _by_group_series(ax, ok, param, value_of, title, div, unit) -> None:
             if r.get("module_memory")
         ]
         for g, group in enumerate(GROUPS):
-            ys = [value_of(r["module_memory"]["groups"])[group] / div for r in line]
+            ys = [value_of(r["module_memory"]["groups"])[group] for r in line]
             if line and any(ys):
                 xs = [swept_value(r["config"], param) for r in line]
                 ax.plot(
-                    xs, ys, styles[t % 4], marker="o", color=f"C{g}", label=f"{group} ({trainer})"
+                    xs,
+                    ys,
+                    styles[t % 4],
+                    marker=marker(t),
+                    color=f"C{g}",
+                    label=f"{group} ({trainer})",
                 )
                 drawn = True
     if not drawn:
@@ -185,7 +189,8 @@ def _by_group_series(ax, ok, param, value_of, title, div, unit) -> None:
     )
     log2_axis(ax, values)
     ax.set_xlabel(dict(SWEPT)[param])
-    ax.set_ylabel(unit)
+    ax.set_ylabel(MB)
+    ax.set_ylim(bottom=0)
     ax.set_title(title, fontsize=10)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7, ncol=2)
@@ -204,14 +209,12 @@ def plot_module_groups(run_dir: str, ok: list[dict]) -> str:
     ax = axes[0, 0]
     if largest:
         kinds = {t: _group_kinds(r["module_memory"]["groups"]) for t, r in largest.items()}
-        totals = [sum(v.values()) for k in kinds.values() for v in k.values()]
-        div, unit = mb_scale(totals)
         width, hatches = 0.8 / len(trainers), ("", "//", "..", "xx")
         for t, trainer in enumerate(trainers):
             bottom = [0.0] * len(GROUPS)
             xs = [g + (t - (len(trainers) - 1) / 2) * width for g in range(len(GROUPS))]
             for kind, color in KIND_COLORS.items():
-                values = [kinds[trainer][group][kind] / div for group in GROUPS]
+                values = [kinds[trainer][group][kind] for group in GROUPS]
                 ax.bar(
                     xs,
                     values,
@@ -227,7 +230,7 @@ def plot_module_groups(run_dir: str, ok: list[dict]) -> str:
         ax.set_xticks(
             range(len(GROUPS)), [g.replace("_", " ") for g in GROUPS], rotation=30, ha="right"
         )
-        ax.set_ylabel(unit)
+        ax.set_ylabel(MB)
         handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in KIND_COLORS.values()]
         labels = list(KIND_COLORS)
         handles += [
@@ -244,47 +247,39 @@ def plot_module_groups(run_dir: str, ok: list[dict]) -> str:
         ax.grid(axis="y", alpha=0.3)
     else:
         say(ax, "No ok config with a module census")
-    all_groups = [r["module_memory"]["groups"] for r in census]
-    div, unit = mb_scale(v["activations_mb"] for g in all_groups for v in g.values())
     _by_group_series(
         axes[0, 1],
         census,
         "seq_len",
         lambda g: {k: v["activations_mb"] for k, v in g.items()},
         "Saved for backward in one physical chunk, by group",
-        div,
-        unit,
     )
     per_sample = lambda g: {
         k: v["per_sample_gradients_mb"] + v["norm_samples_mb"] + v["dp_saved_tensors_mb"]
         for k, v in g.items()
     }
-    div, unit = mb_scale(v for g in all_groups for v in per_sample(g).values())
     _by_group_series(
         axes[1, 0],
         census,
         "physical_batch_size",
         per_sample,
         "Per-sample state (grad_sample, norm samples, hook-kept tensors) by group",
-        div,
-        unit,
     )
     ax = axes[1, 1]
     attributed = {t: r for t, r in largest.items() if r.get("breakdown")}
     if attributed:
-        div, unit = mb_scale(r["peak_memory_mb"] for r in attributed.values())
         bottom = [0.0] * len(attributed)
         for k, (key, label) in enumerate(BREAKDOWN_LABELS.items()):
-            values = [r["breakdown"][key] / div for r in attributed.values()]
+            values = [r["breakdown"][key] for r in attributed.values()]
             ax.bar(range(len(attributed)), values, bottom=bottom, color=f"C{k}", label=label)
             bottom = [b + v for b, v in zip(bottom, values)]
         ax.set_xticks(range(len(attributed)), list(attributed))
-        ax.set_ylabel(unit)
+        ax.set_ylabel(MB)
         ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
         ax.set_title("Where the peak goes (allocator history), same configs", fontsize=10)
     else:
         say(ax, f"Allocator attribution of the peak: {NOT_ON_CPU}")
-    return save_figure(fig, os.path.join(run_dir, "detailed_memory_analysis.png"), dpi=SWEEP_DPI)
+    return save_visualization(fig, run_dir, "detailed_memory_analysis.png", dpi=SWEEP_DPI)
 
 
 def plot_operations(run_dir: str, ok: list[dict]) -> str:
@@ -310,17 +305,16 @@ def plot_operations(run_dir: str, ok: list[dict]) -> str:
     left.grid(axis="x", alpha=0.3)
     peaks = [r["phase_costs"][op]["peak_mb"] for r in rows for op in colors]
     if any(p is not None for p in peaks):
-        div, unit = mb_scale(peaks)
         height = 0.8 / len(colors)
         for k, (op, color) in enumerate(colors.items()):
             ys = [i + (k - 1) * height for i in range(len(rows))]
-            values = [(r["phase_costs"][op]["peak_mb"] or 0.0) / div for r in rows]
+            values = [(r["phase_costs"][op]["peak_mb"] or 0.0) for r in rows]
             right.barh(ys, values, height=height, color=color, label=op.replace("_", " "))
         right.set_yticks(range(len(rows)), labels, fontsize=8)
         right.set_ylim(len(rows) - 0.5, -0.5)
-        right.set_xlabel(f"peak allocated inside the phase ({unit})")
+        right.set_xlabel(f"peak allocated inside the phase ({MB})")
         right.grid(axis="x", alpha=0.3)
     else:
         say(right, f"Memory per operation: {NOT_ON_CPU}")
     right.set_title("Peak memory per operation")
-    return save_figure(fig, os.path.join(run_dir, "operation_level_breakdown.png"), dpi=SWEEP_DPI)
+    return save_visualization(fig, run_dir, "operation_level_breakdown.png", dpi=SWEEP_DPI)

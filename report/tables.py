@@ -19,12 +19,36 @@ COLUMNS = (
     "attention",
     "model",
     "median_ms",
+    "min_ms",
+    "max_ms",
+    "spread_pct",
+    "noisy",
     "peak_alloc_mb",
     "peak_reserved_mb",
     "time_vs_standard",
     "mem_vs_standard",
     "status",
 )
+# The text and Markdown tables: the steps' range in one cell, the spread and its flag in another.
+_AFTER_MEDIAN = COLUMNS.index("median_ms") + 1
+SHOWN = (*COLUMNS[:_AFTER_MEDIAN], "steps_ms", "spread", *COLUMNS[_AFTER_MEDIAN + 4 :])
+NOISY_SPREAD = 0.10  # (max - min) / median of the measured steps above this: a noisy config
+
+
+def step_spread(result: dict) -> dict:
+    """min_ms, max_ms, spread_pct ((max - min) / median, in %) of the measured steps, and noisy
+    (spread over NOISY_SPREAD); None where there are no step times."""
+    steps = result.get("step_times_ms") or []
+    median = result.get("median_time_ms")
+    if not steps or not median:
+        return {"min_ms": None, "max_ms": None, "spread_pct": None, "noisy": None}
+    spread = (max(steps) - min(steps)) / median
+    return {
+        "min_ms": float(min(steps)),
+        "max_ms": float(max(steps)),
+        "spread_pct": 100.0 * spread,
+        "noisy": spread > NOISY_SPREAD,
+    }
 
 
 def summary_rows(results: list[dict]) -> list[dict]:
@@ -46,6 +70,7 @@ def summary_rows(results: list[dict]) -> list[dict]:
                 + (f" r{config['lora_rank']}" if config.get("use_lora") else "")
                 + (" ckpt" if config.get("activation_checkpointing") else ""),
                 "median_ms": result.get("median_time_ms"),
+                **step_spread(result),
                 "peak_alloc_mb": result.get("peak_memory_mb"),
                 "peak_reserved_mb": result.get("peak_reserved_mb"),
                 "time_vs_standard": ratio(result.get("median_time_ms"), base.get("median_time_ms")),
@@ -56,9 +81,26 @@ def summary_rows(results: list[dict]) -> list[dict]:
     return rows
 
 
+def _summary_cell(row: dict, col: str) -> str:
+    if col == "steps_ms":
+        return "-" if row["min_ms"] is None else f"{row['min_ms']:.2f}-{row['max_ms']:.2f}"
+    if col == "spread":
+        if row["spread_pct"] is None:
+            return "-"
+        return f"{row['spread_pct']:.1f}%" + (" NOISY" if row["noisy"] else "")
+    return cell(row[col])
+
+
+def summary_cells(rows: list[dict]) -> tuple[list[str], list[list[str]]]:
+    """Header and formatted cells of the summary table (text, Markdown and report.html)."""
+    header = list(SHOWN)
+    return header, [[_summary_cell(row, c) for c in header] for row in rows]
+
+
 def format_table(rows: list[dict], markdown: bool = False) -> str:
-    header = list(COLUMNS)
-    return render_table(header, [[cell(row[c]) for c in header] for row in rows], markdown)
+    """The summary table: median step time, the range of the measured steps and their spread
+    (flagged NOISY over 10%), peaks, and ratios against standard."""
+    return render_table(*summary_cells(rows), markdown)
 
 
 def kernel_rows(results: list[dict]) -> list[dict]:
@@ -90,10 +132,15 @@ def _kernel_cell(row: dict, col: str) -> str:
     return str(row[col])
 
 
+def kernel_cells(rows: list[dict]) -> tuple[list[str], list[list[str]]]:
+    """Header and formatted cells of the kernel table."""
+    header = ["trainer", "batch", "seq", *KERNEL_CATEGORIES]
+    return header, [[_kernel_cell(row, c) for c in header] for row in rows]
+
+
 def format_kernel_table(rows: list[dict], markdown: bool = False) -> str:
     """Kernel time per category (ms) and, in brackets, the extra ms over standard."""
-    header = ["trainer", "batch", "seq", *KERNEL_CATEGORIES]
-    return render_table(header, [[_kernel_cell(row, c) for c in header] for row in rows], markdown)
+    return render_table(*kernel_cells(rows), markdown)
 
 
 def csv_text(columns, rows) -> str:

@@ -10,8 +10,13 @@ def _fixed(value) -> str:
     return "n/a" if value is None else f"{value:.2f}"
 
 
+def _significant(value) -> str:
+    """Four significant digits: a ratio of 0.0036 MB/ms must not print as 0.00."""
+    return "n/a" if value is None else f"{value:.4g}"
+
+
 def summary_text(results: list[dict]) -> str:
-    """summary.txt: the older scripts' layout — trainer, peak, average time, memory/time — plus the
+    """summary.txt: the older scripts' layout — trainer, peak, median time, memory/time — plus the
     component table of every config with a breakdown."""
     rule = "=" * 100
     lines = [
@@ -19,7 +24,7 @@ def summary_text(results: list[dict]) -> str:
         "SUMMARY",
         rule,
         "",
-        f"{'Method':<48}{'Peak Memory (MB)':>18}{'Avg Time (ms)':>16}{'Memory/Time':>14}",
+        f"{'Method':<48}{'Peak Memory (MB)':>18}{'Median Time (ms)':>18}{'Memory/Time':>14}",
         "-" * 100,
     ]
     for r in ordered(results):
@@ -28,10 +33,10 @@ def summary_text(results: list[dict]) -> str:
         if r["status"] != "ok":
             lines.append(f"{name:<48}{r['status'] + ': ' + str(r.get('error'))[:50]:>48}")
             continue
-        peak, avg = r["peak_memory_mb"], r["avg_time_ms"]
-        ratio = peak / avg if peak is not None and avg else None
+        peak, median = r.get("peak_memory_mb"), r.get("median_time_ms")
+        ratio = peak / median if peak is not None and median else None
         # null under --ncu (a replayed step is no measurement): shown as n/a, never as 0
-        lines.append(f"{name:<48}{_fixed(peak):>18}{_fixed(avg):>16}{_fixed(ratio):>14}")
+        lines.append(f"{name:<48}{_fixed(peak):>18}{_fixed(median):>18}{_significant(ratio):>14}")
     lines += [
         rule,
         "",

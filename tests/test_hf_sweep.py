@@ -75,7 +75,8 @@ def test_hf_sweep_cli_writes_every_file_and_resume_skips_finished_configs(tmp_pa
     run = tmp_path / "r"
     names = [f"{t}_bs6_seq{s}_pb4_r4_tiny-llama" for t in ("dpsgd", "ghost") for s in (16, 32)]
     for name in SWEEP_FILES + tuple(f"memory_timeline_config_{n}.png" for n in names):
-        assert (run / name).stat().st_size > 0, name
+        folder = run / "visualizations" if name.endswith(".png") else run
+        assert (folder / name).stat().st_size > 0, name
     for name in names:
         result = json.loads((run / name / "result.json").read_text())
         assert result["status"] == "ok", result["error"]

@@ -39,6 +39,8 @@ class NormRule:
     backward hook, ``kept_per_sample`` names the parameters whose per-sample gradients are formed
     at once (where they are small); the rest are done after backward from A and G by
     ``squared_norms`` and ``clipped_grads``, which handle exactly those parameters.
+    ``describe`` and ``kept_per_sample`` may depend only on the layer and the shapes of A and G:
+    the engine asks once per layer and shapes, not per call.
     """
 
     def feature_dims(self, module: nn.Module) -> tuple[int, int]:

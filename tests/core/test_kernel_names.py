@@ -273,7 +273,11 @@ def trace_path(request, tmp_path):
 
 
 def test_kernels_from_trace(trace_path):
-    assert kernels.kernels_from_trace(trace_path) == [(GEMM, 100.0), (NORM, 30.0), (GEMM, 150.0)]
+    assert kernels.kernels_from_trace(trace_path) == [
+        (GEMM, 100.0, None),
+        (NORM, 30.0, None),
+        (GEMM, 150.0, None),
+    ]
     assert kernels.kernels_from_trace(str(trace_path)) == kernels.kernels_from_trace(trace_path)
     summary = kernels.summarize(kernels.kernels_from_trace(trace_path))
     assert summary["categories"]["gemm"]["time_ms"] == pytest.approx(0.25)
@@ -305,3 +309,92 @@ def test_trace_as_bare_event_list(tmp_path):
     path = tmp_path / "bare.json"
     path.write_text(json.dumps(trace_dict()["traceEvents"]))
     assert len(kernels.kernels_from_trace(path)) == 3
+
+
+# ------------------------------------------------- attention by its range, forward and backward
+SOFTMAX = "void at::native::cunn_SoftMaxForward<8, float, float, float>(float*, float const*, int)"
+SOFTMAX_BWD = "void at::native::cunn_SoftMaxBackward<8, float, float, float>(...)"
+
+
+def op(name, tid, ts, dur, seq=None, cat="cpu_op"):
+    args = {} if seq is None else {"Sequence number": seq, "Fwd thread id": 0}
+    return {"ph": "X", "cat": cat, "name": name, "pid": 1, "tid": tid, "ts": ts, "dur": dur,
+            "args": args}  # fmt: skip
+
+
+def launch(tid, ts, correlation, kernel, kernel_dur):
+    """A runtime call on CPU thread ``tid`` and the GPU kernel it launched (same correlation)."""
+    return [
+        {"ph": "X", "cat": "cuda_runtime", "name": "cudaLaunchKernel", "tid": tid, "ts": ts,
+         "dur": 1, "args": {"correlation": correlation}},
+        {"ph": "X", "cat": "kernel", "name": kernel, "tid": 7, "ts": ts + 5,
+         "dur": kernel_dur, "args": {"correlation": correlation}},
+    ]  # fmt: skip
+
+
+def attention_trace() -> list[dict]:
+    """One explicit-attention layer: q projection, then q·kᵀ, softmax and probs·v inside the
+    "attention" range (forward thread 1), and their backward on the autograd thread 2."""
+    return [
+        op("aten::linear", 1, 0, 10, seq=1),  # the q projection: outside the range
+        *launch(1, 2, 100, GEMM, 10.0),
+        op("attention", 1, 20, 50, cat="user_annotation"),
+        op("aten::matmul", 1, 21, 10, seq=2),  # q·kᵀ
+        *launch(1, 22, 101, GEMM, 20.0),
+        op("aten::softmax", 1, 35, 10, seq=3),
+        *launch(1, 36, 102, SOFTMAX, 3.0),
+        op("aten::matmul", 1, 50, 10, seq=4),  # probs·v
+        *launch(1, 51, 103, GEMM, 30.0),
+        op("aten::linear", 1, 80, 10, seq=5),  # out projection
+        *launch(1, 81, 104, GEMM, 40.0),
+        # backward, newest first, on another thread
+        op("autograd::engine::evaluate_function: AddmmBackward0", 2, 200, 10, seq=5),
+        *launch(2, 201, 105, GEMM, 50.0),
+        op("autograd::engine::evaluate_function: BmmBackward0", 2, 220, 10, seq=4),
+        *launch(2, 221, 106, GEMM, 60.0),
+        *launch(2, 225, 107, GEMM, 70.0),
+        op("autograd::engine::evaluate_function: SoftmaxBackward0", 2, 240, 10, seq=3),
+        *launch(2, 241, 108, SOFTMAX_BWD, 4.0),
+        op("autograd::engine::evaluate_function: AddmmBackward0", 2, 300, 10, seq=1),
+        *launch(2, 301, 109, GEMM, 80.0),
+    ]
+
+
+def test_attention_is_what_runs_in_its_range_and_its_backward(tmp_path):
+    path = tmp_path / "t.pt.trace.json"
+    path.write_text(json.dumps({"traceEvents": attention_trace()}))
+    found = kernels.kernels_from_trace(path)
+    assert [(dur, cat) for _, dur, cat in found] == [
+        (10.0, None),  # q projection
+        (20.0, "attention"),  # q·kᵀ
+        (3.0, "attention"),  # softmax
+        (30.0, "attention"),  # probs·v
+        (40.0, None),  # out projection
+        (50.0, None),  # its backward
+        (60.0, "attention"),  # probs·v backward: two GEMMs
+        (70.0, "attention"),
+        (4.0, "attention"),  # softmax backward
+        (80.0, None),  # q projection backward
+    ]
+    summary = kernels.summarize(found)["categories"]
+    assert summary["attention"] == {"time_ms": pytest.approx(0.187), "count": 6}
+    assert summary["gemm"] == {"time_ms": pytest.approx(0.18), "count": 4}
+    assert summary["reduction"]["count"] == 0  # both softmax kernels are attention here
+
+
+def test_without_the_range_names_decide(tmp_path):
+    events = [e for e in attention_trace() if e["name"] != kernels.ATTENTION_RANGE]
+    path = tmp_path / "t.pt.trace.json"
+    path.write_text(json.dumps(events))
+    assert {cat for _, _, cat in kernels.kernels_from_trace(path)} == {None}
+
+
+@pytest.mark.parametrize(
+    "content",
+    [b'{"traceEvents": [{"ph": "X", "cat": "kernel", "na', b"\xff\xfe", b'{"traceEvents": 3}'],
+)
+def test_a_truncated_or_foreign_trace_is_unreadable(tmp_path, content):
+    path = tmp_path / "t.pt.trace.json"
+    path.write_bytes(content)
+    with pytest.raises(ValueError):  # core.reading.UnreadableFile
+        kernels.kernels_from_trace(path)

@@ -17,7 +17,7 @@ ALLOWED = {
     "ncu": {"core", "ncu", "report.figures"},
     "flash": {"flash"},
     "hf": {"hf"},
-    "models": set(),
+    "models": {"core"},
     "samplers": {"samplers"},
     "trainers": {"core", "flash", "samplers"},
     "measure": {"core", "measure", "trainers", "models", "flash", "hf"},

@@ -97,6 +97,8 @@ def test_mode_defaults_reach_the_plan_and_flags_override_them():
     assert (memory.batch_size, memory.seq_len, memory.trace, memory.breakdown) == (
         1, 4096, False, True
     )  # fmt: skip
+    assert memory.steps == 5  # every GPU mode measures at least 5 steps; test keeps 3
+    assert planned("--mode=test").configs[0].steps == 3
     sweep = planned("--mode=hf_sweep")
     assert {c.trainer for c in sweep.configs} == {"dpsgd"} and sweep.configs[0].lr == 1e-5
     assert len(sweep.configs) == 3 * 3 * 3  # batch x seq x physical; one rank without LoRA
@@ -119,6 +121,15 @@ def test_without_cuda_a_gpu_mode_runs_what_its_mode_row_says():
     assert memory.configs[0].seq_len == 256
     sweep = planned("--mode=hf_sweep")
     assert sweep.configs[0].model == "tiny-llama" and "tiny-llama" in sweep.note
+    hf = planned("--mode=hf")  # keeps its own defaults on the CPU, with the CPU's model
+    assert hf.mode == "hf" and "tiny-llama" in hf.note and "test defaults" not in hf.note
+    first = hf.configs[0]
+    assert (first.model, first.lr, first.steps, first.batch_size) == ("tiny-llama", 1e-5, 5, 32)
+    with pytest.raises(settings.UsageError, match="add --device cpu"):
+        planned("--mode=hf", "--model", "meta-llama/Llama-3.2-3B")  # billions of parameters
+    forced = planned("--mode=hf", "--model", "meta-llama/Llama-3.2-3B", "--device", "cpu")
+    assert forced.configs[0].model == "meta-llama/Llama-3.2-3B" and forced.note is None
+
     forced = planned("--mode=hf_sweep", "--device", "cpu")
     assert forced.note is None and forced.configs[0].model == "meta-llama/Llama-3.1-8B-Instruct"
     with pytest.raises(settings.UsageError):

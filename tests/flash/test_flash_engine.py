@@ -18,7 +18,7 @@ from flash_reference import (
 )
 from torch import nn
 
-from flash.engine import FlashClipping, UnsupportedLayerError
+from flash.engine import FlashClipping, UnsupportedLayerError, _squared_row_norms_many
 
 
 @pytest.mark.parametrize("B", [1, 3])
@@ -39,6 +39,24 @@ def test_large_kept_per_sample_grads_match_brute_force(monkeypatch, B):
     norms, _ = flash_step(flash, model, ids, targets, max_norm)
     assert_close(norms, ref_norms, 1e-9)
     assert_close(flat_grads(model), ref_sum, 1e-9)
+
+
+@pytest.mark.parametrize("B", [1, 3])
+def test_squared_row_norms_many_sums_every_tensor_per_sample_per_dtype(B):
+    """The large kept per-sample gradients' norms: one multi-tensor norm per dtype over tensors of
+    unequal shapes, a term per dtype (each in its accumulation dtype), equal to brute force."""
+    gen = torch.Generator().manual_seed(B)
+    shapes = [(B, 7, 5), (B, 3), (B, 70000), (B, 2, 2, 2)]
+    grads = [torch.randn(s, generator=gen, dtype=torch.float64) for s in shapes]
+    grads += [
+        torch.randn(s, generator=gen).to(dtype)
+        for s in shapes
+        for dtype in (torch.float32, torch.bfloat16)
+    ]
+    terms = _squared_row_norms_many(grads)
+    assert [t.dtype for t in terms] == [torch.float64, torch.float32, torch.float32]
+    expected = sum(g.double().flatten(1).square().sum(1) for g in grads)
+    assert_close(sum(t.double() for t in terms), expected, 1e-6)
 
 
 def test_two_chunks_equal_full_batch():

@@ -105,10 +105,16 @@ def test_report_of_a_cuda_like_sweep_with_oom_and_skips(tmp_path):
         (tmp_path / r["config_dir"] / "result.json").write_text(json.dumps(r))
     text = report.write_summary(str(tmp_path), report.load_results(str(tmp_path)))
     assert "ghost T256 bs4 pb2 r8: oom reason" in text and "Skipped:" in text
-    for name in SWEEP_FILES:
-        assert (tmp_path / name).stat().st_size > 0, name
-    timelines = list(tmp_path.glob("memory_timeline_config_*.png"))
+    for name in SWEEP_FILES:  # data files in the run directory, every PNG under visualizations/
+        folder = tmp_path / "visualizations" if name.endswith(".png") else tmp_path
+        assert (folder / name).stat().st_size > 0, name
+    assert not list(tmp_path.glob("*.png"))
+    timelines = list((tmp_path / "visualizations").glob("memory_timeline_config_*.png"))
     assert len(timelines) == 15  # every ok config
+    # the "Plots:" line names every PNG written
+    plots_line = next(line for line in text.splitlines() if line.startswith("Plots: "))
+    listed = {os.path.basename(p) for p in plots_line.removeprefix("Plots: ").split(", ")}
+    assert listed == {p.name for p in (tmp_path / "visualizations").glob("*.png")}
     assert "HF sweep findings" in (tmp_path / "summary.md").read_text()
     saved = json.loads((tmp_path / "memory_profile_results.json").read_text())
     assert len(saved["configs"]) == 17

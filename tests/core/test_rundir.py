@@ -1,0 +1,102 @@
+"""The run directory: contained names, usable output directories, one process per run."""
+
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from core import rundir
+from core.settings import UsageError
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+@pytest.mark.parametrize(
+    "name",
+    ["", ".", "..", "../x", "a/b", "a\\b", "/abs", "a\x00b", "a\nb", "tab\there", "x" * 101],
+)
+def test_run_name_must_be_one_plain_component(name):
+    with pytest.raises(UsageError, match="--run_name"):
+        rundir.check_run_name(name)
+
+
+def test_plain_run_names_pass():
+    for name in ("r", "run_1", "my.run", "x" * 100, "ünï"):
+        rundir.check_run_name(name)
+
+
+def test_output_dir_that_is_a_file_or_under_proc_is_refused(tmp_path):
+    (tmp_path / "file").write_text("")
+    with pytest.raises(UsageError, match="not a directory"):
+        rundir.check_output_dir(str(tmp_path / "file"))
+    with pytest.raises(UsageError, match="not a directory"):
+        rundir.check_output_dir(str(tmp_path / "file" / "below"))
+    with pytest.raises(UsageError, match="system directory"):
+        rundir.check_output_dir("/proc/self/runs")
+    rundir.check_output_dir(str(tmp_path / "new" / "deeper"))  # creatable: fine
+    assert not (tmp_path / "new").exists()  # ... and the check creates nothing
+
+
+def test_read_only_output_dir_is_refused_even_for_root(tmp_path):
+    locked = tmp_path / "locked"
+    locked.mkdir()
+    # Root ignores permission bits; an immutable directory refuses even root.
+    if shutil.which("chattr") is None or subprocess.run(["chattr", "+i", str(locked)]).returncode:
+        pytest.skip("chattr +i is not available here")
+    try:
+        with pytest.raises(UsageError, match="not writable"):
+            rundir.check_output_dir(str(locked))
+        with pytest.raises(UsageError, match="not writable"):
+            rundir.check_output_dir(str(locked / "runs"))
+    finally:
+        subprocess.run(["chattr", "-i", str(locked)], check=True)
+
+
+def test_paths_are_contained_after_resolving_symlinks(tmp_path):
+    (tmp_path / "run").mkdir()
+    (tmp_path / "outside").mkdir()
+    os.symlink(tmp_path / "outside", tmp_path / "run" / "config")
+    assert rundir.contained(str(tmp_path / "run"), str(tmp_path / "run" / "a" / "b"))
+    assert not rundir.contained(str(tmp_path / "run"), str(tmp_path / "run" / "config"))
+    assert not rundir.contained(str(tmp_path / "run"), str(tmp_path / "run-other"))
+    with pytest.raises(UsageError, match="outside"):
+        rundir.check_contained(str(tmp_path / "run"), str(tmp_path / "run" / "config" / "x"))
+
+
+def test_a_default_name_taken_in_the_same_second_gets_a_suffix(tmp_path):
+    first = rundir.new_run_dir(str(tmp_path), "test_20260101_000000", numbered=True)
+    second = rundir.new_run_dir(str(tmp_path), "test_20260101_000000", numbered=True)
+    third = rundir.new_run_dir(str(tmp_path), "test_20260101_000000", numbered=True)
+    assert [os.path.basename(p) for p in (first, second, third)] == [
+        "test_20260101_000000",
+        "test_20260101_000000_2",
+        "test_20260101_000000_3",
+    ]
+    with pytest.raises(UsageError, match="exists"):
+        rundir.new_run_dir(str(tmp_path), "test_20260101_000000", numbered=False)
+
+
+def test_a_second_process_on_a_locked_run_stops_naming_the_holder(tmp_path):
+    holder = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import sys, time; from core import rundir; rundir.RunLock(sys.argv[1]); "
+            "print('locked', flush=True); time.sleep(60)",
+            str(tmp_path),
+        ],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert holder.stdout.readline().strip() == "locked"
+        with pytest.raises(UsageError, match=f"in use by another run \\(pid {holder.pid}\\)"):
+            rundir.RunLock(str(tmp_path))
+    finally:
+        holder.kill()
+        holder.wait()
+    lock = rundir.RunLock(str(tmp_path))  # the kernel dropped the dead holder's lock
+    lock.release()

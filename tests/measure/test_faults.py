@@ -1,0 +1,159 @@
+"""Faults inside a worker: host OOM, a full disk, a dead parent, NaNs, leftovers, noise."""
+
+import errno
+import math
+import os
+import resource
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+from cli_helpers import ROOT, results_in, small_run_args
+
+import profiling_script
+from core.settings import ExperimentConfig
+from measure import processes, quiet, worker
+
+
+def test_host_oom_is_recorded_as_oom_rlimit_and_sigkill(tmp_path, monkeypatch):
+    def out_of_host_memory(config, out_dir):
+        if config.batch_size == 1:  # the OOM killer: a SIGKILL, simulated
+            os.kill(os.getpid(), signal.SIGKILL)
+        # A memory limit on this worker alone: the allocation fails as on a full host.
+        with open("/proc/self/statm") as f:
+            size = int(f.read().split()[0]) * resource.getpagesize()
+        resource.setrlimit(resource.RLIMIT_AS, (size + 2**28, resource.RLIM_INFINITY))
+        torch.empty(2**34, dtype=torch.uint8)  # 16 GiB, past the limit
+
+    monkeypatch.setattr(worker, "run_experiment", out_of_host_memory)
+    code = profiling_script.main(small_run_args(tmp_path, "standard", batch_sizes=(1, 2)))
+    assert code == 0  # an OOM is a measurement, not an error
+    results = results_in(tmp_path / "r")
+    killed, limited = results["standard_bs1_seq8"], results["standard_bs2_seq8"]
+    assert killed["status"] == "oom" and "OOM killer" in killed["error"]
+    assert limited["status"] == "oom" and "can't allocate memory" in limited["error"]
+
+
+def test_python_memory_error_is_oom():
+    assert worker.is_oom(MemoryError())
+    assert not worker.is_oom(RuntimeError("shape mismatch"))
+
+
+def test_disk_full_names_no_space_left(tmp_path, monkeypatch, capsys):
+    def disk_full(path, data):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), path)
+
+    monkeypatch.setattr(worker, "write_json", disk_full)  # the worker's writes only
+    code = profiling_script.main(small_run_args(tmp_path, "standard"))
+    assert code == 1
+    result = results_in(tmp_path / "r")["standard_bs2_seq8"]
+    assert result["status"] == "error"
+    assert "No space left on device" in result["error"]
+    assert "Traceback" not in capsys.readouterr().err
+
+
+def test_a_worker_dies_with_its_parent(tmp_path):
+    """A killed CLI never leaves a worker measuring beside the next run."""
+    script = (
+        "import sys, time\n"
+        "from core.settings import ExperimentConfig\n"
+        "from measure import processes, worker\n"
+        "worker.run_experiment = lambda config, out: time.sleep(120)\n"
+        "config = ExperimentConfig(trainer='standard', batch_size=1, seq_len=4)\n"
+        "import multiprocessing\n"
+        "p = multiprocessing.get_context('fork').Process(\n"
+        "    target=worker.worker_main, args=(config, sys.argv[1]))\n"
+        "p.start(); print(p.pid, flush=True); p.join()\n"
+    )
+    parent = subprocess.Popen(
+        [sys.executable, "-c", script, str(tmp_path)], cwd=ROOT, stdout=subprocess.PIPE, text=True
+    )
+    child = int(parent.stdout.readline())
+    assert alive(child)
+    parent.kill()
+    parent.wait()
+    deadline = time.time() + 10
+    while alive(child) and time.time() < deadline:
+        time.sleep(0.05)
+    assert not alive(child)
+
+
+def alive(pid: int) -> bool:
+    """Running (a zombie waiting for its reaper is dead)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def test_non_finite_measurements_are_null_with_a_reason(monkeypatch):
+    config = ExperimentConfig(trainer="standard", batch_size=1, seq_len=4)
+
+    def diverged(config, out_dir):
+        result = worker.result_skeleton(config, "ok")
+        result.update(env={}, losses=[1.0, math.nan], median_time_ms=2.0)
+        return result
+
+    monkeypatch.setattr(worker, "run_experiment", diverged)
+    result = worker.classified_run(config, "unused")
+    assert result["status"] == "error" and "losses[1]" in result["error"]
+
+    def no_noise(config, out_dir):
+        result = worker.result_skeleton(config, "ok")
+        result.update(env={}, losses=[1.0], privacy={"epsilon": math.inf})
+        return result
+
+    monkeypatch.setattr(worker, "run_experiment", no_noise)
+    result = worker.classified_run(config, "unused")
+    assert result["status"] == "ok" and "privacy.epsilon" in result["env"]["non_finite_note"]
+
+
+def test_leftovers_of_an_interrupted_worker_are_removed(tmp_path):
+    config_dir = tmp_path / "standard_bs1_seq8"
+    (config_dir / ".trace-abc").mkdir(parents=True)
+    (config_dir / ".trace-abc" / "trace.pt.trace.json").write_text("{")
+    (config_dir / "result.json.tmp1234").write_text("{")
+    processes.remove_leftovers(str(config_dir))
+    assert not config_dir.exists()  # nothing complete was in it
+    kept = tmp_path / "kept"
+    (kept / ".trace-x").mkdir(parents=True)
+    (kept / "result.json").write_text("{}")
+    processes.remove_leftovers(str(kept))
+    assert sorted(os.listdir(kept)) == ["result.json"]
+
+
+def test_resume_removes_stale_leftovers(tmp_path):
+    assert profiling_script.main(small_run_args(tmp_path, "standard")) == 0
+    stale = tmp_path / "r" / "standard_bs2_seq8" / ".trace-old"
+    stale.mkdir()
+    (tmp_path / "r" / "standard_bs3_seq8").mkdir()  # an interrupted config's empty directory
+    args = small_run_args(tmp_path, "standard", batch_sizes=(2,))
+    assert profiling_script.main([*args, "--resume"]) == 0
+    assert not stale.exists() and not (tmp_path / "r" / "standard_bs3_seq8").exists()
+
+
+def test_known_noise_is_dropped_and_everything_else_shows(capfd):
+    with quiet.quiet_stderr():
+        os.write(
+            2, b"USDT:2026-11-26 08:44:38 1:1 SyncActivityProfilerHandler.cpp:52] profiler_start\n"
+        )
+        os.write(2, b"[W1126 CPUAllocator.cpp:245] Memory block of unknown size was allocated ")
+        os.write(2, b"before the profiling started, profiler results will not include it\n")
+        os.write(2, b"RuntimeError: something real\n")
+    err = capfd.readouterr().err
+    assert err == "RuntimeError: something real\n"
+
+
+@pytest.mark.parametrize("verbose", [False, True])
+def test_worker_output_is_quiet_unless_verbose(tmp_path, verbose):
+    from cli_helpers import cli
+
+    args = small_run_args(tmp_path, "standard", run_name=f"v{verbose}")
+    proc = cli(*args, *(["--verbose"] if verbose else []))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    noisy = "profiler_start" in proc.stderr or "Memory block of unknown size" in proc.stderr
+    assert noisy == verbose

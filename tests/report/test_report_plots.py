@@ -1,0 +1,84 @@
+"""What the plots say, read from the figures before they are saved: MB everywhere (as the
+tables), memory axes from 0, legends of the trainers that ran, labels that tell shapes apart,
+markers that do not repeat, heatmap panels only for planned combinations, and the CPU curve's
+offset from the table's peak said in the legend."""
+
+import json
+
+import pytest
+from test_report_summary import run_result
+from test_report_sweep import synthetic_result
+
+from report import figures, plots, sweep_peak_plots
+
+
+@pytest.fixture
+def drawn(monkeypatch):
+    """Every figure a plot function saves, by file name (kept open for inspection)."""
+    figs = {}
+
+    def keep(fig, path, dpi=110):
+        figs[path.rsplit("/", 1)[-1]] = fig
+        return path
+
+    monkeypatch.setattr(figures, "save_figure", keep)
+    yield figs
+    for fig in figs.values():
+        figures.pyplot().close(fig)
+
+
+def test_tradeoff_units_axes_legend_and_markers(tmp_path, drawn):
+    results = [run_result("standard", 2, 1500.0, 10.0), run_result("flash", 2, 1600.0, 11.0)]
+    results.append(run_result("standard", 2, 900.0, 6.0, lora=True))
+    results.append(run_result("flash", 2, 950.0, 7.0) | {"config": results[1]["config"] | {
+        "physical_batch_size": 1}})  # fmt: skip
+    plots.plot_tradeoff(str(tmp_path), results)
+    ax = drawn["performance_tradeoff.png"].axes[0]
+    assert ax.get_ylabel() == "peak allocated memory (MB)" and ax.get_ylim()[0] == 0
+    labels = ax.get_legend_handles_labels()[1]
+    assert labels[:2] == ["standard", "flash"]  # no dpsgd or ghost: they did not run
+    shapes = labels[2:]
+    assert len(shapes) == len(set(shapes)) == 3
+    assert any("pb1" in s for s in shapes) and any(" r8 " in s for s in shapes)
+    markers = [c.get_paths()[0].vertices.tobytes() for c in ax.collections[: len(results)]]
+    assert len(set(markers)) == 3  # one marker per shape, none repeated
+    assert max(y for c in ax.collections for _, y in c.get_offsets()) == 1600.0  # MB, not GiB
+
+
+def test_cpu_memory_curve_says_why_its_maximum_is_not_the_peak(tmp_path, drawn):
+    result = run_result("standard", 2, 30.0, 10.0) | {
+        "env": {"memory_source": "cpu-profiler"},
+        "trace_file": "t.pt.trace.json",
+    }
+    events = [
+        {"ph": "i", "name": "[memory]", "ts": ts, "args": {"Device Type": 0, "Total Allocated": b}}
+        for ts, b in ((0, 2**20), (10, 20 * 2**20), (20, 4 * 2**20))
+    ]
+    (tmp_path / result["config_dir"]).mkdir()
+    (tmp_path / result["config_dir"] / "t.pt.trace.json").write_text(json.dumps(events))
+    plots.plot_memory_curves(str(tmp_path), [result])
+    ax = drawn["memory_curve.png"].axes[0]
+    assert ax.get_ylabel() == "allocated (MB)" and ax.get_ylim()[0] == 0
+    legend = ax.get_legend()
+    assert "the table's peak adds" in legend.get_title().get_text()
+    assert legend.get_texts()[0].get_text() == "standard (curve max 20.0, peak 30.0 MB)"
+
+
+def test_a_truncated_trace_is_skipped_with_a_warning(tmp_path, drawn, capsys):
+    result = run_result("standard", 2, 30.0, 10.0) | {"trace_file": "t.pt.trace.json"}
+    (tmp_path / result["config_dir"]).mkdir()
+    (tmp_path / result["config_dir"] / "t.pt.trace.json").write_text('{"traceEvents": [{"ph')
+    assert plots.plot_memory_curves(str(tmp_path), [result]) is None
+    assert "warning: skipped trace" in capsys.readouterr().err
+
+
+def test_heatmap_has_panels_only_for_planned_combinations(tmp_path, drawn):
+    # dpsgd at physical batch 1 and 2, ghost only at 2: three panels, not four
+    results = [
+        synthetic_result("dpsgd", s, 4, p, 8, peak=100.0 * s) for s in (8, 16) for p in (1, 2)
+    ]
+    results += [synthetic_result("ghost", s, 4, 2, 8, peak=90.0 * s) for s in (8, 16)]
+    sweep_peak_plots.plot_heatmap(str(tmp_path), results)
+    fig = drawn["memory_heatmap.png"]
+    titles = sorted(ax.get_title() for ax in fig.axes if ax.get_visible() and ax.get_title())
+    assert titles == ["dpsgd r8 · physical 1", "dpsgd r8 · physical 2", "ghost r8 · physical 2"]

@@ -1,0 +1,185 @@
+"""What a run promises under faults: signals, one process per run directory, unique default
+names, secrets kept off the screen, and the messages a user sees (--help, fallbacks)."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+from cli_helpers import ROOT, cli, results_in, small_run_args
+
+import profiling_script
+from core import rundir
+from core.schema import TRAINER_ALIASES, TRAINER_ORDER
+from core.settings import LM_MODELS
+from hf.configs import HF_CONFIGS
+
+
+def start_long_run(tmp_path):
+    """A run of two configs of a few seconds each; returns once the first has its result."""
+    args = small_run_args(tmp_path, "standard", batch_sizes=(1, 2), steps=250)
+    proc = subprocess.Popen(
+        [sys.executable, "profiling_script.py", *args],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    first = tmp_path / "r" / "standard_bs1_seq8" / "result.json"
+    deadline = time.time() + 120
+    while not first.exists() and time.time() < deadline:
+        time.sleep(0.1)
+    time.sleep(0.5)  # the second config is running
+    return proc
+
+
+def assert_only_complete_results(run_dir):
+    results = results_in(run_dir)
+    assert list(results) == ["standard_bs1_seq8"] and results["standard_bs1_seq8"]["status"] == "ok"
+    assert not (run_dir / "standard_bs2_seq8").exists()  # no empty directory left behind
+    assert not list(run_dir.rglob(".trace-*")) and not list(run_dir.rglob("*.tmp*"))
+    assert (run_dir / "summary.csv").exists()
+
+
+def test_sigterm_is_handled_like_ctrl_c_with_exit_143(tmp_path):
+    proc = start_long_run(tmp_path)
+    proc.send_signal(signal.SIGTERM)
+    stdout, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == 143, stderr[-2000:]
+    assert "Interrupted" in stdout and "Traceback" not in stderr
+    assert_only_complete_results(tmp_path / "r")
+
+
+def test_a_second_ctrl_c_while_the_first_is_handled_prints_no_traceback(tmp_path):
+    proc = start_long_run(tmp_path)
+    proc.send_signal(signal.SIGINT)
+    time.sleep(0.05)
+    proc.send_signal(signal.SIGINT)
+    stdout, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == 130
+    assert "Traceback" not in stderr + stdout
+    assert_only_complete_results(tmp_path / "r")
+
+
+def test_ctrl_c_during_start_up_exits_130_without_traceback(tmp_path):
+    proc = subprocess.Popen(
+        [sys.executable, "profiling_script.py", *small_run_args(tmp_path, "standard")],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    time.sleep(1.0)  # importing torch takes longer
+    proc.send_signal(signal.SIGINT)
+    _, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == 130
+    assert "Traceback" not in stderr and "Interrupted" in stderr
+
+
+def test_a_second_process_on_a_locked_run_directory_stops(tmp_path, capsys):
+    (tmp_path / "r").mkdir()
+    lock = rundir.RunLock(str(tmp_path / "r"))  # another run holds it (an open description)
+    try:
+        code = profiling_script.main([*small_run_args(tmp_path, "standard"), "--resume"])
+    finally:
+        lock.release()
+    err = capsys.readouterr().err
+    assert code == 2 and f"in use by another run (pid {os.getpid()})" in err
+    assert len(err.strip().splitlines()) == 1
+    assert not results_in(tmp_path / "r")
+
+
+def test_two_runs_in_the_same_second_with_the_default_name_both_run(tmp_path, monkeypatch):
+    monkeypatch.setattr(profiling_script.time, "strftime", lambda fmt: "20260101_000000")
+    args = small_run_args(tmp_path, "standard", run_name=None)
+    assert profiling_script.main(args) == 0
+    assert profiling_script.main(args) == 0
+    assert sorted(os.listdir(tmp_path)) == ["test_20260101_000000", "test_20260101_000000_2"]
+    assert results_in(tmp_path / "test_20260101_000000_2")["standard_bs2_seq8"]["status"] == "ok"
+
+
+def test_a_run_directory_that_is_a_symlink_out_of_output_dir_is_refused(tmp_path, capsys):
+    (tmp_path / "elsewhere").mkdir()
+    (tmp_path / "out").mkdir()
+    os.symlink(tmp_path / "elsewhere", tmp_path / "out" / "r")
+    args = small_run_args(tmp_path / "out", "standard")
+    assert profiling_script.main([*args, "--resume"]) == 2
+    assert "outside" in capsys.readouterr().err
+    assert not any((tmp_path / "elsewhere").iterdir())
+
+
+def test_token_on_the_command_line_warns_and_token_file_is_read(tmp_path, monkeypatch, capsys):
+    monkeypatch.delenv("HF_TOKEN", raising=False)
+    secret = "hf_ThisIsNotARealToken0123456789"
+    args = small_run_args(tmp_path, "standard", run_name="a")
+    assert profiling_script.main([*args, "--token", secret]) == 0
+    err = capsys.readouterr().err
+    assert "visible to other users" in err and "HF_TOKEN" in err and "--token_file" in err
+    assert secret not in err
+    monkeypatch.delenv("HF_TOKEN")
+    (tmp_path / "token").write_text(secret + "\n")
+    args = small_run_args(tmp_path, "standard", run_name="b")
+    assert profiling_script.main([*args, "--token_file", str(tmp_path / "token")]) == 0
+    assert os.environ["HF_TOKEN"] == secret
+    assert "visible to other users" not in capsys.readouterr().err
+
+
+def test_report_of_a_parent_of_runs_lists_the_run_folders(tmp_path, capsys):
+    for run in ("first", "second"):
+        (tmp_path / run / "standard_bs2_seq8").mkdir(parents=True)
+        (tmp_path / run / "standard_bs2_seq8" / "result.json").write_text("{}")
+    assert profiling_script.main(["--mode=report", "--input_dir", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert str(tmp_path / "first") in err and str(tmp_path / "second") in err
+
+
+def test_help_explains_every_flag_once_with_names_and_defaults():
+    proc = cli("--help", timeout=60)
+    assert proc.returncode == 0
+    parser = profiling_script.build_parser()
+    for action in parser._actions:
+        assert action.help and "()" not in action.help, action.option_strings
+        assert action.help.count("default") <= 1, action.option_strings
+    for name in (*TRAINER_ORDER, *TRAINER_ALIASES, *LM_MODELS, *HF_CONFIGS):
+        assert name in " ".join(proc.stdout.split()).replace("- ", "-"), name
+    assert "(default: test)" in " ".join(proc.stdout.split())
+
+
+def test_lm_model_names_in_help_are_the_models_configs():
+    import models
+
+    assert LM_MODELS == tuple(models.CONFIGS)
+
+
+def test_one_config_is_one_config(tmp_path):
+    proc = cli(*small_run_args(tmp_path, "standard"), "--no_trace")
+    assert proc.returncode == 0 and "1 config on cpu" in proc.stdout
+
+
+def test_readme_lists_the_signal_exit_codes():
+    with open(os.path.join(ROOT, "README.md")) as f:
+        readme = f.read()
+    assert "130" in readme and "143" in readme and "## Guarantees" in readme
+    # Exactly two set-up commands at the top; the first sentence under them: the CPU-only torch.
+    block = readme.split("```bash\n", 1)[1].split("```", 1)[0]
+    assert len(block.strip().splitlines()) == 2
+    after = readme.split("```bash\n", 1)[1].split("```", 1)[1].strip()
+    assert "download.pytorch.org/whl/cpu" in after.split(". ", 1)[0]
+
+
+def test_ncu_script_dry_run_needs_no_ncu(tmp_path):
+    bin_dir = tmp_path / "bin"  # python alone on PATH: no ncu anywhere
+    bin_dir.mkdir()
+    os.symlink(sys.executable, bin_dir / "python3")
+    proc = subprocess.run(
+        ["bash", "run_profiling_ncu.sh", "--dry-run"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={"PATH": f"{bin_dir}:/usr/bin:/bin", "OUTPUT_DIR": str(tmp_path / "reports")},
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.count("==> ncu ") == 16  # 4 trainers x 2 batches x 2 sequence lengths
+    assert not (tmp_path / "reports").exists()
