@@ -105,3 +105,10 @@ def log2_axis(ax, values) -> None:
         ax.set_xscale("log", base=2)
     ax.set_xticks(values, [str(v) for v in values])
     ax.minorticks_off()
+
+
+def memory_axis_from_zero(ax) -> None:
+    """A memory axis starts at 0, with headroom above the largest value so that no marker or
+    bar sits cut in half on the frame."""
+    top = ax.dataLim.y1
+    ax.set_ylim(0, top * 1.08 if top > 0 else 1.0)

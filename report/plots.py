@@ -14,6 +14,7 @@ from report.figures import (
     PHASE_SHADES,
     TRAINER_COLORS,
     marker,
+    memory_axis_from_zero,
     phase_legend,
     pyplot,
     save_visualization,
@@ -89,7 +90,7 @@ def plot_memory_curves(run_dir: str, results: list[dict]) -> str | None:
         ax.set_title(shape_label(lines[0][0]["config"]), fontsize=10)
         ax.set_xlabel("time in the traced step (ms)")
         ax.set_ylabel(f"allocated ({MB})")
-        ax.set_ylim(bottom=0)
+        memory_axis_from_zero(ax)
         ax.grid(alpha=0.3)
         ax.legend(
             loc="upper left",
@@ -170,7 +171,7 @@ def plot_timeline(run_dir: str, results: list[dict]) -> str | None:
         c = r["config"]
         ax.set_title(f"{trainer_title(c['trainer'])} — {shape_label(c)}", fontsize=9)
         ax.set_ylabel(MB)
-        ax.set_ylim(bottom=0)
+        memory_axis_from_zero(ax)
         ax.grid(alpha=0.3)
     axes[-1, 0].set_xlabel("time since the worker started (s)")
     handles, labels = phase_legend(plt)
@@ -206,8 +207,8 @@ def plot_tradeoff(run_dir: str, results: list[dict]) -> str | None:
         ax.scatter([], [], color="gray", marker=marker(i), label=shape_label(c))
     ax.set_xlabel("median step time (ms)")
     ax.set_ylabel(f"peak allocated memory ({MB})")
-    ax.set_ylim(bottom=0)
+    memory_axis_from_zero(ax)
     ax.set_title("Memory vs time per trainer (lower left is better)")
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.02, 1))  # beside, never on a point
     return save_visualization(fig, run_dir, "performance_tradeoff.png")

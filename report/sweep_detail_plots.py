@@ -10,6 +10,7 @@ from report.figures import (
     SWEEP_DPI,
     log2_axis,
     marker,
+    memory_axis_from_zero,
     phase_legend,
     pyplot,
     save_visualization,
@@ -77,7 +78,7 @@ def plot_usage_timeline(run_dir: str, ok: list[dict]) -> str:
         ax.set_title(f"{trainer}: allocated memory at every phase event", fontsize=10)
         ax.set_xlabel("time since the worker started (s)")
         ax.set_ylabel(f"allocated ({MB})")
-        ax.set_ylim(bottom=0)
+        memory_axis_from_zero(ax)
         ax.grid(alpha=0.3)
         if len(mine) <= 12:
             ax.legend(fontsize=6, loc="upper left", bbox_to_anchor=(1.25, 1.0))
@@ -110,7 +111,7 @@ def plot_config_timeline(run_dir: str, result: dict) -> str:
             peak = snap["phase_peak_mb"]
             ax.hlines(peak, previous["timestamp"], snap["timestamp"], colors="tab:red", lw=1.2)
         ax.set_ylabel(f"allocated ({MB})")
-        ax.set_ylim(bottom=0)
+        memory_axis_from_zero(ax)
     else:
         ax.text(
             0.5,
@@ -190,7 +191,7 @@ def _by_group_series(ax, ok, param, value_of, title) -> None:
     log2_axis(ax, values)
     ax.set_xlabel(dict(SWEPT)[param])
     ax.set_ylabel(MB)
-    ax.set_ylim(bottom=0)
+    memory_axis_from_zero(ax)
     ax.set_title(title, fontsize=10)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7, ncol=2)

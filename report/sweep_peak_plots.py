@@ -8,6 +8,7 @@ from report.figures import (
     SWEEP_DPI,
     TRAINER_COLORS,
     log2_axis,
+    memory_axis_from_zero,
     pyplot,
     save_visualization,
     say,
@@ -56,7 +57,7 @@ def plot_overview(run_dir: str, results: list[dict], fits: dict) -> str:
         how = "line: longest series at equal other settings" if len(values) > 1 else "one value"
         ax.set_title(f"Peak vs {label} ({how})", fontsize=10)
         ax.margins(y=0.12)  # room at the top edge for the out-of-memory marks
-        ax.set_ylim(bottom=0)
+        memory_axis_from_zero(ax)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8, loc="upper left")
     fig.suptitle("HF sweep: peak memory against each swept parameter (k: exponent of the fit)")
