@@ -19,8 +19,8 @@ def epsilon(
     """The (epsilon, delta) guarantee of ``steps`` Poisson-subsampled Gaussian steps, by
     Opacus' PRV (default) or RDP accountant. ``inf`` without noise; 0 for no steps.
 
-    ``last_batch_uses``: how many of the ``steps`` ran on the last sampled batch (steps after
-    the timed ones, for measurements, reuse it). Those k steps on one Poisson sample are one
+    ``last_batch_uses``: how many of the ``steps`` ran on one sampled batch (steps after the
+    timed ones, for measurements, reuse one). Those k steps on one Poisson sample are one
     subsampled mechanism whose inner part is k adaptively composed Gaussian mechanisms of noise
     multiplier sigma on the same data: exactly a Gaussian mechanism of sigma / sqrt(k) (Gaussian
     DP composes as sqrt(k) mu), so they enter the accountant as one step at sigma / sqrt(k).

@@ -19,8 +19,10 @@ import trainers
 from core.settings import (
     BY_NAME,
     CONFIG_FIELDS,
+    HF_SETTINGS,
     MODEL_OVERRIDES,
     MODES,
+    SETTINGS,
     ExperimentConfig,
     UsageError,
     default_attention,
@@ -114,16 +116,33 @@ def _lora_ranks(args, ranks) -> list[int]:
     return ranks
 
 
+def check_applies(model: str, args) -> None:
+    """A setting the model would ignore is an error, not a silent no-op recorded as if used."""
+    given = [s for s in SETTINGS if s.flags and getattr(args, s.dest, None) is not None]
+    if model not in HF_CONFIGS:
+        ignored = [s.flags[0] for s in given if s.name in HF_SETTINGS]
+        what = "Hugging Face models (--model tiny-llama or a Llama name)"
+    else:
+        ignored = [s.flags[0] for s in given if s.into == "model_overrides"]
+        what = "the named LM configs (tiny, 1b); a Hugging Face model keeps its shipped config"
+    if ignored:
+        raise UsageError(f"{', '.join(ignored)} applies only to {what}; model is {model!r}")
+
+
 def check(values: dict, axes: dict, args) -> None:
     """UsageError for a plan that cannot run as asked."""
     model = values["model"]
     check_numbers(values)
     max_seq_len = model_max_seq_len(model, values["attention"], values["model_overrides"])
     if values["dataset_path"]:
-        check_dataset_file(values["dataset_path"])
+        check_dataset_file(values["dataset_path"], max(axes["batch_size"]))
     if args.mode == "hf_sweep" and model not in HF_CONFIGS:
         known = ", ".join(HF_CONFIGS)
         raise UsageError(f"--mode=hf_sweep needs a Hugging Face model ({known}), got {model!r}")
+    check_applies(model, args)
+    if values["save_snapshot"] and not values["breakdown"]:
+        raise UsageError("--save_snapshot keeps the breakdown's allocator history: it needs "
+                         "--mode=memory or --mode=hf_sweep")  # fmt: skip
     if min(axes["lora_rank"]) <= 0 or values["dataset_size"] <= 0:
         raise UsageError("--lora_ranks and --dataset_size must be positive")
     if values["noise_multiplier"] < 0 or values["max_grad_norm"] <= 0 or values["lr"] <= 0:
@@ -188,18 +207,25 @@ def check_numbers(values: dict) -> None:
             raise UsageError(f"--{name} must be positive, got {value}")
 
 
-def check_dataset_file(path: str) -> None:
-    """UsageError unless ``path`` is a file whose first non-empty line is a JSON object."""
+def check_dataset_file(path: str, largest_batch: int) -> None:
+    """UsageError unless ``path`` is a file whose first non-empty line is a JSON object and that
+    has at least as many lines as the largest logical batch (the sampling rate B/N <= 1)."""
     if not os.path.isfile(path):
         raise UsageError(f"--dataset_path {path} is not a file (JSON lines expected)")
     try:
         with open(path, encoding="utf-8") as f:
             first = next((line for line in f if line.strip()), "")
+            lines = 1 + sum(1 for line in f if line.strip()) if first else 0
         record = json.loads(first) if first else None
     except (OSError, ValueError) as error:  # UnicodeDecodeError and JSONDecodeError included
         raise UsageError(f"--dataset_path {path} is not JSON lines: {error}") from None
     if not isinstance(record, dict):
         raise UsageError(f"--dataset_path {path} is not JSON lines (one object per line)")
+    if lines < largest_batch:
+        raise UsageError(
+            f"--dataset_path {path} has {lines} rows, fewer than the batch size {largest_batch}: "
+            "the sampling rate B/N must be at most 1"
+        )
 
 
 def model_shape(model: str, overrides: dict) -> tuple[int, int, int, int]:

@@ -11,6 +11,7 @@ import contextlib
 import glob
 import multiprocessing
 import os
+import re
 import shutil
 import signal
 import sys
@@ -22,7 +23,13 @@ import trainers
 from core.files import write_json
 from core.reading import read_json_or_none
 from core.schema import FINISHED
+from measure import quiet
 from measure.worker import result_skeleton, worker_main
+
+# Directories a run makes per config (<trainer>_bs<B>_seq<T>...) and atomic_write's temporary
+# names (<name>.tmp<pid>): the only things leftover removal may touch.
+CONFIG_DIR_NAME = re.compile(r"^\w+?_bs\d+_seq\d+(_[\w.-]+)?$")
+ATOMIC_TEMPORARY = re.compile(r".+\.tmp\d+")
 
 
 class Interrupted(Exception):
@@ -61,9 +68,11 @@ def _run_configs(configs, run_dir, resume, progress, verbose) -> list[dict]:
     no_worker = sum(
         bool(finished_result(p, resume) or skip_reason(c)) for c, p in zip(configs, paths)
     )
-    if resume:  # what an earlier interrupted or killed run left behind
-        for config_path in glob.glob(os.path.join(run_dir, "*", "")):
-            remove_leftovers(config_path.rstrip(os.sep))
+    if resume:  # what an earlier interrupted or killed run left behind, in config directories
+        for name in os.listdir(run_dir):
+            path = os.path.join(run_dir, name)
+            if CONFIG_DIR_NAME.match(name) and os.path.isdir(path) and not os.path.islink(path):
+                remove_leftovers(path)
     bar = ProgressBar(len(configs), no_worker) if progress else None
     log = bar.write if bar else print
     results = []
@@ -152,22 +161,29 @@ def run_in_child(context, config, config_path, result_path, verbose=False) -> di
     if os.path.exists(result_path):  # an unfinished earlier attempt (--resume reruns it)
         os.replace(result_path, result_path + ".previous")
     errors, child_errors = context.Pipe(duplex=False)
+    stderr = None if verbose else quiet.FilteredStderr()
     process = context.Process(
-        target=worker_main, args=(config, config_path, child_errors), kwargs={"verbose": verbose}
+        target=worker_main, args=(config, config_path, child_errors), kwargs={"stderr": stderr}
     )
-    process.start()
-    child_errors.close()
     try:
+        process.start()
+        child_errors.close()
+        if stderr is not None:
+            stderr.started()
         process.join()
     except KeyboardInterrupt:  # Ctrl-C, or SIGTERM (the CLI raises it as one)
         # A second signal must not cut the clean-up short (the CLI restores the handlers).
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
-        process.terminate()
-        process.join()
+        if process.pid is not None:
+            process.terminate()
+            process.join()
         errors.close()
         remove_leftovers(config_path)
         raise Interrupted(config.config_dir) from None
+    finally:
+        if stderr is not None:
+            stderr.close()
     result = read_json_or_none(result_path)
     reported = last_words(errors)
     errors.close()
@@ -209,7 +225,8 @@ def remove_leftovers(config_path: str) -> None:
     for staging in glob.glob(os.path.join(config_path, ".trace-*")):
         shutil.rmtree(staging, ignore_errors=True)
     for partial in glob.glob(os.path.join(config_path, "*.tmp[0-9]*")):
-        os.remove(partial)
+        if ATOMIC_TEMPORARY.fullmatch(os.path.basename(partial)):  # atomic_write's names only
+            os.remove(partial)
     with contextlib.suppress(OSError):  # not empty: it holds results or earlier files
         os.rmdir(config_path)
 

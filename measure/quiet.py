@@ -1,14 +1,16 @@
 """What a worker prints: known-harmless library noise is dropped, everything else shows.
 
 The profiler's C++ side writes ``USDT ... profiler_start/stop`` and CPU-allocator warnings
-straight to file descriptor 2, below Python, so the worker's fd 2 is a pipe read by a thread
-that forwards every other line to the real stderr. Python warnings are filtered by their exact
-message. ``--verbose`` turns all of it off.
+straight to file descriptor 2, below Python, so the worker's fd 2 is the write end of a pipe that
+a thread in the parent reads, forwarding every other line to the parent's stderr. The reader is
+in the parent so that a worker that aborts or segfaults loses nothing it wrote (its fatal
+message, faulthandler's traceback), and a large write in the worker never waits on a thread of
+its own. Python warnings are filtered in the worker by their exact message. ``--verbose`` turns
+all of it off.
 """
 
 from __future__ import annotations
 
-import contextlib
 import os
 import re
 import sys
@@ -38,23 +40,39 @@ def filter_warnings() -> None:
         warnings.filterwarnings("ignore", message=re.escape(message))
 
 
-@contextlib.contextmanager
-def quiet_stderr():
-    """Inside: fd 2 goes through a filter that drops ``NOISE_LINES`` and forwards the rest."""
-    sys.stderr.flush()
-    real = os.dup(2)
-    read_end, write_end = os.pipe()
-    os.dup2(write_end, 2)
-    os.close(write_end)
-    forwarder = threading.Thread(target=_forward, args=(read_end, real), daemon=True)
-    forwarder.start()
-    try:
-        yield
-    finally:
+class FilteredStderr:
+    """A pipe for one worker's fd 2, drained in this (the parent) process.
+
+    Create it before forking; the worker calls ``attach()``; the parent calls ``started()``
+    after the fork and ``close()`` once the worker has exited (EOF ends the reader)."""
+
+    def __init__(self, target_fd: int = 2):
+        self.read_end, self.write_end = os.pipe()
+        self.reader = threading.Thread(
+            target=_forward, args=(self.read_end, target_fd), daemon=True
+        )
+
+    def attach(self) -> None:
+        """In the worker: fd 2 becomes the pipe."""
         sys.stderr.flush()
-        os.dup2(real, 2)  # closes the pipe's last write end: the forwarder sees EOF
-        forwarder.join(timeout=5)
-        os.close(real)
+        os.dup2(self.write_end, 2)
+        os.close(self.write_end)
+        os.close(self.read_end)
+
+    def started(self) -> None:
+        """In the parent, after the fork: keep only the read end and start reading."""
+        os.close(self.write_end)
+        self.write_end = None
+        self.reader.start()
+
+    def close(self, timeout: float = 10.0) -> None:
+        """In the parent, once the worker has exited (or never started)."""
+        if self.write_end is not None:  # the fork never happened: nobody reads the pipe
+            os.close(self.write_end)
+            os.close(self.read_end)
+            return
+        # A grandchild still holding the write end would keep the pipe open: do not wait forever.
+        self.reader.join(timeout)
 
 
 def _forward(read_end: int, target: int) -> None:

@@ -2,7 +2,7 @@
 
 ``measurements(config)`` is the sequence a config asks for. The timed steps come first and
 nothing else runs during them; every later measurement runs extra steps on the last sampled
-batch and never records phase snapshots (``Session.extra_step``).
+batch that had samples and never records phase snapshots (``Session.extra_step``).
 """
 
 from __future__ import annotations
@@ -42,15 +42,15 @@ class Session:
     recorder: phases.PhaseRecorder
     out_dir: str
     env: dict
-    inputs: torch.Tensor = None  # the last sampled batch: the extra steps reuse it
+    inputs: torch.Tensor = None  # the last sampled batch with samples: extra steps reuse it
     targets: torch.Tensor = None
     measured_snapshots: list = field(default_factory=list)
     step_starts: list = field(default_factory=list)
     module_census: census.ModuleCensus | None = None
-    extra_steps: int = 0  # steps on the last sampled batch after the timed ones
+    extra_steps: int = 0  # steps after the timed ones, on a batch they already sampled
 
     def reused_batch_step(self) -> None:
-        """One step after the timed ones, on the last sampled batch (counted: a DP step that
+        """One step after the timed ones, on a batch they sampled (counted: a DP step that
         reuses a batch is accounted as such)."""
         self.extra_steps += 1
         self.trainer.step(self.inputs, self.targets)
@@ -74,16 +74,27 @@ class TimedSteps:
             first_measured = len(s.recorder.snapshots)
             step_times, physical_times, losses = [], [], []
             for _ in range(s.config.steps):
-                s.inputs, s.targets = s.workload.batch()  # sampled outside the timed region
+                inputs, targets = s.workload.batch()  # sampled outside the timed region
+                if len(inputs) or s.inputs is None:
+                    # The extra steps after these reuse the last batch that had samples: a
+                    # measurement of an empty (Poisson) batch would measure the noise alone.
+                    s.inputs, s.targets = inputs, targets
                 synchronize(s.device)
                 start = time.perf_counter()
                 s.step_starts.append(start - s.recorder.start)
-                out = s.trainer.step(s.inputs, s.targets)
+                out = s.trainer.step(inputs, targets)
                 synchronize(s.device)
                 step_times.append((time.perf_counter() - start) * 1e3)
                 physical_times.extend(out["physical_step_times_ms"])
                 losses.append(out["loss"])
         s.measured_snapshots = s.recorder.snapshots[first_measured:]
+        # Poisson batches vary in size: say which one the measurements after these steps use.
+        result["measurement_batch_size"] = len(s.inputs)
+        if not len(s.inputs):
+            s.env["measurement_batch_note"] = (
+                "every sampled batch was empty: the measurements after the timed steps (CPU "
+                "peak, breakdown, census, trace) ran on an empty batch, a noise-only step"
+            )
         result.update(
             avg_time_ms=statistics.fmean(step_times),
             median_time_ms=statistics.median(step_times),
@@ -107,7 +118,12 @@ class PeakMemory:
             )
         else:
             host_dataset = s.workload.host_dataset()
-            result["peak_memory_mb"] = phases.cpu_step_peak_bytes(s.extra_step, host_dataset) / MB
+            try:
+                peak = phases.cpu_step_peak_bytes(s.extra_step, host_dataset)
+            except ValueError as error:  # the profiler's own trace could not be read back
+                s.env["peak_note"] = f"the CPU peak could not be measured: {error}"
+                return
+            result["peak_memory_mb"] = peak / MB
 
 
 class Breakdown:
@@ -175,16 +191,24 @@ class Privacy:
             return
         config = s.config
         # Warm-up and timed steps each drew a fresh Poisson batch; the extra steps after them
-        # (CPU peak, breakdown, census, trace) reused the last one: accounted as such.
+        # (CPU peak, breakdown, census, trace) reused one of those: accounted as such.
         steps, last_batch_uses = s.trainer.steps_taken, 1 + s.extra_steps
-        result["privacy"] = {
-            "epsilon": privacy.epsilon(
+        epsilon = None
+        if config.poisson:
+            epsilon = privacy.epsilon(
                 config.noise_multiplier,
                 s.workload.sample_rate,
                 steps,
                 config.delta,
                 last_batch_uses=last_batch_uses,
-            ),
+            )
+        else:
+            s.env["privacy_note"] = (
+                "--no_poisson: fixed-size batches, which the Poisson accountant does not cover; "
+                "epsilon is not reported"
+            )
+        result["privacy"] = {
+            "epsilon": epsilon,
             "delta": config.delta,
             "sample_rate": s.workload.sample_rate,
             "steps": steps,

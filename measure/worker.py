@@ -77,18 +77,17 @@ def run_experiment(config, out_dir: str) -> dict:
     return result
 
 
-def worker_main(config, config_path: str, errors=None, verbose: bool = False) -> None:
+def worker_main(config, config_path: str, errors=None, stderr=None) -> None:
     """Entry point of the forked child: run, classify the outcome, write result.json.
-    ``errors``: a pipe end on which a result that cannot be written (disk full) is reported."""
+    ``errors``: a pipe end on which a result that cannot be written (disk full) is reported;
+    ``stderr``: a ``quiet.FilteredStderr`` to write through (None: ``--verbose``)."""
     die_with_parent()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent decides what Ctrl-C stops
     signal.signal(signal.SIGTERM, signal.SIG_DFL)  # not the CLI's handler: terminate() stops it
-    if verbose:
-        result = classified_run(config, config_path)
-    else:
+    if stderr is not None:
+        stderr.attach()
         quiet.filter_warnings()
-        with quiet.quiet_stderr():
-            result = classified_run(config, config_path)
+    result = classified_run(config, config_path)
     try:
         write_json(os.path.join(config_path, "result.json"), result)
     except OSError as error:  # the parent records it: "worker died" would hide the cause

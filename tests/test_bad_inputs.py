@@ -22,6 +22,8 @@ def bad_command_lines(tmp_path):
     binary.write_bytes(b"\xff\xfe\x00\x81garbage\n")
     array = tmp_path / "array.jsonl"
     array.write_text("[1, 2, 3]\n")
+    one_row = tmp_path / "one_row.jsonl"
+    one_row.write_text('{"premise": "a", "hypothesis": "b", "label": 0}\n')
     a_file = tmp_path / "a_file"
     a_file.write_text("")
     llama = ["--model", "tiny-llama"]
@@ -36,8 +38,8 @@ def bad_command_lines(tmp_path):
         (["--noise_multiplier", "-1"], "--noise_multiplier must be >= 0"),
         (["--max_grad_norm", "nan"], "--max_grad_norm must be a finite number"),
         (["--max_grad_norm=-inf"], "--max_grad_norm must be a finite number"),
-        (["--delta", "nan"], "--delta must be a finite number"),
-        (["--delta", "1"], "--delta must be in (0, 1)"),
+        ([*llama, "--delta", "nan"], "--delta must be a finite number"),
+        ([*llama, "--delta", "1"], "--delta must be in (0, 1)"),
         (["--seed", "-1"], "--seed must be in"),
         (["--seed", "99999999999999999999999"], "--seed must be in"),
         (["--num_heads", "0"], "--num_heads must be positive"),
@@ -61,6 +63,9 @@ def bad_command_lines(tmp_path):
         ([*llama, "--dataset_path", str(not_json)], "is not JSON lines"),
         ([*llama, "--dataset_path", str(binary)], "is not JSON lines"),
         ([*llama, "--dataset_path", str(array)], "is not JSON lines"),
+        ([*llama, "--dataset_path", str(one_row), "--batch_size", "4"], "fewer than the batch"),
+        (["--use_lora"], "applies only to Hugging Face models"),
+        ([*llama, "--hidden_dim", "64"], "applies only to the named LM configs"),
         ([*llama, "--dataset_path", str(tmp_path / "missing.jsonl")], "is not a file"),
         (["--run_name", ".."], "--run_name"),
         (["--run_name", "."], "--run_name"),

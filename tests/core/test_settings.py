@@ -140,3 +140,21 @@ def test_switches_set_their_value_and_stay_unset_otherwise():
     args = profiling_script.parse_args(["--no_poisson", "--use_lora"])
     assert isinstance(args, argparse.Namespace)
     assert args.no_poisson is False and args.use_lora is True and args.no_trace is None
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["--use_lora"],  # the LM has no LoRA
+        ["--lora_rank", "4"],
+        ["--no_poisson"],  # nor Poisson sampling, a dataset or epsilon
+        ["--delta", "0.1"],
+        ["--mode=hf", "--model", "tiny-llama", "--hidden_dim", "64"],  # HF configs are shipped
+    ],
+)
+def test_a_setting_the_model_would_ignore_is_an_error(argv):
+    from measure import plan
+
+    args = profiling_script.parse_args(["--device", "cpu", *argv])
+    with pytest.raises(settings.UsageError, match="applies only to"):
+        plan.make_plan(args, cuda_available=lambda: False)

@@ -136,16 +136,25 @@ def test_resume_removes_stale_leftovers(tmp_path):
     assert not stale.exists() and not (tmp_path / "r" / "standard_bs3_seq8").exists()
 
 
-def test_known_noise_is_dropped_and_everything_else_shows(capfd):
-    with quiet.quiet_stderr():
+def test_known_noise_is_dropped_and_a_crashing_worker_loses_nothing(capfd):
+    """The worker writes through the pipe and dies hard (os._exit after an abort-like fatal
+    line): the parent still forwards every line but the known noise."""
+    stderr = quiet.FilteredStderr()
+    pid = os.fork()
+    if pid == 0:  # the worker
+        stderr.attach()
         os.write(
             2, b"USDT:2026-11-26 08:44:38 1:1 SyncActivityProfilerHandler.cpp:52] profiler_start\n"
         )
         os.write(2, b"[W1126 CPUAllocator.cpp:245] Memory block of unknown size was allocated ")
         os.write(2, b"before the profiling started, profiler results will not include it\n")
-        os.write(2, b"RuntimeError: something real\n")
+        os.write(2, b"RuntimeError: something real\n" + b"x" * 100_000 + b"\n")
+        os._exit(134)
+    stderr.started()
+    os.waitpid(pid, 0)
+    stderr.close()
     err = capfd.readouterr().err
-    assert err == "RuntimeError: something real\n"
+    assert err == "RuntimeError: something real\n" + "x" * 100_000 + "\n"
 
 
 @pytest.mark.parametrize("verbose", [False, True])
