@@ -87,6 +87,9 @@ def parse_raw_csv(text: str) -> list[dict]:
     csv.field_size_limit(max(csv.field_size_limit(), MAX_BYTES))
     table = list(csv.reader(lines[start:]))
     header, body = table[0], table[1:]
+    if body and not any(is_metric_column(name) for name in header):
+        # e.g. ``ncu --csv`` of the details page: one row per metric, the names in a column
+        raise ValueError("no metric columns: export with ncu --csv --page raw")
     factors = [1.0] * len(header)
     if body and not body[0][0].strip():  # the unit row: empty under every label column
         factors = [unit_factor(u) for u in body[0]] + [1.0] * (len(header) - len(body[0]))

@@ -55,3 +55,15 @@ def test_non_finite_numbers_are_not_measurements(tmp_path, value):
     summary.write_ncu_summary(str(tmp_path))
     written = (tmp_path / "ncu_summary.csv").read_text() + (tmp_path / "ncu_summary.md").read_text()
     assert "inf" not in written.lower() and "nan" not in written.lower()
+
+
+def test_a_details_page_export_is_named_not_summarised_as_empty(tmp_path):
+    """``ncu --csv`` without ``--page raw`` has one row per metric and no metric columns: that
+    report is not measured (and says how to export it), not a row of dashes."""
+    details = (
+        '"ID","Kernel Name","Section Name","Metric Name","Metric Unit","Metric Value"\n'
+        '"0","ampere_sgemm","Memory Workload Analysis","DRAM Throughput","%","12.5"\n'
+    )
+    (tmp_path / "report_standard_bs8_seq256.csv").write_text(details)
+    (entry,) = export.load_reports(str(tmp_path))
+    assert "--page raw" in entry["error"]
