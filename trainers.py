@@ -28,6 +28,7 @@ import samplers
 from core import schema
 from core.schema import AllocationSite
 from flash.clip import add_gaussian_noise
+from flash.engine import tensors_in
 
 TRAINERS: dict[str, type[Trainer]] = {}
 OPTIMIZERS = ("sgd", "adam")
@@ -270,15 +271,6 @@ class StandardTrainer(Trainer):
         return per_sample.detach().sum().item()
 
 
-def _tensors(obj):
-    """The tensors in a tensor or a (nested) list/tuple of them."""
-    if isinstance(obj, torch.Tensor):
-        yield obj
-    elif isinstance(obj, (list, tuple)):
-        for item in obj:
-            yield from _tensors(item)
-
-
 class OpacusTrainer(Trainer):
     """Opacus' optimizers with BatchMemoryManager's protocol for physical chunks."""
 
@@ -309,17 +301,17 @@ class OpacusTrainer(Trainer):
             *(
                 ("per_sample_gradients", n, t)
                 for n, p in params
-                for t in _tensors(getattr(p, "grad_sample", None))
+                for t in tensors_in(getattr(p, "grad_sample", None))
             ),
             *(
                 ("norm_samples", n, t)
                 for n, p in params
-                for t in _tensors(getattr(p, "_norm_sample", None))
+                for t in tensors_in(getattr(p, "_norm_sample", None))
             ),
             *(
                 ("activation_hooks", n, t)
                 for n, m in self.model.named_modules()
-                for t in _tensors(getattr(m, "activations", None))
+                for t in tensors_in(getattr(m, "activations", None))
             ),
             *(
                 ("gradients", n, p.summed_grad)

@@ -126,13 +126,14 @@ def _flatten_tokens(x: Tensor, feature_dims: int) -> Tensor:
     return x.reshape(x.shape[0], -1, math.prod(x.shape[x.dim() - feature_dims :]))
 
 
-def _tensors_in(obj) -> Iterator[Tensor]:
-    """The tensors in nested lists and tuples (a layer's calls: [A, G, names], A or G None)."""
+def tensors_in(obj) -> Iterator[Tensor]:
+    """The tensors in a tensor or nested lists and tuples of them (a layer's calls:
+    [A, G, names], A or G None; Opacus' grad_sample lists)."""
     if isinstance(obj, Tensor):
         yield obj
     elif isinstance(obj, (list, tuple)):
         for item in obj:
-            yield from _tensors_in(item)
+            yield from tensors_in(item)
 
 
 ROUTES = ("auto", "gram", "direct", "product")  # how Linear layers get their per-sample norms
@@ -392,7 +393,7 @@ class FlashClipping:
         its forward and release(): the saved inputs A and output gradients G ("activation_hooks")
         and the per-sample gradients formed in the backward hook ("per_sample_gradients")."""
         for layer in self.layers:
-            for tensor in _tensors_in(layer.calls):
+            for tensor in tensors_in(layer.calls):
                 yield layer.module, "activation_hooks", tensor
             for grad in layer.per_sample.values():
                 yield layer.module, "per_sample_gradients", grad

@@ -63,11 +63,11 @@ def finished_result(result_path: str, resume: bool) -> dict | None:
 def _run_configs(configs, run_dir, resume, progress, verbose) -> list[dict]:
     context = multiprocessing.get_context("fork")
     paths = [os.path.join(run_dir, c.config_dir, "result.json") for c in configs]
-    # Resumed and skipped configs take no time: counted as done from the start, they do not
-    # shorten the estimate of the rest.
-    no_worker = sum(
-        bool(finished_result(p, resume) or skip_reason(c)) for c, p in zip(configs, paths)
-    )
+    # Read once: a bad earlier result warns once. Resumed and skipped configs take no time:
+    # counted as done from the start, they do not shorten the estimate of the rest.
+    kept = [finished_result(p, resume) for p in paths]
+    skips = [skip_reason(c) for c in configs]
+    no_worker = sum(bool(result or reason) for result, reason in zip(kept, skips))
     if resume:  # what an earlier interrupted or killed run left behind, in config directories
         for name in os.listdir(run_dir):
             path = os.path.join(run_dir, name)
@@ -76,15 +76,15 @@ def _run_configs(configs, run_dir, resume, progress, verbose) -> list[dict]:
     bar = ProgressBar(len(configs), no_worker) if progress else None
     log = bar.write if bar else print
     results = []
-    for index, (config, result_path) in enumerate(zip(configs, paths), 1):
+    for index, (config, result_path, result, reason) in enumerate(
+        zip(configs, paths, kept, skips), 1
+    ):
         config_path = os.path.dirname(result_path)
         tag = f"[{index}/{len(configs)}] {config.config_dir}"
-        result = finished_result(result_path, resume)
         if result:
             log(f"{tag}: {result['status']} (resumed)")
         else:
             os.makedirs(config_path, exist_ok=True)
-            reason = skip_reason(config)
             if reason:
                 result = result_skeleton(config, "skipped", reason)
                 write_json(result_path, result)
