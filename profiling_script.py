@@ -13,6 +13,7 @@ run is about to start, so ``--help``, bad arguments and the report modes stay fa
 from __future__ import annotations
 
 import argparse
+import contextlib
 import glob
 import os
 import re
@@ -198,9 +199,11 @@ def run_experiments(args) -> int:
     from measure import plan, processes
 
     experiment = plan.make_plan(args, processes.cuda_available)
+    configs = experiment.configs
+    if configs and configs[0].distributed != "none":
+        return run_distributed(args, experiment, processes)
     if experiment.note:
         print(experiment.note)
-    configs = experiment.configs
     run_dir = make_run_dir(args, experiment.mode)
     lock = rundir.RunLock(run_dir)
     try:
@@ -211,6 +214,52 @@ def run_experiments(args) -> int:
         return measure_and_summarise(args, experiment, run_dir, processes)
     finally:
         lock.release()
+
+
+def run_distributed(args, experiment, processes) -> int:
+    """One run for the ranks of a torchrun job: rank 0 names and locks the run directory and
+    tells the others; every rank runs its workers; rank 0 prints and summarises; every rank
+    exits with rank 0's code."""
+    from measure.ranks import RankGroup
+    from parallel.ranks import from_environment
+
+    group = RankGroup(from_environment())
+    lock = None
+    if group.is_first:
+        try:
+            if experiment.note:
+                print(experiment.note)
+            run_dir = make_run_dir(args, experiment.mode)
+            lock = rundir.RunLock(run_dir)
+            if args.resume:
+                refuse_changed_settings(experiment.configs, run_dir)
+            for config in experiment.configs:
+                rundir.check_contained(run_dir, os.path.join(run_dir, config.config_dir))
+        except UsageError as error:
+            group.broadcast("run_dir", {"error": str(error)})
+            raise
+        group.broadcast("run_dir", {"run_dir": run_dir})
+    else:
+        answer = group.broadcast("run_dir")
+        if "error" in answer:  # rank 0 reports it
+            return EXIT_BAD_ARGS
+        run_dir = answer["run_dir"]
+        os.makedirs(run_dir, exist_ok=True)  # another node's disk
+    try:
+        plans = group.gather("plan", [c.config_dir for c in experiment.configs])
+        same = group.broadcast("same_plan", plans is None or all(p == plans[0] for p in plans))
+        if not same:
+            raise UsageError("the ranks planned different configs: give every rank the same flags")
+        if group.is_first:
+            code = measure_and_summarise(args, experiment, run_dir, processes, group)
+        else:
+            with contextlib.redirect_stdout(open(os.devnull, "w")):  # noqa: SIM115
+                measure_and_summarise(args, experiment, run_dir, processes, group)
+            code = None
+        return group.broadcast("exit_code", code)
+    finally:
+        if lock is not None:
+            lock.release()
 
 
 def make_run_dir(args, mode: str) -> str:
@@ -229,16 +278,20 @@ def make_run_dir(args, mode: str) -> str:
     return run_dir
 
 
-def measure_and_summarise(args, experiment, run_dir: str, processes) -> int:
+def measure_and_summarise(args, experiment, run_dir: str, processes, group=None) -> int:
     configs = experiment.configs
-    print(f"{count(len(configs), 'config')} on {experiment.device}, results in {run_dir}")
+    where = experiment.device
+    if group is not None:
+        where = f"{count(group.info.world_size, 'rank')} ({configs[0].distributed}, {where})"
+    print(f"{count(len(configs), 'config')} on {where}, results in {run_dir}")
     try:
         results = processes.run_configs(
             configs,
             run_dir,
             resume=args.resume,
-            progress=experiment.mode == "hf_sweep",
+            progress=experiment.mode == "hf_sweep" and (group is None or group.is_first),
             verbose=args.verbose,
+            group=group,
         )
     except processes.Interrupted as interrupted:
         ignore_signals()  # a second Ctrl-C while the summary is written: no traceback
@@ -250,6 +303,8 @@ def measure_and_summarise(args, experiment, run_dir: str, processes) -> int:
             print(summary.write_summary(run_dir, finished))
         return interrupted_exit_code()
     print()
+    if group is not None and not group.is_first:
+        return exit_code(results)
     # Summarise every result in the run directory: a --resume run adds to earlier ones.
     print(summary.write_summary(run_dir, summary.load_results(run_dir)))
     print(f"Summary: {run_dir}/summary.csv, {run_dir}/summary.md")

@@ -19,16 +19,27 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from opacus import GradSampleModule
+from opacus.distributed import DifferentiallyPrivateDistributedDataParallel as DPDDP
 from opacus.grad_sample import GradSampleModuleFastGradientClipping
-from opacus.optimizers import DPOptimizer, DPOptimizerFastGradientClipping
+from opacus.grad_sample.grad_sample_module_fast_gradient_clipping_fsdp import (
+    GradSampleModuleFastGradientClippingFSDP,
+)
+from opacus.optimizers import (
+    DistributedDPOptimizer,
+    DistributedDPOptimizerFastGradientClipping,
+    DPOptimizer,
+    DPOptimizerFastGradientClipping,
+    FSDPOptimizerFastGradientClipping,
+)
 from opacus.utils.fast_gradient_clipping_utils import DPTensorFastGradientClipping
 
 import flash.engine
-import samplers
+import samplers.state
 from core import schema
 from core.schema import AllocationSite
 from flash.clip import add_gaussian_noise
 from flash.engine import tensors_in
+from parallel import wrap
 
 TRAINERS: dict[str, type[Trainer]] = {}
 OPTIMIZERS = ("sgd", "adam")
@@ -58,16 +69,25 @@ def make_trainer(
     batch_size: int,
     optimizer: str = "sgd",
     dtype: torch.dtype = torch.float32,
+    distributed: str = "none",
     **trainer_options,
 ) -> Trainer:
-    """Build the named trainer around ``model``; it updates ``model``'s parameters in place."""
+    """Build the named trainer around ``model``; it updates ``model``'s parameters in place.
+
+    ``distributed`` ("ddp" or "fsdp", inside an initialised default process group): the model
+    is replicated or sharded over the ranks, each rank steps on its own slice of the global
+    batch, and ``batch_size`` stays the GLOBAL batch (the averaging denominator)."""
     cls = TRAINERS[canonical_trainer_name(name)]
     if getattr(getattr(model, "config", None), "activation_checkpointing", False):
         if not cls.supports_activation_checkpointing:
             raise ValueError(checkpointing_refusal(cls.name))
+    if distributed in cls.distributed_refusals:
+        raise ValueError(cls.distributed_refusals[distributed])
+    if distributed == "fsdp":  # before the trainer: its optimizer (and flash) see the shards
+        model = wrap.shard(model, cls.fsdp_units)
     privacy = dict(max_grad_norm=max_grad_norm, noise_multiplier=noise_multiplier)
     options = dict(lr=lr, batch_size=batch_size, optimizer=optimizer, dtype=dtype)
-    return cls(model, **options, **privacy, **trainer_options)
+    return cls(model, **options, **privacy, distributed=distributed, **trainer_options)
 
 
 def checkpointing_refusal(name: str) -> str:
@@ -101,6 +121,9 @@ class Trainer:
     # Opacus' hooks and flash's book-keeping save each layer's input in forward; recomputing a
     # checkpointed block in backward saves it again (double memory, mismatched per-sample grads).
     supports_activation_checkpointing = False
+    # Distributed modes this trainer cannot run, with the reason (recorded as "skipped").
+    distributed_refusals: dict[str, str] = {}
+    fsdp_units = "blocks"  # FSDP2 units: parallel.wrap.FSDP_UNITS
 
     def __init__(
         self,
@@ -115,30 +138,30 @@ class Trainer:
         noise_multiplier: float = 1.0,
         loss_fn: Callable[[nn.Module, torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
         on_phase: Callable[[str], None] | None = None,
+        distributed: str = "none",
     ):
-        if batch_size <= 0:
-            raise ValueError(f"batch_size must be positive, got {batch_size}")
+        if batch_size <= 0 or (max_physical_batch_size or 1) <= 0:
+            raise ValueError(
+                f"batch sizes must be positive ({batch_size}, {max_physical_batch_size})"
+            )
         if noise_multiplier < 0 or max_grad_norm <= 0:
             raise ValueError("noise_multiplier must be >= 0 and max_grad_norm > 0")
-        if max_physical_batch_size is not None and max_physical_batch_size <= 0:
-            raise ValueError(
-                f"max_physical_batch_size must be positive, got {max_physical_batch_size}"
-            )
         if optimizer not in OPTIMIZERS:
             raise ValueError(f"optimizer must be one of {OPTIMIZERS}, got {optimizer!r}")
         if dtype not in (torch.float32, torch.bfloat16):
             raise ValueError(f"dtype must be float32 or bfloat16, got {dtype}")
-        self.model = model
-        self.lr = lr
-        self.max_grad_norm = max_grad_norm
-        self.noise_multiplier = noise_multiplier
-        self.batch_size = batch_size
+        self.model, self.lr, self.batch_size = model, lr, batch_size
+        self.max_grad_norm, self.noise_multiplier = max_grad_norm, noise_multiplier
         self.max_physical_batch_size = max_physical_batch_size or batch_size
         self.dtype = dtype
         # Per-sample loss of a chunk, [n]: the mean of each sample's token losses by default.
         self.per_sample_loss = loss_fn or (lambda m, x, y: token_losses(m(x), y).mean(dim=1))
         self.on_phase = on_phase or (lambda name: None)
         self.steps_taken = 0
+        self.distributed = distributed
+        self.world_size = torch.distributed.get_world_size() if distributed != "none" else 1
+        if distributed != "none":
+            self.on_phase("distributed_wrapped")
         params = self.trainable_parameters(model)
         if optimizer == "sgd":  # plain: no momentum, no weight decay
             self.optimizer = torch.optim.SGD(params, lr=lr)
@@ -211,22 +234,26 @@ class Trainer:
             return torch.autocast(device_type=device_type, dtype=torch.bfloat16)
         return contextlib.nullcontext()
 
-    def chunks(self, batch: int) -> list[torch.Tensor]:
-        """Index sets of the physical chunks, near-equal as BatchMemoryManager makes them."""
-        num_chunks = math.ceil(batch / self.max_physical_batch_size)
+    def chunks(self, batch: int, largest: int | None = None) -> list[torch.Tensor]:
+        """Index sets of the physical chunks, near-equal as BatchMemoryManager makes them.
+        ``largest``: the largest batch of any rank: every rank runs as many chunks (FSDP
+        all-gathers in each chunk's forward; a rank with fewer samples may get an empty one)."""
+        num_chunks = math.ceil((largest or batch) / self.max_physical_batch_size)
         return list(torch.arange(batch).tensor_split(num_chunks))
 
     def step(self, inputs: torch.Tensor, targets: torch.Tensor) -> dict:
         self.steps_taken += 1
         self.optimizer.zero_grad(set_to_none=True)
-        if inputs.shape[0] == 0:
+        batch = inputs.shape[0]
+        largest = wrap.largest_batch(batch, inputs.device, self.distributed)
+        if largest == 0:
             # An empty Poisson sample is still a step: no forward or backward, the clipped sum
             # is zero, and a DP trainer still adds its noise (Opacus does the same).
             self.empty_batch_gradients()
             self.optimizer_step()
             self.on_phase("step_done")
             return {"loss": None, "physical_step_times_ms": []}
-        chunk_list = self.chunks(inputs.shape[0])
+        chunk_list = self.chunks(batch, largest)
         loss_sum, chunk_times_ms = 0.0, []
         for i, index in enumerate(chunk_list):
             start = time.perf_counter()
@@ -238,7 +265,8 @@ class Trainer:
             chunk_times_ms.append((time.perf_counter() - start) * 1e3)
         self.optimizer_step()
         self.on_phase("step_done")
-        return {"loss": loss_sum / inputs.shape[0], "physical_step_times_ms": chunk_times_ms}
+        loss = wrap.batch_mean(loss_sum, batch, inputs.device, self.distributed)
+        return {"loss": loss, "physical_step_times_ms": chunk_times_ms}
 
     def chunk_step(self, inputs, targets, is_last: bool) -> float:
         """Forward and backward of one physical chunk; returns the sum of its per-sample losses."""
@@ -261,12 +289,21 @@ class StandardTrainer(Trainer):
 
     supports_activation_checkpointing = True
 
+    def __init__(self, model, **kwargs):
+        super().__init__(model, **kwargs)
+        self.forward_model = wrap.data_parallel(model) if self.distributed == "ddp" else model
+
     def chunk_step(self, inputs, targets, is_last):
-        with self.autocast(inputs.device.type):
-            per_sample = self.per_sample_loss(self.model, inputs, targets)
-        self.on_phase("forward_done")
-        # Scale so the accumulated gradient is the mean over the whole logical batch.
-        (per_sample.sum() / self.batch_size).backward()
+        # Gradients are summed over ranks once per logical batch, after its last chunk.
+        if self.distributed == "fsdp":
+            self.model.set_requires_gradient_sync(is_last)
+        no_sync = self.distributed == "ddp" and not is_last
+        with self.forward_model.no_sync() if no_sync else contextlib.nullcontext():
+            with self.autocast(inputs.device.type):
+                per_sample = self.per_sample_loss(self.forward_model, inputs, targets)
+            self.on_phase("forward_done")
+            # Scale so the accumulated gradient is the mean over the whole logical batch.
+            (per_sample.sum() / self.batch_size).backward()
         self.on_phase("backward_done")
         return per_sample.detach().sum().item()
 
@@ -275,61 +312,28 @@ class OpacusTrainer(Trainer):
     """Opacus' optimizers with BatchMemoryManager's protocol for physical chunks."""
 
     is_private = True
-    # Opacus' functions by package and name (its registries hold one function per layer type).
-    OPACUS_SITES = (
-        # Ghost clipping's B x T x T ggT/aaT and Opacus' rescaled copies of each layer's output
-        # gradient (B x T x p, made for the norm or per-sample computation).
-        AllocationSite("temp_matrices", "norm_sample", package="opacus.grad_sample"),
-        AllocationSite("temp_matrices", "^rearrange_grad_samples", package="opacus.grad_sample"),
-        AllocationSite("norm_samples", "^(get_clipping_coef|get_norm_)"),
-        # Per-sample gradients and their clipped copies in the optimizer.
-        AllocationSite(
-            "per_sample_gradients",
-            r"^(compute_\w+_grad_sample|create_or_accumulate_grad_sample)",
-            package="opacus.grad_sample",
-        ),
-        AllocationSite("per_sample_gradients", "^clip", package="opacus.optimizers"),
-        AllocationSite("gradients", "", package="opacus.optimizers"),  # summed, noised
-        # The masked copy of the output gradient made by our embedding samplers (the per-sample
-        # gradients themselves come from the stock samplers they call, matched above).
-        AllocationSite.of("temp_matrices", samplers.embedding.without_padding),
-    )
 
     def dp_state_tensors(self):
-        params = list(self.model.named_parameters())
+        owners = {"parameter": self.model.named_parameters, "module": self.model.named_modules}
         return [
-            *(
-                ("per_sample_gradients", n, t)
-                for n, p in params
-                for t in tensors_in(getattr(p, "grad_sample", None))
-            ),
-            *(
-                ("norm_samples", n, t)
-                for n, p in params
-                for t in tensors_in(getattr(p, "_norm_sample", None))
-            ),
-            *(
-                ("activation_hooks", n, t)
-                for n, m in self.model.named_modules()
-                for t in tensors_in(getattr(m, "activations", None))
-            ),
-            *(
-                ("gradients", n, p.summed_grad)
-                for n, p in params
-                if getattr(p, "summed_grad", None) is not None
-            ),
+            (role, name, tensor)
+            for role, kind, attribute in samplers.state.OPACUS_ATTRIBUTES
+            for name, owner in owners[kind]()
+            for tensor in tensors_in(getattr(owner, attribute, None))
         ]
 
     def dp_allocation_sites(self):
-        return list(self.OPACUS_SITES)
+        return list(samplers.state.OPACUS_SITES)
 
-    def wrap_optimizer(self, dp_optimizer_class) -> None:
-        """Opacus' DP optimizer around the base optimizer, with this trainer's settings."""
-        self.optimizer = dp_optimizer_class(
+    def wrap_optimizer(self, dp_optimizer_classes: dict) -> None:
+        """Opacus' DP optimizer (``dp_optimizer_classes`` by distributed mode) around the base
+        optimizer, with this trainer's settings. Distributed, Opacus divides by the expected
+        batch of ONE rank and then averages over the ranks: B / world_size is that batch."""
+        self.optimizer = dp_optimizer_classes[self.distributed](
             self.base_optimizer,
             noise_multiplier=self.noise_multiplier,
             max_grad_norm=self.max_grad_norm,
-            expected_batch_size=self.batch_size,
+            expected_batch_size=self.batch_size // self.world_size,
             loss_reduction="mean",
         )
         self.on_phase("privacy_wrapped")
@@ -358,10 +362,16 @@ class OpacusTrainer(Trainer):
 class DPSGDTrainer(OpacusTrainer):
     """Opacus per-sample gradients: GradSampleModule hooks + DPOptimizer."""
 
+    distributed_refusals = {
+        "fsdp": "Opacus 1.6's per-sample gradients (hooks mode) do not run on an FSDP2 model: "
+        "its grad samplers expect whole parameters, and FSDP2 shards them (use ghost or flash)"
+    }
+
     def __init__(self, model, **kwargs):
         super().__init__(model, **kwargs)
-        self.wrapped = GradSampleModule(model, batch_first=True, loss_reduction="mean")
-        self.wrap_optimizer(DPOptimizer)
+        module = DPDDP(model) if self.distributed == "ddp" else model
+        self.wrapped = GradSampleModule(module, batch_first=True, loss_reduction="mean")
+        self.wrap_optimizer({"none": DPOptimizer, "ddp": DistributedDPOptimizer})
 
     def empty_batch_gradients(self):
         # Zero rows of per-sample gradients: Opacus' clipping takes this as an empty batch.
@@ -379,16 +389,27 @@ class DPSGDTrainer(OpacusTrainer):
 class GhostClippingTrainer(OpacusTrainer):
     """Opacus fast gradient / ghost clipping: two backward passes, no per-sample gradients."""
 
+    fsdp_units = "opacus_layers"
+
     def __init__(self, model, **kwargs):
         super().__init__(model, **kwargs)
-        self.wrapped = GradSampleModuleFastGradientClipping(
-            model,
+        module_class = GradSampleModuleFastGradientClipping
+        if self.distributed == "fsdp":
+            module_class = GradSampleModuleFastGradientClippingFSDP
+        self.wrapped = module_class(
+            DPDDP(model) if self.distributed == "ddp" else model,
             batch_first=True,
             loss_reduction="mean",
             max_grad_norm=self.max_grad_norm,
             use_ghost_clipping=True,
         )
-        self.wrap_optimizer(DPOptimizerFastGradientClipping)
+        self.wrap_optimizer(
+            {
+                "none": DPOptimizerFastGradientClipping,
+                "ddp": DistributedDPOptimizerFastGradientClipping,
+                "fsdp": FSDPOptimizerFastGradientClipping,
+            }
+        )
 
     def empty_batch_gradients(self):
         # The second backward's clipped sum is what this optimizer accumulates: zero here.
@@ -426,6 +447,8 @@ class FlashClippingTrainer(Trainer):
         except Exception:
             self.engine.remove()  # leave the model as it was given: no hooks, trainable
             raise
+        if self.distributed == "ddp":  # no DDP wrapper: flash sums its clipped gradients
+            wrap.broadcast_parameters(model)
         self.on_phase("privacy_wrapped")
 
     def trainable_parameters(self, model):
@@ -438,10 +461,13 @@ class FlashClippingTrainer(Trainer):
         # Sum over samples: each sample's G is then exactly the gradient of its own loss.
         self.engine.backward(per_sample.sum())
         self.on_phase("_clip_inputs_saved")  # A, G and per-sample grads all held: name them
+        # Norms stay on the rank that holds the sample: never reduced across ranks.
         norms = self.engine.per_sample_squared_norms().sqrt()
         # 1/B folded into the clip factors (and the noise's std): no division pass over every
-        # gradient afterwards.
-        self.engine.accumulate_clipped_grads(self.clip_factors(norms) / self.batch_size)
+        # gradient afterwards. FSDP2: each parameter's clipped sum is reduce-scattered into its
+        # shard as soon as it exists.
+        sink = wrap.ShardedGradients() if self.distributed == "fsdp" else None
+        self.engine.accumulate_clipped_grads(self.clip_factors(norms) / self.batch_size, sink)
         self.engine.release()
         self.on_phase("backward_done")
         return per_sample.detach().sum().item()
@@ -449,21 +475,20 @@ class FlashClippingTrainer(Trainer):
     def optimizer_step(self):
         # The gradients already hold sum_b c_b g_b / B: the noise N(0, (sigma C)^2) / B.
         std = self.noise_multiplier * self.max_grad_norm / self.batch_size
-        grads = []
         for p in self.engine.params:
             if p.grad is None:  # a layer the batch never reached still gets noise
                 p.grad = torch.zeros_like(p)
-            grads.append(p.grad)
-        if std > 0:
+        grads = wrap.local_gradients(self.engine.params)
+        # Noise once per coordinate: under DDP rank 0 adds it before the sum over ranks; under
+        # FSDP2 each rank adds it to the shard it owns (each rank draws its own stream).
+        if std > 0 and (self.distributed != "ddp" or torch.distributed.get_rank() == 0):
             add_gaussian_noise(grads, std)
+        if self.distributed == "ddp":
+            wrap.all_reduce_sum(grads)
         self.optimizer.step()
 
-    def routes(self) -> list[dict]:
-        """The route each Linear layer's norms took in the last step, with its sizes."""
-        return self.engine.routes()
-
-    def result_extras(self) -> dict:
-        return {"flash_routes": self.routes()}
+    def result_extras(self) -> dict:  # the route each Linear layer's norms took, its sizes
+        return {"flash_routes": self.engine.routes()}
 
     def dp_state_tensors(self):
         names = {id(m): n for n, m in self.model.named_modules()}

@@ -109,8 +109,8 @@ class Setting:
 
 
 def _physical_part(config) -> str | None:
-    physical = config.max_physical_batch_size or config.batch_size
-    return f"_pb{physical}" if physical != config.batch_size else None
+    physical = config.physical_batch_size
+    return f"_pb{physical}" if physical != config.batch_size // config.world_size else None
 
 
 # The causal LM's named configs (``models.CONFIGS``), listed here so --help needs no torch.
@@ -219,6 +219,21 @@ SETTINGS: tuple[Setting, ...] = (
         dir_part=lambda c: "_" + c.model.replace("/", "-") if c.model != c.default_model else None,
         compare=True,
     ),
+    Setting(
+        "distributed",
+        "none",
+        "under torchrun: DDP or FSDP2 over the ranks (NCCL on GPUs, gloo on CPU). --batch_sizes "
+        "is then the global logical batch, split evenly over the ranks (it must divide by their "
+        "number); --max_physical_batch_sizes is per rank; every rank draws the same global batch "
+        "from --seed (Hugging Face: one global Poisson draw) and takes its own slice "
+        "(default: none)",
+        flags=("--distributed",),
+        choices=("none", "ddp", "fsdp"),
+        dir_part=lambda c: f"_{c.distributed}{c.world_size}x" if c.distributed != "none" else None,
+        compare=True,
+    ),
+    # The number of ranks: set by the plan from torchrun's WORLD_SIZE, never by a flag.
+    Setting("world_size", 1, "ranks of a distributed run", compare=True),
     Setting(
         "optimizer",
         "sgd",
@@ -364,7 +379,8 @@ CONFIG_FIELDS = tuple(s for s in SETTINGS if s.into is None)
 
 
 def _physical_batch_size(self) -> int:
-    return self.max_physical_batch_size or self.batch_size
+    """Per rank: the logical batch's share of one rank unless --max_physical_batch_size."""
+    return self.max_physical_batch_size or self.batch_size // self.world_size
 
 
 def default_attention(model: str) -> str:

@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import math
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 import torch
@@ -348,13 +348,23 @@ class FlashClipping:
             self._norms = torch.stack(terms).sum(0)
         return self._norms
 
-    def accumulate_clipped_grads(self, clip_factors: Tensor) -> None:
+    def accumulate_clipped_grads(
+        self, clip_factors: Tensor, sink: Callable[[nn.Parameter, Tensor], None] | None = None
+    ) -> None:
         """p.grad += sum_b c_b * grad_b(p) for every managed parameter.
 
         Consumes the saved A and G: each layer's are dropped as soon as its clipped gradient
         exists, so the weight gradients grow while the saved activations shrink and the peak
         stays near the non-private step's (holding both would add all of A and G on top).
+
+        ``sink(param, clipped_sum)``: instead of writing .grad, hand each parameter's clipped sum
+        (full shape, param.shape) to ``sink`` as soon as it exists, one parameter at a time (a
+        sharded model reduce-scatters it into its shard and drops it: at most one layer's
+        unsharded gradient is held). The batched writes into .grad are not used then.
         """
+        if sink is not None:
+            self._clipped_grads_to(sink, clip_factors)
+            return
         if clip_factors.shape != (self._batch_size(),):
             raise ValueError(f"clip_factors must have shape [B], got {tuple(clip_factors.shape)}")
         c = ClipFactors(clip_factors)
@@ -383,6 +393,33 @@ class FlashClipping:
         for params, grads in small:
             sums = c.to(grads.dtype) @ grads
             _accumulate_many(params, sums.split([p.numel() for p in params]))
+
+    def _clipped_grads_to(self, sink, clip_factors: Tensor) -> None:
+        """accumulate_clipped_grads' sink path: the same sums, one parameter at a time."""
+        if clip_factors.shape != (self._batch_size(),):
+            raise ValueError(f"clip_factors must have shape [B], got {tuple(clip_factors.shape)}")
+        c = ClipFactors(clip_factors)
+        small = self._small_per_sample()
+        self._small = None
+        for layer in self.layers:
+            per_sample, layer.per_sample = layer.per_sample, {}
+            for name, grad in per_sample.items():
+                if not _is_small(grad):
+                    param = layer.params[name]
+                    sink(param, (c.to(grad.dtype) @ grad.flatten(1)).view(param.shape))
+            del per_sample
+            calls, layer.calls = layer.calls, []
+            clipped: dict[str, Tensor] = {}
+            for A, G, _ in calls:
+                for name, grad in layer.rule.clipped_grads(layer, A, G, c).items():
+                    clipped[name] = grad if name not in clipped else clipped[name] + grad
+            del calls
+            for name, grad in clipped.items():
+                sink(layer.params[name], grad.view(layer.params[name].shape))
+        for params, grads in small:
+            sums = c.to(grads.dtype) @ grads
+            for param, grad in zip(params, sums.split([p.numel() for p in params]), strict=True):
+                sink(param, grad.view(param.shape))
 
     def routes(self) -> list[dict]:
         """Per layer of the last backward: name, T, route (Linear layers also d, p)."""

@@ -11,6 +11,7 @@ from __future__ import annotations
 import gc
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from core.schema import BREAKDOWN_KEYS, MB, AllocationSite
 
@@ -29,6 +30,8 @@ def tensor_identities(trainer, device_type: str = "cuda") -> dict[int, str]:
     are views of the model's activations)."""
     roles: dict[int, str] = {}
     for role, _, tensor in trainer.state_tensors():
+        if isinstance(tensor, DTensor):  # FSDP2: the shard this rank holds
+            tensor = tensor.to_local()
         if isinstance(tensor, torch.Tensor) and tensor.device.type == device_type:
             roles.setdefault(tensor.untyped_storage().data_ptr(), role)
     return roles

@@ -28,6 +28,7 @@ import statistics
 from collections import Counter
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from core.schema import CENSUS_KINDS as KINDS
 from core.schema import GROUPS, MB, OPERATIONS, module_group
@@ -46,6 +47,8 @@ KIND_OF_ROLE = {
 def _storage(tensor) -> tuple[int, int] | None:
     """(address, bytes) of a tensor's storage; None for tensors without one."""
     try:
+        if isinstance(tensor, DTensor):  # FSDP2: the shard this rank holds
+            tensor = tensor.to_local()
         storage = tensor.untyped_storage()
         return storage.data_ptr(), storage.nbytes()
     except (RuntimeError, NotImplementedError, TypeError):

@@ -67,8 +67,11 @@ def live_tensor_bytes(exclude=()) -> int:
 
     def add(tensor):
         if isinstance(tensor, torch.Tensor) and tensor.device.type == "cpu":
-            storage = tensor.untyped_storage()
-            storages[storage.data_ptr()] = storage.nbytes()
+            try:
+                storage = tensor.untyped_storage()
+                storages[storage.data_ptr()] = storage.nbytes()
+            except RuntimeError:  # a wrapper (FSDP2's DTensor): its local tensor is counted
+                pass
 
     with warnings.catch_warnings():  # isinstance() on deprecated torch objects warns
         warnings.simplefilter("ignore")

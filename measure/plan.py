@@ -28,6 +28,7 @@ from core.settings import (
     default_attention,
 )
 from hf.configs import HF_CONFIGS
+from parallel import ranks
 
 
 @dataclass
@@ -77,6 +78,7 @@ def make_plan(args: argparse.Namespace, cuda_available) -> Plan:
         values["attention"] = default_attention(values["model"])
     if values["ncu"]:  # one replayed step: no trace, no breakdown
         values["trace"] = values["breakdown"] = False
+    values["world_size"] = world_size(values["distributed"])
     names = [args.trainer] if args.trainer else values["trainer"]
     try:
         names = [trainers.canonical_trainer_name(n) for n in names or trainers.TRAINERS]
@@ -129,10 +131,45 @@ def check_applies(model: str, args) -> None:
         raise UsageError(f"{', '.join(ignored)} applies only to {what}; model is {model!r}")
 
 
+def world_size(distributed: str) -> int:
+    """The ranks of a distributed run (torchrun's WORLD_SIZE); UsageError where --distributed
+    and the way the CLI was started disagree."""
+    try:
+        info = ranks.from_environment()
+    except ValueError as error:
+        raise UsageError(str(error)) from None
+    if distributed == "none":
+        if info is not None and info.world_size > 1:
+            raise UsageError(
+                f"started by torchrun with {info.world_size} ranks: add --distributed ddp or "
+                "--distributed fsdp (else every rank would run every config alone)"
+            )
+        return 1
+    if info is None:
+        raise UsageError(
+            f"--distributed {distributed} runs under torchrun, one process per GPU: "
+            f"torchrun --nproc_per_node <GPUs> profiling_script.py ... --distributed {distributed}"
+        )
+    return info.world_size
+
+
+def check_distributed(values: dict, batch_sizes: list[int]) -> None:
+    ranks_count = values["world_size"]
+    for b in batch_sizes:
+        if b % ranks_count:
+            raise UsageError(
+                f"batch size {b} does not split evenly over {ranks_count} ranks (--batch_sizes "
+                f"is the global batch): give a multiple of {ranks_count}"
+            )
+    if values["ncu"] and values["distributed"] != "none":
+        raise UsageError("--ncu profiles one process: run it without --distributed")
+
+
 def check(values: dict, axes: dict, args) -> None:
     """UsageError for a plan that cannot run as asked."""
     model = values["model"]
     check_numbers(values)
+    check_distributed(values, axes["batch_size"])
     max_seq_len = model_max_seq_len(model, values["attention"], values["model_overrides"])
     if values["dataset_path"]:
         check_dataset_file(values["dataset_path"], max(axes["batch_size"]))

@@ -21,9 +21,11 @@ from tqdm import tqdm
 
 import trainers
 from core.files import write_json
+from core.fmt import count
 from core.reading import read_json_or_none
 from core.schema import FINISHED
-from measure import quiet
+from measure import quiet, ranks
+from measure.ranks import RankGroup
 from measure.worker import result_skeleton, worker_main
 
 # Directories a run makes per config (<trainer>_bs<B>_seq<T>...) and atomic_write's temporary
@@ -37,13 +39,20 @@ class Interrupted(Exception):
 
 
 def run_configs(
-    configs: list, run_dir: str, resume: bool = False, progress: bool = False, verbose=False
+    configs: list,
+    run_dir: str,
+    resume: bool = False,
+    progress: bool = False,
+    verbose=False,
+    group: RankGroup | None = None,
 ):
     """Run every config in its own forked worker; returns the results in config order.
     ``progress``: a progress bar over the configs on stderr (plain lines when it is no tty).
-    ``verbose``: the workers show the libraries' known-harmless noise too."""
+    ``verbose``: the workers show the libraries' known-harmless noise too.
+    ``group``: the ranks of a torchrun job: each runs its worker of every config; rank 0
+    decides what runs and writes the aggregates (the others return their own results)."""
     try:
-        return _run_configs(configs, run_dir, resume, progress, verbose)
+        return _run_configs(configs, run_dir, resume, progress, verbose, group)
     except KeyboardInterrupt:  # between two configs: nothing is running
         raise Interrupted("between configs") from None
 
@@ -60,7 +69,9 @@ def finished_result(result_path: str, resume: bool) -> dict | None:
     return previous if previous.get("status") in FINISHED else None
 
 
-def _run_configs(configs, run_dir, resume, progress, verbose) -> list[dict]:
+def _run_configs(configs, run_dir, resume, progress, verbose, group) -> list[dict]:
+    if group is not None and not group.is_first:
+        return _run_as_other_rank(configs, run_dir, verbose, group)
     context = multiprocessing.get_context("fork")
     paths = [os.path.join(run_dir, c.config_dir, "result.json") for c in configs]
     # Read once: a bad earlier result warns once. Resumed and skipped configs take no time:
@@ -68,6 +79,8 @@ def _run_configs(configs, run_dir, resume, progress, verbose) -> list[dict]:
     kept = [finished_result(p, resume) for p in paths]
     skips = [skip_reason(c) for c in configs]
     no_worker = sum(bool(result or reason) for result, reason in zip(kept, skips))
+    if group is not None:  # the other ranks run the same workers
+        group.broadcast("runs", [not (result or reason) for result, reason in zip(kept, skips)])
     if resume:  # what an earlier interrupted or killed run left behind, in config directories
         for name in os.listdir(run_dir):
             path = os.path.join(run_dir, name)
@@ -88,11 +101,20 @@ def _run_configs(configs, run_dir, resume, progress, verbose) -> list[dict]:
             if reason:
                 result = result_skeleton(config, "skipped", reason)
                 write_json(result_path, result)
-            else:
+            elif group is None:
                 log(f"{tag}: running")
                 result = run_in_child(context, config, config_path, result_path, verbose)
-                if bar:
-                    bar.update()
+            else:
+                log(f"{tag}: running on {count(group.info.world_size, 'rank')}")
+                rank_path = os.path.join(config_path, f"result.rank{group.rank}.json")
+                own = run_in_child(context, config, config_path, rank_path, verbose, group, index)
+                per_rank = group.gather(f"result/{index}", own)
+                for rank, rank_result in enumerate(per_rank[1:], 1):  # other nodes' disks too
+                    write_json(os.path.join(config_path, f"result.rank{rank}.json"), rank_result)
+                result = ranks.aggregate(per_rank)
+                write_json(result_path, result)
+            if bar and not reason:
+                bar.update()
             log(f"{tag}: {describe(result)}")
         results.append(result)
     if bar:
@@ -151,26 +173,73 @@ def skip_reason(config) -> str | None:
     """Why a combination of the plan cannot run (the others still do), or None."""
     if config.physical_batch_size > config.batch_size:
         return f"physical batch {config.physical_batch_size} > logical batch {config.batch_size}"
+    per_rank = config.batch_size // config.world_size  # --max_physical_batch_size is per rank
+    if config.physical_batch_size > per_rank:
+        return (
+            f"physical batch {config.physical_batch_size} > a rank's share of the logical batch "
+            f"({config.batch_size} / {config.world_size} ranks = {per_rank})"
+        )
     trainer = trainers.TRAINERS[config.trainer]
+    if config.distributed in trainer.distributed_refusals:
+        return trainer.distributed_refusals[config.distributed]
     if config.activation_checkpointing and not trainer.supports_activation_checkpointing:
         return trainers.checkpointing_refusal(config.trainer)
     return None
 
 
-def run_in_child(context, config, config_path, result_path, verbose=False) -> dict:
+def _run_as_other_rank(configs, run_dir, verbose, group) -> list[dict]:
+    """Rank k > 0: run this rank's worker of each config rank 0 says runs, and hand the
+    result to rank 0."""
+    context = multiprocessing.get_context("fork")
+    results = []
+    for index, (config, runs) in enumerate(zip(configs, group.broadcast("runs"), strict=True), 1):
+        if not runs:
+            continue
+        config_path = os.path.join(run_dir, config.config_dir)
+        os.makedirs(config_path, exist_ok=True)
+        rank_path = os.path.join(config_path, f"result.rank{group.rank}.json")
+        result = run_in_child(context, config, config_path, rank_path, verbose, group, index)
+        group.gather(f"result/{index}", result)
+        results.append(result)
+    return results
+
+
+STOP_GRACE_S = 10  # a worker left alone after another rank failed may still end by itself
+
+
+def run_in_child(
+    context, config, config_path, result_path, verbose=False, group=None, index=0
+) -> dict:
     if os.path.exists(result_path):  # an unfinished earlier attempt (--resume reruns it)
         os.replace(result_path, result_path + ".previous")
     errors, child_errors = context.Pipe(duplex=False)
     stderr = None if verbose else quiet.FilteredStderr()
+    rank_setup = None if group is None else (group.info, group.worker_prefix(index))
     process = context.Process(
-        target=worker_main, args=(config, config_path, child_errors), kwargs={"stderr": stderr}
+        target=worker_main,
+        args=(config, config_path, child_errors),
+        kwargs={
+            "stderr": stderr,
+            "rank_setup": rank_setup,
+            "result_name": os.path.basename(result_path),
+        },
     )
+    stopped_by = None
     try:
         process.start()
         child_errors.close()
         if stderr is not None:
             stderr.started()
-        process.join()
+        process.join(None if group is None else 0.5)
+        while process.is_alive():  # distributed: stop it if another rank's worker failed
+            stopped_by = group.ended_badly_elsewhere(index)
+            if stopped_by is not None:
+                process.join(STOP_GRACE_S)
+                if process.is_alive():
+                    process.terminate()
+                    process.join()
+                break
+            process.join(0.5)
     except KeyboardInterrupt:  # Ctrl-C, or SIGTERM (the CLI raises it as one)
         # A second signal must not cut the clean-up short (the CLI restores the handlers).
         signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -187,13 +256,18 @@ def run_in_child(context, config, config_path, result_path, verbose=False) -> di
     result = read_json_or_none(result_path)
     reported = last_words(errors)
     errors.close()
-    if result is None:  # killed or crashed before writing (segfault, SIGKILL from the OOM killer)
+    if stopped_by is not None and (result is None or result.get("status") != "ok"):
+        result = ranks.stopped_result(result_skeleton(config, "error"), stopped_by)
+        write_json(result_path, result)
+    elif result is None:  # killed or crashed before writing (segfault, OOM killer's SIGKILL)
         result = died_result(config, process.exitcode, reported)
         try:
             write_json(result_path, result)
         except OSError as error:  # the disk is full for this one too: the summary still has it
             print(f"{config.config_dir}: could not write result.json: {error}", file=sys.stderr)
     remove_leftovers(config_path)
+    if group is not None:  # the other ranks stop their workers if this one failed
+        group.post(f"ended/{index}/{group.rank}", {k: result.get(k) for k in ("status", "error")})
     return result
 
 

@@ -29,10 +29,13 @@ def trace_steps(step, device: torch.device, out_dir: str, use_gzip: bool) -> str
     # The handler writes into a private folder; the finished file is then renamed into the
     # config directory, so an interrupted run never leaves a half-written trace there.
     staging = tempfile.mkdtemp(prefix=".trace-", dir=out_dir)
+    # One trace per rank in the config directory: TensorBoard's distributed view reads them.
+    distributed = torch.distributed.is_initialized()
+    worker = f"rank{torch.distributed.get_rank()}" if distributed else "trace"
     with profile(
         activities=activities,
         schedule=schedule(wait=WAIT, warmup=WARMUP, active=ACTIVE, repeat=1),
-        on_trace_ready=tensorboard_trace_handler(staging, worker_name="trace", use_gzip=use_gzip),
+        on_trace_ready=tensorboard_trace_handler(staging, worker_name=worker, use_gzip=use_gzip),
         profile_memory=True,  # the Memory view
         record_shapes=True,  # the Operator view's input shapes
         with_stack=True,  # the Module view and source lines in the Trace view

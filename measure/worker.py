@@ -14,11 +14,13 @@ import opacus
 import torch
 
 import trainers
+from core import kernel_names
 from core.files import non_finite_paths, write_json
 from core.schema import empty_result
 from measure import census, phases, quiet
 from measure.steps import Session, measurements
 from measure.workload import Workload
+from parallel import wrap
 
 
 def environment(device: torch.device) -> dict:
@@ -39,20 +41,31 @@ def result_skeleton(config, status: str, error: str | None = None) -> dict:
     return empty_result(config.to_dict(), config.config_dir, status, error)
 
 
-def run_experiment(config, out_dir: str) -> dict:
+def run_experiment(config, out_dir: str, rank_setup=None) -> dict:
     """Build, warm up and measure one config in this process; returns its result dict.
 
     The timed steps run first and alone; then, on the last sampled batch, what else the config
     asks for (``measure.steps.measurements``): none of it disturbs the timed steps.
+    ``rank_setup``: (parallel.ranks.RankInfo, store prefix) of a distributed config: this
+    process is one rank's worker and joins the config's process group first.
     """
     device = torch.device(config.device)
-    torch.manual_seed(config.seed)
+    if rank_setup is not None:
+        info, prefix = rank_setup
+        if device.type == "cuda":
+            device = torch.device("cuda", info.local_rank)
+            torch.cuda.set_device(device)
+        wrap.init_worker_group(info, prefix, device)
+    torch.manual_seed(config.seed)  # every rank builds the same model and global batches
     result = result_skeleton(config, "ok")
     result["env"] = env = environment(device)
+    if rank_setup is not None:
+        env.update(rank=info.rank, world_size=info.world_size)
     recorder = phases.PhaseRecorder(device)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
-    workload = Workload(config, device, recorder, env)
+    rank, world_size = (info.rank, info.world_size) if rank_setup else (0, 1)
+    workload = Workload(config, device, recorder, env, rank=rank, world_size=world_size)
     trainer = trainers.make_trainer(
         config.trainer,
         workload.model,
@@ -65,8 +78,11 @@ def run_experiment(config, out_dir: str) -> dict:
         max_physical_batch_size=config.max_physical_batch_size,
         loss_fn=workload.loss_fn,
         on_phase=recorder,
+        distributed=config.distributed,
         **{option: getattr(config, option) for option in trainers.TRAINERS[config.trainer].options},
     )
+    if rank_setup is not None:  # each rank its own noise stream (FSDP2: noise on its shard)
+        torch.manual_seed(config.seed + 1_000_003 * info.rank)
     session = Session(config, device, trainer, workload, recorder, out_dir, env)
     if config.detailed_memory:
         session.module_census = census.ModuleCensus(trainer)
@@ -74,22 +90,42 @@ def run_experiment(config, out_dir: str) -> dict:
     with trainer.observing_phases(lambda name: None):
         for measurement in measurements(config):
             measurement.run(session, result)
+    if rank_setup is not None:
+        communication_time(result, env, out_dir)
     return result
 
 
-def worker_main(config, config_path: str, errors=None, stderr=None) -> None:
-    """Entry point of the forked child: run, classify the outcome, write result.json.
+def communication_time(result: dict, env: dict, out_dir: str) -> None:
+    """GPU time of the collectives (NCCL kernels) in the traced step, in ms."""
+    trace = result.get("trace_file")
+    if not trace or result["env"]["device"] == "cpu":
+        env["communication_note"] = (
+            "communication time comes from the NCCL kernels of a CUDA trace; "
+            + ("gloo's collectives run on CPU threads" if trace else "no trace ran (--no_trace)")
+        )
+        return
+    kernels = kernel_names.kernels_from_trace(os.path.join(out_dir, trace))
+    result["communication_time_ms"] = sum(ms for name, ms, *_ in kernels if "nccl" in name.lower())
+
+
+def worker_main(
+    config, config_path: str, errors=None, stderr=None, rank_setup=None, result_name="result.json"
+) -> None:
+    """Entry point of the forked child: run, classify the outcome, write ``result_name``.
     ``errors``: a pipe end on which a result that cannot be written (disk full) is reported;
-    ``stderr``: a ``quiet.FilteredStderr`` to write through (None: ``--verbose``)."""
+    ``stderr``: a ``quiet.FilteredStderr`` to write through (None: ``--verbose``);
+    ``rank_setup``: see run_experiment."""
     die_with_parent()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent decides what Ctrl-C stops
     signal.signal(signal.SIGTERM, signal.SIG_DFL)  # not the CLI's handler: terminate() stops it
     if stderr is not None:
         stderr.attach()
         quiet.filter_warnings()
-    result = classified_run(config, config_path)
+    result = classified_run(config, config_path, rank_setup)
+    if rank_setup is not None and result["status"] == "ok":  # after a failure it could hang
+        torch.distributed.destroy_process_group()
     try:
-        write_json(os.path.join(config_path, "result.json"), result)
+        write_json(os.path.join(config_path, result_name), result)
     except OSError as error:  # the parent records it: "worker died" would hide the cause
         message = f"could not write result.json: {type(error).__name__}: {error}"
         if errors is not None:
@@ -99,10 +135,10 @@ def worker_main(config, config_path: str, errors=None, stderr=None) -> None:
         sys.exit(1)
 
 
-def classified_run(config, config_path: str) -> dict:
+def classified_run(config, config_path: str, rank_setup=None) -> dict:
     """The result of one config, whatever happens: ok, oom or error."""
     try:
-        result = run_experiment(config, config_path)
+        result = run_experiment(config, config_path, rank_setup)
     except Exception as error:  # noqa: BLE001 - every failure becomes a recorded status
         status = "oom" if is_oom(error) else "error"
         message = f"{type(error).__name__}: {error}"

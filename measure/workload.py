@@ -9,6 +9,7 @@ from hf import data as hf_data
 from hf import models as hf_models
 from hf import privacy
 from hf.configs import HF_CONFIGS
+from parallel.ranks import share
 
 
 class Workload:
@@ -17,8 +18,12 @@ class Workload:
     Poisson sampling of each logical batch unless disabled. ``on_phase`` gets the phase names
     ``0_model_loaded`` (and ``dataset_prepared``); ``env`` gains what was built."""
 
-    def __init__(self, config, device: torch.device, on_phase, env: dict):
+    def __init__(
+        self, config, device: torch.device, on_phase, env: dict, rank: int = 0, world_size: int = 1
+    ):
         self.config, self.device = config, device
+        # Distributed: every rank draws the same global batch and keeps its own share of it.
+        self.rank, self.world_size = rank, world_size
         generator = torch.Generator().manual_seed(config.seed)
         if config.model in HF_CONFIGS:
             self.model, env["model_info"] = hf_models.build_hf_model(
@@ -68,7 +73,14 @@ class Workload:
         return [self.inputs, self.labels] if self.sample_rate is not None else []
 
     def batch(self):
-        """The next logical batch (inputs, targets) on the device."""
+        """The next logical batch (inputs, targets) on the device: this rank's share of it."""
+        inputs, labels = self._global_batch()
+        if self.world_size == 1:
+            return inputs, labels
+        mine = share(len(inputs), self.rank, self.world_size)
+        return inputs[mine.start : mine.stop], labels[mine.start : mine.stop]
+
+    def _global_batch(self):
         if self.sample_rate is None:
             return self.inputs, self.labels
         if self.config.poisson:

@@ -127,7 +127,7 @@ def test_profile_mode_without_cuda_falls_back_or_refuses(tmp_path):
 def test_failed_config_is_recorded_others_finish_and_exit_1(tmp_path, monkeypatch, capsys):
     real = worker.run_experiment
 
-    def crash_for_ghost(config, out_dir):
+    def crash_for_ghost(config, out_dir, rank_setup=None):
         if config.trainer == "ghost":
             raise RuntimeError("boom")
         return real(config, out_dir)
@@ -146,7 +146,7 @@ def test_failed_config_is_recorded_others_finish_and_exit_1(tmp_path, monkeypatc
 def test_oom_is_a_measurement_not_an_error(tmp_path, monkeypatch):
     import torch
 
-    def oom(config, out_dir):
+    def oom(config, out_dir, rank_setup=None):
         raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
 
     monkeypatch.setattr(worker, "run_experiment", oom)

@@ -54,4 +54,5 @@ class EmbeddingRule(NormRule):
         samples, ids, g = self._tokens(layer, A, G)
         weight = layer.module.weight
         scaled = (_acc(g) * _acc(c.c)[samples, None]).to(weight.dtype)
-        return {"weight": torch.zeros_like(weight).index_add_(0, ids, scaled)}
+        # new_zeros of the full shape: under FSDP2 the weight is a shard (a DTensor) here
+        return {"weight": scaled.new_zeros(weight.shape).index_add_(0, ids, scaled)}

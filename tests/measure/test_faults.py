@@ -19,7 +19,7 @@ from measure import processes, quiet, worker
 
 
 def test_host_oom_is_recorded_as_oom_rlimit_and_sigkill(tmp_path, monkeypatch):
-    def out_of_host_memory(config, out_dir):
+    def out_of_host_memory(config, out_dir, rank_setup=None):
         if config.batch_size == 1:  # the OOM killer: a SIGKILL, simulated
             os.kill(os.getpid(), signal.SIGKILL)
         # A memory limit on this worker alone: the allocation fails as on a full host.
@@ -93,7 +93,7 @@ def alive(pid: int) -> bool:
 def test_non_finite_measurements_are_null_with_a_reason(monkeypatch):
     config = ExperimentConfig(trainer="standard", batch_size=1, seq_len=4)
 
-    def diverged(config, out_dir):
+    def diverged(config, out_dir, rank_setup=None):
         result = worker.result_skeleton(config, "ok")
         result.update(env={}, losses=[1.0, math.nan], median_time_ms=2.0)
         return result
@@ -102,7 +102,7 @@ def test_non_finite_measurements_are_null_with_a_reason(monkeypatch):
     result = worker.classified_run(config, "unused")
     assert result["status"] == "error" and "losses[1]" in result["error"]
 
-    def no_noise(config, out_dir):
+    def no_noise(config, out_dir, rank_setup=None):
         result = worker.result_skeleton(config, "ok")
         result.update(env={}, losses=[1.0], privacy={"epsilon": math.inf})
         return result

@@ -1,0 +1,72 @@
+"""Run by torchrun (2 ranks, gloo, CPU) from test_distributed.py: one step of every trainer
+under ``--distributed`` on the slices of one global batch; rank 0 saves each trainer's gradient
+(the full tensors, gathered from FSDP2's shards) for the test to compare with a brute force."""
+
+import argparse
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from test_trainers import SMALL, make_batch  # noqa: E402
+
+import models  # noqa: E402
+import trainers  # noqa: E402
+from parallel import ranks  # noqa: E402
+
+
+def full_gradients(model) -> torch.Tensor:
+    grads = []
+    for p in model.parameters():
+        grad = p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
+        grads.append(grad.reshape(-1))
+    return torch.cat(grads).double()
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--distributed", required=True)
+    parser.add_argument("--trainers", nargs="+", required=True)
+    parser.add_argument("--global_samples", type=int, required=True)
+    parser.add_argument("--batch_size", type=int, required=True)
+    parser.add_argument("--physical", type=int, required=True)
+    parser.add_argument("--noise_multiplier", type=float, default=0.0)
+    parser.add_argument("--max_grad_norm", type=float, default=0.05)
+    parser.add_argument("--seq", type=int, default=12)
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args()
+    info = ranks.from_environment()
+    dist.init_process_group("gloo")
+    inputs, targets = make_batch(args.global_samples, args.seq, seed=3)
+    mine = ranks.share(args.global_samples, info.rank, info.world_size)
+    local = slice(mine.start, mine.stop)
+    saved = {}
+    for name in args.trainers:
+        torch.manual_seed(0)
+        model = models.build_model(SMALL)
+        trainer = trainers.make_trainer(
+            name,
+            model,
+            lr=1.0,
+            batch_size=args.batch_size,
+            max_physical_batch_size=args.physical,
+            max_grad_norm=args.max_grad_norm,
+            noise_multiplier=args.noise_multiplier,
+            distributed=args.distributed,
+        )
+        torch.manual_seed(100 + info.rank)  # each rank its own noise stream
+        out = trainer.step(inputs[local], targets[local])
+        saved[name] = {"grad": full_gradients(model), "loss": out["loss"]}
+    if info.rank == 0:
+        torch.save(saved, args.out)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

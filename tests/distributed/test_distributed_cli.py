@@ -1,0 +1,86 @@
+"""The CLI under torchrun (2 ranks, gloo, CPU), judged by the files it writes: one run, per-rank
+results beside each aggregate, the losses of the global batch equal to a single-process run's,
+and the mistakes a user makes with --distributed as one line and exit 2."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+from cli_helpers import ROOT, SMALL_MODEL, cli, results_in
+
+import profiling_script
+
+ARGS = ["--mode=test", "--batch_sizes", "4", "--seq_lens", "8", "--steps", "2",
+        "--noise_multiplier", "0", "--no_trace", "--run_name", "r", *SMALL_MODEL]  # fmt: skip
+
+
+def torchrun_cli(*args):
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+               "--standalone", "profiling_script.py", *args]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    return subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=600, env=env)
+
+
+@pytest.mark.parametrize("distributed", ["ddp", "fsdp"])
+def test_a_torchrun_job_is_one_run_with_the_single_process_losses(tmp_path, distributed):
+    trainers = ["standard", "dpsgd", "ghost", "flash"]
+    single = cli(*ARGS, "--trainers", *trainers, "--output_dir", str(tmp_path / "single"))
+    assert single.returncode == 0, single.stderr[-3000:]
+    done = torchrun_cli(
+        *ARGS, "--trainers", *trainers, "--distributed", distributed,
+        "--output_dir", str(tmp_path / "multi"),
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert os.listdir(tmp_path / "multi") == ["r"]  # rank 0 named the run for both ranks
+    expected = results_in(tmp_path / "single" / "r")
+    results = results_in(tmp_path / "multi" / "r")
+    assert sorted(results) == sorted(f"{name}_{distributed}2x" for name in expected)
+    for name, reference in expected.items():
+        run_dir = tmp_path / "multi" / "r" / f"{name}_{distributed}2x"
+        result = results[f"{name}_{distributed}2x"]
+        if name.startswith("dpsgd") and distributed == "fsdp":
+            assert result["status"] == "skipped" and "FSDP2" in result["error"]
+            continue
+        assert result["status"] == "ok", result["error"]
+        assert sorted(os.listdir(run_dir)) == ["result.json", "result.rank0.json",
+                                               "result.rank1.json"]  # fmt: skip
+        assert [r["rank"] for r in result["ranks"]] == [0, 1]
+        assert result["config"]["world_size"] == 2
+        assert result["config"]["physical_batch_size"] == 2  # the rank's share of 4
+        # Noise 0, same seed, the global batch split over the ranks: the same losses.
+        for got, want in zip(result["losses"], reference["losses"], strict=True):
+            assert got == pytest.approx(want, rel=1e-5), name
+        assert result["communication_time_ms"] is None  # no CUDA trace: null, with the reason
+        assert "communication" in result["env"]["communication_note"]
+    report = cli("--mode=report", "--input_dir", str(tmp_path / "multi" / "r"))
+    assert report.returncode == 0 and "flash" in report.stdout
+
+
+def test_distributed_without_torchrun_is_one_line_exit_2(tmp_path, capsys, monkeypatch):
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(name, raising=False)
+    code = profiling_script.main([*ARGS, "--distributed", "ddp", "--output_dir", str(tmp_path)])
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1 and "torchrun --nproc_per_node" in err
+    assert not os.listdir(tmp_path)
+
+
+TORCHRUN_ENV = {"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
+                "MASTER_PORT": "29999"}  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        (["--distributed", "ddp", "--batch_sizes", "3"], "does not split evenly over 2 ranks"),
+        ([], "add --distributed ddp or --distributed fsdp"),
+    ],
+)
+def test_distributed_mistakes_under_torchrun(tmp_path, capsys, monkeypatch, extra, message):
+    for name, value in TORCHRUN_ENV.items():
+        monkeypatch.setenv(name, value)
+    code = profiling_script.main([*ARGS, *extra, "--output_dir", str(tmp_path)])
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1 and message in err, err
+    assert not os.listdir(tmp_path)

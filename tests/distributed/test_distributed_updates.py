@@ -1,0 +1,84 @@
+"""Every trainer under torchrun (2 ranks, gloo, CPU) against the single-process definition on
+the same global batch: each rank steps on its own slice (different samples per rank), and the
+update must equal the brute-force DP-SGD update of the whole batch (fp32, 1e-5), the noise must
+be added once (std sigma*C/B of the global batch)."""
+
+import copy
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from test_trainers import SMALL, make_batch, per_sample_grads
+
+import models
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+SEQ, C = 12, 0.05
+
+
+def torchrun(tmp_path, distributed, trainers, *, samples, batch_size, physical, noise=0.0):
+    out = tmp_path / f"{distributed}_{samples}_{noise}.pt"
+    command = [
+        sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--standalone",
+        os.path.join(HERE, "one_step_per_rank.py"), "--distributed", distributed,
+        "--trainers", *trainers, "--global_samples", str(samples), "--batch_size",
+        str(batch_size), "--physical", str(physical), "--noise_multiplier", str(noise),
+        "--max_grad_norm", str(C), "--seq", str(SEQ), "--out", str(out),
+    ]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    done = subprocess.run(command, capture_output=True, text=True, timeout=600, env=env)
+    assert done.returncode == 0, done.stderr[-4000:]
+    return torch.load(out)
+
+
+def references(samples, batch_size):
+    """(plain mean gradient, DP-SGD clipped mean gradient with noise 0) of the global batch,
+    from per-sample gradients taken one sample at a time."""
+    torch.manual_seed(0)
+    model = models.build_model(SMALL)
+    inputs, targets = make_batch(samples, SEQ, seed=3)
+    grads = per_sample_grads(copy.deepcopy(model), inputs, targets)
+    factors = (C / (grads.norm(dim=1) + 1e-6)).clamp(max=1.0)
+    assert factors.max() < 1  # every sample clipped: a wrong norm changes the update
+    return grads.sum(0) / batch_size, (factors[:, None] * grads).sum(0) / batch_size
+
+
+def relative(x, ref):
+    return ((x - ref).norm() / ref.norm()).item()
+
+
+TRAINERS = {"ddp": ["standard", "dpsgd", "ghost", "flash"], "fsdp": ["standard", "ghost", "flash"]}
+
+
+@pytest.mark.parametrize("distributed", ["ddp", "fsdp"])
+@pytest.mark.parametrize(
+    "samples, batch_size, physical",
+    [(8, 8, 3), (7, 8, 2)],  # even split with 2 chunks per rank; a Poisson-like 4 + 3 split
+)
+def test_update_equals_single_process_definition(
+    tmp_path, distributed, samples, batch_size, physical
+):
+    saved = torchrun(
+        tmp_path, distributed, TRAINERS[distributed],
+        samples=samples, batch_size=batch_size, physical=physical,
+    )  # fmt: skip
+    mean, clipped = references(samples, batch_size)
+    for name, got in saved.items():
+        reference = mean if name == "standard" else clipped
+        assert relative(got["grad"], reference) < 1e-5, name
+    losses = {got["loss"] for got in saved.values()}
+    assert len(losses) == 1  # the loss of the global batch, the same for every trainer
+
+
+@pytest.mark.parametrize("distributed", ["ddp", "fsdp"])
+def test_noise_is_added_once(tmp_path, distributed):
+    dp = [n for n in TRAINERS[distributed] if n != "standard"]
+    clean = torchrun(tmp_path, distributed, dp, samples=8, batch_size=8, physical=8)
+    noisy = torchrun(tmp_path, distributed, dp, samples=8, batch_size=8, physical=8, noise=2.0)
+    for name in dp:
+        noise = noisy[name]["grad"] - clean[name]["grad"]
+        expected = 2.0 * C / 8  # sigma * C / B of the global batch; twice-added: x sqrt(2)
+        assert abs(noise.std().item() / expected - 1) < 0.05, name
+        assert abs(noise.mean().item()) < 0.05 * expected, name
