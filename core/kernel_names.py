@@ -270,3 +270,93 @@ def memory_curve_from_trace(
         return []
     start_us = curve[0][0]
     return [((ts - start_us) / 1000, allocated / 2**20) for ts, allocated in curve]
+
+
+# step_timeline: GPU activity kinds, and the host calls that launch GPU work (runtime and driver
+# API: cudaLaunchKernel[ExC], cuLaunchKernel[Ex], cudaGraphLaunch, cudaMemsetAsync...). Blocking
+# copies (.item()'s cudaMemcpyAsync to pageable memory) and synchronisations are host waits.
+GPU_ACTIVITY_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")
+_LAUNCH = re.compile(r"launch|memset", re.IGNORECASE)
+_HOST_WAIT = re.compile(r"synchronize|memcpy", re.IGNORECASE)
+STEP_RANGE = "train_step"  # measure.tracing's record_function around each traced step
+
+
+def step_timeline(events: list[dict], step_range: str = STEP_RANGE) -> dict:
+    """Host time and GPU-busy fraction of one step in a Kineto trace's events.
+
+    The window is the LAST host range named ``step_range`` (a record_function; the GPU-side copy
+    Kineto adds, cat "gpu_user_annotation", is not it); without one, the last "ProfilerStep#N".
+    The step's GPU work is every kernel, memcpy and memset whose launch (runtime or driver call,
+    on any thread: autograd launches the backward from its own) starts inside the window, matched
+    by "correlation" id. With t0 the window's start:
+
+    - ``wall_time_ms``: t0 to the later of the window's end and the end of the step's last GPU
+      activity;
+    - ``host_time_ms``: t0 to the end of the last launch call (kernel, graph or memset launches;
+      blocking copies are waits, not launches); it includes the host's waits in between;
+    - ``host_wait_ms``: time inside the window spent in synchronisations and memcpy calls
+      (``.item()`` waits in these);
+    - ``gpu_busy_ms`` and ``gpu_busy_fraction``: the union of the step's GPU activity intervals,
+      and that over ``wall_time_ms``.
+
+    Raises ValueError when the trace has no such range or no GPU activity in it (a CPU trace).
+    """
+
+    def interval(e):
+        ts, dur = _number(e.get("ts")), _number(e.get("dur"))
+        return None if ts is None or dur is None else (ts, ts + dur)
+
+    windows = [
+        span
+        for e in events
+        if e.get("name") == step_range
+        and e.get("ph") == "X"
+        and not str(e.get("cat", "")).startswith("gpu_")
+        and (span := interval(e))
+    ]
+    if not windows:
+        windows = [
+            span
+            for e in events
+            if str(e.get("name", "")).startswith("ProfilerStep#")
+            and e.get("ph") == "X"
+            and (span := interval(e))
+        ]
+    if not windows:
+        raise ValueError(f"no {step_range!r} or ProfilerStep range in the trace")
+    start, end = max(windows)
+    launches, launch_end, wait_us = set(), None, 0.0
+    for e in events:
+        span = interval(e)
+        if e.get("cat") not in ("cuda_runtime", "cuda_driver") or not span:
+            continue
+        if not start <= span[0] <= end:
+            continue
+        name = str(e.get("name", ""))
+        if _LAUNCH.search(name):
+            launch_end = span[1] if launch_end is None else max(launch_end, span[1])
+        if _HOST_WAIT.search(name):
+            wait_us += min(span[1], end) - span[0]
+        correlation = (e.get("args") or {}).get("correlation")
+        if correlation is not None:
+            launches.add(correlation)
+    gpu = [
+        span
+        for e in events
+        if str(e.get("cat", "")).lower() in GPU_ACTIVITY_CATEGORIES
+        and (e.get("args") or {}).get("correlation") in launches
+        and (span := interval(e))
+    ]
+    if not gpu:
+        raise ValueError(f"no GPU activity launched inside the {step_range!r} range")
+    wall_end = max(end, max(stop for _, stop in gpu))
+    starts, ends = _merged([(max(a, start), min(b, wall_end)) for a, b in gpu])
+    busy_us = math.fsum(b - a for a, b in zip(starts, ends, strict=True))
+    wall_us = wall_end - start
+    return {
+        "wall_time_ms": wall_us / 1000,
+        "host_time_ms": None if launch_end is None else (launch_end - start) / 1000,
+        "host_wait_ms": wait_us / 1000,
+        "gpu_busy_ms": busy_us / 1000,
+        "gpu_busy_fraction": busy_us / wall_us if wall_us > 0 else None,
+    }

@@ -25,20 +25,29 @@ class ClipFactors:
         self.c = c
         self._cast: dict[torch.dtype, Tensor] = {}
         self._per_token: dict[tuple, Tensor] = {}
+        self._schedule: tuple[Tensor, ...] | None = None
 
     def to(self, dtype: torch.dtype) -> Tensor:
         """c in ``dtype``, rounded toward zero (see _round_down). In 16-bit dtypes also shrunk by
         one ulp at 1 (2u; bf16: 2^-7): the operand the clipped GEMM reads is c * g rounded to
         nearest, up to u larger than c * g in each element, so a sample's clipped contribution
         could exceed C by that much (0.4% measured with g and c at a rounding tie). Costs 0.8%
-        of a GEMM-route Linear's clipped gradient in bf16; fp32 stays exact (and so do the
-        large kept per-sample gradients' sums on CUDA: accumulate_weighted_sums takes fp32 c)."""
+        of a clipped gradient where a 16-bit GEMM reads c * g (CPU); fp32 stays exact, and so
+        do the CUDA kernels, which take fp32 c (accumulate_weighted_sums, and the Linear's
+        clipped GEMM: gemm_schedule)."""
         if dtype not in self._cast:
             c = self.c
             if torch.finfo(dtype).bits == 16:
                 c = c * (1 - torch.finfo(dtype).eps)
             self._cast[dtype] = _round_down(c, dtype)
         return self._cast[dtype]
+
+    def gemm_schedule(self) -> tuple[Tensor, ...]:
+        """flash.kernels.clip_schedule(c): the fp32 clip factors in the order the Linear's
+        clipped GEMM kernel takes the samples, made once per chunk."""
+        if self._schedule is None:
+            self._schedule = triton_kernels().clip_schedule(self.c)
+        return self._schedule
 
     def per_token(self, dtype: torch.dtype, tokens: int) -> Tensor:
         """c repeated for each of a sample's ``tokens`` rows of a flattened [B*T, n], [B*T, 1]."""

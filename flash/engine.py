@@ -41,15 +41,17 @@ import torch
 from torch import Tensor, nn
 
 from flash.clip import ClipFactors, _accumulate, _accumulate_many, accumulate_weighted_sums
+from flash.fused import triton_kernels
 from flash.rules import NORM_RULES, NormRule
 from flash.rules.base import _acc_dtype
 from flash.rules.linear import direct_squared_norms, gram_squared_norms
 
 DEFAULT_BLOCK_NUMEL = 64 * 2**20  # largest intermediate of the direct route, in elements
-# Kept per-sample gradients with at most this many elements per sample (biases, norm layers)
-# are normed and clip-summed together, one concatenation per dtype: a few launches per step
-# instead of a few per parameter (flash is launch-bound at short sequences).
-SMALL_PER_SAMPLE_NUMEL = 2**16
+# Kept per-sample gradients with at most this many elements per sample (biases, norm layers, LoRA
+# up to r * 8192) are normed and clip-summed as one concatenation [B, sum n] per dtype: one norm
+# and one weighted sum per chunk instead of a few ops per parameter (LoRA: hundreds of layers, a
+# host-bound step). The 1b model's product-route weights (2048 x 2048 and up) stay one by one.
+SMALL_PER_SAMPLE_NUMEL = 2**18
 
 
 class UnsupportedLayerError(ValueError):
@@ -112,6 +114,23 @@ def _squared_row_norms_many(grads: list[Tensor]) -> list[Tensor]:
     return terms
 
 
+def _weighted_sum(grads: Tensor, c: ClipFactors) -> Tensor:
+    """sum_b c_b * grads[b] of a [B, N] concatenation, [N]. CUDA: the weighted-sums kernel (fp32
+    c, accumulated and written in fp32: 16-bit gradients are not rounded on the way); else one
+    [B] x [B, N] product in the gradients' dtype."""
+    kernels = triton_kernels()
+    if kernels is not None and grads.is_cuda:
+        target = grads.new_empty(grads.shape[1], dtype=_acc_dtype(grads))
+        if kernels.weighted_sums_supported(target, grads):
+            kernels.weighted_sums_([target], [grads], c.to(torch.float32), [False])
+            return target
+    return c.to(grads.dtype) @ grads
+
+
+def _rows(grad: Tensor) -> Tensor:  # [B, n]; biases and norm layers' are: no view op
+    return grad if grad.dim() == 2 else grad.view(grad.shape[0], -1)
+
+
 def _is_small(per_sample_grad: Tensor) -> bool:
     # numel // B, not grad[0].numel(): indexing is an op (and flash is launch/CPU-bound here)
     return per_sample_grad.numel() <= SMALL_PER_SAMPLE_NUMEL * per_sample_grad.shape[0]
@@ -122,7 +141,8 @@ def _flatten_tokens(x: Tensor, feature_dims: int) -> Tensor:
     if feature_dims == 0:
         return x.reshape(x.shape[0], -1)
     if feature_dims == 1:  # Linear: the common case, without math.prod (a hook per call)
-        return x.reshape(x.shape[0], -1, x.shape[-1])
+        # already [B, T, d] (most calls): no reshape op (flash is host-bound with LoRA)
+        return x if x.dim() == 3 else x.reshape(x.shape[0], -1, x.shape[-1])
     return x.reshape(x.shape[0], -1, math.prod(x.shape[x.dim() - feature_dims :]))
 
 
@@ -177,8 +197,11 @@ class FlashClipping:
             for layer in self.layers
         ]
         self._leaves: list[Tensor] = []
-        self._last_saved: tuple | None = None  # (rule, weakref to input, its state, saved A)
-        self._small: list | None = None  # _small_per_sample's batches of this chunk
+        # id(input) -> (rule, weakref to input, its state, saved A), this forward's: q, k and v
+        # (LoRA: their lora_A) read one input but other managed calls come in between.
+        self._saved: dict[int, tuple] = {}
+        self._batch: int | None = None  # _batch_size's answer for this chunk
+        self._small: tuple | None = None  # _per_sample_batches' answer for this chunk
         self._norms: Tensor | None = None
         self._routes: list[dict] = []
         self._after_backward = False
@@ -188,11 +211,11 @@ class FlashClipping:
         long as x was not modified in place and autocast is in the same state in between."""
         device = x.device.type
         state = (x._version, torch.is_autocast_enabled(device), torch.get_autocast_dtype(device))
-        last = self._last_saved
+        last = self._saved.get(id(x))
         if last is not None and last[0] is layer.rule and last[1]() is x and last[2] == state:
             return last[3]
         saved = layer.rule.saved_input(layer.module, x.detach())
-        self._last_saved = (layer.rule, weakref.ref(x), state, saved)
+        self._saved[id(x)] = (layer.rule, weakref.ref(x), state, saved)
         return saved
 
     def _make_hook(self, layer: Layer):
@@ -209,14 +232,17 @@ class FlashClipping:
             version = call[0]._version
 
             def save_grad(grad):
-                if not call or call[0] is None:  # a second backward through the same graph
+                A = call[0] if call else None
+                if A is None:  # a second backward through the same graph
                     raise RuntimeError("FlashClipping: one backward per forward (release() first)")
-                if call[0]._version != version:  # autograd would refuse a saved input changed so
+                if A._version != version:  # autograd would refuse a saved input changed so
                     raise RuntimeError(
                         f"FlashClipping: the input of {layer.name!r} was modified in place "
                         "after its forward; its per-sample gradients need it unchanged"
                     )
-                A, G = call[0], _flatten_tokens(grad.detach(), k_out)
+                if grad.requires_grad:  # only under create_graph: no detach op per hook else
+                    grad = grad.detach()
+                G = _flatten_tokens(grad, k_out)
                 description, kept, rest = self._plan(layer, A, G)
                 layer.described.append(description)
                 if kept:
@@ -266,7 +292,7 @@ class FlashClipping:
         """One backward of the SUM of per-sample losses; no .grad is written anywhere."""
         if not self._leaves:
             raise RuntimeError("no managed layer was called with grad enabled since release()")
-        self._last_saved = None
+        self._saved = {}
         torch.autograd.grad(loss, self._leaves, allow_unused=True)
         self._after_backward = True
         for layer in self.layers:
@@ -306,6 +332,8 @@ class FlashClipping:
         return [[A, G, pending - kept]] if pending - kept else []
 
     def _batch_size(self) -> int:
+        if self._batch is not None:  # asked by the norms and the clipped sums of each chunk
+            return self._batch
         sizes = {layer.name: call[0].shape[0] for layer in self.layers for call in layer.calls}
         sizes.update(
             {layer.name: g.shape[0] for layer in self.layers for g in layer.per_sample.values()}
@@ -314,35 +342,38 @@ class FlashClipping:
             raise RuntimeError("call backward(loss) first")
         if len(set(sizes.values())) > 1:
             raise ValueError(f"managed layers saw different batch sizes: {sizes}")
-        return next(iter(sizes.values()))
+        self._batch = next(iter(sizes.values()))
+        return self._batch
 
-    def _small_per_sample(self) -> list[tuple[list[nn.Parameter], Tensor]]:
-        """The kept per-sample gradients with few elements per sample, per dtype: (their
-        parameters, the gradients concatenated [B, sum n]). Made once per chunk, used by both
-        the norms and the clipped sums."""
+    def _per_sample_batches(self) -> tuple[list, list]:
+        """(small, large) kept per-sample gradients, made once per chunk for the norms and the
+        clipped sums. small: per dtype, (its parameters, their gradients concatenated
+        [B, sum n]); large: (parameter, gradient) of the rest."""
         if self._small is None:
             by_dtype: dict[torch.dtype, list] = {}
+            large = []
             for layer in self.layers:
                 for name, grad in layer.per_sample.items():
                     if _is_small(grad):
                         by_dtype.setdefault(grad.dtype, []).append((layer.params[name], grad))
-            self._small = [
-                ([param for param, _ in members], torch.cat([g.flatten(1) for _, g in members], 1))
-                for members in by_dtype.values()
-            ]
+                    else:
+                        large.append((layer.params[name], grad))
+            groups = by_dtype.values()
+            small = [([p for p, _ in m], torch.cat([_rows(g) for _, g in m], 1)) for m in groups]
+            self._small = small, large
         return self._small
 
     def per_sample_squared_norms(self) -> Tensor:
         """Squared norm of each sample's gradient over all managed parameters, [B]."""
         if self._norms is None:
             self._batch_size()  # checks that backward ran and that the batch sizes agree
-            large, calls_by_rule = [], {}
+            small, large = self._per_sample_batches()
+            terms = _squared_row_norms_many([grad for _, grad in large])
+            terms += [_squared_row_norms(grads) for _, grads in small]
+            calls_by_rule = {}
             for layer in self.layers:
                 for A, G, _ in layer.calls:
                     calls_by_rule.setdefault(layer.rule, []).append((layer, A, G))
-                large += [grad for grad in layer.per_sample.values() if not _is_small(grad)]
-            terms = _squared_row_norms_many(large)
-            terms += [_squared_row_norms(grads) for _, grads in self._small_per_sample()]
             for rule, calls in calls_by_rule.items():
                 terms += rule.squared_norms_many(calls)
             self._norms = torch.stack(terms).sum(0)
@@ -368,13 +399,7 @@ class FlashClipping:
         if clip_factors.shape != (self._batch_size(),):
             raise ValueError(f"clip_factors must have shape [B], got {tuple(clip_factors.shape)}")
         c = ClipFactors(clip_factors)
-        small = self._small_per_sample()  # biases, norm layers: batched per dtype
-        large = [
-            (layer.params[name], grad)
-            for layer in self.layers
-            for name, grad in layer.per_sample.items()
-            if not _is_small(grad)
-        ]
+        small, large = self._per_sample_batches()
         self._small = None
         for layer in self.layers:
             layer.per_sample = {}
@@ -389,17 +414,16 @@ class FlashClipping:
             for grads in clipped:
                 for name, grad in grads.items():
                     _accumulate(layer.params[name], grad)
-        # Small ones: one [B] x [B, sum n] product per dtype.
+        # The concatenations: one weighted sum per dtype.
         for params, grads in small:
-            sums = c.to(grads.dtype) @ grads
-            _accumulate_many(params, sums.split([p.numel() for p in params]))
+            _accumulate_many(params, _weighted_sum(grads, c).split([p.numel() for p in params]))
 
     def _clipped_grads_to(self, sink, clip_factors: Tensor) -> None:
         """accumulate_clipped_grads' sink path: the same sums, one parameter at a time."""
         if clip_factors.shape != (self._batch_size(),):
             raise ValueError(f"clip_factors must have shape [B], got {tuple(clip_factors.shape)}")
         c = ClipFactors(clip_factors)
-        small = self._small_per_sample()
+        small = self._per_sample_batches()[0]
         self._small = None
         for layer in self.layers:
             per_sample, layer.per_sample = layer.per_sample, {}
@@ -417,7 +441,7 @@ class FlashClipping:
             for name, grad in clipped.items():
                 sink(layer.params[name], grad.view(layer.params[name].shape))
         for params, grads in small:
-            sums = c.to(grads.dtype) @ grads
+            sums = _weighted_sum(grads, c)
             for param, grad in zip(params, sums.split([p.numel() for p in params]), strict=True):
                 sink(param, grad.view(param.shape))
 
@@ -440,7 +464,7 @@ class FlashClipping:
         for layer in self.layers:
             layer.calls, layer.per_sample, layer.described = [], {}, []
         self._leaves, self._norms, self._after_backward = [], None, False
-        self._last_saved = self._small = None
+        self._saved, self._small, self._batch = {}, None, None
 
     def remove(self) -> None:
         """Remove hooks and make the managed parameters trainable again."""

@@ -12,7 +12,9 @@ import gzip
 import json
 import os
 import pickle
+import shutil
 import statistics
+import tempfile
 import time
 from dataclasses import dataclass, field
 
@@ -164,23 +166,53 @@ class Census:
 
 
 class Trace:
-    """torch.profiler trace of extra steps; on CUDA, GPU kernel time per category from it."""
+    """torch.profiler trace of extra steps; on CUDA, GPU kernel time per category from it, and
+    the host time and GPU-busy fraction of one more step (``kernel_names.step_timeline``)."""
 
     def run(self, s: Session, result: dict) -> None:
         config = s.config
         use_gzip = s.device.type == "cuda" if config.trace_gzip is None else config.trace_gzip
         path = tracing.trace_steps(s.reused_batch_step, s.device, s.out_dir, use_gzip)
         result["trace_file"] = os.path.basename(path) if path else None
+        result["host_time_ms"] = result["gpu_busy_fraction"] = None
         if s.device.type != "cuda" or not path:
             s.env["kernels_note"] = "GPU kernel times exist only for CUDA runs"
+            s.env["timeline_note"] = "host time and GPU-busy fraction need a CUDA trace"
             return
         try:
             summary = kernel_names.summarize(kernel_names.kernels_from_trace(path))
+            result["kernels"] = summary["categories"]
+            result["top_kernels"] = summary["top"]
         except ValueError as error:  # an unreadable trace (truncated, over the size cap)
             s.env["kernels_note"] = f"the trace could not be read: {error}"
+        # Host time and GPU-busy fraction from a second, light trace (no stacks, shapes or
+        # memory events: their cost per op would inflate the host time), of the step after a
+        # warm-up step; the window is its record_function range (step_timeline's docstring).
+        # In a staging folder of its own: ranks of one config share the directory, and an
+        # interrupted run's leftovers are removed like the trace's (".trace-*").
+        staging = tempfile.mkdtemp(prefix=".trace-", dir=s.out_dir)
+        light = os.path.join(staging, "timeline.json")
+        activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+        with torch.profiler.profile(
+            activities=activities,
+            schedule=torch.profiler.schedule(wait=0, warmup=1, active=1, repeat=1),
+            on_trace_ready=lambda prof: prof.export_chrome_trace(light),
+        ) as prof:
+            for _ in range(2):
+                with torch.profiler.record_function(kernel_names.STEP_RANGE):
+                    s.reused_batch_step()
+                synchronize(s.device)
+                prof.step()
+        try:
+            timeline = kernel_names.step_timeline(kernel_names.load_trace_events(light))
+        except ValueError as error:
+            s.env["timeline_note"] = f"host time and GPU-busy fraction not measured: {error}"
             return
-        result["kernels"] = summary["categories"]
-        result["top_kernels"] = summary["top"]
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
+        result["host_time_ms"] = timeline["host_time_ms"]
+        result["gpu_busy_fraction"] = timeline["gpu_busy_fraction"]
+        result["step_timeline"] = timeline
 
 
 class Privacy:

@@ -104,8 +104,11 @@ def communication_time(result: dict, env: dict, out_dir: str) -> None:
             + ("gloo's collectives run on CPU threads" if trace else "no trace ran (--no_trace)")
         )
         return
-    kernels = kernel_names.kernels_from_trace(os.path.join(out_dir, trace))
-    result["communication_time_ms"] = sum(ms for name, ms, *_ in kernels if "nccl" in name.lower())
+    kernels = kernel_names.kernels_from_trace(os.path.join(out_dir, trace))  # durations in µs
+    nccl_us = sum(us for name, us, *_ in kernels if "nccl" in name.lower())
+    # Kernel time, waits for the other rank included; overlapped with compute where the
+    # trainer overlaps it (DDP's buckets, FSDP2's prefetches): not added to the step time.
+    result["communication_time_ms"] = nccl_us / 1000
 
 
 def worker_main(
@@ -121,9 +124,9 @@ def worker_main(
     if stderr is not None:
         stderr.attach()
         quiet.filter_warnings()
+    # A distributed worker leaves its process group to the process's end (multiprocessing ends
+    # the child with os._exit): tearing gloo down explicitly can abort, losing the result.
     result = classified_run(config, config_path, rank_setup)
-    if rank_setup is not None and result["status"] == "ok":  # after a failure it could hang
-        torch.distributed.destroy_process_group()
     try:
         write_json(os.path.join(config_path, result_name), result)
     except OSError as error:  # the parent records it: "worker died" would hide the cause

@@ -11,6 +11,9 @@ module:
   gradient.
 - weighted_sums: weighted_sums_, the clipped sums of kept per-sample gradients, one read of
   each, one launch.
+- clipped_gemm: clipped_weight_grad, a Linear's clipped weight gradient sum_b c_b G_b^T A_b in fp32,
+  each sample's product accumulated in fp32 before its fp32 clip factor weights it (the torch
+  path folds c into a 16-bit operand and shrinks it by an ulp to stay within C).
 - norm_layer: norm_layer_per_sample_grads, LayerNorm / RMSNorm per-sample gradients in one pass
   over x and g.
 
@@ -21,6 +24,12 @@ The engine looks the kernels up on this package at call time (flash.fused.triton
 replacing an attribute here (a test's monkeypatch) reaches every caller.
 """
 
+from flash.kernels.clipped_gemm import (
+    clip_schedule,
+    clipped_weight_grad,
+    clipped_weight_grad_supported,
+    fold_clip_factors,
+)
 from flash.kernels.direct import direct_squared_norms
 from flash.kernels.gram import gram_squared_norms, gram_squared_norms_grouped
 from flash.kernels.noise import NOISE_BLOCK, add_gaussian_noise_
@@ -31,7 +40,11 @@ __all__ = [
     "NOISE_BLOCK",
     "WEIGHTED_SUM_BLOCK",
     "add_gaussian_noise_",
+    "clip_schedule",
+    "clipped_weight_grad",
+    "clipped_weight_grad_supported",
     "direct_squared_norms",
+    "fold_clip_factors",
     "gram_squared_norms",
     "gram_squared_norms_grouped",
     "norm_layer_grads_supported",

@@ -65,6 +65,27 @@ def fused_norms_available(A: Tensor) -> bool:
     return A.is_cuda and A.element_size() == 2 and triton_kernels() is not None
 
 
+# The Linear's clipped weight gradient on CUDA in 16 bits: False, one cuBLAS GEMM over all
+# tokens with fp32 c folded into a 16-bit operand rounded toward zero (2.8e-3 relative from
+# fp64 on average, the truncation's bias); True, flash.kernels.clipped_weight_grad (each sample's
+# product in fp32, weighted by fp32 c: 1e-6 from fp64), 1.4-2.1x the GEMM's time at the 1b
+# shapes on an H200 (Triton at 300-600 TFLOP/s against cuBLAS' 570-680), so not the default.
+EXACT_CLIPPED_GEMM = False
+
+
+def fused_clipped_gemm_available(A: Tensor, G: Tensor, weight: Tensor) -> bool:
+    """Does a Linear's clipped weight gradient take fp32 clip factors through flash.kernels
+    (16-bit A and G on CUDA, an fp32 weight; EXACT_CLIPPED_GEMM says which way)? The CPU and
+    fp32 keep the torch path."""
+    kernels = triton_kernels()
+    return (
+        A.element_size() == 2
+        and weight.dtype == torch.float32
+        and kernels is not None
+        and kernels.clipped_weight_grad_supported(A, G)
+    )
+
+
 def linear_route(layer: Layer, T: int) -> str:
     """auto: "product" where per-sample weight gradients take no more memory than the layer's A
     and G (and no extra FLOPs: they replace the clipped-gradient GEMM), else "gram": below that
@@ -126,15 +147,28 @@ class LinearRule(NormRule):
 
     def clipped_grads(self, layer, A, G, c):
         A_op, G_op = _gemm_operands(A, G)  # the dtype autocast's own weight GEMM uses
+        if fused_clipped_gemm_available(A_op, G_op, layer.params["weight"]):
+            kernels = triton_kernels()
+            if EXACT_CLIPPED_GEMM:
+                schedule = c.gemm_schedule()
+                return {"weight": kernels.clipped_weight_grad(A_op, G_op, c.c, schedule=schedule)}
+            # fp32 c folded into the narrower operand, each c * x rounded toward zero (no
+            # element above its exact value, so no ulp shrink of c); one cuBLAS GEMM, fp32 out.
+            A2, G2 = A_op.flatten(0, 1), G_op.flatten(0, 1)
+            if G2.shape[1] <= A2.shape[1]:
+                G2 = kernels.fold_clip_factors(G2, c.c, A.shape[1])
+            else:
+                A2 = kernels.fold_clip_factors(A2, c.c, A.shape[1])
+            return {"weight": torch.mm(G2.T, A2, out_dtype=torch.float32)}
         A2, G2 = A_op.flatten(0, 1), G_op.flatten(0, 1)  # [B*T, d], [B*T, p]
         c_tok = c.per_token(A2.dtype, A.shape[1])
         if G2.shape[1] <= A2.shape[1]:  # fold c into the narrower operand
             G2 = G2 * c_tok
         else:
             A2 = A2 * c_tok
-        # One GEMM over all B*T tokens. bf16/fp16 operands on CUDA: fp32 straight out of the
-        # GEMM's fp32 accumulator (cuBLAS has it, the CPU backend not), so the fp32 parameter's
-        # gradient is neither rounded to bf16 nor cast in a second pass.
+        # One GEMM over all B*T tokens. bf16/fp16 operands on CUDA without the kernel: fp32
+        # straight out of the GEMM's fp32 accumulator (cuBLAS has it, the CPU backend not), so
+        # the fp32 parameter's gradient is neither rounded to bf16 nor cast in a second pass.
         if A2.is_cuda and A2.element_size() == 2 and layer.params["weight"].dtype == torch.float32:
             return {"weight": torch.mm(G2.T, A2, out_dtype=torch.float32)}
         return {"weight": G2.T @ A2}

@@ -365,3 +365,64 @@ def test_allocation_sites_name_the_functions_that_allocate():
     assert names["gradients"] == {"clipped_grads", "accumulate_clipped_grads"}
     overrides = (LinearRule.squared_norms, LinearRule.per_sample_grads, LinearRule.clipped_grads)
     assert all(any(fn in fns for fns in ALLOCATION_SITES.values()) for fn in overrides)
+
+
+def test_input_read_by_layers_with_other_calls_between_is_cast_once():
+    """LoRA's q, k and v adapters read one input, but each lora_B runs before the next lora_A:
+    flash still keeps one bf16 cast of it, not one per adapter."""
+
+    class LoRAQKV(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.ln = nn.LayerNorm(8)
+            self.qa, self.ka, self.va = (nn.Linear(8, 2, bias=False) for _ in range(3))
+            self.qb, self.kb, self.vb = (nn.Linear(2, 8, bias=False) for _ in range(3))
+
+        def forward(self, x):
+            h = self.ln(x)
+            return self.qb(self.qa(h)) * self.kb(self.ka(h)) + self.vb(self.va(h))
+
+    torch.manual_seed(0)
+    model = LoRAQKV()
+    flash = FlashClipping(model, route="product")
+    x = torch.randn(2, 5, 8)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = model(x)
+    saved = {layer.name: layer.calls[0][0] for layer in flash.layers if layer.name[1:] == "a"}
+    assert len({A.untyped_storage().data_ptr() for A in saved.values()}) == 1  # one cast
+    h = model.ln(x).to(torch.bfloat16)
+    assert all(A.dtype == torch.bfloat16 and torch.equal(A, h) for A in saved.values())
+    flash.backward(out.float().sum())
+    assert flash._saved == {}  # the casts are held by the layers' calls alone
+
+
+@pytest.mark.parametrize("small", [2**18, 64])
+def test_sink_gets_each_parameter_sum_once_as_grad_would(monkeypatch, small):
+    """accumulate_clipped_grads(sink=...) hands over what the .grad path writes, one parameter
+    at a time, with kept per-sample gradients in the concatenation (all of them at the default
+    threshold) or one by one (threshold 64: the weights)."""
+    from flash import engine as flash_clip
+
+    monkeypatch.setattr(flash_clip, "SMALL_PER_SAMPLE_NUMEL", small)
+    ids, targets = make_batch(3, 5, seed=2)
+    results = []
+    for use_sink in (False, True):
+        model = make_model()
+        flash = FlashClipping(model, route="product")
+        flash.backward(sample_losses(model(ids), targets).sum())
+        c = (1.0 / (flash.per_sample_squared_norms().sqrt() + 1e-6)).clamp(max=1.0)
+        got = {}
+        sink = (
+            (lambda p, g, got=got: got.setdefault(id(p), []).append(g.clone()))
+            if use_sink
+            else None
+        )
+        flash.accumulate_clipped_grads(c, sink=sink)
+        if use_sink:
+            assert all(len(v) == 1 for v in got.values()) and len(got) == len(flash.params)
+            assert all(p.grad is None for p in model.parameters())
+            results.append(torch.cat([got[id(p)][0].flatten() for p in model.parameters()]))
+        else:
+            results.append(flat_grads(model))
+        flash.release()
+    assert_close(results[1], results[0], 1e-12)

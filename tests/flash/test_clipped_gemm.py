@@ -1,0 +1,308 @@
+"""flash.kernels.clipped_weight_grad, a Linear's clipped weight gradient sum_b c_b G_b^T A_b in
+fp32, against fp64 brute force: on CPU interpreted (TRITON_INTERPRET=1, explicit tiles, fp32
+and fp16: the interpreter has no bf16), and compiled and autotuned on a GPU in bf16 (skipped without
+CUDA), where flash's whole bf16 step is checked against fp64 too."""
+
+import os
+
+import pytest
+import torch
+from torch import nn
+
+from flash.engine import FlashClipping
+
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"  # set by conftest.py without a GPU
+interpreted = pytest.mark.skipif(not INTERPRETED, reason="the GPU runs the compiled kernel")
+on_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+kernels = pytest.importorskip("flash.kernels", reason="needs triton")
+clipped_gemm_module = pytest.importorskip("flash.kernels.clipped_gemm", reason="needs triton")
+
+
+def clipped_sum(A, G, c):
+    """Brute force in fp64: each sample's gradient G_b^T A_b, weighted by c_b, summed."""
+    per_sample = torch.einsum("btp,btd->bpd", G.double(), A.double())
+    return torch.einsum("b,bpd->pd", c.double(), per_sample)
+
+
+def per_sample_norms(A, G):
+    return torch.einsum("btp,btd->bpd", G.double(), A.double()).flatten(1).norm(dim=1)
+
+
+def relative_error(actual, expected):
+    return ((actual.double() - expected).abs().max() / expected.abs().max()).item()
+
+
+def fp32_at_most(x):
+    """x (fp64) in fp32, rounded toward zero: a clip factor that cannot exceed C / ||g||."""
+    low = x.float()
+    return torch.where(low.double() > x, torch.nextafter(low, torch.zeros_like(low)), low)
+
+
+def small_tiles(rescale, flatten=False):
+    """One of the kernel's variants with tiles small enough for the interpreter's shapes."""
+    meta = {"RESCALE": rescale, "FLATTEN": flatten, "BLOCK_P": 16, "BLOCK_D": 32}
+    return meta | {"BLOCK_T": 16, "GROUP_P": 2}
+
+
+def operands(B, T, d, p, dtype, seed, padding=0, device="cpu"):
+    gen = torch.Generator().manual_seed(seed)
+    A = torch.randn(B, T, d, generator=gen).to(device, dtype)
+    G = torch.randn(B, T, p, generator=gen).to(device, dtype)
+    if padding:  # padding tokens: zero rows of A and G at the end of each sample
+        A[:, T - padding :] = 0
+        G[:, T - padding :] = 0
+    return A, G
+
+
+@interpreted
+def test_kernel_is_interpreted_on_cpu():
+    assert type(clipped_gemm_module._clipped_gemm_kernel).__name__ == "InterpretedFunction"
+
+
+@interpreted
+@pytest.mark.parametrize(
+    "rescale, flatten", [(True, False), (True, True), (False, False), (False, True)]
+)
+@pytest.mark.parametrize("splits", [1, 3])
+@pytest.mark.parametrize(
+    "B, T, d, p, padding",
+    [
+        (3, 37, 20, 33, 0),  # T past a token block, d and p odd and past their tiles
+        (4, 5, 48, 40, 2),  # T under one block, padding tokens
+        (1, 100, 16, 48, 9),  # one sample: splits cut its tokens
+        (2, 64, 32, 32, 0),  # exact multiples of every block
+    ],
+)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_matches_fp64_brute_force(dtype, B, T, d, p, padding, splits, rescale, flatten):
+    A, G = operands(B, T, d, p, dtype, seed=T + B, padding=padding)
+    c = torch.rand(B, generator=torch.Generator().manual_seed(1)) * 0.9 + 0.05
+    if B > 2:
+        c[1], c[2] = 0.0, 1.0  # a sample that must not count, one not clipped
+    out = kernels.clipped_weight_grad(A, G, c, splits=splits, config=small_tiles(rescale, flatten))
+    assert out.dtype == torch.float32 and out.shape == (p, d)
+    assert relative_error(out, clipped_sum(A, G, c)) < 1e-5
+
+
+@interpreted
+@pytest.mark.parametrize("splits", [1, 4])
+def test_accumulates_into_existing_grad(splits):
+    A, G = operands(3, 50, 24, 40, torch.float16, seed=3)
+    c = torch.tensor([0.3, 1.0, 0.01])
+    grad = torch.randn(40, 24)
+    expected = grad.double() + clipped_sum(A, G, c)
+    out = kernels.clipped_weight_grad(
+        A, G, c, out=grad, splits=splits, config=small_tiles(True, True)
+    )
+    assert out is grad
+    assert relative_error(grad, expected) < 1e-5
+
+
+@interpreted
+def test_strided_operands():
+    """A and G as views (a transposed A, a slice of a wider G) are read by their strides."""
+    A = torch.randn(2, 24, 30).mT  # [2, 30, 24]
+    G = torch.randn(2, 30, 50)[:, :, 5:45]
+    c = torch.tensor([0.5, 0.25])
+    out = kernels.clipped_weight_grad(A, G, c, config=small_tiles(False))
+    assert relative_error(out, clipped_sum(A, G, c)) < 1e-5
+
+
+@interpreted
+@pytest.mark.parametrize("rescale, flatten", [(True, False), (False, True)])
+def test_each_sample_stays_within_the_clip_norm(rescale, flatten):
+    """Each sample's clipped contribution, alone (the others' c set to 0), has norm <= C with
+    no shrinking of c: c * G is never rounded to 16 bits. Sample 0 is the rounding tie that
+    lifts a bf16 c * g above c * g (g = 1.15625 / 128, c = 0.875); the others are clipped hard."""
+    B, T, d, p = 4, 40, 16, 24
+    A, G = operands(B, T, d, p, torch.float16, seed=4)
+    A[0], G[0] = 1.0, 1.15625 / 128
+    norms = per_sample_norms(A, G)
+    C = 0.875 * norms[0].item()  # sample 0's factor is exactly 0.875
+    c = fp32_at_most((C / norms).clamp(max=1.0))
+    c[0] = 0.875  # C / norm is 0.875 up to fp64 rounding
+    assert (c[1:] < 0.5).all()
+    for b in range(B):
+        alone = torch.zeros(B)
+        alone[b] = c[b]
+        out = kernels.clipped_weight_grad(
+            A, G, alone, splits=2, config=small_tiles(rescale, flatten)
+        )
+        norm = out.double().norm().item()
+        assert C * (1 - 1e-6) <= norm <= C * (1 + 1e-6)  # fp32 accumulation error only
+
+
+def test_clip_schedule():
+    """Samples by ascending c; the chain of ratios times the last scale gives back each c (the
+    rescaling kernel's weights), ratios <= 1, and a zero c drops its sample."""
+    c = torch.tensor([0.5, 0.0, 1.0, 1e-3, 0.0, 0.25])
+    c32, order, scale, ratio = kernels.clip_schedule(c)
+    assert torch.equal(c32, c)
+    assert torch.equal(scale, c[order.long()]) and (scale[1:] >= scale[:-1]).all()
+    assert (ratio <= 1).all() and (ratio >= 0).all()
+    weights = torch.empty(len(c), dtype=torch.float64)
+    for k in range(len(c)):
+        weights[k] = ratio[k + 1 :].double().prod() * scale[-1].double()
+    assert torch.allclose(weights, scale.double(), rtol=1e-6, atol=0)
+
+
+@interpreted
+def test_fold_rounds_each_product_toward_zero():
+    """fold_clip_factors: each token row times its sample's fp32 c, the fp32 product rounded to
+    fp16 toward zero (never above it: no ulp shrink of c needed), exactly as an fp64 check of
+    the product rounded to nearest and stepped down where it went up."""
+    B, T, n = 3, 7, 1100  # n past one block of columns
+    X = torch.randn(B * T, n).half()
+    c = torch.tensor([0.3, 1.0, 0.0123])
+    folded = kernels.fold_clip_factors(X, c, T)
+    product = X.float() * c.repeat_interleave(T)[:, None]
+    nearest = product.half()
+    expected = torch.where(
+        nearest.double().abs() > product.double().abs(),
+        torch.nextafter(nearest, torch.zeros_like(nearest)),
+        nearest,
+    )
+    assert folded.dtype == torch.float16 and torch.equal(folded, expected)
+    assert (nearest != expected).float().mean() > 0.2  # a fair share were rounded up
+
+
+@interpreted
+def test_shape_errors():
+    A, G = torch.randn(2, 3, 4), torch.randn(2, 3, 5)
+    with pytest.raises(ValueError, match="one dtype"):
+        kernels.clipped_weight_grad(A, G.half(), torch.ones(2))
+    with pytest.raises(ValueError, match=r"c must have shape \[2\]"):
+        kernels.clipped_weight_grad(A, G, torch.ones(3))
+    with pytest.raises(ValueError, match="out must be fp32"):
+        kernels.clipped_weight_grad(A, G, torch.ones(2), out=torch.zeros(4, 5))
+
+
+def linear_step(B, T, d, p, device, dtype, chunks=1):
+    """A bias-free Linear (fp32 weights) under autocast in ``dtype``, through flash's Gram route
+    and clipped GEMM, in ``chunks`` chunks. The output gradient is a fixed tensor exact in
+    ``dtype``, so A and G are known exactly: returns (.grad, flash's norms, fp64 reference
+    norms, the fp64 clipped sum for flash's clip factors, and for fp64 ones, C)."""
+    gen = torch.Generator().manual_seed(B * T + d)
+    x = torch.randn(B, T, d, generator=gen).to(device)
+    weight_of_out = torch.randn(B, T, p, generator=gen).to(device, dtype)
+    layer = nn.Linear(d, p, bias=False).to(device)
+    A, G = x.to(dtype), weight_of_out
+    reference_norms = per_sample_norms(A, G)
+    C = reference_norms.median().item()
+    flash = FlashClipping(layer, route="gram", tile_size=64)
+    flash_norms, factors = [], []
+    for rows in torch.arange(B).chunk(chunks):
+        with torch.autocast(device, dtype=dtype):
+            out = layer(x[rows])
+        flash.backward((out.float() * weight_of_out[rows].float()).sum())
+        norms = flash.per_sample_squared_norms().sqrt()
+        factors.append((C / (norms + 1e-6)).clamp(max=1.0))
+        flash.accumulate_clipped_grads(factors[-1])
+        flash_norms.append(norms)
+        flash.release()
+    reference_c = (C / (reference_norms + 1e-6)).clamp(max=1.0)
+    return (
+        layer.weight.grad,
+        torch.cat(flash_norms),
+        reference_norms,
+        clipped_sum(A, G, torch.cat(factors)),
+        clipped_sum(A, G, reference_c),
+    )
+
+
+@interpreted
+def test_flash_step_takes_the_kernel_interpreted(monkeypatch):
+    """The wiring of the exact path: a Linear under fp16 autocast (fp32 weight), two chunks (the
+    second adds into .grad), its clipped gradient through clipped_weight_grad (run on CPU
+    tensors by the interpreter) with fp32 clip factors. Against the fp64 sum for the same
+    factors: 1e-5, where the CPU path (c folded into fp16 G, shrunk by an ulp) is further off."""
+    from flash.rules import linear as linear_rule
+
+    monkeypatch.setattr(linear_rule, "EXACT_CLIPPED_GEMM", True)
+    calls = []
+    check = kernels.clipped_weight_grad_supported
+    monkeypatch.setattr(  # the check asks for CUDA
+        kernels,
+        "clipped_weight_grad_supported",
+        lambda A, G: calls.append(A.dtype) or check(A, G) or True,
+    )
+    grad, _, _, expected, _ = linear_step(4, 30, 16, 24, "cpu", torch.float16, chunks=2)
+    assert calls == [torch.float16, torch.float16]
+    assert relative_error(grad, expected) < 1e-5
+    monkeypatch.setattr(kernels, "clipped_weight_grad_supported", lambda A, G: False)
+    grad, _, _, expected, _ = linear_step(4, 30, 16, 24, "cpu", torch.float16, chunks=2)
+    assert relative_error(grad, expected) > 1e-4
+
+
+@pytest.mark.gpu
+@on_gpu
+@pytest.mark.parametrize("accumulate", [False, True])
+@pytest.mark.parametrize(
+    "B, T, d, p",
+    [
+        (3, 257, 48, 48),
+        (8, 512, 256, 1024),
+        (2, 1, 64, 64),
+        (4, 512, 2048, 2048),
+        (1, 4096, 256, 256),
+    ],
+)
+def test_kernel_on_cuda(B, T, d, p, accumulate):
+    """Autotuned, bf16 (exact in the fp64 reference: only fp32 accumulation differs); the last
+    shape has few output tiles, so its tokens are split over programs."""
+    A, G = operands(B, T, d, p, torch.bfloat16, seed=5, device="cuda")
+    c = torch.rand(B, device="cuda") + 0.01
+    grad = torch.randn(p, d, device="cuda") if accumulate else None
+    expected = clipped_sum(A, G, c) + (grad.double() if accumulate else 0)
+    out = kernels.clipped_weight_grad(A, G, c, out=grad)
+    assert relative_error(out, expected) < 1e-5
+
+
+@pytest.mark.gpu
+@on_gpu
+@pytest.mark.parametrize("exact", [False, True])
+@pytest.mark.parametrize(
+    "B, T, d, p", [(3, 257, 48, 48), (8, 512, 256, 1024), (2, 1, 64, 64), (4, 512, 2048, 2048)]
+)
+def test_flash_bf16_step_on_cuda(monkeypatch, B, T, d, p, exact):
+    """flash's bf16 update (autocast, fp32 weight) within 5e-3 of the fp64 clipped sum, with
+    flash's own norms and clip factors against fp64 ones (the earlier bf16 c, rounded down and
+    shrunk by an ulp, was 1e-2 off). Against the fp64 sum for flash's own clip factors: the
+    default (fp32 c folded into bf16, rounded toward zero) loses under one bf16 ulp per element
+    (2.8e-3 on average); the exact kernel fp32 rounding only."""
+    from flash.rules import linear as linear_rule
+
+    monkeypatch.setattr(linear_rule, "EXACT_CLIPPED_GEMM", exact)
+    grad, norms, reference_norms, for_flash_c, reference = linear_step(
+        B, T, d, p, "cuda", torch.bfloat16
+    )
+    assert relative_error(norms, reference_norms) < 1e-4
+    assert relative_error(grad, for_flash_c) < (1e-5 if exact else 4e-3)
+    assert relative_error(grad, reference) <= 5e-3
+
+
+@pytest.mark.gpu
+@on_gpu
+@pytest.mark.parametrize("exact", [False, True])
+def test_each_sample_stays_within_the_clip_norm_on_cuda(exact):
+    """As on CPU, at a 1b layer's shape in bf16, for both CUDA paths: every sample clipped, each
+    one's contribution alone never above C by more than fp32 error; the exact kernel also no
+    further below it, the default (truncated bf16 operand) within one bf16 ulp."""
+    B, T, d, p = 4, 512, 2048, 2048
+    A, G = operands(B, T, d, p, torch.bfloat16, seed=6, device="cuda")
+    A[0], G[0] = 1.0, 1.15625 / 128  # the bf16 rounding tie: c * g rounds up at c = 0.875
+    norms = per_sample_norms(A, G)
+    C = 0.875 * norms[0].item()
+    c = fp32_at_most((C / norms).clamp(max=1.0))
+    c[0] = 0.875
+    assert (c[1:] < 0.5).all()
+    for b in range(B):
+        alone = torch.zeros(B, device="cuda")
+        alone[b] = c[b]
+        if exact:
+            clipped = kernels.clipped_weight_grad(A, G, alone)
+        else:
+            G2 = kernels.fold_clip_factors(G.flatten(0, 1), alone, T)
+            clipped = torch.mm(G2.T, A.flatten(0, 1), out_dtype=torch.float32)
+        norm = clipped.double().norm().item()
+        assert C * (1 - (1e-5 if exact else 2**-7)) <= norm <= C * (1 + 1e-5)
