@@ -257,11 +257,10 @@ class Trainer:
         loss_sum, chunk_times_ms = 0.0, []
         for i, index in enumerate(chunk_list):
             start = time.perf_counter()
-            index = index.to(inputs.device)
+            x, y, stand_in = wrap.chunk_of(inputs, targets, index.to(inputs.device))
             # chunk_step ends with .item(), a device sync, so the host clock is valid here.
-            loss_sum += self.chunk_step(
-                inputs[index], targets[index], is_last=i == len(chunk_list) - 1
-            )
+            with wrap.weighted_zero(self, stand_in):
+                loss_sum += self.chunk_step(x, y, is_last=i == len(chunk_list) - 1)
             chunk_times_ms.append((time.perf_counter() - start) * 1e3)
         self.optimizer_step()
         self.on_phase("step_done")

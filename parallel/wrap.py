@@ -7,6 +7,7 @@ Gradients are SUMMED over ranks everywhere: every trainer scales its loss (or cl
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 
 import torch
@@ -179,6 +180,36 @@ def batch_mean(total: float, count: int, device: torch.device, distributed: str)
     both = torch.tensor([total, count], dtype=torch.float64, device=device)
     dist.all_reduce(both)
     return (both[0] / both[1]).item()
+
+
+def chunk_of(inputs: torch.Tensor, targets: torch.Tensor, index: torch.Tensor):
+    """(inputs, targets, stand_in) of one physical chunk. Every rank runs as many chunks as the
+    rank with the most samples (FSDP2 all-gathers in each chunk's forward); a rank with fewer
+    samples gets an empty chunk, which runs one stand-in sample instead (a copy of its first, or
+    zeros when it has none) whose loss weighs 0: its gradient, norm and clipped sum are 0."""
+    if len(index):
+        return inputs[index], targets[index], False
+    if len(inputs):
+        return inputs[:1], targets[:1], True
+    return (
+        inputs.new_zeros((1, *inputs.shape[1:])),
+        targets.new_zeros((1, *targets.shape[1:])),
+        True,
+    )
+
+
+@contextlib.contextmanager
+def weighted_zero(trainer, stand_in: bool):
+    """While a stand-in chunk runs, the trainer's per-sample loss is multiplied by 0."""
+    if not stand_in:
+        yield
+        return
+    loss = trainer.per_sample_loss
+    trainer.per_sample_loss = lambda model, x, y: loss(model, x, y) * 0
+    try:
+        yield
+    finally:
+        trainer.per_sample_loss = loss
 
 
 def largest_batch(batch: int, device: torch.device, distributed: str) -> int:

@@ -33,9 +33,9 @@ def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--distributed", required=True)
     parser.add_argument("--trainers", nargs="+", required=True)
-    parser.add_argument("--global_samples", type=int, required=True)
-    parser.add_argument("--batch_size", type=int, required=True)
-    parser.add_argument("--physical", type=int, required=True)
+    parser.add_argument(
+        "--cases", nargs="+", required=True, help="global_samples,batch_size,physical each"
+    )
     parser.add_argument("--noise_multiplier", type=float, default=0.0)
     parser.add_argument("--max_grad_norm", type=float, default=0.05)
     parser.add_argument("--seq", type=int, default=12)
@@ -43,26 +43,28 @@ def main():
     args = parser.parse_args()
     info = ranks.from_environment()
     dist.init_process_group("gloo")
-    inputs, targets = make_batch(args.global_samples, args.seq, seed=3)
-    mine = ranks.share(args.global_samples, info.rank, info.world_size)
-    local = slice(mine.start, mine.stop)
     saved = {}
-    for name in args.trainers:
-        torch.manual_seed(0)
-        model = models.build_model(SMALL)
-        trainer = trainers.make_trainer(
-            name,
-            model,
-            lr=1.0,
-            batch_size=args.batch_size,
-            max_physical_batch_size=args.physical,
-            max_grad_norm=args.max_grad_norm,
-            noise_multiplier=args.noise_multiplier,
-            distributed=args.distributed,
-        )
-        torch.manual_seed(100 + info.rank)  # each rank its own noise stream
-        out = trainer.step(inputs[local], targets[local])
-        saved[name] = {"grad": full_gradients(model), "loss": out["loss"]}
+    for case in args.cases:
+        samples, batch_size, physical = map(int, case.split(","))
+        inputs, targets = make_batch(samples, args.seq, seed=3)
+        mine = ranks.share(samples, info.rank, info.world_size)
+        local = slice(mine.start, mine.stop)
+        for name in args.trainers:
+            torch.manual_seed(0)
+            model = models.build_model(SMALL)
+            trainer = trainers.make_trainer(
+                name,
+                model,
+                lr=1.0,
+                batch_size=batch_size,
+                max_physical_batch_size=physical,
+                max_grad_norm=args.max_grad_norm,
+                noise_multiplier=args.noise_multiplier,
+                distributed=args.distributed,
+            )
+            torch.manual_seed(100 + info.rank)  # each rank its own noise stream
+            out = trainer.step(inputs[local], targets[local])
+            saved[case, name] = {"grad": full_gradients(model), "loss": out["loss"]}
     if info.rank == 0:
         torch.save(saved, args.out)
     dist.barrier()

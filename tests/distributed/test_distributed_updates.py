@@ -18,13 +18,13 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 SEQ, C = 12, 0.05
 
 
-def torchrun(tmp_path, distributed, trainers, *, samples, batch_size, physical, noise=0.0):
-    out = tmp_path / f"{distributed}_{samples}_{noise}.pt"
+def torchrun(tmp_path, distributed, trainers, cases, noise=0.0):
+    """{(case, trainer): {"grad", "loss"}} of one torchrun job (case: "samples,batch,physical")."""
+    out = tmp_path / f"{distributed}_{noise}.pt"
     command = [
         sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--standalone",
         os.path.join(HERE, "one_step_per_rank.py"), "--distributed", distributed,
-        "--trainers", *trainers, "--global_samples", str(samples), "--batch_size",
-        str(batch_size), "--physical", str(physical), "--noise_multiplier", str(noise),
+        "--trainers", *trainers, "--cases", *cases, "--noise_multiplier", str(noise),
         "--max_grad_norm", str(C), "--seq", str(SEQ), "--out", str(out),
     ]  # fmt: skip
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
@@ -52,33 +52,31 @@ def relative(x, ref):
 TRAINERS = {"ddp": ["standard", "dpsgd", "ghost", "flash"], "fsdp": ["standard", "ghost", "flash"]}
 
 
+# An even split with 2 chunks per rank; a Poisson-like 4 + 3 split; a 2 + 1 split one sample per
+# chunk (rank 1 runs a stand-in chunk); one sample in all (rank 1 holds none).
+CASES = ["8,8,3", "7,8,2", "3,4,1", "1,4,1"]
+
+
 @pytest.mark.parametrize("distributed", ["ddp", "fsdp"])
-@pytest.mark.parametrize(
-    "samples, batch_size, physical",
-    [(8, 8, 3), (7, 8, 2)],  # even split with 2 chunks per rank; a Poisson-like 4 + 3 split
-)
-def test_update_equals_single_process_definition(
-    tmp_path, distributed, samples, batch_size, physical
-):
-    saved = torchrun(
-        tmp_path, distributed, TRAINERS[distributed],
-        samples=samples, batch_size=batch_size, physical=physical,
-    )  # fmt: skip
-    mean, clipped = references(samples, batch_size)
-    for name, got in saved.items():
-        reference = mean if name == "standard" else clipped
-        assert relative(got["grad"], reference) < 1e-5, name
-    losses = {got["loss"] for got in saved.values()}
-    assert len(losses) == 1  # the loss of the global batch, the same for every trainer
+def test_update_equals_single_process_definition(tmp_path, distributed):
+    saved = torchrun(tmp_path, distributed, TRAINERS[distributed], CASES)
+    for case in CASES:
+        samples, batch_size, _ = map(int, case.split(","))
+        mean, clipped = references(samples, batch_size)
+        for name in TRAINERS[distributed]:
+            reference = mean if name == "standard" else clipped
+            assert relative(saved[case, name]["grad"], reference) < 1e-5, (case, name)
+        # the loss of the global batch, the same for every trainer
+        assert len({saved[case, name]["loss"] for name in TRAINERS[distributed]}) == 1
 
 
 @pytest.mark.parametrize("distributed", ["ddp", "fsdp"])
 def test_noise_is_added_once(tmp_path, distributed):
     dp = [n for n in TRAINERS[distributed] if n != "standard"]
-    clean = torchrun(tmp_path, distributed, dp, samples=8, batch_size=8, physical=8)
-    noisy = torchrun(tmp_path, distributed, dp, samples=8, batch_size=8, physical=8, noise=2.0)
+    clean = torchrun(tmp_path, distributed, dp, ["8,8,8"])
+    noisy = torchrun(tmp_path, distributed, dp, ["8,8,8"], noise=2.0)
     for name in dp:
-        noise = noisy[name]["grad"] - clean[name]["grad"]
+        noise = noisy["8,8,8", name]["grad"] - clean["8,8,8", name]["grad"]
         expected = 2.0 * C / 8  # sigma * C / B of the global batch; twice-added: x sqrt(2)
         assert abs(noise.std().item() / expected - 1) < 0.05, name
         assert abs(noise.mean().item()) < 0.05 * expected, name
