@@ -295,6 +295,8 @@ def measure_and_summarise(args, experiment, run_dir: str, processes, group=None)
         )
     except processes.Interrupted as interrupted:
         ignore_signals()  # a second Ctrl-C while the summary is written: no traceback
+        if group is not None and not group.is_first:  # rank 0 summarises
+            return interrupted_exit_code()
         finished = summary.load_results(run_dir)
         print(
             f"\nInterrupted during {interrupted}; {count(len(finished), 'finished config')} kept."

@@ -76,9 +76,15 @@ class ModuleCensus:
         self.param_addresses = {s[0] for _, p in self.params if (s := _storage(p))}
         self.static = {"parameters": Counter(), "trainable_parameters": Counter()}
         for group, p in self.params:
-            self.static["parameters"][group] += p.numel() * p.element_size()
+            # FSDP2: the shard this rank holds (a DTensor's numel() is the whole parameter's)
+            nbytes = (
+                _storage(p)[1]
+                if isinstance(p, DTensor) and _storage(p)
+                else p.numel() * p.element_size()
+            )
+            self.static["parameters"][group] += nbytes
             if id(p) in trainable:
-                self.static["trainable_parameters"][group] += p.numel() * p.element_size()
+                self.static["trainable_parameters"][group] += nbytes
         self.modules = [(m, g) for n, m in model.named_modules() if (g := module_group(n))]
         self.group_of_module = {id(m): g for m, g in self.modules}
         self.modules_by_name = dict(model.named_modules())

@@ -113,6 +113,7 @@ def _run_configs(configs, run_dir, resume, progress, verbose, group) -> list[dic
                     write_json(os.path.join(config_path, f"result.rank{rank}.json"), rank_result)
                 result = ranks.aggregate(per_rank)
                 write_json(result_path, result)
+                remove_leftovers(config_path)
             if bar and not reason:
                 bar.update()
             log(f"{tag}: {describe(result)}")
@@ -265,8 +266,9 @@ def run_in_child(
             write_json(result_path, result)
         except OSError as error:  # the disk is full for this one too: the summary still has it
             print(f"{config.config_dir}: could not write result.json: {error}", file=sys.stderr)
-    remove_leftovers(config_path)
-    if group is not None:  # the other ranks stop their workers if this one failed
+    if group is None:  # distributed: rank 0 cleans up once every rank's worker has ended
+        remove_leftovers(config_path)
+    else:  # the other ranks stop their workers if this one failed
         group.post(f"ended/{index}/{group.rank}", {k: result.get(k) for k in ("status", "error")})
     return result
 

@@ -28,6 +28,10 @@ HARMLESS_WARNINGS = (
     "Full backward hook is firing when gradients are computed with respect to module outputs",
     # transformers' own LoRA/peft path calls its deprecated name.
     "`is_gradient_checkpointing` is deprecated and will be removed in v6.",
+    # FSDP2 on a model whose blocks return views (our residual adds are out of place).
+    "FSDP2-wrapped module",
+    # flash's reduce-scatter into FSDP2 shards: the name torch 2.11 (the GPU image) still has.
+    "`torch.distributed.reduce_scatter_tensor` is deprecated",
 )
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import datetime
 import json
 import os
+import re
 import statistics
 
 import torch.distributed as dist
@@ -95,28 +96,28 @@ def stopped_result(skeleton: dict, ended: dict) -> dict:
     return skeleton
 
 
-SEVERITY = ("error", "oom", "skipped", "ok")  # the aggregate takes the first rank's worst
+# How a collective fails when another rank's worker died or stopped answering (gloo, NCCL, the
+# process group's timeout): the consequence on this rank, not the cause.
+PEER_FAILURE = re.compile(
+    r"stopped: rank|Connection (closed|reset) by peer|Broken pipe|DistBackendError|"
+    r"NCCL communicator was aborted|remote process exited|[Ww]atchdog caught collective|"
+    r"timed out|Timeout"
+)
 
 
 def aggregate(per_rank: list[dict]) -> dict:
     """A config's ``result.json`` from its ranks' results: rank 0's (the losses are of the
     global batch on every rank), with the slowest rank's step times, the largest peak, and each
-    rank's own numbers under ``ranks``."""
-    worst = min(per_rank, key=lambda r: SEVERITY.index(r["status"]))
-    # The rank where it went wrong, not one that was stopped because of it.
-    first_failure = next(
-        (
-            r
-            for r in per_rank
-            if r["status"] == worst["status"] and "stopped: rank" not in str(r.get("error"))
-        ),
-        worst,
-    )
+    rank's own numbers under ``ranks``. A failure takes the status and error of the rank where
+    it happened (a rank out of memory: oom), not those of the ranks whose collectives then
+    failed or that were stopped because of it."""
+    failed = [(rank, r) for rank, r in enumerate(per_rank) if r["status"] not in ("ok", "skipped")]
+    causes = [(rank, r) for rank, r in failed if not PEER_FAILURE.search(str(r.get("error")))]
     result = dict(per_rank[0])
-    result["status"], result["error"] = worst["status"], None
-    if worst["status"] != "ok":
-        rank = per_rank.index(first_failure)
-        result["error"] = f"rank {rank}: {first_failure.get('error')}"
+    if failed:
+        rank, cause = (causes or failed)[0]
+        result["status"] = cause["status"] if causes else "error"
+        result["error"] = f"rank {rank}: {cause.get('error')}"
     steps = [r.get("step_times_ms") or [] for r in per_rank]
     if all(steps) and len({len(s) for s in steps}) == 1:
         slowest = [max(times) for times in zip(*steps, strict=True)]

@@ -46,6 +46,19 @@ def test_the_aggregate_names_the_rank_that_failed_not_the_one_stopped():
     assert ranks.aggregate([rank_result(), rank_result("error", error="boom")])["status"] == "error"
 
 
+def test_a_rank_out_of_memory_is_the_cause_not_the_peer_whose_collective_then_failed():
+    # Rank 1's worker was killed (the OOM killer); rank 0's all-reduce then lost its peer.
+    peer = rank_result("error", error="RuntimeError: [gloo/pair.cc:553] Connection closed by peer")
+    killed = rank_result(
+        "oom", error="worker killed by SIGKILL: most likely the kernel's OOM killer"
+    )
+    result = ranks.aggregate([peer, killed])
+    assert result["status"] == "oom"
+    assert result["error"].startswith("rank 1: worker killed by SIGKILL")
+    only_peers = ranks.aggregate([peer, rank_result("error", error="DistBackendError: NCCL")])
+    assert only_peers["status"] == "error" and only_peers["error"].startswith("rank 0:")
+
+
 def test_a_batch_is_shared_like_tensor_split():
     assert [len(share(7, r, 2)) for r in range(2)] == [4, 3]
     assert [list(share(5, r, 3)) for r in range(3)] == [[0, 1], [2, 3], [4]]
