@@ -202,18 +202,28 @@ def run_experiments(args) -> int:
     configs = experiment.configs
     if configs and configs[0].distributed != "none":
         return run_distributed(args, experiment, processes)
+    run_dir, lock = prepare_run_dir(args, experiment)
+    try:
+        return measure_and_summarise(args, experiment, run_dir, processes)
+    finally:
+        lock.release()
+
+
+def prepare_run_dir(args, experiment) -> tuple[str, rundir.RunLock]:
+    """The run directory, created and locked, with --resume's and containment's checks done."""
     if experiment.note:
         print(experiment.note)
     run_dir = make_run_dir(args, experiment.mode)
     lock = rundir.RunLock(run_dir)
     try:
         if args.resume:
-            refuse_changed_settings(configs, run_dir)
-        for config in configs:
+            refuse_changed_settings(experiment.configs, run_dir)
+        for config in experiment.configs:
             rundir.check_contained(run_dir, os.path.join(run_dir, config.config_dir))
-        return measure_and_summarise(args, experiment, run_dir, processes)
-    finally:
+    except BaseException:
         lock.release()
+        raise
+    return run_dir, lock
 
 
 def run_distributed(args, experiment, processes) -> int:
@@ -227,14 +237,7 @@ def run_distributed(args, experiment, processes) -> int:
     lock = None
     if group.is_first:
         try:
-            if experiment.note:
-                print(experiment.note)
-            run_dir = make_run_dir(args, experiment.mode)
-            lock = rundir.RunLock(run_dir)
-            if args.resume:
-                refuse_changed_settings(experiment.configs, run_dir)
-            for config in experiment.configs:
-                rundir.check_contained(run_dir, os.path.join(run_dir, config.config_dir))
+            run_dir, lock = prepare_run_dir(args, experiment)
         except UsageError as error:
             group.broadcast("run_dir", {"error": str(error)})
             raise

@@ -393,9 +393,6 @@ class FlashClipping:
         sharded model reduce-scatters it into its shard and drops it: at most one layer's
         unsharded gradient is held). The batched writes into .grad are not used then.
         """
-        if sink is not None:
-            self._clipped_grads_to(sink, clip_factors)
-            return
         if clip_factors.shape != (self._batch_size(),):
             raise ValueError(f"clip_factors must have shape [B], got {tuple(clip_factors.shape)}")
         c = ClipFactors(clip_factors)
@@ -403,6 +400,9 @@ class FlashClipping:
         self._small = None
         for layer in self.layers:
             layer.per_sample = {}
+        if sink is not None:
+            self._clipped_grads_to(sink, c, small, large)
+            return
         # Large kept per-sample grads first (no GEMM over T: a weighted sum of each), so they
         # are freed before the clipped GEMMs below allocate their gradients.
         if large:
@@ -418,20 +418,13 @@ class FlashClipping:
         for params, grads in small:
             _accumulate_many(params, _weighted_sum(grads, c).split([p.numel() for p in params]))
 
-    def _clipped_grads_to(self, sink, clip_factors: Tensor) -> None:
-        """accumulate_clipped_grads' sink path: the same sums, one parameter at a time."""
-        if clip_factors.shape != (self._batch_size(),):
-            raise ValueError(f"clip_factors must have shape [B], got {tuple(clip_factors.shape)}")
-        c = ClipFactors(clip_factors)
-        small = self._per_sample_batches()[0]
-        self._small = None
+    def _clipped_grads_to(self, sink, c: ClipFactors, small: list, large: list) -> None:
+        """accumulate_clipped_grads' sink path: the same sums in the same order, one parameter
+        at a time; each kept per-sample gradient is dropped once it is summed."""
+        while large:
+            param, grad = large.pop(0)
+            sink(param, (c.to(grad.dtype) @ grad.flatten(1)).view(param.shape))
         for layer in self.layers:
-            per_sample, layer.per_sample = layer.per_sample, {}
-            for name, grad in per_sample.items():
-                if not _is_small(grad):
-                    param = layer.params[name]
-                    sink(param, (c.to(grad.dtype) @ grad.flatten(1)).view(param.shape))
-            del per_sample
             calls, layer.calls = layer.calls, []
             clipped: dict[str, Tensor] = {}
             for A, G, _ in calls:

@@ -77,11 +77,8 @@ class ModuleCensus:
         self.static = {"parameters": Counter(), "trainable_parameters": Counter()}
         for group, p in self.params:
             # FSDP2: the shard this rank holds (a DTensor's numel() is the whole parameter's)
-            nbytes = (
-                _storage(p)[1]
-                if isinstance(p, DTensor) and _storage(p)
-                else p.numel() * p.element_size()
-            )
+            shard = _storage(p) if isinstance(p, DTensor) else None
+            nbytes = shard[1] if shard else p.numel() * p.element_size()
             self.static["parameters"][group] += nbytes
             if id(p) in trainable:
                 self.static["trainable_parameters"][group] += nbytes

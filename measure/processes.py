@@ -106,9 +106,7 @@ def _run_configs(configs, run_dir, resume, progress, verbose, group) -> list[dic
                 result = run_in_child(context, config, config_path, result_path, verbose)
             else:
                 log(f"{tag}: running on {count(group.info.world_size, 'rank')}")
-                rank_path = os.path.join(config_path, f"result.rank{group.rank}.json")
-                own = run_in_child(context, config, config_path, rank_path, verbose, group, index)
-                per_rank = group.gather(f"result/{index}", own)
+                per_rank = run_rank_worker(context, config, config_path, verbose, group, index)
                 for rank, rank_result in enumerate(per_rank[1:], 1):  # other nodes' disks too
                     write_json(os.path.join(config_path, f"result.rank{rank}.json"), rank_result)
                 result = ranks.aggregate(per_rank)
@@ -189,20 +187,23 @@ def skip_reason(config) -> str | None:
 
 
 def _run_as_other_rank(configs, run_dir, verbose, group) -> list[dict]:
-    """Rank k > 0: run this rank's worker of each config rank 0 says runs, and hand the
-    result to rank 0."""
+    """Rank k > 0: run this rank's worker of each config rank 0 says runs."""
     context = multiprocessing.get_context("fork")
-    results = []
     for index, (config, runs) in enumerate(zip(configs, group.broadcast("runs"), strict=True), 1):
         if not runs:
             continue
         config_path = os.path.join(run_dir, config.config_dir)
         os.makedirs(config_path, exist_ok=True)
-        rank_path = os.path.join(config_path, f"result.rank{group.rank}.json")
-        result = run_in_child(context, config, config_path, rank_path, verbose, group, index)
-        group.gather(f"result/{index}", result)
-        results.append(result)
-    return results
+        run_rank_worker(context, config, config_path, verbose, group, index)
+    return []  # rank 0 holds the results
+
+
+def run_rank_worker(context, config, config_path, verbose, group, index) -> list[dict] | None:
+    """This rank's worker of config ``index`` (result.rank<k>.json), its result handed to rank 0:
+    every rank's results in rank order on rank 0, None elsewhere."""
+    rank_path = os.path.join(config_path, f"result.rank{group.rank}.json")
+    own = run_in_child(context, config, config_path, rank_path, verbose, group, index)
+    return group.gather(f"result/{index}", own)
 
 
 STOP_GRACE_S = 10  # a worker left alone after another rank failed may still end by itself

@@ -180,9 +180,15 @@ class Trace:
             s.env["timeline_note"] = "host time and GPU-busy fraction need a CUDA trace"
             return
         try:
-            summary = kernel_names.summarize(kernel_names.kernels_from_trace(path))
+            kernels = kernel_names.kernels_from_trace(path)  # durations in µs
+            summary = kernel_names.summarize(kernels)
             result["kernels"] = summary["categories"]
             result["top_kernels"] = summary["top"]
+            if torch.distributed.is_initialized():
+                # NCCL kernel time, waits for the other ranks included; overlapped with compute
+                # where the trainer overlaps it (DDP's buckets, FSDP2's prefetches).
+                nccl_us = sum(us for name, us, *_ in kernels if "nccl" in name.lower())
+                result["communication_time_ms"] = nccl_us / 1000
         except ValueError as error:  # an unreadable trace (truncated, over the size cap)
             s.env["kernels_note"] = f"the trace could not be read: {error}"
         # Host time and GPU-busy fraction from a second, light trace (no stacks, shapes or

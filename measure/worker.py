@@ -14,7 +14,6 @@ import opacus
 import torch
 
 import trainers
-from core import kernel_names
 from core.files import non_finite_paths, write_json
 from core.schema import empty_result
 from measure import census, phases, quiet
@@ -90,25 +89,19 @@ def run_experiment(config, out_dir: str, rank_setup=None) -> dict:
     with trainer.observing_phases(lambda name: None):
         for measurement in measurements(config):
             measurement.run(session, result)
-    if rank_setup is not None:
-        communication_time(result, env, out_dir)
-    return result
-
-
-def communication_time(result: dict, env: dict, out_dir: str) -> None:
-    """GPU time of the collectives (NCCL kernels) in the traced step, in ms."""
-    trace = result.get("trace_file")
-    if not trace or result["env"]["device"] == "cpu":
-        env["communication_note"] = (
-            "communication time comes from the NCCL kernels of a CUDA trace; "
-            + ("gloo's collectives run on CPU threads" if trace else "no trace ran (--no_trace)")
+    if rank_setup is not None and result.get("communication_time_ms") is None:
+        # measure.steps.Trace sets it from the NCCL kernels of a CUDA trace
+        why = (
+            "gloo's collectives run on CPU threads"
+            if device.type == "cpu"
+            else "the trace could not be read"
+            if config.trace
+            else "no trace ran (--no_trace)"
         )
-        return
-    kernels = kernel_names.kernels_from_trace(os.path.join(out_dir, trace))  # durations in µs
-    nccl_us = sum(us for name, us, *_ in kernels if "nccl" in name.lower())
-    # Kernel time, waits for the other rank included; overlapped with compute where the
-    # trainer overlaps it (DDP's buckets, FSDP2's prefetches): not added to the step time.
-    result["communication_time_ms"] = nccl_us / 1000
+        env["communication_note"] = (
+            f"communication time comes from a CUDA trace's NCCL kernels; {why}"
+        )
+    return result
 
 
 def worker_main(

@@ -6,6 +6,18 @@ import subprocess
 import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# What an HF sweep writes into its run directory, beside the config directories.
+SWEEP_FILES = (
+    "memory_profile_results.json",
+    "memory_profile_summary.csv",
+    "memory_analysis_overview.png",
+    "memory_heatmap.png",
+    "peak_memory_comparison.png",
+    "memory_usage_timeline.png",
+    "detailed_memory_results.json",
+    "detailed_memory_analysis.png",
+    "operation_level_breakdown.png",
+)
 # A one-layer model small enough that a CPU test-mode config takes about a second.
 SMALL_MODEL = ["--hidden_dim", "32", "--num_layers", "1", "--num_heads", "2", "--vocab_size", "50"]
 

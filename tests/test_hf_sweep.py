@@ -16,21 +16,9 @@ import pytest  # noqa: E402
 pytest.importorskip("transformers")
 pytest.importorskip("peft")
 
-from cli_helpers import ROOT, cli  # noqa: E402
+from cli_helpers import ROOT, SWEEP_FILES, cli  # noqa: E402
 
 from measure import census as module_memory  # noqa: E402
-
-SWEEP_FILES = (
-    "memory_profile_results.json",
-    "memory_profile_summary.csv",
-    "memory_analysis_overview.png",
-    "memory_heatmap.png",
-    "peak_memory_comparison.png",
-    "memory_usage_timeline.png",
-    "detailed_memory_results.json",
-    "detailed_memory_analysis.png",
-    "operation_level_breakdown.png",
-)
 
 
 def sweep_cli(tmp_path, *extra, token=None):

@@ -6,22 +6,11 @@ import math
 import os
 
 import pytest
+from cli_helpers import SWEEP_FILES
 
 from core.schema import BREAKDOWN_KEYS, CENSUS_KINDS, GROUPS, OPERATIONS
 from report import summary as report
 from report import sweep as hf_sweep
-
-SWEEP_FILES = (
-    "memory_profile_results.json",
-    "memory_profile_summary.csv",
-    "memory_analysis_overview.png",
-    "memory_heatmap.png",
-    "peak_memory_comparison.png",
-    "memory_usage_timeline.png",
-    "detailed_memory_results.json",
-    "detailed_memory_analysis.png",
-    "operation_level_breakdown.png",
-)
 
 
 def synthetic_result(trainer, seq, batch, physical, rank, status="ok", peak=None):
