@@ -462,28 +462,29 @@ class FlashClippingTrainer(Trainer):
         self.on_phase("_clip_inputs_saved")  # A, G and per-sample grads all held: name them
         # Norms stay on the rank that holds the sample: never reduced across ranks.
         norms = self.engine.per_sample_squared_norms().sqrt()
-        # 1/B folded into the clip factors (and the noise's std): no division pass over every
-        # gradient afterwards. FSDP2: each parameter's clipped sum is reduce-scattered into its
-        # shard as soon as it exists.
-        sink = wrap.ShardedGradients() if self.distributed == "fsdp" else None
+        # 1/B folded into the clip factors (and the noise's std): no division pass afterwards.
+        # Several ranks: a parameter's collective starts once its clipped sum exists (the sink).
+        sink = wrap.gradient_sink(self.distributed, is_last, self.noise_std(), add_gaussian_noise)
         self.engine.accumulate_clipped_grads(self.clip_factors(norms) / self.batch_size, sink)
         self.engine.release()
         self.on_phase("backward_done")
         return per_sample.detach().sum().item()
 
+    def noise_std(self) -> float:  # the gradients hold sum_b c_b g_b / B: N(0, (sigma C)^2) / B
+        return self.noise_multiplier * self.max_grad_norm / self.batch_size
+
+    def empty_batch_gradients(self):  # DDP: zeros, rank 0's noise, summed over the ranks
+        if sink := wrap.gradient_sink(self.distributed, True, self.noise_std(), add_gaussian_noise):
+            sink.finish(self.engine.params)
+
     def optimizer_step(self):
-        # The gradients already hold sum_b c_b g_b / B: the noise N(0, (sigma C)^2) / B.
-        std = self.noise_multiplier * self.max_grad_norm / self.batch_size
         for p in self.engine.params:
             if p.grad is None:  # a layer the batch never reached still gets noise
                 p.grad = torch.zeros_like(p)
-        grads = wrap.local_gradients(self.engine.params)
-        # Noise once per coordinate: under DDP rank 0 adds it before the sum over ranks; under
-        # FSDP2 each rank adds it to the shard it owns (each rank draws its own stream).
-        if std > 0 and (self.distributed != "ddp" or torch.distributed.get_rank() == 0):
-            add_gaussian_noise(grads, std)
-        if self.distributed == "ddp":
-            wrap.all_reduce_sum(grads)
+        # Noise once per coordinate: under DDP rank 0 added it before the sum over ranks (the
+        # sink); under FSDP2 each rank adds it to the shard it owns (each its own stream).
+        if self.noise_std() > 0 and self.distributed != "ddp":
+            add_gaussian_noise(wrap.local_gradients(self.engine.params), self.noise_std())
         self.optimizer.step()
 
     def result_extras(self) -> dict:  # the route each Linear layer's norms took, its sizes

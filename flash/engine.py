@@ -390,8 +390,9 @@ class FlashClipping:
 
         ``sink(param, clipped_sum)``: instead of writing .grad, hand each parameter's clipped sum
         (full shape, param.shape) to ``sink`` as soon as it exists, one parameter at a time (a
-        sharded model reduce-scatters it into its shard and drops it: at most one layer's
-        unsharded gradient is held). The batched writes into .grad are not used then.
+        sharded model reduce-scatters it into its shard and drops it: a few parameters'
+        unsharded gradients are held at most), then call ``sink.finish(params)`` with every
+        managed parameter. The batched writes into .grad are not used then.
         """
         if clip_factors.shape != (self._batch_size(),):
             raise ValueError(f"clip_factors must have shape [B], got {tuple(clip_factors.shape)}")
@@ -402,6 +403,7 @@ class FlashClipping:
             layer.per_sample = {}
         if sink is not None:
             self._clipped_grads_to(sink, c, small, large)
+            sink.finish(self.params)
             return
         # Large kept per-sample grads first (no GEMM over T: a weighted sum of each), so they
         # are freed before the clipped GEMMs below allocate their gradients.
@@ -423,7 +425,7 @@ class FlashClipping:
         at a time; each kept per-sample gradient is dropped once it is summed."""
         while large:
             param, grad = large.pop(0)
-            sink(param, (c.to(grad.dtype) @ grad.flatten(1)).view(param.shape))
+            sink(param, _weighted_sum(grad.flatten(1), c).view(param.shape))
         for layer in self.layers:
             calls, layer.calls = layer.calls, []
             clipped: dict[str, Tensor] = {}

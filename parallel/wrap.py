@@ -7,8 +7,10 @@ Gradients are SUMMED over ranks everywhere: every trainer scales its loss (or cl
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import datetime
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -108,42 +110,80 @@ def broadcast_parameters(model: nn.Module) -> None:
             dist.broadcast(param.data, 0)
 
 
-def all_reduce_sum(tensors: list[torch.Tensor]) -> None:
-    """Sum each tensor over the ranks, in place: tensors of one dtype packed into buckets of
-    about BUCKET_BYTES (one collective per bucket, not per tensor: hundreds of LoRA tensors)."""
-    buckets: dict[tuple, list[list[torch.Tensor]]] = {}
-    for tensor in tensors:
-        groups = buckets.setdefault((tensor.dtype, tensor.device), [[]])
-        size = sum(t.numel() for t in groups[-1]) * tensor.element_size()
-        if groups[-1] and size + tensor.numel() * tensor.element_size() > BUCKET_BYTES:
-            groups.append([])
-        groups[-1].append(tensor)
-    for groups in buckets.values():
-        for group in groups:
-            if len(group) == 1:
-                dist.all_reduce(group[0])
-                continue
-            flat = torch.cat([t.reshape(-1) for t in group])
-            dist.all_reduce(flat)
-            torch._foreach_copy_(
-                group,
-                [
-                    p.view_as(t)
-                    for p, t in zip(flat.split([t.numel() for t in group]), group, strict=True)
-                ],
-            )
+class SummedGradients:
+    """flash's sink under DDP, in a step's last chunk: each parameter's clipped sum is added to
+    its .grad, and the finished gradients are summed over the ranks in buckets of about
+    BUCKET_BYTES (one collective per bucket, not per tensor: hundreds of LoRA tensors), each
+    bucket asynchronously as soon as it is full, so the all-reduces run while the clipped GEMMs
+    of the next layers do. Rank 0 adds the step's noise to a bucket before it is summed: once per
+    coordinate. The engine hands parameters over in an order its routes and sizes fix (shapes
+    only), the same on every rank, so every rank forms the same buckets in the same order."""
+
+    def __init__(self, noise_std: float, add_noise: Callable[[list[torch.Tensor], float], None]):
+        self.noise_std = noise_std if dist.get_rank() == 0 else 0.0
+        self.add_noise = add_noise
+        self.bucket: list[torch.Tensor] = []
+        self.pending: list[tuple] = []  # (work, the reduced tensor, the bucket's gradients)
+        self.handed: set[int] = set()
+
+    def __call__(self, param: nn.Parameter, full: torch.Tensor) -> None:
+        full = full.to(param.dtype).view(param.shape)
+        param.grad = full if param.grad is None else param.grad.add_(full)
+        self.handed.add(id(param))
+        self._add(param.grad)
+
+    def _add(self, grad: torch.Tensor) -> None:
+        if self.bucket and self._bytes() + grad.numel() * grad.element_size() > BUCKET_BYTES:
+            self._launch()
+        self.bucket.append(grad)
+        if self._bytes() >= BUCKET_BYTES:
+            self._launch()
+
+    def _bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.bucket)
+
+    def _launch(self) -> None:
+        bucket, self.bucket = self.bucket, []
+        if self.noise_std > 0:
+            self.add_noise(bucket, self.noise_std)
+        flat = bucket[0] if len(bucket) == 1 else torch.cat([t.reshape(-1) for t in bucket])
+        self.pending.append((dist.all_reduce(flat, async_op=True), flat, bucket))
+
+    def finish(self, params: list[nn.Parameter]) -> None:
+        """Sum the rest, the parameters this chunk did not reach (a zero gradient, noised all
+        the same), then wait for every bucket (the compute stream waits; the host does not)."""
+        for param in params:
+            if id(param) not in self.handed:
+                if param.grad is None:
+                    param.grad = torch.zeros_like(param)
+                self._add(param.grad)
+        if self.bucket:
+            self._launch()
+        for work, flat, bucket in self.pending:
+            work.wait()
+            if len(bucket) > 1:
+                pieces = flat.split([t.numel() for t in bucket])
+                torch._foreach_copy_(bucket, [p.view_as(t) for p, t in zip(pieces, bucket)])
+        self.pending = []
 
 
 class ShardedGradients:
     """flash's sink under FSDP2: each parameter's full clipped sum is reduce-scattered over the
-    ranks straight into that parameter's shard (.grad, a DTensor like the parameter), then
-    dropped, so at most one layer's unsharded gradient exists at a time.
+    ranks straight into that parameter's shard (.grad, a DTensor like the parameter).
+
+    Asynchronously: one parameter's reduce-scatter runs while the next parameter's clipped GEMM
+    does. At most IN_FLIGHT collectives are pending while a clipped sum is computed (each holds
+    its full-size input until it is done), so at most IN_FLIGHT + 1 parameters' unsharded
+    gradients exist at once: with one in flight, two weights, well under a block's worth.
 
     FSDP2 shards dimension 0 as torch.chunk does (ceil(n / W) rows per rank, the last ranks
     shorter or empty); the reduce-scatter input is padded to W equal pieces to match."""
 
+    IN_FLIGHT = 1
+
     def __init__(self):
         self.world_size = dist.get_world_size()
+        self.pending: collections.deque = collections.deque()
 
     def __call__(self, param: nn.Parameter, full: torch.Tensor) -> None:
         if not isinstance(param, DTensor):  # a parameter FSDP left unsharded (none today)
@@ -152,8 +192,17 @@ class ShardedGradients:
         padding = rows * self.world_size - full.shape[0]
         if padding:
             full = torch.cat([full, full.new_zeros((padding, *full.shape[1:]))])
+        full = full.contiguous()
         piece = full.new_empty((rows, *full.shape[1:]))
-        dist.reduce_scatter_tensor(piece, full.contiguous())
+        # full stays referenced until its collective is waited for: the compute stream does not
+        # reuse its memory while NCCL may still read it.
+        work = dist.reduce_scatter_tensor(piece, full, async_op=True)
+        self.pending.append((work, param, piece, full))
+        while len(self.pending) > self.IN_FLIGHT:  # 0: each waited for at once (synchronous)
+            self._land(*self.pending.popleft())
+
+    def _land(self, work, param: nn.Parameter, piece: torch.Tensor, full: torch.Tensor) -> None:
+        work.wait()  # the compute stream waits for the collective; the host does not
         local = piece[: param.to_local().shape[0]].to(param.dtype)
         if param.grad is None:
             param.grad = DTensor.from_local(
@@ -166,6 +215,21 @@ class ShardedGradients:
             )
         else:
             param.grad.to_local().add_(local)
+
+    def finish(self, params: list[nn.Parameter]) -> None:
+        """Wait for the collectives still pending (``params``: as SummedGradients.finish)."""
+        while self.pending:
+            self._land(*self.pending.popleft())
+
+
+def gradient_sink(distributed: str, is_last: bool, noise_std: float, add_noise):
+    """Where flash hands a chunk's clipped sums instead of .grad: under FSDP2 every chunk's,
+    into the shards; under DDP the last chunk's, into the sum over ranks (noise included)."""
+    if distributed == "fsdp":
+        return ShardedGradients()
+    if distributed == "ddp" and is_last:
+        return SummedGradients(noise_std, add_noise)
+    return None
 
 
 def local_gradients(params: list[nn.Parameter]) -> list[torch.Tensor]:

@@ -18,7 +18,7 @@ from test_trainers import SMALL, make_batch  # noqa: E402
 
 import models  # noqa: E402
 import trainers  # noqa: E402
-from parallel import ranks  # noqa: E402
+from parallel import ranks, wrap  # noqa: E402
 
 
 def full_gradients(model) -> torch.Tensor:
@@ -40,7 +40,13 @@ def main():
     parser.add_argument("--max_grad_norm", type=float, default=0.05)
     parser.add_argument("--seq", type=int, default=12)
     parser.add_argument("--out", required=True)
+    parser.add_argument("--bucket_bytes", type=int, help="flash's DDP buckets (several, small)")
+    parser.add_argument("--in_flight", type=int, help="flash's FSDP2 reduce-scatters pending")
     args = parser.parse_args()
+    if args.bucket_bytes:
+        wrap.BUCKET_BYTES = args.bucket_bytes
+    if args.in_flight:
+        wrap.ShardedGradients.IN_FLIGHT = args.in_flight
     info = ranks.from_environment()
     dist.init_process_group("gloo")
     saved = {}

@@ -18,14 +18,14 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 SEQ, C = 12, 0.05
 
 
-def torchrun(tmp_path, distributed, trainers, cases, noise=0.0):
+def torchrun(tmp_path, distributed, trainers, cases, noise=0.0, extra=()):
     """{(case, trainer): {"grad", "loss"}} of one torchrun job (case: "samples,batch,physical")."""
     out = tmp_path / f"{distributed}_{noise}.pt"
     command = [
         sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--standalone",
         os.path.join(HERE, "one_step_per_rank.py"), "--distributed", distributed,
         "--trainers", *trainers, "--cases", *cases, "--noise_multiplier", str(noise),
-        "--max_grad_norm", str(C), "--seq", str(SEQ), "--out", str(out),
+        "--max_grad_norm", str(C), "--seq", str(SEQ), "--out", str(out), *extra,
     ]  # fmt: skip
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     done = subprocess.run(command, capture_output=True, text=True, timeout=600, env=env)
@@ -55,11 +55,15 @@ TRAINERS = {"ddp": ["standard", "dpsgd", "ghost", "flash"], "fsdp": ["standard",
 # An even split with 2 chunks per rank; a Poisson-like 4 + 3 split; a 2 + 1 split one sample per
 # chunk (rank 1 runs a stand-in chunk); one sample in all (rank 1 holds none).
 CASES = ["8,8,3", "7,8,2", "3,4,1", "1,4,1"]
+# flash's collectives run asynchronously while its clipped GEMMs do: DDP's in buckets of about
+# BUCKET_BYTES (here small: several buckets, of one tensor and of several), FSDP2's with up to
+# IN_FLIGHT reduce-scatters pending (here 2, the default 1 in the noise test).
+OVERLAP = {"ddp": ["--bucket_bytes", "3000"], "fsdp": ["--in_flight", "2"]}
 
 
 @pytest.mark.parametrize("distributed", ["ddp", "fsdp"])
 def test_update_equals_single_process_definition(tmp_path, distributed):
-    saved = torchrun(tmp_path, distributed, TRAINERS[distributed], CASES)
+    saved = torchrun(tmp_path, distributed, TRAINERS[distributed], CASES, extra=OVERLAP[distributed])
     for case in CASES:
         samples, batch_size, _ = map(int, case.split(","))
         mean, clipped = references(samples, batch_size)
@@ -73,10 +77,13 @@ def test_update_equals_single_process_definition(tmp_path, distributed):
 @pytest.mark.parametrize("distributed", ["ddp", "fsdp"])
 def test_noise_is_added_once(tmp_path, distributed):
     dp = [n for n in TRAINERS[distributed] if n != "standard"]
-    clean = torchrun(tmp_path, distributed, dp, ["8,8,8"])
-    noisy = torchrun(tmp_path, distributed, dp, ["8,8,8"], noise=2.0)
-    for name in dp:
-        noise = noisy["8,8,8", name]["grad"] - clean["8,8,8", name]["grad"]
-        expected = 2.0 * C / 8  # sigma * C / B of the global batch; twice-added: x sqrt(2)
-        assert abs(noise.std().item() / expected - 1) < 0.05, name
-        assert abs(noise.mean().item()) < 0.05 * expected, name
+    # A full batch, and an empty Poisson draw (no rank has a sample: noise alone, still once).
+    cases = ["8,8,8", "0,8,8"]
+    clean = torchrun(tmp_path, distributed, dp, cases)
+    noisy = torchrun(tmp_path, distributed, dp, cases, noise=2.0)
+    for case in cases:
+        for name in dp:
+            noise = noisy[case, name]["grad"] - clean[case, name]["grad"]
+            expected = 2.0 * C / 8  # sigma * C / B of the global batch; twice-added: x sqrt(2)
+            assert abs(noise.std().item() / expected - 1) < 0.05, (case, name)
+            assert abs(noise.mean().item()) < 0.05 * expected, (case, name)

@@ -396,6 +396,20 @@ def test_input_read_by_layers_with_other_calls_between_is_cast_once():
     assert flash._saved == {}  # the casts are held by the layers' calls alone
 
 
+class RecordingSink:
+    """A sink that keeps a copy of every clipped sum it is handed, and its finish calls."""
+
+    def __init__(self):
+        self.got, self.finished = {}, []
+
+    def __call__(self, param, grad):
+        assert not self.finished, "a sum handed over after finish"
+        self.got.setdefault(id(param), []).append(grad.clone())
+
+    def finish(self, params):
+        self.finished.append(list(params))
+
+
 @pytest.mark.parametrize("small", [2**18, 64])
 def test_sink_gets_each_parameter_sum_once_as_grad_would(monkeypatch, small):
     """accumulate_clipped_grads(sink=...) hands over what the .grad path writes, one parameter
@@ -411,15 +425,12 @@ def test_sink_gets_each_parameter_sum_once_as_grad_would(monkeypatch, small):
         flash = FlashClipping(model, route="product")
         flash.backward(sample_losses(model(ids), targets).sum())
         c = (1.0 / (flash.per_sample_squared_norms().sqrt() + 1e-6)).clamp(max=1.0)
-        got = {}
-        sink = (
-            (lambda p, g, got=got: got.setdefault(id(p), []).append(g.clone()))
-            if use_sink
-            else None
-        )
+        sink = RecordingSink() if use_sink else None
         flash.accumulate_clipped_grads(c, sink=sink)
         if use_sink:
+            got = sink.got
             assert all(len(v) == 1 for v in got.values()) and len(got) == len(flash.params)
+            assert sink.finished == [flash.params]  # finish once, after every parameter
             assert all(p.grad is None for p in model.parameters())
             results.append(torch.cat([got[id(p)][0].flatten() for p in model.parameters()]))
         else:
