@@ -63,7 +63,9 @@ OVERLAP = {"ddp": ["--bucket_bytes", "3000"], "fsdp": ["--in_flight", "2"]}
 
 @pytest.mark.parametrize("distributed", ["ddp", "fsdp"])
 def test_update_equals_single_process_definition(tmp_path, distributed):
-    saved = torchrun(tmp_path, distributed, TRAINERS[distributed], CASES, extra=OVERLAP[distributed])
+    saved = torchrun(
+        tmp_path, distributed, TRAINERS[distributed], CASES, extra=OVERLAP[distributed]
+    )
     for case in CASES:
         samples, batch_size, _ = map(int, case.split(","))
         mean, clipped = references(samples, batch_size)
