@@ -110,116 +110,151 @@ def broadcast_parameters(model: nn.Module) -> None:
             dist.broadcast(param.data, 0)
 
 
-class SummedGradients:
+class GradientBuckets:
+    """flash's clipped sums handed over one parameter at a time, sent in buckets of about
+    BUCKET_BYTES of one dtype (one collective per bucket, not per tensor: hundreds of biases,
+    norm weights or LoRA tensors), each bucket asynchronously as soon as it is full, so its
+    collective runs while the clipped GEMMs of the next layers do. At most IN_FLIGHT buckets
+    wait for their collective while the next fills (0: each waited for at once), so the memory
+    held is a few buckets (a weight above BUCKET_BYTES is a bucket of its own). The engine hands
+    parameters over in an order its routes and sizes fix (shapes only), the same on every rank,
+    so every rank forms the same buckets in the same order."""
+
+    IN_FLIGHT = 1
+
+    def __init__(self):
+        self.bucket: list[tuple[nn.Parameter, torch.Tensor]] = []
+        self.bucket_bytes = 0
+        self.pending: collections.deque = collections.deque()
+
+    def _add(self, param: nn.Parameter, grad: torch.Tensor) -> None:
+        size = grad.numel() * grad.element_size()
+        if self.bucket and (
+            self.bucket_bytes + size > BUCKET_BYTES or self.bucket[0][1].dtype != grad.dtype
+        ):
+            self._launch()
+        self.bucket.append((param, grad))
+        self.bucket_bytes += size
+        if self.bucket_bytes >= BUCKET_BYTES:
+            self._launch()
+
+    def _launch(self) -> None:
+        bucket, self.bucket, self.bucket_bytes = self.bucket, [], 0
+        # What the collective reads stays referenced until it is waited for: the compute
+        # stream does not reuse that memory while NCCL may still read it.
+        self.pending.append((bucket, *self._send(bucket)))
+        while len(self.pending) > self.IN_FLIGHT:
+            self._land(*self.pending.popleft())
+
+    def _drain(self) -> None:
+        if self.bucket:
+            self._launch()
+        while self.pending:
+            self._land(*self.pending.popleft())
+
+    def _send(self, bucket: list) -> tuple:
+        """Start the bucket's collective: (work, what it reads, what it writes)."""
+        raise NotImplementedError
+
+    def _land(self, bucket: list, work, sent: torch.Tensor, received: torch.Tensor) -> None:
+        """The collective is done (the compute stream waits for it; the host does not)."""
+        raise NotImplementedError
+
+
+class SummedGradients(GradientBuckets):
     """flash's sink under DDP, in a step's last chunk: each parameter's clipped sum is added to
-    its .grad, and the finished gradients are summed over the ranks in buckets of about
-    BUCKET_BYTES (one collective per bucket, not per tensor: hundreds of LoRA tensors), each
-    bucket asynchronously as soon as it is full, so the all-reduces run while the clipped GEMMs
-    of the next layers do. Rank 0 adds the step's noise to a bucket before it is summed: once per
-    coordinate. The engine hands parameters over in an order its routes and sizes fix (shapes
-    only), the same on every rank, so every rank forms the same buckets in the same order."""
+    its .grad, and the finished gradients are summed over the ranks in buckets. Rank 0 adds the
+    step's noise to a bucket before it is summed: once per coordinate."""
 
     def __init__(self, noise_std: float, add_noise: Callable[[list[torch.Tensor], float], None]):
+        super().__init__()
         self.noise_std = noise_std if dist.get_rank() == 0 else 0.0
         self.add_noise = add_noise
-        self.bucket: list[torch.Tensor] = []
-        self.pending: list[tuple] = []  # (work, the reduced tensor, the bucket's gradients)
         self.handed: set[int] = set()
 
     def __call__(self, param: nn.Parameter, full: torch.Tensor) -> None:
         full = full.to(param.dtype).view(param.shape)
         param.grad = full if param.grad is None else param.grad.add_(full)
         self.handed.add(id(param))
-        self._add(param.grad)
+        self._add(param, param.grad)
 
-    def _add(self, grad: torch.Tensor) -> None:
-        if self.bucket and self._bytes() + grad.numel() * grad.element_size() > BUCKET_BYTES:
-            self._launch()
-        self.bucket.append(grad)
-        if self._bytes() >= BUCKET_BYTES:
-            self._launch()
-
-    def _bytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.bucket)
-
-    def _launch(self) -> None:
-        bucket, self.bucket = self.bucket, []
+    def _send(self, bucket):
+        grads = [grad for _, grad in bucket]
         if self.noise_std > 0:
-            self.add_noise(bucket, self.noise_std)
-        flat = bucket[0] if len(bucket) == 1 else torch.cat([t.reshape(-1) for t in bucket])
-        self.pending.append((dist.all_reduce(flat, async_op=True), flat, bucket))
+            self.add_noise(grads, self.noise_std)
+        flat = grads[0] if len(grads) == 1 else torch.cat([g.reshape(-1) for g in grads])
+        return dist.all_reduce(flat, async_op=True), flat, flat
+
+    def _land(self, bucket, work, sent, received):
+        work.wait()
+        if len(bucket) > 1:
+            grads = [grad for _, grad in bucket]
+            pieces = received.split([g.numel() for g in grads])
+            torch._foreach_copy_(grads, [p.view_as(g) for p, g in zip(pieces, grads)])
 
     def finish(self, params: list[nn.Parameter]) -> None:
         """Sum the rest, the parameters this chunk did not reach (a zero gradient, noised all
-        the same), then wait for every bucket (the compute stream waits; the host does not)."""
+        the same), then wait for every bucket."""
         for param in params:
             if id(param) not in self.handed:
                 if param.grad is None:
                     param.grad = torch.zeros_like(param)
-                self._add(param.grad)
-        if self.bucket:
-            self._launch()
-        for work, flat, bucket in self.pending:
-            work.wait()
-            if len(bucket) > 1:
-                pieces = flat.split([t.numel() for t in bucket])
-                torch._foreach_copy_(bucket, [p.view_as(t) for p, t in zip(pieces, bucket)])
-        self.pending = []
+                self._add(param, param.grad)
+        self._drain()
 
 
-class ShardedGradients:
+class ShardedGradients(GradientBuckets):
     """flash's sink under FSDP2: each parameter's full clipped sum is reduce-scattered over the
-    ranks straight into that parameter's shard (.grad, a DTensor like the parameter).
-
-    Asynchronously: one parameter's reduce-scatter runs while the next parameter's clipped GEMM
-    does. At most IN_FLIGHT collectives are pending while a clipped sum is computed (each holds
-    its full-size input until it is done), so at most IN_FLIGHT + 1 parameters' unsharded
-    gradients exist at once: with one in flight, two weights, well under a block's worth.
+    ranks straight into that parameter's shard (.grad, a DTensor like the parameter), in
+    buckets, then dropped: no more than a few buckets' unsharded gradients exist at a time.
 
     FSDP2 shards dimension 0 as torch.chunk does (ceil(n / W) rows per rank, the last ranks
-    shorter or empty); the reduce-scatter input is padded to W equal pieces to match."""
-
-    IN_FLIGHT = 1
+    shorter or empty); each gradient is padded to W equal pieces to match, and a bucket's input
+    is rank-major (every parameter's piece for rank 0, then for rank 1, ...), as FSDP2 lays out
+    its own reduce-scatter."""
 
     def __init__(self):
+        super().__init__()
         self.world_size = dist.get_world_size()
-        self.pending: collections.deque = collections.deque()
 
     def __call__(self, param: nn.Parameter, full: torch.Tensor) -> None:
         if not isinstance(param, DTensor):  # a parameter FSDP left unsharded (none today)
             raise TypeError(f"expected an FSDP2-sharded parameter, got {type(param).__name__}")
-        rows = -(-full.shape[0] // self.world_size)
-        padding = rows * self.world_size - full.shape[0]
+        padding = -full.shape[0] % self.world_size
         if padding:
             full = torch.cat([full, full.new_zeros((padding, *full.shape[1:]))])
-        full = full.contiguous()
-        piece = full.new_empty((rows, *full.shape[1:]))
-        # full stays referenced until its collective is waited for: the compute stream does not
-        # reuse its memory while NCCL may still read it.
-        work = dist.reduce_scatter_tensor(piece, full, async_op=True)
-        self.pending.append((work, param, piece, full))
-        while len(self.pending) > self.IN_FLIGHT:  # 0: each waited for at once (synchronous)
-            self._land(*self.pending.popleft())
+        self._add(param, full)
 
-    def _land(self, work, param: nn.Parameter, piece: torch.Tensor, full: torch.Tensor) -> None:
-        work.wait()  # the compute stream waits for the collective; the host does not
-        local = piece[: param.to_local().shape[0]].to(param.dtype)
-        if param.grad is None:
-            param.grad = DTensor.from_local(
-                local,
-                param.device_mesh,
-                param.placements,
-                run_check=False,
-                shape=param.shape,
-                stride=param.stride(),
-            )
-        else:
-            param.grad.to_local().add_(local)
+    def _send(self, bucket):
+        # [W, piece] per gradient (a view: dimension 0 split in W), side by side, flattened.
+        columns = [full.reshape(self.world_size, -1) for _, full in bucket]
+        sent = columns[0] if len(columns) == 1 else torch.cat(columns, dim=1)
+        sent = sent.contiguous().view(-1)
+        received = sent.new_empty(sent.numel() // self.world_size)
+        return dist.reduce_scatter_tensor(received, sent, async_op=True), sent, received
+
+    def _land(self, bucket, work, sent, received):
+        work.wait()
+        pieces = received.split([full.numel() // self.world_size for _, full in bucket])
+        for (param, full), piece in zip(bucket, pieces, strict=True):
+            rows = param.to_local().shape[0]
+            local = piece.view(-1, *full.shape[1:])[:rows].to(param.dtype)
+            if param.grad is None:
+                param.grad = DTensor.from_local(
+                    local,
+                    param.device_mesh,
+                    param.placements,
+                    run_check=False,
+                    shape=param.shape,
+                    stride=param.stride(),
+                )
+            else:
+                param.grad.to_local().add_(local)
 
     def finish(self, params: list[nn.Parameter]) -> None:
-        """Wait for the collectives still pending (``params``: as SummedGradients.finish)."""
-        while self.pending:
-            self._land(*self.pending.popleft())
+        """Send the last bucket and wait for every collective (``params``: as
+        SummedGradients.finish; a parameter not handed over keeps its .grad)."""
+        self._drain()
 
 
 def gradient_sink(distributed: str, is_last: bool, noise_std: float, add_noise):

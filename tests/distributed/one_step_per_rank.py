@@ -40,13 +40,13 @@ def main():
     parser.add_argument("--max_grad_norm", type=float, default=0.05)
     parser.add_argument("--seq", type=int, default=12)
     parser.add_argument("--out", required=True)
-    parser.add_argument("--bucket_bytes", type=int, help="flash's DDP buckets (several, small)")
-    parser.add_argument("--in_flight", type=int, help="flash's FSDP2 reduce-scatters pending")
+    parser.add_argument("--bucket_bytes", type=int, help="flash's bucket size")
+    parser.add_argument("--in_flight", type=int, help="flash's buckets pending")
     args = parser.parse_args()
     if args.bucket_bytes:
         wrap.BUCKET_BYTES = args.bucket_bytes
     if args.in_flight:
-        wrap.ShardedGradients.IN_FLIGHT = args.in_flight
+        wrap.GradientBuckets.IN_FLIGHT = args.in_flight
     info = ranks.from_environment()
     dist.init_process_group("gloo")
     saved = {}
