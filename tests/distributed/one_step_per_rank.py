@@ -41,12 +41,9 @@ def main():
     parser.add_argument("--seq", type=int, default=12)
     parser.add_argument("--out", required=True)
     parser.add_argument("--bucket_bytes", type=int, help="flash's bucket size")
-    parser.add_argument("--in_flight", type=int, help="flash's buckets pending")
     args = parser.parse_args()
     if args.bucket_bytes:
         wrap.BUCKET_BYTES = args.bucket_bytes
-    if args.in_flight:
-        wrap.GradientBuckets.IN_FLIGHT = args.in_flight
     info = ranks.from_environment()
     dist.init_process_group("gloo")
     saved = {}
