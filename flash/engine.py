@@ -389,10 +389,11 @@ class FlashClipping:
         stays near the non-private step's (holding both would add all of A and G on top).
 
         ``sink(param, clipped_sum)``: instead of writing .grad, hand each parameter's clipped sum
-        (full shape, param.shape) to ``sink`` as soon as it exists, one parameter at a time (a
-        sharded model reduce-scatters it into its shard and drops it: a few parameters'
-        unsharded gradients are held at most), then call ``sink.finish(params)`` with every
-        managed parameter. The batched writes into .grad are not used then.
+        (full shape, param.shape) to ``sink`` as soon as it exists, one parameter at a time and
+        every one of them, in self.params' order (a sharded model reduce-scatters it into its
+        shard and drops it: a few parameters' unsharded gradients are held at most), then call
+        ``sink.finish(params)`` with every managed parameter. The batched writes into .grad are
+        not used then.
         """
         if clip_factors.shape != (self._batch_size(),):
             raise ValueError(f"clip_factors must have shape [B], got {tuple(clip_factors.shape)}")
@@ -421,11 +422,18 @@ class FlashClipping:
             _accumulate_many(params, _weighted_sum(grads, c).split([p.numel() for p in params]))
 
     def _clipped_grads_to(self, sink, c: ClipFactors, small: list, large: list) -> None:
-        """accumulate_clipped_grads' sink path: the same sums in the same order, one parameter
-        at a time; each kept per-sample gradient is dropped once it is summed."""
-        while large:
-            param, grad = large.pop(0)
-            sink(param, _weighted_sum(grad.flatten(1), c).view(param.shape))
+        """accumulate_clipped_grads' sink path: every managed parameter's clipped sum, one at a
+        time, in self.params' order whatever the routes, the dict and set orders (hash-seeded per
+        process) or the layers this chunk reached (one it did not gets zeros): every rank hands
+        over the same sequence, so the ranks' collectives pair up. The small parameters' sums
+        come first (one weighted sum per dtype); a kept per-sample gradient is dropped once
+        summed, a layer's A and G once its clipped GEMM ran."""
+        ready: dict[int, Tensor] = {}
+        for params, grads in small:
+            sums = _weighted_sum(grads, c).split([p.numel() for p in params])
+            ready.update((id(p), grad) for p, grad in zip(params, sums, strict=True))
+        kept = {id(param): grad for param, grad in large}
+        large.clear()
         for layer in self.layers:
             calls, layer.calls = layer.calls, []
             clipped: dict[str, Tensor] = {}
@@ -433,11 +441,15 @@ class FlashClipping:
                 for name, grad in layer.rule.clipped_grads(layer, A, G, c).items():
                     clipped[name] = grad if name not in clipped else clipped[name] + grad
             del calls
-            for name, grad in clipped.items():
-                sink(layer.params[name], grad.view(layer.params[name].shape))
-        for params, grads in small:
-            sums = _weighted_sum(grads, c)
-            for param, grad in zip(params, sums.split([p.numel() for p in params]), strict=True):
+            for name, param in layer.params.items():
+                if id(param) in kept:
+                    grad = _weighted_sum(kept.pop(id(param)).flatten(1), c)
+                elif name in clipped:
+                    grad = clipped.pop(name)
+                elif id(param) in ready:
+                    grad = ready.pop(id(param))
+                else:  # no call of this chunk reached the layer
+                    grad = torch.zeros(param.shape, dtype=param.dtype, device=param.device)
                 sink(param, grad.view(param.shape))
 
     def routes(self) -> list[dict]:

@@ -112,14 +112,16 @@ def broadcast_parameters(model: nn.Module) -> None:
 
 
 class GradientBuckets:
-    """flash's clipped sums handed over one parameter at a time, sent in buckets of about
-    BUCKET_BYTES of one dtype (one collective per bucket, not per tensor: hundreds of biases,
-    norm weights or LoRA tensors), each bucket asynchronously as soon as it is full, so its
-    collective runs while the clipped GEMMs of the next layers do. At most IN_FLIGHT buckets
-    wait for their collective while the next fills (0: each waited for at once), so the memory
-    held is a few buckets (a weight above BUCKET_BYTES is a bucket of its own). The engine hands
-    parameters over in an order its routes and sizes fix (shapes only), the same on every rank,
-    so every rank forms the same buckets in the same order."""
+    """flash's clipped sums handed over one parameter at a time and sent asynchronously, so
+    each collective runs while the clipped sums of the next layers are computed. A gradient of
+    at least a quarter of BUCKET_BYTES is sent alone as soon as it arrives (no copy); smaller
+    ones (biases, norm weights, LoRA's hundreds of tensors) fill a bucket of about BUCKET_BYTES
+    of one dtype, one collective when full. At most IN_FLIGHT collectives wait while the next
+    is prepared (0: each waited for at once), so the memory held is a few of them.
+
+    Every rank must issue the same collectives in the same order: the engine hands over every
+    managed parameter in one fixed order (zeros for a layer a chunk did not reach), and the
+    sinks cast each to a dtype fixed by the parameter, so every rank forms the same buckets."""
 
     IN_FLIGHT: int | None = 1  # None: no bound
 
@@ -130,17 +132,23 @@ class GradientBuckets:
 
     def _add(self, param: nn.Parameter, grad: torch.Tensor) -> None:
         size = grad.numel() * grad.element_size()
+        if 4 * size >= BUCKET_BYTES:
+            self._launch([(param, grad)])
+            return
         if self.bucket and (
             self.bucket_bytes + size > BUCKET_BYTES or self.bucket[0][1].dtype != grad.dtype
         ):
-            self._launch()
+            self._launch(self._take_bucket())
         self.bucket.append((param, grad))
         self.bucket_bytes += size
         if self.bucket_bytes >= BUCKET_BYTES:
-            self._launch()
+            self._launch(self._take_bucket())
 
-    def _launch(self) -> None:
+    def _take_bucket(self) -> list:
         bucket, self.bucket, self.bucket_bytes = self.bucket, [], 0
+        return bucket
+
+    def _launch(self, bucket: list) -> None:
         # What the collective reads stays referenced until it is waited for: the compute
         # stream does not reuse that memory while NCCL may still read it.
         self.pending.append((bucket, *self._send(bucket)))
@@ -149,7 +157,7 @@ class GradientBuckets:
 
     def _drain(self) -> None:
         if self.bucket:
-            self._launch()
+            self._launch(self._take_bucket())
         while self.pending:
             self._land(*self.pending.popleft())
 
@@ -165,9 +173,9 @@ class GradientBuckets:
 class SummedGradients(GradientBuckets):
     """flash's sink under DDP, in a step's last chunk: each parameter's clipped sum is added to
     its .grad, and the finished gradients are summed over the ranks in buckets. Rank 0 adds the
-    step's noise to a bucket before it is summed: once per coordinate. Every bucket may be
-    pending until finish (the gradients exist anyway; only a bucket of several is a copy), so
-    the compute stream never waits for a collective before the last clipped sum."""
+    step's noise to a bucket before it is summed: once per coordinate. Every collective may be
+    pending until finish (the gradients exist anyway; only the small gradients' buckets are
+    copies), so the compute stream never waits for one before the last clipped sum."""
 
     IN_FLIGHT = None
 
@@ -179,7 +187,10 @@ class SummedGradients(GradientBuckets):
 
     def __call__(self, param: nn.Parameter, full: torch.Tensor) -> None:
         full = full.to(param.dtype).view(param.shape)
-        param.grad = full if param.grad is None else param.grad.add_(full)
+        if param.grad is None:  # its own storage, as autograd gives it (not a view of a batch)
+            param.grad = full if full.untyped_storage().nbytes() == full.nbytes else full.clone()
+        else:
+            param.grad.add_(full)
         self.handed.add(id(param))
         self._add(param, param.grad)
 
@@ -198,8 +209,8 @@ class SummedGradients(GradientBuckets):
             torch._foreach_copy_(grads, [p.view_as(g) for p, g in zip(pieces, grads)])
 
     def finish(self, params: list[nn.Parameter]) -> None:
-        """Sum the rest, the parameters this chunk did not reach (a zero gradient, noised all
-        the same), then wait for every bucket."""
+        """Sum the parameters not handed over (every one for an empty batch: zero gradients,
+        noised all the same), in ``params``' order, then wait for every collective."""
         for param in params:
             if id(param) not in self.handed:
                 if param.grad is None:
@@ -210,8 +221,9 @@ class SummedGradients(GradientBuckets):
 
 class ShardedGradients(GradientBuckets):
     """flash's sink under FSDP2: each parameter's full clipped sum is reduce-scattered over the
-    ranks straight into that parameter's shard (.grad, a DTensor like the parameter), in
-    buckets, then dropped: no more than a few buckets' unsharded gradients exist at a time.
+    ranks straight into that parameter's shard (.grad, a DTensor like the parameter), then
+    dropped: the unsharded gradients held are the one in flight, the small ones' bucket and the
+    one being computed, never a whole block's.
 
     FSDP2 shards dimension 0 as torch.chunk does (ceil(n / W) rows per rank, the last ranks
     shorter or empty); each gradient is padded to W equal pieces to match, and a bucket's input
@@ -225,6 +237,8 @@ class ShardedGradients(GradientBuckets):
     def __call__(self, param: nn.Parameter, full: torch.Tensor) -> None:
         if not isinstance(param, DTensor):  # a parameter FSDP left unsharded (none today)
             raise TypeError(f"expected an FSDP2-sharded parameter, got {type(param).__name__}")
+        # Summed in fp32 at least (a 16-bit parameter's too), a dtype the parameter fixes.
+        full = full.to(torch.promote_types(param.dtype, torch.float32))
         padding = -full.shape[0] % self.world_size
         if padding:
             full = torch.cat([full, full.new_zeros((padding, *full.shape[1:]))])
@@ -251,7 +265,8 @@ class ShardedGradients(GradientBuckets):
 
     def finish(self, params: list[nn.Parameter]) -> None:
         """Send the last bucket and wait for every collective (``params``: as
-        SummedGradients.finish; a parameter not handed over keeps its .grad)."""
+        SummedGradients.finish; an empty batch hands none over, and optimizer_step gives each
+        shard its zeros and noise)."""
         self._drain()
 
 

@@ -39,7 +39,7 @@ class NormLayerRule(NormRule):
             eps = m.eps if m.eps is not None else torch.finfo(_acc_dtype(A)).eps
             weight, bias = kernels.norm_layer_per_sample_grads(A, G, eps, rms)
             fused = {"weight": weight, "bias": bias}
-            return {name: fused[name] for name in names}
+            return {name: fused[name] for name in ("weight", "bias") if name in names}
         x, g = _acc(A), _acc(G)
         grads = {}
         if "weight" in names:

@@ -87,3 +87,31 @@ def test_noise_is_added_once(tmp_path, distributed):
             expected = 2.0 * C / 8  # sigma * C / B of the global batch; twice-added: x sqrt(2)
             assert abs(noise.std().item() / expected - 1) < 0.05, (case, name)
             assert abs(noise.mean().item()) < 0.05 * expected, (case, name)
+
+
+@pytest.mark.parametrize("distributed", ["ddp", "fsdp"])
+def test_a_layer_only_one_rank_reaches(tmp_path, distributed):
+    """A data-dependent branch taken on rank 0 only: both ranks still issue the same
+    collectives (the rank that skipped it hands over zeros in its place), and flash's update is
+    the brute-force clipped mean of the global batch, each sample through its own branch."""
+    from branch_per_rank import INPUTS, TARGETS, build
+
+    out = tmp_path / f"branch_{distributed}.pt"
+    command = [
+        sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--standalone",
+        os.path.join(HERE, "branch_per_rank.py"), "--distributed", distributed, "--out", str(out),
+    ]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    done = subprocess.run(command, capture_output=True, text=True, timeout=300, env=env)
+    assert done.returncode == 0, done.stderr[-4000:]
+    per_sample = []
+    for x, y in zip(INPUTS, TARGETS, strict=True):
+        model = build()
+        torch.nn.functional.cross_entropy(model(x[None])[0], y).backward()
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in model.parameters()]
+        per_sample.append(torch.cat([g.reshape(-1) for g in grads]).double())
+    per_sample = torch.stack(per_sample)
+    factors = (C / (per_sample.norm(dim=1) + 1e-6)).clamp(max=1.0)
+    assert factors.max() < 1
+    reference = (factors[:, None] * per_sample).sum(0) / len(INPUTS)
+    assert relative(torch.load(out), reference) < 1e-5

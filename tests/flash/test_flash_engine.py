@@ -400,21 +400,24 @@ class RecordingSink:
     """A sink that keeps a copy of every clipped sum it is handed, and its finish calls."""
 
     def __init__(self):
-        self.got, self.finished = {}, []
+        self.got, self.order, self.finished = {}, [], []
 
     def __call__(self, param, grad):
         assert not self.finished, "a sum handed over after finish"
         self.got.setdefault(id(param), []).append(grad.clone())
+        self.order.append(param)
 
     def finish(self, params):
         self.finished.append(list(params))
 
 
+@pytest.mark.parametrize("route", ["product", "gram"])
 @pytest.mark.parametrize("small", [2**18, 64])
-def test_sink_gets_each_parameter_sum_once_as_grad_would(monkeypatch, small):
+def test_sink_gets_each_parameter_sum_once_as_grad_would(monkeypatch, small, route):
     """accumulate_clipped_grads(sink=...) hands over what the .grad path writes, one parameter
-    at a time, with kept per-sample gradients in the concatenation (all of them at the default
-    threshold) or one by one (threshold 64: the weights)."""
+    at a time and in flash.params' order whatever the route (the ranks' collectives pair up by
+    that order), with kept per-sample gradients in the concatenation (all of them at the
+    default threshold) or one by one (threshold 64: the weights)."""
     from flash import engine as flash_clip
 
     monkeypatch.setattr(flash_clip, "SMALL_PER_SAMPLE_NUMEL", small)
@@ -422,7 +425,7 @@ def test_sink_gets_each_parameter_sum_once_as_grad_would(monkeypatch, small):
     results = []
     for use_sink in (False, True):
         model = make_model()
-        flash = FlashClipping(model, route="product")
+        flash = FlashClipping(model, route=route)
         flash.backward(sample_losses(model(ids), targets).sum())
         c = (1.0 / (flash.per_sample_squared_norms().sqrt() + 1e-6)).clamp(max=1.0)
         sink = RecordingSink() if use_sink else None
@@ -431,9 +434,39 @@ def test_sink_gets_each_parameter_sum_once_as_grad_would(monkeypatch, small):
             got = sink.got
             assert all(len(v) == 1 for v in got.values()) and len(got) == len(flash.params)
             assert sink.finished == [flash.params]  # finish once, after every parameter
+            assert [id(p) for p in sink.order] == [id(p) for p in flash.params]
             assert all(p.grad is None for p in model.parameters())
             results.append(torch.cat([got[id(p)][0].flatten() for p in model.parameters()]))
         else:
             results.append(flat_grads(model))
         flash.release()
     assert_close(results[1], results[0], 1e-12)
+
+
+def test_sink_gets_zeros_in_place_for_a_layer_the_chunk_did_not_reach():
+    """A layer no call reached (a data-dependent branch, an unused head) is still handed over,
+    as zeros at its place in flash.params' order: a rank that reached it and one that did not
+    issue the same collectives."""
+
+    class Branchy(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.first, self.skipped = nn.Linear(4, 6), nn.Linear(6, 6)
+            self.norm, self.head = nn.LayerNorm(6), nn.Linear(6, 1)
+
+        def forward(self, x, take_branch):
+            h = self.first(x)
+            return self.head(self.norm(self.skipped(h) if take_branch else h))
+
+    torch.manual_seed(0)
+    model = Branchy()
+    flash = FlashClipping(model)
+    flash.backward(model(torch.randn(3, 5, 4), take_branch=False).sum())
+    c = (1.0 / (flash.per_sample_squared_norms().sqrt() + 1e-6)).clamp(max=1.0)
+    sink = RecordingSink()
+    flash.accumulate_clipped_grads(c, sink=sink)
+    assert [id(p) for p in sink.order] == [id(p) for p in model.parameters()]
+    for name, param in model.named_parameters():
+        handed = sink.got[id(param)][0]
+        assert handed.shape == param.shape
+        assert (handed == 0).all() == name.startswith("skipped"), name

@@ -1,0 +1,71 @@
+"""Run by torchrun (2 ranks, gloo, CPU) from test_distributed_updates.py: flash's DP step on a
+model with a data-dependent branch that only rank 0's samples take (as routing to experts
+would), in small buckets; rank 0 saves the summed gradient (FSDP2's shards gathered)."""
+
+import argparse
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, ROOT)
+
+import trainers  # noqa: E402
+from parallel import ranks, wrap  # noqa: E402
+
+# Rank 0 holds the samples with token 0, which take the branch; rank 1's do not.
+INPUTS = torch.tensor([[0, 1, 2, 3], [0, 2, 4, 6], [1, 2, 3, 4], [5, 6, 7, 8]])
+TARGETS = (INPUTS + 1) % 11
+
+
+class Branchy(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed, self.first = nn.Embedding(11, 8), nn.Linear(8, 8)
+        self.expert = nn.Linear(8, 8)  # called only for a batch holding token 0
+        self.norm, self.head = nn.LayerNorm(8), nn.Linear(8, 11)
+
+    def forward(self, ids):
+        hidden = self.first(self.embed(ids))
+        if (ids == 0).any():
+            hidden = hidden + self.expert(hidden)
+        return self.head(self.norm(hidden).tanh())
+
+
+def build() -> Branchy:
+    torch.manual_seed(0)
+    return Branchy()
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--distributed", required=True)
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args()
+    wrap.BUCKET_BYTES = 600  # several buckets, each weight alone
+    info = ranks.from_environment()
+    dist.init_process_group("gloo")
+    mine = ranks.share(len(INPUTS), info.rank, info.world_size)
+    model = build()
+    trainer = trainers.make_trainer(
+        "flash", model, lr=1.0, batch_size=len(INPUTS), max_grad_norm=0.05,
+        noise_multiplier=0.0, distributed=args.distributed,
+    )  # fmt: skip
+    trainer.step(INPUTS[mine.start : mine.stop], TARGETS[mine.start : mine.stop])
+    grads = [
+        p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad for p in model.parameters()
+    ]
+    if info.rank == 0:
+        torch.save(torch.cat([g.reshape(-1) for g in grads]).double(), args.out)
+    dist.barrier()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)  # no gloo teardown: it can abort at exit
+
+
+if __name__ == "__main__":
+    main()
