@@ -103,6 +103,21 @@ def accumulate_weighted_sums(params, grads, c: ClipFactors) -> None:
             param.grad = target
 
 
+def weighted_sum(grads: Tensor, c: ClipFactors) -> Tensor:
+    """sum_b c_b * grads[b] of a [B, N] concatenation, [N]. CUDA: the weighted-sums kernel (fp32
+    c, accumulated and written in fp32: 16-bit gradients are not rounded on the way); else one
+    [B] x [B, N] product in the gradients' dtype."""
+    kernels = triton_kernels()
+    if kernels is not None and grads.is_cuda:
+        target = grads.new_empty(
+            grads.shape[1], dtype=torch.promote_types(grads.dtype, torch.float32)
+        )
+        if kernels.weighted_sums_supported(target, grads):
+            kernels.weighted_sums_([target], [grads], c.to(torch.float32), [False])
+            return target
+    return c.to(grads.dtype) @ grads
+
+
 NOISE_GROUP_BYTES = 256 * 2**20
 
 

@@ -40,8 +40,13 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor, nn
 
-from flash.clip import ClipFactors, _accumulate, _accumulate_many, accumulate_weighted_sums
-from flash.fused import triton_kernels
+from flash.clip import (
+    ClipFactors,
+    _accumulate,
+    _accumulate_many,
+    accumulate_weighted_sums,
+    weighted_sum,
+)
 from flash.rules import NORM_RULES, NormRule
 from flash.rules.base import _acc_dtype
 from flash.rules.linear import direct_squared_norms, gram_squared_norms
@@ -112,19 +117,6 @@ def _squared_row_norms_many(grads: list[Tensor]) -> list[Tensor]:
         norms = torch._foreach_norm(rows, 2, dtype=torch.float64 if on_cpu else acc)
         terms.append(torch.stack(norms).view(len(members), -1).square().sum(0).to(acc))
     return terms
-
-
-def _weighted_sum(grads: Tensor, c: ClipFactors) -> Tensor:
-    """sum_b c_b * grads[b] of a [B, N] concatenation, [N]. CUDA: the weighted-sums kernel (fp32
-    c, accumulated and written in fp32: 16-bit gradients are not rounded on the way); else one
-    [B] x [B, N] product in the gradients' dtype."""
-    kernels = triton_kernels()
-    if kernels is not None and grads.is_cuda:
-        target = grads.new_empty(grads.shape[1], dtype=_acc_dtype(grads))
-        if kernels.weighted_sums_supported(target, grads):
-            kernels.weighted_sums_([target], [grads], c.to(torch.float32), [False])
-            return target
-    return c.to(grads.dtype) @ grads
 
 
 def _rows(grad: Tensor) -> Tensor:  # [B, n]; biases and norm layers' are: no view op
@@ -419,7 +411,7 @@ class FlashClipping:
                     _accumulate(layer.params[name], grad)
         # The concatenations: one weighted sum per dtype.
         for params, grads in small:
-            _accumulate_many(params, _weighted_sum(grads, c).split([p.numel() for p in params]))
+            _accumulate_many(params, weighted_sum(grads, c).split([p.numel() for p in params]))
 
     def _clipped_grads_to(self, sink, c: ClipFactors, small: list, large: list) -> None:
         """accumulate_clipped_grads' sink path: every managed parameter's clipped sum, one at a
@@ -430,7 +422,7 @@ class FlashClipping:
         summed, a layer's A and G once its clipped GEMM ran."""
         ready: dict[int, Tensor] = {}
         for params, grads in small:
-            sums = _weighted_sum(grads, c).split([p.numel() for p in params])
+            sums = weighted_sum(grads, c).split([p.numel() for p in params])
             ready.update((id(p), grad) for p, grad in zip(params, sums, strict=True))
         kept = {id(param): grad for param, grad in large}
         large.clear()
@@ -443,7 +435,7 @@ class FlashClipping:
             del calls
             for name, param in layer.params.items():
                 if id(param) in kept:
-                    grad = _weighted_sum(kept.pop(id(param)).flatten(1), c)
+                    grad = weighted_sum(kept.pop(id(param)).flatten(1), c)
                 elif name in clipped:
                     grad = clipped.pop(name)
                 elif id(param) in ready:
