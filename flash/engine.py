@@ -382,10 +382,10 @@ class FlashClipping:
 
         ``sink(param, clipped_sum)``: instead of writing .grad, hand each parameter's clipped sum
         (full shape, param.shape) to ``sink`` as soon as it exists, one parameter at a time and
-        every one of them, in self.params' order (a sharded model reduce-scatters it into its
-        shard and drops it: a few parameters' unsharded gradients are held at most), then call
-        ``sink.finish(params)`` with every managed parameter. The batched writes into .grad are
-        not used then.
+        every one of them, in self.params' reverse order (a sharded model reduce-scatters it
+        into its shard and drops it: a few parameters' unsharded gradients are held at most),
+        then call ``sink.finish(params)`` with every managed parameter. The batched writes into
+        .grad are not used then.
         """
         if clip_factors.shape != (self._batch_size(),):
             raise ValueError(f"clip_factors must have shape [B], got {tuple(clip_factors.shape)}")
@@ -414,26 +414,27 @@ class FlashClipping:
             _accumulate_many(params, weighted_sum(grads, c).split([p.numel() for p in params]))
 
     def _clipped_grads_to(self, sink, c: ClipFactors, small: list, large: list) -> None:
-        """accumulate_clipped_grads' sink path: every managed parameter's clipped sum, one at a
-        time, in self.params' order whatever the routes, the dict and set orders (hash-seeded per
-        process) or the layers this chunk reached (one it did not gets zeros): every rank hands
-        over the same sequence, so the ranks' collectives pair up. The small parameters' sums
-        come first (one weighted sum per dtype); a kept per-sample gradient is dropped once
-        summed, a layer's A and G once its clipped GEMM ran."""
+        """accumulate_clipped_grads' sink path: every managed parameter's clipped sum, in
+        self.params' reverse order whatever the routes, dict and set orders (hash-seeded) or
+        layers reached (zeros where none was), so every rank's collectives pair up. Each kept
+        per-sample gradient, concatenation, A and G is dropped once used."""
         ready: dict[int, Tensor] = {}
-        for params, grads in small:
-            sums = weighted_sum(grads, c).split([p.numel() for p in params])
-            ready.update((id(p), grad) for p, grad in zip(params, sums, strict=True))
+        while small:  # the small parameters' sums first, one weighted sum per dtype
+            params, grads = small.pop()
+            grads = weighted_sum(grads, c).split([p.numel() for p in params])
+            ready.update(zip(map(id, params), grads, strict=True))
         kept = {id(param): grad for param, grad in large}
         large.clear()
-        for layer in self.layers:
+        # Last layer first (autograd's order): kept per-sample gradients are freed before the
+        # embeddings' full gradients exist (lower peak than first-first; a small LM, CPU).
+        for layer in reversed(self.layers):
             calls, layer.calls = layer.calls, []
             clipped: dict[str, Tensor] = {}
             for A, G, _ in calls:
                 for name, grad in layer.rule.clipped_grads(layer, A, G, c).items():
                     clipped[name] = grad if name not in clipped else clipped[name] + grad
             del calls
-            for name, param in layer.params.items():
+            for name, param in reversed(layer.params.items()):
                 if id(param) in kept:
                     grad = weighted_sum(kept.pop(id(param)).flatten(1), c)
                 elif name in clipped:
@@ -441,7 +442,7 @@ class FlashClipping:
                 elif id(param) in ready:
                     grad = ready.pop(id(param))
                 else:  # no call of this chunk reached the layer
-                    grad = torch.zeros(param.shape, dtype=param.dtype, device=param.device)
+                    grad = torch.zeros(param.shape, dtype=param.dtype, device=c.c.device)
                 sink(param, grad.view(param.shape))
 
     def routes(self) -> list[dict]:

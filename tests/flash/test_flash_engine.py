@@ -415,9 +415,9 @@ class RecordingSink:
 @pytest.mark.parametrize("small", [2**18, 64])
 def test_sink_gets_each_parameter_sum_once_as_grad_would(monkeypatch, small, route):
     """accumulate_clipped_grads(sink=...) hands over what the .grad path writes, one parameter
-    at a time and in flash.params' order whatever the route (the ranks' collectives pair up by
-    that order), with kept per-sample gradients in the concatenation (all of them at the
-    default threshold) or one by one (threshold 64: the weights)."""
+    at a time and in flash.params' reverse order whatever the route (the ranks' collectives
+    pair up by that order), with kept per-sample gradients in the concatenation (all of them at
+    the default threshold) or one by one (threshold 64: the weights)."""
     from flash import engine as flash_clip
 
     monkeypatch.setattr(flash_clip, "SMALL_PER_SAMPLE_NUMEL", small)
@@ -434,7 +434,7 @@ def test_sink_gets_each_parameter_sum_once_as_grad_would(monkeypatch, small, rou
             got = sink.got
             assert all(len(v) == 1 for v in got.values()) and len(got) == len(flash.params)
             assert sink.finished == [flash.params]  # finish once, after every parameter
-            assert [id(p) for p in sink.order] == [id(p) for p in flash.params]
+            assert [id(p) for p in sink.order] == [id(p) for p in reversed(flash.params)]
             assert all(p.grad is None for p in model.parameters())
             results.append(torch.cat([got[id(p)][0].flatten() for p in model.parameters()]))
         else:
@@ -445,8 +445,8 @@ def test_sink_gets_each_parameter_sum_once_as_grad_would(monkeypatch, small, rou
 
 def test_sink_gets_zeros_in_place_for_a_layer_the_chunk_did_not_reach():
     """A layer no call reached (a data-dependent branch, an unused head) is still handed over,
-    as zeros at its place in flash.params' order: a rank that reached it and one that did not
-    issue the same collectives."""
+    as zeros at its place in flash.params' (reverse) order: a rank that reached it and one
+    that did not issue the same collectives."""
 
     class Branchy(nn.Module):
         def __init__(self):
@@ -465,7 +465,7 @@ def test_sink_gets_zeros_in_place_for_a_layer_the_chunk_did_not_reach():
     c = (1.0 / (flash.per_sample_squared_norms().sqrt() + 1e-6)).clamp(max=1.0)
     sink = RecordingSink()
     flash.accumulate_clipped_grads(c, sink=sink)
-    assert [id(p) for p in sink.order] == [id(p) for p in model.parameters()]
+    assert [id(p) for p in sink.order] == [id(p) for p in reversed(list(model.parameters()))]
     for name, param in model.named_parameters():
         handed = sink.got[id(param)][0]
         assert handed.shape == param.shape
