@@ -23,13 +23,15 @@ def make_batch(batch, seq, seed=0):
 
 
 def per_sample_grads(model, inputs, targets):
-    """[B, P] matrix of flattened per-sample gradients of each sample's mean token loss."""
+    """[B, P] matrix of flattened per-sample gradients of each sample's mean token loss (zeros
+    for a parameter the sample did not reach)."""
     rows = []
     for b in range(inputs.shape[0]):
         model.zero_grad(set_to_none=True)
         logits = model(inputs[b : b + 1])
         F.cross_entropy(logits[0], targets[b]).backward()
-        rows.append(torch.cat([p.grad.reshape(-1) for p in model.parameters()]))
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in model.parameters()]
+        rows.append(torch.cat([g.reshape(-1) for g in grads]))
     return torch.stack(rows).double()
 
 

@@ -9,10 +9,11 @@ import sys
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.tensor import DTensor
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, ROOT)
+
+from one_step_per_rank import full_gradients  # noqa: E402
 
 import trainers  # noqa: E402
 from parallel import ranks, wrap  # noqa: E402
@@ -56,11 +57,9 @@ def main():
         noise_multiplier=0.0, distributed=args.distributed,
     )  # fmt: skip
     trainer.step(INPUTS[mine.start : mine.stop], TARGETS[mine.start : mine.stop])
-    grads = [
-        p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad for p in model.parameters()
-    ]
+    grads = full_gradients(model)  # on every rank: FSDP2 gathers the shards collectively
     if info.rank == 0:
-        torch.save(torch.cat([g.reshape(-1) for g in grads]).double(), args.out)
+        torch.save(grads, args.out)
     dist.barrier()
     sys.stdout.flush()
     sys.stderr.flush()

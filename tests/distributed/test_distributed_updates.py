@@ -18,19 +18,33 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 SEQ, C = 12, 0.05
 
 
+def run_ranks(script, *args, timeout=600):
+    """Run ``script`` (next to this file) under torchrun on 2 ranks; it must succeed."""
+    command = [
+        sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--standalone",
+        os.path.join(HERE, script), *args,
+    ]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    done = subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=env)
+    assert done.returncode == 0, done.stderr[-4000:]
+
+
 def torchrun(tmp_path, distributed, trainers, cases, noise=0.0, extra=()):
     """{(case, trainer): {"grad", "loss"}} of one torchrun job (case: "samples,batch,physical")."""
     out = tmp_path / f"{distributed}_{noise}.pt"
-    command = [
-        sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--standalone",
-        os.path.join(HERE, "one_step_per_rank.py"), "--distributed", distributed,
-        "--trainers", *trainers, "--cases", *cases, "--noise_multiplier", str(noise),
-        "--max_grad_norm", str(C), "--seq", str(SEQ), "--out", str(out), *extra,
-    ]  # fmt: skip
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    done = subprocess.run(command, capture_output=True, text=True, timeout=600, env=env)
-    assert done.returncode == 0, done.stderr[-4000:]
+    run_ranks(
+        "one_step_per_rank.py", "--distributed", distributed, "--trainers", *trainers,
+        "--cases", *cases, "--noise_multiplier", str(noise), "--max_grad_norm", str(C),
+        "--seq", str(SEQ), "--out", str(out), *extra,
+    )  # fmt: skip
     return torch.load(out)
+
+
+def clipped_mean(grads, batch_size):
+    """The DP-SGD update direction with noise 0 from per-sample gradients [n, P]."""
+    factors = (C / (grads.norm(dim=1) + 1e-6)).clamp(max=1.0)
+    assert factors.max() < 1  # every sample clipped: a wrong norm changes the update
+    return (factors[:, None] * grads).sum(0) / batch_size
 
 
 def references(samples, batch_size):
@@ -40,9 +54,7 @@ def references(samples, batch_size):
     model = models.build_model(SMALL)
     inputs, targets = make_batch(samples, SEQ, seed=3)
     grads = per_sample_grads(copy.deepcopy(model), inputs, targets)
-    factors = (C / (grads.norm(dim=1) + 1e-6)).clamp(max=1.0)
-    assert factors.max() < 1  # every sample clipped: a wrong norm changes the update
-    return grads.sum(0) / batch_size, (factors[:, None] * grads).sum(0) / batch_size
+    return grads.sum(0) / batch_size, clipped_mean(grads, batch_size)
 
 
 def relative(x, ref):
@@ -97,21 +109,6 @@ def test_a_layer_only_one_rank_reaches(tmp_path, distributed):
     from branch_per_rank import INPUTS, TARGETS, build
 
     out = tmp_path / f"branch_{distributed}.pt"
-    command = [
-        sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--standalone",
-        os.path.join(HERE, "branch_per_rank.py"), "--distributed", distributed, "--out", str(out),
-    ]  # fmt: skip
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    done = subprocess.run(command, capture_output=True, text=True, timeout=300, env=env)
-    assert done.returncode == 0, done.stderr[-4000:]
-    per_sample = []
-    for x, y in zip(INPUTS, TARGETS, strict=True):
-        model = build()
-        torch.nn.functional.cross_entropy(model(x[None])[0], y).backward()
-        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in model.parameters()]
-        per_sample.append(torch.cat([g.reshape(-1) for g in grads]).double())
-    per_sample = torch.stack(per_sample)
-    factors = (C / (per_sample.norm(dim=1) + 1e-6)).clamp(max=1.0)
-    assert factors.max() < 1
-    reference = (factors[:, None] * per_sample).sum(0) / len(INPUTS)
+    run_ranks("branch_per_rank.py", "--distributed", distributed, "--out", str(out), timeout=300)
+    reference = clipped_mean(per_sample_grads(build(), INPUTS, TARGETS), len(INPUTS))
     assert relative(torch.load(out), reference) < 1e-5
