@@ -1,11 +1,48 @@
-"""Clip factors, the clipped sums they weight (written into .grad) and the Gaussian noise."""
+"""Clip factors, the per-sample norms and clipped sums of kept per-sample gradients (rows of
+[B, n]), the clipped sums written into .grad, and the Gaussian noise."""
 
 from __future__ import annotations
 
 import torch
 from torch import Tensor, nn
+from torch._utils import _unflatten_dense_tensors
 
 from flash.fused import triton_kernels
+from flash.rules.base import _acc_dtype
+
+CPU_ROW_CHUNK = 2**16  # columns per chunk: bounds the temporary of the CPU sum of squares
+
+
+def _squared_row_norms(x: Tensor) -> Tensor:
+    """||x_b||^2 of each row of [B, n], accumulated in fp32 or wider, with no copy of the rows.
+
+    CUDA: vector_norm's tree reduction. CPU: vector_norm's fp32 reduction drifts on long rows
+    (6e-5 relative at 2M elements, 2e-5 on the tiny model's output layer), so a sum of squares
+    per chunk of columns (pairwise, ~1e-8), the chunks summed in fp64.
+    """
+    if x.device.type != "cpu":
+        return torch.linalg.vector_norm(x, dim=1, dtype=_acc_dtype(x)).square()
+    chunks = x.split(CPU_ROW_CHUNK, dim=1)
+    total = sum(c.to(_acc_dtype(x)).square().sum(1, dtype=torch.float64) for c in chunks)
+    return total.to(_acc_dtype(x))
+
+
+def _squared_row_norms_many(grads: list[Tensor]) -> list[Tensor]:
+    """The sum over ``grads`` of _squared_row_norms(grad.flatten(1)), [B], one term per (dtype,
+    device): one multi-tensor norm over all their sample rows, not a reduction per tensor (LoRA
+    keeps hundreds of per-sample gradients per chunk and flash is launch/CPU-bound there). CPU
+    accumulates in fp64 (fp32 drifts on long rows, see _squared_row_norms)."""
+    groups: dict[tuple, list[Tensor]] = {}
+    for grad in grads:
+        groups.setdefault((grad.dtype, grad.device), []).append(grad)
+    terms = []
+    for members in groups.values():
+        acc = _acc_dtype(members[0])
+        rows = [row for grad in members for row in grad.unbind(0)]
+        on_cpu = members[0].device.type == "cpu"
+        norms = torch._foreach_norm(rows, 2, dtype=torch.float64 if on_cpu else acc)
+        terms.append(torch.stack(norms).view(len(members), -1).square().sum(0).to(acc))
+    return terms
 
 
 def _round_down(c: Tensor, dtype: torch.dtype) -> Tensor:
@@ -63,19 +100,21 @@ def _accumulate(param: nn.Parameter, grad: Tensor) -> None:
     param.grad = grad if param.grad is None else param.grad.add_(grad)
 
 
-def _accumulate_many(params: list[nn.Parameter], grads: list[Tensor]) -> None:
-    """_accumulate for many parameters with multi-tensor kernels; each .grad gets its own
-    storage (not a view of ``grads``' buffer), as autograd would give it."""
-    grads = [grad.view(param.shape) for param, grad in zip(params, grads, strict=True)]
+def _accumulate_many(params: list[nn.Parameter], sums: Tensor) -> None:
+    """_accumulate for many parameters from one flat ``sums`` [sum of their numels], with
+    multi-tensor kernels; each .grad gets its own storage (not a view of ``sums``), as autograd
+    would give it. torch's unflatten_dense_tensors (what DDP's buckets use) makes the shaped
+    views in one call, not one Python op per parameter (LoRA: hundreds per chunk)."""
+    grads = _unflatten_dense_tensors(sums, params)
     fresh = [i for i, param in enumerate(params) if param.grad is None]
-    held = [i for i, param in enumerate(params) if param.grad is not None]
+    if len(fresh) < len(params):
+        held = [i for i, param in enumerate(params) if param.grad is not None]
+        torch._foreach_add_([params[i].grad for i in held], [grads[i] for i in held])
     if fresh:
         new = [torch.empty_like(params[i]) for i in fresh]
         torch._foreach_copy_(new, [grads[i] for i in fresh])
         for i, grad in zip(fresh, new, strict=True):
             params[i].grad = grad
-    if held:
-        torch._foreach_add_([params[i].grad for i in held], [grads[i] for i in held])
 
 
 def accumulate_weighted_sums(params, grads, c: ClipFactors) -> None:

@@ -1,10 +1,10 @@
 """Exact per-sample gradient norms and clipped gradients from ONE backward pass.
 
 "Book-keeping" DP-SGD (Bu et al. 2023): forward hooks keep each managed layer's input A,
-tensor hooks keep its output gradient G, and autograd never forms a weight gradient
-(managed parameters are set to requires_grad=False while wrapped). Per-sample norms and
-the clipped sum sum_b c_b * grad_b are then computed from (A, G) by per-layer-type rules
-(flash.rules).
+pre-hooks on its output's autograd node keep its output gradient G, and autograd never forms a
+weight gradient (managed parameters are set to requires_grad=False while wrapped). Per-sample
+norms and the clipped sum sum_b c_b * grad_b are then computed from (A, G) by per-layer-type
+rules (flash.rules).
 
 Under autocast a Linear's A is kept in the autocast dtype (what the layer multiplied). The bias
 and norm layers' per-sample gradients ([B, p], [B, d]) are always formed in the backward hook.
@@ -44,11 +44,12 @@ from flash.clip import (
     ClipFactors,
     _accumulate,
     _accumulate_many,
+    _squared_row_norms,
+    _squared_row_norms_many,
     accumulate_weighted_sums,
     weighted_sum,
 )
 from flash.rules import NORM_RULES, NormRule
-from flash.rules.base import _acc_dtype
 from flash.rules.linear import direct_squared_norms, gram_squared_norms
 
 DEFAULT_BLOCK_NUMEL = 64 * 2**20  # largest intermediate of the direct route, in elements
@@ -82,41 +83,6 @@ class Layer:
     per_sample: dict[str, Tensor] = field(default_factory=dict)
     described: list[dict] = field(default_factory=list)  # the route of each call, for routes()
     plans: dict[tuple, tuple] = field(default_factory=dict)  # FlashClipping._plan's, by shapes
-
-
-CPU_ROW_CHUNK = 2**16  # columns per chunk: bounds the temporary of the CPU sum of squares
-
-
-def _squared_row_norms(x: Tensor) -> Tensor:
-    """||x_b||^2 of each row of [B, n], accumulated in fp32 or wider, with no copy of the rows.
-
-    CUDA: vector_norm's tree reduction. CPU: vector_norm's fp32 reduction drifts on long rows
-    (6e-5 relative at 2M elements, 2e-5 on the tiny model's output layer), so a sum of squares
-    per chunk of columns (pairwise, ~1e-8), the chunks summed in fp64.
-    """
-    if x.device.type != "cpu":
-        return torch.linalg.vector_norm(x, dim=1, dtype=_acc_dtype(x)).square()
-    chunks = x.split(CPU_ROW_CHUNK, dim=1)
-    total = sum(c.to(_acc_dtype(x)).square().sum(1, dtype=torch.float64) for c in chunks)
-    return total.to(_acc_dtype(x))
-
-
-def _squared_row_norms_many(grads: list[Tensor]) -> list[Tensor]:
-    """The sum over ``grads`` of _squared_row_norms(grad.flatten(1)), [B], one term per (dtype,
-    device): one multi-tensor norm over all their sample rows, not a reduction per tensor (LoRA
-    keeps hundreds of per-sample gradients per chunk and flash is launch/CPU-bound there). CPU
-    accumulates in fp64 (fp32 drifts on long rows, see _squared_row_norms)."""
-    groups: dict[tuple, list[Tensor]] = {}
-    for grad in grads:
-        groups.setdefault((grad.dtype, grad.device), []).append(grad)
-    terms = []
-    for members in groups.values():
-        acc = _acc_dtype(members[0])
-        rows = [row for grad in members for row in grad.unbind(0)]
-        on_cpu = members[0].device.type == "cpu"
-        norms = torch._foreach_norm(rows, 2, dtype=torch.float64 if on_cpu else acc)
-        terms.append(torch.stack(norms).view(len(members), -1).square().sum(0).to(acc))
-    return terms
 
 
 def _rows(grad: Tensor) -> Tensor:  # [B, n]; biases and norm layers' are: no view op
@@ -223,7 +189,12 @@ class FlashClipping:
             layer.calls.append(call)
             version = call[0]._version
 
-            def save_grad(grad):
+            # A pre-hook of the output's autograd node: Tensor.register_hook's gradient for less
+            # host time per call (LoRA: hundreds of layers per chunk, a host-bound step).
+            def save_grad(grads):
+                grad = grads[output_nr]
+                if grad is None:  # the node ran for its other outputs only
+                    return
                 A = call[0] if call else None
                 if A is None:  # a second backward through the same graph
                     raise RuntimeError("FlashClipping: one backward per forward (release() first)")
@@ -247,9 +218,11 @@ class FlashClipping:
             if not output.requires_grad:  # e.g. first layer: make a leaf so G still flows
                 output = output.detach().requires_grad_(True)
                 self._leaves.append(output)
-                output.register_hook(save_grad)
+                output_nr = 0
+                output.register_hook(lambda grad: save_grad((grad,)))
                 return output
-            output.register_hook(save_grad)
+            output_nr = output.output_nr
+            output.grad_fn.register_prehook(save_grad)
             return None
 
         return forward_hook
@@ -268,6 +241,9 @@ class FlashClipping:
 
     @staticmethod
     def _add_per_sample(layer: Layer, grads: dict[str, Tensor]) -> None:
+        if not layer.per_sample:  # a layer's first call (most layers have one): the dict itself
+            layer.per_sample = grads
+            return
         for name, grad in grads.items():
             held = layer.per_sample.get(name)
             if held is None:
@@ -411,7 +387,7 @@ class FlashClipping:
                     _accumulate(layer.params[name], grad)
         # The concatenations: one weighted sum per dtype.
         for params, grads in small:
-            _accumulate_many(params, weighted_sum(grads, c).split([p.numel() for p in params]))
+            _accumulate_many(params, weighted_sum(grads, c))
 
     def _clipped_grads_to(self, sink, c: ClipFactors, small: list, large: list) -> None:
         """accumulate_clipped_grads' sink path: every managed parameter's clipped sum, in

@@ -121,8 +121,10 @@ class LinearRule(NormRule):
         if "weight" in names:
             A_op, G_op = _gemm_operands(A, G)
             # [B, p, d], one batched GEMM accumulating in fp32; in the operands' dtype (bf16 under
-            # autocast, as the non-private weight gradient), rounded once.
-            grads["weight"] = G_op.mT @ A_op
+            # autocast, as the non-private weight gradient), rounded once. torch.bmm, not @: the
+            # engine flattened A and G to [B, T, features], and matmul's broadcasting dispatch
+            # costs host time per call (LoRA: hundreds of layers per chunk, a host-bound step).
+            grads["weight"] = torch.bmm(G_op.mT, A_op)
         if "bias" in names:
             grads["bias"] = G.sum(1, dtype=_acc_dtype(G))
         return grads

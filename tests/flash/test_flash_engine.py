@@ -18,7 +18,8 @@ from flash_reference import (
 )
 from torch import nn
 
-from flash.engine import FlashClipping, UnsupportedLayerError, _squared_row_norms_many
+from flash.clip import _squared_row_norms_many
+from flash.engine import FlashClipping, UnsupportedLayerError
 
 
 @pytest.mark.parametrize("B", [1, 3])
