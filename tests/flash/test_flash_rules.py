@@ -209,8 +209,9 @@ def test_cuda_step_matches_brute_force(monkeypatch, autocast, tolerance):
         torch.cuda.set_sync_debug_mode("default")
     assert_close(norms.cpu(), ref_norms, tolerance)
     assert_close(flat_grads(model).cpu(), ref_sum, tolerance)
-    # two norm layers, each once; the product-route Linears' sums in one launch
-    assert sorted(calls) == ["norm_layer_per_sample_grads"] * 2 + ["weighted_sums_"]
+    # two norm layers, each once; the product-route Linears' sums in one launch, and the small
+    # parameters' concatenation (biases, norm layers) in one more
+    assert sorted(calls) == ["norm_layer_per_sample_grads"] * 2 + ["weighted_sums_"] * 2
 
 
 def test_clip_factors_are_never_rounded_up():
