@@ -116,19 +116,24 @@ class GradientBuckets:
     each collective runs while the clipped sums of the next layers are computed. A gradient of
     at least a quarter of BUCKET_BYTES is sent alone as soon as it arrives (no copy); smaller
     ones (biases, norm weights, LoRA's hundreds of tensors) fill a bucket of about BUCKET_BYTES
-    of one dtype, one collective when full. At most IN_FLIGHT collectives wait while the next
-    is prepared (0: each waited for at once), so the memory held is a few of them.
+    of one dtype, one collective when full. The collectives behind the newest are waited for
+    once what they read passes IN_FLIGHT_BYTES, so the memory they hold stays bounded.
 
     Every rank must issue the same collectives in the same order: the engine hands over every
     managed parameter in one fixed order (zeros for a layer a chunk did not reach), and the
     sinks cast each to a dtype fixed by the parameter, so every rank forms the same buckets."""
 
-    IN_FLIGHT: int | None = 1  # None: no bound
+    # What the collectives behind the newest may read, in bytes (None: no bound). One at a time
+    # kept the compute stream waiting on each (1b, FSDP2, (2, 4096) on 2 H100s: flash 1.2x
+    # standard's step); no bound gave 1.02x at the same peak, but lets a whole model's unsharded
+    # gradients wait (an 8B model's: 30 GB per rank). 256 MB: about one 1b block in fp32.
+    IN_FLIGHT_BYTES: int | None = 256 * 2**20
 
     def __init__(self):
         self.bucket: list[tuple[nn.Parameter, torch.Tensor]] = []
         self.bucket_bytes = 0
         self.pending: collections.deque = collections.deque()
+        self.pending_bytes = 0
 
     def _add(self, param: nn.Parameter, grad: torch.Tensor) -> None:
         size = grad.numel() * grad.element_size()
@@ -152,14 +157,21 @@ class GradientBuckets:
         # What the collective reads stays referenced until it is waited for: the compute
         # stream does not reuse that memory while NCCL may still read it.
         self.pending.append((bucket, *self._send(bucket)))
-        while self.IN_FLIGHT is not None and len(self.pending) > self.IN_FLIGHT:
-            self._land(*self.pending.popleft())
+        self.pending_bytes += self.pending[-1][2].nbytes
+        limit = self.IN_FLIGHT_BYTES
+        while limit is not None and len(self.pending) > 1 and self.pending_bytes > limit:
+            self._land_oldest()
+
+    def _land_oldest(self) -> None:
+        bucket, work, sent, received = self.pending.popleft()
+        self.pending_bytes -= sent.nbytes
+        self._land(bucket, work, sent, received)
 
     def _drain(self) -> None:
         if self.bucket:
             self._launch(self._take_bucket())
         while self.pending:
-            self._land(*self.pending.popleft())
+            self._land_oldest()
 
     def _send(self, bucket: list) -> tuple:
         """Start the bucket's collective: (work, what it reads, what it writes)."""
@@ -177,7 +189,7 @@ class SummedGradients(GradientBuckets):
     pending until finish (the gradients exist anyway; only the small gradients' buckets are
     copies), so the compute stream never waits for one before the last clipped sum."""
 
-    IN_FLIGHT = None
+    IN_FLIGHT_BYTES = None
 
     def __init__(self, noise_std: float, add_noise: Callable[[list[torch.Tensor], float], None]):
         super().__init__()
@@ -222,8 +234,8 @@ class SummedGradients(GradientBuckets):
 class ShardedGradients(GradientBuckets):
     """flash's sink under FSDP2: each parameter's full clipped sum is reduce-scattered over the
     ranks straight into that parameter's shard (.grad, a DTensor like the parameter), then
-    dropped: the unsharded gradients held are the one in flight, the small ones' bucket and the
-    one being computed, never a whole block's.
+    dropped: the unsharded gradients held are those in flight (the newest, and up to
+    IN_FLIGHT_BYTES behind it), the small ones' bucket and the one being computed.
 
     FSDP2 shards dimension 0 as torch.chunk does (ceil(n / W) rows per rank, the last ranks
     shorter or empty); each gradient is padded to W equal pieces to match, and a bucket's input

@@ -41,9 +41,12 @@ def main():
     parser.add_argument("--seq", type=int, default=12)
     parser.add_argument("--out", required=True)
     parser.add_argument("--bucket_bytes", type=int, help="flash's bucket size")
+    parser.add_argument("--in_flight_bytes", type=int, help="FSDP2: bytes behind the newest")
     args = parser.parse_args()
     if args.bucket_bytes:
         wrap.BUCKET_BYTES = args.bucket_bytes
+    if args.in_flight_bytes is not None:
+        wrap.ShardedGradients.IN_FLIGHT_BYTES = args.in_flight_bytes
     info = ranks.from_environment()
     dist.init_process_group("gloo")
     saved = {}

@@ -69,8 +69,9 @@ TRAINERS = {"ddp": ["standard", "dpsgd", "ghost", "flash"], "fsdp": ["standard",
 CASES = ["8,8,3", "7,8,2", "3,4,1", "1,4,1"]
 # flash's collectives run asynchronously, in buckets, while its clipped GEMMs do: here buckets of
 # 3000 bytes, so several, of one tensor and of several (FSDP2's rank-major with padded pieces: the
-# vocabulary is odd), several pending (DDP) or one (FSDP2); the noise test keeps one bucket.
-SMALL_BUCKETS = ["--bucket_bytes", "3000"]
+# vocabulary is odd), all pending (DDP) or the older ones waited for past 5000 bytes (FSDP2); the
+# noise test keeps one bucket.
+SMALL_BUCKETS = ["--bucket_bytes", "3000", "--in_flight_bytes", "5000"]
 
 
 @pytest.mark.parametrize("distributed", ["ddp", "fsdp"])
