@@ -195,6 +195,8 @@ class FlashClipping:
                 grad = grads[output_nr]
                 if grad is None:  # the node ran for its other outputs only
                     return
+                if shape is not None:  # the gradient of the view's base
+                    grad = grad.view(shape)
                 A = call[0] if call else None
                 if A is None:  # a second backward through the same graph
                     raise RuntimeError("FlashClipping: one backward per forward (release() first)")
@@ -218,11 +220,18 @@ class FlashClipping:
             if not output.requires_grad:  # e.g. first layer: make a leaf so G still flows
                 output = output.detach().requires_grad_(True)
                 self._leaves.append(output)
-                output_nr = 0
+                output_nr, shape = 0, None
                 output.register_hook(lambda grad: save_grad((grad,)))
                 return output
-            output_nr = output.output_nr
-            output.grad_fn.register_prehook(save_grad)
+            node, output_nr, shape = output.grad_fn, output.output_nr, None
+            base = output._base
+            if base is not None and base.grad_fn is not None and base.numel() == output.numel():
+                # A Linear on [B, T, d] returns a view of its 2-D product; an op in place on the
+                # view (ReLU(inplace=True), y += x) takes the view's node out of the graph, the
+                # product's stays: hook that one.
+                if output.is_contiguous() and base.is_contiguous():
+                    node, output_nr, shape = base.grad_fn, base.output_nr, output.shape
+            node.register_prehook(save_grad)
             return None
 
         return forward_hook

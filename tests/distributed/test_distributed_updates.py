@@ -70,7 +70,7 @@ CASES = ["8,8,3", "7,8,2", "3,4,1", "1,4,1"]
 # flash's collectives run asynchronously, in buckets, while its clipped GEMMs do: here buckets of
 # 3000 bytes, so several, of one tensor and of several (FSDP2's rank-major with padded pieces: the
 # vocabulary is odd), all pending (DDP) or the older ones waited for past 5000 bytes (FSDP2); the
-# noise test keeps one bucket.
+# noise test keeps one bucket, each collective waited for at once.
 SMALL_BUCKETS = ["--bucket_bytes", "3000", "--in_flight_bytes", "5000"]
 
 
@@ -92,8 +92,9 @@ def test_noise_is_added_once(tmp_path, distributed):
     dp = [n for n in TRAINERS[distributed] if n != "standard"]
     # A full batch, and an empty Poisson draw (no rank has a sample: noise alone, still once).
     cases = ["8,8,8", "0,8,8"]
-    clean = torchrun(tmp_path, distributed, dp, cases)
-    noisy = torchrun(tmp_path, distributed, dp, cases, noise=2.0)
+    strict = ["--in_flight_bytes", "0"]  # FSDP2: each collective waited for at once
+    clean = torchrun(tmp_path, distributed, dp, cases, extra=strict)
+    noisy = torchrun(tmp_path, distributed, dp, cases, noise=2.0, extra=strict)
     for case in cases:
         for name in dp:
             noise = noisy[case, name]["grad"] - clean[case, name]["grad"]

@@ -1,5 +1,6 @@
 """Brute-force references for the flash tests: a tiny LM with every layer type flash has a rule
-for, per-sample gradients by autograd one sample at a time, and one flash step to compare."""
+for, per-sample gradients by autograd one sample at a time (its loss or any function of a
+model), and one flash step to compare."""
 
 import torch
 import torch.nn.functional as F
@@ -87,3 +88,14 @@ def flat_grads(model):
 def assert_close(actual, expected, rtol):
     err = (actual - expected).abs().max() / expected.abs().max()
     assert err <= rtol, f"relative error {err:.3g} > {rtol}"
+
+
+def per_sample_grads_of(run, model, x: torch.Tensor) -> torch.Tensor:
+    """[B, P]: each sample's gradient over all of model's parameters, flattened, from
+    run(model, x[b : b + 1]).sum(), one sample at a time with autograd."""
+    params = list(model.parameters())
+    rows = []
+    for b in range(x.shape[0]):
+        grads = torch.autograd.grad(run(model, x[b : b + 1]).sum(), params)
+        rows.append(torch.cat([g.flatten() for g in grads]))
+    return torch.stack(rows)

@@ -14,6 +14,7 @@ from flash_reference import (
     flat_grads,
     make_batch,
     make_model,
+    per_sample_grads_of,
     sample_losses,
 )
 from torch import nn
@@ -83,21 +84,11 @@ def test_module_called_twice():
         return m["out"](torch.tanh(m["lin"](torch.tanh(m["lin"](x))))).sum((1, 2))
 
     x = torch.randn(3, 4, 6, dtype=torch.float64)
-    ref = [
-        torch.cat(
-            [
-                g.flatten()
-                for g in torch.autograd.grad(
-                    run(reference, x[b : b + 1]).sum(), list(reference.parameters())
-                )
-            ]
-        )
-        for b in range(3)
-    ]
+    ref = per_sample_grads_of(run, reference, x)
     for route in ("auto", "gram", "product"):
         flash = FlashClipping(model, route=route, tile_size=2)
         flash.backward(run(model, x).sum())
-        assert_close(flash.per_sample_squared_norms(), torch.stack(ref).square().sum(1), 1e-9)
+        assert_close(flash.per_sample_squared_norms(), ref.square().sum(1), 1e-9)
         flash.remove()
 
 
@@ -280,6 +271,32 @@ def test_input_modified_in_place_between_layers():
         out.float().square().sum().backward()
         reference.append(sum(p.grad.double().square().sum() for p in model.parameters()))
     assert_close(norms.double(), torch.stack(reference), 2e-2)
+
+
+@pytest.mark.parametrize("in_place", ["relu_", "add_"])
+def test_layer_output_modified_in_place(in_place):
+    """A Linear on [B, T, d] returns a view of its 2-D product, and an op in place on that view
+    (ReLU(inplace=True), a residual y += x) takes the view's autograd node out of the graph: the
+    layer's gradient must still arrive (it was silently dropped, the layer counted as unused)."""
+
+    def run(m, x):
+        h = torch.tanh(m[0](x))
+        y = m[1](h)
+        y.relu_() if in_place == "relu_" else y.add_(h)
+        return m[2](y).square().sum((1, 2))
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(5, 6), nn.Linear(6, 6), nn.Linear(6, 2)).double()
+    x = torch.randn(3, 4, 5, dtype=torch.float64)
+    per_sample = per_sample_grads_of(run, model, x)
+    for route in ("gram", "product"):
+        flash = FlashClipping(model, route=route)
+        flash.backward(run(model, x).sum())
+        assert_close(flash.per_sample_squared_norms(), per_sample.square().sum(1), 1e-9)
+        flash.accumulate_clipped_grads(torch.ones(3, dtype=torch.float64))
+        assert_close(flat_grads(model), per_sample.sum(0), 1e-9)
+        flash.remove()
+        model.zero_grad(set_to_none=True)
 
 
 @pytest.mark.parametrize("route", ["gram", "product"])
