@@ -196,7 +196,7 @@ class FlashClipping:
                 if grad is None:  # the node ran for its other outputs only
                     return
                 if shape is not None:  # the gradient of the view's base
-                    grad = grad.view(shape)
+                    grad = grad.reshape(shape)
                 A = call[0] if call else None
                 if A is None:  # a second backward through the same graph
                     raise RuntimeError("FlashClipping: one backward per forward (release() first)")
