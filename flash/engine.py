@@ -189,8 +189,9 @@ class FlashClipping:
             layer.calls.append(call)
             version = call[0]._version
 
-            # A pre-hook of the output's autograd node: Tensor.register_hook's gradient for less
-            # host time per call (LoRA: hundreds of layers per chunk, a host-bound step).
+            # A pre-hook of the output's autograd node (or its base's, below): the gradient
+            # Tensor.register_hook would see, for less host time per call (LoRA: hundreds of
+            # layers per chunk, a host-bound step).
             def save_grad(grads):
                 grad = grads[output_nr]
                 if grad is None:  # the node ran for its other outputs only
