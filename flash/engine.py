@@ -39,6 +39,7 @@ from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor, nn
+from torch._utils import _unflatten_dense_tensors
 
 from flash.clip import (
     ClipFactors,
@@ -407,7 +408,7 @@ class FlashClipping:
         ready: dict[int, Tensor] = {}
         while small:  # the small parameters' sums first, one weighted sum per dtype
             params, grads = small.pop()
-            grads = weighted_sum(grads, c).split([p.numel() for p in params])
+            grads = _unflatten_dense_tensors(weighted_sum(grads, c), params)
             ready.update(zip(map(id, params), grads, strict=True))
         kept = {id(param): grad for param, grad in large}
         large.clear()

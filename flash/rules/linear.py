@@ -149,28 +149,23 @@ class LinearRule(NormRule):
 
     def clipped_grads(self, layer, A, G, c):
         A_op, G_op = _gemm_operands(A, G)  # the dtype autocast's own weight GEMM uses
-        if fused_clipped_gemm_available(A_op, G_op, layer.params["weight"]):
+        weight = layer.params["weight"]
+        fused = fused_clipped_gemm_available(A_op, G_op, weight)
+        if fused and EXACT_CLIPPED_GEMM:
             kernels = triton_kernels()
-            if EXACT_CLIPPED_GEMM:
-                schedule = c.gemm_schedule()
-                return {"weight": kernels.clipped_weight_grad(A_op, G_op, c.c, schedule=schedule)}
-            # fp32 c folded into the narrower operand, each c * x rounded toward zero (no
-            # element above its exact value, so no ulp shrink of c); one cuBLAS GEMM, fp32 out.
-            A2, G2 = A_op.flatten(0, 1), G_op.flatten(0, 1)
-            if G2.shape[1] <= A2.shape[1]:
-                G2 = kernels.fold_clip_factors(G2, c.c, A.shape[1])
-            else:
-                A2 = kernels.fold_clip_factors(A2, c.c, A.shape[1])
-            return {"weight": torch.mm(G2.T, A2, out_dtype=torch.float32)}
+            schedule = c.gemm_schedule()
+            return {"weight": kernels.clipped_weight_grad(A_op, G_op, c.c, schedule=schedule)}
         A2, G2 = A_op.flatten(0, 1), G_op.flatten(0, 1)  # [B*T, d], [B*T, p]
-        c_tok = c.per_token(A2.dtype, A.shape[1])
-        if G2.shape[1] <= A2.shape[1]:  # fold c into the narrower operand
-            G2 = G2 * c_tok
-        else:
-            A2 = A2 * c_tok
-        # One GEMM over all B*T tokens. bf16/fp16 operands on CUDA without the kernel: fp32
-        # straight out of the GEMM's fp32 accumulator (cuBLAS has it, the CPU backend not), so
-        # the fp32 parameter's gradient is neither rounded to bf16 nor cast in a second pass.
-        if A2.is_cuda and A2.element_size() == 2 and layer.params["weight"].dtype == torch.float32:
+        fold_into_G = G2.shape[1] <= A2.shape[1]  # c goes into the narrower operand
+        narrow, T = (G2 if fold_into_G else A2), A.shape[1]
+        if fused:  # fp32 c, each c * x rounded toward zero: no element above its exact value
+            narrow = triton_kernels().fold_clip_factors(narrow, c.c, T)
+        else:  # c rounded to the operands' dtype (shrunk by an ulp in 16 bits: ClipFactors.to)
+            narrow = narrow * c.per_token(narrow.dtype, T)
+        G2, A2 = (narrow, A2) if fold_into_G else (G2, narrow)
+        # One GEMM over all B*T tokens. bf16/fp16 operands on CUDA: fp32 straight out of the
+        # GEMM's fp32 accumulator (cuBLAS has it, the CPU backend not), so the fp32 parameter's
+        # gradient is neither rounded to bf16 nor cast in a second pass.
+        if A2.is_cuda and A2.element_size() == 2 and weight.dtype == torch.float32:
             return {"weight": torch.mm(G2.T, A2, out_dtype=torch.float32)}
         return {"weight": G2.T @ A2}
