@@ -34,11 +34,12 @@ from opacus.optimizers import (
 from opacus.utils.fast_gradient_clipping_utils import DPTensorFastGradientClipping
 
 import flash.engine
+import flash.sites
 import samplers.state
 from core import schema
 from core.schema import AllocationSite
 from flash.clip import add_gaussian_noise
-from flash.engine import tensors_in
+from flash.layer import tensors_in
 from parallel import wrap
 
 TRAINERS: dict[str, type[Trainer]] = {}
@@ -494,7 +495,5 @@ class FlashClippingTrainer(Trainer):
         names = {id(m): n for n, m in self.model.named_modules()}
         return [(role, names.get(id(m), ""), t) for m, role, t in self.engine.kept_tensors()]
 
-    def dp_allocation_sites(self):
-        sites = flash.engine.ALLOCATION_SITES
-        order = ("temp_matrices", "norm_samples", "per_sample_gradients", "gradients")
-        return [AllocationSite.of(role, *sites[role]) for role in order if sites.get(role)]
+    def dp_allocation_sites(self):  # ALLOCATION_SITES lists its roles in order of precedence
+        return [AllocationSite.of(role, *fns) for role, fns in flash.sites.ALLOCATION_SITES.items()]

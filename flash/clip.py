@@ -96,7 +96,8 @@ class ClipFactors:
 
 def _accumulate(param: nn.Parameter, grad: Tensor) -> None:
     """param.grad += grad (param.grad = grad when there is none yet)."""
-    grad = grad.to(param.dtype).view(param.shape)
+    if grad.dtype != param.dtype or grad.shape != param.shape:  # no op where none is needed
+        grad = grad.to(param.dtype).view(param.shape)
     param.grad = grad if param.grad is None else param.grad.add_(grad)
 
 

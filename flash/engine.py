@@ -32,10 +32,11 @@ that require grad are not supported); no activation checkpointing.
 
 from __future__ import annotations
 
-import math
+import types
 import weakref
+from collections import deque
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -50,10 +51,9 @@ from flash.clip import (
     accumulate_weighted_sums,
     weighted_sum,
 )
+from flash.layer import DEFAULT_BLOCK_NUMEL, Layer, _flatten_tokens, tensors_in
 from flash.rules import NORM_RULES, NormRule
-from flash.rules.linear import direct_squared_norms, gram_squared_norms
 
-DEFAULT_BLOCK_NUMEL = 64 * 2**20  # largest intermediate of the direct route, in elements
 # Kept per-sample gradients with at most this many elements per sample (biases, norm layers, LoRA
 # up to r * 8192) are normed and clip-summed as one concatenation [B, sum n] per dtype: one norm
 # and one weighted sum per chunk instead of a few ops per parameter (LoRA: hundreds of layers, a
@@ -65,27 +65,6 @@ class UnsupportedLayerError(ValueError):
     """A layer owns trainable parameters but no norm rule is registered for its type."""
 
 
-@dataclass
-class Layer:
-    """A managed module and what its rule needs; A/G are [B, T, features] (ids: [B, T])."""
-
-    name: str
-    module: nn.Module
-    rule: NormRule
-    params: dict[str, nn.Parameter]  # managed (trainable) parameters, by attribute name
-    route: str = "auto"
-    tile_size: int = 512
-    block_numel: int = DEFAULT_BLOCK_NUMEL
-    # One [A, G, names] per forward call: the names of the parameters still to be done from A and
-    # G (the others were formed per sample in the backward hook).
-    calls: list[list] = field(default_factory=list)
-    # Per-sample gradients [B, ...] by parameter name, formed in the backward hook instead of
-    # keeping A and G for them (summed over calls: a reused module's gradient is the sum).
-    per_sample: dict[str, Tensor] = field(default_factory=dict)
-    described: list[dict] = field(default_factory=list)  # the route of each call, for routes()
-    plans: dict[tuple, tuple] = field(default_factory=dict)  # FlashClipping._plan's, by shapes
-
-
 def _rows(grad: Tensor) -> Tensor:  # [B, n]; biases and norm layers' are: no view op
     return grad if grad.dim() == 2 else grad.view(grad.shape[0], -1)
 
@@ -93,26 +72,6 @@ def _rows(grad: Tensor) -> Tensor:  # [B, n]; biases and norm layers' are: no vi
 def _is_small(per_sample_grad: Tensor) -> bool:
     # numel // B, not grad[0].numel(): indexing is an op (and flash is launch/CPU-bound here)
     return per_sample_grad.numel() <= SMALL_PER_SAMPLE_NUMEL * per_sample_grad.shape[0]
-
-
-def _flatten_tokens(x: Tensor, feature_dims: int) -> Tensor:
-    """View [B, ..., features] as [B, T, prod(features)] ([B, T] when no feature dims)."""
-    if feature_dims == 0:
-        return x.reshape(x.shape[0], -1)
-    if feature_dims == 1:  # Linear: the common case, without math.prod (a hook per call)
-        # already [B, T, d] (most calls): no reshape op (flash is host-bound with LoRA)
-        return x if x.dim() == 3 else x.reshape(x.shape[0], -1, x.shape[-1])
-    return x.reshape(x.shape[0], -1, math.prod(x.shape[x.dim() - feature_dims :]))
-
-
-def tensors_in(obj) -> Iterator[Tensor]:
-    """The tensors in a tensor or nested lists and tuples of them (a layer's calls:
-    [A, G, names], A or G None; Opacus' grad_sample lists)."""
-    if isinstance(obj, Tensor):
-        yield obj
-    elif isinstance(obj, (list, tuple)):
-        for item in obj:
-            yield from tensors_in(item)
 
 
 ROUTES = ("auto", "gram", "direct", "product")  # how Linear layers get their per-sample norms
@@ -151,10 +110,10 @@ class FlashClipping:
         self.params = [p for p in model.parameters() if id(p) in owner]
         for p in self.params:
             p.requires_grad_(False)  # autograd then computes no weight gradient at all
-        self._handles = [
-            layer.module.register_forward_hook(self._make_hook(layer), with_kwargs=True)
-            for layer in self.layers
-        ]
+        # Each managed module's forward is wrapped (an instance attribute) instead of given a
+        # forward hook: any hook sends nn.Module.__call__ down its slow path, 30 us of host time
+        # per call on an H100's host (flash is host-bound with many small layers).
+        self._forwards = [self._wrap_forward(layer) for layer in self.layers]
         self._leaves: list[Tensor] = []
         # id(input) -> (rule, weakref to input, its state, saved A), this forward's: q, k and v
         # (LoRA: their lora_A) read one input but other managed calls come in between.
@@ -165,28 +124,62 @@ class FlashClipping:
         self._routes: list[dict] = []
         self._after_backward = False
 
-    def _saved_input(self, layer: Layer, x: Tensor) -> Tensor:
-        """The rule's A for input x; layers reading one input (q, k and v) share one cast, as
-        long as x was not modified in place and autocast is in the same state in between."""
+    def _saved_input(self, layer: Layer, x: Tensor) -> tuple[Tensor, Tensor]:
+        """(the rule's A for input x, what the layer computes on): layers reading one input (q, k
+        and v) share one cast, as long as x was not modified in place and autocast is in the same
+        state in between. A new cast the layer would make itself (rule.feeds_saved_input: a
+        Linear under autocast) is made with its gradient and handed to the layer, which then
+        casts nothing (one cast per call, as the non-private step: none of flash's own)."""
         device = x.device.type
         state = (x._version, torch.is_autocast_enabled(device), torch.get_autocast_dtype(device))
         last = self._saved.get(id(x))
         if last is not None and last[0] is layer.rule and last[1]() is x and last[2] == state:
-            return last[3]
-        saved = layer.rule.saved_input(layer.module, x.detach())
+            return last[3], x
+        feeds = layer.rule.feeds_saved_input
+        fed = layer.rule.saved_input(layer.module, x if feeds else x.detach())
+        saved = fed.detach() if feeds else fed
         self._saved[id(x)] = (layer.rule, weakref.ref(x), state, saved)
-        return saved
+        return saved, (fed if feeds else x)
+
+    def _wrap_forward(self, layer: Layer) -> tuple[nn.Module, object]:
+        """Set layer.module.forward to one that keeps A, runs the module's own forward and hooks
+        its output's node for G; returns (module, the instance attribute it replaced or None)
+        for remove(). Bound with MethodType, so a deep copy of the model rebinds it to the
+        copy's module."""
+        module = layer.module
+        replaced = module.__dict__.get("forward")  # e.g. another library's wrapper
+        keep = self._make_hook(layer)
+
+        def run(module, *args, **kwargs):  # the module's own forward
+            if replaced is None:
+                return type(module).forward(module, *args, **kwargs)
+            return replaced(*args, **kwargs)
+
+        def forward(module, *args, **kwargs):
+            if not torch.is_grad_enabled():
+                return run(module, *args, **kwargs)
+            if self._after_backward:
+                raise RuntimeError("FlashClipping: call release() before the next forward")
+            x = args[0] if args else next(iter(kwargs.values()))
+            saved, fed = self._saved_input(layer, x)
+            if fed is not x and args:
+                args = (fed, *args[1:])
+            elif fed is not x:
+                kwargs = {**kwargs, next(iter(kwargs)): fed}
+            output = run(module, *args, **kwargs)
+            leaf = keep(saved, output)
+            return output if leaf is None else leaf
+
+        module.forward = types.MethodType(forward, module)
+        return module, replaced
 
     def _make_hook(self, layer: Layer):
         k_in, k_out = layer.rule.feature_dims(layer.module)
 
-        def forward_hook(module, args, kwargs, output):
-            if not torch.is_grad_enabled():
-                return None
-            if self._after_backward:
-                raise RuntimeError("FlashClipping: call release() before the next forward")
-            x = args[0] if args else next(iter(kwargs.values()))
-            call = [_flatten_tokens(self._saved_input(layer, x), k_in), None, None]
+        def keep(saved: Tensor, output: Tensor) -> Tensor | None:
+            """After the layer's forward: keep A, hook the output's node for G; returns a leaf
+            to use as the output instead, or None."""
+            call = [_flatten_tokens(saved, k_in), None, None]
             layer.calls.append(call)
             version = call[0]._version
 
@@ -236,7 +229,7 @@ class FlashClipping:
             node.register_prehook(save_grad)
             return None
 
-        return forward_hook
+        return keep
 
     @staticmethod
     def _plan(layer: Layer, A: Tensor, G: Tensor) -> tuple[dict, set[str], set[str]]:
@@ -349,12 +342,8 @@ class FlashClipping:
             small, large = self._per_sample_batches()
             terms = _squared_row_norms_many([grad for _, grad in large])
             terms += [_squared_row_norms(grads) for _, grads in small]
-            calls_by_rule = {}
-            for layer in self.layers:
-                for A, G, _ in layer.calls:
-                    calls_by_rule.setdefault(layer.rule, []).append((layer, A, G))
-            for rule, calls in calls_by_rule.items():
-                terms += rule.squared_norms_many(calls)
+            for rule, calls in self._calls_by_rule(self.layers).items():
+                terms += rule.squared_norms_many(list(calls))
             self._norms = torch.stack(terms).sum(0)
         return self._norms
 
@@ -390,8 +379,9 @@ class FlashClipping:
         if large:
             accumulate_weighted_sums(*zip(*large, strict=True), c)
         del large
+        clipped_of = self._calls_by_rule(self.layers, c)
         for layer in self.layers:
-            clipped = [layer.rule.clipped_grads(layer, A, G, c) for A, G, _ in layer.calls]
+            clipped = [next(clipped_of[layer.rule]) for _ in layer.calls]
             layer.calls = []
             for grads in clipped:
                 for name, grad in grads.items():
@@ -414,11 +404,13 @@ class FlashClipping:
         large.clear()
         # Last layer first (autograd's order): kept per-sample gradients are freed before the
         # embeddings' full gradients exist (lower peak than first-first; a small LM, CPU).
-        for layer in reversed(self.layers):
+        order = self.layers[::-1]
+        clipped_of = self._calls_by_rule(order, c)
+        for layer in order:
             calls, layer.calls = layer.calls, []
             clipped: dict[str, Tensor] = {}
-            for A, G, _ in calls:
-                for name, grad in layer.rule.clipped_grads(layer, A, G, c).items():
+            for _ in calls:
+                for name, grad in next(clipped_of[layer.rule]).items():
                     clipped[name] = grad if name not in clipped else clipped[name] + grad
             del calls
             for name, param in reversed(layer.params.items()):
@@ -431,6 +423,19 @@ class FlashClipping:
                 else:  # no call of this chunk reached the layer
                     grad = torch.zeros(param.shape, dtype=param.dtype, device=c.c.device)
                 sink(param, grad.view(param.shape))
+
+    @staticmethod
+    def _calls_by_rule(order: list[Layer], c: ClipFactors | None = None) -> dict[NormRule, Any]:
+        """(layer, A, G) of every call still to be done from A and G, by rule, in ``order``.
+        Given c, each rule's clipped_grads_many of them instead: their clipped gradients in that
+        order, made as they are asked for (a rule may share launches between its calls)."""
+        by_rule: dict[NormRule, deque] = {}
+        for layer in order:
+            for A, G, _ in layer.calls:
+                by_rule.setdefault(layer.rule, deque()).append((layer, A, G))
+        if c is None:
+            return by_rule
+        return {rule: rule.clipped_grads_many(calls, c) for rule, calls in by_rule.items()}
 
     def routes(self) -> list[dict]:
         """Per layer of the last backward: name, T, route (Linear layers also d, p)."""
@@ -456,32 +461,10 @@ class FlashClipping:
     def remove(self) -> None:
         """Remove hooks and make the managed parameters trainable again."""
         self.release()
-        for handle in self._handles:
-            handle.remove()
+        for module, replaced in self._forwards:
+            if replaced is None:
+                del module.forward
+            else:
+                module.forward = replaced
         for p in self.params:
             p.requires_grad_(True)
-
-
-def _rule_methods(name: str) -> tuple:
-    """NormRule's method ``name`` and each registered rule's own override of it."""
-    rule_types = dict.fromkeys([NormRule, *(type(rule) for rule in NORM_RULES.values())])
-    return tuple(dict.fromkeys(getattr(rule_type, name) for rule_type in rule_types))
-
-
-# The memory role of what flash allocates, by the Python functions that allocate it: the memory
-# attribution matches the function names on an allocation's stack against these
-# (fn.__code__.co_name). Roles are in order of precedence: a stack holding functions of several
-# roles gets the first (Gram tiles are made below per_sample_squared_norms). Overrides are
-# listed beside their base method.
-ALLOCATION_SITES: dict[str, tuple] = {
-    # The Gram route's T x T tiles and the direct route's blocks of G_b^T A_b.
-    "temp_matrices": (gram_squared_norms, direct_squared_norms),
-    "norm_samples": (
-        FlashClipping.per_sample_squared_norms,
-        *_rule_methods("squared_norms"),
-        *_rule_methods("squared_norms_many"),
-    ),
-    # Per-sample gradients of the layers that keep them, formed in the backward hook.
-    "per_sample_gradients": (*_rule_methods("per_sample_grads"), FlashClipping._add_per_sample),
-    "gradients": (*_rule_methods("clipped_grads"), FlashClipping.accumulate_clipped_grads),
-}

@@ -78,7 +78,8 @@ def live_tensor_bytes(exclude=()) -> int:
         tensors = [obj for obj in gc.get_objects() if isinstance(obj, torch.Tensor)]
     for tensor in tensors:
         add(tensor)
-        add(tensor.grad)
+        if tensor.is_leaf or tensor.retains_grad:  # others have none (reading it warns)
+            add(tensor.grad)
     return sum(nbytes for address, nbytes in storages.items() if address not in excluded)
 
 

@@ -29,6 +29,7 @@ from flash.kernels.clipped_gemm import (
     clipped_weight_grad,
     clipped_weight_grad_supported,
     fold_clip_factors,
+    fold_clip_factors_many,
 )
 from flash.kernels.direct import direct_squared_norms
 from flash.kernels.gram import gram_squared_norms, gram_squared_norms_grouped
@@ -45,6 +46,7 @@ __all__ = [
     "clipped_weight_grad_supported",
     "direct_squared_norms",
     "fold_clip_factors",
+    "fold_clip_factors_many",
     "gram_squared_norms",
     "gram_squared_norms_grouped",
     "norm_layer_grads_supported",

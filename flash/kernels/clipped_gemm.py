@@ -13,11 +13,15 @@ to a running total (two accumulators: at most 128 x 128 tiles fit the register f
 
 from __future__ import annotations
 
+import contextlib
+import itertools
+
 import torch
 import triton
 import triton.language as tl
+from torch._utils import _unflatten_dense_tensors
 
-from flash.kernels._common import _TL_DTYPES, _on_cuda_in_kernel_dtypes
+from flash.kernels._common import _TL_DTYPES, _block_table, _on_cuda_in_kernel_dtypes, _table_to
 
 
 @triton.jit
@@ -162,35 +166,67 @@ def split_count(B: int, T: int, D: int, P: int, device: torch.device) -> int:
 
 
 @triton.jit
-def _fold_kernel(X, c, out, n, T, BLOCK: tl.constexpr, OUT_DTYPE: tl.constexpr):
-    """out[r] = X[r] * c[r // T] for token row r of a contiguous [B*T, n], the product formed
-    in fp32 and rounded toward zero to 16 bits: never above c * x in magnitude."""
-    row = tl.program_id(0).to(tl.int64)
-    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    keep = cols < n
-    x = tl.load(X + row * n + cols, mask=keep, other=0.0).to(tl.float32) * tl.load(c + row // T)
-    y = x.to(OUT_DTYPE)  # to nearest; one step toward zero (sign-magnitude) where it rounded up
+def _fold_kernel(
+    table, tensor_of_block, first_block, sizes, c, out,
+    BLOCK: tl.constexpr, DTYPE: tl.constexpr,
+):  # fmt: skip
+    """out_i = X_i * c[sample] for a list of contiguous X_i [B*T_i, n_i] in one launch, each
+    product formed in fp32 and rounded toward zero to 16 bits: never above c * x in magnitude.
+    ``table`` rows: X_i's pointer, where out_i starts in ``out``, elements per sample (T_i n_i)."""
+    block = tl.program_id(0)
+    i = tl.load(tensor_of_block + block)
+    n = tl.load(sizes + i)
+    source = tl.load(table + 3 * i).to(tl.pointer_type(DTYPE))
+    start = tl.load(table + 3 * i + 1)
+    per_sample = tl.load(table + 3 * i + 2)
+    offsets = (block - tl.load(first_block + i)).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    keep = offsets < n
+    x = tl.load(source + offsets, mask=keep, other=0.0).to(tl.float32)
+    x = x * tl.load(c + offsets // per_sample, mask=keep, other=0.0)
+    y = x.to(DTYPE)  # to nearest; one step toward zero (sign-magnitude) where it rounded up
     up = tl.abs(y.to(tl.float32)) > tl.abs(x)
-    y = tl.where(up, (y.to(tl.int16, bitcast=True) - 1).to(OUT_DTYPE, bitcast=True), y)
-    tl.store(out + row * n + cols, y, mask=keep)
+    y = tl.where(up, (y.to(tl.int16, bitcast=True) - 1).to(DTYPE, bitcast=True), y)
+    tl.store(out + start + offsets, y, mask=keep)
 
 
-FOLD_BLOCK = 1024
+FOLD_BLOCK = 2048  # elements per program: memory-bound, as the weighted sums
 
 
 def fold_clip_factors(X: torch.Tensor, c: torch.Tensor, tokens: int) -> torch.Tensor:
     """X [B*T, n] (bf16/fp16) with each sample's T rows times its fp32 clip factor c_b, rounded
     toward zero: the operand of a one-GEMM clipped sum that keeps each sample within C with no
     shrinking of c (ClipFactors.to shrinks c by an ulp because it rounds c * x to nearest)."""
-    X = X.contiguous()
-    out = torch.empty_like(X)
-    if X.numel():
-        grid = (X.shape[0], triton.cdiv(X.shape[1], FOLD_BLOCK))
-        _fold_kernel[grid](
-            X, c.to(torch.float32).contiguous(), out, X.shape[1], tokens,
-            BLOCK=FOLD_BLOCK, OUT_DTYPE=_TL_DTYPES[X.dtype],
-        )  # fmt: skip
-    return out
+    return fold_clip_factors_many([X], c, [tokens])[0]
+
+
+def fold_clip_factors_many(
+    Xs: list[torch.Tensor], c: torch.Tensor, tokens: list[int]
+) -> list[torch.Tensor]:
+    """fold_clip_factors of several 2-D operands of one dtype and device, ``tokens`` rows per
+    sample each, in one launch: a Python launch of Triton costs tens of microseconds of host
+    time, and a step folds c into every Gram- and direct-route Linear's operand. The results
+    are views into one buffer (it is freed with the last of them)."""
+    if len({(X.dtype, X.device) for X in Xs}) != 1 or Xs[0].element_size() != 2:
+        raise ValueError("fold_clip_factors_many needs operands of one 16-bit dtype and device")
+    Xs = [X.contiguous() for X in Xs]
+    sizes = tuple(X.numel() for X in Xs)
+    out = Xs[0].new_empty(sum(sizes))
+    folded = _unflatten_dense_tensors(out, Xs)
+    tensor_of_block, first_block, numels = _block_table(out.device, sizes, FOLD_BLOCK)
+    if len(tensor_of_block):
+        starts = itertools.accumulate(sizes[:-1], initial=0)
+        rows = zip(Xs, starts, tokens, strict=True)
+        table = torch.tensor(
+            [[X.data_ptr(), start, max(1, T * X.shape[1])] for X, start, T in rows],
+            dtype=torch.int64,
+        )
+        with torch.cuda.device(out.device) if out.is_cuda else contextlib.nullcontext():
+            _fold_kernel[(len(tensor_of_block),)](
+                _table_to(table, out.device), tensor_of_block, first_block, numels,
+                c.to(out.device, torch.float32).contiguous(), out,
+                BLOCK=FOLD_BLOCK, DTYPE=_TL_DTYPES[out.dtype],
+            )  # fmt: skip
+    return list(folded)
 
 
 def clipped_weight_grad_supported(A: torch.Tensor, G: torch.Tensor) -> bool:

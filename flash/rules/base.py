@@ -3,6 +3,8 @@ has one function per layer type), with the accumulation helpers the rules share.
 
 from __future__ import annotations
 
+from collections import deque
+from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 import torch
@@ -10,7 +12,7 @@ from torch import Tensor, nn
 
 if TYPE_CHECKING:
     from flash.clip import ClipFactors
-    from flash.engine import Layer
+    from flash.layer import Layer
 
 
 def _acc_dtype(x: Tensor) -> torch.dtype:
@@ -47,8 +49,12 @@ class NormRule:
         """Trailing feature dims of (input, output); the rest is flattened into [B, T]."""
         return 1, 1
 
+    # saved_input returns the very tensor the layer would compute on (a cast it would make
+    # itself): the engine then makes it with its gradient and hands it to the layer in x's place.
+    feeds_saved_input = False
+
     def saved_input(self, module: nn.Module, x: Tensor) -> Tensor:
-        """What to keep as A, from the (detached) input the forward hook sees."""
+        """What to keep as A, from the layer's input x (detached unless feeds_saved_input)."""
         return x
 
     def describe(self, layer: Layer, A: Tensor, G: Tensor) -> dict:
@@ -76,6 +82,18 @@ class NormRule:
     def clipped_grads(self, layer: Layer, A: Tensor, G: Tensor, c: ClipFactors) -> dict:
         """sum_b c_b * grad_b for each parameter not kept per sample, by name."""
         raise NotImplementedError
+
+    def clipped_grads_many(
+        self, calls: deque[tuple[Layer, Tensor, Tensor]], c: ClipFactors
+    ) -> Iterator[dict]:
+        """clipped_grads of each call of ``calls`` in order, one at a time (a rule may do some
+        work of several calls at once). The deque is the rule's: each call leaves it as its
+        gradients are made, so its A and G are freed once the caller drops them too."""
+        while calls:
+            layer, A, G = calls.popleft()
+            grads = self.clipped_grads(layer, A, G, c)
+            del A, G
+            yield grads
 
 
 NORM_RULES: dict[type, NormRule] = {}

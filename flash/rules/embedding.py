@@ -10,7 +10,7 @@ from torch import Tensor, nn
 from flash.rules.base import NormRule, _acc, register_norm_rule
 
 if TYPE_CHECKING:
-    from flash.engine import Layer
+    from flash.layer import Layer
 
 
 @register_norm_rule(nn.Embedding)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections import deque
 from typing import TYPE_CHECKING
 
 import torch
@@ -11,7 +12,7 @@ from flash.fused import triton_kernels
 from flash.rules.base import NormRule, _acc, _acc_dtype, _gemm_operands, register_norm_rule
 
 if TYPE_CHECKING:
-    from flash.engine import Layer
+    from flash.layer import Layer
 
 
 def gram_squared_norms(A: Tensor, G: Tensor, tile: int, fused: bool | None = None) -> Tensor:
@@ -71,6 +72,9 @@ def fused_norms_available(A: Tensor) -> bool:
 # product in fp32, weighted by fp32 c: 1e-6 from fp64), 1.4-2.1x the GEMM's time at the 1b
 # shapes on an H200 (Triton at 300-600 TFLOP/s against cuBLAS' 570-680), so not the default.
 EXACT_CLIPPED_GEMM = False
+# Folded operands made by one launch of flash.kernels.fold_clip_factors_many, held until their
+# layers' GEMMs ran (the 1b model at (8, 512): 16 MB each, 16 per launch instead of one each).
+FOLD_GROUP_BYTES = 256 * 2**20
 
 
 def fused_clipped_gemm_available(A: Tensor, G: Tensor, weight: Tensor) -> bool:
@@ -99,11 +103,14 @@ def linear_route(layer: Layer, T: int) -> str:
 
 @register_norm_rule(nn.Linear)
 class LinearRule(NormRule):
+    feeds_saved_input = True  # the cast below is autocast's own for F.linear
+
     def saved_input(self, module, x):
-        # Under autocast the layer multiplied x cast to the autocast dtype (a LayerNorm's fp32
+        # Under autocast the layer multiplies x cast to the autocast dtype (a LayerNorm's fp32
         # output becomes bf16): keep that, half the bytes of x and no cast per use later.
+        # Autocast casts floating-point tensors other than fp64, as here.
         device = x.device.type
-        if x.is_floating_point() and torch.is_autocast_enabled(device):
+        if x.is_floating_point() and x.dtype != torch.float64 and torch.is_autocast_enabled(device):
             return x.to(torch.get_autocast_dtype(device))
         return x
 
@@ -148,24 +155,75 @@ class LinearRule(NormRule):
         return terms
 
     def clipped_grads(self, layer, A, G, c):
+        return self._clipped_grads(layer, A, G, c, folded=None)
+
+    def clipped_grads_many(self, calls, c):
+        """clipped_grads of each call in order; where the fp32 clip factors are folded into a
+        16-bit operand by flash.kernels (CUDA), the operands of the next calls, up to
+        FOLD_GROUP_BYTES of them, are folded by one launch."""
+        ready = deque()  # (layer, A, G, folded operand or None), the next calls
+        while calls or ready:
+            if not ready:
+                ready.extend(self._fold_next(calls, c))
+            layer, A, G, folded = ready.popleft()
+            grads = self._clipped_grads(layer, A, G, c, folded)
+            del A, G, folded
+            yield grads
+
+    def _fold_next(self, calls, c) -> list[tuple]:
+        """The next calls off ``calls``, each with its operand folded by one shared launch (None
+        where its clipped GEMM takes another path): up to FOLD_GROUP_BYTES of folded operands,
+        at least one call."""
+        group, folds, held = [], [], 0
+        while calls and (held < FOLD_GROUP_BYTES or not folds):
+            layer, A, G = calls[0]
+            A_op, G_op = _gemm_operands(A, G)
+            narrow = None
+            if not EXACT_CLIPPED_GEMM and fused_clipped_gemm_available(
+                A_op, G_op, layer.params["weight"]
+            ):
+                narrow = (G_op if _folds_into_G(A_op, G_op) else A_op).flatten(0, 1)
+                if folds and narrow.dtype != folds[0].dtype:
+                    break  # one dtype per launch
+                folds.append(narrow)
+                held += narrow.numel() * narrow.element_size()
+            calls.popleft()
+            group.append([layer, A, G, narrow])
+        if folds:
+            tokens = [A.shape[1] for _, A, _, narrow in group if narrow is not None]
+            folded = iter(triton_kernels().fold_clip_factors_many(folds, c.c, tokens))
+            for entry in group:
+                if entry[3] is not None:
+                    entry[3] = next(folded)
+        return [tuple(entry) for entry in group]
+
+    def _clipped_grads(self, layer, A, G, c, folded):
+        """The weight's clipped sum; ``folded``: the narrower of A and G, flattened to [B*T, n],
+        with c already folded in by flash.kernels, or None."""
         A_op, G_op = _gemm_operands(A, G)  # the dtype autocast's own weight GEMM uses
         weight = layer.params["weight"]
-        fused = fused_clipped_gemm_available(A_op, G_op, weight)
-        if fused and EXACT_CLIPPED_GEMM:
-            kernels = triton_kernels()
-            schedule = c.gemm_schedule()
-            return {"weight": kernels.clipped_weight_grad(A_op, G_op, c.c, schedule=schedule)}
         A2, G2 = A_op.flatten(0, 1), G_op.flatten(0, 1)  # [B*T, d], [B*T, p]
-        fold_into_G = G2.shape[1] <= A2.shape[1]  # c goes into the narrower operand
-        narrow, T = (G2 if fold_into_G else A2), A.shape[1]
-        if fused:  # fp32 c, each c * x rounded toward zero: no element above its exact value
-            narrow = triton_kernels().fold_clip_factors(narrow, c.c, T)
-        else:  # c rounded to the operands' dtype (shrunk by an ulp in 16 bits: ClipFactors.to)
-            narrow = narrow * c.per_token(narrow.dtype, T)
-        G2, A2 = (narrow, A2) if fold_into_G else (G2, narrow)
+        fold_into_G, T = _folds_into_G(A_op, G_op), A_op.shape[1]
+        if folded is None:
+            narrow = G2 if fold_into_G else A2
+            if not fused_clipped_gemm_available(A_op, G_op, weight):
+                # c rounded to the operands' dtype (shrunk by an ulp in 16 bits: ClipFactors.to)
+                folded = narrow * c.per_token(narrow.dtype, T)
+            elif EXACT_CLIPPED_GEMM:
+                kernels, schedule = triton_kernels(), c.gemm_schedule()
+                return {"weight": kernels.clipped_weight_grad(A_op, G_op, c.c, schedule=schedule)}
+            else:  # fp32 c, each c * x rounded toward zero: none above its exact value
+                folded = triton_kernels().fold_clip_factors(narrow, c.c, T)
+        G2, A2 = (folded, A2) if fold_into_G else (G2, folded)
         # One GEMM over all B*T tokens. bf16/fp16 operands on CUDA: fp32 straight out of the
         # GEMM's fp32 accumulator (cuBLAS has it, the CPU backend not), so the fp32 parameter's
         # gradient is neither rounded to bf16 nor cast in a second pass.
         if A2.is_cuda and A2.element_size() == 2 and weight.dtype == torch.float32:
             return {"weight": torch.mm(G2.T, A2, out_dtype=torch.float32)}
         return {"weight": G2.T @ A2}
+
+
+def _folds_into_G(A: Tensor, G: Tensor) -> bool:
+    """Are the clip factors folded into G [B, T, p] rather than A [B, T, d]? Into the narrower
+    (fewer elements to scale), G where d == p."""
+    return G.shape[-1] <= A.shape[-1]

@@ -12,7 +12,7 @@ from flash.fused import triton_kernels
 from flash.rules.base import NormRule, _acc, _acc_dtype, register_norm_rule
 
 if TYPE_CHECKING:
-    from flash.engine import Layer
+    from flash.layer import Layer
 
 
 @register_norm_rule(nn.LayerNorm, nn.RMSNorm)

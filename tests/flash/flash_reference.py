@@ -99,3 +99,18 @@ def per_sample_grads_of(run, model, x: torch.Tensor) -> torch.Tensor:
         grads = torch.autograd.grad(run(model, x[b : b + 1]).sum(), params)
         rows.append(torch.cat([g.flatten() for g in grads]))
     return torch.stack(rows)
+
+
+class RecordingSink:
+    """A sink that keeps a copy of every clipped sum it is handed, and its finish calls."""
+
+    def __init__(self):
+        self.got, self.order, self.finished = {}, [], []
+
+    def __call__(self, param, grad):
+        assert not self.finished, "a sum handed over after finish"
+        self.got.setdefault(id(param), []).append(grad.clone())
+        self.order.append(param)
+
+    def finish(self, params):
+        self.finished.append(list(params))

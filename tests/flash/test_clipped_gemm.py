@@ -7,6 +7,7 @@ import os
 
 import pytest
 import torch
+from flash_reference import RecordingSink
 from torch import nn
 
 from flash.engine import FlashClipping
@@ -164,6 +165,86 @@ def test_fold_rounds_each_product_toward_zero():
     )
     assert folded.dtype == torch.float16 and torch.equal(folded, expected)
     assert (nearest != expected).float().mean() > 0.2  # a fair share were rounded up
+
+
+@interpreted
+def test_fold_many_equals_each_fold_alone():
+    """fold_clip_factors_many: one launch over operands of different widths and tokens per
+    sample (one past a block, one empty), each result bit for bit what folding it alone gives
+    (rounded toward zero, checked above), as views of one buffer."""
+    B = 3
+    c = torch.tensor([0.3, 1.0, 0.0123])
+    shapes = [(5, 2100), (1, 7), (4, 0), (2, 64)]  # (T, n)
+    Xs = [torch.randn(B * T, n).half() for T, n in shapes]
+    many = kernels.fold_clip_factors_many(Xs, c, [T for T, _ in shapes])
+    for X, (T, _), folded in zip(Xs, shapes, many, strict=True):
+        product = X.float() * c.repeat_interleave(T)[:, None]
+        nearest = product.half()
+        alone = torch.where(
+            nearest.double().abs() > product.double().abs(),
+            torch.nextafter(nearest, torch.zeros_like(nearest)),
+            nearest,
+        )
+        assert folded.shape == X.shape and torch.equal(folded, alone)
+    assert len({f.untyped_storage().data_ptr() for f in many if f.numel()}) == 1
+    with pytest.raises(ValueError, match="one 16-bit dtype"):
+        kernels.fold_clip_factors_many([Xs[0], Xs[1].float()], c, [5, 1])
+
+
+@interpreted
+@pytest.mark.parametrize("use_sink", [False, True])
+def test_flash_step_folds_many_layers_per_launch_interpreted(monkeypatch, use_sink):
+    """The wiring of the grouped fold: Linear layers of different widths under fp16 autocast
+    (the CUDA check patched to pass on CPU), c folded into each layer's narrower operand by
+    launches of up to FOLD_GROUP_BYTES: one launch for all, or one per layer (bound 0), give
+    the same gradients bit for bit, on the .grad path and the sink path, each within fp16
+    rounding of an fp64 clipped sum for the same clip factors."""
+    from flash.rules import linear as linear_rule
+
+    monkeypatch.setattr(kernels, "clipped_weight_grad_supported", lambda A, G: True)
+    launches = []
+    fold_many = kernels.fold_clip_factors_many
+    monkeypatch.setattr(
+        kernels,
+        "fold_clip_factors_many",
+        lambda Xs, c, tokens: launches.append(len(Xs)) or fold_many(Xs, c, tokens),
+    )
+    B, T = 3, 6
+    widths = [(16, 40), (40, 8), (8, 8)]  # fold into G, into A, into G (d == p)
+    results, inputs, output_grads = [], {}, {}
+
+    def record(module, args, out):  # the fp16 A flash keeps, and G
+        inputs[module] = args[0].half()
+        out.register_hook(lambda g: output_grads.setdefault(module, g))
+
+    for bound in (2**30, 0):
+        monkeypatch.setattr(linear_rule, "FOLD_GROUP_BYTES", bound)
+        torch.manual_seed(0)
+        model = nn.Sequential(*(nn.Linear(d, p, bias=False) for d, p in widths))
+        x = torch.randn(B, T, widths[0][0])
+        flash = FlashClipping(model, route="gram", tile_size=4)
+        for layer in model:
+            layer.register_forward_hook(record)
+        with torch.autocast("cpu", dtype=torch.float16):
+            out = model(x)
+        flash.backward(out.float().square().sum())
+        norms = flash.per_sample_squared_norms().sqrt()
+        c = (norms.median() / (norms + 1e-6)).clamp(max=1.0)
+        launches.clear()
+        sink = RecordingSink() if use_sink else None
+        flash.accumulate_clipped_grads(c, sink=sink)
+        assert launches == ([3] if bound else [1, 1, 1])
+        if use_sink:
+            grads = [sink.got[id(layer.weight)][0] for layer in model]
+        else:
+            grads = [layer.weight.grad for layer in model]
+        for layer, grad in zip(model, grads, strict=True):
+            expected = clipped_sum(inputs[layer], output_grads[layer], c)
+            assert relative_error(grad, expected) < 4e-3
+        results.append(grads)
+        flash.release()
+    for grouped, alone in zip(*results, strict=True):
+        assert torch.equal(grouped, alone)
 
 
 @interpreted

@@ -8,6 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from flash_reference import (
+    RecordingSink,
     assert_close,
     brute_force,
     flash_step,
@@ -368,8 +369,8 @@ def test_kept_tensors_are_the_saved_inputs_output_grads_and_per_sample_grads(rou
 def test_allocation_sites_name_the_functions_that_allocate():
     """The memory attribution reads each entry's function name: every role lists the functions
     (and each rule's overrides) that make its allocations, under the names they have."""
-    from flash.engine import ALLOCATION_SITES
     from flash.rules.linear import LinearRule
+    from flash.sites import ALLOCATION_SITES
 
     names = {role: {fn.__code__.co_name for fn in fns} for role, fns in ALLOCATION_SITES.items()}
     assert list(names) == ["temp_matrices", "norm_samples", "per_sample_gradients", "gradients"]
@@ -414,19 +415,54 @@ def test_input_read_by_layers_with_other_calls_between_is_cast_once():
     assert flash._saved == {}  # the casts are held by the layers' calls alone
 
 
-class RecordingSink:
-    """A sink that keeps a copy of every clipped sum it is handed, and its finish calls."""
+def test_under_autocast_flash_casts_no_input_the_layers_do_not():
+    """Under bf16 autocast a Linear casts its fp32 input itself; flash keeps that very cast
+    (handed to the first layer reading the input) instead of making its own: as many casts of
+    activations as the model without flash, and the gradient reaching the input bit for bit
+    the same."""
+    from torch.utils._python_dispatch import TorchDispatchMode
 
-    def __init__(self):
-        self.got, self.order, self.finished = {}, [], []
+    class Casts(TorchDispatchMode):  # counts casts of activations (weights are [8, 8] here)
+        def __init__(self):
+            super().__init__()
+            self.count = 0
 
-    def __call__(self, param, grad):
-        assert not self.finished, "a sum handed over after finish"
-        self.got.setdefault(id(param), []).append(grad.clone())
-        self.order.append(param)
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func is torch.ops.aten._to_copy.default and args[0].shape == (2, 5, 8):
+                self.count += 1
+            return func(*args, **(kwargs or {}))
 
-    def finish(self, params):
-        self.finished.append(list(params))
+    class QKV(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed, self.ln = nn.Linear(8, 8), nn.LayerNorm(8)
+            self.q, self.k, self.v = (nn.Linear(8, 8) for _ in range(3))
+
+        def forward(self, x):
+            # fp32 (CPU autocast keeps LayerNorm in its input's dtype), and not flash's leaf
+            # (autocast caches its casts of leaves)
+            h = self.ln(self.embed(x).float())
+            h.register_hook(lambda grad: grads.append(grad))
+            return (self.q(h) * self.k(h)).float().tanh() + self.v(h)
+
+    counts, grads = [], []
+    for with_flash in (False, True):
+        torch.manual_seed(0)
+        model = QKV()
+        flash = FlashClipping(model) if with_flash else None
+        casts = Casts()
+        with casts, torch.autocast("cpu", dtype=torch.bfloat16):
+            out = model(torch.randn(2, 5, 8))
+        counts.append(casts.count)
+        loss = out.float().square().sum()
+        if with_flash:
+            assert flash.layers[2].calls[0][0].dtype == torch.bfloat16  # q's A: the cast
+            flash.backward(loss)
+        else:
+            loss.backward()
+    # x for embed, its output to fp32, h for q, k and v, the product to fp32, with flash or not
+    assert counts[1] == counts[0] == 6
+    assert torch.equal(grads[1], grads[0])
 
 
 @pytest.mark.parametrize("route", ["product", "gram"])
