@@ -6,8 +6,9 @@ weight gradient (managed parameters are set to requires_grad=False while wrapped
 norms and the clipped sum sum_b c_b * grad_b are then computed from (A, G) by per-layer-type
 rules (flash.rules).
 
-Under autocast a Linear's A is kept in the autocast dtype (what the layer multiplied). The bias
-and norm layers' per-sample gradients ([B, p], [B, d]) are always formed in the backward hook.
+Under autocast a Linear's A is kept in the autocast dtype (the cast the layer multiplies, handed
+to it so it makes none of its own). The bias and norm layers' per-sample gradients ([B, p],
+[B, d]) are always formed in the backward hook.
 Where a layer's per-sample gradients are no larger than its own A and G (Linear with
 d*p <= T*(d+p), i.e. long sequences; LayerNorm/RMSNorm always), the output-gradient hook forms
 them at once (one batched GEMM, the FLOPs of the weight gradient it replaces) and drops A and G:
@@ -32,7 +33,6 @@ that require grad are not supported); no activation checkpointing.
 
 from __future__ import annotations
 
-import types
 import weakref
 from collections import deque
 from collections.abc import Callable, Iterator
@@ -110,10 +110,9 @@ class FlashClipping:
         self.params = [p for p in model.parameters() if id(p) in owner]
         for p in self.params:
             p.requires_grad_(False)  # autograd then computes no weight gradient at all
-        # Each managed module's forward is wrapped (an instance attribute) instead of given a
-        # forward hook: any hook sends nn.Module.__call__ down its slow path, 30 us of host time
-        # per call on an H100's host (flash is host-bound with many small layers).
-        self._forwards = [self._wrap_forward(layer) for layer in self.layers]
+        # Hooks, not a wrapped forward: they run for copies and replicas of a module too
+        # (DataParallel, copy.copy), and whatever wraps its forward later.
+        self._handles = [handle for layer in self.layers for handle in self._hook(layer)]
         self._leaves: list[Tensor] = []
         # id(input) -> (rule, weakref to input, its state, saved A), this forward's: q, k and v
         # (LoRA: their lora_A) read one input but other managed calls come in between.
@@ -141,37 +140,35 @@ class FlashClipping:
         self._saved[id(x)] = (layer.rule, weakref.ref(x), state, saved)
         return saved, (fed if feeds else x)
 
-    def _wrap_forward(self, layer: Layer) -> tuple[nn.Module, object]:
-        """Set layer.module.forward to one that keeps A, runs the module's own forward and hooks
-        its output's node for G; returns (module, the instance attribute it replaced or None)
-        for remove(). Bound with MethodType, so a deep copy of the model rebinds it to the
-        copy's module."""
-        module = layer.module
-        replaced = module.__dict__.get("forward")  # e.g. another library's wrapper
+    def _hook(self, layer: Layer) -> tuple:
+        """A forward pre-hook that keeps A (and hands the layer the cast flash keeps, where
+        _saved_input made one) and a forward hook that hooks the output's node for G."""
         keep = self._make_hook(layer)
+        saved_now = [None]  # the pre-hook's A for the forward hook of the same call
 
-        def run(module, *args, **kwargs):  # the module's own forward
-            if replaced is None:
-                return type(module).forward(module, *args, **kwargs)
-            return replaced(*args, **kwargs)
-
-        def forward(module, *args, **kwargs):
+        def before(module, args, kwargs):
+            saved_now[0] = None
             if not torch.is_grad_enabled():
-                return run(module, *args, **kwargs)
+                return None
             if self._after_backward:
                 raise RuntimeError("FlashClipping: call release() before the next forward")
             x = args[0] if args else next(iter(kwargs.values()))
-            saved, fed = self._saved_input(layer, x)
-            if fed is not x and args:
-                args = (fed, *args[1:])
-            elif fed is not x:
-                kwargs = {**kwargs, next(iter(kwargs)): fed}
-            output = run(module, *args, **kwargs)
-            leaf = keep(saved, output)
-            return output if leaf is None else leaf
+            saved_now[0], fed = self._saved_input(layer, x)
+            if fed is x:
+                return None
+            if args:
+                return (fed, *args[1:]), kwargs
+            return args, {**kwargs, next(iter(kwargs)): fed}
 
-        module.forward = types.MethodType(forward, module)
-        return module, replaced
+        def after(module, args, kwargs, output):
+            saved, saved_now[0] = saved_now[0], None
+            return None if saved is None else keep(saved, output)
+
+        module = layer.module
+        return (
+            module.register_forward_pre_hook(before, with_kwargs=True),
+            module.register_forward_hook(after, with_kwargs=True),
+        )
 
     def _make_hook(self, layer: Layer):
         k_in, k_out = layer.rule.feature_dims(layer.module)
@@ -423,6 +420,7 @@ class FlashClipping:
                 else:  # no call of this chunk reached the layer
                     grad = torch.zeros(param.shape, dtype=param.dtype, device=c.c.device)
                 sink(param, grad.view(param.shape))
+                del grad  # not held through the next layer's clipped GEMM
 
     @staticmethod
     def _calls_by_rule(order: list[Layer], c: ClipFactors | None = None) -> dict[NormRule, Any]:
@@ -461,10 +459,7 @@ class FlashClipping:
     def remove(self) -> None:
         """Remove hooks and make the managed parameters trainable again."""
         self.release()
-        for module, replaced in self._forwards:
-            if replaced is None:
-                del module.forward
-            else:
-                module.forward = replaced
+        for handle in self._handles:
+            handle.remove()
         for p in self.params:
             p.requires_grad_(True)

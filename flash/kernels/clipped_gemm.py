@@ -21,7 +21,7 @@ import triton
 import triton.language as tl
 from torch._utils import _unflatten_dense_tensors
 
-from flash.kernels._common import _TL_DTYPES, _block_table, _on_cuda_in_kernel_dtypes, _table_to
+from flash.kernels._common import _TL_DTYPES, _on_cuda_in_kernel_dtypes, _table_to
 
 
 @triton.jit
@@ -166,21 +166,17 @@ def split_count(B: int, T: int, D: int, P: int, device: torch.device) -> int:
 
 
 @triton.jit
-def _fold_kernel(
-    table, tensor_of_block, first_block, sizes, c, out,
-    BLOCK: tl.constexpr, DTYPE: tl.constexpr,
-):  # fmt: skip
-    """out_i = X_i * c[sample] for a list of contiguous X_i [B*T_i, n_i] in one launch, each
-    product formed in fp32 and rounded toward zero to 16 bits: never above c * x in magnitude.
-    ``table`` rows: X_i's pointer, where out_i starts in ``out``, elements per sample (T_i n_i)."""
-    block = tl.program_id(0)
-    i = tl.load(tensor_of_block + block)
-    n = tl.load(sizes + i)
-    source = tl.load(table + 3 * i).to(tl.pointer_type(DTYPE))
-    start = tl.load(table + 3 * i + 1)
-    per_sample = tl.load(table + 3 * i + 2)
-    offsets = (block - tl.load(first_block + i)).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    keep = offsets < n
+def _fold_kernel(table, c, out, BLOCK: tl.constexpr, DTYPE: tl.constexpr):
+    """out_i = X_i * c[sample] for a list of contiguous X_i [B*T_i, n_i] in one launch (program
+    (j, i): block j of X_i), each product formed in fp32 and rounded toward zero to 16 bits:
+    never above c * x in magnitude. ``table`` rows: X_i's pointer, where out_i starts in
+    ``out``, elements per sample (T_i n_i), elements."""
+    i = tl.program_id(1)
+    source = tl.load(table + 4 * i).to(tl.pointer_type(DTYPE))
+    start = tl.load(table + 4 * i + 1)
+    per_sample = tl.load(table + 4 * i + 2)
+    offsets = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    keep = offsets < tl.load(table + 4 * i + 3)  # the programs past a smaller X_i do nothing
     x = tl.load(source + offsets, mask=keep, other=0.0).to(tl.float32)
     x = x * tl.load(c + offsets // per_sample, mask=keep, other=0.0)
     y = x.to(DTYPE)  # to nearest; one step toward zero (sign-magnitude) where it rounded up
@@ -209,21 +205,21 @@ def fold_clip_factors_many(
     if len({(X.dtype, X.device) for X in Xs}) != 1 or Xs[0].element_size() != 2:
         raise ValueError("fold_clip_factors_many needs operands of one 16-bit dtype and device")
     Xs = [X.contiguous() for X in Xs]
-    sizes = tuple(X.numel() for X in Xs)
+    sizes = [X.numel() for X in Xs]
     out = Xs[0].new_empty(sum(sizes))
     folded = _unflatten_dense_tensors(out, Xs)
-    tensor_of_block, first_block, numels = _block_table(out.device, sizes, FOLD_BLOCK)
-    if len(tensor_of_block):
+    if max(sizes, default=0):
+        # A table of this launch's operands only (their sizes change with B and T: a cached
+        # per-block table, as the weighted sums keep for parameters, would grow with them).
         starts = itertools.accumulate(sizes[:-1], initial=0)
         rows = zip(Xs, starts, tokens, strict=True)
         table = torch.tensor(
-            [[X.data_ptr(), start, max(1, T * X.shape[1])] for X, start, T in rows],
+            [[X.data_ptr(), start, max(1, T * X.shape[1]), X.numel()] for X, start, T in rows],
             dtype=torch.int64,
         )
         with torch.cuda.device(out.device) if out.is_cuda else contextlib.nullcontext():
-            _fold_kernel[(len(tensor_of_block),)](
-                _table_to(table, out.device), tensor_of_block, first_block, numels,
-                c.to(out.device, torch.float32).contiguous(), out,
+            _fold_kernel[(triton.cdiv(max(sizes), FOLD_BLOCK), len(Xs))](
+                _table_to(table, out.device), c.to(out.device, torch.float32).contiguous(), out,
                 BLOCK=FOLD_BLOCK, DTYPE=_TL_DTYPES[out.dtype],
             )  # fmt: skip
     return list(folded)

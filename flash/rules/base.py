@@ -89,11 +89,8 @@ class NormRule:
         """clipped_grads of each call of ``calls`` in order, one at a time (a rule may do some
         work of several calls at once). The deque is the rule's: each call leaves it as its
         gradients are made, so its A and G are freed once the caller drops them too."""
-        while calls:
-            layer, A, G = calls.popleft()
-            grads = self.clipped_grads(layer, A, G, c)
-            del A, G
-            yield grads
+        while calls:  # no local holds a call's tensors or gradients while suspended
+            yield self.clipped_grads(*calls.popleft(), c)
 
 
 NORM_RULES: dict[type, NormRule] = {}

@@ -155,7 +155,7 @@ class LinearRule(NormRule):
         return terms
 
     def clipped_grads(self, layer, A, G, c):
-        return self._clipped_grads(layer, A, G, c, folded=None)
+        return self._clipped_grads(c, layer, A, G, folded=None)
 
     def clipped_grads_many(self, calls, c):
         """clipped_grads of each call in order; where the fp32 clip factors are folded into a
@@ -165,10 +165,8 @@ class LinearRule(NormRule):
         while calls or ready:
             if not ready:
                 ready.extend(self._fold_next(calls, c))
-            layer, A, G, folded = ready.popleft()
-            grads = self._clipped_grads(layer, A, G, c, folded)
-            del A, G, folded
-            yield grads
+            # no local holds a call's tensors or gradients while suspended
+            yield self._clipped_grads(c, *ready.popleft())
 
     def _fold_next(self, calls, c) -> list[tuple]:
         """The next calls off ``calls``, each with its operand folded by one shared launch (None
@@ -183,8 +181,8 @@ class LinearRule(NormRule):
                 A_op, G_op, layer.params["weight"]
             ):
                 narrow = (G_op if _folds_into_G(A_op, G_op) else A_op).flatten(0, 1)
-                if folds and narrow.dtype != folds[0].dtype:
-                    break  # one dtype per launch
+                if folds and (narrow.dtype, narrow.device) != (folds[0].dtype, folds[0].device):
+                    break  # one dtype and device per launch
                 folds.append(narrow)
                 held += narrow.numel() * narrow.element_size()
             calls.popleft()
@@ -197,7 +195,7 @@ class LinearRule(NormRule):
                     entry[3] = next(folded)
         return [tuple(entry) for entry in group]
 
-    def _clipped_grads(self, layer, A, G, c, folded):
+    def _clipped_grads(self, c, layer, A, G, folded):
         """The weight's clipped sum; ``folded``: the narrower of A and G, flattened to [B*T, n],
         with c already folded in by flash.kernels, or None."""
         A_op, G_op = _gemm_operands(A, G)  # the dtype autocast's own weight GEMM uses

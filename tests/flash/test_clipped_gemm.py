@@ -187,6 +187,14 @@ def test_fold_many_equals_each_fold_alone():
         )
         assert folded.shape == X.shape and torch.equal(folded, alone)
     assert len({f.untyped_storage().data_ptr() for f in many if f.numel()}) == 1
+    # Nothing cached per operand size (they change with B and T; the per-block tables kept for
+    # parameter sizes would grow with them)
+    from flash.kernels import _common
+
+    tables = len(_common._BLOCK_TABLES)
+    for B in (1, 2, 5):
+        kernels.fold_clip_factors_many([torch.randn(B * 3, 9).half()], torch.ones(B), [3])
+    assert len(_common._BLOCK_TABLES) == tables
     with pytest.raises(ValueError, match="one 16-bit dtype"):
         kernels.fold_clip_factors_many([Xs[0], Xs[1].float()], c, [5, 1])
 

@@ -497,6 +497,53 @@ def test_sink_gets_each_parameter_sum_once_as_grad_would(monkeypatch, small, rou
     assert_close(results[1], results[0], 1e-12)
 
 
+@pytest.mark.parametrize("route", ["product", "gram"])
+def test_sink_path_holds_no_sum_it_handed_over(monkeypatch, route):
+    """Each clipped sum handed to the sink is the sink's alone: by the next hand-over flash
+    holds no reference to it (no local of a suspended generator or loop keeps an unsharded sum
+    alive through the next layer's clipped GEMM). No concatenation of small per-sample
+    gradients here (threshold 0): their sums would be views of one buffer."""
+    from flash import engine as flash_clip
+
+    monkeypatch.setattr(flash_clip, "SMALL_PER_SAMPLE_NUMEL", 0)
+    ids, targets = make_batch(3, 5, seed=4)
+    model = make_model()
+    flash = FlashClipping(model, route=route)
+    handed, alive_at_next = [], []
+
+    class WeakSink:
+        def __call__(self, param, grad):
+            alive_at_next.append([ref() is not None for ref in handed])
+            handed.append(weakref.ref(grad if grad._base is None else grad._base))
+
+        def finish(self, params):
+            pass
+
+    for _ in range(2):  # the second chunk as the first
+        handed.clear(), alive_at_next.clear()
+        flash.backward(sample_losses(model(ids), targets).sum())
+        c = (1.0 / (flash.per_sample_squared_norms().sqrt() + 1e-6)).clamp(max=1.0)
+        flash.accumulate_clipped_grads(c, sink=WeakSink())
+        flash.release()
+        assert len(handed) == len(flash.params)
+        assert not any(any(alive) for alive in alive_at_next), alive_at_next
+
+
+def test_remove_twice_keeps_what_was_set_later():
+    """remove() takes off flash's hooks only: a forward another library set on a managed module
+    after flash stays, and a second remove() is a no-op."""
+    model = nn.Sequential(nn.Linear(4, 3))
+    flash = FlashClipping(model)
+    calls = []
+    inner = model[0].forward
+    model[0].forward = lambda x: calls.append(1) or inner(x)
+    flash.remove()
+    flash.remove()
+    model(torch.randn(2, 4))
+    assert calls == [1] and all(p.requires_grad for p in model.parameters())
+    assert not model[0]._forward_hooks and not model[0]._forward_pre_hooks
+
+
 def test_sink_gets_zeros_in_place_for_a_layer_the_chunk_did_not_reach():
     """A layer no call reached (a data-dependent branch, an unused head) is still handed over,
     as zeros at its place in flash.params' (reverse) order: a rank that reached it and one
