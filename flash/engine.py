@@ -144,16 +144,17 @@ class FlashClipping:
         """A forward pre-hook that keeps A (and hands the layer the cast flash keeps, where
         _saved_input made one) and a forward hook that hooks the output's node for G."""
         keep = self._make_hook(layer)
-        saved_now = [None]  # the pre-hook's A for the forward hook of the same call
+        pending = [None]  # (A, the input the layer was given) from the pre-hook of this call
 
         def before(module, args, kwargs):
-            saved_now[0] = None
+            pending[0] = None
             if not torch.is_grad_enabled():
                 return None
             if self._after_backward:
                 raise RuntimeError("FlashClipping: call release() before the next forward")
             x = args[0] if args else next(iter(kwargs.values()))
-            saved_now[0], fed = self._saved_input(layer, x)
+            saved, fed = self._saved_input(layer, x)
+            pending[0] = saved, fed
             if fed is x:
                 return None
             if args:
@@ -161,8 +162,13 @@ class FlashClipping:
             return args, {**kwargs, next(iter(kwargs)): fed}
 
         def after(module, args, kwargs, output):
-            saved, saved_now[0] = saved_now[0], None
-            return None if saved is None else keep(saved, output)
+            if pending[0] is None:
+                return None
+            (saved, fed), pending[0] = pending[0], None
+            x = args[0] if args else next(iter(kwargs.values()))
+            if x is not fed:  # a pre-hook registered after flash's replaced the input
+                saved = layer.rule.saved_input(module, x.detach())
+            return keep(saved, output)
 
         module = layer.module
         return (

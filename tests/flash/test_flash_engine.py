@@ -529,6 +529,22 @@ def test_sink_path_holds_no_sum_it_handed_over(monkeypatch, route):
         assert not any(any(alive) for alive in alive_at_next), alive_at_next
 
 
+def test_input_replaced_by_a_later_pre_hook_is_the_one_kept():
+    """A forward pre-hook registered after flash's that replaces the input: flash keeps what
+    the layer was given (per-sample gradients against brute force)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 3)).double()
+    reference = copy.deepcopy(model)
+    x = torch.randn(2, 5, 4, dtype=torch.float64)
+    flash = FlashClipping(model, route="gram")
+    for m in (model[0], reference[0]):
+        m.register_forward_pre_hook(lambda m, args: (2 * args[0] + 1,))
+    flash.backward(model(x).square().sum())
+    norms = flash.per_sample_squared_norms().sqrt()
+    expected = per_sample_grads_of(lambda m, xb: m(xb).square().sum(), reference, x).norm(dim=1)
+    assert_close(norms, expected, 1e-12)
+
+
 def test_remove_twice_keeps_what_was_set_later():
     """remove() takes off flash's hooks only: a forward another library set on a managed module
     after flash stays, and a second remove() is a no-op."""
