@@ -74,6 +74,11 @@ def _is_small(per_sample_grad: Tensor) -> bool:
     return per_sample_grad.numel() <= SMALL_PER_SAMPLE_NUMEL * per_sample_grad.shape[0]
 
 
+def _layer_input(args: tuple, kwargs: dict) -> Tensor:
+    """A managed layer's input: its first argument, positional or by keyword."""
+    return args[0] if args else next(iter(kwargs.values()))
+
+
 ROUTES = ("auto", "gram", "direct", "product")  # how Linear layers get their per-sample norms
 
 
@@ -152,7 +157,7 @@ class FlashClipping:
                 return None
             if self._after_backward:
                 raise RuntimeError("FlashClipping: call release() before the next forward")
-            x = args[0] if args else next(iter(kwargs.values()))
+            x = _layer_input(args, kwargs)
             saved, fed = self._saved_input(layer, x)
             pending[0] = saved, fed
             if fed is x:
@@ -165,7 +170,7 @@ class FlashClipping:
             if pending[0] is None:
                 return None
             (saved, fed), pending[0] = pending[0], None
-            x = args[0] if args else next(iter(kwargs.values()))
+            x = _layer_input(args, kwargs)
             if x is not fed:  # a pre-hook registered after flash's replaced the input
                 saved = layer.rule.saved_input(module, x.detach())
             return keep(saved, output)

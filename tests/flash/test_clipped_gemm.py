@@ -147,6 +147,20 @@ def test_clip_schedule():
     assert torch.allclose(weights, scale.double(), rtol=1e-6, atol=0)
 
 
+def folded_toward_zero(X, c, T):
+    """(X's token rows times their sample's c rounded to nearest, the same rounded toward zero):
+    the fp32 product stepped down one ulp where rounding to the 16-bit dtype went up (fp64
+    check)."""
+    product = X.float() * c.repeat_interleave(T)[:, None]
+    nearest = product.to(X.dtype)
+    toward_zero = torch.where(
+        nearest.double().abs() > product.double().abs(),
+        torch.nextafter(nearest, torch.zeros_like(nearest)),
+        nearest,
+    )
+    return nearest, toward_zero
+
+
 @interpreted
 def test_fold_rounds_each_product_toward_zero():
     """fold_clip_factors: each token row times its sample's fp32 c, the fp32 product rounded to
@@ -156,13 +170,7 @@ def test_fold_rounds_each_product_toward_zero():
     X = torch.randn(B * T, n).half()
     c = torch.tensor([0.3, 1.0, 0.0123])
     folded = kernels.fold_clip_factors(X, c, T)
-    product = X.float() * c.repeat_interleave(T)[:, None]
-    nearest = product.half()
-    expected = torch.where(
-        nearest.double().abs() > product.double().abs(),
-        torch.nextafter(nearest, torch.zeros_like(nearest)),
-        nearest,
-    )
+    nearest, expected = folded_toward_zero(X, c, T)
     assert folded.dtype == torch.float16 and torch.equal(folded, expected)
     assert (nearest != expected).float().mean() > 0.2  # a fair share were rounded up
 
@@ -178,14 +186,7 @@ def test_fold_many_equals_each_fold_alone():
     Xs = [torch.randn(B * T, n).half() for T, n in shapes]
     many = kernels.fold_clip_factors_many(Xs, c, [T for T, _ in shapes])
     for X, (T, _), folded in zip(Xs, shapes, many, strict=True):
-        product = X.float() * c.repeat_interleave(T)[:, None]
-        nearest = product.half()
-        alone = torch.where(
-            nearest.double().abs() > product.double().abs(),
-            torch.nextafter(nearest, torch.zeros_like(nearest)),
-            nearest,
-        )
-        assert folded.shape == X.shape and torch.equal(folded, alone)
+        assert folded.shape == X.shape and torch.equal(folded, folded_toward_zero(X, c, T)[1])
     assert len({f.untyped_storage().data_ptr() for f in many if f.numel()}) == 1
     # Nothing cached per operand size (they change with B and T; the per-block tables kept for
     # parameter sizes would grow with them)
