@@ -29,15 +29,21 @@ def _squared_row_norms(x: Tensor) -> Tensor:
 
 def _squared_row_norms_many(grads: list[Tensor]) -> list[Tensor]:
     """The sum over ``grads`` of _squared_row_norms(grad.flatten(1)), [B], one term per (dtype,
-    device): one multi-tensor norm over all their sample rows, not a reduction per tensor (LoRA
-    keeps hundreds of per-sample gradients per chunk and flash is launch/CPU-bound there). CPU
-    accumulates in fp64 (fp32 drifts on long rows, see _squared_row_norms)."""
+    device): one launch over all their sample rows, not a reduction per tensor (LoRA keeps
+    hundreds of per-sample gradients per chunk and flash is launch/CPU-bound there). CUDA:
+    flash.kernels.squared_row_norms_many where it takes them (the clipped sums' conditions),
+    else a multi-tensor norm. CPU accumulates in fp64 (fp32 drifts on long rows, see
+    _squared_row_norms)."""
     groups: dict[tuple, list[Tensor]] = {}
     for grad in grads:
         groups.setdefault((grad.dtype, grad.device), []).append(grad)
     terms = []
+    kernels = triton_kernels()
     for members in groups.values():
         acc = _acc_dtype(members[0])
+        if kernels is not None and all(kernels.weighted_sums_supported(g, g) for g in members):
+            terms.append(kernels.squared_row_norms_many(members).to(acc))
+            continue
         rows = [row for grad in members for row in grad.unbind(0)]
         on_cpu = members[0].device.type == "cpu"
         norms = torch._foreach_norm(rows, 2, dtype=torch.float64 if on_cpu else acc)

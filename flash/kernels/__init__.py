@@ -9,8 +9,8 @@ module:
 - direct: direct_squared_norms, the direct route, each tile of G_b^T A_b square-summed on chip.
 - noise: add_gaussian_noise_, DP-SGD's noise drawn (Philox) and added in one pass over every
   gradient.
-- weighted_sums: weighted_sums_, the clipped sums of kept per-sample gradients, one read of
-  each, one launch.
+- weighted_sums: kept per-sample gradients: squared_row_norms_many, their per-sample squared
+  norms, and weighted_sums_, their clipped sums; one read of each, one launch.
 - clipped_gemm: clipped_weight_grad, a Linear's clipped weight gradient sum_b c_b G_b^T A_b in fp32,
   each sample's product accumulated in fp32 before its fp32 clip factor weights it (the torch
   path folds c into a 16-bit operand and shrinks it by an ulp to stay within C).
@@ -35,10 +35,17 @@ from flash.kernels.direct import direct_squared_norms
 from flash.kernels.gram import gram_squared_norms, gram_squared_norms_grouped
 from flash.kernels.noise import NOISE_BLOCK, add_gaussian_noise_
 from flash.kernels.norm_layer import norm_layer_grads_supported, norm_layer_per_sample_grads
-from flash.kernels.weighted_sums import WEIGHTED_SUM_BLOCK, weighted_sums_, weighted_sums_supported
+from flash.kernels.weighted_sums import (
+    ROW_NORM_BLOCK,
+    WEIGHTED_SUM_BLOCK,
+    squared_row_norms_many,
+    weighted_sums_,
+    weighted_sums_supported,
+)
 
 __all__ = [
     "NOISE_BLOCK",
+    "ROW_NORM_BLOCK",
     "WEIGHTED_SUM_BLOCK",
     "add_gaussian_noise_",
     "clip_schedule",
@@ -51,6 +58,7 @@ __all__ = [
     "gram_squared_norms_grouped",
     "norm_layer_grads_supported",
     "norm_layer_per_sample_grads",
+    "squared_row_norms_many",
     "weighted_sums_",
     "weighted_sums_supported",
 ]

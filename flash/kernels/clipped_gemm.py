@@ -175,17 +175,28 @@ def _fold_kernel(table, c, out, BLOCK: tl.constexpr, DTYPE: tl.constexpr):
     source = tl.load(table + 4 * i).to(tl.pointer_type(DTYPE))
     start = tl.load(table + 4 * i + 1)
     per_sample = tl.load(table + 4 * i + 2)
-    offsets = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    first = tl.program_id(0).to(tl.int64) * BLOCK
+    offsets = first + tl.arange(0, BLOCK)
     keep = offsets < tl.load(table + 4 * i + 3)  # the programs past a smaller X_i do nothing
+    # Each element's sample without a 64-bit division per element (tens of instructions each,
+    # enough to make this memory-bound copy compute-bound): one division per program, then a
+    # comparison where a block holds at most one sample boundary, else 32-bit divisions of
+    # offsets within the block.
+    first_sample = first // per_sample
+    within = offsets - first_sample * per_sample  # < per_sample + BLOCK
+    if per_sample >= BLOCK:
+        later = (within >= per_sample).to(tl.int64)
+    else:
+        later = (within.to(tl.int32) // per_sample.to(tl.int32)).to(tl.int64)
     x = tl.load(source + offsets, mask=keep, other=0.0).to(tl.float32)
-    x = x * tl.load(c + offsets // per_sample, mask=keep, other=0.0)
+    x = x * tl.load(c + first_sample + later, mask=keep, other=0.0)
     y = x.to(DTYPE)  # to nearest; one step toward zero (sign-magnitude) where it rounded up
     up = tl.abs(y.to(tl.float32)) > tl.abs(x)
     y = tl.where(up, (y.to(tl.int16, bitcast=True) - 1).to(DTYPE, bitcast=True), y)
     tl.store(out + start + offsets, y, mask=keep)
 
 
-FOLD_BLOCK = 2048  # elements per program: memory-bound, as the weighted sums
+FOLD_BLOCK = 1024  # elements per program: memory-bound, as the weighted sums (same block)
 
 
 def fold_clip_factors(X: torch.Tensor, c: torch.Tensor, tokens: int) -> torch.Tensor:

@@ -1,4 +1,5 @@
-"""The clipped sums of kept per-sample gradients: one read of each, one launch for all."""
+"""Kept per-sample gradients: their per-sample squared norms and their clipped sums, each one
+read of every gradient and one launch for all."""
 
 from __future__ import annotations
 
@@ -15,7 +16,56 @@ from flash.kernels._common import (
     _table_to,
 )
 
-WEIGHTED_SUM_BLOCK = 2048  # elements per program; memory-bound like the noise kernel
+# Elements per program. Both kernels are memory-bound: on an H100, blocks of 1024 (weighted
+# sums, 4 warps) and 512 (norms, 2 warps) read 1.2-1.4x faster than blocks of 2048 or more
+# (more programs, more loads in flight); BENCHMARKS.md.
+WEIGHTED_SUM_BLOCK = 1024
+ROW_NORM_BLOCK = 512
+
+
+@triton.jit
+def _squared_norms_kernel(
+    table, tensor_of_block, first_block, sizes, partials, batch,
+    BLOCK: tl.constexpr, SOURCE_DTYPE: tl.constexpr,
+):  # fmt: skip
+    """partials[block, b] = ||source_i[b, this block's columns]||^2 in fp32 for a list of
+    sources [B, n_i] in one launch; ``table``: their pointers. The host sums the partials over
+    blocks (deterministic: no atomics)."""
+    block = tl.program_id(0)
+    i = tl.load(tensor_of_block + block)
+    n = tl.load(sizes + i)
+    source = tl.load(table + i).to(tl.pointer_type(SOURCE_DTYPE))
+    offsets = (block - tl.load(first_block + i)).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    keep = offsets < n
+    for b in range(batch):
+        x = tl.load(source + b * n + offsets, mask=keep, other=0.0).to(tl.float32)
+        tl.store(partials + block.to(tl.int64) * batch + b, tl.sum(x * x, axis=0))
+
+
+def squared_row_norms_many(sources: list[torch.Tensor]) -> torch.Tensor:
+    """sum over ``sources`` (contiguous [B, ...], one dtype and CUDA device) of each sample's
+    squared norm, [B] in fp32: flash's norms of kept per-sample gradients. torch's multi-tensor
+    norm over the B rows of each reads them at about 2 TB/s on an H100 and needs a stack, a
+    square and a sum after it; this reads each once, in one launch, then sums its partials."""
+    if len({(x.dtype, x.device) for x in sources}) != 1 or not all(
+        x.is_contiguous() for x in sources
+    ):
+        raise ValueError("squared_row_norms_many needs contiguous tensors of one dtype and device")
+    B, device = sources[0].shape[0], sources[0].device
+    if any(x.shape[0] != B for x in sources):
+        raise ValueError("squared_row_norms_many needs one batch size")
+    sizes = tuple(x[0].numel() for x in sources) if B else ()
+    if not any(sizes):
+        return torch.zeros(B, device=device)
+    tensor_of_block, first_block, numels = _block_table(device, sizes, ROW_NORM_BLOCK)
+    partials = torch.empty(len(tensor_of_block), B, device=device)
+    table = torch.tensor([x.data_ptr() for x in sources], dtype=torch.int64)
+    with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
+        _squared_norms_kernel[(len(tensor_of_block),)](
+            _table_to(table, device), tensor_of_block, first_block, numels, partials, B,
+            BLOCK=ROW_NORM_BLOCK, SOURCE_DTYPE=_TL_DTYPES[sources[0].dtype], num_warps=2,
+        )  # fmt: skip
+    return partials.sum(0)
 
 
 @triton.jit

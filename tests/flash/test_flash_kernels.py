@@ -141,6 +141,30 @@ def test_weighted_sums_match_brute_force():
         flash_kernels.weighted_sums_([torch.zeros(4)], [torch.zeros(2, 5)], torch.ones(2), [False])
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_squared_row_norms_match_fp64(dtype):
+    """Per-sample squared norms summed over kept per-sample gradients of several sizes in one
+    launch (one block + 1 elements per row, a row within one block, one element per row;
+    samples scaled apart so a row mixed up with another shows), against an fp64 reference."""
+    torch.manual_seed(5)
+    block = flash_kernels.ROW_NORM_BLOCK
+    for B in (1, 3):
+        scale = torch.tensor([1.0, 10.0, 0.1])[:B]
+        sources = [
+            (torch.randn(B, *shape) * scale.view(B, *[1] * len(shape))).to(dtype)
+            for shape in ((block + 1,), (4, 25), (1,))
+        ]
+        expected = sum(x.double().flatten(1).square().sum(1) for x in sources)
+        norms = flash_kernels.squared_row_norms_many(sources)
+        assert norms.dtype == torch.float32 and norms.shape == (B,)
+        assert relative_error(norms, expected) < 1e-6
+    assert torch.equal(flash_kernels.squared_row_norms_many([torch.zeros(0, 7)]), torch.zeros(0))
+    with pytest.raises(ValueError, match="one dtype"):
+        flash_kernels.squared_row_norms_many([torch.zeros(2, 3), torch.zeros(2, 3).half()])
+    with pytest.raises(ValueError, match="one batch size"):
+        flash_kernels.squared_row_norms_many([torch.zeros(2, 3), torch.zeros(3, 3)])
+
+
 def per_sample_norm_layer_grads(x, g, eps, rms):
     """Brute force: autograd through the layer one sample at a time, in fp64."""
     d = x.shape[-1]
@@ -159,21 +183,25 @@ def per_sample_norm_layer_grads(x, g, eps, rms):
 
 
 @pytest.mark.parametrize("rms", [False, True])
+@pytest.mark.parametrize("blocks", [(8, 32), (None, None)], ids=["blocked", "whole_rows"])
 @pytest.mark.parametrize(
     "B, T, d",
     [
-        (2, 17, 48),  # T past a token tile, d past a feature block
+        (2, 17, 48),  # T past a token tile, d past a feature block (and not a power of two)
         (1, 1, 5),  # one token, one partial block
         (3, 16, 32),  # exact multiples
     ],
 )
-def test_norm_layer_grads_match_autograd(rms, B, T, d):
+def test_norm_layer_grads_match_autograd(rms, blocks, B, T, d):
+    """Both kernels: the blocked one (rows reread per feature block) and the whole-row one
+    (each row on chip once; here 1024 / 256 / 256 tokens per tile)."""
     torch.manual_seed(T + d)
     # rows far from zero mean: the variance is taken around the mean, not as E[x^2] - mean^2
     x = torch.randn(B, T, 2 * d)[:, :, :d] * 3 + 50  # token stride 2d: strided rows
     g = torch.randn(B, T, d)
+    block_t, block_d = blocks
     weight, bias = flash_kernels.norm_layer_per_sample_grads(
-        x, g, eps=1e-5, rms=rms, block_t=8, block_d=32
+        x, g, eps=1e-5, rms=rms, block_t=block_t, block_d=block_d
     )
     expected_weight, expected_bias = per_sample_norm_layer_grads(x, g, 1e-5, rms)
     assert weight.dtype == torch.float32 and weight.shape == (B, d)
@@ -201,6 +229,19 @@ def test_direct_kernel_matches_brute_force(B, T, d, p, blocks):
     norms = flash_kernels.direct_squared_norms(A_strided.half(), G.half(), blocks=blocks)
     expected = per_sample_squared_norms(A_strided.half(), G.half())
     assert relative_error(norms, expected) < 1e-4
+
+
+def test_norm_layer_whole_rows_several_tiles_per_program():
+    """The whole-row kernel at d = 8192 (one token per tile): 2 x 1029 tiles, enough for each
+    program to sum two consecutive tiles in registers; the last program's second tile lies past
+    T (masked)."""
+    torch.manual_seed(8)
+    B, T, d = 2, 1029, 8192
+    x, g = torch.randn(B, T, d) * 3 + 50, torch.randn(B, T, d)
+    weight, bias = flash_kernels.norm_layer_per_sample_grads(x, g, eps=1e-5, rms=False)
+    expected_weight, expected_bias = per_sample_norm_layer_grads(x, g, 1e-5, False)
+    assert relative_error(weight, expected_weight) < 1e-5
+    assert relative_error(bias, expected_bias) < 1e-5
 
 
 @pytest.mark.parametrize("rms", [False, True])

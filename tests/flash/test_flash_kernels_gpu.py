@@ -113,7 +113,8 @@ def test_weighted_sums_on_cuda():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rms", [False, True])
-def test_norm_layer_grads_on_cuda(dtype, rms):
+@pytest.mark.parametrize("blocks", [(None, None), (16, 256)], ids=["whole_rows", "blocked"])
+def test_norm_layer_grads_on_cuda(dtype, rms, blocks):
     """Per-sample LayerNorm / RMSNorm gradients at a 1b shape against fp64 autograd per sample
     (the closed form sum_t g_t * xhat_t is what autograd gives; checked in the CPU tests)."""
     from flash import kernels as flash_kernels
@@ -121,7 +122,7 @@ def test_norm_layer_grads_on_cuda(dtype, rms):
     torch.manual_seed(4)
     x = (torch.randn(2, 1024, 2048, device="cuda") + 1).to(dtype)
     g = torch.randn(2, 1024, 2048, device="cuda").to(dtype)
-    weight, bias = flash_kernels.norm_layer_per_sample_grads(x, g, 1e-5, rms)
+    weight, bias = flash_kernels.norm_layer_per_sample_grads(x, g, 1e-5, rms, *blocks)
     x64, g64 = x.double(), g.double()
     if rms:
         xhat = x64 * torch.rsqrt(x64.square().mean(-1, keepdim=True) + 1e-5)

@@ -187,7 +187,7 @@ def test_cuda_step_matches_brute_force(monkeypatch, autocast, tolerance):
     # the weighted-sum kernel as the 1b model's do; biases and norm layers stay small.
     monkeypatch.setattr(flash_clip, "SMALL_PER_SAMPLE_NUMEL", 64)
     calls = []
-    for name in ("norm_layer_per_sample_grads", "weighted_sums_"):
+    for name in ("norm_layer_per_sample_grads", "weighted_sums_", "squared_row_norms_many"):
         kernel = getattr(flash_kernels, name)
         spy = lambda *a, _kernel=kernel, _name=name, **k: calls.append(_name) or _kernel(*a, **k)
         monkeypatch.setattr(flash_kernels, name, spy)
@@ -209,9 +209,11 @@ def test_cuda_step_matches_brute_force(monkeypatch, autocast, tolerance):
         torch.cuda.set_sync_debug_mode("default")
     assert_close(norms.cpu(), ref_norms, tolerance)
     assert_close(flat_grads(model).cpu(), ref_sum, tolerance)
-    # two norm layers, each once; the product-route Linears' sums in one launch, and the small
-    # parameters' concatenation (biases, norm layers) in one more
-    assert sorted(calls) == ["norm_layer_per_sample_grads"] * 2 + ["weighted_sums_"] * 2
+    # two norm layers, each once; the product-route Linears' norms and sums in one launch each,
+    # and the small parameters' concatenation (biases, norm layers) in one more sum
+    assert sorted(calls) == sorted(
+        ["norm_layer_per_sample_grads"] * 2 + ["squared_row_norms_many"] + ["weighted_sums_"] * 2
+    )
 
 
 def test_clip_factors_are_never_rounded_up():
