@@ -457,8 +457,9 @@ def main(argv=None) -> int:
         rows = step_rows(results)
         table = format_step_table(rows)
         header = (
-            f"# Flash Clipping step goals, {card}\n\nHost time and GPU busy: one traced step "
-            "after the timed ones (host: step start to its last kernel launch).\n\n"
+            f"# Flash Clipping step goals, {card}\n\nHost time and GPU busy: one step after "
+            "the timed ones, traced for CUDA activity alone (host: the step's first CUDA call to "
+            "the end of its last kernel launch).\n\n"
         )
         name = "bench_steps"
         payload = {"card": card, "rows": rows}

@@ -285,7 +285,9 @@ def step_timeline(events: list[dict], step_range: str = STEP_RANGE) -> dict:
     """Host time and GPU-busy fraction of one step in a Kineto trace's events.
 
     The window is the LAST host range named ``step_range`` (a record_function; the GPU-side copy
-    Kineto adds, cat "gpu_user_annotation", is not it); without one, the last "ProfilerStep#N".
+    Kineto adds, cat "gpu_user_annotation", is not it); without one, the last "ProfilerStep#N";
+    without either (a trace of CUDA activity alone, which records no host ranges), the span of
+    its runtime and driver calls.
     The step's GPU work is every kernel, memcpy and memset whose launch (runtime or driver call,
     on any thread: autograd launches the backward from its own) starts inside the window, matched
     by "correlation" id. With t0 the window's start:
@@ -323,7 +325,15 @@ def step_timeline(events: list[dict], step_range: str = STEP_RANGE) -> dict:
             and (span := interval(e))
         ]
     if not windows:
-        raise ValueError(f"no {step_range!r} or ProfilerStep range in the trace")
+        calls = [
+            span
+            for e in events
+            if e.get("cat") in ("cuda_runtime", "cuda_driver") and (span := interval(e))
+        ]
+        if calls:
+            windows = [(min(a for a, _ in calls), max(b for _, b in calls))]
+    if not windows:
+        raise ValueError(f"no {step_range!r} or ProfilerStep range, nor CUDA calls, in the trace")
     start, end = max(windows)
     launches, launch_end, wait_us = set(), None, 0.0
     for e in events:

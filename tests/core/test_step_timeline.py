@@ -69,9 +69,29 @@ def test_profiler_step_window_without_a_named_range():
     assert timeline["host_time_ms"] == pytest.approx((2510 - 900) / 1000)
 
 
+def test_cuda_only_trace_spans_its_cuda_calls():
+    """A trace of CUDA activity alone has no host ranges: the window is the span of the runtime
+    and driver calls, here the last window's (1010 to the sync's end at 1980, and the late
+    launch at 1990..1995)."""
+    events = [
+        e
+        for e in trace_events()
+        if e["cat"] not in ("user_annotation", "gpu_user_annotation")
+        and e.get("args", {}).get("correlation") not in (1, 99)
+    ]
+    timeline = kernel_names.step_timeline(events)
+    # Window 1010..1995; wall to k4's end 2100; busy 720 as above; last launch ends at 1995.
+    assert timeline["wall_time_ms"] == pytest.approx(1.09)
+    assert timeline["gpu_busy_fraction"] == pytest.approx(720 / 1090)
+    assert timeline["host_time_ms"] == pytest.approx(0.985)
+    assert timeline["host_wait_ms"] == pytest.approx(0.37)
+
+
 def test_cpu_trace_is_not_measurable():
     cpu_only = [e for e in trace_events() if e["cat"] in ("user_annotation", "cpu_op")]
     with pytest.raises(ValueError, match="no GPU activity"):
         kernel_names.step_timeline(cpu_only)
     with pytest.raises(ValueError, match="range"):
         kernel_names.step_timeline([x("aten::mm", "cpu_op", 0, 10)])
+    with pytest.raises(ValueError, match="CUDA calls"):
+        kernel_names.step_timeline([])
