@@ -286,8 +286,9 @@ def step_timeline(events: list[dict], step_range: str = STEP_RANGE) -> dict:
 
     The window is the LAST host range named ``step_range`` (a record_function; the GPU-side copy
     Kineto adds, cat "gpu_user_annotation", is not it); without one, the last "ProfilerStep#N";
-    without either (a trace of CUDA activity alone, which records no host ranges), the span of
-    its runtime and driver calls.
+    without either (a trace of CUDA activity alone, which records no host ranges), from its first
+    runtime or driver call to the end of its last launch (the waits after it, for the step's
+    end and the profiler's own, are not the step's).
     The step's GPU work is every kernel, memcpy and memset whose launch (runtime or driver call,
     on any thread: autograd launches the backward from its own) starts inside the window, matched
     by "correlation" id. With t0 the window's start:
@@ -326,12 +327,13 @@ def step_timeline(events: list[dict], step_range: str = STEP_RANGE) -> dict:
         ]
     if not windows:
         calls = [
-            span
+            (span, bool(_LAUNCH.search(str(e.get("name", "")))))
             for e in events
             if e.get("cat") in ("cuda_runtime", "cuda_driver") and (span := interval(e))
         ]
+        ends = [b for (_, b), launch in calls if launch] or [b for (_, b), _ in calls]
         if calls:
-            windows = [(min(a for a, _ in calls), max(b for _, b in calls))]
+            windows = [(min(a for (a, _), _ in calls), max(ends))]
     if not windows:
         raise ValueError(f"no {step_range!r} or ProfilerStep range, nor CUDA calls, in the trace")
     start, end = max(windows)

@@ -195,10 +195,10 @@ class Trace:
         # warm-up step: CUDA activity alone (kernels and the runtime and driver calls that
         # launch them). Recording host ops costs microseconds per op on the host, more for the
         # trainer with more ops: on an H100, standard's 1b step at (8, 512) ran 82 ms untraced
-        # and showed 111 ms of host time with host ops recorded. The window is the span of the
-        # step's CUDA calls (step_timeline's docstring). In a staging folder of its own: ranks
-        # of one config share the directory, and an interrupted run's leftovers are removed
-        # like the trace's (".trace-*").
+        # and showed 111 ms of host time with host ops recorded. Such a trace has no host range:
+        # the window is from the step's first CUDA call to its last launch (step_timeline's
+        # docstring). In a staging folder of its own: ranks of one config share the directory,
+        # and an interrupted run's leftovers are removed like the trace's (".trace-*").
         staging = tempfile.mkdtemp(prefix=".trace-", dir=s.out_dir)
         light = os.path.join(staging, "timeline.json")
         with torch.profiler.profile(
@@ -207,8 +207,7 @@ class Trace:
             on_trace_ready=lambda prof: prof.export_chrome_trace(light),
         ) as prof:
             for _ in range(2):
-                with torch.profiler.record_function(kernel_names.STEP_RANGE):
-                    s.reused_batch_step()
+                s.reused_batch_step()
                 synchronize(s.device)
                 prof.step()
         try:

@@ -47,7 +47,7 @@ def _norm_layer_grads_kernel(
     rstd = 1.0 / tl.sqrt(tl.where(rows < T, squares / D + eps, 1.0))
     # out [2, B, tiles, D]: the weight's partials, then the bias's (each a contiguous [B, D] sum)
     out_weight = out + (b * tl.num_programs(0) + tile) * D
-    out_bias = out_weight + tl.num_programs(1) * tl.num_programs(0) * D
+    out_bias = out_weight + tl.num_programs(1).to(tl.int64) * tl.num_programs(0) * D
     for d0 in range(0, D, BLOCK_D):
         keep = row_ok & (d0 + cols[None, :] < D)
         x = tl.load(x_rows + d0 + cols[None, :], mask=keep, other=0.0).to(tl.float32)
@@ -94,7 +94,7 @@ def _norm_layer_rows_kernel(
         sum_weight += tl.sum(g * (centred * rstd[:, None]), axis=0)
         sum_bias += tl.sum(g, axis=0)
     out_weight = out + (b * tl.num_programs(0) + chunk) * D
-    out_bias = out_weight + tl.num_programs(1) * tl.num_programs(0) * D
+    out_bias = out_weight + tl.num_programs(1).to(tl.int64) * tl.num_programs(0) * D
     tl.store(out_weight + cols, sum_weight, mask=col_ok)
     tl.store(out_bias + cols, sum_bias, mask=col_ok)
 

@@ -24,7 +24,7 @@ ROW_NORM_BLOCK = 512
 
 
 @triton.jit
-def _squared_norms_kernel(
+def _squared_row_norms_kernel(
     table, tensor_of_block, first_block, sizes, partials, batch,
     BLOCK: tl.constexpr, SOURCE_DTYPE: tl.constexpr,
 ):  # fmt: skip
@@ -47,6 +47,8 @@ def squared_row_norms_many(sources: list[torch.Tensor]) -> torch.Tensor:
     squared norm, [B] in fp32: flash's norms of kept per-sample gradients. torch's multi-tensor
     norm over the B rows of each reads them at about 2 TB/s on an H100 and needs a stack, a
     square and a sum after it; this reads each once, in one launch, then sums its partials."""
+    if not sources:
+        raise ValueError("squared_row_norms_many needs at least one tensor")
     if len({(x.dtype, x.device) for x in sources}) != 1 or not all(
         x.is_contiguous() for x in sources
     ):
@@ -56,12 +58,12 @@ def squared_row_norms_many(sources: list[torch.Tensor]) -> torch.Tensor:
         raise ValueError("squared_row_norms_many needs one batch size")
     sizes = tuple(x[0].numel() for x in sources) if B else ()
     if not any(sizes):
-        return torch.zeros(B, device=device)
+        return torch.zeros(B, device=device, dtype=torch.float32)
     tensor_of_block, first_block, numels = _block_table(device, sizes, ROW_NORM_BLOCK)
-    partials = torch.empty(len(tensor_of_block), B, device=device)
+    partials = torch.empty(len(tensor_of_block), B, device=device, dtype=torch.float32)
     table = torch.tensor([x.data_ptr() for x in sources], dtype=torch.int64)
     with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
-        _squared_norms_kernel[(len(tensor_of_block),)](
+        _squared_row_norms_kernel[(len(tensor_of_block),)](
             _table_to(table, device), tensor_of_block, first_block, numels, partials, B,
             BLOCK=ROW_NORM_BLOCK, SOURCE_DTYPE=_TL_DTYPES[sources[0].dtype], num_warps=2,
         )  # fmt: skip

@@ -70,14 +70,19 @@ def test_profiler_step_window_without_a_named_range():
 
 
 def test_cuda_only_trace_spans_its_cuda_calls():
-    """A trace of CUDA activity alone has no host ranges: the window is the span of the runtime
-    and driver calls, here the last window's (1010 to the sync's end at 1980, and the late
-    launch at 1990..1995)."""
+    """A trace of CUDA activity alone has no host ranges: the window runs from the first runtime
+    or driver call (1010) to the end of the last launch (1990..1995); the synchronisations after
+    it (the measurement's and the profiler's own, at the end of the recorded step) are not the
+    step's waits."""
     events = [
         e
         for e in trace_events()
         if e["cat"] not in ("user_annotation", "gpu_user_annotation")
         and e.get("args", {}).get("correlation") not in (1, 99)
+    ]
+    events += [
+        x("cudaDeviceSynchronize", "cuda_runtime", 2000, 100, correlation=20),
+        x("cudaDeviceSynchronize", "cuda_runtime", 2150, 5, correlation=21),
     ]
     timeline = kernel_names.step_timeline(events)
     # Window 1010..1995; wall to k4's end 2100; busy 720 as above; last launch ends at 1995.

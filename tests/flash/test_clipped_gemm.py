@@ -176,6 +176,21 @@ def test_fold_rounds_each_product_toward_zero():
 
 
 @interpreted
+def test_fold_blocks_that_start_inside_a_sample():
+    """Samples shorter than a block (7 and 999 elements: a block spans several, found by a
+    division within the block) and longer (1100: at most one boundary per block, found by a
+    comparison), over several blocks, so most blocks start inside a sample: every element gets
+    its own sample's factor (the factors all differ)."""
+    block = kernels.clipped_gemm.FOLD_BLOCK
+    for B, T, n in ((300, 1, 7), (5, 3, 333), (4, 1, 1100)):
+        assert (T * n < block) == (n != 1100) and B * T * n > 2 * block
+        c = torch.rand(B) + 0.5
+        X = torch.randn(B * T, n).half()
+        folded = kernels.fold_clip_factors(X, c, T)
+        assert torch.equal(folded, folded_toward_zero(X, c, T)[1])
+
+
+@interpreted
 def test_fold_many_equals_each_fold_alone():
     """fold_clip_factors_many: one launch over operands of different widths and tokens per
     sample (one past a block, one empty), each result bit for bit what folding it alone gives

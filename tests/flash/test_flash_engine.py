@@ -46,8 +46,9 @@ def test_large_kept_per_sample_grads_match_brute_force(monkeypatch, B):
 
 @pytest.mark.parametrize("B", [1, 3])
 def test_squared_row_norms_many_sums_every_tensor_per_sample_per_dtype(B):
-    """The large kept per-sample gradients' norms: one multi-tensor norm per dtype over tensors of
-    unequal shapes, a term per dtype (each in its accumulation dtype), equal to brute force."""
+    """The large kept per-sample gradients' norms: one launch per dtype over tensors of unequal
+    shapes (on the CPU a multi-tensor norm; CUDA: flash.kernels.squared_row_norms_many), a term
+    per dtype (each in its accumulation dtype), equal to brute force."""
     gen = torch.Generator().manual_seed(B)
     shapes = [(B, 7, 5), (B, 3), (B, 70000), (B, 2, 2, 2)]
     grads = [torch.randn(s, generator=gen, dtype=torch.float64) for s in shapes]

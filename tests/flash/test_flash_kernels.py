@@ -163,6 +163,8 @@ def test_squared_row_norms_match_fp64(dtype):
         flash_kernels.squared_row_norms_many([torch.zeros(2, 3), torch.zeros(2, 3).half()])
     with pytest.raises(ValueError, match="one batch size"):
         flash_kernels.squared_row_norms_many([torch.zeros(2, 3), torch.zeros(3, 3)])
+    with pytest.raises(ValueError, match="at least one"):
+        flash_kernels.squared_row_norms_many([])
 
 
 def per_sample_norm_layer_grads(x, g, eps, rms):
@@ -194,7 +196,7 @@ def per_sample_norm_layer_grads(x, g, eps, rms):
 )
 def test_norm_layer_grads_match_autograd(rms, blocks, B, T, d):
     """Both kernels: the blocked one (rows reread per feature block) and the whole-row one
-    (each row on chip once; here 1024 / 256 / 256 tokens per tile)."""
+    (each row on chip once; here 128 / 1024 / 256 tokens per tile for d = 48 / 5 / 32)."""
     torch.manual_seed(T + d)
     # rows far from zero mean: the variance is taken around the mean, not as E[x^2] - mean^2
     x = torch.randn(B, T, 2 * d)[:, :, :d] * 3 + 50  # token stride 2d: strided rows
@@ -245,13 +247,15 @@ def test_norm_layer_whole_rows_several_tiles_per_program():
 
 
 @pytest.mark.parametrize("rms", [False, True])
-def test_norm_layer_grads_with_zero_eps(rms):
+@pytest.mark.parametrize("blocks", [(8, 32), (None, None)], ids=["blocked", "whole_rows"])
+def test_norm_layer_grads_with_zero_eps(rms, blocks):
     """eps = 0 is a legal LayerNorm/RMSNorm: the masked rows of a partial token tile (T = 17
-    with 8-token tiles) have zero variance, and must not turn into inf * 0 = NaN."""
+    with 8- or 128-token tiles) have zero variance, and must not turn into inf * 0 = NaN."""
     torch.manual_seed(7)
     x, g = torch.randn(2, 17, 48), torch.randn(2, 17, 48)
+    block_t, block_d = blocks
     weight, bias = flash_kernels.norm_layer_per_sample_grads(
-        x, g, eps=0.0, rms=rms, block_t=8, block_d=32
+        x, g, eps=0.0, rms=rms, block_t=block_t, block_d=block_d
     )
     expected_weight, expected_bias = per_sample_norm_layer_grads(x, g, 0.0, rms)
     assert torch.isfinite(weight).all()

@@ -120,8 +120,9 @@ def test_norm_layer_grads_on_cuda(dtype, rms, blocks):
     from flash import kernels as flash_kernels
 
     torch.manual_seed(4)
-    x = (torch.randn(2, 1024, 2048, device="cuda") + 1).to(dtype)
-    g = torch.randn(2, 1024, 2048, device="cuda").to(dtype)
+    # B = 8: the whole-row kernel sums two tiles per program (the 1b model's shape)
+    x = (torch.randn(8, 1024, 2048, device="cuda") + 1).to(dtype)
+    g = torch.randn(8, 1024, 2048, device="cuda").to(dtype)
     weight, bias = flash_kernels.norm_layer_per_sample_grads(x, g, 1e-5, rms, *blocks)
     x64, g64 = x.double(), g.double()
     if rms:
