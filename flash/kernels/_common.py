@@ -3,6 +3,8 @@ arguments, and host-built tables (pointers, offsets, per-program block tables) o
 
 from __future__ import annotations
 
+from collections import OrderedDict
+
 import torch
 import triton
 import triton.language as tl
@@ -47,6 +49,30 @@ def _table_to(table: torch.Tensor, device: torch.device) -> torch.Tensor:
     if device.type == "cuda":
         return table.pin_memory().to(device, non_blocking=True)
     return table.to(device)
+
+
+# (device, rows) -> that int64 table on the device, the most recently used last
+_DEVICE_TABLES: OrderedDict[tuple, torch.Tensor] = OrderedDict()
+DEVICE_TABLES_KEPT = 64
+
+
+def _int64_table(rows: list, device: torch.device) -> torch.Tensor:
+    """``rows`` (ints, or lists of ints: pointers, offsets, sizes) as an int64 tensor on
+    ``device``. A step's tables repeat from step to step (the caching allocator hands out the
+    same addresses for the same sequence of allocations), and building and copying one costs
+    more host time than its launch: the last DEVICE_TABLES_KEPT are kept, by content. A kept
+    table is only ever read, so equal rows give an equal table."""
+    nested = bool(rows) and isinstance(rows[0], list)
+    key = (device, tuple(map(tuple, rows)) if nested else tuple(rows))
+    table = _DEVICE_TABLES.get(key)
+    if table is None:
+        table = _table_to(torch.tensor(rows, dtype=torch.int64), device)
+        _DEVICE_TABLES[key] = table
+        if len(_DEVICE_TABLES) > DEVICE_TABLES_KEPT:
+            _DEVICE_TABLES.popitem(last=False)
+    else:
+        _DEVICE_TABLES.move_to_end(key)
+    return table
 
 
 # (device, sizes, block) -> (tensor_of_block, first_block, sizes)

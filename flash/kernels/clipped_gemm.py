@@ -21,7 +21,7 @@ import triton
 import triton.language as tl
 from torch._utils import _unflatten_dense_tensors
 
-from flash.kernels._common import _TL_DTYPES, _on_cuda_in_kernel_dtypes, _table_to
+from flash.kernels._common import _TL_DTYPES, _int64_table, _on_cuda_in_kernel_dtypes
 
 
 @triton.jit
@@ -224,13 +224,13 @@ def fold_clip_factors_many(
         # per-block table, as the weighted sums keep for parameters, would grow with them).
         starts = itertools.accumulate(sizes[:-1], initial=0)
         rows = zip(Xs, starts, tokens, strict=True)
-        table = torch.tensor(
+        table = _int64_table(
             [[X.data_ptr(), start, max(1, T * X.shape[1]), X.numel()] for X, start, T in rows],
-            dtype=torch.int64,
+            out.device,
         )
         with torch.cuda.device(out.device) if out.is_cuda else contextlib.nullcontext():
             _fold_kernel[(triton.cdiv(max(sizes), FOLD_BLOCK), len(Xs))](
-                _table_to(table, out.device), c.to(out.device, torch.float32).contiguous(), out,
+                table, c.to(out.device, torch.float32).contiguous(), out,
                 BLOCK=FOLD_BLOCK, DTYPE=_TL_DTYPES[out.dtype],
             )  # fmt: skip
     return list(folded)

@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from flash.kernels._common import _autotuned_norm_kernel, _norm_kernel_args, _table_to
+from flash.kernels._common import _autotuned_norm_kernel, _int64_table, _norm_kernel_args
 
 
 @triton.jit
@@ -201,15 +201,14 @@ def gram_squared_norms_grouped(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -
         return out
     base = grouped[0][0]
     size = base.element_size()
-    meta = torch.tensor(
+    meta = _int64_table(
         [
             [(A.data_ptr() - base.data_ptr()) // size, (G.data_ptr() - base.data_ptr()) // size]
             + [A.stride(0), A.stride(1), G.stride(0), G.stride(1), A.shape[2], G.shape[2]]
             for A, G in grouped
         ],
-        dtype=torch.int64,
+        A0.device,
     )
-    meta = _table_to(meta, A0.device)
     n_tiles = triton.cdiv(T, block_t)
     _gram_group_kernel[(n_tiles * (n_tiles + 1) // 2, B, len(grouped))](
         base, meta, out, T, BLOCK_T=block_t, BLOCK_K=64,

@@ -6,7 +6,7 @@ import torch
 import triton
 import triton.language as tl
 
-from flash.kernels._common import _TL_DTYPES, _block_table, _table_to
+from flash.kernels._common import _TL_DTYPES, _block_table, _int64_table
 
 # Elements per program of the noise kernel: on an H100 with the 1b model's 325 fp32 gradients
 # (1.17G elements), 2048 ran at 3.35 ms, as fast as torch's read-and-write foreach add_ (3.56
@@ -60,7 +60,7 @@ def add_gaussian_noise_(tensors: list[torch.Tensor], std: float) -> None:
         device = group[0].device
         sizes = tuple(t.numel() for t in group)
         tensor_of_block, first_block, numels = _block_table(device, sizes, NOISE_BLOCK)
-        pointers = _table_to(torch.tensor([t.data_ptr() for t in group]), device)
+        pointers = _int64_table([t.data_ptr() for t in group], device)
         seeds = torch.randint(2**62, (len(group),), device=device)
         _add_noise_kernel[(len(tensor_of_block),)](
             pointers, tensor_of_block, first_block, numels, seeds, std,

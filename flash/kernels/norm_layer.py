@@ -157,5 +157,5 @@ def norm_layer_per_sample_grads(
         _norm_layer_grads_kernel[(programs, B)](
             x, g, partials, T, D, eps, *strides, BLOCK_T=block_t, BLOCK_D=block_d, RMS=rms,
         )  # fmt: skip
-    sums = partials.sum(2)  # one reduction launch for both
-    return sums[0], sums[1]
+    weight, bias = partials.sum(2).unbind(0)  # one reduction launch for both
+    return weight, bias

@@ -12,8 +12,8 @@ import triton.language as tl
 from flash.kernels._common import (
     _TL_DTYPES,
     _block_table,
+    _int64_table,
     _on_cuda_in_kernel_dtypes,
-    _table_to,
 )
 
 # Elements per program. Both kernels are memory-bound: on an H100, blocks of 1024 (weighted
@@ -61,10 +61,10 @@ def squared_row_norms_many(sources: list[torch.Tensor]) -> torch.Tensor:
         return torch.zeros(B, device=device, dtype=torch.float32)
     tensor_of_block, first_block, numels = _block_table(device, sizes, ROW_NORM_BLOCK)
     partials = torch.empty(len(tensor_of_block), B, device=device, dtype=torch.float32)
-    table = torch.tensor([x.data_ptr() for x in sources], dtype=torch.int64)
+    table = _int64_table([x.data_ptr() for x in sources], device)
     with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
         _squared_row_norms_kernel[(len(tensor_of_block),)](
-            _table_to(table, device), tensor_of_block, first_block, numels, partials, B,
+            table, tensor_of_block, first_block, numels, partials, B,
             BLOCK=ROW_NORM_BLOCK, SOURCE_DTYPE=_TL_DTYPES[sources[0].dtype], num_warps=2,
         )  # fmt: skip
     return partials.sum(0)
@@ -137,13 +137,13 @@ def weighted_sums_(
         weights_here = weights.to(device, torch.float32).contiguous()
         sizes = tuple(targets[i].numel() for i in members)
         tensor_of_block, first_block, numels = _block_table(device, sizes, WEIGHTED_SUM_BLOCK)
-        table = torch.tensor(
+        table = _int64_table(
             [[sources[i].data_ptr(), targets[i].data_ptr(), int(accumulate[i])] for i in members],
-            dtype=torch.int64,
+            device,
         )
         with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
             _weighted_sum_kernel[(len(tensor_of_block),)](
-                _table_to(table, device), tensor_of_block, first_block, numels, weights_here, B,
+                table, tensor_of_block, first_block, numels, weights_here, B,
                 BLOCK=WEIGHTED_SUM_BLOCK, SOURCE_DTYPE=_TL_DTYPES[source_dtype],
                 TARGET_DTYPE=_TL_DTYPES[target_dtype],
             )  # fmt: skip

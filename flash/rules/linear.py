@@ -200,10 +200,12 @@ class LinearRule(NormRule):
         with c already folded in by flash.kernels, or None."""
         A_op, G_op = _gemm_operands(A, G)  # the dtype autocast's own weight GEMM uses
         weight = layer.params["weight"]
-        A2, G2 = A_op.flatten(0, 1), G_op.flatten(0, 1)  # [B*T, d], [B*T, p]
-        fold_into_G, T = _folds_into_G(A_op, G_op), A_op.shape[1]
+        fold_into_G = _folds_into_G(A_op, G_op)
+        # [B*T, d] and [B*T, p]; the folded operand replaces one of them (no view op for it)
+        wide = (A_op if fold_into_G else G_op).flatten(0, 1)
         if folded is None:
-            narrow = G2 if fold_into_G else A2
+            narrow = (G_op if fold_into_G else A_op).flatten(0, 1)
+            T = A_op.shape[1]
             if not fused_clipped_gemm_available(A_op, G_op, weight):
                 # c rounded to the operands' dtype (shrunk by an ulp in 16 bits: ClipFactors.to)
                 folded = narrow * c.per_token(narrow.dtype, T)
@@ -212,7 +214,7 @@ class LinearRule(NormRule):
                 return {"weight": kernels.clipped_weight_grad(A_op, G_op, c.c, schedule=schedule)}
             else:  # fp32 c, each c * x rounded toward zero: none above its exact value
                 folded = triton_kernels().fold_clip_factors(narrow, c.c, T)
-        G2, A2 = (folded, A2) if fold_into_G else (G2, folded)
+        G2, A2 = (folded, wide) if fold_into_G else (wide, folded)
         # One GEMM over all B*T tokens. bf16/fp16 operands on CUDA: fp32 straight out of the
         # GEMM's fp32 accumulator (cuBLAS has it, the CPU backend not), so the fp32 parameter's
         # gradient is neither rounded to bf16 nor cast in a second pass.

@@ -63,6 +63,36 @@ def test_squared_row_norms_many_sums_every_tensor_per_sample_per_dtype(B):
     assert_close(sum(t.double() for t in terms), expected, 1e-6)
 
 
+def test_accumulate_many_gives_each_parameter_its_sum():
+    """Small parameters' clipped sums from one flat buffer: a first chunk's .grad holds exactly
+    its slice (a view of the buffer where the dtypes agree, a copy in the parameter's dtype
+    where not), a second chunk's adds to it, and an optimizer step reads them as any .grad."""
+    from flash.clip import _accumulate_many
+
+    torch.manual_seed(0)
+    params = [
+        nn.Parameter(torch.randn(3, 4)),
+        nn.Parameter(torch.randn(5)),
+        nn.Parameter(torch.randn(2)),
+    ]
+    first, second = torch.randn(19, dtype=torch.float64), torch.randn(19, dtype=torch.float64)
+    for p in params:
+        p.data = p.data.double()
+    _accumulate_many(params, first.clone())
+    _accumulate_many(params, second.clone())
+    total = first + second
+    assert torch.equal(torch.cat([p.grad.flatten() for p in params]), total)
+    before = [p.detach().clone() for p in params]
+    torch.optim.SGD(params, lr=0.5).step()
+    for p, old, start, n in zip(params, before, (0, 12, 17), (12, 5, 2)):
+        assert torch.equal(p.detach().flatten(), old.flatten() - 0.5 * total[start : start + n])
+    half = [nn.Parameter(torch.zeros(4).half()), nn.Parameter(torch.zeros(2).half())]
+    sums = torch.tensor([0.1, 0.2, 0.3, 0.4, 0.5, 0.6])
+    _accumulate_many(half, sums)
+    assert [p.grad.dtype for p in half] == [torch.float16] * 2
+    assert torch.equal(torch.cat([p.grad for p in half]), sums.half())
+
+
 def test_two_chunks_equal_full_batch():
     model = make_model()
     reference = copy.deepcopy(model)

@@ -141,6 +141,33 @@ def test_weighted_sums_match_brute_force():
         flash_kernels.weighted_sums_([torch.zeros(4)], [torch.zeros(2, 5)], torch.ones(2), [False])
 
 
+def test_device_tables_are_kept_by_content_and_bounded():
+    """A table asked for again with equal rows is the kept one; other rows (a flag, a pointer)
+    give a table of those rows; at most DEVICE_TABLES_KEPT are held, the least recently used
+    dropped first. Then weighted sums on the same tensors twice, overwriting then accumulating
+    with other weights: the second launch must read its own flags, not the first's table."""
+    from flash.kernels import _common
+
+    device = torch.device("cpu")
+    first = _common._int64_table([[7, 8, 1], [9, 10, 0]], device)
+    assert _common._int64_table([[7, 8, 1], [9, 10, 0]], device) is first
+    other = _common._int64_table([[7, 8, 1], [9, 10, 1]], device)
+    assert other is not first and other.tolist() == [[7, 8, 1], [9, 10, 1]]
+    assert _common._int64_table([3, 4], device).tolist() == [3, 4]
+    for n in range(2 * _common.DEVICE_TABLES_KEPT):
+        _common._int64_table([n], device)
+        assert len(_common._DEVICE_TABLES) <= _common.DEVICE_TABLES_KEPT
+    assert _common._int64_table([[7, 8, 1], [9, 10, 0]], device) is not first  # dropped
+
+    torch.manual_seed(5)
+    sources, targets = [torch.randn(3, 50), torch.randn(3, 7)], [torch.empty(50), torch.empty(7)]
+    w1, w2 = torch.rand(3), torch.rand(3)
+    flash_kernels.weighted_sums_(targets, sources, w1, [False, False])
+    flash_kernels.weighted_sums_(targets, sources, w2, [True, True])
+    for target, source in zip(targets, sources):
+        assert relative_error(target, (w1 + w2).double() @ source.double()) < 1e-6
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_squared_row_norms_match_fp64(dtype):
     """Per-sample squared norms summed over kept per-sample gradients of several sizes in one
