@@ -109,26 +109,21 @@ def _accumulate(param: nn.Parameter, grad: Tensor) -> None:
 
 def _accumulate_many(params: list[nn.Parameter], sums: Tensor) -> None:
     """_accumulate for many parameters from one flat ``sums`` [sum of their numels], with
-    multi-tensor kernels. torch's unflatten_dense_tensors (what DDP's buckets use) makes the shaped
-    views in one call, not one Python op per parameter (LoRA: hundreds per chunk). A parameter
-    with no .grad yet gets its view of ``sums`` as .grad where the dtypes agree (no copy: one
-    allocation and no launch for the 1b model's ~300 biases and norm weights; ``sums`` is freed
-    with the last of them), else a copy in its own dtype."""
+    multi-tensor kernels; each .grad gets its own storage (not a view of ``sums``), as autograd
+    would give it (the memory census counts distinct storages whole, by owner: views of one
+    buffer would put every small parameter's gradient in one module group). torch's
+    unflatten_dense_tensors (what DDP's buckets use) makes the shaped views in one call, not one
+    Python op per parameter (LoRA: hundreds per chunk)."""
     grads = _unflatten_dense_tensors(sums, params)
     fresh = [i for i, param in enumerate(params) if param.grad is None]
     if len(fresh) < len(params):
         held = [i for i, param in enumerate(params) if param.grad is not None]
         torch._foreach_add_([params[i].grad for i in held], [grads[i] for i in held])
-    if not fresh:
-        return
-    if all(params[i].dtype == sums.dtype for i in fresh):
-        for i in fresh:
-            params[i].grad = grads[i]
-        return
-    new = [torch.empty_like(params[i]) for i in fresh]
-    torch._foreach_copy_(new, [grads[i] for i in fresh])
-    for i, grad in zip(fresh, new, strict=True):
-        params[i].grad = grad
+    if fresh:
+        new = [torch.empty_like(params[i]) for i in fresh]
+        torch._foreach_copy_(new, [grads[i] for i in fresh])
+        for i, grad in zip(fresh, new, strict=True):
+            params[i].grad = grad
 
 
 def accumulate_weighted_sums(params, grads, c: ClipFactors) -> None:

@@ -65,8 +65,8 @@ def test_squared_row_norms_many_sums_every_tensor_per_sample_per_dtype(B):
 
 def test_accumulate_many_gives_each_parameter_its_sum():
     """Small parameters' clipped sums from one flat buffer: a first chunk's .grad holds exactly
-    its slice (a view of the buffer where the dtypes agree, a copy in the parameter's dtype
-    where not), a second chunk's adds to it, and an optimizer step reads them as any .grad."""
+    its slice, in its own storage (the memory census counts storages whole, by owner) and in
+    the parameter's dtype, a second chunk's adds to it, and an optimizer step reads them."""
     from flash.clip import _accumulate_many
 
     torch.manual_seed(0)
@@ -78,7 +78,10 @@ def test_accumulate_many_gives_each_parameter_its_sum():
     first, second = torch.randn(19, dtype=torch.float64), torch.randn(19, dtype=torch.float64)
     for p in params:
         p.data = p.data.double()
-    _accumulate_many(params, first.clone())
+    sums = first.clone()
+    _accumulate_many(params, sums)
+    storages = {p.grad.untyped_storage().data_ptr() for p in params}
+    assert len(storages) == 3 and sums.untyped_storage().data_ptr() not in storages
     _accumulate_many(params, second.clone())
     total = first + second
     assert torch.equal(torch.cat([p.grad.flatten() for p in params]), total)
