@@ -7,8 +7,9 @@ norms and the clipped sum sum_b c_b * grad_b are then computed from (A, G) by pe
 rules (flash.rules).
 
 Under autocast a Linear's A is kept in the autocast dtype (the cast the layer multiplies, handed
-to it so it makes none of its own). The bias and norm layers' per-sample gradients ([B, p],
-[B, d]) are always formed in the backward hook.
+to it so it makes none of its own). Norm layers' per-sample gradients ([B, d]) are formed in
+the backward hook; a Linear's bias's ([B, p]) there too where the layer forms its weight's, else
+right after the backward from the kept G, every layer's in one launch.
 Where a layer's per-sample gradients are no larger than its own A and G (Linear with
 d*p <= T*(d+p), i.e. long sequences; LayerNorm/RMSNorm always), the output-gradient hook forms
 them at once (one batched GEMM, the FLOPs of the weight gradient it replaces) and drops A and G:
@@ -288,7 +289,27 @@ class FlashClipping:
             # dropping it frees A and G.
             for call in hooked:
                 call.clear()
+        self._form_after_backward()
         self._routes = [route for layer in self.layers for route in layer.described]
+
+    def _form_after_backward(self) -> None:
+        """The per-sample gradients the rules form right after the backward from the kept A and
+        G (Linear biases: one launch for all, not one reduction per layer in its hook); a call
+        left with nothing to do drops its A and G."""
+        asked: dict[NormRule, list] = {}
+        for layer in self.layers:
+            for call in layer.calls:
+                names = layer.rule.formed_after_backward(layer, call[0], call[1]) & call[2]
+                if names:
+                    asked.setdefault(layer.rule, []).append((layer, call, names))
+        for rule, entries in asked.items():
+            grads = rule.per_sample_grads_many([(ly, c[0], c[1], n) for ly, c, n in entries])
+            for (layer, call, names), formed in zip(entries, grads, strict=True):
+                self._add_per_sample(layer, formed)
+                call[2] = call[2] - names
+        for layer in self.layers:
+            if any(not call[2] for call in layer.calls):
+                layer.calls = [call for call in layer.calls if call[2]]
 
     def _join_calls(self, layer: Layer, calls: list[list]) -> list[list]:
         """A layer's calls still to be done from A and G, joined: a reused module's gradient is

@@ -27,6 +27,10 @@ ALLOCATION_SITES: dict[str, tuple] = {
         *_rule_methods("squared_norms_many"),
     ),
     # Per-sample gradients of the layers that keep them, formed in the backward hook.
-    "per_sample_gradients": (*_rule_methods("per_sample_grads"), FlashClipping._add_per_sample),
+    "per_sample_gradients": (
+        *_rule_methods("per_sample_grads"),
+        *_rule_methods("per_sample_grads_many"),
+        FlashClipping._add_per_sample,
+    ),
     "gradients": (*_rule_methods("clipped_grads"), FlashClipping.accumulate_clipped_grads),
 }

@@ -10,7 +10,8 @@ module:
 - noise: add_gaussian_noise_, DP-SGD's noise drawn (Philox) and added in one pass over every
   gradient.
 - weighted_sums: kept per-sample gradients: squared_row_norms_many, their per-sample squared
-  norms, and weighted_sums_, their clipped sums; one read of each, one launch.
+  norms, and weighted_sums_, their clipped sums; token_sums_many, Linear biases' per-sample
+  gradients (sums of G over tokens); one read of each, one launch.
 - clipped_gemm: clipped_weight_grad, a Linear's clipped weight gradient sum_b c_b G_b^T A_b in fp32,
   each sample's product accumulated in fp32 before its fp32 clip factor weights it (the torch
   path folds c into a 16-bit operand and shrinks it by an ulp to stay within C).
@@ -39,6 +40,8 @@ from flash.kernels.weighted_sums import (
     ROW_NORM_BLOCK,
     WEIGHTED_SUM_BLOCK,
     squared_row_norms_many,
+    token_sums_many,
+    token_sums_supported,
     weighted_sums_,
     weighted_sums_supported,
 )
@@ -59,6 +62,8 @@ __all__ = [
     "norm_layer_grads_supported",
     "norm_layer_per_sample_grads",
     "squared_row_norms_many",
+    "token_sums_many",
+    "token_sums_supported",
     "weighted_sums_",
     "weighted_sums_supported",
 ]

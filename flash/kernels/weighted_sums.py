@@ -147,3 +147,79 @@ def weighted_sums_(
                 BLOCK=WEIGHTED_SUM_BLOCK, SOURCE_DTYPE=_TL_DTYPES[source_dtype],
                 TARGET_DTYPE=_TL_DTYPES[target_dtype],
             )  # fmt: skip
+
+
+# Columns and tokens per program of the token sums: a [64, 128] tile of G per loop step (16-bit:
+# 16 KB), one program per (128 columns of a layer, sample).
+TOKEN_SUM_COLUMNS = 128
+TOKEN_SUM_TOKENS = 64
+
+
+@triton.jit
+def _token_sums_kernel(
+    table, tensor_of_block, first_block, T,
+    BLOCK_T: tl.constexpr, BLOCK_P: tl.constexpr, SOURCE_DTYPE: tl.constexpr,
+):  # fmt: skip
+    """out_i[b, cols] = sum_t source_i[b, t, cols] in fp32 for a list of sources [B, T, p_i] in
+    one launch: program (block, b) -> (source i, this block's columns). ``table`` rows: source
+    pointer, its batch and token strides, p_i, out_i's pointer ([B, p_i], contiguous)."""
+    block = tl.program_id(0)
+    b = tl.program_id(1).to(tl.int64)
+    i = tl.load(tensor_of_block + block)
+    row = table + 5 * i
+    source = tl.load(row).to(tl.pointer_type(SOURCE_DTYPE)) + b * tl.load(row + 1)
+    stride_t = tl.load(row + 2)
+    P = tl.load(row + 3)
+    out = tl.load(row + 4).to(tl.pointer_type(tl.float32)) + b * P
+    cols = (block - tl.load(first_block + i)).to(tl.int64) * BLOCK_P + tl.arange(0, BLOCK_P)
+    col_ok = cols < P
+    total = tl.zeros((BLOCK_P,), dtype=tl.float32)
+    for start in range(0, T, BLOCK_T):
+        tokens = start + tl.arange(0, BLOCK_T)
+        keep = (tokens < T)[:, None] & col_ok[None, :]
+        tile = tl.load(source + tokens[:, None] * stride_t + cols[None, :], mask=keep, other=0.0)
+        total += tl.sum(tile.to(tl.float32), axis=0)
+    tl.store(out + cols, total, mask=col_ok)
+
+
+def token_sums_supported(source: torch.Tensor) -> bool:
+    """Can token_sums_many take this [B, T, p] (CUDA, a kernel dtype, unit column stride)?"""
+    return _on_cuda_in_kernel_dtypes(source, source) and source.dim() == 3 and source.stride(2) == 1
+
+
+def token_sums_many(sources: list[torch.Tensor]) -> list[torch.Tensor]:
+    """[source.sum(1) in fp32 for source in sources], each [B, p_i] in its own storage, for
+    sources [B, T, p_i] of one B, T, dtype and device, in one launch: the per-sample gradients of
+    the biases of every Gram- and direct-route Linear layer of a step (their output gradients
+    G), 120 reductions at the 1b model, each costing more host time than its GPU time."""
+    if not sources:
+        return []
+    first = sources[0]
+    B, T = first.shape[:2]
+    if first.dtype not in _TL_DTYPES or not all(
+        s.dim() == 3 and s.shape[:2] == (B, T) and s.stride(2) == 1 and s.dtype == first.dtype
+        and s.device == first.device
+        for s in sources
+    ):  # fmt: skip
+        raise ValueError(
+            "token_sums_many needs [B, T, p] sources of one B, T, kernel dtype and device, "
+            "columns contiguous"
+        )
+    device = first.device
+    outs = [torch.empty(B, s.shape[2], device=device, dtype=torch.float32) for s in sources]
+    if B == 0 or T == 0:
+        return [out.zero_() for out in outs]
+    sizes = tuple(s.shape[2] for s in sources)
+    tensor_of_block, first_block, _ = _block_table(device, sizes, TOKEN_SUM_COLUMNS)
+    table = _int64_table(
+        [[s.data_ptr(), s.stride(0), s.stride(1), s.shape[2], out.data_ptr()]
+         for s, out in zip(sources, outs, strict=True)],
+        device,
+    )  # fmt: skip
+    with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
+        _token_sums_kernel[(len(tensor_of_block), B)](
+            table, tensor_of_block, first_block, T,
+            BLOCK_T=TOKEN_SUM_TOKENS, BLOCK_P=TOKEN_SUM_COLUMNS,
+            SOURCE_DTYPE=_TL_DTYPES[sources[0].dtype],
+        )  # fmt: skip
+    return outs

@@ -39,7 +39,8 @@ class NormRule:
 
     Each call of a managed layer gives A (its input) and G (its output gradient). In the
     backward hook, ``kept_per_sample`` names the parameters whose per-sample gradients are formed
-    at once (where they are small); the rest are done after backward from A and G by
+    at once (where they are small); ``formed_after_backward`` those formed right after the
+    backward, all calls' in one go; the rest are done after backward from A and G by
     ``squared_norms`` and ``clipped_grads``, which handle exactly those parameters.
     ``describe`` and ``kept_per_sample`` may depend only on the layer and the shapes of A and G:
     the engine asks once per layer and shapes, not per call.
@@ -69,6 +70,19 @@ class NormRule:
     ) -> dict[str, Tensor]:
         """Per-sample gradients [B, *param.shape] of the named parameters."""
         raise NotImplementedError
+
+    def formed_after_backward(self, layer: Layer, A: Tensor, G: Tensor) -> set[str]:
+        """Parameters, not kept per sample in the hook, whose per-sample gradients are formed
+        right after the backward from the kept A and G, for every call of the rule at once
+        (per_sample_grads_many); the rest are done by squared_norms and clipped_grads."""
+        return set()
+
+    def per_sample_grads_many(
+        self, calls: list[tuple[Layer, Tensor, Tensor, set[str]]]
+    ) -> list[dict[str, Tensor]]:
+        """per_sample_grads of each call (layer, A, G, names), in order (a rule may share
+        launches between its calls)."""
+        return [self.per_sample_grads(layer, A, G, names) for layer, A, G, names in calls]
 
     def squared_norms(self, layer: Layer, A: Tensor, G: Tensor) -> Tensor:
         """Per-sample squared gradient norm [B] over the parameters not kept per sample."""

@@ -119,9 +119,34 @@ class LinearRule(NormRule):
         return {"d": d, "p": p, "route": linear_route(layer, A.shape[1])}
 
     def kept_per_sample(self, layer, A, G):
-        # The bias's per-sample gradient is [B, p], smaller than G: always formed at once.
-        kept = {"bias"} if linear_route(layer, A.shape[1]) != "product" else {"weight", "bias"}
-        return kept & layer.params.keys()
+        # The product route forms both at once; the others keep A and G for the weight, and the
+        # bias's per-sample gradient ([B, p], smaller than G) comes right after the backward
+        # from the kept G (formed_after_backward).
+        if linear_route(layer, A.shape[1]) == "product":
+            return {"weight", "bias"} & layer.params.keys()
+        return set()
+
+    def formed_after_backward(self, layer, A, G):
+        return {"bias"} & layer.params.keys()
+
+    def per_sample_grads_many(self, calls):
+        """The biases' per-sample gradients (G summed over tokens) of every call that asks for
+        them alone, one launch per (B, T, dtype) on CUDA (flash.kernels.token_sums_many: the 1b
+        model has 120 biases, each reduction's host time more than its GPU time); the rest one
+        by one."""
+        grads: list = [None] * len(calls)
+        groups: dict[tuple, list[int]] = {}
+        kernels = triton_kernels()
+        for i, (layer, A, G, names) in enumerate(calls):
+            if names == {"bias"} and kernels is not None and kernels.token_sums_supported(G):
+                groups.setdefault((G.shape[:2], G.dtype, G.device), []).append(i)
+            else:
+                grads[i] = self.per_sample_grads(layer, A, G, names)
+        for members in groups.values():
+            sums = kernels.token_sums_many([calls[i][2] for i in members])
+            for i, bias in zip(members, sums, strict=True):
+                grads[i] = {"bias": bias}
+        return grads
 
     def per_sample_grads(self, layer, A, G, names):
         grads = {}

@@ -2,6 +2,7 @@
 it refuses; numbers checked against per-sample brute force with autograd."""
 
 import copy
+import os
 import weakref
 
 import pytest
@@ -61,6 +62,56 @@ def test_squared_row_norms_many_sums_every_tensor_per_sample_per_dtype(B):
     assert [t.dtype for t in terms] == [torch.float64, torch.float32, torch.float32]
     expected = sum(g.double().flatten(1).square().sum(1) for g in grads)
     assert_close(sum(t.double() for t in terms), expected, 1e-6)
+
+
+@pytest.mark.parametrize("B", [1, 3])
+def test_biases_formed_after_the_backward_in_one_launch_match_brute_force(monkeypatch, B):
+    """Gram-route Linear biases get their per-sample gradients right after the backward from the
+    kept G, every layer's in one token-sums launch (a CUDA path: here the kernel interpreted and
+    its support check widened to CPU tensors), fp32 norms and clipped sums against brute force.
+    The up layer's weight is frozen: its only call keeps G for the bias alone, and drops A and G
+    once the bias is formed."""
+    kernels = pytest.importorskip("flash.kernels", reason="needs triton")
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("the CPU kernels are interpreted only where there is no GPU")
+    launches, token_sums = [], kernels.token_sums_many
+    monkeypatch.setattr(
+        kernels, "token_sums_supported", lambda G: G.dim() == 3 and G.dtype == torch.float32
+    )
+    monkeypatch.setattr(
+        kernels,
+        "token_sums_many",
+        lambda sources: launches.append(len(sources)) or token_sums(sources),
+    )
+    model = make_model(dtype=torch.float32)
+    model.up.weight.requires_grad_(False)
+    reference = copy.deepcopy(model)
+    ids, targets = make_batch(B, 9, seed=B + 7)
+    trained = [p for p in reference.parameters() if p.requires_grad]
+    per_sample = torch.stack(
+        [
+            torch.cat([g.flatten() for g in torch.autograd.grad(loss, trained)])
+            for loss in (
+                sample_losses(reference(ids[b : b + 1]), targets[b : b + 1]).sum() for b in range(B)
+            )
+        ]
+    )
+    ref_norms = per_sample.norm(dim=1)
+    max_norm = ref_norms.median()
+    ref_sum = ((max_norm / (ref_norms + 1e-6)).clamp(max=1.0)[:, None] * per_sample).sum(0)
+    flash = FlashClipping(model, route="gram", tile_size=4)
+    flash.backward(sample_losses(model(ids), targets).sum())
+    assert launches == [2]  # up's and head's biases; down has none
+    kept = {(module, role) for module, role, _ in flash.kept_tensors()}
+    assert (model.up, "activation_hooks") not in kept
+    assert (model.head, "activation_hooks") in kept  # its weight still needs A and G
+    norms = flash.per_sample_squared_norms().sqrt()
+    flash.accumulate_clipped_grads((max_norm / (norms + 1e-6)).clamp(max=1.0))
+    flash.release()
+    assert_close(norms, ref_norms, 1e-5)
+    names = [n for n, p in reference.named_parameters() if p.requires_grad]
+    params = dict(model.named_parameters())
+    assert_close(torch.cat([params[n].grad.flatten() for n in names]), ref_sum, 1e-5)
 
 
 def test_accumulate_many_gives_each_parameter_its_sum():
@@ -414,9 +465,18 @@ def test_allocation_sites_name_the_functions_that_allocate():
         "squared_norms",
         "squared_norms_many",
     }
-    assert names["per_sample_gradients"] == {"per_sample_grads", "_add_per_sample"}
+    assert names["per_sample_gradients"] == {
+        "per_sample_grads",
+        "per_sample_grads_many",
+        "_add_per_sample",
+    }
     assert names["gradients"] == {"clipped_grads", "accumulate_clipped_grads"}
-    overrides = (LinearRule.squared_norms, LinearRule.per_sample_grads, LinearRule.clipped_grads)
+    overrides = (
+        LinearRule.squared_norms,
+        LinearRule.per_sample_grads,
+        LinearRule.per_sample_grads_many,
+        LinearRule.clipped_grads,
+    )
     assert all(any(fn in fns for fns in ALLOCATION_SITES.values()) for fn in overrides)
 
 

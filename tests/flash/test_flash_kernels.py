@@ -168,6 +168,33 @@ def test_device_tables_are_kept_by_content_and_bounded():
         assert relative_error(target, (w1 + w2).double() @ source.double()) < 1e-6
 
 
+@pytest.mark.parametrize("B", [1, 3])
+def test_token_sums_match_fp64(B):
+    """Biases' per-sample gradients, many layers per launch: each [B, p] in fp32 and its own
+    storage against an fp64 sum over tokens; widths around the 128-column block (1, 127, 129,
+    300), T not a multiple of the 64-token tile and past it, a strided source (every other
+    sample of a bigger batch), fp16 and fp32 sources; empty lists and T = 0."""
+    from flash.kernels import weighted_sums
+
+    torch.manual_seed(6)
+    for T, dtype in ((70, torch.float16), (5, torch.float32), (128, torch.float32)):
+        wide = torch.randn(2 * B, T, 129).to(dtype)
+        sources = [torch.randn(B, T, p).to(dtype) for p in (1, 127, 300)] + [wide[::2]]
+        sums = weighted_sums.token_sums_many(sources)
+        for source, total in zip(sources, sums):
+            assert total.dtype == torch.float32 and total.shape == (B, source.shape[2])
+            assert relative_error(total, source.double().sum(1)) < 1e-6
+        storages = {total.untyped_storage().data_ptr() for total in sums}
+        assert len(storages) == len(sums)
+    assert weighted_sums.token_sums_many([]) == []
+    empty = weighted_sums.token_sums_many([torch.randn(B, 0, 7)])
+    assert torch.equal(empty[0], torch.zeros(B, 7))
+    with pytest.raises(ValueError, match="one B, T"):
+        weighted_sums.token_sums_many([torch.randn(B, 4, 3), torch.randn(B, 5, 3)])
+    with pytest.raises(ValueError, match="columns contiguous"):
+        weighted_sums.token_sums_many([torch.randn(B, 3, 4).mT])
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_squared_row_norms_match_fp64(dtype):
     """Per-sample squared norms summed over kept per-sample gradients of several sizes in one

@@ -111,6 +111,23 @@ def test_weighted_sums_on_cuda():
         assert error < 1e-6
 
 
+def test_token_sums_on_cuda():
+    """The biases' per-sample gradients of 1b-shaped bf16 output gradients (widths 2048 and
+    8192, T = 512) and a narrow fp32 one, one launch, against an fp64 sum over tokens."""
+    from flash import kernels as flash_kernels
+
+    torch.manual_seed(5)
+    sources = [torch.randn(8, 512, p, device="cuda").bfloat16() for p in (2048, 8192, 2048)]
+    sums = flash_kernels.token_sums_many(sources)
+    for source, total in zip(sources, sums):
+        expected = source.double().sum(1)
+        assert ((total.double() - expected).abs().max() / expected.abs().max()).item() < 1e-6
+    narrow = torch.randn(2, 1000, 3, device="cuda")
+    (total,) = flash_kernels.token_sums_many([narrow])
+    expected = narrow.double().sum(1)
+    assert ((total.double() - expected).abs().max() / expected.abs().max()).item() < 1e-6
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rms", [False, True])
 @pytest.mark.parametrize("blocks", [(None, None), (16, 256)], ids=["whole_rows", "blocked"])

@@ -216,6 +216,41 @@ def test_cuda_step_matches_brute_force(monkeypatch, autocast, tolerance):
     )
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("autocast, tolerance", [(True, 2e-2), (False, 1e-5)])
+def test_cuda_gram_step_forms_the_biases_in_one_launch(monkeypatch, autocast, tolerance):
+    """Gram route on CUDA: the Linear biases' per-sample gradients come right after the backward
+    from the kept G, both layers' in one token-sums launch, with no host sync; the step matches
+    brute force (bf16 autocast, and fp32 to 1e-5)."""
+    from flash import kernels as flash_kernels
+
+    launches = []
+    token_sums = flash_kernels.token_sums_many
+    monkeypatch.setattr(
+        flash_kernels,
+        "token_sums_many",
+        lambda sources: launches.append([s.shape for s in sources]) or token_sums(sources),
+    )
+    model = make_model(torch.float32)
+    ids, targets = make_batch(3, 130, seed=8)
+    ref_norms, _, ref_sum = brute_force(copy.deepcopy(model), ids, targets, max_norm=1.0)
+    model, ids, targets = model.cuda(), ids.cuda(), targets.cuda()
+    flash = FlashClipping(model, route="gram", tile_size=64)
+    with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
+        loss = sample_losses(model(ids).float(), targets).sum()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        flash.backward(loss)
+        norms = flash.per_sample_squared_norms().sqrt()
+        flash.accumulate_clipped_grads((1.0 / (norms + 1e-6)).clamp(max=1.0))
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert launches == [[(3, 130, 12), (3, 130, 11)]]  # up's and head's G; down has no bias
+    assert_close(norms.cpu(), ref_norms, tolerance)
+    assert_close(flat_grads(model).cpu(), ref_sum, tolerance)
+
+
 def test_clip_factors_are_never_rounded_up():
     """In bf16 a clip factor rounded up would scale a sample's gradient past C (the sensitivity
     the noise is calibrated to): the low-precision factor must be <= the exact one, 1 ulp off."""
