@@ -119,10 +119,11 @@ class LinearRule(NormRule):
         return {"d": d, "p": p, "route": linear_route(layer, A.shape[1])}
 
     def kept_per_sample(self, layer, A, G):
-        # The product route forms both at once; the others keep A and G for the weight, and the
-        # bias's per-sample gradient ([B, p], smaller than G) comes right after the backward
-        # from the kept G (formed_after_backward).
-        if linear_route(layer, A.shape[1]) == "product":
+        # The product route forms both at once. The others keep A and G for the weight, and the
+        # bias's per-sample gradient ([B, p], smaller than G) comes right after the backward from
+        # the kept G (formed_after_backward); without a trainable weight nothing else needs A
+        # and G, so the bias is formed here and they are dropped at once.
+        if linear_route(layer, A.shape[1]) == "product" or "weight" not in layer.params:
             return {"weight", "bias"} & layer.params.keys()
         return set()
 
