@@ -183,8 +183,14 @@ def _token_sums_kernel(
 
 
 def token_sums_supported(source: torch.Tensor) -> bool:
-    """Can token_sums_many take this [B, T, p] (CUDA, a kernel dtype, unit column stride)?"""
-    return _on_cuda_in_kernel_dtypes(source, source) and source.dim() == 3 and source.stride(2) == 1
+    """Can token_sums_many take this [B, T, p] (CUDA, a kernel dtype, unit column stride, B
+    within the 65535 programs of CUDA's y grid axis, where the kernel puts the samples)?"""
+    return (
+        _on_cuda_in_kernel_dtypes(source, source)
+        and source.dim() == 3
+        and source.stride(2) == 1
+        and source.shape[0] <= 65535
+    )
 
 
 def token_sums_many(sources: list[torch.Tensor]) -> list[torch.Tensor]:

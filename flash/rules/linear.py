@@ -139,13 +139,7 @@ class LinearRule(NormRule):
         groups: dict[tuple, list[int]] = {}
         kernels = triton_kernels()
         for i, (layer, A, G, names) in enumerate(calls):
-            # (the kernel's grid has B on CUDA's y axis, at most 65535)
-            if (
-                names == {"bias"}
-                and kernels is not None
-                and kernels.token_sums_supported(G)
-                and G.shape[0] <= 65535
-            ):
+            if names == {"bias"} and kernels is not None and kernels.token_sums_supported(G):
                 groups.setdefault((G.shape[:2], G.dtype, G.device), []).append(i)
             else:
                 grads[i] = self.per_sample_grads(layer, A, G, names)
@@ -168,9 +162,8 @@ class LinearRule(NormRule):
             grads["bias"] = G.sum(1, dtype=_acc_dtype(G))
         return grads
 
-    def squared_norms(
-        self, layer, A, G
-    ):  # the weight: the bias is formed per sample (hook or right after the backward)
+    def squared_norms(self, layer, A, G):
+        # the weight alone: the bias is formed per sample (in the hook or right after backward)
         if linear_route(layer, A.shape[1]) == "gram":
             return gram_squared_norms(A, G, layer.tile_size)
         return direct_squared_norms(A, G, layer.block_numel)
