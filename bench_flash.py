@@ -1,24 +1,22 @@
 """Flash Clipping benchmarks: per-layer norm work against its floor, and whole steps against goals.
 
     python bench_flash.py kernels [--dtype bfloat16] [--output_dir DIR]   # GPU
-    python bench_flash.py steps [--dtypes float32 bfloat16] [--hf | --hf_only] [--output_dir DIR]
+    python bench_flash.py steps [--dtypes float32 bfloat16] [--hf | --hf_only] [--cuda_graph]
 
-``kernels``: for each Linear shape of the ``1b`` model at the step goals' (B, T), the time of each
-norm route (gram, direct, product: what flash runs per layer besides the model's own GEMMs) next
-to its floor, max(FLOPs / GEMM rate, bytes / copy bandwidth), with both rates measured on the card
-in the same run. ``steps``: Flash Clipping's step goals (flash / standard step time, peak memory,
-speed against Opacus' ghost clipping and hooks), each config in its own worker process through
-the toolkit's one path (``measure.processes.run_configs``), standard and the Opacus trainers in
-the same run; ``--hf`` adds the Hugging Face LoRA configs (``HF_STEPS``: random weights from the
-shipped architectures, fixed-size batches). Every step config also runs a traced step after the
-timed ones (not timed): each trainer's host time and GPU-busy fraction come from it.
-Where a goal is missed the table says by how much. Results: ``<output_dir>/<run>/bench_*.md``
-and ``.json``; the step configs' own result files sit beside them (``--mode=report`` reads them).
+``kernels``: for each Linear shape of the ``1b`` model at the step goals' (B, T), each norm
+route's time (gram, direct, product) next to its floor, max(FLOPs / GEMM rate, bytes / copy
+bandwidth), both rates measured in the same run. ``steps``: the step goals (flash / standard time
+and peak, speed against Opacus' ghost clipping and hooks), every config in its own worker through
+the toolkit's one path (``measure.processes.run_configs``); ``--hf`` adds the LoRA configs
+(``HF_STEPS``, random weights, fixed-size batches); a traced step after the timed ones gives each
+trainer's host time and GPU-busy fraction. Misses say by how much. Results:
+``<output_dir>/<run>/bench_*.md`` and ``.json``, beside the configs' result files.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
 import time
@@ -45,6 +43,10 @@ BF16_ONLY = {(1, 16384)}  # explicit fp32 attention cannot hold B*H*T^2 probabil
 PEAK_GOAL = 1.05  # flash peak memory / standard's
 GHOST_SPEEDUP_GOAL = 1.6  # ghost step time / flash's
 TRAINERS = ("standard", "flash", "ghost", "dpsgd")
+# --cuda_graph: these also run with their step replayed as one CUDA graph ("<name>_graph"); the
+# goals then take flash's graphed step against standard's eager one (what users run today).
+GRAPHED = ("standard", "flash")
+ROW_TRAINERS = ("standard", "standard_graph", "flash", "flash_graph", "ghost", "dpsgd")
 # 1b, bf16 SDPA: flash's host time / standard's, and standard's GPU-busy fraction minus flash's.
 HOST_GOALS = {("bfloat16", 8, 512): {"host_x": 1.10, "busy_gap": 0.03}}
 # Hugging Face LoRA configs: (model, LoRA rank, seq, batch, physical batch, dtypes); goals:
@@ -65,6 +67,16 @@ def bench_config(trainer: str, **settings) -> ExperimentConfig:
     return ExperimentConfig(
         trainer=trainer, default_model="1b", trace=True, trace_gzip=False, **settings
     )
+
+
+def with_graphs(configs: list[ExperimentConfig]) -> list[ExperimentConfig]:
+    """``configs`` and, after each of a GRAPHED trainer, the same with its step as a CUDA graph."""
+    return [
+        variant
+        for config in configs
+        for variant in (config, dataclasses.replace(config, cuda_graph=True))
+        if variant is config or config.trainer in GRAPHED
+    ]
 
 
 def step_configs(dtypes, steps: int, warmup_steps: int, shapes=None) -> list[ExperimentConfig]:
@@ -127,7 +139,8 @@ def step_rows(results: list[dict]) -> list[dict]:
         config = result["config"]
         physical = config.get("physical_batch_size") or config["batch_size"]
         key = (model_label(config), config["dtype"], config["batch_size"], config["seq_len"])
-        by_shape.setdefault(key + (physical,), {})[config["trainer"]] = result
+        name = config["trainer"] + ("_graph" if config.get("cuda_graph") else "")
+        by_shape.setdefault(key + (physical,), {})[name] = result
     rows = []
     for (model, dtype, batch, seq, physical), trainers in by_shape.items():
         lora = "LoRA" in model
@@ -145,7 +158,10 @@ def step_rows(results: list[dict]) -> list[dict]:
                 name: r.get(key) if r["status"] == "ok" else None for name, r in trainers.items()
             }
 
-        flash_time = time_of("flash")
+        # flash's graphed step where it was captured (a failed capture ran eagerly: not it)
+        graphed = trainers.get("flash_graph") or {}
+        flash = "flash_graph" if (graphed.get("cuda_graph") or {}).get("captured") else "flash"
+        flash_time = time_of(flash)
         host, busy = timeline("host_time_ms"), timeline("gpu_busy_fraction")
         goals = HOST_GOALS.get((dtype, batch, seq), {}) if not lora else {}
         row = {
@@ -158,23 +174,26 @@ def step_rows(results: list[dict]) -> list[dict]:
             "flash_ms": flash_time,
             "ghost_ms": time_of("ghost"),
             "dpsgd_ms": time_of("dpsgd"),
+            "flash_graphed": flash == "flash_graph",
             "time_x": ratio(flash_time, time_of("standard")),
+            "eager_x": ratio(time_of("flash"), time_of("standard")),
+            "graphed_x": ratio(time_of("flash_graph"), time_of("standard_graph")),
             "time_goal": HF_TIME_GOAL
             if lora
             else TIGHTER_GOALS.get((dtype, batch, seq), STEP_GOALS.get((batch, seq))),
-            "peak_x": ratio(peak_of("flash"), peak_of("standard")),
+            "peak_x": ratio(peak_of(flash), peak_of("standard")),
             "peak_goal": None if lora else PEAK_GOAL,
             "ghost_over_flash": ratio(time_of("ghost"), flash_time),
             "ghost_goal": 1.0 if lora else GHOST_SPEEDUP_GOAL,
             "dpsgd_over_flash": ratio(time_of("dpsgd"), flash_time),
             "host_ms": host,
             "gpu_busy": busy,
-            "host_x": ratio(host.get("flash"), host.get("standard")),
+            "host_x": ratio(host.get(flash), host.get("standard")),
             "host_goal": goals.get("host_x"),
             "busy_gap": (
                 None
-                if busy.get("flash") is None or busy.get("standard") is None
-                else busy["standard"] - busy["flash"]
+                if busy.get(flash) is None or busy.get("standard") is None
+                else busy["standard"] - busy[flash]
             ),
             "busy_goal": goals.get("busy_gap"),
             "status": {name: r["status"] for name, r in trainers.items()},
@@ -209,31 +228,36 @@ def goal_misses(row: dict) -> list[str]:
 
 
 def format_step_table(rows: list[dict]) -> str:
+    """flash's graphed step, where it ran, is "flash ms" (marked) and the goals' flash."""
+    names = [n for n in ROW_TRAINERS if any(n in row["host_ms"] for row in rows)]
+
     def cell(value, fmt="{:.2f}"):
         return "-" if value is None else fmt.format(value)
 
     def per_trainer(values: dict, fmt: str) -> str:
-        return " / ".join(cell(values.get(name), fmt) for name in TRAINERS)
+        return " / ".join(cell(values.get(name), fmt) for name in names)
 
     lines = [
         "| model | dtype | B | T | physical | standard ms | flash ms | ghost ms | dpsgd ms "
-        "| flash/std time (goal) | flash/std peak (goal) | ghost/flash (goal) "
+        "| flash/std time (goal) | eager / graphed | flash/std peak (goal) | ghost/flash (goal) "
         "| dpsgd/flash (goal >1) | host ms "
-        + " / ".join(TRAINERS)
+        + " / ".join(names)
         + " | GPU busy % "
-        + " / ".join(TRAINERS)
+        + " / ".join(names)
         + " | misses |",
-        "|" + "---|" * 16,
+        "|" + "---|" * 17,
     ]
     for row in rows:
         ms = "{:.1f}"
         busy = {name: None if v is None else 100 * v for name, v in row["gpu_busy"].items()}
+        graph = " (graph)" if row.get("flash_graphed") else ""
         lines.append(
             f"| {row['model']} | {row['dtype']} | {row['batch']} | {row['seq']}"
             f" | {row['physical']} | {cell(row['standard_ms'], ms)}"
-            f" | {cell(row['flash_ms'], ms)} | {cell(row['ghost_ms'], ms)}"
+            f" | {cell(row['flash_ms'], ms)}{graph} | {cell(row['ghost_ms'], ms)}"
             f" | {cell(row['dpsgd_ms'], ms)}"
             f" | {cell(row['time_x'])} ({cell(row['time_goal'])})"
+            f" | {cell(row.get('eager_x'))} / {cell(row.get('graphed_x'))}"
             f" | {cell(row['peak_x'])} ({cell(row['peak_goal'])})"
             f" | {cell(row['ghost_over_flash'])} ({cell(row['ghost_goal'])})"
             f" | {cell(row['dpsgd_over_flash'])}"
@@ -409,9 +433,9 @@ def main(argv=None) -> int:
         help="steps: add the Hugging Face LoRA configs (HF_STEPS; with NAMEs, those whose model "
         "name contains one, e.g. --hf 3B)",
     )
-    parser.add_argument(
-        "--hf_only", action="store_true", help="steps: the LoRA configs alone (no 1b)"
-    )
+    parser.add_argument("--hf_only", action="store_true", help="steps: the LoRA configs alone")
+    graph_help = "steps: standard and flash also as CUDA graphs (the goals take flash's graph)"
+    parser.add_argument("--cuda_graph", action="store_true", help=graph_help)
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--warmup_steps", type=int, default=2)
     parser.add_argument("--output_dir", default="./runs")
@@ -426,9 +450,7 @@ def main(argv=None) -> int:
         return 2
     device = processes.probe_device()  # in a child: step workers fork from this process
     if not device["cuda"]:
-        print(
-            "error: bench_flash.py needs a CUDA GPU (CPU checks: python -m pytest)", file=sys.stderr
-        )
+        print("error: bench_flash.py needs a CUDA GPU (CPU checks: pytest)", file=sys.stderr)
         return 1
     card = device["name"]
     run_name = args.run_name or f"bench_flash_{time.strftime('%Y%m%d_%H%M%S')}"
@@ -453,6 +475,8 @@ def main(argv=None) -> int:
             names = args.hf or [""]
             specs = [spec for spec in HF_STEPS if any(name in spec[0] for name in names)]
             configs += hf_step_configs(args.steps, args.warmup_steps, specs)
+        if args.cuda_graph:
+            configs = with_graphs(configs)
         results = processes.run_configs(configs, run_dir)
         rows = step_rows(results)
         table = format_step_table(rows)

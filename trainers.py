@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import contextlib
 import math
-import time
 from collections.abc import Callable
 
 import torch
@@ -41,6 +40,7 @@ from core.schema import AllocationSite
 from flash.clip import add_gaussian_noise
 from flash.layer import tensors_in
 from parallel import wrap
+from stepping import graph
 
 TRAINERS: dict[str, type[Trainer]] = {}
 OPTIMIZERS = ("sgd", "adam")
@@ -84,6 +84,9 @@ def make_trainer(
             raise ValueError(checkpointing_refusal(cls.name))
     if distributed in cls.distributed_refusals:
         raise ValueError(cls.distributed_refusals[distributed])
+    if trainer_options.get("cuda_graph"):
+        if refusal := graph.refusal(cls.capturable, cls.name, distributed):
+            raise ValueError(refusal)
     if distributed == "fsdp":  # before the trainer: its optimizer (and flash) see the shards
         model = wrap.shard(model, cls.fsdp_units)
     privacy = dict(max_grad_norm=max_grad_norm, noise_multiplier=noise_multiplier)
@@ -125,6 +128,8 @@ class Trainer:
     # Distributed modes this trainer cannot run, with the reason (recorded as "skipped").
     distributed_refusals: dict[str, str] = {}
     fsdp_units = "blocks"  # FSDP2 units: parallel.wrap.FSDP_UNITS
+    # Its chunk and optimizer steps run without a host sync: a CUDA graph can capture them.
+    capturable = False
 
     def __init__(
         self,
@@ -140,6 +145,7 @@ class Trainer:
         loss_fn: Callable[[nn.Module, torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
         on_phase: Callable[[str], None] | None = None,
         distributed: str = "none",
+        cuda_graph: bool = False,
     ):
         if batch_size <= 0 or (max_physical_batch_size or 1) <= 0:
             raise ValueError(
@@ -166,10 +172,11 @@ class Trainer:
         params = self.trainable_parameters(model)
         if optimizer == "sgd":  # plain: no momentum, no weight decay
             self.optimizer = torch.optim.SGD(params, lr=lr)
-        else:  # torch defaults
-            self.optimizer = torch.optim.Adam(params, lr=lr)
+        else:  # torch defaults; a captured step keeps Adam's step count on the device
+            self.optimizer = torch.optim.Adam(params, lr=lr, capturable=cuda_graph)
         self.base_optimizer = self.optimizer  # holds the optimizer states
         self.on_phase("optimizer_created")
+        self.graphs = graph.Replayer(cuda_graph)  # the step as one CUDA graph, if asked
 
     @contextlib.contextmanager
     def observing_phases(self, callback: Callable[[str], None]):
@@ -243,33 +250,17 @@ class Trainer:
         return list(torch.arange(batch).tensor_split(num_chunks))
 
     def step(self, inputs: torch.Tensor, targets: torch.Tensor) -> dict:
+        """One logical batch (stepping.chunks), or its CUDA graph replayed (stepping.graph)."""
         self.steps_taken += 1
-        self.optimizer.zero_grad(set_to_none=True)
-        batch = inputs.shape[0]
-        largest = wrap.largest_batch(batch, inputs.device, self.distributed)
-        if largest == 0:
-            # An empty Poisson sample is still a step: no forward or backward, the clipped sum
-            # is zero, and a DP trainer still adds its noise (Opacus does the same).
-            self.empty_batch_gradients()
-            self.optimizer_step()
-            self.on_phase("step_done")
-            return {"loss": None, "physical_step_times_ms": []}
-        chunk_list = self.chunks(batch, largest)
-        loss_sum, chunk_times_ms = 0.0, []
-        for i, index in enumerate(chunk_list):
-            start = time.perf_counter()
-            x, y, stand_in = wrap.chunk_of(inputs, targets, index.to(inputs.device))
-            # chunk_step ends with .item(), a device sync, so the host clock is valid here.
-            with wrap.weighted_zero(self, stand_in):
-                loss_sum += self.chunk_step(x, y, is_last=i == len(chunk_list) - 1)
-            chunk_times_ms.append((time.perf_counter() - start) * 1e3)
-        self.optimizer_step()
-        self.on_phase("step_done")
-        loss = wrap.batch_mean(loss_sum, batch, inputs.device, self.distributed)
-        return {"loss": loss, "physical_step_times_ms": chunk_times_ms}
+        return self.graphs.step(self, inputs, targets)
 
-    def chunk_step(self, inputs, targets, is_last: bool) -> float:
-        """Forward and backward of one physical chunk; returns the sum of its per-sample losses."""
+    def discard_step_state(self) -> None:
+        """Forget what a step that did not finish left behind (a failed capture)."""
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def chunk_step(self, inputs, targets, is_last: bool) -> torch.Tensor:
+        """Forward and backward of one physical chunk; returns the sum of its per-sample losses
+        (a 0-dim tensor on the device: no host sync)."""
         raise NotImplementedError
 
     def empty_batch_gradients(self) -> None:
@@ -288,6 +279,7 @@ class StandardTrainer(Trainer):
     """Non-private baseline: the same loss, no clipping, no noise."""
 
     supports_activation_checkpointing = True
+    capturable = True
 
     def __init__(self, model, **kwargs):
         super().__init__(model, **kwargs)
@@ -305,7 +297,7 @@ class StandardTrainer(Trainer):
             # Scale so the accumulated gradient is the mean over the whole logical batch.
             (per_sample.sum() / self.batch_size).backward()
         self.on_phase("backward_done")
-        return per_sample.detach().sum().item()
+        return per_sample.detach().sum()
 
 
 class OpacusTrainer(Trainer):
@@ -345,10 +337,10 @@ class OpacusTrainer(Trainer):
         self.on_phase("forward_done")
         return per_sample
 
-    def end_chunk(self, per_sample: torch.Tensor, is_last: bool) -> float:
+    def end_chunk(self, per_sample: torch.Tensor, is_last: bool) -> torch.Tensor:
         self.on_phase("backward_done")
         self.accumulate_unless_last(is_last)
-        return per_sample.detach().sum().item()
+        return per_sample.detach().sum()
 
     def accumulate_unless_last(self, is_last: bool) -> None:
         if not is_last:
@@ -437,6 +429,7 @@ class FlashClippingTrainer(Trainer):
 
     is_private = True
     options = ("flash_route",)
+    capturable = True  # its hooks, kernels and tables make no host sync (tests check it)
 
     def __init__(self, model, *, flash_route: str = "auto", **kwargs):
         # The engine sets requires_grad=False on the weights it manages so autograd computes no
@@ -469,7 +462,11 @@ class FlashClippingTrainer(Trainer):
         self.engine.accumulate_clipped_grads(self.clip_factors(norms) / self.batch_size, sink)
         self.engine.release()
         self.on_phase("backward_done")
-        return per_sample.detach().sum().item()
+        return per_sample.detach().sum()
+
+    def discard_step_state(self):
+        super().discard_step_state()
+        self.engine.release()
 
     def noise_std(self) -> float:  # the gradients hold sum_b c_b g_b / B: N(0, (sigma C)^2) / B
         return self.noise_multiplier * self.max_grad_norm / self.batch_size

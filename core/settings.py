@@ -122,7 +122,7 @@ HF_MODES = {
 }
 
 # In the order of the config directory name: <trainer>_bs<B>_seq<T>_pb<P>_r<R>_bf16_<attention>
-# _ckpt_<model>; the settings that name no directory part follow.
+# _ckpt_graph_<model>; the settings that name no directory part follow.
 SETTINGS: tuple[Setting, ...] = (
     Setting(
         "trainer",
@@ -208,6 +208,18 @@ SETTINGS: tuple[Setting, ...] = (
         flags=("--activation_checkpointing",),
         switch=True,
         dir_part=lambda c: "_ckpt" if c.activation_checkpointing else None,
+        compare=True,
+    ),
+    Setting(
+        "cuda_graph",
+        False,
+        "replay each step as one CUDA graph, captured after the first full-sized batch "
+        "(standard and flash, CUDA, one process; other batch sizes run eagerly). The host "
+        "launches a step once instead of each kernel; memory breakdowns and module censuses "
+        "still measure an eager step",
+        flags=("--cuda_graph",),
+        switch=True,
+        dir_part=lambda c: "_graph" if c.cuda_graph else None,
         compare=True,
     ),
     Setting(

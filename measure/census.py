@@ -189,6 +189,11 @@ class ModuleCensus:
 _OPERATION_OF_PHASE = {phase: op for op, phase in OPERATIONS}
 
 
+def unmeasured_phase_costs() -> dict:
+    """The ``phase_costs`` key where no phase was measured: every value null."""
+    return {op: dict.fromkeys(("time_ms", "peak_mb", "allocated_after_mb")) for op, _ in OPERATIONS}
+
+
 def phase_costs(snapshots: list[dict], step_starts: list[float]) -> dict:
     """The ``phase_costs`` result key: per operation, the median over the measured steps of its
     time (summed over physical chunks) and, where the allocator measures it (CUDA), the largest

@@ -215,6 +215,10 @@ def check(values: dict, axes: dict, args) -> None:
         raise UsageError(f"--steps and --warmup_steps must be at most {MAX_STEPS}")
     if values["ncu"] and values["device"] != "cuda":
         raise UsageError("--ncu profiles CUDA kernels: it needs a CUDA device")
+    if values["cuda_graph"] and values["device"] != "cuda":
+        raise UsageError("--cuda_graph replays CUDA graphs: it needs a CUDA device")
+    if values["cuda_graph"] and values["distributed"] != "none":
+        raise UsageError("--cuda_graph captures the step of one process: drop --distributed")
     physical = max(pb or b for pb in axes["max_physical_batch_size"] for b in batch_sizes)
     needed = bytes_lower_bound(
         model, values["model_overrides"], physical, max(seq_lens), values["dataset_size"]

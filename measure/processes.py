@@ -27,6 +27,7 @@ from core.schema import FINISHED
 from measure import quiet, ranks
 from measure.ranks import RankGroup
 from measure.worker import result_skeleton, worker_main
+from stepping import graph
 
 # Directories a run makes per config (<trainer>_bs<B>_seq<T>...) and atomic_write's temporary
 # names (<name>.tmp<pid>): the only things leftover removal may touch.
@@ -181,6 +182,9 @@ def skip_reason(config) -> str | None:
     trainer = trainers.TRAINERS[config.trainer]
     if config.distributed in trainer.distributed_refusals:
         return trainer.distributed_refusals[config.distributed]
+    graph_refusal = graph.refusal(trainer.capturable, trainer.name, config.distributed)
+    if config.cuda_graph and graph_refusal:
+        return graph_refusal
     if config.activation_checkpointing and not trainer.supports_activation_checkpointing:
         return trainers.checkpointing_refusal(config.trainer)
     return None

@@ -97,6 +97,8 @@ class TimedSteps:
                 "every sampled batch was empty: the measurements after the timed steps (CPU "
                 "peak, breakdown, census, trace) ran on an empty batch, a noise-only step"
             )
+        if s.trainer.graphs.enabled:
+            result["cuda_graph"] = s.trainer.graphs.result()
         result.update(
             avg_time_ms=statistics.fmean(step_times),
             median_time_ms=statistics.median(step_times),
@@ -110,11 +112,17 @@ class TimedSteps:
 
 class PeakMemory:
     """CUDA: the largest phase peak of the timed steps (the recorder resets the counters at
-    every snapshot). CPU: the peak of one extra step, from the profiler's allocation events."""
+    every snapshot), and the capture's peak where they replayed a CUDA graph (a replay
+    allocates nothing; its tensors live in the graph's pool, allocated at capture). CPU: the
+    peak of one extra step, from the profiler's allocation events."""
 
     def run(self, s: Session, result: dict) -> None:
         if s.device.type == "cuda":
-            result["peak_memory_mb"] = max(x["phase_peak_mb"] for x in s.measured_snapshots)
+            peaks = [x["phase_peak_mb"] for x in s.measured_snapshots]
+            graph = s.trainer.graphs.graph
+            if graph is not None and graph.replays:
+                peaks.append(graph.peak_bytes / MB)
+            result["peak_memory_mb"] = max(peaks)
             result["peak_reserved_mb"] = max(
                 x["phase_peak_reserved_mb"] for x in s.measured_snapshots
             )
@@ -135,9 +143,10 @@ class Breakdown:
         if s.device.type != "cuda":
             s.env["breakdown_note"] = "the allocator history that attributes the peak is CUDA-only"
             return
-        parts, check, recording, snapshot = breakdown.record_breakdown(
-            s.trainer, s.extra_step, s.device
-        )
+        with s.trainer.graphs.eager():  # the allocator's history of a step: a replay has none
+            parts, check, recording, snapshot = breakdown.record_breakdown(
+                s.trainer, s.extra_step, s.device
+            )
         result["breakdown"], result["breakdown_check"] = parts, check
         if s.config.save_snapshot:
             save_snapshot(s.out_dir, snapshot, {**recording, "check": check})
@@ -160,9 +169,18 @@ class Census:
 
     def run(self, s: Session, result: dict) -> None:
         if not s.module_census.steps_observed:  # no extra step ran yet (CUDA without breakdown)
-            s.extra_step()
+            with s.trainer.graphs.eager():  # the census reads a step's allocations
+                s.extra_step()
         result["module_memory"] = s.module_census.result()
-        result["phase_costs"] = census.phase_costs(s.measured_snapshots, s.step_starts)
+        graph = s.trainer.graphs.graph
+        if graph is not None and graph.replays:
+            result["phase_costs"] = census.unmeasured_phase_costs()
+            s.env["phase_costs_note"] = (
+                "the timed steps replayed a CUDA graph: a replay has no phase boundaries, so "
+                "time and memory per phase are not measured"
+            )
+        else:
+            result["phase_costs"] = census.phase_costs(s.measured_snapshots, s.step_starts)
 
 
 class Trace:

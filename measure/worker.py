@@ -78,6 +78,7 @@ def run_experiment(config, out_dir: str, rank_setup=None) -> dict:
         loss_fn=workload.loss_fn,
         on_phase=recorder,
         distributed=config.distributed,
+        cuda_graph=config.cuda_graph,
         **{option: getattr(config, option) for option in trainers.TRAINERS[config.trainer].options},
     )
     if rank_setup is not None:  # each rank its own noise stream (FSDP2: noise on its shard)

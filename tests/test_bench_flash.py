@@ -161,3 +161,50 @@ def test_hf_steps_on_cpu_with_the_tiny_model(tmp_path):
     saved = json.loads((tmp_path / results[1]["config_dir"] / "result.json").read_text())
     assert saved["host_time_ms"] is None and "timeline_note" in saved["env"]
     assert "tiny-llama LoRA r4 | float32 | 6 | 16 | 4 |" in bench_flash.format_step_table([row])
+
+
+def graphed(r, captured=True):
+    r["config"]["cuda_graph"] = True
+    r["cuda_graph"] = {"captured": captured, "replays": 3 if captured else 0}
+    return r
+
+
+def test_graphed_rows_take_flash_graph_against_standard_eager():
+    results = [
+        result("standard", 8, 512, "bfloat16", 100.0, 1000.0),
+        graphed(result("standard", 8, 512, "bfloat16", 90.0, 1000.0)),
+        result("flash", 8, 512, "bfloat16", 120.0, 1010.0),
+        graphed(result("flash", 8, 512, "bfloat16", 99.0, 1020.0)),
+        result("ghost", 8, 512, "bfloat16", 300.0, 1000.0),
+        result("dpsgd", 8, 512, "bfloat16", 200.0, 1000.0),
+    ]
+    for r in results:
+        name = r["config"]["trainer"] + ("_graph" if r["config"].get("cuda_graph") else "")
+        r["host_time_ms"] = {"standard": 80.0, "flash": 95.0, "flash_graph": 2.0}.get(name)
+        r["gpu_busy_fraction"] = 0.9
+    (row,) = bench_flash.step_rows(results)
+    assert row["flash_graphed"] and row["flash_ms"] == 99.0
+    assert row["time_x"] == pytest.approx(0.99)
+    assert row["eager_x"] == pytest.approx(1.2) and row["graphed_x"] == pytest.approx(1.1)
+    assert row["peak_x"] == pytest.approx(1.02)
+    assert row["host_x"] == pytest.approx(2.0 / 80.0)
+    line = bench_flash.format_step_table([row]).splitlines()[-1]
+    assert "| 99.0 (graph) |" in line and "| 1.20 / 1.10 |" in line
+    # A capture that failed ran flash eagerly: the goals take the eager flash config then.
+    results[3] = graphed(result("flash", 8, 512, "bfloat16", 121.0, 1020.0), captured=False)
+    (row,) = bench_flash.step_rows(results)
+    assert not row["flash_graphed"] and row["flash_ms"] == 120.0
+
+
+def test_with_graphs_adds_a_graphed_config_of_standard_and_flash_only():
+    configs = bench_flash.with_graphs(
+        bench_flash.step_configs(["bfloat16"], steps=3, warmup_steps=2, shapes=[(8, 512)])
+    )
+    assert [(c.trainer, c.cuda_graph) for c in configs] == [
+        ("standard", False),
+        ("standard", True),
+        ("flash", False),
+        ("flash", True),
+        ("ghost", False),
+        ("dpsgd", False),
+    ]

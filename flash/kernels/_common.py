@@ -43,11 +43,19 @@ def _norm_kernel_args(A: torch.Tensor, G: torch.Tensor, tf32: bool) -> tuple:
     return out, args, precision
 
 
+# The pinned host side of every table copied while a CUDA graph was being captured: the graph's
+# copy node reads it again at each replay, so it must outlive every replay (a few KB a capture).
+_CAPTURED_HOST_TABLES: list[torch.Tensor] = []
+
+
 def _table_to(table: torch.Tensor, device: torch.device) -> torch.Tensor:
     """A host-built table of a step (pointers, offsets) on ``device``: through pinned memory on
     CUDA, so the copy is queued on the stream instead of waiting for the GPU."""
     if device.type == "cuda":
-        return table.pin_memory().to(device, non_blocking=True)
+        pinned = table.pin_memory()
+        if torch.cuda.is_current_stream_capturing():
+            _CAPTURED_HOST_TABLES.append(pinned)
+        return pinned.to(device, non_blocking=True)
     return table.to(device)
 
 

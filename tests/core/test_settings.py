@@ -20,6 +20,8 @@ from core.settings import ExperimentConfig
         ({"use_lora": True, "lora_rank": 4}, "dpsgd_bs8_seq256_r4"),
         ({"dtype": "bfloat16", "attention": "sdpa"}, "dpsgd_bs8_seq256_bf16_sdpa"),
         ({"activation_checkpointing": True}, "dpsgd_bs8_seq256_ckpt"),
+        ({"activation_checkpointing": True, "cuda_graph": True, "model": "1b"},
+         "dpsgd_bs8_seq256_ckpt_graph_1b"),
         ({"model": "1b"}, "dpsgd_bs8_seq256_1b"),
         ({"model": "1b", "default_model": "1b"}, "dpsgd_bs8_seq256"),
         # HF models default to SDPA: explicit attention is the part that differs.

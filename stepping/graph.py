@@ -1,0 +1,132 @@
+"""A trainer's whole step (forward, backward, clipping, noise, optimizer) captured as one CUDA
+graph after an eager step of the same shape, and replayed for every later one.
+
+Why: a short step's host work (Python, autograd, one launch per kernel) can take as long as its
+GPU work, most for flash's per-layer hooks, and then any jitter of the host lands on the step.
+A replay is one launch. What it needs from a trainer: chunk steps and an optimizer step with
+no host sync (``Trainer.capturable``) and ``discard_step_state``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+from stepping import chunks
+
+MB = 2**20
+
+
+class StepGraph:
+    """One captured step. Replays run the captured kernels on the captured addresses: the
+    parameters (updated in place) and the graph's own input tensors, which each replay fills
+    with the batch. torch's CUDA generator is replay-aware: every replay draws fresh noise.
+
+    The capture goes through the allocator like an eager step, in the graph's private pool, so
+    the allocator's peak during the capture is the step's; a replay allocates nothing."""
+
+    def __init__(self, trainer, inputs: torch.Tensor, targets: torch.Tensor):
+        device = inputs.device
+        self.inputs, self.targets = inputs.clone(), targets.clone()
+        self.graph = torch.cuda.CUDAGraph()
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        with trainer.observing_phases(lambda name: None), torch.cuda.graph(self.graph):
+            self.loss_sum = chunks.device_step(trainer, self.inputs, self.targets)
+        torch.cuda.synchronize(device)
+        self.peak_bytes = torch.cuda.max_memory_allocated(device)
+        torch.cuda.empty_cache()  # the eager steps' cached blocks: replays use the graph's pool
+        self.replays = 0
+
+    def fits(self, inputs: torch.Tensor, targets: torch.Tensor) -> bool:
+        def spec(t):
+            return t.shape, t.dtype, t.device
+
+        return (spec(inputs), spec(targets)) == (spec(self.inputs), spec(self.targets))
+
+    def replay(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        self.inputs.copy_(inputs)
+        self.targets.copy_(targets)
+        self.graph.replay()
+        self.replays += 1
+        return self.loss_sum
+
+
+class Replayer:
+    """A trainer's CUDA-graph state: off, waiting for its first full-sized batch, captured (then
+    replaying every batch of that shape), or failed (every step eager, the error kept)."""
+
+    def __init__(self, enabled: bool):
+        self.enabled = enabled
+        self.graph: StepGraph | None = None
+        self.error: str | None = None  # why the capture failed: the steps run eagerly
+        self.eager_only = False  # set by eager()
+
+    def step(self, trainer, inputs: torch.Tensor, targets: torch.Tensor) -> dict:
+        """One step of ``trainer``: replayed if a graph fits the batch, else eager (and captured
+        after, if it is the first full-sized one)."""
+        graph = self.graph
+        if graph is not None and not self.eager_only and graph.fits(inputs, targets):
+            loss_sum = graph.replay(inputs, targets)
+            trainer.on_phase("step_done")  # the chunks ran inside the graph: no host clock there
+            return {"loss": loss_sum.item() / len(inputs), "physical_step_times_ms": []}
+        if self.captures_after(inputs, trainer.batch_size):
+            return self.capture_after(trainer, inputs, targets)
+        return chunks.eager_step(trainer, inputs, targets)
+
+    def captures_after(self, inputs: torch.Tensor, batch_size: int) -> bool:
+        """Is this step the eager one a capture follows? The first full-sized batch on CUDA;
+        other sizes (Poisson draws) always run eagerly."""
+        waiting = self.enabled and self.graph is None and self.error is None
+        return waiting and not self.eager_only and inputs.is_cuda and len(inputs) == batch_size
+
+    def capture_after(self, trainer, inputs: torch.Tensor, targets: torch.Tensor) -> dict:
+        """Run this step eagerly on a side stream, as capture needs (autograd, cuBLAS and Triton
+        set up their state and tune there, not inside the capture), then capture the next ones.
+        Returns the eager step's output."""
+        current = torch.cuda.current_stream(inputs.device)
+        side = torch.cuda.Stream(inputs.device)
+        side.wait_stream(current)
+        with torch.cuda.stream(side):
+            out = chunks.eager_step(trainer, inputs, targets)
+        current.wait_stream(side)
+        try:
+            self.graph = StepGraph(trainer, inputs, targets)
+        except RuntimeError as error:  # e.g. a host sync inside a model's forward
+            trainer.discard_step_state()
+            torch.cuda.synchronize(inputs.device)
+            self.error = (str(error).strip().splitlines() or ["?"])[0][:300]
+        return out
+
+    @contextlib.contextmanager
+    def eager(self):
+        """Steps run eagerly inside (a measurement that reads the allocator's events: a replay
+        allocates nothing); the graph is kept for the steps after."""
+        saved, self.eager_only = self.eager_only, True
+        try:
+            yield
+        finally:
+            self.eager_only = saved
+
+    def result(self) -> dict:
+        """The ``cuda_graph`` result key: captured or not (and why not), replays, its peak."""
+        graph = self.graph
+        return {
+            "captured": graph is not None,
+            "replays": graph.replays if graph else 0,
+            "capture_peak_mb": graph.peak_bytes / MB if graph else None,
+            "error": self.error,
+        }
+
+
+def refusal(capturable: bool, name: str, distributed: str) -> str | None:
+    """Why trainer ``name`` cannot replay its step as a CUDA graph (None: it can)."""
+    if not capturable:
+        return (
+            f"--cuda_graph captures the standard and flash steps only: {name} runs Opacus' "
+            "step, which this toolkit does not capture (run it without --cuda_graph)"
+        )
+    if distributed != "none":
+        return "--cuda_graph captures the step of one process: it does not run with --distributed"
+    return None

@@ -1,0 +1,153 @@
+"""The step replayed as one CUDA graph (--cuda_graph): exact against the brute-force reference
+of tests/test_trainers.py, fresh noise at every replay, other batch sizes eager; and the refusals
+and CPU errors, which CI checks."""
+
+import contextlib
+import copy
+import glob
+import json
+import os
+
+import pytest
+import torch
+from cli_helpers import SMALL_MODEL, cli, small_run_args
+from test_trainers import (
+    SMALL,
+    flat_params,
+    make_batch,
+    per_sample_grads,
+    reference_update,
+    relative_error,
+)
+
+import models
+import trainers
+from core.settings import ExperimentConfig
+from measure.processes import skip_reason
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+CUDA = torch.device("cuda")
+
+
+def graphed_trainer(name, model, batch, **options):
+    return trainers.make_trainer(name, model, batch_size=batch, cuda_graph=True, **options)
+
+
+def update_of(trainer, model, inputs, targets, lr):
+    """Take one step; the update it applied, -lr * p.grad (p.grad is the graph's own tensor
+    after a replay, written by it)."""
+    before = flat_params(model)
+    trainer.step(inputs, targets)
+    grads = torch.cat([p.grad.reshape(-1) for p in model.parameters()]).double()
+    assert torch.allclose(flat_params(model) - before, -lr * grads, atol=1e-6)
+    return -lr * grads
+
+
+@pytest.mark.parametrize("physical", [None, 2])
+@pytest.mark.parametrize("name", ["standard", "flash"])
+@pytest.mark.gpu
+@needs_cuda
+def test_replayed_steps_match_brute_force(name, physical):
+    torch.manual_seed(0)
+    model = models.build_model(SMALL, device=CUDA, attention="sdpa")
+    batches = [tuple(t.to(CUDA) for t in make_batch(5, 7, seed=s)) for s in range(3)]
+    lr, clip = 0.5, 0.05
+    trainer = graphed_trainer(
+        name, model, 5, lr=lr, max_grad_norm=clip, noise_multiplier=0.0,
+        max_physical_batch_size=physical,
+    )  # fmt: skip
+    trainer.step(*batches[0])  # eager, then captured
+    assert trainer.graphs.graph is not None and trainer.graphs.error is None
+    for inputs, targets in batches[1:]:
+        if name == "flash":
+            ref, norms = reference_update(model, inputs, targets, clip, lr)
+            assert (norms > clip).any()  # clipping is exercised
+        else:
+            ref = -lr * per_sample_grads(copy.deepcopy(model), inputs, targets).mean(0)
+        update = update_of(trainer, model, inputs, targets, lr)
+        assert relative_error(update, ref) < 1e-5
+    assert trainer.graphs.graph.replays == 2
+    assert trainer.graphs.result()["captured"]
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_replays_draw_fresh_noise_of_sigma_c_over_b():
+    torch.manual_seed(3)
+    model = models.build_model(SMALL, device=CUDA)
+    inputs, targets = (t.to(CUDA) for t in make_batch(4, 6))
+    sigma, clip = 0.7, 0.05
+    trainer = graphed_trainer("flash", model, 4, lr=1.0, max_grad_norm=clip, noise_multiplier=sigma)
+    trainer.step(inputs, targets)
+    noises = []
+    for _ in range(2):
+        ref, _ = reference_update(model, inputs, targets, clip, 1.0)
+        noises.append(update_of(trainer, model, inputs, targets, 1.0) - ref)
+    expected = sigma * clip / 4
+    for noise in noises:
+        assert abs(noise.std().item() / expected - 1) < 0.05
+    # Two replays, two draws: independent noise has correlation ~0 (1/sqrt(n) ~ 0.013 here).
+    assert abs(torch.corrcoef(torch.stack(noises))[0, 1].item()) < 0.1
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_other_batch_sizes_and_eager_steps_do_not_replay():
+    torch.manual_seed(0)
+    model = models.build_model(SMALL, device=CUDA)
+    lr, clip = 0.5, 0.05
+    trainer = graphed_trainer("flash", model, 4, lr=lr, max_grad_norm=clip, noise_multiplier=0.0)
+    trainer.step(*(t.to(CUDA) for t in make_batch(4, 6)))
+    # A smaller (Poisson) batch runs eagerly, exactly; so does any step inside eager().
+    for batch, context in ((3, None), (4, trainer.graphs.eager())):
+        inputs, targets = (t.to(CUDA) for t in make_batch(batch, 6, seed=batch))
+        ref, _ = reference_update(model, inputs, targets, clip, lr)
+        with context or contextlib.nullcontext():
+            update = update_of(trainer, model, inputs, targets, lr)
+        assert relative_error(update, ref) < 1e-5
+    assert trainer.graphs.graph.replays == 0
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_cli_records_the_graph_and_its_peak(tmp_path):
+    """--mode=memory: timed steps replayed, the breakdown measured on an eager step."""
+    args = ["--mode=memory", "--model", "tiny", "--trainers", "standard", "flash"]
+    args += ["--batch_sizes", "2", "--seq_lens", "8", "--steps", "2", "--warmup_steps", "1"]
+    args += ["--output_dir", str(tmp_path), "--run_name", "r", *SMALL_MODEL]
+    done = cli(*args, "--device", "cuda", "--cuda_graph")
+    assert done.returncode == 0, done.stderr
+    paths = sorted(glob.glob(str(tmp_path / "r" / "*_graph*" / "result.json")))
+    assert len(paths) == 2
+    for path in paths:
+        with open(path) as f:
+            result = json.load(f)
+        assert result["status"] == "ok"
+        graph = result["cuda_graph"]
+        assert graph["captured"] and graph["replays"] >= 2 and graph["error"] is None
+        # The replays allocate nothing: the peak is the capture's.
+        assert result["peak_memory_mb"] >= graph["capture_peak_mb"] > 0
+        assert result["breakdown"]
+
+
+def test_opacus_trainers_and_distributed_runs_are_refused():
+    model = models.build_model(SMALL)
+    for name in ("dpsgd", "ghost"):
+        with pytest.raises(ValueError, match="--cuda_graph captures the standard and flash"):
+            trainers.make_trainer(name, model, lr=0.1, batch_size=2, cuda_graph=True)
+    assert trainers.make_trainer("flash", model, lr=0.1, batch_size=2, cuda_graph=False)
+
+
+def test_on_cpu_the_flag_is_one_error_line(tmp_path):
+    args = small_run_args(tmp_path, "flash")
+    done = cli(*args, "--device", "cpu", "--cuda_graph")
+    assert done.returncode == 2
+    assert done.stderr.strip().splitlines() == [
+        "error: --cuda_graph replays CUDA graphs: it needs a CUDA device"
+    ]
+    assert not os.path.exists(tmp_path / "r")
+
+
+def test_a_skipped_config_says_why():
+    assert "Opacus' step" in skip_reason(ExperimentConfig("dpsgd", 8, 64, cuda_graph=True))
+    assert skip_reason(ExperimentConfig("flash", 8, 64, cuda_graph=True)) is None
