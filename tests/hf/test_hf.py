@@ -118,7 +118,7 @@ def test_replayed_flash_step_matches_brute_force_on_cuda(use_lora):
     trainer = make_trainer(
         "flash",
         model,
-        lr=0.1,
+        lr=1e-3,  # small: the norms after the first step stay on both sides of C
         max_grad_norm=max_grad_norm,
         noise_multiplier=0.0,
         batch_size=5,
