@@ -217,6 +217,8 @@ def check(values: dict, axes: dict, args) -> None:
         raise UsageError("--ncu profiles CUDA kernels: it needs a CUDA device")
     if values["cuda_graph"] and values["device"] != "cuda":
         raise UsageError("--cuda_graph replays CUDA graphs: it needs a CUDA device")
+    if values["cuda_graph"] and values["ncu"]:
+        raise UsageError("--ncu profiles one eager step in named phases: drop --cuda_graph")
     if values["cuda_graph"] and values["distributed"] != "none":
         raise UsageError("--cuda_graph captures the step of one process: drop --distributed")
     physical = max(pb or b for pb in axes["max_physical_batch_size"] for b in batch_sizes)

@@ -20,8 +20,10 @@ from test_trainers import (
 )
 
 import models
+import profiling_script
 import trainers
-from core.settings import ExperimentConfig
+from core.settings import ExperimentConfig, UsageError
+from measure import plan
 from measure.processes import skip_reason
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -155,6 +157,27 @@ def test_on_cpu_the_flag_is_one_error_line(tmp_path):
         "error: --cuda_graph replays CUDA graphs: it needs a CUDA device"
     ]
     assert not os.path.exists(tmp_path / "r")
+
+
+@pytest.mark.parametrize(
+    "extra, env, message",
+    [
+        (["--ncu"], {}, "--ncu profiles one eager step in named phases: drop --cuda_graph"),
+        (
+            ["--distributed", "ddp"],  # as torchrun starts rank 0 of two
+            {"WORLD_SIZE": "2", "RANK": "0", "LOCAL_RANK": "0", "MASTER_ADDR": "localhost",
+             "MASTER_PORT": "29500"},
+            "--cuda_graph captures the step of one process",
+        ),
+    ],
+)  # fmt: skip
+def test_plan_refuses_graphs_with_ncu_or_several_ranks(extra, env, message, monkeypatch):
+    """On a CUDA machine (cuda_available stubbed): one UsageError naming the conflict."""
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    args = profiling_script.parse_args(["--mode=profile", "--cuda_graph", *extra])
+    with pytest.raises(UsageError, match=message):
+        plan.make_plan(args, cuda_available=lambda: True)
 
 
 def test_a_skipped_config_says_why():
