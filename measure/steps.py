@@ -98,7 +98,7 @@ class TimedSteps:
                 "peak, breakdown, census, trace) ran on an empty batch, a noise-only step"
             )
         if s.trainer.graphs.enabled:
-            result["cuda_graph"] = s.trainer.graphs.result()
+            result["cuda_graph"] = s.trainer.graphs.result(s.trainer.batch_size)
         result.update(
             avg_time_ms=statistics.fmean(step_times),
             median_time_ms=statistics.median(step_times),

@@ -109,15 +109,21 @@ class Replayer:
         finally:
             self.eager_only = saved
 
-    def result(self) -> dict:
+    def result(self, batch_size: int) -> dict:
         """The ``cuda_graph`` result key: captured or not (and why not), replays, its peak."""
         graph = self.graph
-        return {
+        out = {
             "captured": graph is not None,
             "replays": graph.replays if graph else 0,
             "capture_peak_mb": graph.peak_bytes / MB if graph else None,
             "error": self.error,
         }
+        if graph is None and self.error is None:
+            out["error"] = (
+                f"no step had a batch of {batch_size} samples to capture after (Poisson batches "
+                "vary in size; --no_poisson makes every batch full-sized): every step ran eagerly"
+            )
+        return out
 
 
 def refusal(capturable: bool, name: str, distributed: str) -> str | None:

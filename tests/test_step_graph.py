@@ -34,11 +34,11 @@ def graphed_trainer(name, model, batch, **options):
     return trainers.make_trainer(name, model, batch_size=batch, cuda_graph=True, **options)
 
 
-def plain_copy(model):
+def plain_copy(model, device=CUDA):
     """The model's current weights in a fresh model, without flash's hooks and with every
     parameter trainable (flash's engine turns off requires_grad on the weights it manages), for
     the brute-force reference."""
-    fresh = models.build_model(SMALL, device=CUDA, attention=model.config.attention)
+    fresh = models.build_model(SMALL, device=device, attention=model.config.attention)
     fresh.load_state_dict(model.state_dict())
     return fresh
 
@@ -77,7 +77,7 @@ def test_replayed_steps_match_brute_force(name, physical):
         update = update_of(trainer, model, inputs, targets, lr)
         assert relative_error(update, ref) < 1e-5
     assert trainer.graphs.graph.replays == 2
-    assert trainer.graphs.result()["captured"]
+    assert trainer.graphs.result(5)["captured"]
 
 
 @pytest.mark.gpu
@@ -139,6 +139,23 @@ def test_cli_records_the_graph_and_its_peak(tmp_path):
         # The replays allocate nothing: the peak is the capture's.
         assert result["peak_memory_mb"] >= graph["capture_peak_mb"] > 0
         assert result["breakdown"]
+
+
+def test_without_a_full_sized_batch_on_cuda_nothing_is_captured_and_the_result_says_why():
+    """On the CPU (or with only smaller Poisson batches) every step runs eagerly and exactly."""
+    torch.manual_seed(0)
+    model = models.build_model(SMALL)
+    trainer = trainers.make_trainer(
+        "flash", model, lr=0.5, batch_size=4, max_grad_norm=0.05, noise_multiplier=0.0,
+        cuda_graph=True,
+    )  # fmt: skip
+    for _ in range(2):
+        inputs, targets = make_batch(4, 6)
+        ref, _ = reference_update(plain_copy(model, "cpu"), inputs, targets, 0.05, 0.5)
+        assert relative_error(update_of(trainer, model, inputs, targets, 0.5), ref) < 1e-5
+    result = trainer.graphs.result(4)
+    assert not result["captured"] and result["replays"] == 0
+    assert "no step had a batch of 4 samples" in result["error"]
 
 
 def test_opacus_trainers_and_distributed_runs_are_refused():
