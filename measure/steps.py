@@ -50,6 +50,7 @@ class Session:
     step_starts: list = field(default_factory=list)
     module_census: census.ModuleCensus | None = None
     extra_steps: int = 0  # steps after the timed ones, on a batch they already sampled
+    timed_replays: int = 0  # timed steps that replayed a CUDA graph (--cuda_graph)
 
     def reused_batch_step(self) -> None:
         """One step after the timed ones, on a batch they sampled (counted: a DP step that
@@ -74,6 +75,7 @@ class TimedSteps:
             if s.device.type == "cuda":
                 torch.cuda.reset_peak_memory_stats(s.device)
             first_measured = len(s.recorder.snapshots)
+            replays_before = s.trainer.graphs.replays
             step_times, physical_times, losses = [], [], []
             for _ in range(s.config.steps):
                 inputs, targets = s.workload.batch()  # sampled outside the timed region
@@ -90,6 +92,7 @@ class TimedSteps:
                 physical_times.extend(out["physical_step_times_ms"])
                 losses.append(out["loss"])
         s.measured_snapshots = s.recorder.snapshots[first_measured:]
+        s.timed_replays = s.trainer.graphs.replays - replays_before
         # Poisson batches vary in size: say which one the measurements after these steps use.
         result["measurement_batch_size"] = len(s.inputs)
         if not len(s.inputs):
@@ -98,7 +101,10 @@ class TimedSteps:
                 "peak, breakdown, census, trace) ran on an empty batch, a noise-only step"
             )
         if s.trainer.graphs.enabled:
-            result["cuda_graph"] = s.trainer.graphs.result(s.trainer.batch_size)
+            result["cuda_graph"] = {
+                **s.trainer.graphs.result(s.trainer.batch_size),
+                "timed_replays": s.timed_replays,
+            }
         result.update(
             avg_time_ms=statistics.fmean(step_times),
             median_time_ms=statistics.median(step_times),
@@ -119,9 +125,8 @@ class PeakMemory:
     def run(self, s: Session, result: dict) -> None:
         if s.device.type == "cuda":
             peaks = [x["phase_peak_mb"] for x in s.measured_snapshots]
-            graph = s.trainer.graphs.graph
-            if graph is not None and graph.replays:
-                peaks.append(graph.peak_bytes / MB)
+            if s.timed_replays:
+                peaks.append(s.trainer.graphs.graph.peak_bytes / MB)
             result["peak_memory_mb"] = max(peaks)
             result["peak_reserved_mb"] = max(
                 x["phase_peak_reserved_mb"] for x in s.measured_snapshots
@@ -172,12 +177,11 @@ class Census:
             with s.trainer.graphs.eager():  # the census reads a step's allocations
                 s.extra_step()
         result["module_memory"] = s.module_census.result()
-        graph = s.trainer.graphs.graph
-        if graph is not None and graph.replays:
+        if s.timed_replays:
             result["phase_costs"] = census.unmeasured_phase_costs()
             s.env["phase_costs_note"] = (
-                "the timed steps replayed a CUDA graph: a replay has no phase boundaries, so "
-                "time and memory per phase are not measured"
+                f"{s.timed_replays} timed steps replayed a CUDA graph: a replay has no phase "
+                "boundaries, so time and memory per phase are not measured"
             )
         else:
             result["phase_costs"] = census.phase_costs(s.measured_snapshots, s.step_starts)

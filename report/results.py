@@ -58,7 +58,7 @@ def shape_key(config: dict) -> tuple:
 def shape_label(config: dict) -> str:
     """Every compared setting of a config in a few words (two shapes never share a label):
     model, logical and physical batch, sequence length, dtype, attention, LoRA rank,
-    checkpointing, optimizer."""
+    checkpointing, CUDA graph, optimizer."""
     physical = config.get("physical_batch_size") or config["batch_size"]
     rank = f"r{config.get('lora_rank')}" if config.get("use_lora") else "full"
     return " ".join(
@@ -69,6 +69,7 @@ def shape_label(config: dict) -> str:
             config["attention"],
             rank,
             *(["ckpt"] if config.get("activation_checkpointing") else []),
+            *(["graph"] if config.get("cuda_graph") else []),
             str(config.get("optimizer", "")),
         ]
     ).strip()

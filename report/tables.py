@@ -68,7 +68,8 @@ def summary_rows(results: list[dict]) -> list[dict]:
                 "attention": config["attention"],
                 "model": config["model"]
                 + (f" r{config['lora_rank']}" if config.get("use_lora") else "")
-                + (" ckpt" if config.get("activation_checkpointing") else ""),
+                + (" ckpt" if config.get("activation_checkpointing") else "")
+                + (" graph" if config.get("cuda_graph") else ""),
                 "median_ms": result.get("median_time_ms"),
                 **step_spread(result),
                 "peak_alloc_mb": result.get("peak_memory_mb"),

@@ -35,6 +35,10 @@ class StepGraph:
         with trainer.observing_phases(lambda name: None), torch.cuda.graph(self.graph):
             self.loss_sum = chunks.device_step(trainer, self.inputs, self.targets)
         torch.cuda.synchronize(device)
+        # The gradients the graph writes: an eager step between replays rebinds .grad, so each
+        # replay binds these again (the optimizer inside the graph reads them either way).
+        params = [p for group in trainer.optimizer.param_groups for p in group["params"]]
+        self.grads = [(p, p.grad) for p in params]
         self.peak_bytes = torch.cuda.max_memory_allocated(device)
         torch.cuda.empty_cache()  # the eager steps' cached blocks: replays use the graph's pool
         self.replays = 0
@@ -50,6 +54,8 @@ class StepGraph:
         self.targets.copy_(targets)
         self.graph.replay()
         self.replays += 1
+        for p, grad in self.grads:
+            p.grad = grad
         return self.loss_sum
 
 
@@ -62,6 +68,10 @@ class Replayer:
         self.graph: StepGraph | None = None
         self.error: str | None = None  # why the capture failed: the steps run eagerly
         self.eager_only = False  # set by eager()
+
+    @property
+    def replays(self) -> int:
+        return self.graph.replays if self.graph else 0
 
     def step(self, trainer, inputs: torch.Tensor, targets: torch.Tensor) -> dict:
         """One step of ``trainer``: replayed if a graph fits the batch, else eager (and captured
@@ -94,9 +104,13 @@ class Replayer:
         try:
             self.graph = StepGraph(trainer, inputs, targets)
         except RuntimeError as error:  # e.g. a host sync inside a model's forward
+            # torch.cuda.graph's exit raises again for an invalidated capture before it restores
+            # the stream, and the first error (the cause) is then the context of the second.
+            torch.cuda.set_stream(current)
             trainer.discard_step_state()
             torch.cuda.synchronize(inputs.device)
-            self.error = (str(error).strip().splitlines() or ["?"])[0][:300]
+            cause = error.__context__ or error
+            self.error = (str(cause).strip().splitlines() or ["?"])[0][:300]
         return out
 
     @contextlib.contextmanager

@@ -108,15 +108,18 @@ def test_other_batch_sizes_and_eager_steps_do_not_replay():
     lr, clip = 0.5, 0.05
     trainer = graphed_trainer("flash", model, 4, lr=lr, max_grad_norm=clip, noise_multiplier=0.0)
     trainer.step(*(t.to(CUDA) for t in make_batch(4, 6)))
-    # A smaller (Poisson) batch runs eagerly, exactly; so does any step inside eager().
-    for batch, context in ((3, None), (4, trainer.graphs.eager())):
-        inputs, targets = (t.to(CUDA) for t in make_batch(batch, 6, seed=batch))
+    # A smaller (Poisson) batch runs eagerly, exactly; so does any step inside eager(); a
+    # full-sized batch after them replays, exactly, and .grad is the graph's again.
+    steps = ((3, None), (4, trainer.graphs.eager()), (4, None))
+    for seed, (batch, context) in enumerate(steps):
+        inputs, targets = (t.to(CUDA) for t in make_batch(batch, 6, seed=seed + 10))
         ref, _ = reference_update(plain_copy(model), inputs, targets, clip, lr)
         ref *= batch / 4  # a Poisson batch's sum is divided by the expected batch, 4
         with context or contextlib.nullcontext():
             update = update_of(trainer, model, inputs, targets, lr)
         assert relative_error(update, ref) < 1e-5
-    assert trainer.graphs.graph.replays == 0
+    assert trainer.graphs.graph.replays == 1
+    assert all(p.grad is grad for p, grad in trainer.graphs.graph.grads)
 
 
 @pytest.mark.gpu
@@ -135,10 +138,10 @@ def test_cli_records_the_graph_and_its_peak(tmp_path):
             result = json.load(f)
         assert result["status"] == "ok"
         graph = result["cuda_graph"]
-        assert graph["captured"] and graph["replays"] >= 2 and graph["error"] is None
-        # The replays allocate nothing: the peak is the capture's.
-        assert result["peak_memory_mb"] >= graph["capture_peak_mb"] > 0
-        assert result["breakdown"]
+        assert graph["captured"] and graph["error"] is None
+        # The warm-up step was eager and captured after; both timed steps replayed.
+        assert graph["timed_replays"] == 2 and result["physical_step_times_ms"] == []
+        assert graph["capture_peak_mb"] > 0 and result["breakdown"]
 
 
 def test_without_a_full_sized_batch_on_cuda_nothing_is_captured_and_the_result_says_why():
@@ -156,6 +159,22 @@ def test_without_a_full_sized_batch_on_cuda_nothing_is_captured_and_the_result_s
     result = trainer.graphs.result(4)
     assert not result["captured"] and result["replays"] == 0
     assert "no step had a batch of 4 samples" in result["error"]
+
+
+def test_a_capture_bypasses_the_kept_device_tables(monkeypatch):
+    """A kept table may be evicted while a graph reads it, and a captured one holds its rows only
+    after a replay: while capturing, every table is made anew and kept alive with the graphs."""
+    from flash.kernels import _common
+
+    rows = [[11, 12], [13, 14]]
+    kept = _common._int64_table(rows, torch.device("cpu"))
+    monkeypatch.setattr(_common, "_capturing", lambda: True)
+    cached = dict(_common._DEVICE_TABLES)
+    captured = _common._int64_table(rows, torch.device("cpu"))
+    assert captured is not kept and torch.equal(captured, kept)
+    assert _common._DEVICE_TABLES == cached  # neither read nor written
+    monkeypatch.undo()
+    assert _common._int64_table(rows, torch.device("cpu")) is kept
 
 
 def test_opacus_trainers_and_distributed_runs_are_refused():

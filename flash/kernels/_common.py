@@ -43,9 +43,14 @@ def _norm_kernel_args(A: torch.Tensor, G: torch.Tensor, tf32: bool) -> tuple:
     return out, args, precision
 
 
-# The pinned host side of every table copied while a CUDA graph was being captured: the graph's
-# copy node reads it again at each replay, so it must outlive every replay (a few KB a capture).
-_CAPTURED_HOST_TABLES: list[torch.Tensor] = []
+# Both sides of every table made while a CUDA graph was being captured: the graph's copy node
+# reads the pinned host side again at each replay, and its kernels read the device side; both
+# must outlive every replay (a few KB a capture).
+_CAPTURED_TABLES: list[torch.Tensor] = []
+
+
+def _capturing() -> bool:
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
 
 
 def _table_to(table: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -53,9 +58,10 @@ def _table_to(table: torch.Tensor, device: torch.device) -> torch.Tensor:
     CUDA, so the copy is queued on the stream instead of waiting for the GPU."""
     if device.type == "cuda":
         pinned = table.pin_memory()
-        if torch.cuda.is_current_stream_capturing():
-            _CAPTURED_HOST_TABLES.append(pinned)
-        return pinned.to(device, non_blocking=True)
+        on_device = pinned.to(device, non_blocking=True)
+        if _capturing():
+            _CAPTURED_TABLES.extend((pinned, on_device))
+        return on_device
     return table.to(device)
 
 
@@ -69,7 +75,13 @@ def _int64_table(rows: list, device: torch.device) -> torch.Tensor:
     ``device``. A step's tables repeat from step to step (the caching allocator hands out the
     same addresses for the same sequence of allocations), and building and copying one costs
     more host time than its launch: the last DEVICE_TABLES_KEPT are kept, by content. A kept
-    table is only ever read, so equal rows give an equal table."""
+    table is only ever read, so equal rows give an equal table.
+
+    A CUDA graph capture bypasses the kept tables both ways: a kept table may be evicted (and
+    its memory reused) while the graph still reads it, and a table made in the capture holds its
+    rows only once the graph has replayed."""
+    if _capturing():
+        return _table_to(torch.tensor(rows, dtype=torch.int64), device)
     nested = bool(rows) and isinstance(rows[0], list)
     key = (device, tuple(map(tuple, rows)) if nested else tuple(rows))
     table = _DEVICE_TABLES.get(key)

@@ -11,7 +11,7 @@ from cli_helpers import ROOT
 from core.schema import BREAKDOWN_KEYS, KERNEL_CATEGORIES
 from report import summary as report
 from report import tables
-from report.results import shape_key
+from report.results import shape_key, shape_label
 
 
 def run_result(trainer, batch, peak, ms, lora=False, status="ok"):
@@ -68,6 +68,19 @@ def test_each_config_is_compared_with_standard_at_its_own_shape():
     assert rows["dpsgd", "1b r8"]["time_vs_standard"] == 4.0
     assert rows["ghost", "1b"]["mem_vs_standard"] is None  # no standard at batch 4
     assert [r["trainer"] for r in tables.summary_rows(RESULTS)[:2]] == ["standard", "dpsgd"]
+
+
+def test_a_graphed_config_is_its_own_shape_with_its_own_label():
+    """--cuda_graph changes what a step time means: eager and graphed configs are compared apart,
+    and their labels and table rows say which is which."""
+    eager, graphed = run_result("flash", 4, 10.0, 5.0), run_result("flash", 4, 10.0, 4.0)
+    graphed["config"]["cuda_graph"] = True
+    assert shape_key(eager["config"]) != shape_key(graphed["config"])
+    assert shape_label(graphed["config"]) == shape_label(eager["config"]).replace(
+        " adamw", " graph adamw"
+    )
+    models = [row["model"] for row in tables.summary_rows([eager, graphed])]
+    assert models == ["1b", "1b graph"]
 
 
 def test_tables_share_one_renderer_with_a_rule_under_the_header():
