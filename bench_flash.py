@@ -71,12 +71,12 @@ def bench_config(trainer: str, **settings) -> ExperimentConfig:
 
 def with_graphs(configs: list[ExperimentConfig]) -> list[ExperimentConfig]:
     """``configs`` and, after each of a GRAPHED trainer, the same with its step as a CUDA graph."""
-    return [
-        variant
-        for config in configs
-        for variant in (config, dataclasses.replace(config, cuda_graph=True))
-        if variant is config or config.trainer in GRAPHED
-    ]
+    out = []
+    for config in configs:
+        out.append(config)
+        if config.trainer in GRAPHED:
+            out.append(dataclasses.replace(config, cuda_graph=True))
+    return out
 
 
 def step_configs(dtypes, steps: int, warmup_steps: int, shapes=None) -> list[ExperimentConfig]:

@@ -182,9 +182,9 @@ def skip_reason(config) -> str | None:
     trainer = trainers.TRAINERS[config.trainer]
     if config.distributed in trainer.distributed_refusals:
         return trainer.distributed_refusals[config.distributed]
-    graph_refusal = graph.refusal(trainer.capturable, trainer.name, config.distributed)
-    if config.cuda_graph and graph_refusal:
-        return graph_refusal
+    if config.cuda_graph:
+        if refusal := graph.refusal(trainer.capturable, trainer.name, config.distributed):
+            return refusal
     if config.activation_checkpointing and not trainer.supports_activation_checkpointing:
         return trainers.checkpointing_refusal(config.trainer)
     return None
