@@ -100,10 +100,10 @@ def step_configs(dtypes, steps: int, warmup_steps: int, shapes=None) -> list[Exp
 
 
 def hf_step_configs(
-    steps: int, warmup_steps: int, specs=HF_STEPS, device: str = "cuda"
+    steps: int, warmup_steps: int, specs=HF_STEPS, device: str = "cuda", dtypes=None
 ) -> list[ExperimentConfig]:
-    """The LoRA configs of ``specs`` for every trainer, as ``--mode=hf`` builds them but with
-    fixed-size batches (--no_poisson: Poisson batch sizes would make the ratios noise)."""
+    """The LoRA configs of ``specs`` (in ``dtypes``) per trainer, as ``--mode=hf`` builds them,
+    with fixed-size batches: Poisson batch sizes would make the ratios noise."""
     return [
         bench_config(
             trainer,
@@ -121,8 +121,9 @@ def hf_step_configs(
             warmup_steps=warmup_steps,
             device=device,
         )
-        for model, rank, seq, batch, physical, dtypes in specs
-        for dtype in dtypes
+        for model, rank, seq, batch, physical, spec_dtypes in specs
+        for dtype in spec_dtypes
+        if dtypes is None or dtype in dtypes
         for trainer in TRAINERS
     ]
 
@@ -415,9 +416,8 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("what", choices=("kernels", "steps"))
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="bfloat16")
-    parser.add_argument(
-        "--dtypes", nargs="+", choices=("float32", "bfloat16"), default=["float32", "bfloat16"]
-    )
+    dtypes = ("float32", "bfloat16")
+    parser.add_argument("--dtypes", nargs="+", choices=dtypes, default=list(dtypes))
     parser.add_argument(
         "--shapes",
         nargs="+",
@@ -474,7 +474,7 @@ def main(argv=None) -> int:
         if args.hf is not None or args.hf_only:
             names = args.hf or [""]
             specs = [spec for spec in HF_STEPS if any(name in spec[0] for name in names)]
-            configs += hf_step_configs(args.steps, args.warmup_steps, specs)
+            configs += hf_step_configs(args.steps, args.warmup_steps, specs, dtypes=args.dtypes)
         if args.cuda_graph:
             configs = with_graphs(configs)
         results = processes.run_configs(configs, run_dir)

@@ -139,6 +139,11 @@ def test_hf_plan_is_the_lora_configs_with_fixed_batches():
     }
     assert all(c.use_lora and not c.poisson and c.trace and c.attention == "sdpa" for c in configs)
     assert len({c.config_dir for c in configs}) == len(configs)  # one run directory holds them
+    # --dtypes narrows them: one device call per dtype fits its time limit
+    only_fp32 = bench_flash.hf_step_configs(3, 2, dtypes=["float32"])
+    assert {(c.model.rsplit("/")[-1], c.dtype) for c in only_fp32} == {
+        ("Llama-3.2-3B-Instruct", "float32")
+    }
 
 
 def test_hf_steps_on_cpu_with_the_tiny_model(tmp_path):
