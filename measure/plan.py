@@ -36,7 +36,7 @@ class Plan:
     mode: str  # the mode that runs: a GPU mode without CUDA may run as another
     device: str  # "cuda" or "cpu"
     configs: list  # list[ExperimentConfig]
-    note: str | None = None  # what changed because no CUDA device was found
+    note: str | None = None  # printed first: what changed without CUDA; what a graph will replay
 
 
 def resolve_device(args: argparse.Namespace, cuda_available) -> tuple[str, str, str, str | None]:
@@ -96,12 +96,41 @@ def make_plan(args: argparse.Namespace, cuda_available) -> Plan:
                 f"no CUDA device found and --model {args.model} has about "
                 f"{count / BILLION:.1f}B parameters: add --device cpu to run it on the CPU anyway"
             )
+    note = "\n".join(filter(None, [note, poisson_graph_note(values, axes["batch_size"])])) or None
     order = ("batch_size", "max_physical_batch_size", "seq_len", "lora_rank", "trainer")
     configs = [
         ExperimentConfig(**values, **dict(zip(order, combination)))
         for combination in itertools.product(*(axes[name] for name in order))
     ]
     return Plan(running, device, configs, note)
+
+
+def poisson_graph_note(values: dict, batch_sizes: list[int]) -> str | None:
+    """With --cuda_graph and Poisson batches (Hugging Face models), only a batch of exactly the
+    expected size replays the graph: say how often that is, before the run, not after it."""
+    if not (values["cuda_graph"] and values["poisson"] and values["model"] in HF_CONFIGS):
+        return None
+    # A synthetic dataset has --dataset_size samples; a file's count is not read here, and
+    # for N >> B the binomial probability is the Poisson limit's.
+    size = None if values["dataset_path"] else values["dataset_size"]
+    shares = ", ".join(f"{100 * full_batch_probability(b, size):.0f}% at {b}" for b in batch_sizes)
+    return (
+        f"note: --cuda_graph with Poisson sampling replays only batches of exactly the expected "
+        f"size (about {shares}); the other steps run eagerly. --no_poisson replays every step."
+    )
+
+
+def full_batch_probability(batch_size: int, dataset_size: int | None) -> float:
+    """P(a Poisson-sampled batch has exactly ``batch_size`` samples) at rate B/N: binomial over
+    N samples, or its Poisson limit where N is not known."""
+    b = batch_size
+    if dataset_size is None:
+        return math.exp(b * math.log(b) - b - math.lgamma(b + 1))
+    n, q = dataset_size, b / dataset_size
+    if q == 1:
+        return 1.0
+    log_choose = math.lgamma(n + 1) - math.lgamma(b + 1) - math.lgamma(n - b + 1)
+    return math.exp(log_choose + b * math.log(q) + (n - b) * math.log1p(-q))
 
 
 def _unique(values) -> list:

@@ -5,6 +5,7 @@ and CPU errors, which CI checks."""
 import contextlib
 import glob
 import json
+import math
 import os
 
 import pytest
@@ -219,3 +220,23 @@ def test_plan_refuses_graphs_with_ncu_or_several_ranks(extra, env, message, monk
 def test_a_skipped_config_says_why():
     assert "Opacus' step" in skip_reason(ExperimentConfig("dpsgd", 8, 64, cuda_graph=True))
     assert skip_reason(ExperimentConfig("flash", 8, 64, cuda_graph=True)) is None
+
+
+def test_plan_says_how_often_a_poisson_batch_replays():
+    """--cuda_graph replays only batches of exactly the expected size: the plan's note gives
+    that share, binomial over the synthetic dataset's N (math.comb here, lgamma in the plan)."""
+    args = profiling_script.parse_args(
+        ["--mode=hf", "--model_name", "tiny-llama", "--cuda_graph", "--batch_size", "16",
+         "--dataset_size", "200"]
+    )  # fmt: skip
+    note = plan.make_plan(args, cuda_available=lambda: True).note
+    n, b = 200, 16
+    exact = math.comb(n, b) * (b / n) ** b * (1 - b / n) ** (n - b)
+    assert f"about {100 * exact:.0f}% at 16" in note and "--no_poisson" in note
+    assert 0.09 < exact < 0.11  # a real share: the note matters
+    # fixed-size batches, or no graph: nothing to say
+    for extra in (["--no_poisson"], []):
+        argv = ["--mode=hf", "--model_name", "tiny-llama", "--batch_size", "16", *extra]
+        if extra:
+            argv.append("--cuda_graph")
+        assert plan.make_plan(profiling_script.parse_args(argv), lambda: True).note is None
