@@ -412,19 +412,23 @@ def format_kernel_table(rows: list[dict]) -> str:
 # ---------------------------------------------------------------- CLI
 
 
+def step_plan(args, shapes) -> list[ExperimentConfig]:
+    counts = (args.steps, args.warmup_steps)
+    configs = [] if args.hf_only else step_configs(args.dtypes, *counts, shapes)
+    if args.hf is not None or args.hf_only:
+        specs = [spec for spec in HF_STEPS if any(name in spec[0] for name in args.hf or [""])]
+        configs += hf_step_configs(*counts, specs, dtypes=args.dtypes)
+    return with_graphs(configs) if args.cuda_graph else configs
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("what", choices=("kernels", "steps"))
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="bfloat16")
     dtypes = ("float32", "bfloat16")
     parser.add_argument("--dtypes", nargs="+", choices=dtypes, default=list(dtypes))
-    parser.add_argument(
-        "--shapes",
-        nargs="+",
-        default=None,
-        metavar="BxT",
-        help="(batch, seq) pairs, e.g. 8x512 2x4096 (default: the goals' shapes)",
-    )
+    shapes_help = "(batch, seq) pairs, e.g. 8x512 2x4096 (default: the goals' shapes)"
+    parser.add_argument("--shapes", nargs="+", metavar="BxT", help=shapes_help)
     parser.add_argument(
         "--hf",
         nargs="*",
@@ -448,6 +452,11 @@ def main(argv=None) -> int:
     except ValueError:
         print(f"error: --shapes takes BxT pairs like 8x512, got {args.shapes}", file=sys.stderr)
         return 2
+    configs = step_plan(args, shapes) if args.what == "steps" else []
+    if args.what == "steps" and not configs:
+        wanted = f"--hf {' '.join(args.hf or [])} --dtypes {' '.join(args.dtypes)}"
+        print(f"error: no LoRA config (HF_STEPS) matches {wanted}", file=sys.stderr)
+        return 2
     device = processes.probe_device()  # in a child: step workers fork from this process
     if not device["cuda"]:
         print("error: bench_flash.py needs a CUDA GPU (CPU checks: pytest)", file=sys.stderr)
@@ -468,15 +477,6 @@ def main(argv=None) -> int:
         payload = {"card": card, "dtype": args.dtype, "rates": rates, "rows": rows}
     else:
         # Steps run in forked workers: this process must not have touched CUDA beyond the check.
-        configs = (
-            [] if args.hf_only else step_configs(args.dtypes, args.steps, args.warmup_steps, shapes)
-        )
-        if args.hf is not None or args.hf_only:
-            names = args.hf or [""]
-            specs = [spec for spec in HF_STEPS if any(name in spec[0] for name in names)]
-            configs += hf_step_configs(args.steps, args.warmup_steps, specs, dtypes=args.dtypes)
-        if args.cuda_graph:
-            configs = with_graphs(configs)
         results = processes.run_configs(configs, run_dir)
         rows = step_rows(results)
         table = format_step_table(rows)

@@ -96,7 +96,7 @@ def make_plan(args: argparse.Namespace, cuda_available) -> Plan:
                 f"no CUDA device found and --model {args.model} has about "
                 f"{count / BILLION:.1f}B parameters: add --device cpu to run it on the CPU anyway"
             )
-    note = "\n".join(filter(None, [note, poisson_graph_note(values, axes["batch_size"])])) or None
+    note = "\n".join(filter(None, [note, poisson_graph_note(values, axes)])) or None
     order = ("batch_size", "max_physical_batch_size", "seq_len", "lora_rank", "trainer")
     configs = [
         ExperimentConfig(**values, **dict(zip(order, combination)))
@@ -105,32 +105,36 @@ def make_plan(args: argparse.Namespace, cuda_available) -> Plan:
     return Plan(running, device, configs, note)
 
 
-def poisson_graph_note(values: dict, batch_sizes: list[int]) -> str | None:
+def poisson_graph_note(values: dict, axes: dict) -> str | None:
     """With --cuda_graph and Poisson batches (Hugging Face models), only a batch of exactly the
     expected size replays the graph: say how often that is, before the run, not after it."""
     if not (values["cuda_graph"] and values["poisson"] and values["model"] in HF_CONFIGS):
         return None
-    # A synthetic dataset has --dataset_size samples; a file's count is not read here, and
-    # for N >> B the binomial probability is the Poisson limit's.
-    size = None if values["dataset_path"] else values["dataset_size"]
-    shares = ", ".join(f"{100 * full_batch_probability(b, size):.0f}% at {b}" for b in batch_sizes)
+    if not any(trainers.TRAINERS[name].capturable for name in axes["trainer"]):
+        return None  # every config is skipped, with its reason
+    path = values["dataset_path"]  # its rows, as checked (unlabeled ones are dropped on load)
+    size = dataset_rows(path) if path else values["dataset_size"]
+    shares = ", ".join(
+        f"{100 * full_batch_probability(b, size):.2g}% of steps at batch {b}"
+        for b in axes["batch_size"]
+    )
     return (
         f"note: --cuda_graph with Poisson sampling replays only batches of exactly the expected "
-        f"size (about {shares}); the other steps run eagerly. --no_poisson replays every step."
+        f"size (about {shares}); the others run eagerly. --no_poisson replays every "
+        "step after the capture, but fixed-size batches are outside the Poisson accountant."
     )
 
 
-def full_batch_probability(batch_size: int, dataset_size: int | None) -> float:
+def full_batch_probability(batch_size: int, dataset_size: int) -> float:
     """P(a Poisson-sampled batch has exactly ``batch_size`` samples) at rate B/N: binomial over
-    N samples, or its Poisson limit where N is not known."""
-    b = batch_size
-    if dataset_size is None:
+    N samples, or its Poisson limit where N >> B (lgamma's differences lose digits there)."""
+    b, n = batch_size, dataset_size
+    if n > 10**6 * b:
         return math.exp(b * math.log(b) - b - math.lgamma(b + 1))
-    n, q = dataset_size, b / dataset_size
-    if q == 1:
+    if b == n:
         return 1.0
     log_choose = math.lgamma(n + 1) - math.lgamma(b + 1) - math.lgamma(n - b + 1)
-    return math.exp(log_choose + b * math.log(q) + (n - b) * math.log1p(-q))
+    return math.exp(log_choose + b * math.log(b / n) + (n - b) * math.log1p(-b / n))
 
 
 def _unique(values) -> list:
@@ -282,6 +286,16 @@ def check_numbers(values: dict) -> None:
 def check_dataset_file(path: str, largest_batch: int) -> None:
     """UsageError unless ``path`` is a file whose first non-empty line is a JSON object and that
     has at least as many lines as the largest logical batch (the sampling rate B/N <= 1)."""
+    lines = dataset_rows(path)
+    if lines < largest_batch:
+        raise UsageError(
+            f"--dataset_path {path} has {lines} rows, fewer than the batch size {largest_batch}: "
+            "the sampling rate B/N must be at most 1"
+        )
+
+
+def dataset_rows(path: str) -> int:
+    """The non-empty lines of a JSON-lines file; UsageError unless the first is an object."""
     if not os.path.isfile(path):
         raise UsageError(f"--dataset_path {path} is not a file (JSON lines expected)")
     try:
@@ -293,11 +307,7 @@ def check_dataset_file(path: str, largest_batch: int) -> None:
         raise UsageError(f"--dataset_path {path} is not JSON lines: {error}") from None
     if not isinstance(record, dict):
         raise UsageError(f"--dataset_path {path} is not JSON lines (one object per line)")
-    if lines < largest_batch:
-        raise UsageError(
-            f"--dataset_path {path} has {lines} rows, fewer than the batch size {largest_batch}: "
-            "the sampling rate B/N must be at most 1"
-        )
+    return lines
 
 
 def model_shape(model: str, overrides: dict) -> tuple[int, int, int, int]:

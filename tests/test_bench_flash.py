@@ -213,3 +213,12 @@ def test_with_graphs_adds_a_graphed_config_of_standard_and_flash_only():
         ("ghost", False),
         ("dpsgd", False),
     ]
+
+
+def test_steps_with_no_config_left_is_one_error_line(tmp_path, capsys):
+    """--hf 8B holds no fp32 config: exit 2, one line, before any device probe or directory."""
+    argv = ["steps", "--hf_only", "--hf", "8B", "--dtypes", "float32"]
+    assert bench_flash.main([*argv, "--output_dir", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--hf 8B --dtypes float32" in err
+    assert not (tmp_path / "out").exists()

@@ -89,10 +89,11 @@ def test_replayed_adam_steps_are_torch_adams_on_brute_force_gradients(name):
     eager step, then three replays, each the step torch's own eager Adam takes on a plain copy
     of the model given the brute-force gradient (clipped for flash, noise 0).
 
-    Adam scales each coordinate by 1/sqrt(v): where the true gradient is zero (a key bias
-    under softmax) it turns rounding noise into steps of lr, different in any two summation
-    orders. So the exact check is on the coordinates whose gradient was signal at every step
-    (about 83% here; on the CPU the eager trainers agree there within 2e-6)."""
+    Where the true gradient is zero (a key bias under softmax), the computed one is rounding
+    noise, different in any two summation orders, and Adam's division by sqrt(v) + eps turns
+    it into a step the two orders do not share. So the exact check is on the coordinates whose
+    gradient was signal at every step (about 83% here; on the CPU the eager trainers agree
+    there within 2e-6)."""
     torch.manual_seed(1)
     model = models.build_model(SMALL, device=CUDA, attention="sdpa")
     reference = plain_copy(model)
@@ -117,7 +118,6 @@ def test_replayed_adam_steps_are_torch_adams_on_brute_force_gradients(name):
         moved, expected = flat_params(model) - start, flat_params(reference) - start
         assert signal.float().mean() > 0.5
         assert relative_error(moved[signal], expected[signal]) < 1e-5, seed
-        assert relative_error(moved, expected) < 1e-2, seed  # the noise coordinates: bounded
     assert trainer.graphs.graph.replays == 3
 
 
@@ -262,21 +262,28 @@ def test_a_skipped_config_says_why():
     assert skip_reason(ExperimentConfig("flash", 8, 64, cuda_graph=True)) is None
 
 
-def test_plan_says_how_often_a_poisson_batch_replays():
+def test_plan_says_how_often_a_poisson_batch_replays(tmp_path):
     """--cuda_graph replays only batches of exactly the expected size: the plan's note gives
-    that share, binomial over the synthetic dataset's N (math.comb here, lgamma in the plan)."""
-    args = profiling_script.parse_args(
-        ["--mode=hf", "--model_name", "tiny-llama", "--cuda_graph", "--batch_size", "16",
-         "--dataset_size", "200"]
-    )  # fmt: skip
-    note = plan.make_plan(args, cuda_available=lambda: True).note
-    n, b = 200, 16
-    exact = math.comb(n, b) * (b / n) ** b * (1 - b / n) ** (n - b)
-    assert f"about {100 * exact:.0f}% at 16" in note and "--no_poisson" in note
-    assert 0.09 < exact < 0.11  # a real share: the note matters
-    # fixed-size batches, or no graph: nothing to say
-    for extra in (["--no_poisson"], []):
-        argv = ["--mode=hf", "--model_name", "tiny-llama", "--batch_size", "16", *extra]
-        if extra:
-            argv.append("--cuda_graph")
-        assert plan.make_plan(profiling_script.parse_args(argv), lambda: True).note is None
+    that share, binomial over the dataset's N (math.comb here, lgamma in the plan): the
+    synthetic dataset's --dataset_size, or a dataset file's rows."""
+
+    def note_of(*argv):
+        args = profiling_script.parse_args(["--mode=hf", "--model_name", "tiny-llama", *argv])
+        return plan.make_plan(args, cuda_available=lambda: True).note
+
+    def binomial(n, b):
+        return math.comb(n, b) * (b / n) ** b * (1 - b / n) ** (n - b)
+
+    note = note_of("--cuda_graph", "--batch_size", "16", "--dataset_size", "200")
+    assert f"about {100 * binomial(200, 16):.2g}% of steps at batch 16" in note
+    assert "--no_poisson" in note and 0.09 < binomial(200, 16) < 0.11  # a share worth a note
+    rows = tmp_path / "snli.jsonl"
+    rows.write_text('{"premise": "a", "hypothesis": "b", "label": 0}\n' * 20)
+    note = note_of("--cuda_graph", "--batch_size", "16", "--dataset_path", str(rows))
+    assert (
+        f"about {100 * binomial(20, 16):.2g}% of steps at batch 16" in note
+    )  # 22%, not Poisson's 9.9%
+    # Nothing to say: fixed-size batches, no graph, or only trainers a graph skips.
+    assert note_of("--cuda_graph", "--no_poisson", "--batch_size", "16") is None
+    assert note_of("--batch_size", "16") is None
+    assert note_of("--cuda_graph", "--trainers", "dpsgd", "ghost") is None
