@@ -2,6 +2,9 @@
 and the command line and the plan both reading the one table."""
 
 import argparse
+import os
+import re
+import shlex
 
 import pytest
 
@@ -160,3 +163,43 @@ def test_a_setting_the_model_would_ignore_is_an_error(argv):
     args = profiling_script.parse_args(["--device", "cpu", *argv])
     with pytest.raises(settings.UsageError, match="applies only to"):
         plan.make_plan(args, cuda_available=lambda: False)
+
+
+README_COMMAND = re.compile(r"^(?:torchrun\s.*?\s|python3?\s+)profiling_script\.py\s+(.*)$")
+TORCHRUN_ENV = {"WORLD_SIZE": "2", "RANK": "0", "LOCAL_RANK": "0", "MASTER_ADDR": "localhost",
+                "MASTER_PORT": "29500"}  # fmt: skip
+
+
+def readme_commands() -> list[str]:
+    """The profiling_script.py command lines of README's bash blocks, continuations joined,
+    comments dropped; one with a placeholder (runs/<run>, ...) is not a command to plan."""
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    with open(os.path.join(root, "README.md"), encoding="utf-8") as f:
+        blocks = re.findall(r"```bash\n(.*?)```", f.read(), re.S)
+    lines = [
+        line.split("  #")[0].strip() for b in blocks for line in b.replace("\\\n", " ").splitlines()
+    ]
+    commands = [line for line in lines if README_COMMAND.match(line)]
+    return [line for line in commands if "<" not in line and "..." not in line]
+
+
+def test_every_readme_command_plans(monkeypatch):
+    """What README tells users to type parses and plans (CUDA stubbed; torchrun's environment
+    for the torchrun lines): a renamed flag or a changed default fails here, not for a user."""
+    from measure import plan
+
+    commands = readme_commands()
+    assert len(commands) >= 10 and any(c.startswith("torchrun") for c in commands)
+    for command in commands:
+        argv = shlex.split(README_COMMAND.match(command).group(1))
+        with monkeypatch.context() as env:
+            for name, value in (TORCHRUN_ENV if command.startswith("torchrun") else {}).items():
+                env.setenv(name, value)
+            try:
+                args = profiling_script.parse_args(argv)
+            except SystemExit:
+                pytest.fail(f"README's command does not parse: {command}")
+            if not settings.MODES[args.mode].runs:  # report modes: read existing files
+                continue
+            planned = plan.make_plan(args, cuda_available=lambda: True)
+        assert planned.configs, command
