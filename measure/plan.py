@@ -88,7 +88,7 @@ def make_plan(args: argparse.Namespace, cuda_available) -> Plan:
     axes = {name: _unique(values.pop(name)) for name in ("batch_size", "seq_len", "trainer")}
     axes["max_physical_batch_size"] = _unique(values.pop("max_physical_batch_size") or [None])
     axes["lora_rank"] = _lora_ranks(args, values.pop("lora_rank"))
-    check(values, axes, args)
+    dataset_size = check(values, axes, args)
     if note and args.model:  # no CUDA, and the CPU was not asked for: a huge model is a mistake
         count = parameter_count(args.model, values["model_overrides"])
         if count >= BILLION:
@@ -96,7 +96,7 @@ def make_plan(args: argparse.Namespace, cuda_available) -> Plan:
                 f"no CUDA device found and --model {args.model} has about "
                 f"{count / BILLION:.1f}B parameters: add --device cpu to run it on the CPU anyway"
             )
-    note = "\n".join(filter(None, [note, poisson_graph_note(values, axes)])) or None
+    note = "\n".join(filter(None, [note, poisson_graph_note(values, axes, dataset_size)])) or None
     order = ("batch_size", "max_physical_batch_size", "seq_len", "lora_rank", "trainer")
     configs = [
         ExperimentConfig(**values, **dict(zip(order, combination)))
@@ -105,17 +105,16 @@ def make_plan(args: argparse.Namespace, cuda_available) -> Plan:
     return Plan(running, device, configs, note)
 
 
-def poisson_graph_note(values: dict, axes: dict) -> str | None:
+def poisson_graph_note(values: dict, axes: dict, dataset_size: int) -> str | None:
     """With --cuda_graph and Poisson batches (Hugging Face models), only a batch of exactly the
     expected size replays the graph: say how often that is, before the run, not after it."""
     if not (values["cuda_graph"] and values["poisson"] and values["model"] in HF_CONFIGS):
         return None
     if not any(trainers.TRAINERS[name].capturable for name in axes["trainer"]):
         return None  # every config is skipped, with its reason
-    path = values["dataset_path"]  # its rows, as checked (unlabeled ones are dropped on load)
-    size = dataset_rows(path) if path else values["dataset_size"]
+    # A dataset file's N is its rows; unlabeled ones are dropped on load, hence "about".
     shares = ", ".join(
-        f"{100 * full_batch_probability(b, size):.2g}% of steps at batch {b}"
+        f"{100 * full_batch_probability(b, dataset_size):.2g}% of steps at batch {b}"
         for b in axes["batch_size"]
     )
     return (
@@ -198,14 +197,16 @@ def check_distributed(values: dict, batch_sizes: list[int]) -> None:
         raise UsageError("--ncu profiles one process: run it without --distributed")
 
 
-def check(values: dict, axes: dict, args) -> None:
-    """UsageError for a plan that cannot run as asked."""
+def check(values: dict, axes: dict, args) -> int:
+    """UsageError for a plan that cannot run as asked; else the dataset's N (a dataset file's
+    rows, as read here, or --dataset_size)."""
     model = values["model"]
     check_numbers(values)
     check_distributed(values, axes["batch_size"])
     max_seq_len = model_max_seq_len(model, values["attention"], values["model_overrides"])
+    dataset_size = values["dataset_size"]
     if values["dataset_path"]:
-        check_dataset_file(values["dataset_path"], max(axes["batch_size"]))
+        dataset_size = check_dataset_file(values["dataset_path"], max(axes["batch_size"]))
     if args.mode == "hf_sweep" and model not in HF_CONFIGS:
         known = ", ".join(HF_CONFIGS)
         raise UsageError(f"--mode=hf_sweep needs a Hugging Face model ({known}), got {model!r}")
@@ -263,6 +264,7 @@ def check(values: dict, axes: dict, args) -> None:
             f"model {model!r} at batch {physical} x seq_len {max(seq_lens)} needs at least "
             f"{needed / 2**40:.0f} TiB: more than any process can address"
         )
+    return dataset_size
 
 
 MAX_STEPS = 1_000_000
@@ -283,19 +285,10 @@ def check_numbers(values: dict) -> None:
             raise UsageError(f"--{name} must be positive, got {value}")
 
 
-def check_dataset_file(path: str, largest_batch: int) -> None:
-    """UsageError unless ``path`` is a file whose first non-empty line is a JSON object and that
-    has at least as many lines as the largest logical batch (the sampling rate B/N <= 1)."""
-    lines = dataset_rows(path)
-    if lines < largest_batch:
-        raise UsageError(
-            f"--dataset_path {path} has {lines} rows, fewer than the batch size {largest_batch}: "
-            "the sampling rate B/N must be at most 1"
-        )
-
-
-def dataset_rows(path: str) -> int:
-    """The non-empty lines of a JSON-lines file; UsageError unless the first is an object."""
+def check_dataset_file(path: str, largest_batch: int) -> int:
+    """Its non-empty lines; UsageError unless ``path`` is a file whose first non-empty line is a
+    JSON object and that has at least as many lines as the largest logical batch (the sampling
+    rate B/N <= 1)."""
     if not os.path.isfile(path):
         raise UsageError(f"--dataset_path {path} is not a file (JSON lines expected)")
     try:
@@ -307,6 +300,11 @@ def dataset_rows(path: str) -> int:
         raise UsageError(f"--dataset_path {path} is not JSON lines: {error}") from None
     if not isinstance(record, dict):
         raise UsageError(f"--dataset_path {path} is not JSON lines (one object per line)")
+    if lines < largest_batch:
+        raise UsageError(
+            f"--dataset_path {path} has {lines} rows, fewer than the batch size {largest_batch}: "
+            "the sampling rate B/N must be at most 1"
+        )
     return lines
 
 

@@ -6,6 +6,9 @@ import subprocess
 import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# The environment torchrun gives rank 0 of two: a plan or CLI run in-process "under torchrun".
+TORCHRUN_ENV = {"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
+                "MASTER_PORT": "29999"}  # fmt: skip
 # What an HF sweep writes into its run directory, beside the config directories.
 SWEEP_FILES = (
     "memory_profile_results.json",

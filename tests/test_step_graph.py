@@ -10,7 +10,7 @@ import os
 
 import pytest
 import torch
-from cli_helpers import SMALL_MODEL, cli, small_run_args
+from cli_helpers import SMALL_MODEL, TORCHRUN_ENV, cli, small_run_args
 from test_trainers import (
     SMALL,
     flat_params,
@@ -242,8 +242,7 @@ def test_on_cpu_the_flag_is_one_error_line(tmp_path):
         (["--ncu"], {}, "--ncu profiles one eager step in named phases: drop --cuda_graph"),
         (
             ["--distributed", "ddp"],  # as torchrun starts rank 0 of two
-            {"WORLD_SIZE": "2", "RANK": "0", "LOCAL_RANK": "0", "MASTER_ADDR": "localhost",
-             "MASTER_PORT": "29500"},
+            TORCHRUN_ENV,
             "--cuda_graph captures the step of one process",
         ),
     ],

@@ -7,6 +7,7 @@ import re
 import shlex
 
 import pytest
+from cli_helpers import ROOT, TORCHRUN_ENV
 
 import profiling_script
 from core import settings
@@ -166,15 +167,12 @@ def test_a_setting_the_model_would_ignore_is_an_error(argv):
 
 
 README_COMMAND = re.compile(r"^(?:torchrun\s.*?\s|python3?\s+)profiling_script\.py\s+(.*)$")
-TORCHRUN_ENV = {"WORLD_SIZE": "2", "RANK": "0", "LOCAL_RANK": "0", "MASTER_ADDR": "localhost",
-                "MASTER_PORT": "29500"}  # fmt: skip
 
 
 def readme_commands() -> list[str]:
     """The profiling_script.py command lines of README's bash blocks, continuations joined,
     comments dropped; one with a placeholder (runs/<run>, ...) is not a command to plan."""
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    with open(os.path.join(root, "README.md"), encoding="utf-8") as f:
+    with open(os.path.join(ROOT, "README.md"), encoding="utf-8") as f:
         blocks = re.findall(r"```bash\n(.*?)```", f.read(), re.S)
     lines = [
         line.split("  #")[0].strip() for b in blocks for line in b.replace("\\\n", " ").splitlines()

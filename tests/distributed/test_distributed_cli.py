@@ -7,7 +7,7 @@ import subprocess
 import sys
 
 import pytest
-from cli_helpers import ROOT, SMALL_MODEL, cli, results_in
+from cli_helpers import ROOT, SMALL_MODEL, TORCHRUN_ENV, cli, results_in
 
 import profiling_script
 
@@ -64,10 +64,6 @@ def test_distributed_without_torchrun_is_one_line_exit_2(tmp_path, capsys, monke
     err = capsys.readouterr().err
     assert code == 2 and err.count("\n") == 1 and "torchrun --nproc_per_node" in err
     assert not os.listdir(tmp_path)
-
-
-TORCHRUN_ENV = {"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
-                "MASTER_PORT": "29999"}  # fmt: skip
 
 
 @pytest.mark.parametrize(
