@@ -432,6 +432,7 @@ class FlashClippingTrainer(Trainer):
     capturable = True  # its hooks, kernels and tables make no host sync (tests check it)
 
     def __init__(self, model, *, flash_route: str = "auto", **kwargs):
+        self.gathering = False  # this step's: see chunks
         # The engine sets requires_grad=False on the weights it manages so autograd computes no
         # weight gradient; the optimizer still updates them from the .grad we write.
         self.engine = flash.engine.FlashClipping(model, route=flash_route)
@@ -447,18 +448,31 @@ class FlashClippingTrainer(Trainer):
     def trainable_parameters(self, model):
         return list(self.engine.params)
 
+    def chunks(self, batch, largest=None):
+        # Decided per step from every rank's largest batch, so alike on every rank.
+        self.gathering = wrap.gathers_per_sample(self.distributed, self.world_size, largest)
+        return super().chunks(batch, largest)
+
     def chunk_step(self, inputs, targets, is_last):
+        if self.gathering:  # one sample per rank: per-sample gradients gathered in the backward
+            self.engine.gather = wrap.GatheredPerSample(self.engine.layers)
         with self.autocast(inputs.device.type):
             per_sample = self.per_sample_loss(self.model, inputs, targets)
         self.on_phase("forward_done")
         # Sum over samples: each sample's G is then exactly the gradient of its own loss.
         self.engine.backward(per_sample.sum())
         self.on_phase("_clip_inputs_saved")  # A, G and per-sample grads all held: name them
-        # Norms stay on the rank that holds the sample: never reduced across ranks.
+        # Each sample's norm from its own gradient, never reduced across ranks: on the rank that
+        # holds the sample, or (gathering) on every rank from the gathered gradients.
         norms = self.engine.per_sample_squared_norms().sqrt()
         # 1/B folded into the clip factors (and the noise's std): no division pass afterwards.
-        # Several ranks: a parameter's collective starts once its clipped sum exists (the sink).
-        sink = wrap.gradient_sink(self.distributed, is_last, self.noise_std(), add_gaussian_noise)
+        # Several ranks: a parameter's collective starts once its clipped sum exists (the sink);
+        # gathering, every rank forms the global batch's clipped sum itself.
+        sink = None
+        if not self.gathering:
+            sink = wrap.gradient_sink(
+                self.distributed, is_last, self.noise_std(), add_gaussian_noise
+            )
         self.engine.accumulate_clipped_grads(self.clip_factors(norms) / self.batch_size, sink)
         self.engine.release()
         self.on_phase("backward_done")
@@ -472,6 +486,7 @@ class FlashClippingTrainer(Trainer):
         return self.noise_multiplier * self.max_grad_norm / self.batch_size
 
     def empty_batch_gradients(self):  # DDP: zeros, rank 0's noise, summed over the ranks
+        self.gathering = False  # no chunks this step
         if sink := wrap.gradient_sink(self.distributed, True, self.noise_std(), add_gaussian_noise):
             sink.finish(self.engine.params)
 
@@ -480,9 +495,14 @@ class FlashClippingTrainer(Trainer):
             if p.grad is None:  # a layer the batch never reached still gets noise
                 p.grad = torch.zeros_like(p)
         # Noise once per coordinate: under DDP rank 0 added it before the sum over ranks (the
-        # sink); under FSDP2 each rank adds it to the shard it owns (each its own stream).
-        if self.noise_std() > 0 and self.distributed != "ddp":
-            add_gaussian_noise(wrap.local_gradients(self.engine.params), self.noise_std())
+        # sink), or (gathering) every rank adds the same draw to its replica of the sum; under
+        # FSDP2 each rank adds it to the shard it owns (each its own stream).
+        if self.noise_std() > 0 and (self.distributed != "ddp" or self.gathering):
+            # After the last chunk's loss reached the host: the seed's host read costs nothing.
+            device = self.engine.params[0].device
+            generator = wrap.shared_generator(device) if self.gathering else None
+            grads = wrap.local_gradients(self.engine.params)
+            add_gaussian_noise(grads, self.noise_std(), generator)
         self.optimizer.step()
 
     def result_extras(self) -> dict:  # the route each Linear layer's norms took, its sizes

@@ -169,10 +169,13 @@ def weighted_sum(grads: Tensor, c: ClipFactors) -> Tensor:
 NOISE_GROUP_BYTES = 256 * 2**20
 
 
-def add_gaussian_noise(tensors: list[torch.Tensor], std: float) -> None:
-    """t += N(0, std^2) elementwise for each tensor. CUDA: one fused Triton kernel (noise drawn
-    and added in one pass). Elsewhere: noise drawn per tensor, added by one multi-tensor kernel
-    per group of <= NOISE_GROUP_BYTES of noise (bounded extra memory)."""
+def add_gaussian_noise(
+    tensors: list[torch.Tensor], std: float, generator: torch.Generator | None = None
+) -> None:
+    """t += N(0, std^2) elementwise for each tensor, drawn from ``generator`` (default: torch's
+    of the device). CUDA: one fused Triton kernel (noise drawn and added in one pass).
+    Elsewhere: noise drawn per tensor, added by one multi-tensor kernel per group of
+    <= NOISE_GROUP_BYTES of noise (bounded extra memory)."""
     fused = (
         tensors
         and all(t.is_cuda and t.is_contiguous() for t in tensors)
@@ -180,7 +183,7 @@ def add_gaussian_noise(tensors: list[torch.Tensor], std: float) -> None:
     )
     kernels = triton_kernels() if fused else None
     if kernels is not None:
-        kernels.add_gaussian_noise_(tensors, std)
+        kernels.add_gaussian_noise_(tensors, std, generator)
         return
     group: list[torch.Tensor] = []
     group_bytes = 0
@@ -188,5 +191,9 @@ def add_gaussian_noise(tensors: list[torch.Tensor], std: float) -> None:
         group.append(tensor)
         group_bytes += tensor.numel() * tensor.element_size()
         if group_bytes >= NOISE_GROUP_BYTES or i == len(tensors) - 1:
-            torch._foreach_add_(group, [torch.randn_like(t) for t in group], alpha=std)
+            noise = [
+                torch.randn(t.shape, dtype=t.dtype, device=t.device, generator=generator)
+                for t in group
+            ]
+            torch._foreach_add_(group, noise, alpha=std)
             group, group_bytes = [], 0

@@ -8,15 +8,13 @@ rules (flash.rules).
 
 Under autocast a Linear's A is kept in the autocast dtype (the cast the layer multiplies, handed
 to it so it makes none of its own). Norm layers' per-sample gradients ([B, d]) are formed in
-the backward hook; a Linear's bias's ([B, p]) there too where the layer forms its weight's, else
-right after the backward from the kept G, every layer's in one launch.
-Where a layer's per-sample gradients are no larger than its own A and G (Linear with
-d*p <= T*(d+p), i.e. long sequences; LayerNorm/RMSNorm always), the output-gradient hook forms
-them at once (one batched GEMM, the FLOPs of the weight gradient it replaces) and drops A and G:
-the clipped gradient is then a weighted sum of them, with no second GEMM. The comparison counts
-each layer's A whole; layers that read one input (q, k and v) share it, so at the threshold
-such a group holds up to ~1.5x what the Gram route would (measured peaks stay <= 1.01x standard's
-at the benchmark shapes: the peak is in forward, before any of this is held).
+the backward hook; a Linear's bias's there too where the layer forms its weight's, else right
+after the backward from the kept G, every layer's in one launch. Where a layer's per-sample
+gradients are no larger than its A and G (Linear with d*p <= T*(d+p); norm layers always), the
+hook forms them at once (one batched GEMM, the FLOPs of the weight gradient it replaces) and
+drops A and G: the clipped gradient is then a weighted sum of them, with no second GEMM. Layers
+reading one input (q, k, v) share it, so at the threshold such a group holds up to ~1.5x what
+the Gram route would (peaks stay <= 1.01x standard's: the peak is in forward).
 
 Usage, per physical chunk::
 
@@ -27,9 +25,8 @@ Usage, per physical chunk::
     flash.accumulate_clipped_grads((C / (norms + 1e-6)).clamp(max=1.0))
     flash.release()
 
-Assumptions: dimension 0 of every managed layer's input/output is the batch; one forward
-per backward; gradients reach managed layers only through their outputs (model inputs
-that require grad are not supported); no activation checkpointing.
+Assumptions: dimension 0 of managed layers' inputs/outputs is the batch; one forward per
+backward; gradients reach managed layers only through their outputs; no checkpointing.
 """
 
 from __future__ import annotations
@@ -128,6 +125,7 @@ class FlashClipping:
         self._norms: Tensor | None = None
         self._routes: list[dict] = []
         self._after_backward = False
+        self.gather = None  # parallel.wrap.GatheredPerSample of this chunk (DDP, 1 sample/rank)
 
     def _saved_input(self, layer: Layer, x: Tensor) -> tuple[Tensor, Tensor]:
         """(the rule's A for input x, what the layer computes on): layers reading one input (q, k
@@ -213,6 +211,8 @@ class FlashClipping:
                     grad = grad.detach()
                 G = _flatten_tokens(grad, k_out)
                 description, kept, rest = self._plan(layer, A, G)
+                if self.gather is not None:  # every gradient formed here, to be gathered
+                    description, kept, rest = self.gather.plan(layer, description)
                 layer.described.append(description)
                 if kept:
                     self._add_per_sample(layer, layer.rule.per_sample_grads(layer, A, G, kept))
@@ -220,6 +220,8 @@ class FlashClipping:
                     call[1], call[2] = G, set(rest)  # the call's own: the plan's is shared
                 else:
                     call[0] = None  # A and G are not needed any more
+                if self.gather is not None:  # gathered once every call of the layer is here
+                    self.gather.formed(layer)
 
             if not output.requires_grad:  # e.g. first layer: make a leaf so G still flows
                 output = output.detach().requires_grad_(True)
@@ -276,6 +278,8 @@ class FlashClipping:
         self._saved = {}
         torch.autograd.grad(loss, self._leaves, allow_unused=True)
         self._after_backward = True
+        if self.gather is not None:  # the global batch's per-sample gradients from here on
+            self.gather.land()
         for layer in self.layers:
             hooked = layer.calls
             # Calls whose G never came (unused outputs) add nothing; parameters kept per sample
@@ -336,9 +340,7 @@ class FlashClipping:
         if self._batch is not None:  # asked by the norms and the clipped sums of each chunk
             return self._batch
         sizes = {layer.name: call[0].shape[0] for layer in self.layers for call in layer.calls}
-        sizes.update(
-            {layer.name: g.shape[0] for layer in self.layers for g in layer.per_sample.values()}
-        )
+        sizes.update({ly.name: g.shape[0] for ly in self.layers for g in ly.per_sample.values()})
         if not self._after_backward or not sizes:
             raise RuntimeError("call backward(loss) first")
         if len(set(sizes.values())) > 1:
@@ -486,7 +488,7 @@ class FlashClipping:
         for layer in self.layers:
             layer.calls, layer.per_sample, layer.described = [], {}, []
         self._leaves, self._norms, self._after_backward = [], None, False
-        self._saved, self._small, self._batch = {}, None, None
+        self._saved, self._small, self._batch, self.gather = {}, None, None, None
 
     def remove(self) -> None:
         """Remove hooks and make the managed parameters trainable again."""

@@ -288,6 +288,92 @@ class ShardedGradients(GradientBuckets):
         self._drain()
 
 
+# flash under DDP gathers per-sample gradients instead of summing clipped ones (GatheredPerSample)
+# at this many ranks: the one count where an all-gather moves no more bytes than an all-reduce.
+GATHER_RANKS = 2
+
+
+def gathers_per_sample(distributed: str, world_size: int, largest: int | None) -> bool:
+    """Whether flash's step gathers per-sample gradients: DDP on GATHER_RANKS ranks, one sample
+    on the busiest rank (``largest``, the same on every rank, so every rank decides alike)."""
+    return distributed == "ddp" and world_size == GATHER_RANKS and largest == 1
+
+
+class GatheredPerSample:
+    """flash under DDP with one sample per rank. The clipped sum c_0 g_0 + c_1 g_1 needs both
+    clip factors, so its all-reduce cannot start before the backward ends, and one sample leaves
+    no clipped GEMM to overlap it with: the whole gradient's all-reduce would follow the backward.
+    Instead each rank's per-sample gradient (its gradient) is all-gathered while the backward
+    goes on, a layer as soon as its gradient exists. At two ranks an all-gather of the gradient
+    moves the bytes an all-reduce of it does ((W - 1) * S per rank against 2 (W - 1) / W * S);
+    beyond two, W / 2 times more, and every rank holds W samples' gradients: two ranks only.
+
+    Every rank then holds the global batch's per-sample gradients, sample k from rank k: its
+    norms (each sample's own, never mixed), clip factors and clipped sum are the single
+    process's, computed alike on every rank; the noise is drawn from a seed the ranks share
+    (shared_generator), so every replica adds the same draw: once per coordinate.
+
+    Gathers are launched in one fixed order (the managed parameters, last layer first, as the
+    backward reaches them), each once every call of its layer has formed its gradient; a layer
+    no call reached sends zeros when the backward ends. Every rank so issues the same
+    collectives in the same order, whatever its data."""
+
+    def __init__(self, layers: list):
+        self.world_size = dist.get_world_size()
+        self.order = [(ly, name) for ly in reversed(layers) for name in reversed(list(ly.params))]
+        self.launched = 0  # self.order[:launched] are in flight
+        self.calls_formed: collections.Counter = collections.Counter()
+        self.in_flight: list[tuple] = []
+
+    @staticmethod
+    def plan(layer, description: dict) -> tuple[dict, set[str], set[str]]:
+        """A call's plan (flash.engine's (description, kept, rest)): every parameter's per-sample
+        gradient formed in the hook. At one sample the product route costs least (its GEMM is the
+        weight gradient's own) and holds just the gradient."""
+        if description["route"] in ("gram", "direct"):
+            description = {**description, "route": "product"}
+        return description, set(layer.params), set()
+
+    def formed(self, layer) -> None:
+        """One call of ``layer`` formed its per-sample gradients (in its backward hook)."""
+        self.calls_formed[id(layer)] += 1
+        while self.launched < len(self.order):
+            layer, name = self.order[self.launched]
+            if self.calls_formed[id(layer)] < len(layer.calls):
+                return
+            self._launch(layer, name)
+
+    def _launch(self, layer, name: str) -> None:
+        param, local = layer.params[name], layer.per_sample.get(name)
+        if local is None:  # no call reached the layer on this rank
+            local = param.new_zeros((1, *param.shape))
+        # A dtype the parameter fixes (what DDP sums), so every rank's pieces match.
+        local = local.to(param.dtype).contiguous()
+        gathered = local.new_empty((self.world_size * local.shape[0], *local.shape[1:]))
+        work = dist.all_gather_into_tensor(gathered, local, async_op=True)
+        # local stays referenced until waited for: NCCL may still be reading it.
+        self.in_flight.append((layer, name, work, gathered, local))
+        self.launched += 1
+
+    def land(self) -> None:
+        """After the backward: launch what is left, wait for every gather (the compute stream
+        waits; the host does not), and put the gathered gradients in place of the local ones."""
+        while self.launched < len(self.order):
+            self._launch(*self.order[self.launched])
+        for layer, name, work, gathered, _ in self.in_flight:
+            work.wait()
+            layer.per_sample[name] = gathered
+        self.in_flight = []
+
+
+def shared_generator(device: torch.device) -> torch.Generator:
+    """A generator seeded alike on every rank (rank 0's draw): the same noise on every replica.
+    Reads the seed on the host: call it where the host waits for the device anyway."""
+    seed = torch.randint(2**62, (1,), device=device)
+    dist.broadcast(seed, 0)
+    return torch.Generator(device).manual_seed(int(seed.item()))
+
+
 def gradient_sink(distributed: str, is_last: bool, noise_std: float, add_noise):
     """Where flash hands a chunk's clipped sums instead of .grad: under FSDP2 every chunk's,
     into the shards; under DDP the last chunk's, into the sum over ranks (noise included)."""

@@ -45,12 +45,15 @@ def _add_noise_kernel(
     _noisy_quarter(base, start + 3 * QUARTER, size, std, n3, DTYPE)
 
 
-def add_gaussian_noise_(tensors: list[torch.Tensor], std: float) -> None:
+def add_gaussian_noise_(
+    tensors: list[torch.Tensor], std: float, generator: torch.Generator | None = None
+) -> None:
     """t += N(0, std^2) elementwise for every (contiguous, one-device) tensor, one launch per
     dtype: the noise is drawn in registers and added in the same pass, so each element is read
     and written once (torch draws noise into a buffer, then adds it: three passes, two launches
-    per tensor). Seeds (one per tensor) come from torch's generator of the device, so
-    torch.manual_seed reproduces the noise; Philox is the generator torch uses on CUDA too."""
+    per tensor). Seeds (one per tensor) come from ``generator`` (default: torch's generator of
+    the device, so torch.manual_seed reproduces the noise); Philox is the generator torch uses
+    on CUDA too."""
     by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
     for tensor in tensors:
         if not tensor.is_contiguous():
@@ -61,7 +64,7 @@ def add_gaussian_noise_(tensors: list[torch.Tensor], std: float) -> None:
         sizes = tuple(t.numel() for t in group)
         tensor_of_block, first_block, numels = _block_table(device, sizes, NOISE_BLOCK)
         pointers = _int64_table([t.data_ptr() for t in group], device)
-        seeds = torch.randint(2**62, (len(group),), device=device)
+        seeds = torch.randint(2**62, (len(group),), device=device, generator=generator)
         _add_noise_kernel[(len(tensor_of_block),)](
             pointers, tensor_of_block, first_block, numels, seeds, std,
             BLOCK=NOISE_BLOCK, DTYPE=_TL_DTYPES[dtype],

@@ -21,6 +21,8 @@ from parallel import ranks, wrap  # noqa: E402
 # Rank 0 holds the samples with token 0, which take the branch; rank 1's do not.
 INPUTS = torch.tensor([[0, 1, 2, 3], [0, 2, 4, 6], [1, 2, 3, 4], [5, 6, 7, 8]])
 TARGETS = (INPUTS + 1) % 11
+# One sample per rank, the same split (flash under DDP then gathers per-sample gradients).
+ONE_PER_RANK = slice(1, 3)
 
 
 class Branchy(nn.Module):
@@ -46,17 +48,21 @@ def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--distributed", required=True)
     parser.add_argument("--out", required=True)
+    parser.add_argument("--one_per_rank", action="store_true")
     args = parser.parse_args()
+    rows = ONE_PER_RANK if args.one_per_rank else slice(None)
+    inputs, targets = INPUTS[rows], TARGETS[rows]
     wrap.BUCKET_BYTES = 600  # several buckets, each weight alone
     info = ranks.from_environment()
     dist.init_process_group("gloo")
-    mine = ranks.share(len(INPUTS), info.rank, info.world_size)
+    mine = ranks.share(len(inputs), info.rank, info.world_size)
     model = build()
     trainer = trainers.make_trainer(
-        "flash", model, lr=1.0, batch_size=len(INPUTS), max_grad_norm=0.05,
+        "flash", model, lr=1.0, batch_size=len(inputs), max_grad_norm=0.05,
         noise_multiplier=0.0, distributed=args.distributed,
     )  # fmt: skip
-    trainer.step(INPUTS[mine.start : mine.stop], TARGETS[mine.start : mine.stop])
+    trainer.step(inputs[mine.start : mine.stop], targets[mine.start : mine.stop])
+    assert trainer.gathering == (args.distributed == "ddp" and args.one_per_rank)
     grads = full_gradients(model)  # on every rank: FSDP2 gathers the shards collectively
     if info.rank == 0:
         torch.save(grads, args.out)

@@ -70,7 +70,17 @@ def main():
             )
             torch.manual_seed(100 + info.rank)  # each rank its own noise stream
             out = trainer.step(inputs[local], targets[local])
-            saved[case, name] = {"grad": full_gradients(model), "loss": out["loss"]}
+            grad = full_gradients(model)
+            rank0 = grad.clone()
+            dist.broadcast(rank0, 0)
+            agree = torch.tensor([float(torch.equal(grad, rank0))])
+            dist.all_reduce(agree, op=dist.ReduceOp.MIN)  # every rank's replica is rank 0's
+            saved[case, name] = {
+                "grad": grad,
+                "loss": out["loss"],
+                "replicas_agree": bool(agree.item()),
+                "gathered": getattr(trainer, "gathering", False),  # flash: per-sample gathered
+            }
     if info.rank == 0:
         torch.save(saved, args.out)
     dist.barrier()

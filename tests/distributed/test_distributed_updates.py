@@ -65,8 +65,16 @@ TRAINERS = {"ddp": ["standard", "dpsgd", "ghost", "flash"], "fsdp": ["standard",
 
 
 # An even split with 2 chunks per rank; a Poisson-like 4 + 3 split; a 2 + 1 split one sample per
-# chunk (rank 1 runs a stand-in chunk); one sample in all (rank 1 holds none).
-CASES = ["8,8,3", "7,8,2", "3,4,1", "1,4,1"]
+# chunk (rank 1 runs a stand-in chunk); one sample in all (rank 1 holds none); one sample per
+# rank, of a batch of 2 and of a short Poisson-like draw of 4. Under DDP flash gathers per-sample
+# gradients where the busiest rank holds one sample (the last three), else sums clipped ones.
+CASES = ["8,8,3", "7,8,2", "3,4,1", "1,4,1", "2,2,1", "2,4,4"]
+
+
+def flash_gathers(distributed, samples):
+    return distributed == "ddp" and (samples + 1) // 2 == 1
+
+
 # flash's collectives run asynchronously, in buckets, while its clipped GEMMs do: here buckets of
 # 3000 bytes, so several, of one tensor and of several (FSDP2's rank-major with padded pieces: the
 # vocabulary is odd), all pending (DDP) or the older ones waited for past 5000 bytes (FSDP2); the
@@ -83,6 +91,8 @@ def test_update_equals_single_process_definition(tmp_path, distributed):
         for name in TRAINERS[distributed]:
             reference = mean if name == "standard" else clipped
             assert relative(saved[case, name]["grad"], reference) < 1e-5, (case, name)
+            assert saved[case, name]["replicas_agree"], (case, name)
+        assert saved[case, "flash"]["gathered"] == flash_gathers(distributed, samples), case
         # the loss of the global batch, the same for every trainer
         assert len({saved[case, name]["loss"] for name in TRAINERS[distributed]}) == 1
 
@@ -90,8 +100,9 @@ def test_update_equals_single_process_definition(tmp_path, distributed):
 @pytest.mark.parametrize("distributed", ["ddp", "fsdp"])
 def test_noise_is_added_once(tmp_path, distributed):
     dp = [n for n in TRAINERS[distributed] if n != "standard"]
-    # A full batch, and an empty Poisson draw (no rank has a sample: noise alone, still once).
-    cases = ["8,8,8", "0,8,8"]
+    # A full batch, an empty Poisson draw (no rank has a sample: noise alone, still once), and
+    # one sample per rank (flash under DDP: every rank adds the same draw to its replica).
+    cases = ["8,8,8", "0,8,8", "2,8,8"]
     strict = ["--in_flight_bytes", "0"]  # FSDP2: each collective waited for at once
     clean = torchrun(tmp_path, distributed, dp, cases, extra=strict)
     noisy = torchrun(tmp_path, distributed, dp, cases, noise=2.0, extra=strict)
@@ -101,16 +112,26 @@ def test_noise_is_added_once(tmp_path, distributed):
             expected = 2.0 * C / 8  # sigma * C / B of the global batch; twice-added: x sqrt(2)
             assert abs(noise.std().item() / expected - 1) < 0.05, (case, name)
             assert abs(noise.mean().item()) < 0.05 * expected, (case, name)
+            assert noisy[case, name]["replicas_agree"], (case, name)
+        assert noisy[case, "flash"]["gathered"] == flash_gathers(distributed, int(case[0]))
 
 
+@pytest.mark.parametrize("one_per_rank", [False, True])
 @pytest.mark.parametrize("distributed", ["ddp", "fsdp"])
-def test_a_layer_only_one_rank_reaches(tmp_path, distributed):
+def test_a_layer_only_one_rank_reaches(tmp_path, distributed, one_per_rank):
     """A data-dependent branch taken on rank 0 only: both ranks still issue the same
     collectives (the rank that skipped it hands over zeros in its place), and flash's update is
-    the brute-force clipped mean of the global batch, each sample through its own branch."""
-    from branch_per_rank import INPUTS, TARGETS, build
+    the brute-force clipped mean of the global batch, each sample through its own branch. With
+    one sample per rank, flash under DDP gathers per-sample gradients (the script checks)."""
+    from branch_per_rank import INPUTS, ONE_PER_RANK, TARGETS, build
 
     out = tmp_path / f"branch_{distributed}.pt"
-    run_ranks("branch_per_rank.py", "--distributed", distributed, "--out", str(out), timeout=300)
-    reference = clipped_mean(per_sample_grads(build(), INPUTS, TARGETS), len(INPUTS))
+    extra = ["--one_per_rank"] if one_per_rank else []
+    run_ranks(
+        "branch_per_rank.py", "--distributed", distributed, "--out", str(out), *extra,
+        timeout=300,
+    )  # fmt: skip
+    rows = ONE_PER_RANK if one_per_rank else slice(None)
+    inputs, targets = INPUTS[rows], TARGETS[rows]
+    reference = clipped_mean(per_sample_grads(build(), inputs, targets), len(inputs))
     assert relative(torch.load(out), reference) < 1e-5
