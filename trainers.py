@@ -455,7 +455,7 @@ class FlashClippingTrainer(Trainer):
 
     def chunk_step(self, inputs, targets, is_last):
         if self.gathering:  # one sample per rank: per-sample gradients gathered in the backward
-            self.engine.gather = wrap.GatheredPerSample(self.engine.layers)
+            self.engine.gather = wrap.GatheredPerSample(self.engine.layers, self.dtype)
         with self.autocast(inputs.device.type):
             per_sample = self.per_sample_loss(self.model, inputs, targets)
         self.on_phase("forward_done")

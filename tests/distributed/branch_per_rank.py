@@ -49,7 +49,12 @@ def main():
     parser.add_argument("--distributed", required=True)
     parser.add_argument("--out", required=True)
     parser.add_argument("--one_per_rank", action="store_true")
+    parser.add_argument(
+        "--bf16", action="store_true", help="every per-sample gradient sent in bf16"
+    )
     args = parser.parse_args()
+    if args.bf16:
+        wrap.SMALL_PER_SAMPLE_NUMEL = 0  # every parameter "large": sent in the step's dtype
     rows = ONE_PER_RANK if args.one_per_rank else slice(None)
     inputs, targets = INPUTS[rows], TARGETS[rows]
     wrap.BUCKET_BYTES = 600  # several buckets, each weight alone
@@ -60,6 +65,7 @@ def main():
     trainer = trainers.make_trainer(
         "flash", model, lr=1.0, batch_size=len(inputs), max_grad_norm=0.05,
         noise_multiplier=0.0, distributed=args.distributed,
+        dtype=torch.bfloat16 if args.bf16 else torch.float32,
     )  # fmt: skip
     trainer.step(inputs[mine.start : mine.stop], targets[mine.start : mine.stop])
     assert trainer.gathering == (args.distributed == "ddp" and args.one_per_rank)

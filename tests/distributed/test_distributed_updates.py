@@ -116,17 +116,21 @@ def test_noise_is_added_once(tmp_path, distributed):
         assert noisy[case, "flash"]["gathered"] == flash_gathers(distributed, int(case[0]))
 
 
-@pytest.mark.parametrize("one_per_rank", [False, True])
-@pytest.mark.parametrize("distributed", ["ddp", "fsdp"])
-def test_a_layer_only_one_rank_reaches(tmp_path, distributed, one_per_rank):
+@pytest.mark.parametrize(
+    "distributed, one_per_rank, bf16",
+    [("ddp", False, False), ("fsdp", False, False), ("fsdp", True, False), ("ddp", True, False),
+     ("ddp", True, True)],
+)  # fmt: skip
+def test_a_layer_only_one_rank_reaches(tmp_path, distributed, one_per_rank, bf16):
     """A data-dependent branch taken on rank 0 only: both ranks still issue the same
     collectives (the rank that skipped it hands over zeros in its place), and flash's update is
     the brute-force clipped mean of the global batch, each sample through its own branch. With
-    one sample per rank, flash under DDP gathers per-sample gradients (the script checks)."""
+    one sample per rank, flash under DDP gathers per-sample gradients (the script checks); in a
+    bf16 step, in bf16, the zeros of the rank that skipped the branch too (to bf16's precision)."""
     from branch_per_rank import INPUTS, ONE_PER_RANK, TARGETS, build
 
     out = tmp_path / f"branch_{distributed}.pt"
-    extra = ["--one_per_rank"] if one_per_rank else []
+    extra = ["--one_per_rank"] * one_per_rank + ["--bf16"] * bf16
     run_ranks(
         "branch_per_rank.py", "--distributed", distributed, "--out", str(out), *extra,
         timeout=300,
@@ -134,4 +138,4 @@ def test_a_layer_only_one_rank_reaches(tmp_path, distributed, one_per_rank):
     rows = ONE_PER_RANK if one_per_rank else slice(None)
     inputs, targets = INPUTS[rows], TARGETS[rows]
     reference = clipped_mean(per_sample_grads(build(), inputs, targets), len(inputs))
-    assert relative(torch.load(out), reference) < 1e-5
+    assert relative(torch.load(out), reference) < (2e-2 if bf16 else 1e-5)
