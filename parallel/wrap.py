@@ -343,9 +343,9 @@ class GatheredPerSample:
             layer, name = self.order[self.launched]
             if self.calls_formed[id(layer)] < len(layer.calls):
                 return
-            self._launch(layer, name)
+            self._start_gather(layer, name)
 
-    def _launch(self, layer, name: str) -> None:
+    def _start_gather(self, layer, name: str) -> None:
         param, local = layer.params[name], layer.per_sample.get(name)
         dtype = self.wire_dtype(param, self.step_dtype)
         if local is None:  # no call reached the layer on this rank
@@ -372,7 +372,7 @@ class GatheredPerSample:
         """After the backward: launch what is left, wait for every gather (the compute stream
         waits; the host does not), and put the gathered gradients in place of the local ones."""
         while self.launched < len(self.order):
-            self._launch(*self.order[self.launched])
+            self._start_gather(*self.order[self.launched])
         for layer, name, work, gathered, _ in self.in_flight:
             work.wait()
             layer.per_sample[name] = gathered
