@@ -1,11 +1,10 @@
 """One ``Trainer`` interface and a registry: ``standard``, ``dpsgd``, ``ghost``, ``flash``.
 
-DP semantics shared by every DP trainer (README.md says the same): per-sample loss is the
-mean over that sample's tokens; clip factor min(1, C / (||grad_b|| + 1e-6)); update direction
-(1/B)(sum_b c_b grad_b + N(0, sigma^2 C^2 I)). A logical batch larger than
-``max_physical_batch_size`` is split into near-equal physical chunks (as Opacus'
-BatchMemoryManager does: 14 by 4 -> 4,4,3,3); clipped sums accumulate over the chunks and noise is
-added once per logical batch.
+DP semantics shared by every DP trainer (README.md says the same): per-sample loss is the mean
+over that sample's tokens; clip factor min(1, C / (||grad_b|| + 1e-6)); update direction
+(1/B)(sum_b c_b grad_b + N(0, sigma^2 C^2 I)). A logical batch over the physical maximum is
+split into near-equal chunks (as Opacus' BatchMemoryManager does: 14 by 4 -> 4,4,3,3); clipped
+sums accumulate over the chunks and noise is added once per logical batch.
 """
 
 from __future__ import annotations
@@ -18,18 +17,10 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from opacus import GradSampleModule
+from opacus import grad_sample as opacus_grad_sample
+from opacus import optimizers as opacus_optimizers
 from opacus.distributed import DifferentiallyPrivateDistributedDataParallel as DPDDP
-from opacus.grad_sample import GradSampleModuleFastGradientClipping
-from opacus.grad_sample.grad_sample_module_fast_gradient_clipping_fsdp import (
-    GradSampleModuleFastGradientClippingFSDP,
-)
-from opacus.optimizers import (
-    DistributedDPOptimizer,
-    DistributedDPOptimizerFastGradientClipping,
-    DPOptimizer,
-    DPOptimizerFastGradientClipping,
-    FSDPOptimizerFastGradientClipping,
-)
+from opacus.optimizers import DistributedDPOptimizer, DPOptimizer
 from opacus.utils.fast_gradient_clipping_utils import DPTensorFastGradientClipping
 
 import flash.engine
@@ -112,11 +103,10 @@ def token_losses(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
 class Trainer:
     """Runs one logical batch per ``step``: forward, backward, (clip, noise,) optimizer step.
 
-    ``on_phase(name)`` is called at the phase points (``optimizer_created``,
-    ``privacy_wrapped``, then per physical chunk ``forward_done``/``backward_done`` and per step
-    ``step_done``) so the measurement can take memory snapshots without the trainer knowing how.
-    Names starting with ``_`` are internal markers, not snapshots: moments where a trainer holds
-    state the memory breakdown should see by identity (flash's saved A and G mid-backward).
+    ``on_phase(name)`` is called at the phase points (``optimizer_created``, ``privacy_wrapped``,
+    per chunk ``forward_done``/``backward_done``, per step ``step_done``): the measurement takes
+    its memory snapshots there. Names starting with ``_`` are markers, not snapshots: where a
+    trainer holds state the breakdown should see by identity (flash's A and G mid-backward).
     """
 
     name = "base"
@@ -385,9 +375,9 @@ class GhostClippingTrainer(OpacusTrainer):
 
     def __init__(self, model, **kwargs):
         super().__init__(model, **kwargs)
-        module_class = GradSampleModuleFastGradientClipping
+        module_class = opacus_grad_sample.GradSampleModuleFastGradientClipping
         if self.distributed == "fsdp":
-            module_class = GradSampleModuleFastGradientClippingFSDP
+            module_class = opacus_grad_sample.GradSampleModuleFastGradientClippingFSDP
         self.wrapped = module_class(
             DPDDP(model) if self.distributed == "ddp" else model,
             batch_first=True,
@@ -397,9 +387,9 @@ class GhostClippingTrainer(OpacusTrainer):
         )
         self.wrap_optimizer(
             {
-                "none": DPOptimizerFastGradientClipping,
-                "ddp": DistributedDPOptimizerFastGradientClipping,
-                "fsdp": FSDPOptimizerFastGradientClipping,
+                "none": opacus_optimizers.DPOptimizerFastGradientClipping,
+                "ddp": opacus_optimizers.DistributedDPOptimizerFastGradientClipping,
+                "fsdp": opacus_optimizers.FSDPOptimizerFastGradientClipping,
             }
         )
 
@@ -428,11 +418,11 @@ class FlashClippingTrainer(Trainer):
     """
 
     is_private = True
+    gathering = False  # this step's (chunks decides): per-sample gradients gathered over 2 ranks
     options = ("flash_route",)
     capturable = True  # its hooks, kernels and tables make no host sync (tests check it)
 
     def __init__(self, model, *, flash_route: str = "auto", **kwargs):
-        self.gathering = False  # this step's: see chunks
         # The engine sets requires_grad=False on the weights it manages so autograd computes no
         # weight gradient; the optimizer still updates them from the .grad we write.
         self.engine = flash.engine.FlashClipping(model, route=flash_route)
@@ -448,8 +438,7 @@ class FlashClippingTrainer(Trainer):
     def trainable_parameters(self, model):
         return list(self.engine.params)
 
-    def chunks(self, batch, largest=None):
-        # Decided per step from every rank's largest batch, so alike on every rank.
+    def chunks(self, batch, largest=None):  # largest: every rank's, so all ranks decide alike
         self.gathering = wrap.gathers_per_sample(self.distributed, self.world_size, largest)
         return super().chunks(batch, largest)
 
@@ -462,17 +451,13 @@ class FlashClippingTrainer(Trainer):
         # Sum over samples: each sample's G is then exactly the gradient of its own loss.
         self.engine.backward(per_sample.sum())
         self.on_phase("_clip_inputs_saved")  # A, G and per-sample grads all held: name them
-        # Each sample's norm from its own gradient, never reduced across ranks: on the rank that
-        # holds the sample, or (gathering) on every rank from the gathered gradients.
+        # Each sample's norm from its own gradient (its rank's, or gathered): never reduced.
         norms = self.engine.per_sample_squared_norms().sqrt()
         # 1/B folded into the clip factors (and the noise's std): no division pass afterwards.
-        # Several ranks: a parameter's collective starts once its clipped sum exists (the sink);
-        # gathering, every rank forms the global batch's clipped sum itself.
-        sink = None
-        if not self.gathering:
-            sink = wrap.gradient_sink(
-                self.distributed, is_last, self.noise_std(), add_gaussian_noise
-            )
+        # Several ranks: each collective starts once its clipped sum exists (the sink; none when
+        # gathering: every rank forms the global batch's clipped sum itself).
+        last = is_last and not self.gathering
+        sink = wrap.gradient_sink(self.distributed, last, self.noise_std(), add_gaussian_noise)
         self.engine.accumulate_clipped_grads(self.clip_factors(norms) / self.batch_size, sink)
         self.engine.release()
         self.on_phase("backward_done")
@@ -495,14 +480,11 @@ class FlashClippingTrainer(Trainer):
             if p.grad is None:  # a layer the batch never reached still gets noise
                 p.grad = torch.zeros_like(p)
         # Noise once per coordinate: under DDP rank 0 added it before the sum over ranks (the
-        # sink), or (gathering) every rank adds the same draw to its replica of the sum; under
-        # FSDP2 each rank adds it to the shard it owns (each its own stream).
+        # sink), or (gathering) every replica adds the same draw (a seed read after the host
+        # synced anyway); under FSDP2 each rank adds it to the shard it owns (its own stream).
         if self.noise_std() > 0 and (self.distributed != "ddp" or self.gathering):
-            # After the last chunk's loss reached the host: the seed's host read costs nothing.
-            device = self.engine.params[0].device
-            generator = wrap.shared_generator(device) if self.gathering else None
-            grads = wrap.local_gradients(self.engine.params)
-            add_gaussian_noise(grads, self.noise_std(), generator)
+            shared = wrap.shared_generator(self.engine.params[0].device) if self.gathering else None
+            add_gaussian_noise(wrap.local_gradients(self.engine.params), self.noise_std(), shared)
         self.optimizer.step()
 
     def result_extras(self) -> dict:  # the route each Linear layer's norms took, its sizes
@@ -513,4 +495,6 @@ class FlashClippingTrainer(Trainer):
         return [(role, names.get(id(m), ""), t) for m, role, t in self.engine.kept_tensors()]
 
     def dp_allocation_sites(self):  # ALLOCATION_SITES lists its roles in order of precedence
-        return [AllocationSite.of(role, *fns) for role, fns in flash.sites.ALLOCATION_SITES.items()]
+        sites = {**flash.sites.ALLOCATION_SITES}  # and the gathered per-sample gradients:
+        sites["per_sample_gradients"] += (wrap.GatheredPerSample.start_gather,)
+        return [AllocationSite.of(role, *fns) for role, fns in sites.items()]

@@ -7,7 +7,6 @@ from __future__ import annotations
 from flash.engine import FlashClipping
 from flash.rules import NORM_RULES, NormRule
 from flash.rules.linear import direct_squared_norms, gram_squared_norms
-from parallel.wrap import GatheredPerSample
 
 
 def _rule_methods(name: str) -> tuple:
@@ -28,13 +27,11 @@ ALLOCATION_SITES: dict[str, tuple] = {
         *_rule_methods("squared_norms_many"),
     ),
     # Per-sample gradients of the layers that keep them, formed in the backward hook or right
-    # after the backward (per_sample_grads_many); under DDP with one sample per rank, the
-    # global batch's, gathered (and their casts to the dtype they travel in).
+    # after the backward (per_sample_grads_many). (trainers adds those gathered under DDP.)
     "per_sample_gradients": (
         *_rule_methods("per_sample_grads"),
         *_rule_methods("per_sample_grads_many"),
         FlashClipping._add_per_sample,
-        GatheredPerSample._start_gather,
     ),
     "gradients": (*_rule_methods("clipped_grads"), FlashClipping.accumulate_clipped_grads),
 }

@@ -21,7 +21,6 @@ from torch.distributed.fsdp._fully_shard._fsdp_common import _from_local_no_grad
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
-from flash.engine import SMALL_PER_SAMPLE_NUMEL
 from parallel.ranks import RankInfo
 
 # A collective that waits this long is a failure (a rank died or ran out of memory): recorded as
@@ -292,6 +291,8 @@ class ShardedGradients(GradientBuckets):
 # flash under DDP gathers per-sample gradients instead of summing clipped ones (GatheredPerSample)
 # at this many ranks: the one count where an all-gather moves no more bytes than an all-reduce.
 GATHER_RANKS = 2
+# Gathered per-sample gradients of more elements than this travel in a 16-bit step's dtype.
+SMALL_GRADIENT_NUMEL = 2**18
 
 
 def gathers_per_sample(distributed: str, world_size: int, largest: int | None) -> bool:
@@ -343,9 +344,9 @@ class GatheredPerSample:
             layer, name = self.order[self.launched]
             if self.calls_formed[id(layer)] < len(layer.calls):
                 return
-            self._start_gather(layer, name)
+            self.start_gather(layer, name)
 
-    def _start_gather(self, layer, name: str) -> None:
+    def start_gather(self, layer, name: str) -> None:
         param, local = layer.params[name], layer.per_sample.get(name)
         dtype = self.wire_dtype(param, self.step_dtype)
         if local is None:  # no call reached the layer on this rank
@@ -364,7 +365,7 @@ class GatheredPerSample:
         A 16-bit step sends large ones in its dtype: Linear weights' per-sample gradients are
         formed in it anyway, and the bytes are half (on 2 H100s at 1b bf16 (2, 4096), a step
         of 126 ms against 172 ms in fp32); small ones (biases, norm layers) in fp32 or wider."""
-        if step_dtype.itemsize < 4 and param.numel() > SMALL_PER_SAMPLE_NUMEL:
+        if step_dtype.itemsize < 4 and param.numel() > SMALL_GRADIENT_NUMEL:
             return step_dtype
         return torch.promote_types(param.dtype, torch.float32)
 
@@ -372,7 +373,7 @@ class GatheredPerSample:
         """After the backward: launch what is left, wait for every gather (the compute stream
         waits; the host does not), and put the gathered gradients in place of the local ones."""
         while self.launched < len(self.order):
-            self._start_gather(*self.order[self.launched])
+            self.start_gather(*self.order[self.launched])
         for layer, name, work, gathered, _ in self.in_flight:
             work.wait()
             layer.per_sample[name] = gathered

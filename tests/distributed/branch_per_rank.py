@@ -54,7 +54,7 @@ def main():
     )
     args = parser.parse_args()
     if args.bf16:
-        wrap.SMALL_PER_SAMPLE_NUMEL = 0  # every parameter "large": sent in the step's dtype
+        wrap.SMALL_GRADIENT_NUMEL = 0  # every parameter "large": sent in the step's dtype
     rows = ONE_PER_RANK if args.one_per_rank else slice(None)
     inputs, targets = INPUTS[rows], TARGETS[rows]
     wrap.BUCKET_BYTES = 600  # several buckets, each weight alone
