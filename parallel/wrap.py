@@ -317,8 +317,10 @@ class GatheredPerSample:
 
     Gathers are launched in one fixed order (the managed parameters, last layer first, as the
     backward reaches them), each once every call of its layer has formed its gradient; a layer
-    no call reached sends zeros when the backward ends. Every rank so issues the same
-    collectives in the same order, whatever its data."""
+    no call reached sends zeros when the order reaches it. Every rank so issues the same
+    collectives in the same order, whatever its data. Nothing re-synchronises the replicas
+    afterwards: they stay equal because what follows the gathers is deterministic (weighted
+    sums, row norms, the noise kernel: no atomics)."""
 
     def __init__(self, layers: list, step_dtype: torch.dtype):
         self.world_size = dist.get_world_size()
