@@ -26,7 +26,7 @@ Usage, per physical chunk::
     flash.release()
 
 Assumptions: dimension 0 of managed layers' inputs/outputs is the batch; one forward per
-backward; gradients reach managed layers only through their outputs; no checkpointing.
+backward; gradients reach managed layers only through their outputs; no activation checkpointing.
 """
 
 from __future__ import annotations
