@@ -495,6 +495,6 @@ class FlashClippingTrainer(Trainer):
         return [(role, names.get(id(m), ""), t) for m, role, t in self.engine.kept_tensors()]
 
     def dp_allocation_sites(self):  # ALLOCATION_SITES lists its roles in order of precedence
-        sites = {**flash.sites.ALLOCATION_SITES}  # and the gathered per-sample gradients:
-        sites["per_sample_gradients"] += (wrap.GatheredPerSample.start_gather,)
+        sites, gathered = {**flash.sites.ALLOCATION_SITES}, wrap.GatheredPerSample
+        sites["per_sample_gradients"] += (gathered.start_gather, gathered.land)  # its gathers
         return [AllocationSite.of(role, *fns) for role, fns in sites.items()]

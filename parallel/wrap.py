@@ -112,12 +112,13 @@ def broadcast_parameters(model: nn.Module) -> None:
 
 
 class GradientBuckets:
-    """flash's clipped sums handed over one parameter at a time and sent asynchronously, so
-    each collective runs while the clipped sums of the next layers are computed. A gradient of
-    at least a quarter of BUCKET_BYTES is sent alone as soon as it arrives (no copy); smaller
-    ones (biases, norm weights, LoRA's hundreds of tensors) fill a bucket of about BUCKET_BYTES
-    of one dtype, one collective when full. The collectives behind the newest are waited for
-    once what they read passes IN_FLIGHT_BYTES, so the memory they hold stays bounded.
+    """flash's clipped sums (or, gathered, its per-sample gradients) handed over one parameter
+    at a time and sent asynchronously, so each collective runs while the next layers' are
+    computed. A gradient of at least a quarter of BUCKET_BYTES is sent alone as soon as it
+    arrives (no copy); smaller ones (biases, norm weights, LoRA's hundreds of tensors) fill a
+    bucket of about BUCKET_BYTES of one dtype, one collective when full. The collectives behind
+    the newest are waited for once what they read passes IN_FLIGHT_BYTES, so the memory they
+    hold stays bounded.
 
     Every rank must issue the same collectives in the same order: the engine hands over every
     managed parameter in one fixed order (zeros for a layer a chunk did not reach), and the
@@ -131,12 +132,12 @@ class GradientBuckets:
     IN_FLIGHT_BYTES: int | None = 256 * 2**20
 
     def __init__(self):
-        self.bucket: list[tuple[nn.Parameter, torch.Tensor]] = []
+        self.bucket: list[tuple] = []  # (what _land fills, the tensor sent)
         self.bucket_bytes = 0
         self.pending: collections.deque = collections.deque()
         self.pending_bytes = 0
 
-    def _add(self, param: nn.Parameter, grad: torch.Tensor) -> None:
+    def _add(self, param, grad: torch.Tensor) -> None:
         size = grad.numel() * grad.element_size()
         if 4 * size >= BUCKET_BYTES:
             self._launch([(param, grad)])
@@ -301,7 +302,7 @@ def gathers_per_sample(distributed: str, world_size: int, largest: int | None) -
     return distributed == "ddp" and world_size == GATHER_RANKS and largest == 1
 
 
-class GatheredPerSample:
+class GatheredPerSample(GradientBuckets):
     """flash under DDP with one sample per rank. The clipped sum c_0 g_0 + c_1 g_1 needs both
     clip factors, so its all-reduce cannot start before the backward ends, and one sample leaves
     no clipped GEMM to overlap it with: the whole gradient's all-reduce would follow the backward.
@@ -315,20 +316,24 @@ class GatheredPerSample:
     process's, computed alike on every rank; the noise is drawn from a seed the ranks share
     (shared_generator), so every replica adds the same draw: once per coordinate.
 
-    Gathers are launched in one fixed order (the managed parameters, last layer first, as the
-    backward reaches them), each once every call of its layer has formed its gradient; a layer
-    no call reached sends zeros when the order reaches it. Every rank so issues the same
-    collectives in the same order, whatever its data. Nothing re-synchronises the replicas
-    afterwards: they stay equal because what follows the gathers is deterministic (weighted
-    sums, row norms, the noise kernel: no atomics)."""
+    Gradients are handed to the buckets in one fixed order (the managed parameters, last layer
+    first, as the backward reaches them), each once every call of its layer has formed its
+    gradient; a layer no call reached hands zeros when the order reaches it. Large gradients
+    are gathered alone, small ones (biases, norm weights) in buckets, as DDP does: one
+    collective per block's hundreds of small tensors would each pay a collective's latency.
+    Every rank so issues the same collectives in the same order, whatever its data. Nothing
+    re-synchronises the replicas afterwards: they stay equal because what follows the gathers
+    is deterministic (weighted sums, row norms, the noise kernel: no atomics)."""
+
+    IN_FLIGHT_BYTES = None  # the backward never waits for a gather: every one lands at the end
 
     def __init__(self, layers: list, step_dtype: torch.dtype):
+        super().__init__()
         self.world_size = dist.get_world_size()
         self.step_dtype = step_dtype
         self.order = [(ly, name) for ly in reversed(layers) for name in reversed(list(ly.params))]
-        self.launched = 0  # self.order[:launched] are in flight
+        self.launched = 0  # self.order[:launched] are handed to the buckets
         self.calls_formed: collections.Counter = collections.Counter()
-        self.in_flight: list[tuple] = []
 
     @staticmethod
     def plan(layer, description: dict) -> tuple[dict, set[str], set[str]]:
@@ -353,11 +358,7 @@ class GatheredPerSample:
         dtype = self.wire_dtype(param, self.step_dtype)
         if local is None:  # no call reached the layer on this rank
             local = param.new_zeros((1, *param.shape), dtype=dtype)
-        local = local.to(dtype).contiguous()
-        gathered = local.new_empty((self.world_size * local.shape[0], *local.shape[1:]))
-        work = dist.all_gather_into_tensor(gathered, local, async_op=True)
-        # local stays referenced until waited for: NCCL may still be reading it.
-        self.in_flight.append((layer, name, work, gathered, local))
+        self._add((layer, name), local.to(dtype))
         self.launched += 1
 
     @staticmethod
@@ -371,15 +372,27 @@ class GatheredPerSample:
             return step_dtype
         return torch.promote_types(param.dtype, torch.float32)
 
+    def _send(self, bucket):
+        # [samples, numel] per gradient, side by side: one all-gather stacks the ranks' rows.
+        rows = [local.reshape(local.shape[0], -1) for _, local in bucket]
+        sent = rows[0].contiguous() if len(rows) == 1 else torch.cat(rows, dim=1)
+        received = sent.new_empty((self.world_size * sent.shape[0], sent.shape[1]))
+        return dist.all_gather_into_tensor(received, sent, async_op=True), sent, received
+
+    def _land(self, bucket, work, sent, received):
+        work.wait()
+        pieces = received.split([local[0].numel() for _, local in bucket], dim=1)
+        for ((layer, name), local), piece in zip(bucket, pieces, strict=True):
+            piece = piece if len(bucket) == 1 else piece.contiguous()
+            layer.per_sample[name] = piece.view(received.shape[0], *local.shape[1:])
+
     def land(self) -> None:
-        """After the backward: launch what is left, wait for every gather (the compute stream
-        waits; the host does not), and put the gathered gradients in place of the local ones."""
+        """After the backward: hand over what is left, wait for every gather (the compute
+        stream waits; the host does not), and put the gathered gradients in place of the local
+        ones."""
         while self.launched < len(self.order):
             self.start_gather(*self.order[self.launched])
-        for layer, name, work, gathered, _ in self.in_flight:
-            work.wait()
-            layer.per_sample[name] = gathered
-        self.in_flight = []
+        self._drain()
 
 
 def shared_generator(device: torch.device) -> torch.Generator:

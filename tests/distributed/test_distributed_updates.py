@@ -75,10 +75,11 @@ def flash_gathers(distributed, samples):
     return distributed == "ddp" and (samples + 1) // 2 == 1
 
 
-# flash's collectives run asynchronously, in buckets, while its clipped GEMMs do: here buckets of
-# 3000 bytes, so several, of one tensor and of several (FSDP2's rank-major with padded pieces: the
-# vocabulary is odd), all pending (DDP) or the older ones waited for past 5000 bytes (FSDP2); the
-# noise test keeps one bucket, each collective waited for at once.
+# flash's collectives run asynchronously, in buckets, while its clipped GEMMs (or, gathering, the
+# backward) do: here buckets of 3000 bytes, so several, of one tensor and of several (FSDP2's
+# rank-major with padded pieces: the vocabulary is odd), all pending (DDP) or the older ones
+# waited for past 5000 bytes (FSDP2); the noise test keeps one bucket, each collective waited
+# for at once.
 SMALL_BUCKETS = ["--bucket_bytes", "3000", "--in_flight_bytes", "5000"]
 
 
