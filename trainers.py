@@ -28,7 +28,7 @@ import flash.sites
 import samplers.state
 from core import schema
 from core.schema import AllocationSite
-from flash.clip import add_gaussian_noise
+from flash.clip import add_gaussian_noise, clip_per_sample
 from flash.layer import tensors_in
 from parallel import wrap
 from stepping import graph
@@ -138,9 +138,7 @@ class Trainer:
         cuda_graph: bool = False,
     ):
         if batch_size <= 0 or (max_physical_batch_size or 1) <= 0:
-            raise ValueError(
-                f"batch sizes must be positive ({batch_size}, {max_physical_batch_size})"
-            )
+            raise ValueError(f"batch sizes must be > 0 ({batch_size}, {max_physical_batch_size})")
         if noise_multiplier < 0 or max_grad_norm <= 0:
             raise ValueError("noise_multiplier must be >= 0 and max_grad_norm > 0")
         if optimizer not in OPTIMIZERS:
@@ -170,8 +168,7 @@ class Trainer:
 
     @contextlib.contextmanager
     def observing_phases(self, callback: Callable[[str], None]):
-        """Send the phase events to ``callback`` instead, for one measurement (a recorded or
-        profiled step), then give them back to the regular observer."""
+        """Phase events to ``callback`` for one measurement, then back to the regular observer."""
         saved, self.on_phase = self.on_phase, callback
         try:
             yield
@@ -184,9 +181,9 @@ class Trainer:
     # ------------------------------------------------------------ where the state lives
     def state_tensors(self) -> list[tuple[str, str, torch.Tensor]]:
         """Every tensor this trainer holds now, as (role, owner, tensor): ``role`` one of
-        ``core.schema.ROLES``, ``owner`` the qualified name of the parameter or module it belongs
-        to. Most specific role first: a storage reachable several ways takes the first role
-        listed. Memory attribution and the module census read this, nothing else."""
+        ``core.schema.ROLES``, ``owner`` its parameter's or module's qualified name. Most specific
+        role first (a storage reachable several ways takes the first). Memory attribution and
+        the module census read this, nothing else."""
         named = list(self.model.named_parameters())
         states = self.base_optimizer.state
         return [
@@ -329,15 +326,11 @@ class OpacusTrainer(Trainer):
 
     def end_chunk(self, per_sample: torch.Tensor, is_last: bool) -> torch.Tensor:
         self.on_phase("backward_done")
-        self.accumulate_unless_last(is_last)
-        return per_sample.detach().sum()
-
-    def accumulate_unless_last(self, is_last: bool) -> None:
-        if not is_last:
-            # Clip and accumulate this chunk; noise and the update wait for the last chunk.
+        if not is_last:  # clip and accumulate this chunk; noise and update wait for the last
             self.optimizer.signal_skip_step(do_skip=True)
             self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
+        return per_sample.detach().sum()
 
 
 @register_trainer("dpsgd")
@@ -400,8 +393,7 @@ class GhostClippingTrainer(OpacusTrainer):
 
     def chunk_step(self, inputs, targets, is_last):
         per_sample = self.wrapped_forward(inputs, targets)
-        # Opacus' DPLossFastGradientClipping builds exactly this tensor from a criterion; we
-        # build it from our per-sample loss so HF models and LM share one loss definition.
+        # Opacus' DPLossFastGradientClipping's tensor, from our per-sample loss (HF and LM alike)
         loss = DPTensorFastGradientClipping(self.wrapped, self.optimizer, per_sample, "mean")
         loss.backward()  # first backward (norms), then the clipped second backward
         return self.end_chunk(per_sample, is_last)
@@ -414,8 +406,7 @@ class FlashClippingTrainer(Trainer):
     Book-keeping (Bu et al. 2023): keep each layer's input A and output gradient G from the one
     backward pass (or, where smaller, its per-sample gradients, formed in the backward hook),
     compute per-sample norms, then each layer's clipped gradient as one GEMM (or one weighted sum
-    of the kept per-sample gradients).
-    """
+    of the kept per-sample gradients)."""
 
     is_private = True
     gathering = False  # this step's (chunks decides): per-sample gradients gathered over 2 ranks
@@ -423,8 +414,7 @@ class FlashClippingTrainer(Trainer):
     capturable = True  # its hooks, kernels and tables make no host sync (tests check it)
 
     def __init__(self, model, *, flash_route: str = "auto", **kwargs):
-        # The engine sets requires_grad=False on the weights it manages so autograd computes no
-        # weight gradient; the optimizer still updates them from the .grad we write.
+        # autograd forms none of the engine's weights' gradients; the optimizer reads flash's
         self.engine = flash.engine.FlashClipping(model, route=flash_route)
         try:
             super().__init__(model, **kwargs)
@@ -443,23 +433,33 @@ class FlashClippingTrainer(Trainer):
         return super().chunks(batch, largest)
 
     def chunk_step(self, inputs, targets, is_last):
-        if self.gathering:  # one sample per rank: per-sample gradients gathered in the backward
-            self.engine.gather = wrap.GatheredPerSample(self.engine.layers, self.dtype)
+        if self.gathering:  # one sample per rank: its gradient is its per-sample gradient
+            return self.gathered_chunk_step(inputs, targets)
         with self.autocast(inputs.device.type):
             per_sample = self.per_sample_loss(self.model, inputs, targets)
         self.on_phase("forward_done")
         # Sum over samples: each sample's G is then exactly the gradient of its own loss.
         self.engine.backward(per_sample.sum())
         self.on_phase("_clip_inputs_saved")  # A, G and per-sample grads all held: name them
-        # Each sample's norm from its own gradient (its rank's, or gathered): never reduced.
+        # Each sample's norm from its own gradient, on its own rank: never reduced.
         norms = self.engine.per_sample_squared_norms().sqrt()
         # 1/B folded into the clip factors (and the noise's std): no division pass afterwards.
-        # Several ranks: each collective starts once its clipped sum exists (the sink; none when
-        # gathering: every rank forms the global batch's clipped sum itself).
-        last = is_last and not self.gathering
-        sink = wrap.gradient_sink(self.distributed, last, self.noise_std(), add_gaussian_noise)
+        # Several ranks: each collective starts once its clipped sum exists (the sink).
+        sink = wrap.gradient_sink(self.distributed, is_last, self.noise_std(), add_gaussian_noise)
         self.engine.accumulate_clipped_grads(self.clip_factors(norms) / self.batch_size, sink)
         self.engine.release()
+        self.on_phase("backward_done")
+        return per_sample.detach().sum()
+
+    def gathered_chunk_step(self, inputs, targets):
+        """DDP, one per rank: autograd's gradients, gathered; each rank clips the global batch."""
+        with self.engine.autograd_gradients():
+            gathered = wrap.GatheredGradients(self.engine.params, self.dtype)
+            with self.autocast(inputs.device.type):
+                per_sample = self.per_sample_loss(self.model, inputs, targets)
+            self.on_phase("forward_done")
+            per_sample.sum().backward()
+        clip_per_sample(self.engine.params, gathered.land(), self.clip_factors, self.batch_size)
         self.on_phase("backward_done")
         return per_sample.detach().sum()
 
@@ -495,6 +495,6 @@ class FlashClippingTrainer(Trainer):
         return [(role, names.get(id(m), ""), t) for m, role, t in self.engine.kept_tensors()]
 
     def dp_allocation_sites(self):  # ALLOCATION_SITES lists its roles in order of precedence
-        sites, gathered = {**flash.sites.ALLOCATION_SITES}, wrap.GatheredPerSample
+        sites, gathered = {**flash.sites.ALLOCATION_SITES}, wrap.GatheredGradients
         sites["per_sample_gradients"] += (gathered.start_gather, gathered.land)  # its gathers
         return [AllocationSite.of(role, *fns) for role, fns in sites.items()]

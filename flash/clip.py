@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import Tensor, nn
 from torch._utils import _unflatten_dense_tensors
@@ -149,6 +151,16 @@ def accumulate_weighted_sums(params, grads, c: ClipFactors) -> None:
         kernels.weighted_sums_(targets, sources, c.to(torch.float32), accumulate)
         for param, target in zip(fused, targets, strict=True):
             param.grad = target
+
+
+def clip_per_sample(
+    params, grads: list[Tensor], factors: Callable[[Tensor], Tensor], divisor: int
+) -> None:
+    """param.grad += sum_b c_b * grad[b] for per-sample gradients grads [B, ...] of ``params``
+    held whole (flash under DDP at one sample per rank, gathered), with c = factors(each
+    sample's norm over all of them) / divisor."""
+    norms = sum(_squared_row_norms_many(grads)).sqrt()
+    accumulate_weighted_sums(params, grads, ClipFactors(factors(norms) / divisor))
 
 
 def weighted_sum(grads: Tensor, c: ClipFactors) -> Tensor:

@@ -16,21 +16,14 @@ drops A and G: the clipped gradient is then a weighted sum of them, with no seco
 reading one input (q, k, v) share it, so at the threshold such a group holds up to ~1.5x what
 the Gram route would (peaks stay <= 1.01x standard's: the peak is in forward).
 
-Usage, per physical chunk::
-
-    flash = FlashClipping(model)
-    loss = per_sample_losses(model(x), y).sum()  # SUM over samples
-    flash.backward(loss)
-    norms = flash.per_sample_squared_norms().sqrt()
-    flash.accumulate_clipped_grads((C / (norms + 1e-6)).clamp(max=1.0))
-    flash.release()
-
-Assumptions: dimension 0 of managed layers' inputs/outputs is the batch; one forward per
-backward; gradients reach managed layers only through their outputs; no activation checkpointing.
-"""
+Per chunk: backward(per_sample_losses.sum()), per_sample_squared_norms(), then
+accumulate_clipped_grads(c), release(). Assumes: dimension 0 of managed layers' inputs/outputs
+is the batch; one forward per backward; gradients reach them only through their outputs; no
+activation checkpointing."""
 
 from __future__ import annotations
 
+import contextlib
 import weakref
 from collections import deque
 from collections.abc import Callable, Iterator
@@ -125,7 +118,7 @@ class FlashClipping:
         self._norms: Tensor | None = None
         self._routes: list[dict] = []
         self._after_backward = False
-        self.gather = None  # parallel.wrap.GatheredPerSample of this chunk (DDP, 1 sample/rank)
+        self._idle = False  # inside autograd_gradients(): hooks keep nothing
 
     def _saved_input(self, layer: Layer, x: Tensor) -> tuple[Tensor, Tensor]:
         """(the rule's A for input x, what the layer computes on): layers reading one input (q, k
@@ -152,7 +145,7 @@ class FlashClipping:
 
         def before(module, args, kwargs):
             pending[0] = None
-            if not torch.is_grad_enabled():
+            if self._idle or not torch.is_grad_enabled():
                 return None
             if self._after_backward:
                 raise RuntimeError("FlashClipping: call release() before the next forward")
@@ -211,8 +204,6 @@ class FlashClipping:
                     grad = grad.detach()
                 G = _flatten_tokens(grad, k_out)
                 description, kept, rest = self._plan(layer, A, G)
-                if self.gather is not None:  # every gradient formed here, to be gathered
-                    description, kept, rest = self.gather.plan(layer, description)
                 layer.described.append(description)
                 if kept:
                     self._add_per_sample(layer, layer.rule.per_sample_grads(layer, A, G, kept))
@@ -220,8 +211,6 @@ class FlashClipping:
                     call[1], call[2] = G, set(rest)  # the call's own: the plan's is shared
                 else:
                     call[0] = None  # A and G are not needed any more
-                if self.gather is not None:  # gathered once every call of the layer is here
-                    self.gather.formed(layer)
 
             if not output.requires_grad:  # e.g. first layer: make a leaf so G still flows
                 output = output.detach().requires_grad_(True)
@@ -278,8 +267,6 @@ class FlashClipping:
         self._saved = {}
         torch.autograd.grad(loss, self._leaves, allow_unused=True)
         self._after_backward = True
-        if self.gather is not None:  # the global batch's per-sample gradients from here on
-            self.gather.land()
         for layer in self.layers:
             hooked = layer.calls
             # Calls whose G never came (unused outputs) add nothing; parameters kept per sample
@@ -488,7 +475,21 @@ class FlashClipping:
         for layer in self.layers:
             layer.calls, layer.per_sample, layer.described = [], {}, []
         self._leaves, self._norms, self._after_backward = [], None, False
-        self._saved, self._small, self._batch, self.gather = {}, None, None, None
+        self._saved, self._small, self._batch = {}, None, None
+
+    @contextlib.contextmanager
+    def autograd_gradients(self):
+        """Inside, hooks keep nothing and autograd forms .grad, as unwrapped: at one sample that
+        is the per-sample gradient, with no Python per layer (DDP at one sample per rank)."""
+        self._idle = True
+        for p in self.params:
+            p.requires_grad_(True)
+        try:
+            yield
+        finally:
+            self._idle = False
+            for p in self.params:
+                p.requires_grad_(False)
 
     def remove(self) -> None:
         """Remove hooks and make the managed parameters trainable again."""

@@ -289,7 +289,7 @@ class ShardedGradients(GradientBuckets):
         self._drain()
 
 
-# flash under DDP gathers per-sample gradients instead of summing clipped ones (GatheredPerSample)
+# flash under DDP gathers per-sample gradients instead of summing clipped ones (GatheredGradients)
 # at this many ranks: the one count where an all-gather moves no more bytes than an all-reduce.
 GATHER_RANKS = 2
 # Gathered per-sample gradients of more elements than this travel in a 16-bit step's dtype.
@@ -302,97 +302,91 @@ def gathers_per_sample(distributed: str, world_size: int, largest: int | None) -
     return distributed == "ddp" and world_size == GATHER_RANKS and largest == 1
 
 
-class GatheredPerSample(GradientBuckets):
-    """flash under DDP with one sample per rank. The clipped sum c_0 g_0 + c_1 g_1 needs both
+class GatheredGradients(GradientBuckets):
+    """DP-SGD under DDP with one sample per rank. The clipped sum c_0 g_0 + c_1 g_1 needs both
     clip factors, so its all-reduce cannot start before the backward ends, and one sample leaves
     no clipped GEMM to overlap it with: the whole gradient's all-reduce would follow the backward.
-    Instead each rank's per-sample gradient (its gradient) is all-gathered while the backward
-    goes on, a layer as soon as its gradient exists. At two ranks an all-gather of the gradient
-    moves the bytes an all-reduce of it does ((W - 1) * S per rank against 2 (W - 1) / W * S);
-    beyond two, W / 2 times more, and every rank holds W samples' gradients: two ranks only.
+    Instead each rank's gradient, which is its one sample's per-sample gradient, is all-gathered
+    while the backward goes on, each parameter's as soon as autograd has accumulated it. At two
+    ranks an all-gather moves the bytes an all-reduce does ((W - 1) * S per rank against
+    2 (W - 1) / W * S); beyond two, W / 2 times more, and every rank holds W samples' gradients:
+    two ranks only.
 
     Every rank then holds the global batch's per-sample gradients, sample k from rank k: its
     norms (each sample's own, never mixed), clip factors and clipped sum are the single
     process's, computed alike on every rank; the noise is drawn from a seed the ranks share
     (shared_generator), so every replica adds the same draw: once per coordinate.
 
-    Gradients are handed to the buckets in one fixed order (the managed parameters, last layer
-    first, as the backward reaches them), each once every call of its layer has formed its
-    gradient; a layer no call reached hands zeros when the order reaches it. Large gradients
-    are gathered alone, small ones (biases, norm weights) in buckets, as DDP does: one
-    collective per block's hundreds of small tensors would each pay a collective's latency.
+    Gradients are handed to the buckets in one fixed order (the parameters, last first, as the
+    backward reaches them), each once autograd has accumulated it and every one before it is
+    handed over; a parameter the backward never reached is handed over as zeros at the end (the
+    ones after it wait until then).
+    Large gradients are gathered alone, small ones (biases, norm weights) in buckets, as DDP
+    does (one collective each would pay a collective's latency hundreds of times a step).
     Every rank so issues the same collectives in the same order, whatever its data. Nothing
     re-synchronises the replicas afterwards: they stay equal because what follows the gathers
-    is deterministic (weighted sums, row norms, the noise kernel: no atomics)."""
+    is deterministic (row norms, weighted sums, the noise kernel: no atomics)."""
 
     IN_FLIGHT_BYTES = None  # the backward never waits for a gather: every one lands at the end
 
-    def __init__(self, layers: list, step_dtype: torch.dtype):
+    def __init__(self, params: list[nn.Parameter], step_dtype: torch.dtype):
         super().__init__()
         self.world_size = dist.get_world_size()
         self.step_dtype = step_dtype
-        self.order = [(ly, name) for ly in reversed(layers) for name in reversed(list(ly.params))]
+        self.params = params
+        self.order = list(reversed(params))
         self.launched = 0  # self.order[:launched] are handed to the buckets
-        self.calls_formed: collections.Counter = collections.Counter()
+        self.accumulated: set[int] = set()
+        self.gathered: dict[int, torch.Tensor] = {}
+        self.handles = [p.register_post_accumulate_grad_hook(self.gradient_ready) for p in params]
 
-    @staticmethod
-    def plan(layer, description: dict) -> tuple[dict, set[str], set[str]]:
-        """A call's plan (flash.engine's (description, kept, rest)): every parameter's per-sample
-        gradient formed in the hook. At one sample the product route costs least (its GEMM is the
-        weight gradient's own) and holds just the gradient."""
-        if description["route"] in ("gram", "direct"):
-            description = {**description, "route": "product"}
-        return description, set(layer.params), set()
+    def gradient_ready(self, param: nn.Parameter) -> None:
+        """autograd accumulated ``param``'s gradient: hand over what the order allows."""
+        self.accumulated.add(id(param))
+        while self.launched < len(self.order) and id(self.order[self.launched]) in self.accumulated:
+            self.start_gather(self.order[self.launched])
 
-    def formed(self, layer) -> None:
-        """One call of ``layer`` formed its per-sample gradients (in its backward hook)."""
-        self.calls_formed[id(layer)] += 1
-        while self.launched < len(self.order):
-            layer, name = self.order[self.launched]
-            if self.calls_formed[id(layer)] < len(layer.calls):
-                return
-            self.start_gather(layer, name)
-
-    def start_gather(self, layer, name: str) -> None:
-        param, local = layer.params[name], layer.per_sample.get(name)
-        dtype = self.wire_dtype(param, self.step_dtype)
-        if local is None:  # no call reached the layer on this rank
-            local = param.new_zeros((1, *param.shape), dtype=dtype)
-        self._add((layer, name), local.to(dtype))
+    def start_gather(self, param: nn.Parameter) -> None:
+        grad = param.grad if param.grad is not None else torch.zeros_like(param)
+        param.grad = None  # what is sent replaces it (the fp32 .grad of a 16-bit step goes)
+        self._add(param, grad[None].to(self.wire_dtype(param, self.step_dtype)))
         self.launched += 1
 
     @staticmethod
     def wire_dtype(param: nn.Parameter, step_dtype: torch.dtype) -> torch.dtype:
-        """The dtype a parameter's per-sample gradient is gathered in, fixed by the parameter
-        and the step (so every rank's pieces match, a layer one rank did not reach included).
-        A 16-bit step sends large ones in its dtype: Linear weights' per-sample gradients are
-        formed in it anyway, and the bytes are half (on 2 H100s at 1b bf16 (2, 4096), a step
-        of 126 ms against 172 ms in fp32); small ones (biases, norm layers) in fp32 or wider."""
+        """The dtype a parameter's gradient is gathered in, fixed by the parameter and the step
+        (so every rank's pieces match, zeros included). A 16-bit step sends large ones in its
+        dtype: the weight gradients come from its GEMMs, and the bytes are half (on 2 H100s at
+        1b bf16 (2, 4096), a step of 126 ms against 172 ms in fp32, measured when the engine's
+        hooks formed these gradients); small ones (biases, norm layers) in fp32 or wider."""
         if step_dtype.itemsize < 4 and param.numel() > SMALL_GRADIENT_NUMEL:
             return step_dtype
         return torch.promote_types(param.dtype, torch.float32)
 
     def _send(self, bucket):
-        # [samples, numel] per gradient, side by side: one all-gather stacks the ranks' rows.
-        rows = [local.reshape(local.shape[0], -1) for _, local in bucket]
-        sent = rows[0].contiguous() if len(rows) == 1 else torch.cat(rows, dim=1)
-        received = sent.new_empty((self.world_size * sent.shape[0], sent.shape[1]))
+        # [1, numel] per gradient, side by side: one all-gather stacks the ranks' rows.
+        rows = [local.reshape(1, -1) for _, local in bucket]
+        sent = rows[0] if len(rows) == 1 else torch.cat(rows, dim=1)
+        received = sent.new_empty((self.world_size, sent.shape[1]))
         return dist.all_gather_into_tensor(received, sent, async_op=True), sent, received
 
     def _land(self, bucket, work, sent, received):
         work.wait()
-        pieces = received.split([local[0].numel() for _, local in bucket], dim=1)
-        for ((layer, name), local), piece in zip(bucket, pieces, strict=True):
+        pieces = received.split([param.numel() for param, _ in bucket], dim=1)
+        for (param, _), piece in zip(bucket, pieces, strict=True):
             piece = piece if len(bucket) == 1 else piece.contiguous()
-            layer.per_sample[name] = piece.view(received.shape[0], *local.shape[1:])
+            self.gathered[id(param)] = piece.view(self.world_size, *param.shape)
 
-    def land(self) -> None:
-        """After the backward: hand over what is left, wait for every gather (the compute
-        stream waits; the host does not), and put the gathered gradients in place of the local
-        ones."""
+    def land(self) -> list[torch.Tensor]:
+        """After the backward: hand over what is left, wait for every gather (the compute stream
+        waits; the host does not); each parameter's per-sample gradients [W, ...], sample k from
+        rank k, in the order of ``params``."""
+        for handle in self.handles:
+            handle.remove()
         while self.launched < len(self.order):
-            self.start_gather(*self.order[self.launched])
+            self.start_gather(self.order[self.launched])
         self._drain()
+        return [self.gathered.pop(id(param)) for param in self.params]
 
 
 def shared_generator(device: torch.device) -> torch.Generator:

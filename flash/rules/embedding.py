@@ -50,14 +50,6 @@ class EmbeddingRule(NormRule):
         norms = rows.new_zeros(A.shape[0])
         return norms.index_add_(0, run_sample, rows.square().sum(1))
 
-    def per_sample_grads(self, layer, A, G, names):
-        """Dense per-sample gradients [B, num_embeddings, d]: B times the table, so only where
-        that is what a step holds anyway (one sample per rank, gathered over two ranks)."""
-        samples, ids, g = self._tokens(layer, A, G)
-        count, weight, g = layer.module.num_embeddings, layer.module.weight, _acc(g)
-        rows = g.new_zeros((A.shape[0] * count, g.shape[1])).index_add_(0, samples * count + ids, g)
-        return {"weight": rows.view(A.shape[0], count, -1).to(weight.dtype)}
-
     def clipped_grads(self, layer, A, G, c):
         samples, ids, g = self._tokens(layer, A, G)
         weight = layer.module.weight

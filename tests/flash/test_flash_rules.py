@@ -282,37 +282,3 @@ def test_bf16_clipped_contribution_never_exceeds_the_clip_norm():
     clipped = lin.weight.grad.double().norm().item()
     assert clipped <= C
     assert clipped >= C * (1 - 2**-6)  # shrunk by about one bf16 ulp, not more
-
-
-def test_every_gradient_formed_in_its_hook_matches_brute_force():
-    """flash's plan when it gathers per-sample gradients (one sample per rank under DDP): every
-    parameter's per-sample gradient is formed in its layer's hook, whatever the route asked
-    (gram here) and the embeddings' as dense tables (a padding id and a repeated id); norms and
-    clipped sum are then the brute force's. Nothing is gathered on one process."""
-    from parallel.wrap import GatheredPerSample
-
-    class PlanOnly:
-        plan = staticmethod(GatheredPerSample.plan)
-
-        def formed(self, layer):
-            pass
-
-        def land(self):
-            pass
-
-    model = make_model()
-    reference = copy.deepcopy(model)
-    ids, targets = make_batch(3, 5, seed=1)
-    ref_norms = brute_force(reference, ids, targets)[0]
-    max_norm = ref_norms.min() / 2
-    _, _, ref_sum = brute_force(reference, ids, targets, max_norm)
-    flash = FlashClipping(model, route="gram")
-    flash.gather = PlanOnly()
-    flash.backward(sample_losses(model(ids), targets).sum())
-    assert all(not layer.calls for layer in flash.layers)  # nothing left to do from A and G
-    assert {n for layer in flash.layers for n in layer.per_sample} == {"weight", "bias"}
-    assert {r["route"] for r in flash.routes()} == {"product", "embedding", "norm"}
-    norms = flash.per_sample_squared_norms().sqrt()
-    assert_close(norms, ref_norms, 1e-10)
-    flash.accumulate_clipped_grads((max_norm / (norms + 1e-6)).clamp(max=1.0))
-    assert_close(flat_grads(model), ref_sum, 1e-10)
