@@ -21,7 +21,7 @@ from flash_reference import (
 )
 from torch import nn
 
-from flash.clip import _squared_row_norms_many
+from flash.clip import _squared_row_norms_many, clip_per_sample
 from flash.engine import FlashClipping, UnsupportedLayerError
 
 
@@ -681,3 +681,34 @@ def test_sink_gets_zeros_in_place_for_a_layer_the_chunk_did_not_reach():
         handed = sink.got[id(param)][0]
         assert handed.shape == param.shape
         assert (handed == 0).all() == name.startswith("skipped"), name
+
+
+def test_autograd_gradients_then_the_book_keeping_again():
+    """Inside autograd_gradients() autograd forms .grad (of one sample: its per-sample
+    gradient) and the hooks keep nothing; clip_per_sample of two such gradients, stacked as
+    the DDP gather stacks them, is the brute-force clipped sum; afterwards the engine's own
+    step is exact again (its parameters frozen for autograd once more)."""
+    model = make_model()
+    reference = copy.deepcopy(model)
+    ids, targets = make_batch(2, 5, seed=3)
+    norms = brute_force(reference, ids, targets)[0]
+    max_norm = (norms.min() + norms.max()) / 2  # one sample clipped, the other not
+    _, _, ref_sum = brute_force(reference, ids, targets, max_norm)
+    flash = FlashClipping(model)
+    params = list(model.parameters())
+    per_sample = []
+    for b in range(2):
+        with flash.autograd_gradients():
+            sample_losses(model(ids[b : b + 1]), targets[b : b + 1]).sum().backward()
+            assert not list(flash.kept_tensors())
+        per_sample.append([p.grad for p in params])
+        for p in params:
+            p.grad = None
+    assert not any(p.requires_grad for p in params)
+    grads = [torch.stack(pair) for pair in zip(*per_sample, strict=True)]
+    clip_per_sample(params, grads, lambda n: (max_norm / (n + 1e-6)).clamp(max=1.0), 1)
+    assert_close(flat_grads(model), ref_sum, 1e-10)
+    for p in params:
+        p.grad = None
+    flash_step(flash, model, ids, targets, max_norm)
+    assert_close(flat_grads(model), ref_sum, 1e-10)
