@@ -65,7 +65,6 @@ def make_trainer(
     **trainer_options,
 ) -> Trainer:
     """Build the named trainer around ``model``; it updates ``model``'s parameters in place.
-
     ``distributed`` ("ddp" or "fsdp", inside an initialised default process group): the model
     is replicated or sharded over the ranks, each rank steps on its own slice of the global
     batch, and ``batch_size`` stays the GLOBAL batch (the averaging denominator)."""
@@ -106,8 +105,7 @@ class Trainer:
     ``on_phase(name)`` is called at the phase points (``optimizer_created``, ``privacy_wrapped``,
     per chunk ``forward_done``/``backward_done``, per step ``step_done``): the measurement takes
     its memory snapshots there. Names starting with ``_`` are markers, not snapshots: where a
-    trainer holds state the breakdown should see by identity (flash's A and G mid-backward).
-    """
+    trainer holds state the breakdown should see by identity (flash's A and G mid-backward)."""
 
     name = "base"
     is_private = False
@@ -401,20 +399,17 @@ class GhostClippingTrainer(OpacusTrainer):
 
 @register_trainer("flash")
 class FlashClippingTrainer(Trainer):
-    """Ours: one forward, one backward, exact per-sample norms by the cheaper route per layer.
-
-    Book-keeping (Bu et al. 2023): keep each layer's input A and output gradient G from the one
-    backward pass (or, where smaller, its per-sample gradients, formed in the backward hook),
-    compute per-sample norms, then each layer's clipped gradient as one GEMM (or one weighted sum
-    of the kept per-sample gradients)."""
+    """Ours: one forward, one backward, exact per-sample norms by the cheaper route per layer
+    (book-keeping, Bu et al. 2023: each layer's input A and output gradient G, or its per-sample
+    gradients where smaller; then each layer's clipped gradient as one GEMM or weighted sum)."""
 
     is_private = True
     gathering = False  # this step's (chunks decides): per-sample gradients gathered over 2 ranks
+    gathered: wrap.GatheredGradients | None = None  # its gathers, while they hold memory
     options = ("flash_route",)
     capturable = True  # its hooks, kernels and tables make no host sync (tests check it)
 
     def __init__(self, model, *, flash_route: str = "auto", **kwargs):
-        # autograd forms none of the engine's weights' gradients; the optimizer reads flash's
         self.engine = flash.engine.FlashClipping(model, route=flash_route)
         try:
             super().__init__(model, **kwargs)
@@ -453,13 +448,15 @@ class FlashClippingTrainer(Trainer):
 
     def gathered_chunk_step(self, inputs, targets):
         """DDP, one per rank: autograd's gradients, gathered; each rank clips the global batch."""
-        with self.engine.autograd_gradients():
-            gathered = wrap.GatheredGradients(self.engine.params, self.dtype)
-            with self.autocast(inputs.device.type):
-                per_sample = self.per_sample_loss(self.model, inputs, targets)
-            self.on_phase("forward_done")
-            per_sample.sum().backward()
-        clip_per_sample(self.engine.params, gathered.land(), self.clip_factors, self.batch_size)
+        with self.engine.autograd_gradients():  # its hooks go with the step, also if it fails
+            with wrap.GatheredGradients(self.engine.params, self.dtype) as self.gathered:
+                with self.autocast(inputs.device.type):
+                    per_sample = self.per_sample_loss(self.model, inputs, targets)
+                self.on_phase("forward_done")
+                per_sample.sum().backward()
+        self.on_phase("_clip_inputs_saved")  # the rank's gradients, sent and received: name them
+        grads, self.gathered = self.gathered.land(), None
+        clip_per_sample(self.engine.params, grads, self.clip_factors, self.batch_size)
         self.on_phase("backward_done")
         return per_sample.detach().sum()
 
@@ -480,8 +477,8 @@ class FlashClippingTrainer(Trainer):
             if p.grad is None:  # a layer the batch never reached still gets noise
                 p.grad = torch.zeros_like(p)
         # Noise once per coordinate: under DDP rank 0 added it before the sum over ranks (the
-        # sink), or (gathering) every replica adds the same draw (a seed read after the host
-        # synced anyway); under FSDP2 each rank adds it to the shard it owns (its own stream).
+        # sink), or (gathering) every replica adds the same draw (from a seed the ranks share);
+        # under FSDP2 each rank adds it to the shard it owns (its own stream).
         if self.noise_std() > 0 and (self.distributed != "ddp" or self.gathering):
             shared = wrap.shared_generator(self.engine.params[0].device) if self.gathering else None
             add_gaussian_noise(wrap.local_gradients(self.engine.params), self.noise_std(), shared)
@@ -492,7 +489,9 @@ class FlashClippingTrainer(Trainer):
 
     def dp_state_tensors(self):
         names = {id(m): n for n, m in self.model.named_modules()}
-        return [(role, names.get(id(m), ""), t) for m, role, t in self.engine.kept_tensors()]
+        held = [(role, names.get(id(m), ""), t) for m, role, t in self.engine.kept_tensors()]
+        gathered = self.gathered.tensors() if self.gathered else []
+        return held + [("per_sample_gradients", "", t) for t in gathered]
 
     def dp_allocation_sites(self):  # ALLOCATION_SITES lists its roles in order of precedence
         sites, gathered = {**flash.sites.ALLOCATION_SITES}, wrap.GatheredGradients

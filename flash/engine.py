@@ -16,10 +16,9 @@ drops A and G: the clipped gradient is then a weighted sum of them, with no seco
 reading one input (q, k, v) share it, so at the threshold such a group holds up to ~1.5x what
 the Gram route would (peaks stay <= 1.01x standard's: the peak is in forward).
 
-Per chunk: backward(per_sample_losses.sum()), per_sample_squared_norms(), then
-accumulate_clipped_grads(c), release(). Assumes: dimension 0 of managed layers' inputs/outputs
-is the batch; one forward per backward; gradients reach them only through their outputs; no
-activation checkpointing."""
+Per chunk: backward(losses.sum()), per_sample_squared_norms(), accumulate_clipped_grads(c),
+release(). Assumes dimension 0 of managed layers' inputs/outputs is the batch, one forward per
+backward, gradients reaching managed layers only through their outputs, no checkpointing."""
 
 from __future__ import annotations
 
@@ -479,9 +478,10 @@ class FlashClipping:
 
     @contextlib.contextmanager
     def autograd_gradients(self):
-        """Inside, hooks keep nothing and autograd forms .grad, as unwrapped: at one sample that
-        is the per-sample gradient, with no Python per layer (DDP at one sample per rank)."""
+        """Inside, the hooks keep nothing and autograd forms .grad, as unwrapped: at one sample,
+        the per-sample gradient (DDP at one sample per rank). Every layer's route: "autograd"."""
         self._idle = True
+        self._routes = [{"layer": layer.name, "route": "autograd"} for layer in self.layers]
         for p in self.params:
             p.requires_grad_(True)
         try:

@@ -120,9 +120,9 @@ class GradientBuckets:
     the newest are waited for once what they read passes IN_FLIGHT_BYTES, so the memory they
     hold stays bounded.
 
-    Every rank must issue the same collectives in the same order: the engine hands over every
-    managed parameter in one fixed order (zeros for a layer a chunk did not reach), and the
-    sinks cast each to a dtype fixed by the parameter, so every rank forms the same buckets."""
+    Every rank must issue the same collectives in the same order: every managed parameter is
+    handed over in one fixed order (zeros for a layer a chunk did not reach), cast to a dtype
+    fixed by the parameter, so every rank forms the same buckets."""
 
     # What the collectives behind the newest may read, in bytes (None: no bound; 0: each waited
     # for at once). A bucket of small tensors also holds its sources until then. One at a time
@@ -317,12 +317,13 @@ class GatheredGradients(GradientBuckets):
     process's, computed alike on every rank; the noise is drawn from a seed the ranks share
     (shared_generator), so every replica adds the same draw: once per coordinate.
 
-    Gradients are handed to the buckets in one fixed order (the parameters, last first, as the
-    backward reaches them), each once autograd has accumulated it and every one before it is
-    handed over; a parameter the backward never reached is handed over as zeros at the end (the
-    ones after it wait until then).
-    Large gradients are gathered alone, small ones (biases, norm weights) in buckets, as DDP
-    does (one collective each would pay a collective's latency hundreds of times a step).
+    Gradients are handed to the buckets in one fixed order, the parameters last registered
+    first, each once autograd has accumulated it and every one before it is handed over. That is
+    about the order the backward reaches them; where a block registers its norms after its other
+    layers (Hugging Face's Llama), the block's go once its first norm's is in. A parameter the
+    backward never reached is handed over as zeros at the end (the ones after it wait until
+    then). Large gradients are gathered alone, small ones (biases, norm weights) in buckets, as
+    DDP does (one collective each would pay a collective's latency hundreds of times a step).
     Every rank so issues the same collectives in the same order, whatever its data. Nothing
     re-synchronises the replicas afterwards: they stay equal because what follows the gathers
     is deterministic (row norms, weighted sums, the noise kernel: no atomics)."""
@@ -340,6 +341,19 @@ class GatheredGradients(GradientBuckets):
         self.gathered: dict[int, torch.Tensor] = {}
         self.handles = [p.register_post_accumulate_grad_hook(self.gradient_ready) for p in params]
 
+    def __enter__(self) -> GatheredGradients:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        """The hooks go with the step, also when it fails (else the next step's would fire)."""
+        for handle in self.handles:
+            handle.remove()
+
+    def tensors(self) -> list[torch.Tensor]:
+        """What it holds: the gradients handed over, sent, received or landed (memory census)."""
+        held = [t for entry in self.pending for t in entry[2:]] + list(self.gathered.values())
+        return held + [local for _, local in self.bucket]
+
     def gradient_ready(self, param: nn.Parameter) -> None:
         """autograd accumulated ``param``'s gradient: hand over what the order allows."""
         self.accumulated.add(id(param))
@@ -348,6 +362,7 @@ class GatheredGradients(GradientBuckets):
 
     def start_gather(self, param: nn.Parameter) -> None:
         grad = param.grad if param.grad is not None else torch.zeros_like(param)
+        grad = grad.to_dense() if grad.is_sparse else grad  # Embedding(sparse=True)'s
         param.grad = None  # what is sent replaces it (the fp32 .grad of a 16-bit step goes)
         self._add(param, grad[None].to(self.wire_dtype(param, self.step_dtype)))
         self.launched += 1
@@ -356,9 +371,10 @@ class GatheredGradients(GradientBuckets):
     def wire_dtype(param: nn.Parameter, step_dtype: torch.dtype) -> torch.dtype:
         """The dtype a parameter's gradient is gathered in, fixed by the parameter and the step
         (so every rank's pieces match, zeros included). A 16-bit step sends large ones in its
-        dtype: the weight gradients come from its GEMMs, and the bytes are half (on 2 H100s at
-        1b bf16 (2, 4096), a step of 126 ms against 172 ms in fp32, measured when the engine's
-        hooks formed these gradients); small ones (biases, norm layers) in fp32 or wider."""
+        dtype (the Linear weights' gradients come from its GEMMs; an embedding table's is
+        rounded to it), and the bytes are half: on 2 H100s at 1b bf16 (2, 4096), a step of 126
+        ms against 172 ms in fp32, measured when the engine's hooks formed these gradients.
+        Small ones (biases, norm layers) go in fp32 or wider."""
         if step_dtype.itemsize < 4 and param.numel() > SMALL_GRADIENT_NUMEL:
             return step_dtype
         return torch.promote_types(param.dtype, torch.float32)
@@ -381,8 +397,7 @@ class GatheredGradients(GradientBuckets):
         """After the backward: hand over what is left, wait for every gather (the compute stream
         waits; the host does not); each parameter's per-sample gradients [W, ...], sample k from
         rank k, in the order of ``params``."""
-        for handle in self.handles:
-            handle.remove()
+        self.__exit__()
         while self.launched < len(self.order):
             self.start_gather(self.order[self.launched])
         self._drain()
