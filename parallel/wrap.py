@@ -344,8 +344,11 @@ class GatheredGradients(GradientBuckets):
     def __enter__(self) -> GatheredGradients:
         return self
 
-    def __exit__(self, *exc) -> None:
-        """The hooks go with the step, also when it fails (else the next step's would fire)."""
+    def __exit__(self, *exc) -> None:  # also when the step fails: else the next step's fire
+        self.remove_hooks()
+
+    def remove_hooks(self) -> None:
+        """The post-accumulate hooks go with the step (removing twice is harmless)."""
         for handle in self.handles:
             handle.remove()
 
@@ -397,7 +400,7 @@ class GatheredGradients(GradientBuckets):
         """After the backward: hand over what is left, wait for every gather (the compute stream
         waits; the host does not); each parameter's per-sample gradients [W, ...], sample k from
         rank k, in the order of ``params``."""
-        self.__exit__()
+        self.remove_hooks()
         while self.launched < len(self.order):
             self.start_gather(self.order[self.launched])
         self._drain()
