@@ -35,6 +35,9 @@ from stepping import graph
 
 TRAINERS: dict[str, type[Trainer]] = {}
 OPTIMIZERS = ("sgd", "adam")
+# Opacus' hooks and flash's book-keeping save each layer's input in forward (and per-sample
+# gradients computed from it): recomputing a checkpointed block in backward saves it again.
+REHOOKED = "its per-layer hooks would save every recomputed layer input a second time"
 
 
 def register_trainer(name: str):
@@ -69,14 +72,9 @@ def make_trainer(
     is replicated or sharded over the ranks, each rank steps on its own slice of the global
     batch, and ``batch_size`` stays the GLOBAL batch (the averaging denominator)."""
     cls = TRAINERS[canonical_trainer_name(name)]
-    if getattr(getattr(model, "config", None), "activation_checkpointing", False):
-        if not cls.supports_activation_checkpointing:
-            raise ValueError(checkpointing_refusal(cls.name))
-    if distributed in cls.distributed_refusals:
-        raise ValueError(cls.distributed_refusals[distributed])
-    if trainer_options.get("cuda_graph"):
-        if refusal := graph.refusal(cls.capturable, cls.name, distributed):
-            raise ValueError(refusal)
+    checkpointing = getattr(getattr(model, "config", None), "activation_checkpointing", False)
+    if reason := refusal(cls.name, distributed, trainer_options.get("cuda_graph"), checkpointing):
+        raise ValueError(reason)
     if distributed == "fsdp":  # before the trainer: its optimizer (and flash) see the shards
         model = wrap.shard(model, cls.fsdp_units)
     privacy = dict(max_grad_norm=max_grad_norm, noise_multiplier=noise_multiplier)
@@ -84,11 +82,13 @@ def make_trainer(
     return cls(model, **options, **privacy, distributed=distributed, **trainer_options)
 
 
-def checkpointing_refusal(name: str) -> str:
-    return (
-        f"trainer {name!r} does not support activation checkpointing: its per-layer hooks "
-        "would save every recomputed layer input a second time"
-    )
+def refusal(name: str, distributed="none", cuda_graph=False, checkpointing=False) -> str | None:
+    """Why trainer ``name`` cannot run so (None: it can): the plan records the config skipped."""
+    cls = TRAINERS[canonical_trainer_name(name)]
+    if checkpointing and not cls.supports_activation_checkpointing:
+        return f"trainer {cls.name!r} does not support activation checkpointing: {REHOOKED}"
+    graphed = graph.refusal(cls.capturable, cls.name, distributed) if cuda_graph else None
+    return cls.distributed_refusals.get(distributed) or graphed
 
 
 def token_losses(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -110,14 +110,14 @@ class Trainer:
     name = "base"
     is_private = False
     options: tuple[str, ...] = ()  # experiment settings this trainer takes as keyword arguments
-    # Opacus' hooks and flash's book-keeping save each layer's input in forward; recomputing a
-    # checkpointed block in backward saves it again (double memory, mismatched per-sample grads).
-    supports_activation_checkpointing = False
+    supports_activation_checkpointing = False  # REHOOKED says why not, for most
     # Distributed modes this trainer cannot run, with the reason (recorded as "skipped").
     distributed_refusals: dict[str, str] = {}
     fsdp_units = "blocks"  # FSDP2 units: parallel.wrap.FSDP_UNITS
     # Its chunk and optimizer steps run without a host sync: a CUDA graph can capture them.
     capturable = False
+    eager_steps_before_capture = 0  # steps that must run eagerly before a capture
+    shared_noise: torch.Generator | None = None  # its own noise generator (a capture tracks it)
 
     def __init__(
         self,
@@ -145,13 +145,11 @@ class Trainer:
             raise ValueError(f"dtype must be float32 or bfloat16, got {dtype}")
         self.model, self.lr, self.batch_size = model, lr, batch_size
         self.max_grad_norm, self.noise_multiplier = max_grad_norm, noise_multiplier
-        self.max_physical_batch_size = max_physical_batch_size or batch_size
-        self.dtype = dtype
+        self.max_physical_batch_size, self.dtype = max_physical_batch_size or batch_size, dtype
         # Per-sample loss of a chunk, [n]: the mean of each sample's token losses by default.
         self.per_sample_loss = loss_fn or (lambda m, x, y: token_losses(m(x), y).mean(dim=1))
         self.on_phase = on_phase or (lambda name: None)
-        self.steps_taken = 0
-        self.distributed = distributed
+        self.steps_taken, self.distributed = 0, distributed
         self.world_size = torch.distributed.get_world_size() if distributed != "none" else 1
         if distributed != "none":
             self.on_phase("distributed_wrapped")
@@ -268,7 +266,9 @@ class StandardTrainer(Trainer):
 
     def __init__(self, model, **kwargs):
         super().__init__(model, **kwargs)
-        self.forward_model = wrap.data_parallel(model) if self.distributed == "ddp" else model
+        ddp = self.distributed == "ddp"
+        self.forward_model = wrap.data_parallel(model, self.graphs.enabled) if ddp else model
+        self.eager_steps_before_capture = wrap.DDP_EAGER_STEPS if ddp else 0
 
     def chunk_step(self, inputs, targets, is_last):
         # Gradients are summed over ranks once per logical batch, after its last chunk.
@@ -473,15 +473,16 @@ class FlashClippingTrainer(Trainer):
             sink.finish(self.engine.params)
 
     def optimizer_step(self):
-        for p in self.engine.params:
+        params = self.engine.params
+        for p in params:
             if p.grad is None:  # a layer the batch never reached still gets noise
                 p.grad = torch.zeros_like(p)
-        # Noise once per coordinate: under DDP rank 0 added it before the sum over ranks (the
-        # sink), or (gathering) every replica adds the same draw (from a seed the ranks share);
-        # under FSDP2 each rank adds it to the shard it owns (its own stream).
+        # Noise once per coordinate. DDP: rank 0's, in the sum over ranks (the sink), or, gathering,
+        # one draw on every replica (a generator seeded alike, once); FSDP2: each rank's shard's.
         if self.noise_std() > 0 and (self.distributed != "ddp" or self.gathering):
-            shared = wrap.shared_generator(self.engine.params[0].device) if self.gathering else None
-            add_gaussian_noise(wrap.local_gradients(self.engine.params), self.noise_std(), shared)
+            if self.gathering and self.shared_noise is None:
+                self.shared_noise = wrap.shared_generator(params[0].device)
+            add_gaussian_noise(wrap.local_gradients(params), self.noise_std(), self.shared_noise)
         self.optimizer.step()
 
     def result_extras(self) -> dict:  # the route each Linear layer's norms took, its sizes

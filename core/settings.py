@@ -214,9 +214,10 @@ SETTINGS: tuple[Setting, ...] = (
         "cuda_graph",
         False,
         "replay each step as one CUDA graph, captured after the first full-sized batch "
-        "(standard and flash, CUDA, one process; other batch sizes run eagerly). The host "
-        "launches a step once instead of each kernel; memory breakdowns and module censuses "
-        "still measure an eager step",
+        "(standard and flash, CUDA, one process or DDP; other batch sizes run eagerly; under "
+        "DDP standard captures after 11 eager steps, which DDP needs: give --warmup_steps 11). "
+        "The host launches a step once instead of each kernel; memory breakdowns and module "
+        "censuses still measure an eager step",
         flags=("--cuda_graph",),
         switch=True,
         dir_part=lambda c: "_graph" if c.cuda_graph else None,

@@ -29,6 +29,7 @@ from core.settings import (
 )
 from hf.configs import HF_CONFIGS
 from parallel import ranks
+from stepping import graph
 
 
 @dataclass
@@ -253,8 +254,8 @@ def check(values: dict, axes: dict, args) -> int:
         raise UsageError("--cuda_graph replays CUDA graphs: it needs a CUDA device")
     if values["cuda_graph"] and values["ncu"]:
         raise UsageError("--ncu profiles one eager step in named phases: drop --cuda_graph")
-    if values["cuda_graph"] and values["distributed"] != "none":
-        raise UsageError("--cuda_graph captures the step of one process: drop --distributed")
+    if values["cuda_graph"] and values["distributed"] == "fsdp":
+        raise UsageError(graph.FSDP_REFUSAL)
     physical = max(pb or b for pb in axes["max_physical_batch_size"] for b in batch_sizes)
     needed = bytes_lower_bound(
         model, values["model_overrides"], physical, max(seq_lens), values["dataset_size"]

@@ -27,7 +27,6 @@ from core.schema import FINISHED
 from measure import quiet, ranks
 from measure.ranks import RankGroup
 from measure.worker import result_skeleton, worker_main
-from stepping import graph
 
 # Directories a run makes per config (<trainer>_bs<B>_seq<T>...) and atomic_write's temporary
 # names (<name>.tmp<pid>): the only things leftover removal may touch.
@@ -179,15 +178,9 @@ def skip_reason(config) -> str | None:
             f"physical batch {config.physical_batch_size} > a rank's share of the logical batch "
             f"({config.batch_size} / {config.world_size} ranks = {per_rank})"
         )
-    trainer = trainers.TRAINERS[config.trainer]
-    if config.distributed in trainer.distributed_refusals:
-        return trainer.distributed_refusals[config.distributed]
-    if config.cuda_graph:
-        if refusal := graph.refusal(trainer.capturable, trainer.name, config.distributed):
-            return refusal
-    if config.activation_checkpointing and not trainer.supports_activation_checkpointing:
-        return trainers.checkpointing_refusal(config.trainer)
-    return None
+    return trainers.refusal(
+        config.trainer, config.distributed, config.cuda_graph, config.activation_checkpointing
+    )
 
 
 def _run_as_other_rank(configs, run_dir, verbose, group) -> list[dict]:

@@ -93,13 +93,23 @@ def _all_reduce_sum_hook(state, bucket):
     return future.then(lambda done: done.value()[0])
 
 
-def data_parallel(model: nn.Module) -> DistributedDataParallel:
+DDP_EAGER_STEPS = 11  # DDP times its first 10 iterations with CUDA events: capture after
+
+
+def data_parallel(model: nn.Module, for_capture: bool = False) -> DistributedDataParallel:
     """torch's DDP (its bucketed all-reduce overlaps the backward), summing instead of
-    averaging."""
+    averaging. ``for_capture`` (by a CUDA graph): built on a side stream, as torch's CUDA graphs
+    notes ask (the gradient accumulators DDP keeps are then not the default stream's)."""
     device = next(model.parameters()).device
-    wrapped = DistributedDataParallel(
-        model, device_ids=[device.index] if device.type == "cuda" else None
-    )
+    side = torch.cuda.Stream(device) if for_capture and device.type == "cuda" else None
+    if side is not None:
+        side.wait_stream(torch.cuda.current_stream(device))  # the parameters DDP broadcasts
+    with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
+        wrapped = DistributedDataParallel(
+            model, device_ids=[device.index] if device.type == "cuda" else None
+        )
+    if side is not None:
+        torch.cuda.current_stream(device).wait_stream(side)
     wrapped.register_comm_hook(None, _all_reduce_sum_hook)
     return wrapped
 
@@ -310,21 +320,18 @@ class GatheredGradients(GradientBuckets):
     while the backward goes on, each parameter's as soon as autograd has accumulated it. At two
     ranks an all-gather moves the bytes an all-reduce does ((W - 1) * S per rank against
     2 (W - 1) / W * S); beyond two, W / 2 times more, and every rank holds W samples' gradients:
-    two ranks only.
-
-    Every rank then holds the global batch's per-sample gradients, sample k from rank k: its
-    norms (each sample's own, never mixed), clip factors and clipped sum are the single
-    process's, computed alike on every rank; the noise is drawn from a seed the ranks share
-    (shared_generator), so every replica adds the same draw: once per coordinate.
-
+    two ranks only. Every rank then holds the global batch's per-sample gradients, sample k
+    from rank k: its norms (each sample's own, never mixed), clip factors and clipped sum are
+    the single process's, computed alike on every rank; the noise is drawn from a generator the
+    ranks seeded alike (shared_generator), so every replica adds the same draw: once per
+    coordinate.
     Gradients are handed to the buckets in one fixed order, the parameters last registered
     first, each once autograd has accumulated it and every one before it is handed over. That is
     about the order the backward reaches them; where a block registers its norms after its other
     layers (Hugging Face's Llama), the block's go once its first norm's is in. A parameter the
     backward never reached is handed over as zeros at the end (the ones after it wait until
-    then). Large gradients are gathered alone, small ones (biases, norm weights) in buckets, as
-    DDP does (one collective each would pay a collective's latency hundreds of times a step).
-    Every rank so issues the same collectives in the same order, whatever its data. Nothing
+    then). Large gradients are gathered alone, small ones in buckets (GradientBuckets). Every
+    rank so issues the same collectives in the same order, whatever its data. Nothing
     re-synchronises the replicas afterwards: they stay equal because what follows the gathers
     is deterministic (row norms, weighted sums, the noise kernel: no atomics)."""
 
@@ -332,8 +339,7 @@ class GatheredGradients(GradientBuckets):
 
     def __init__(self, params: list[nn.Parameter], step_dtype: torch.dtype):
         super().__init__()
-        self.world_size = dist.get_world_size()
-        self.step_dtype = step_dtype
+        self.world_size, self.step_dtype = dist.get_world_size(), step_dtype
         self.params = params
         self.order = list(reversed(params))
         self.launched = 0  # self.order[:launched] are handed to the buckets
@@ -409,7 +415,7 @@ class GatheredGradients(GradientBuckets):
 
 def shared_generator(device: torch.device) -> torch.Generator:
     """A generator seeded alike on every rank (rank 0's draw): the same noise on every replica.
-    Reads the seed on the host: call it where the host waits for the device anyway."""
+    Reads the seed on the host: made once, in an eager step (never while a graph captures)."""
     seed = torch.randint(2**62, (1,), device=device)
     dist.broadcast(seed, 0)
     return torch.Generator(device).manual_seed(int(seed.item()))
@@ -467,6 +473,22 @@ def weighted_zero(trainer, stand_in: bool):
         yield
     finally:
         trainer.per_sample_loss = loss
+
+
+def summed_over_ranks(tensor: torch.Tensor, distributed: str) -> torch.Tensor:
+    """``tensor`` summed over the ranks, on the device (no host sync: a graph captures it)."""
+    if distributed != "none":
+        dist.all_reduce(tensor)
+    return tensor
+
+
+def on_every_rank(flag: bool, device: torch.device, distributed: str) -> bool:
+    """Whether ``flag`` holds on every rank: a decision the ranks must take alike."""
+    if distributed == "none":
+        return flag
+    every = torch.tensor([int(flag)], device=device)
+    dist.all_reduce(every, op=dist.ReduceOp.MIN)
+    return bool(every.item())
 
 
 def largest_batch(batch: int, device: torch.device, distributed: str) -> int:

@@ -40,15 +40,16 @@ def eager_step(trainer, inputs: torch.Tensor, targets: torch.Tensor) -> dict:
 
 def device_step(trainer, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """The step as the graph captures it: the chunks, chunk steps and optimizer step of the
-    trainer's eager step (one process, a non-empty batch) with no host sync; the sum of the
-    per-sample losses stays on the device. The chunks are contiguous (tensor_split of a range),
-    so each is a slice: indexing would copy its index to the device."""
+    trainer's eager step (a non-empty batch; under DDP every rank's share of a full one, so
+    each rank's is the largest) with no host sync; the sum of the per-sample losses stays on
+    the device, summed over the ranks. The chunks are contiguous (tensor_split of a range), so
+    each is a slice: indexing would copy its index to the device."""
     trainer.optimizer.zero_grad(set_to_none=True)
-    chunk_list = trainer.chunks(inputs.shape[0])
+    chunk_list = trainer.chunks(inputs.shape[0], inputs.shape[0])
     chunk_losses = []
     for i, index in enumerate(chunk_list):
         chunk = slice(int(index[0]), int(index[-1]) + 1)
         last = i == len(chunk_list) - 1
         chunk_losses.append(trainer.chunk_step(inputs[chunk], targets[chunk], is_last=last))
     trainer.optimizer_step()
-    return torch.stack(chunk_losses).sum()
+    return wrap.summed_over_ranks(torch.stack(chunk_losses).sum(), trainer.distributed)

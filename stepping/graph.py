@@ -5,6 +5,11 @@ Why: a short step's host work (Python, autograd, one launch per kernel) can take
 GPU work, most for flash's per-layer hooks, and then any jitter of the host lands on the step.
 A replay is one launch. What it needs from a trainer: chunk steps and an optimizer step with
 no host sync (``Trainer.capturable``) and ``discard_step_state``.
+
+Under DDP every rank captures and replays the same step, its collectives (DDP's all-reduce,
+flash's gathers, the loss's sum) inside the graph: NCCL's captured collectives run at each
+replay, so every rank must replay when the others do. Each such decision (capture, replay) is
+taken by all the ranks together, on every rank's batch.
 """
 
 from __future__ import annotations
@@ -13,6 +18,7 @@ import contextlib
 
 import torch
 
+from parallel import wrap
 from stepping import chunks
 
 MB = 2**20
@@ -30,6 +36,8 @@ class StepGraph:
         device = inputs.device
         self.inputs, self.targets = inputs.clone(), targets.clone()
         self.graph = torch.cuda.CUDAGraph()
+        if trainer.shared_noise is not None:  # each replay advances it, as the default one
+            self.graph.register_generator_state(trainer.shared_noise)
         torch.cuda.synchronize(device)
         torch.cuda.reset_peak_memory_stats(device)
         with trainer.observing_phases(lambda name: None), torch.cuda.graph(self.graph):
@@ -77,19 +85,27 @@ class Replayer:
         """One step of ``trainer``: replayed if a graph fits the batch, else eager (and captured
         after, if it is the first full-sized one)."""
         graph = self.graph
-        if graph is not None and not self.eager_only and graph.fits(inputs, targets):
-            loss_sum = graph.replay(inputs, targets)
-            trainer.on_phase("step_done")  # the chunks ran inside the graph: no host clock there
-            return {"loss": loss_sum.item() / len(inputs), "physical_step_times_ms": []}
-        if self.captures_after(inputs, trainer.batch_size):
+        if graph is not None and not self.eager_only:
+            if everywhere(trainer, graph.fits(inputs, targets), inputs.device):
+                loss_sum = graph.replay(inputs, targets)  # the global batch's (summed over ranks)
+                trainer.on_phase("step_done")  # the chunks ran inside the graph: no host clock
+                loss = loss_sum.item() / (len(inputs) * trainer.world_size)
+                return {"loss": loss, "physical_step_times_ms": []}
+        if self.captures_after(inputs, trainer):
             return self.capture_after(trainer, inputs, targets)
         return chunks.eager_step(trainer, inputs, targets)
 
-    def captures_after(self, inputs: torch.Tensor, batch_size: int) -> bool:
-        """Is this step the eager one a capture follows? The first full-sized batch on CUDA;
-        other sizes (Poisson draws) always run eagerly."""
+    def captures_after(self, inputs: torch.Tensor, trainer) -> bool:
+        """Is this step the eager one a capture follows? The first full-sized batch on CUDA (on
+        every rank: its share of the global batch) once the trainer's eager steps before a
+        capture are taken; other sizes (Poisson draws) always run eagerly."""
         waiting = self.enabled and self.graph is None and self.error is None
-        return waiting and not self.eager_only and inputs.is_cuda and len(inputs) == batch_size
+        if not (waiting and not self.eager_only and inputs.is_cuda):
+            return False
+        if trainer.steps_taken < trainer.eager_steps_before_capture:  # this one is eager too
+            return False
+        full = len(inputs) == trainer.batch_size // trainer.world_size
+        return everywhere(trainer, full, inputs.device)
 
     def capture_after(self, trainer, inputs: torch.Tensor, targets: torch.Tensor) -> dict:
         """Run this step eagerly on a side stream, as capture needs (autograd, cuBLAS and Triton
@@ -111,6 +127,10 @@ class Replayer:
             torch.cuda.synchronize(inputs.device)
             cause = error.__context__ or error
             self.error = (str(cause).strip().splitlines() or ["?"])[0][:300]
+        # A rank replaying collectives another rank does not would wait for it: all or none.
+        if not everywhere(trainer, self.graph is not None, inputs.device) and self.graph:
+            self.graph = None
+            self.error = "another rank's capture failed: every rank runs its steps eagerly"
         return out
 
     @contextlib.contextmanager
@@ -140,6 +160,17 @@ class Replayer:
         return out
 
 
+def everywhere(trainer, flag: bool, device: torch.device) -> bool:
+    """``flag`` on every rank (one process: ``flag``)."""
+    return wrap.on_every_rank(flag, device, trainer.distributed)
+
+
+FSDP_REFUSAL = (
+    "--cuda_graph captures the step of one process or of DDP: FSDP2 decides on the host when to "
+    "gather and free each unit's parameters (run --distributed fsdp without --cuda_graph)"
+)
+
+
 def refusal(capturable: bool, name: str, distributed: str) -> str | None:
     """Why trainer ``name`` cannot replay its step as a CUDA graph (None: it can)."""
     if not capturable:
@@ -147,6 +178,6 @@ def refusal(capturable: bool, name: str, distributed: str) -> str | None:
             f"--cuda_graph captures the standard and flash steps only: {name} runs Opacus' "
             "step, which this toolkit does not capture (run it without --cuda_graph)"
         )
-    if distributed != "none":
-        return "--cuda_graph captures the step of one process: it does not run with --distributed"
+    if distributed == "fsdp":
+        return FSDP_REFUSAL
     return None

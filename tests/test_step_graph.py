@@ -26,6 +26,7 @@ import trainers
 from core.settings import ExperimentConfig, UsageError
 from measure import plan
 from measure.processes import skip_reason
+from stepping import graph
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 CUDA = torch.device("cuda")
@@ -241,19 +242,31 @@ def test_on_cpu_the_flag_is_one_error_line(tmp_path):
     [
         (["--ncu"], {}, "--ncu profiles one eager step in named phases: drop --cuda_graph"),
         (
-            ["--distributed", "ddp"],  # as torchrun starts rank 0 of two
+            ["--distributed", "fsdp"],  # as torchrun starts rank 0 of two
             TORCHRUN_ENV,
-            "--cuda_graph captures the step of one process",
+            "--cuda_graph captures the step of one process or of DDP: FSDP2 decides",
         ),
     ],
 )  # fmt: skip
-def test_plan_refuses_graphs_with_ncu_or_several_ranks(extra, env, message, monkeypatch):
+def test_plan_refuses_graphs_with_ncu_or_fsdp(extra, env, message, monkeypatch):
     """On a CUDA machine (cuda_available stubbed): one UsageError naming the conflict."""
     for name, value in env.items():
         monkeypatch.setenv(name, value)
     args = profiling_script.parse_args(["--mode=profile", "--cuda_graph", *extra])
     with pytest.raises(UsageError, match=message):
         plan.make_plan(args, cuda_available=lambda: True)
+
+
+def test_graphs_under_ddp_are_planned(monkeypatch):
+    for name, value in TORCHRUN_ENV.items():
+        monkeypatch.setenv(name, value)
+    args = profiling_script.parse_args(["--mode=profile", "--cuda_graph", "--distributed", "ddp"])
+    configs = plan.make_plan(args, cuda_available=lambda: True).configs
+    assert configs and all(c.cuda_graph and c.distributed == "ddp" for c in configs)
+    assert trainers.refusal("flash", "ddp", cuda_graph=True) is None
+    assert trainers.refusal("standard", "ddp", cuda_graph=True) is None
+    assert "FSDP2 decides" in trainers.refusal("standard", "fsdp", cuda_graph=True)
+    assert "Opacus' step" in trainers.refusal("ghost", "ddp", cuda_graph=True)
 
 
 def test_a_skipped_config_says_why():
@@ -286,3 +299,32 @@ def test_plan_says_how_often_a_poisson_batch_replays(tmp_path):
     assert note_of("--cuda_graph", "--no_poisson", "--batch_size", "16") is None
     assert note_of("--batch_size", "16") is None
     assert note_of("--cuda_graph", "--trainers", "dpsgd", "ghost") is None
+
+
+class Batch:
+    """What captures_after reads of a batch: a CUDA one without a GPU."""
+
+    is_cuda, device = True, torch.device("cpu")
+
+    def __init__(self, samples: int):
+        self.samples = samples
+
+    def __len__(self):
+        return self.samples
+
+
+def test_a_capture_waits_for_the_trainers_eager_steps_and_a_full_batch():
+    """DDP's reducer times its first 10 iterations with CUDA events: standard under DDP is
+    captured after its 11th eager step (that step included), flash at its first; only a
+    full-sized batch is captured after."""
+    trainer = trainers.make_trainer("standard", models.build_model(SMALL), lr=0.1, batch_size=4)
+    assert trainer.eager_steps_before_capture == 0
+    replayer = graph.Replayer(enabled=True)
+    trainer.eager_steps_before_capture, trainer.steps_taken = 11, 10
+    assert not replayer.captures_after(Batch(4), trainer)
+    trainer.steps_taken = 11
+    assert replayer.captures_after(Batch(4), trainer)
+    assert not replayer.captures_after(Batch(3), trainer)
+    with replayer.eager():
+        assert not replayer.captures_after(Batch(4), trainer)
+    assert not graph.Replayer(enabled=False).captures_after(Batch(4), trainer)

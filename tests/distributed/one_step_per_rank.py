@@ -19,6 +19,7 @@ from test_trainers import SMALL, make_batch  # noqa: E402
 import models  # noqa: E402
 import trainers  # noqa: E402
 from parallel import ranks, wrap  # noqa: E402
+from stepping import chunks  # noqa: E402
 
 
 def full_gradients(model) -> torch.Tensor:
@@ -42,6 +43,9 @@ def main():
     parser.add_argument("--out", required=True)
     parser.add_argument("--bucket_bytes", type=int, help="flash's bucket size")
     parser.add_argument("--in_flight_bytes", type=int, help="FSDP2: bytes behind the newest")
+    parser.add_argument(
+        "--device_step", action="store_true", help="the step a CUDA graph captures (no host sync)"
+    )
     args = parser.parse_args()
     if args.bucket_bytes:
         wrap.BUCKET_BYTES = args.bucket_bytes
@@ -49,7 +53,8 @@ def main():
         wrap.ShardedGradients.IN_FLIGHT_BYTES = args.in_flight_bytes
     info = ranks.from_environment()
     dist.init_process_group("gloo")
-    saved = {}
+    saved = {"agreed": [wrap.on_every_rank(flag, torch.device("cpu"), args.distributed)
+                        for flag in (info.rank == 0, True)]}  # fmt: skip
     for case in args.cases:
         samples, batch_size, physical = map(int, case.split(","))
         inputs, targets = make_batch(samples, args.seq, seed=3)
@@ -69,7 +74,11 @@ def main():
                 distributed=args.distributed,
             )
             torch.manual_seed(100 + info.rank)  # each rank its own noise stream
-            out = trainer.step(inputs[local], targets[local])
+            if args.device_step:
+                loss_sum = chunks.device_step(trainer, inputs[local], targets[local])
+                out = {"loss": loss_sum.item() / samples}
+            else:
+                out = trainer.step(inputs[local], targets[local])
             grad = full_gradients(model)
             rank0 = grad.clone()
             dist.broadcast(rank0, 0)

@@ -13,6 +13,7 @@ import torch
 from test_trainers import SMALL, make_batch, per_sample_grads
 
 import models
+import trainers
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SEQ, C = 12, 0.05
@@ -98,6 +99,31 @@ def test_update_equals_single_process_definition(tmp_path, distributed):
         assert len({saved[case, name]["loss"] for name in TRAINERS[distributed]}) == 1
 
 
+def test_the_step_a_cuda_graph_captures_under_ddp(tmp_path):
+    """--cuda_graph under DDP captures stepping.chunks.device_step (no host sync; every rank
+    holds its full share, so each rank's batch is the largest): the same update, flash's
+    gathered one included, and the global batch's loss summed on the device. Which ranks agree
+    (capture, replay) is one collective: a flag false on one rank is false on all."""
+    cases = ["8,8,3", "4,4,2", "2,2,1"]
+    extra = [*SMALL_BUCKETS, "--device_step"]
+    saved = torchrun(tmp_path, "ddp", ["standard", "flash"], cases, extra=extra)
+    assert saved["agreed"] == [False, True]
+    for case in cases:
+        samples, batch_size, _ = map(int, case.split(","))
+        mean, clipped = references(samples, batch_size)
+        for name, reference in (("standard", mean), ("flash", clipped)):
+            assert relative(saved[case, name]["grad"], reference) < 1e-5, (case, name)
+            assert saved[case, name]["replicas_agree"], (case, name)
+        assert saved[case, "flash"]["gathered"] == flash_gathers("ddp", samples), case
+        torch.manual_seed(0)
+        model = models.build_model(SMALL)
+        inputs, targets = make_batch(samples, SEQ, seed=3)
+        with torch.no_grad():  # the global batch's loss, from the whole batch at once
+            loss = trainers.token_losses(model(inputs), targets).mean().item()
+        for name in ("standard", "flash"):
+            assert saved[case, name]["loss"] == pytest.approx(loss, rel=1e-5), (case, name)
+
+
 @pytest.mark.parametrize("distributed", ["ddp", "fsdp"])
 def test_noise_is_added_once(tmp_path, distributed):
     dp = [n for n in TRAINERS[distributed] if n != "standard"]
@@ -140,3 +166,30 @@ def test_a_layer_only_one_rank_reaches(tmp_path, distributed, one_per_rank, bf16
     inputs, targets = INPUTS[rows], TARGETS[rows]
     reference = clipped_mean(per_sample_grads(build(), inputs, targets), len(inputs))
     assert relative(torch.load(out), reference) < (2e-2 if bf16 else 1e-5)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_replayed_ddp_steps_equal_the_definition(tmp_path):
+    """--cuda_graph under DDP on 2 GPUs (NCCL): standard captures after DDP's 11 eager steps,
+    flash after one; every step, eager and replayed, is the single-process update of the global
+    batch (flash's gathered one at one sample per rank included), the same on both replicas."""
+    out, cases = tmp_path / "replayed.pt", ["2,1", "4,2", "8,3"]
+    args = ["--seq", str(SEQ), "--max_grad_norm", str(C), "--out", str(out)]
+    run_ranks("replayed_steps_per_rank.py", "--cases", *cases, *args)
+    saved = torch.load(out)
+    for case in cases:
+        samples = int(case.split(",")[0])
+        mean, clipped = references(samples, samples)
+        for name, reference in (("standard", mean), ("flash", clipped)):
+            got = saved[case, name]
+            assert got["error"] is None and got["replays"] == 2, (case, name, got["error"])
+            assert got["eager_steps"] == (11 if name == "standard" else 1), (case, name)
+            captured_after = got["eager_steps"] - 1  # its .grad: the graph's, unwritten yet
+            for step, grad in enumerate(got["grads"]):
+                if step != captured_after:  # (its update was taken before the capture)
+                    assert relative(grad, reference) < 1e-5, (case, name, step)
+            assert got["replicas_agree"], (case, name)
+            # lr 0: the same loss every step (a replay sums it on the device, in fp32)
+            assert max(got["losses"]) - min(got["losses"]) < 1e-6 * got["losses"][0], (case, name)
+        assert saved[case, "flash"]["gathered"] == (samples == 2), case
