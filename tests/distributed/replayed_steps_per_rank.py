@@ -27,6 +27,7 @@ def main():
     parser.add_argument("--cases", nargs="+", required=True, help="samples,physical each")
     parser.add_argument("--seq", type=int, default=12)
     parser.add_argument("--max_grad_norm", type=float, default=0.05)
+    parser.add_argument("--noise_multiplier", type=float, default=0.0)
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
     info = ranks.from_environment()
@@ -44,24 +45,25 @@ def main():
             model = models.build_model(SMALL).to(device)  # the CPU reference's weights
             trainer = trainers.make_trainer(
                 name, model, lr=0.0, batch_size=samples, max_physical_batch_size=physical,
-                max_grad_norm=args.max_grad_norm, noise_multiplier=0.0, distributed="ddp",
-                cuda_graph=True,
+                max_grad_norm=args.max_grad_norm, noise_multiplier=args.noise_multiplier,
+                distributed="ddp", cuda_graph=True,
             )  # fmt: skip
             print(f"rank {info.rank}: {case} {name}", flush=True)  # where a hang would be
-            grads, losses = [], []
+            grads, losses, agree = [], [], True
             while trainer.graphs.replays < 2 and trainer.steps_taken < 20:
                 losses.append(trainer.step(x, y)["loss"])
-                grads.append(full_gradients(model).cpu())
-            grad = grads[-1].to(device)
-            rank0 = grad.clone()
-            dist.broadcast(rank0, 0)
+                grad = full_gradients(model)
+                rank0 = grad.clone()
+                dist.broadcast(rank0, 0)
+                agree = agree and torch.equal(grad, rank0)  # every step's, noise included
+                grads.append(grad.cpu())
             saved[case, name] = {
                 "grads": grads,
                 "losses": losses,
                 "replays": trainer.graphs.replays,
                 "eager_steps": trainer.steps_taken - trainer.graphs.replays,
                 "error": trainer.graphs.error,
-                "replicas_agree": bool(torch.equal(grad, rank0)),
+                "replicas_agree": bool(agree),
                 "gathered": trainer.gathering if name == "flash" else None,
             }
     if info.rank == 0:

@@ -193,3 +193,23 @@ def test_replayed_ddp_steps_equal_the_definition(tmp_path):
             # lr 0: the same loss every step (a replay sums it on the device, in fp32)
             assert max(got["losses"]) - min(got["losses"]) < 1e-6 * got["losses"][0], (case, name)
         assert saved[case, "flash"]["gathered"] == (samples == 2), case
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_replayed_ddp_noise_is_fresh_and_added_once(tmp_path):
+    """flash's noise in replayed DDP steps: std sigma*C/B of the global batch (once per
+    coordinate: rank 0's in the sum over ranks, or, gathering, one draw every replica adds
+    alike from a generator the graph tracks), a fresh draw at each replay, replicas equal."""
+    out, sigma = tmp_path / "noisy.pt", 2.0
+    args = ["--seq", str(SEQ), "--max_grad_norm", str(C), "--noise_multiplier", str(sigma)]
+    run_ranks("replayed_steps_per_rank.py", "--cases", "2,1", "4,2", *args, "--out", str(out))
+    saved = torch.load(out)
+    for case in ("2,1", "4,2"):
+        samples = int(case.split(",")[0])
+        got = saved[case, "flash"]
+        assert got["replays"] == 2 and got["replicas_agree"], (case, got["error"])
+        noises = [grad - references(samples, samples)[1] for grad in got["grads"][-2:]]
+        for noise in noises:
+            assert abs(noise.std().item() / (sigma * C / samples) - 1) < 0.05, case
+        assert relative(noises[1], noises[0]) > 1, case  # independent draws: about sqrt(2)
