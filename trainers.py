@@ -30,7 +30,7 @@ from core import schema
 from core.schema import AllocationSite
 from flash.clip import add_gaussian_noise, clip_per_sample
 from flash.layer import tensors_in
-from parallel import wrap
+from parallel import ddp, wrap
 from stepping import graph
 
 TRAINERS: dict[str, type[Trainer]] = {}
@@ -67,10 +67,9 @@ def make_trainer(
     distributed: str = "none",
     **trainer_options,
 ) -> Trainer:
-    """Build the named trainer around ``model``; it updates ``model``'s parameters in place.
-    ``distributed`` ("ddp" or "fsdp", inside an initialised default process group): the model
-    is replicated or sharded over the ranks, each rank steps on its own slice of the global
-    batch, and ``batch_size`` stays the GLOBAL batch (the averaging denominator)."""
+    """Build the named trainer around ``model`` (its parameters updated in place). ``distributed``
+    ("ddp" or "fsdp", in an initialised default process group): replicated or sharded, each rank
+    steps on its slice of the global batch; ``batch_size`` stays the GLOBAL batch (the divisor)."""
     cls = TRAINERS[canonical_trainer_name(name)]
     checkpointing = getattr(getattr(model, "config", None), "activation_checkpointing", False)
     if reason := refusal(cls.name, distributed, trainer_options.get("cuda_graph"), checkpointing):
@@ -103,20 +102,16 @@ class Trainer:
     """Runs one logical batch per ``step``: forward, backward, (clip, noise,) optimizer step.
 
     ``on_phase(name)`` is called at the phase points (``optimizer_created``, ``privacy_wrapped``,
-    per chunk ``forward_done``/``backward_done``, per step ``step_done``): the measurement takes
-    its memory snapshots there. Names starting with ``_`` are markers, not snapshots: where a
-    trainer holds state the breakdown should see by identity (flash's A and G mid-backward)."""
+    per chunk ``forward_done``/``backward_done``, per step ``step_done``), where the measurement
+    snapshots memory; ``_`` names are markers: state the breakdown sees by identity (A, G)."""
 
     name = "base"
     is_private = False
     options: tuple[str, ...] = ()  # experiment settings this trainer takes as keyword arguments
     supports_activation_checkpointing = False  # REHOOKED says why not, for most
-    # Distributed modes this trainer cannot run, with the reason (recorded as "skipped").
-    distributed_refusals: dict[str, str] = {}
+    distributed_refusals: dict[str, str] = {}  # modes it cannot run, why (recorded "skipped")
     fsdp_units = "blocks"  # FSDP2 units: parallel.wrap.FSDP_UNITS
-    # Its chunk and optimizer steps run without a host sync: a CUDA graph can capture them.
-    capturable = False
-    eager_steps_before_capture = 0  # steps that must run eagerly before a capture
+    capturable = False  # its chunk and optimizer steps make no host sync: a graph captures them
     shared_noise: torch.Generator | None = None  # its own noise generator (a capture tracks it)
 
     def __init__(
@@ -237,6 +232,9 @@ class Trainer:
         self.steps_taken += 1
         return self.graphs.step(self, inputs, targets)
 
+    def captures_after_this(self) -> bool:  # may a capture follow this (eager) step?
+        return True
+
     def discard_step_state(self) -> None:
         """Forget what a step that did not finish left behind (a failed capture)."""
         self.optimizer.zero_grad(set_to_none=True)
@@ -266,9 +264,11 @@ class StandardTrainer(Trainer):
 
     def __init__(self, model, **kwargs):
         super().__init__(model, **kwargs)
-        ddp = self.distributed == "ddp"
-        self.forward_model = wrap.data_parallel(model, self.graphs.enabled) if ddp else model
-        self.eager_steps_before_capture = wrap.DDP_EAGER_STEPS if ddp else 0
+        replicated = self.distributed == "ddp"
+        self.forward_model = ddp.data_parallel(model, self.graphs.enabled) if replicated else model
+
+    def captures_after_this(self):  # DDP's 11th iteration or later
+        return self.distributed != "ddp" or self.forward_model.captures_after_this()
 
     def chunk_step(self, inputs, targets, is_last):
         # Gradients are summed over ranks once per logical batch, after its last chunk.

@@ -215,7 +215,7 @@ SETTINGS: tuple[Setting, ...] = (
         False,
         "replay each step as one CUDA graph, captured after the first full-sized batch "
         "(standard and flash, CUDA, one process or DDP; other batch sizes run eagerly; under "
-        "DDP standard captures after 11 eager steps, which DDP needs: give --warmup_steps 11). "
+        "DDP standard is captured after DDP's 11th iteration: give --warmup_steps 11). "
         "The host launches a step once instead of each kernel; memory breakdowns and module "
         "censuses still measure an eager step",
         flags=("--cuda_graph",),

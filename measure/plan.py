@@ -28,7 +28,7 @@ from core.settings import (
     default_attention,
 )
 from hf.configs import HF_CONFIGS
-from parallel import ranks
+from parallel import ddp, ranks
 from stepping import graph
 
 
@@ -97,13 +97,29 @@ def make_plan(args: argparse.Namespace, cuda_available) -> Plan:
                 f"no CUDA device found and --model {args.model} has about "
                 f"{count / BILLION:.1f}B parameters: add --device cpu to run it on the CPU anyway"
             )
-    note = "\n".join(filter(None, [note, poisson_graph_note(values, axes, dataset_size)])) or None
+    notes = [note, poisson_graph_note(values, axes, dataset_size), ddp_graph_note(values, axes)]
+    note = "\n".join(filter(None, notes)) or None
     order = ("batch_size", "max_physical_batch_size", "seq_len", "lora_rank", "trainer")
     configs = [
         ExperimentConfig(**values, **dict(zip(order, combination)))
         for combination in itertools.product(*(axes[name] for name in order))
     ]
     return Plan(running, device, configs, note)
+
+
+def ddp_graph_note(values: dict, axes: dict) -> str | None:
+    """standard under DDP is captured only after DDP's 11th iteration: say so before the run
+    when the warm-up steps stop short of it (the timed steps would start eagerly)."""
+    graphed = values["cuda_graph"] and values["distributed"] == "ddp"
+    if not graphed or "standard" not in axes["trainer"]:
+        return None
+    if values["warmup_steps"] >= ddp.EAGER_ITERATIONS:
+        return None
+    return (
+        f"note: --cuda_graph under DDP captures standard after DDP's {ddp.EAGER_ITERATIONS}th "
+        f"iteration: with --warmup_steps {values['warmup_steps']} its first timed steps run "
+        f"eagerly (give --warmup_steps {ddp.EAGER_ITERATIONS})"
+    )
 
 
 def poisson_graph_note(values: dict, axes: dict, dataset_size: int) -> str | None:

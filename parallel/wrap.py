@@ -19,7 +19,6 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.fsdp._fully_shard._fsdp_common import _from_local_no_grad
 from torch.distributed.tensor import DTensor
-from torch.nn.parallel import DistributedDataParallel
 
 from parallel.ranks import RankInfo
 
@@ -86,32 +85,6 @@ FSDP_UNITS = {
     # Opacus' FSDP optimizer expects.
     "opacus_layers": FSDP2Wrapper,
 }
-
-
-def _all_reduce_sum_hook(state, bucket):
-    future = dist.all_reduce(bucket.buffer(), async_op=True).get_future()
-    return future.then(lambda done: done.value()[0])
-
-
-DDP_EAGER_STEPS = 11  # DDP times its first 10 iterations with CUDA events: capture after
-
-
-def data_parallel(model: nn.Module, for_capture: bool = False) -> DistributedDataParallel:
-    """torch's DDP (its bucketed all-reduce overlaps the backward), summing instead of
-    averaging. ``for_capture`` (by a CUDA graph): built on a side stream, as torch's CUDA graphs
-    notes ask (the gradient accumulators DDP keeps are then not the default stream's)."""
-    device = next(model.parameters()).device
-    side = torch.cuda.Stream(device) if for_capture and device.type == "cuda" else None
-    if side is not None:
-        side.wait_stream(torch.cuda.current_stream(device))  # the parameters DDP broadcasts
-    with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
-        wrapped = DistributedDataParallel(
-            model, device_ids=[device.index] if device.type == "cuda" else None
-        )
-    if side is not None:
-        torch.cuda.current_stream(device).wait_stream(side)
-    wrapped.register_comm_hook(None, _all_reduce_sum_hook)
-    return wrapped
 
 
 def broadcast_parameters(model: nn.Module) -> None:

@@ -18,7 +18,7 @@ import contextlib
 
 import torch
 
-from parallel import wrap
+from parallel import ddp, wrap
 from stepping import chunks
 
 MB = 2**20
@@ -76,6 +76,7 @@ class Replayer:
         self.graph: StepGraph | None = None
         self.error: str | None = None  # why the capture failed: the steps run eagerly
         self.eager_only = False  # set by eager()
+        self.waited = False  # a full batch came before the trainer could be captured
 
     @property
     def replays(self) -> int:
@@ -102,10 +103,11 @@ class Replayer:
         waiting = self.enabled and self.graph is None and self.error is None
         if not (waiting and not self.eager_only and inputs.is_cuda):
             return False
-        if trainer.steps_taken < trainer.eager_steps_before_capture:  # this one is eager too
-            return False
         full = len(inputs) == trainer.batch_size // trainer.world_size
-        return everywhere(trainer, full, inputs.device)
+        if not everywhere(trainer, full, inputs.device):
+            return False
+        self.waited = not trainer.captures_after_this()  # alike on every rank
+        return not self.waited
 
     def capture_after(self, trainer, inputs: torch.Tensor, targets: torch.Tensor) -> dict:
         """Run this step eagerly on a side stream, as capture needs (autograd, cuBLAS and Triton
@@ -127,10 +129,14 @@ class Replayer:
             torch.cuda.synchronize(inputs.device)
             cause = error.__context__ or error
             self.error = (str(cause).strip().splitlines() or ["?"])[0][:300]
-        # A rank replaying collectives another rank does not would wait for it: all or none.
-        if not everywhere(trainer, self.graph is not None, inputs.device) and self.graph:
-            self.graph = None
-            self.error = "another rank's capture failed: every rank runs its steps eagerly"
+        # A failed capture leaves DDP's reducer and the noise generators mid-step, and a rank
+        # replaying collectives another rank does not would wait for it: under DDP, every
+        # rank's config ends with an error.
+        if trainer.distributed != "none" and not everywhere(trainer, self.graph, inputs.device):
+            raise RuntimeError(
+                f"the CUDA graph capture failed on a rank ({self.error or 'another rank'}): "
+                "run --distributed without --cuda_graph"
+            )
         return out
 
     @contextlib.contextmanager
@@ -152,7 +158,13 @@ class Replayer:
             "capture_peak_mb": graph.peak_bytes / MB if graph else None,
             "error": self.error,
         }
-        if graph is None and self.error is None:
+        if graph is None and self.error is None and self.waited:
+            out["error"] = (
+                f"standard under DDP is captured after DDP's {ddp.EAGER_ITERATIONS}th iteration "
+                f"(DDP times the first ones with CUDA events): give --warmup_steps "
+                f"{ddp.EAGER_ITERATIONS} or more; every step ran eagerly"
+            )
+        elif graph is None and self.error is None:
             out["error"] = (
                 f"no step had a batch of {batch_size} samples to capture after (Poisson batches "
                 "vary in size; --no_poisson makes every batch full-sized): every step ran eagerly"

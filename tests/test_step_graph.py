@@ -219,7 +219,7 @@ def test_a_capture_bypasses_the_kept_device_tables(monkeypatch):
     assert _common._int64_table(rows, torch.device("cpu")) is kept
 
 
-def test_opacus_trainers_and_distributed_runs_are_refused():
+def test_opacus_trainers_are_refused():
     model = models.build_model(SMALL)
     for name in ("dpsgd", "ghost"):
         with pytest.raises(ValueError, match="--cuda_graph captures the standard and flash"):
@@ -313,18 +313,53 @@ class Batch:
         return self.samples
 
 
-def test_a_capture_waits_for_the_trainers_eager_steps_and_a_full_batch():
-    """DDP's reducer times its first 10 iterations with CUDA events: standard under DDP is
-    captured after its 11th eager step (that step included), flash at its first; only a
-    full-sized batch is captured after."""
-    trainer = trainers.make_trainer("standard", models.build_model(SMALL), lr=0.1, batch_size=4)
-    assert trainer.eager_steps_before_capture == 0
+@pytest.fixture
+def one_rank(tmp_path):
+    torch.distributed.init_process_group(
+        "gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1
+    )
+    yield
+    torch.distributed.destroy_process_group()
+
+
+def test_a_capture_waits_for_ddps_11th_iteration_and_a_full_batch(one_rank):
+    """DDP times its first 10 iterations (forwards that sync gradients) with CUDA events, read
+    in the next: standard under DDP is captured only after its 11th, whatever the steps around
+    it (chunks that do not sync, forwards without grad, empty batches do not count); flash at
+    its first full batch; a rank's full batch is its share of the global one."""
+    torch.manual_seed(0)
+    model = models.build_model(SMALL)
+    trainer = trainers.make_trainer(
+        "standard", model, lr=0.1, batch_size=4, max_physical_batch_size=2, distributed="ddp"
+    )
     replayer = graph.Replayer(enabled=True)
-    trainer.eager_steps_before_capture, trainer.steps_taken = 11, 10
+    inputs, targets = make_batch(4, 6)
+    for _ in range(9):
+        trainer.step(inputs, targets)  # two chunks: the first one's forward does not sync
+        with torch.no_grad():
+            trainer.forward_model(inputs)
+    assert trainer.forward_model.iterations == 9
     assert not replayer.captures_after(Batch(4), trainer)
-    trainer.steps_taken = 11
-    assert replayer.captures_after(Batch(4), trainer)
+    assert "give --warmup_steps 11" in replayer.result(4)["error"]
+    trainer.step(inputs, targets)
+    assert replayer.captures_after(Batch(4), trainer)  # this step is DDP's 11th
     assert not replayer.captures_after(Batch(3), trainer)
+    trainer.world_size = 2  # as on two ranks: each holds 2 of the 4
+    assert replayer.captures_after(Batch(2), trainer)
+    assert not replayer.captures_after(Batch(4), trainer)
     with replayer.eager():
-        assert not replayer.captures_after(Batch(4), trainer)
-    assert not graph.Replayer(enabled=False).captures_after(Batch(4), trainer)
+        assert not replayer.captures_after(Batch(2), trainer)
+    assert not graph.Replayer(enabled=False).captures_after(Batch(2), trainer)
+    flash = trainers.make_trainer("flash", models.build_model(SMALL), lr=0.1, batch_size=4)
+    assert flash.captures_after_this() and graph.Replayer(True).captures_after(Batch(4), flash)
+
+
+@pytest.mark.parametrize("warmup, noted", [("1", True), ("11", False)])
+def test_the_plan_says_when_standard_under_ddp_would_capture_late(warmup, noted, monkeypatch):
+    for name, value in TORCHRUN_ENV.items():
+        monkeypatch.setenv(name, value)
+    argv = ["--mode=profile", "--cuda_graph", "--distributed", "ddp", "--warmup_steps", warmup]
+    note = plan.make_plan(profiling_script.parse_args(argv), cuda_available=lambda: True).note
+    assert ("give --warmup_steps 11" in (note or "")) == noted
+    argv = [*argv[:-2], "--trainers", "flash"]  # flash captures after its first full batch
+    assert not plan.make_plan(profiling_script.parse_args(argv), cuda_available=lambda: True).note
