@@ -132,7 +132,8 @@ class Replayer:
         # A failed capture leaves DDP's reducer and the noise generators mid-step, and a rank
         # replaying collectives another rank does not would wait for it: under DDP, every
         # rank's config ends with an error.
-        if trainer.distributed != "none" and not everywhere(trainer, self.graph, inputs.device):
+        captured = self.graph is not None
+        if trainer.distributed != "none" and not everywhere(trainer, captured, inputs.device):
             raise RuntimeError(
                 f"the CUDA graph capture failed on a rank ({self.error or 'another rank'}): "
                 "run --distributed without --cuda_graph"

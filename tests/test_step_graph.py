@@ -363,3 +363,43 @@ def test_the_plan_says_when_standard_under_ddp_would_capture_late(warmup, noted,
     assert ("give --warmup_steps 11" in (note or "")) == noted
     argv = [*argv[:-2], "--trainers", "flash"]  # flash captures after its first full batch
     assert not plan.make_plan(profiling_script.parse_args(argv), cuda_available=lambda: True).note
+
+
+class Stream:
+    def wait_stream(self, other):
+        pass
+
+
+@pytest.mark.parametrize("distributed", ["none", "ddp"])
+def test_a_failed_capture_runs_eagerly_alone_ends_a_ddp_config(distributed, request, monkeypatch):
+    """One process: the steps go on eagerly, the error kept. Under DDP a failed capture leaves
+    DDP's reducer and the noise generators mid-step, and a rank that captured would replay
+    collectives the others do not: every rank's config ends with the error (CUDA's streams and
+    the capture are stand-ins here; the eager step before it runs for real, on the CPU)."""
+    if distributed == "ddp":
+        request.getfixturevalue("one_rank")
+    for name, stand_in in {
+        "current_stream": lambda device=None: Stream(),
+        "Stream": lambda device=None: Stream(),
+        "stream": lambda stream: contextlib.nullcontext(),
+        "set_stream": lambda stream: None,
+        "synchronize": lambda device=None: None,
+    }.items():
+        monkeypatch.setattr(torch.cuda, name, stand_in)
+
+    def failing_capture(*args):
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+    monkeypatch.setattr(graph, "StepGraph", failing_capture)
+    torch.manual_seed(0)
+    trainer = trainers.make_trainer(
+        "standard", models.build_model(SMALL), lr=0.1, batch_size=4, distributed=distributed
+    )
+    replayer = graph.Replayer(enabled=True)
+    inputs, targets = make_batch(4, 6)
+    if distributed == "none":
+        assert replayer.capture_after(trainer, inputs, targets)["loss"] is not None
+        assert replayer.graph is None and "not permitted" in replayer.error
+        return
+    with pytest.raises(RuntimeError, match="capture failed on a rank .*not permitted"):
+        replayer.capture_after(trainer, inputs, targets)
