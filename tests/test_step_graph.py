@@ -338,6 +338,7 @@ def test_a_capture_waits_for_ddps_11th_iteration_and_a_full_batch(one_rank):
         trainer.step(inputs, targets)  # two chunks: the first one's forward does not sync
         with torch.no_grad():
             trainer.forward_model(inputs)
+        trainer.step(inputs[:0], targets[:0])  # an empty Poisson draw: no forward
     assert trainer.forward_model.iterations == 9
     assert not replayer.captures_after(Batch(4), trainer)
     assert "give --warmup_steps 11" in replayer.result(4)["error"]
