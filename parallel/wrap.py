@@ -455,19 +455,20 @@ def summed_over_ranks(tensor: torch.Tensor, distributed: str) -> torch.Tensor:
     return tensor
 
 
+def _reduced(value: int, op, device: torch.device, distributed: str) -> int:
+    """``value`` reduced over the ranks by ``op`` (read on the host)."""
+    if distributed == "none":
+        return value
+    reduced = torch.tensor([value], dtype=torch.int64, device=device)
+    dist.all_reduce(reduced, op=op)
+    return int(reduced.item())
+
+
 def on_every_rank(flag: bool, device: torch.device, distributed: str) -> bool:
     """Whether ``flag`` holds on every rank: a decision the ranks must take alike."""
-    if distributed == "none":
-        return flag
-    every = torch.tensor([int(flag)], device=device)
-    dist.all_reduce(every, op=dist.ReduceOp.MIN)
-    return bool(every.item())
+    return bool(_reduced(int(flag), dist.ReduceOp.MIN, device, distributed))
 
 
 def largest_batch(batch: int, device: torch.device, distributed: str) -> int:
     """The largest of the ranks' batches (a Poisson draw's slices differ by one at most)."""
-    if distributed == "none":
-        return batch
-    largest = torch.tensor([batch], dtype=torch.int64, device=device)
-    dist.all_reduce(largest, op=dist.ReduceOp.MAX)
-    return int(largest.item())
+    return _reduced(batch, dist.ReduceOp.MAX, device, distributed)
