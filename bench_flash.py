@@ -24,14 +24,14 @@ import time
 import torch
 
 import models
-from core.files import atomic_write, write_json
-from core.fmt import ratio
-from core.settings import ExperimentConfig, default_attention
-from flash import engine as flash_clip
-from flash.clip import ClipFactors, accumulate_weighted_sums
-from flash.rules.linear import direct_squared_norms, gram_squared_norms, linear_route
-from measure import processes
-from report import summary as report
+from dp_cost.core.files import atomic_write, write_json
+from dp_cost.core.fmt import ratio
+from dp_cost.core.settings import ExperimentConfig, default_attention
+from dp_cost.flash import engine as flash_clip
+from dp_cost.flash.clip import ClipFactors, accumulate_weighted_sums
+from dp_cost.flash.rules.linear import direct_squared_norms, gram_squared_norms, linear_route
+from dp_cost.measure import processes
+from dp_cost.report import summary as report
 
 # (batch, seq) -> flash / standard step-time goal; the attention each dtype is benchmarked with.
 STEP_GOALS = {(8, 512): 1.15, (8, 1024): 1.20, (2, 4096): 1.25, (1, 16384): 1.25}

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from opacus.layers import DPMultiheadAttention
 from torch.utils.checkpoint import checkpoint
 
-from core.kernel_names import ATTENTION_RANGE
+from dp_cost.core.kernel_names import ATTENTION_RANGE
 
 ATTENTION_KINDS = ("explicit", "sdpa")
 

@@ -14,17 +14,21 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import datetime
 import glob
 import os
+import platform
 import re
 import signal
+import subprocess
 import sys
 import time
 
-from core import rundir
-from core.fmt import count
-from core.reading import read_json_or_none
-from core.schema import (
+from dp_cost.core import rundir
+from dp_cost.core.files import write_json
+from dp_cost.core.fmt import count
+from dp_cost.core.reading import read_json_or_none
+from dp_cost.core.schema import (
     EXIT_BAD_ARGS,
     EXIT_CONFIG_ERROR,
     EXIT_INTERRUPTED,
@@ -32,9 +36,10 @@ from core.schema import (
     EXIT_TERMINATED,
     STATUSES,
 )
-from core.settings import HF_SETTINGS, MODES, SETTINGS, UsageError, changed_settings
-from ncu import summary as ncu_summary
-from report import summary
+from dp_cost.core.settings import HF_SETTINGS, MODES, SETTINGS, UsageError, changed_settings
+from dp_cost.ncu import summary as ncu_summary
+from dp_cost.report import summary
+from dp_cost.report.run_info import RUN_FILE
 
 # What a secret looks like: a Hugging Face token, or a long run of letters mixed with digits.
 TOKEN_LIKE = re.compile(r"hf_\w+|\b(?=[\w-]*\d)(?=[\w-]*[A-Za-z])[\w-]{24,}\b")
@@ -42,6 +47,19 @@ TOKEN_LIKE = re.compile(r"hf_\w+|\b(?=[\w-]*\d)(?=[\w-]*[A-Za-z])[\w-]{24,}\b")
 
 def redacted(text: str) -> str:
     return TOKEN_LIKE.sub("<hidden>", text)
+
+
+def command_words(words: list[str]) -> list[str]:
+    """The command line as run.json records it: the token's value, and any word that is a
+    token by its look, hidden (paths are kept: a token has no '/')."""
+    shown = ["profiling_script.py"]
+    for word in words:
+        if shown[-1] in ("--token", "--hf_token") or TOKEN_LIKE.fullmatch(word):
+            word = "<hidden>"
+        elif word.startswith(("--token=", "--hf_token=")):
+            word = word.split("=", 1)[0] + "=<hidden>"
+        shown.append(word)
+    return shown
 
 
 class Parser(argparse.ArgumentParser):
@@ -140,6 +158,8 @@ def _shown(value) -> str:
 def parse_args(argv=None) -> argparse.Namespace:
     parser = build_parser()
     args = parser.parse_args(argv)
+    # What report.html's header shows as the command line (a token on it hidden).
+    args.command_line = command_words(sys.argv[1:] if argv is None else argv)
     if args.trainer is not None and args.trainers is not None:
         parser.error("give either --trainer or --trainers, not both")
     return args
@@ -196,11 +216,11 @@ def refuse_changed_settings(configs: list, run_dir: str) -> None:
 
 def run_experiments(args) -> int:
     # Delayed: these import torch, opacus and the models.
-    from measure import plan, processes
+    from dp_cost.measure import plan, processes
 
     experiment = plan.make_plan(args, processes.cuda_available)
     configs = experiment.configs
-    if configs and configs[0].distributed != "none":
+    if configs and configs[0].distributed_mode.is_distributed:
         return run_distributed(args, experiment, processes)
     run_dir, lock = prepare_run_dir(args, experiment)
     try:
@@ -220,18 +240,50 @@ def prepare_run_dir(args, experiment) -> tuple[str, rundir.RunLock]:
             refuse_changed_settings(experiment.configs, run_dir)
         for config in experiment.configs:
             rundir.check_contained(run_dir, os.path.join(run_dir, config.config_dir))
+        record_run(run_dir, args.command_line)
     except BaseException:
         lock.release()
         raise
     return run_dir, lock
 
 
+def git_commit() -> str | None:
+    """The toolkit's commit (``+dirty`` with uncommitted changes), or None outside a checkout."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    try:
+        run = lambda *cmd: subprocess.run(  # noqa: E731
+            ["git", *cmd], cwd=here, capture_output=True, text=True, timeout=10, check=True
+        ).stdout.strip()
+        commit = run("rev-parse", "HEAD")
+        return commit + ("+dirty" if run("status", "--porcelain", "--untracked-files=no") else "")
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def record_run(run_dir: str, command: list[str]) -> None:
+    """``<run>/run.json``: what produced the run (the head of report.html). A resumed run keeps
+    the first command and adds each resume's."""
+    now = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+    path = os.path.join(run_dir, RUN_FILE)
+    record = read_json_or_none(path) if os.path.exists(path) else None
+    if isinstance(record, dict) and "command" in record:
+        resumed = record.get("resumed") if isinstance(record.get("resumed"), list) else []
+        record["resumed"] = [*resumed, {"command": command, "date": now}]
+    else:
+        versions = {"python": platform.python_version(), "git_commit": git_commit()}
+        for package in ("torch", "opacus"):  # imported by the plan by now
+            module = sys.modules.get(package)
+            versions[package] = getattr(module, "__version__", None)
+        record = {"command": command, "date": now, "versions": versions}
+    write_json(path, record)
+
+
 def run_distributed(args, experiment, processes) -> int:
     """One run for the ranks of a torchrun job: rank 0 names and locks the run directory and
     tells the others; every rank runs its workers; rank 0 prints and summarises; every rank
     exits with rank 0's code."""
-    from measure.ranks import RankGroup
-    from parallel.ranks import from_environment
+    from dp_cost.measure.ranks import RankGroup
+    from dp_cost.parallel.ranks import from_environment
 
     group = RankGroup(from_environment())
     lock = None

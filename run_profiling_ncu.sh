@@ -12,7 +12,7 @@
 #   for the measured step (the worker's cudaProfilerStart/Stop range): whole-step totals per
 #   config (DRAM read / write, L2 bytes, the range's GPU time), warm caches between kernels as in
 #   training; no per-kernel numbers. One config (flash bs 8 seq 256) took 16 s on an H200; the
-#   default suite (16 configs) took 390 s on an H100 (BENCHMARKS.md, 2026-11-26).
+#   default suite (16 configs) took 390 s on an H100 (benchmarks/README.md).
 # --replay-mode kernel: per-kernel numbers and the per-category breakdown; ncu replays every
 #   kernel of the step from a flushed L2 (~0.15 s each), so a config takes about a minute (71 s
 #   for the one above, same H200). Measured on an H100 (2026-11-26) with the default model:
@@ -71,7 +71,7 @@ NCU=${NCU:-$(command -v ncu || true)}
 if [[ $DRY_RUN == 1 && -z $NCU ]]; then
     NCU=ncu
 elif [[ -z $NCU || ! -x $NCU ]]; then
-    "$PYTHON" -c 'from ncu.command import NCU_MISSING_MESSAGE as m; print("error: " + m)' \
+    "$PYTHON" -c 'from dp_cost.ncu.command import NCU_MISSING_MESSAGE as m; print("error: " + m)' \
         >&2 2>/dev/null \
         || echo "error: ncu (Nsight Compute CLI) not found: put it on PATH or set NCU=/path/to/ncu" >&2
     exit 1
@@ -79,7 +79,7 @@ fi
 
 # nvprof-era names (dram_read_throughput, ...) do not exist in ncu: stop with the replacement.
 if [[ -n $METRICS ]]; then
-    METRICS=$("$PYTHON" -m ncu metrics "$METRICS") || exit 2
+    METRICS=$("$PYTHON" -m dp_cost.ncu metrics "$METRICS") || exit 2
 fi
 case "$CLOCK_CONTROL" in
     none | base | boost | force-boost | reset) ;;
@@ -104,8 +104,8 @@ failed=()
 for batch in $BATCH_SIZES; do
     for seq in $SEQ_LENS; do
         for trainer in $TRAINERS; do
-            # python -m ncu builds the command (one source of truth); it prints it shell-quoted.
-            cmd=$("$PYTHON" -m ncu command --ncu "$NCU" --python "$PYTHON_BIN" \
+            # python -m dp_cost.ncu builds the command (one source of truth); it prints it shell-quoted.
+            cmd=$("$PYTHON" -m dp_cost.ncu command --ncu "$NCU" --python "$PYTHON_BIN" \
                 --report_dir "$OUTPUT_DIR" --trainer "$trainer" --batch_size "$batch" \
                 --seq_len "$seq" --clock_control "$CLOCK_CONTROL" --replay_mode "$REPLAY_MODE" \
                 ${METRICS:+--metrics "$METRICS"} \

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 import bench_flash
-from flash import engine as flash_clip
-from measure import processes
+from dp_cost.flash import engine as flash_clip
+from dp_cost.measure import processes
 
 
 def result(trainer, batch, seq, dtype, ms, peak, status="ok"):

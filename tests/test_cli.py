@@ -11,7 +11,7 @@ import pytest
 from cli_helpers import ROOT, SMALL_MODEL, cli, results_in, small_run_args
 
 import profiling_script
-from measure import worker
+from dp_cost.measure import worker
 
 
 def test_test_mode_runs_every_trainer_and_writes_summaries(tmp_path):

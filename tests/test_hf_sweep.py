@@ -18,7 +18,7 @@ pytest.importorskip("peft")
 
 from cli_helpers import ROOT, SWEEP_FILES, cli  # noqa: E402
 
-from measure import census as module_memory  # noqa: E402
+from dp_cost.measure import census as module_memory  # noqa: E402
 
 
 def sweep_cli(tmp_path, *extra, token=None):

@@ -9,8 +9,8 @@ from cli_helpers import results_in, small_run_args
 
 import profiling_script
 import trainers
-from core.schema import AllocationSite
-from measure import breakdown
+from dp_cost.core.schema import AllocationSite
+from dp_cost.measure import breakdown
 
 
 class ScaledSGDTrainer(trainers.StandardTrainer):

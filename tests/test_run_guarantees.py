@@ -10,10 +10,10 @@ import time
 from cli_helpers import ROOT, cli, results_in, small_run_args
 
 import profiling_script
-from core import rundir
-from core.schema import TRAINER_ALIASES, TRAINER_ORDER
-from core.settings import LM_MODELS
-from hf.configs import HF_CONFIGS
+from dp_cost.core import rundir
+from dp_cost.core.schema import TRAINER_ALIASES, TRAINER_ORDER
+from dp_cost.core.settings import LM_MODELS
+from dp_cost.hf.configs import HF_CONFIGS
 
 
 def start_long_run(tmp_path):

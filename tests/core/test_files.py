@@ -3,7 +3,7 @@
 import json
 import math
 
-from core import files
+from dp_cost.core import files
 
 
 def test_non_finite_floats_are_written_as_null_and_located(tmp_path):

@@ -4,7 +4,7 @@ from pathlib import Path
 
 import pytest
 
-from core import kernel_names as kernels
+from dp_cost.core import kernel_names as kernels
 
 FIXTURE = Path(__file__).parent.parent / "fixtures" / "kernel_names.txt"
 

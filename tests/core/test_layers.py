@@ -1,36 +1,58 @@
-"""The layering rules of ARCHITECTURE.md, read from the source: imports run one way, no cycle,
-no module past ~500 lines."""
+"""The layering rules of ARCHITECTURE.md, read from the source: imports run one way, no cycle
+(type-checking imports included), no import of another module's private name, modules sized by
+concept, the distributed mode's name read in one place, and ARCHITECTURE.md's map equal to the
+tree."""
 
 import ast
 import os
+import re
+import warnings
 
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-OURS = ("core", "measure", "report", "ncu", "flash", "hf", "samplers", "parallel", "stepping",
-        "trainers", "models", "profiling_script", "bench_flash")  # fmt: skip
-# What each layer may import of ours (by the first dotted part, or a full module name).
+OURS = ("dp_cost", "trainers", "models", "profiling_script", "bench_flash")
+# What each layer may import of ours (by a module name or a package prefix).
 ALLOWED = {
-    "core": {"core", "hf.configs"},
-    "hf.configs": set(),
-    "report": {"core", "report"},
-    "ncu": {"core", "ncu", "report.figures"},
-    "flash": {"flash"},
-    "hf": {"hf"},
-    "models": {"core"},
-    "samplers": {"samplers", "core"},
-    "parallel": {"parallel"},
-    "stepping": {"stepping", "parallel"},
-    "trainers": {"core", "flash", "samplers", "parallel", "stepping"},
-    "measure": {"core", "measure", "trainers", "models", "flash", "hf", "parallel", "stepping"},
+    "dp_cost.core": {"dp_cost.core", "dp_cost.hf.configs", "dp_cost.parallel.mode"},
+    "dp_cost.hf.configs": set(),
+    "dp_cost.report": {"dp_cost.core", "dp_cost.report", "dp_cost.parallel.mode"},
+    "dp_cost.ncu": {"dp_cost.core", "dp_cost.ncu", "dp_cost.report.figures"},
+    "dp_cost.flash": {"dp_cost.flash"},
+    "dp_cost.hf": {"dp_cost.hf"},
+    "models": {"dp_cost.core"},
+    "dp_cost.samplers": {"dp_cost.samplers", "dp_cost.core"},
+    "dp_cost.parallel": {"dp_cost.parallel"},
+    "dp_cost.stepping": {"dp_cost.stepping", "dp_cost.parallel", "dp_cost.core"},
+    "dp_cost.training": {
+        "dp_cost.training",
+        "dp_cost.core",
+        "dp_cost.flash",
+        "dp_cost.samplers",
+        "dp_cost.parallel",
+        "dp_cost.stepping",
+    },  # fmt: skip
+    "trainers": {"dp_cost.core", "dp_cost.parallel", "dp_cost.training"},
+    "dp_cost.measure": {
+        "dp_cost.core",
+        "dp_cost.measure",
+        "trainers",
+        "models",
+        "dp_cost.flash",
+        "dp_cost.hf",
+        "dp_cost.parallel",
+        "dp_cost.stepping",
+        "dp_cost.training",
+    },  # fmt: skip
 }
+MODULE_WARN_LINES, MODULE_MAX_LINES = 500, 700  # past the first: look for the seam
 
 
 def modules() -> dict[str, str]:
     """Dotted module name -> path, for every Python file of ours outside tests."""
     found = {}
     for dirpath, dirnames, filenames in os.walk(ROOT):
-        dirnames[:] = [d for d in dirnames if not d.startswith(".") and d != "tests"]
+        dirnames[:] = [d for d in dirnames if not d.startswith(".") and d not in ("tests", "docs")]
         for filename in filenames:
             if filename.endswith(".py"):
                 path = os.path.join(dirpath, filename)
@@ -39,29 +61,30 @@ def modules() -> dict[str, str]:
     return found
 
 
-def imports_of(path: str, name: str) -> set[str]:
-    """Our modules that ``path`` imports (anywhere in the file)."""
+def import_nodes(path: str, name: str):
+    """(module imported, names taken from it) for every import in the file, type-checking
+    imports included."""
     tree = ast.parse(open(path, encoding="utf-8").read())
     package = name if path.endswith("__init__.py") else name.rpartition(".")[0]
-    out = set()
-    type_only = {  # `if TYPE_CHECKING:` imports are for annotations, never executed
-        id(child)
-        for node in ast.walk(tree)
-        if isinstance(node, ast.If) and getattr(node.test, "id", None) == "TYPE_CHECKING"
-        for child in ast.walk(node)
-    }
     for node in ast.walk(tree):
-        if id(node) in type_only:
-            continue
         if isinstance(node, ast.Import):
-            out.update(alias.name for alias in node.names)
+            for alias in node.names:
+                yield alias.name, ()
         elif isinstance(node, ast.ImportFrom):
             base = node.module or ""
             if node.level:
-                base = ".".join(package.split(".")[: len(package.split(".")) - node.level + 1]
-                                + ([base] if base else []))  # fmt: skip
-            out.update([base] + [f"{base}.{alias.name}" for alias in node.names])
-    return {m for m in out if m.split(".")[0] in OURS}
+                parts = package.split(".")
+                base = ".".join(parts[: len(parts) - node.level + 1] + ([base] if base else []))
+            yield base, tuple(alias.name for alias in node.names)
+
+
+def imports_of(path: str, name: str) -> set[str]:
+    """Our modules that ``path`` imports (anywhere in the file, type-checking imports too)."""
+    out = set()
+    for base, names in import_nodes(path, name):
+        out.add(base)
+        out.update(f"{base}.{n}" for n in names if f"{base}.{n}" in MODULES)
+    return {m for m in out if m.split(".")[0] in OURS and m != "dp_cost"}
 
 
 def layer_of(name: str) -> str | None:
@@ -75,8 +98,11 @@ MODULES = modules()
 
 
 def test_the_layers_are_all_there():
-    assert {"core.schema", "core.settings", "measure.plan", "report.summary", "ncu.summary",
-            "flash.engine", "hf.models", "trainers"} <= set(MODULES)  # fmt: skip
+    ours = ("core.schema", "core.settings", "measure.plan", "report.summary", "ncu.summary",
+            "flash.engine", "hf.models", "parallel.mode", "training.base",
+            "stepping.protocol")  # fmt: skip
+    assert {f"dp_cost.{name}" for name in ours} | {"trainers", "models"} <= set(MODULES)
+    assert all(layer_of(name) for name in MODULES if name.startswith("dp_cost."))
 
 
 @pytest.mark.parametrize("name", sorted(n for n in MODULES if layer_of(n)))
@@ -87,28 +113,124 @@ def test_imports_run_one_way(name):
         assert ok, f"{name} imports {imported}"
 
 
-def test_no_import_cycle():
-    graph = {
-        name: {m for m in imports_of(path, name) if m in MODULES and m != name}
-        for name, path in MODULES.items()
-    }
+def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
     state: dict[str, int] = {}
 
     def visit(node, stack):
         state[node] = 1
-        for nxt in graph[node]:
+        for nxt in sorted(graph[node]):
             if state.get(nxt) == 1:
-                raise AssertionError(" -> ".join([*stack, node, nxt]))
-            if nxt not in state:
-                visit(nxt, [*stack, node])
+                return [*stack, node, nxt]
+            if nxt not in state and (found := visit(nxt, [*stack, node])):
+                return found
         state[node] = 2
+        return None
 
-    for node in graph:
-        if node not in state:
-            visit(node, [])
+    for node in sorted(graph):
+        if node not in state and (found := visit(node, [])):
+            return found
+    return None
+
+
+def test_find_cycle_finds_one():
+    assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+    assert find_cycle({"a": {"b"}, "b": set()}) is None
+
+
+def test_no_import_cycle():
+    """Type-checking imports count: a cycle through them is a cycle of concepts all the same.
+    A package's ``__init__`` importing its own modules is not a cycle."""
+    graph = {
+        name: {
+            m
+            for m in imports_of(path, name)
+            if m in MODULES and m != name and not name.startswith(m + ".")
+        }
+        for name, path in MODULES.items()
+    }
+    cycle = find_cycle(graph)
+    assert cycle is None, " -> ".join(cycle)
+
+
+def private_imports(path: str, name: str) -> list[str]:
+    """Names starting with one underscore that ``name`` imports from another module of ours."""
+    found = []
+    for base, names in import_nodes(path, name):
+        if base.split(".")[0] not in OURS or base == name:
+            continue
+        private_module = any(part.startswith("_") and not part.startswith("__")
+                             for part in base.split("."))  # fmt: skip
+        found += [f"{base}.{n}" for n in names if n.startswith("_") and not n.startswith("__")]
+        found += [base] if private_module else []
+    return found
 
 
 @pytest.mark.parametrize("name", sorted(MODULES))
-def test_no_module_past_500_lines(name):
+def test_no_import_of_another_modules_private_name(name):
+    assert private_imports(MODULES[name], name) == []
+
+
+def test_private_imports_are_found(tmp_path):
+    path = tmp_path / "m.py"
+    path.write_text("from dp_cost.flash.clip import _hidden, public\nfrom dp_cost.a._b import c\n")
+    assert private_imports(str(path), "x") == ["dp_cost.flash.clip._hidden", "dp_cost.a._b"]
+
+
+@pytest.mark.parametrize("name", sorted(MODULES))
+def test_module_size_budget(name):
+    """Modules are sized by concept: past MODULE_WARN_LINES a warning (look for the seam), past
+    MODULE_MAX_LINES a failure. Nobody deletes a useful line to stay under a cap."""
     with open(MODULES[name], encoding="utf-8") as f:
-        assert sum(1 for _ in f) <= 500, name
+        lines = sum(1 for _ in f)
+    assert lines <= MODULE_MAX_LINES, f"{name}: {lines} lines"
+    if lines > MODULE_WARN_LINES:
+        warnings.warn(f"{name}: {lines} lines, past {MODULE_WARN_LINES}", stacklevel=1)
+
+
+# A comparison of a value with one of the distributed modes' names.
+MODE_COMPARISON = re.compile(
+    r"""(==|!=|\bin)\s*\(?\s*["'](none|ddp|fsdp)["']|["'](ddp|fsdp)["']\s*(==|!=)"""
+)
+
+
+def test_the_distributed_mode_is_read_in_one_place():
+    """What differs between one process, DDP and FSDP2 is the mode object's
+    (dp_cost/parallel/mode.py); nothing else compares the mode's name."""
+    offenders = []
+    for name, path in MODULES.items():
+        if name == "dp_cost.parallel.mode":
+            continue
+        for number, line in enumerate(open(path, encoding="utf-8"), 1):
+            if MODE_COMPARISON.search(line):
+                offenders.append(f"{name}:{number}: {line.strip()}")
+    assert offenders == []
+    assert MODE_COMPARISON.search('if distributed == "ddp":')
+    assert MODE_COMPARISON.search("x != 'none'")
+
+
+def architecture_folders() -> set[str]:
+    """The folders ARCHITECTURE.md's map names (``dp_cost/<name>/`` at a line's start)."""
+    text = open(os.path.join(ROOT, "ARCHITECTURE.md"), encoding="utf-8").read()
+    return set(re.findall(r"^dp_cost/([a-z_]+)/ ", text, flags=re.MULTILINE))
+
+
+def test_architecture_names_every_folder_of_the_tree():
+    tree = {
+        entry
+        for entry in os.listdir(os.path.join(ROOT, "dp_cost"))
+        if os.path.isfile(os.path.join(ROOT, "dp_cost", entry, "__init__.py"))
+    }
+    assert architecture_folders() >= tree
+    named = architecture_folders()
+    assert named <= tree, f"ARCHITECTURE.md names folders that are not there: {named - tree}"
+
+
+def test_tests_are_laid_out_like_the_code():
+    folders = {
+        entry
+        for entry in os.listdir(os.path.join(ROOT, "tests"))
+        if os.path.isdir(os.path.join(ROOT, "tests", entry)) and entry not in ("fixtures",)
+        and not entry.startswith((".", "__"))
+    }  # fmt: skip
+    code = set(os.listdir(os.path.join(ROOT, "dp_cost")))
+    assert folders <= code, f"test folders without a code folder: {folders - code}"

@@ -8,7 +8,7 @@ import threading
 
 import pytest
 
-from core import reading
+from dp_cost.core import reading
 
 
 def test_reads_plain_and_gzipped_json(tmp_path):

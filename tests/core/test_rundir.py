@@ -7,8 +7,8 @@ import sys
 
 import pytest
 
-from core import rundir
-from core.settings import UsageError
+from dp_cost.core import rundir
+from dp_cost.core.settings import UsageError
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -83,7 +83,7 @@ def test_a_second_process_on_a_locked_run_stops_naming_the_holder(tmp_path):
         [
             sys.executable,
             "-c",
-            "import sys, time; from core import rundir; rundir.RunLock(sys.argv[1]); "
+            "import sys, time; from dp_cost.core import rundir; rundir.RunLock(sys.argv[1]); "
             "print('locked', flush=True); time.sleep(60)",
             str(tmp_path),
         ],

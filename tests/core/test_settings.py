@@ -10,8 +10,8 @@ import pytest
 from cli_helpers import ROOT, TORCHRUN_ENV
 
 import profiling_script
-from core import settings
-from core.settings import ExperimentConfig
+from dp_cost.core import settings
+from dp_cost.core.settings import ExperimentConfig
 
 
 @pytest.mark.parametrize(
@@ -84,7 +84,7 @@ def test_every_flag_of_the_table_is_on_the_command_line_with_its_aliases():
 
 
 def test_mode_defaults_reach_the_plan_and_flags_override_them():
-    from measure import plan
+    from dp_cost.measure import plan
 
     def planned(*argv):
         args = profiling_script.parse_args(list(argv))
@@ -114,7 +114,7 @@ def test_mode_defaults_reach_the_plan_and_flags_override_them():
 
 
 def test_without_cuda_a_gpu_mode_runs_what_its_mode_row_says():
-    from measure import plan
+    from dp_cost.measure import plan
 
     def planned(*argv):
         return plan.make_plan(profiling_script.parse_args(list(argv)), cuda_available=lambda: False)
@@ -159,7 +159,7 @@ def test_switches_set_their_value_and_stay_unset_otherwise():
     ],
 )
 def test_a_setting_the_model_would_ignore_is_an_error(argv):
-    from measure import plan
+    from dp_cost.measure import plan
 
     args = profiling_script.parse_args(["--device", "cpu", *argv])
     with pytest.raises(settings.UsageError, match="applies only to"):
@@ -184,7 +184,7 @@ def readme_commands() -> list[str]:
 def test_every_readme_command_plans(monkeypatch):
     """What README tells users to type parses and plans (CUDA stubbed; torchrun's environment
     for the torchrun lines): a renamed flag or a changed default fails here, not for a user."""
-    from measure import plan
+    from dp_cost.measure import plan
 
     commands = readme_commands()
     assert len(commands) >= 10 and any(c.startswith("torchrun") for c in commands)
@@ -201,3 +201,49 @@ def test_every_readme_command_plans(monkeypatch):
                 continue
             planned = plan.make_plan(args, cuda_available=lambda: True)
         assert planned.configs, command
+
+
+def test_experiment_config_is_the_settings_table_written_out():
+    """ExperimentConfig is written out so its fields can be read and grepped; it must stay the
+    settings table's: the same names in the same order, the same defaults."""
+    import dataclasses
+
+    from dp_cost.core.settings import AXES_REQUIRED, CONFIG_FIELDS, ExperimentConfig
+
+    fields = dataclasses.fields(ExperimentConfig)
+    table = [s.name for s in CONFIG_FIELDS if s.name in AXES_REQUIRED]
+    table += [s.name for s in CONFIG_FIELDS if s.name not in AXES_REQUIRED]
+    assert [f.name for f in fields] == table
+    by_name = {s.name: s for s in CONFIG_FIELDS}
+    for f in fields:
+        if f.name in AXES_REQUIRED:
+            assert f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+            continue
+        default = f.default_factory() if f.default is dataclasses.MISSING else f.default
+        assert default == by_name[f.name].default, f.name
+        assert type(default) is type(by_name[f.name].default), f.name
+
+
+def test_the_distributed_mode_object_names_the_directory_and_refusals():
+    from dp_cost.core.settings import ExperimentConfig
+    from dp_cost.parallel.mode import distributed_mode
+
+    single = ExperimentConfig(trainer="flash", batch_size=4, seq_len=8)
+    ddp = ExperimentConfig(
+        trainer="flash", batch_size=4, seq_len=8, distributed="ddp", world_size=2
+    )
+    assert single.config_dir == "flash_bs4_seq8"
+    assert ddp.config_dir == "flash_bs4_seq8_ddp2x" and ddp.distributed_mode.replicates
+    assert not single.distributed_mode.is_distributed
+    assert (
+        distributed_mode("fsdp", 4).graph_refusal
+        and distributed_mode("ddp", 2).graph_refusal is None
+    )
+    assert distributed_mode("none", 8).world_size == 1
+    assert [list(distributed_mode("fsdp", 3).batch_share(7, r)) for r in range(3)] == [
+        [0, 1, 2], [3, 4], [5, 6]]  # fmt: skip
+    assert distributed_mode("ddp", 2).gathers_per_sample(1)
+    assert not distributed_mode("ddp", 4).gathers_per_sample(1)
+    assert not distributed_mode("fsdp", 2).gathers_per_sample(1)
+    with pytest.raises(ValueError, match="--distributed must be one of"):
+        distributed_mode("zero3")

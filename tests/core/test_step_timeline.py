@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from core import kernel_names
+from dp_cost.core import kernel_names
 
 
 def x(name, cat, ts, dur, tid=1, correlation=None):

@@ -10,13 +10,15 @@ import torch
 from flash_reference import RecordingSink
 from torch import nn
 
-from flash.engine import FlashClipping
+from dp_cost.flash.engine import FlashClipping
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"  # set by conftest.py without a GPU
 interpreted = pytest.mark.skipif(not INTERPRETED, reason="the GPU runs the compiled kernel")
 on_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-kernels = pytest.importorskip("flash.kernels", reason="needs triton")
-clipped_gemm_module = pytest.importorskip("flash.kernels.clipped_gemm", reason="needs triton")
+kernels = pytest.importorskip("dp_cost.flash.kernels", reason="needs triton")
+clipped_gemm_module = pytest.importorskip(
+    "dp_cost.flash.kernels.clipped_gemm", reason="needs triton"
+)
 
 
 def clipped_sum(A, G, c):
@@ -205,12 +207,12 @@ def test_fold_many_equals_each_fold_alone():
     assert len({f.untyped_storage().data_ptr() for f in many if f.numel()}) == 1
     # Nothing cached per operand size (they change with B and T; the per-block tables kept for
     # parameter sizes would grow with them)
-    from flash.kernels import _common
+    from dp_cost.flash.kernels import common
 
-    tables = len(_common._BLOCK_TABLES)
+    tables = len(common._BLOCK_TABLES)
     for B in (1, 2, 5):
         kernels.fold_clip_factors_many([torch.randn(B * 3, 9).half()], torch.ones(B), [3])
-    assert len(_common._BLOCK_TABLES) == tables
+    assert len(common._BLOCK_TABLES) == tables
     with pytest.raises(ValueError, match="one 16-bit dtype"):
         kernels.fold_clip_factors_many([Xs[0], Xs[1].float()], c, [5, 1])
 
@@ -223,7 +225,7 @@ def test_flash_step_folds_many_layers_per_launch_interpreted(monkeypatch, use_si
     launches of up to FOLD_GROUP_BYTES: one launch for all, or one per layer (bound 0), give
     the same gradients bit for bit, on the .grad path and the sink path, each within fp16
     rounding of an fp64 clipped sum for the same clip factors."""
-    from flash.rules import linear as linear_rule
+    from dp_cost.flash.rules import linear as linear_rule
 
     monkeypatch.setattr(kernels, "clipped_weight_grad_supported", lambda A, G: True)
     launches = []
@@ -321,7 +323,7 @@ def test_flash_step_takes_the_kernel_interpreted(monkeypatch):
     second adds into .grad), its clipped gradient through clipped_weight_grad (run on CPU
     tensors by the interpreter) with fp32 clip factors. Against the fp64 sum for the same
     factors: 1e-5, where the CPU path (c folded into fp16 G, shrunk by an ulp) is further off."""
-    from flash.rules import linear as linear_rule
+    from dp_cost.flash.rules import linear as linear_rule
 
     monkeypatch.setattr(linear_rule, "EXACT_CLIPPED_GEMM", True)
     calls = []
@@ -375,7 +377,7 @@ def test_flash_bf16_step_on_cuda(monkeypatch, B, T, d, p, exact):
     shrunk by an ulp, was 1e-2 off). Against the fp64 sum for flash's own clip factors: the
     default (fp32 c folded into bf16, rounded toward zero) loses under one bf16 ulp per element
     (2.8e-3 on average); the exact kernel fp32 rounding only."""
-    from flash.rules import linear as linear_rule
+    from dp_cost.flash.rules import linear as linear_rule
 
     monkeypatch.setattr(linear_rule, "EXACT_CLIPPED_GEMM", exact)
     grad, norms, reference_norms, for_flash_c, reference = linear_step(

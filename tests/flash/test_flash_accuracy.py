@@ -6,7 +6,7 @@ import torch
 from flash_reference import brute_force, sample_losses
 from torch import nn
 
-from flash.engine import FlashClipping
+from dp_cost.flash.engine import FlashClipping
 
 
 def test_product_route_norms_stay_fp32_exact_on_long_rows():

@@ -21,8 +21,8 @@ from flash_reference import (
 )
 from torch import nn
 
-from flash.clip import _squared_row_norms_many, clip_per_sample
-from flash.engine import FlashClipping, UnsupportedLayerError
+from dp_cost.flash.clip import clip_per_sample, squared_row_norms_many
+from dp_cost.flash.engine import FlashClipping, UnsupportedLayerError
 
 
 @pytest.mark.parametrize("B", [1, 3])
@@ -30,7 +30,7 @@ def test_large_kept_per_sample_grads_match_brute_force(monkeypatch, B):
     """Kept per-sample gradients above SMALL_PER_SAMPLE_NUMEL (the 1b model's product-route
     weights) are clip-summed one by one, not batched: with the threshold at 0 every kept one
     (weights, biases, norm layers) takes that path."""
-    from flash import engine as flash_clip
+    from dp_cost.flash import engine as flash_clip
 
     monkeypatch.setattr(flash_clip, "SMALL_PER_SAMPLE_NUMEL", 0)
     model = make_model()
@@ -58,7 +58,7 @@ def test_squared_row_norms_many_sums_every_tensor_per_sample_per_dtype(B):
         for s in shapes
         for dtype in (torch.float32, torch.bfloat16)
     ]
-    terms = _squared_row_norms_many(grads)
+    terms = squared_row_norms_many(grads)
     assert [t.dtype for t in terms] == [torch.float64, torch.float32, torch.float32]
     expected = sum(g.double().flatten(1).square().sum(1) for g in grads)
     assert_close(sum(t.double() for t in terms), expected, 1e-6)
@@ -71,7 +71,7 @@ def test_biases_formed_after_the_backward_in_one_launch_match_brute_force(monkey
     its support check widened to CPU tensors), fp32 norms and clipped sums against brute force.
     The up layer's weight is frozen: nothing needs its A and G after the backward, so its bias is
     formed in the hook and they are dropped there, as before."""
-    kernels = pytest.importorskip("flash.kernels", reason="needs triton")
+    kernels = pytest.importorskip("dp_cost.flash.kernels", reason="needs triton")
     if os.environ.get("TRITON_INTERPRET") != "1":
         pytest.skip("the CPU kernels are interpreted only where there is no GPU")
     launches, token_sums = [], kernels.token_sums_many
@@ -118,7 +118,7 @@ def test_accumulate_many_gives_each_parameter_its_sum():
     """Small parameters' clipped sums from one flat buffer: a first chunk's .grad holds exactly
     its slice, in its own storage (the memory census counts storages whole, by owner) and in
     the parameter's dtype, a second chunk's adds to it, and an optimizer step reads them."""
-    from flash.clip import _accumulate_many
+    from dp_cost.flash.clip import accumulate_many
 
     torch.manual_seed(0)
     params = [
@@ -130,10 +130,10 @@ def test_accumulate_many_gives_each_parameter_its_sum():
     for p in params:
         p.data = p.data.double()
     sums = first.clone()
-    _accumulate_many(params, sums)
+    accumulate_many(params, sums)
     storages = {p.grad.untyped_storage().data_ptr() for p in params}
     assert len(storages) == 3 and sums.untyped_storage().data_ptr() not in storages
-    _accumulate_many(params, second.clone())
+    accumulate_many(params, second.clone())
     total = first + second
     assert torch.equal(torch.cat([p.grad.flatten() for p in params]), total)
     before = [p.detach().clone() for p in params]
@@ -142,7 +142,7 @@ def test_accumulate_many_gives_each_parameter_its_sum():
         assert torch.equal(p.detach().flatten(), old.flatten() - 0.5 * total[start : start + n])
     half = [nn.Parameter(torch.zeros(4).half()), nn.Parameter(torch.zeros(2).half())]
     sums = torch.tensor([0.1, 0.2, 0.3, 0.4, 0.5, 0.6])
-    _accumulate_many(half, sums)
+    accumulate_many(half, sums)
     assert [p.grad.dtype for p in half] == [torch.float16] * 2
     assert torch.equal(torch.cat([p.grad for p in half]), sums.half())
 
@@ -229,7 +229,7 @@ def test_autocast_keeps_one_low_precision_input_per_tensor():
     x = torch.randn(2, 5, 8)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         out = model(x)
-    saved = {layer.name: layer.calls[0][0] for layer in flash.layers if layer.name in "qkv"}
+    saved = {layer.name: layer.calls[0].A for layer in flash.layers if layer.name in "qkv"}
     assert all(A.dtype == torch.bfloat16 for A in saved.values())
     assert len({A.untyped_storage().data_ptr() for A in saved.values()}) == 1  # one cast
     expected = F.layer_norm(x, (8,), model.ln.weight, model.ln.bias).to(torch.bfloat16)
@@ -237,7 +237,7 @@ def test_autocast_keeps_one_low_precision_input_per_tensor():
     flash.backward(out.float().sum())
     q = next(layer for layer in flash.layers if layer.name == "q")
     # gram route: the weight waits for A and G; the [B, p] bias gradient was formed at once
-    assert q.calls[0][2] == {"weight"} and q.per_sample["bias"].shape == (2, 8)
+    assert q.calls[0].pending == {"weight"} and q.per_sample["bias"].shape == (2, 8)
 
 
 def test_unsupported_layer_raises():
@@ -281,7 +281,9 @@ def test_saved_tensors_freed_layer_by_layer_while_the_graph_lives():
     ids, targets = make_batch(3, 9)
     loss = sample_losses(model(ids), targets).sum()
     flash.backward(loss)
-    saved = [weakref.ref(t) for layer in flash.layers for call in layer.calls for t in call]
+    saved = [
+        weakref.ref(t) for layer in flash.layers for call in layer.calls for t in call.tensors()
+    ]
     saved += [weakref.ref(g) for layer in flash.layers for g in layer.per_sample.values()]
     # Embeddings keep A and G; Linears (T=9 >= dp/(d+p)) and norms keep per-sample grads.
     assert len(saved) >= len(flash.layers) + 2
@@ -301,7 +303,7 @@ def test_product_route_drops_inputs_during_backward():
     flash = FlashClipping(model, route="product")
     ids, targets = make_batch(2, 6)
     loss = sample_losses(model(ids), targets).sum()
-    inputs = {layer.name: weakref.ref(layer.calls[0][0]) for layer in flash.layers}
+    inputs = {layer.name: weakref.ref(layer.calls[0].A) for layer in flash.layers}
     flash.backward(loss)
     kept = {layer.name for layer in flash.layers if layer.per_sample}
     assert kept == {"ln", "up", "down", "rms", "head"}  # every Linear and norm; not embeddings
@@ -454,8 +456,8 @@ def test_kept_tensors_are_the_saved_inputs_output_grads_and_per_sample_grads(rou
 def test_allocation_sites_name_the_functions_that_allocate():
     """The memory attribution reads each entry's function name: every role lists the functions
     (and each rule's overrides) that make its allocations, under the names they have."""
-    from flash.rules.linear import LinearRule
-    from flash.sites import ALLOCATION_SITES
+    from dp_cost.flash.rules.linear import LinearRule
+    from dp_cost.flash.sites import ALLOCATION_SITES
 
     names = {role: {fn.__code__.co_name for fn in fns} for role, fns in ALLOCATION_SITES.items()}
     assert list(names) == ["temp_matrices", "norm_samples", "per_sample_gradients", "gradients"]
@@ -501,7 +503,7 @@ def test_input_read_by_layers_with_other_calls_between_is_cast_once():
     x = torch.randn(2, 5, 8)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         out = model(x)
-    saved = {layer.name: layer.calls[0][0] for layer in flash.layers if layer.name[1:] == "a"}
+    saved = {layer.name: layer.calls[0].A for layer in flash.layers if layer.name[1:] == "a"}
     assert len({A.untyped_storage().data_ptr() for A in saved.values()}) == 1  # one cast
     h = model.ln(x).to(torch.bfloat16)
     assert all(A.dtype == torch.bfloat16 and torch.equal(A, h) for A in saved.values())
@@ -550,7 +552,7 @@ def test_under_autocast_flash_casts_no_input_the_layers_do_not():
         counts.append(casts.count)
         loss = out.float().square().sum()
         if with_flash:
-            assert flash.layers[2].calls[0][0].dtype == torch.bfloat16  # q's A: the cast
+            assert flash.layers[2].calls[0].A.dtype == torch.bfloat16  # q's A: the cast
             flash.backward(loss)
         else:
             loss.backward()
@@ -566,7 +568,7 @@ def test_sink_gets_each_parameter_sum_once_as_grad_would(monkeypatch, small, rou
     at a time and in flash.params' reverse order whatever the route (the ranks' collectives
     pair up by that order), with kept per-sample gradients in the concatenation (all of them at
     the default threshold) or one by one (threshold 64: the weights)."""
-    from flash import engine as flash_clip
+    from dp_cost.flash import engine as flash_clip
 
     monkeypatch.setattr(flash_clip, "SMALL_PER_SAMPLE_NUMEL", small)
     ids, targets = make_batch(3, 5, seed=2)
@@ -597,7 +599,7 @@ def test_sink_path_holds_no_sum_it_handed_over(monkeypatch, route):
     holds no reference to it (no local of a suspended generator or loop keeps an unsharded sum
     alive through the next layer's clipped GEMM). No concatenation of small per-sample
     gradients here (threshold 0): their sums would be views of one buffer."""
-    from flash import engine as flash_clip
+    from dp_cost.flash import engine as flash_clip
 
     monkeypatch.setattr(flash_clip, "SMALL_PER_SAMPLE_NUMEL", 0)
     ids, targets = make_batch(3, 5, seed=4)

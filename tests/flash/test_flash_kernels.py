@@ -9,8 +9,8 @@ import torch
 
 if os.environ.get("TRITON_INTERPRET") != "1":  # set by conftest.py where there is no GPU
     pytest.skip("kernels compile here: test_flash_kernels_gpu.py", allow_module_level=True)
-flash_kernels = pytest.importorskip("flash.kernels", reason="needs triton")
-gram = pytest.importorskip("flash.kernels.gram", reason="needs triton")
+flash_kernels = pytest.importorskip("dp_cost.flash.kernels", reason="needs triton")
+gram = pytest.importorskip("dp_cost.flash.kernels.gram", reason="needs triton")
 
 
 def per_sample_squared_norms(A, G):
@@ -146,18 +146,18 @@ def test_device_tables_are_kept_by_content_and_bounded():
     give a table of those rows; at most DEVICE_TABLES_KEPT are held, the least recently used
     dropped first. Then weighted sums on the same tensors twice, overwriting then accumulating
     with other weights: the second launch must read its own flags, not the first's table."""
-    from flash.kernels import _common
+    from dp_cost.flash.kernels import common
 
     device = torch.device("cpu")
-    first = _common._int64_table([[7, 8, 1], [9, 10, 0]], device)
-    assert _common._int64_table([[7, 8, 1], [9, 10, 0]], device) is first
-    other = _common._int64_table([[7, 8, 1], [9, 10, 1]], device)
+    first = common.int64_table([[7, 8, 1], [9, 10, 0]], device)
+    assert common.int64_table([[7, 8, 1], [9, 10, 0]], device) is first
+    other = common.int64_table([[7, 8, 1], [9, 10, 1]], device)
     assert other is not first and other.tolist() == [[7, 8, 1], [9, 10, 1]]
-    assert _common._int64_table([3, 4], device).tolist() == [3, 4]
-    for n in range(2 * _common.DEVICE_TABLES_KEPT):
-        _common._int64_table([n], device)
-        assert len(_common._DEVICE_TABLES) <= _common.DEVICE_TABLES_KEPT
-    assert _common._int64_table([[7, 8, 1], [9, 10, 0]], device) is not first  # dropped
+    assert common.int64_table([3, 4], device).tolist() == [3, 4]
+    for n in range(2 * common.DEVICE_TABLES_KEPT):
+        common.int64_table([n], device)
+        assert len(common._DEVICE_TABLES) <= common.DEVICE_TABLES_KEPT
+    assert common.int64_table([[7, 8, 1], [9, 10, 0]], device) is not first  # dropped
 
     torch.manual_seed(5)
     sources, targets = [torch.randn(3, 50), torch.randn(3, 7)], [torch.empty(50), torch.empty(7)]
@@ -174,7 +174,7 @@ def test_token_sums_match_fp64(B):
     storage against an fp64 sum over tokens; widths around the 128-column block (1, 127, 129,
     300), T not a multiple of the 64-token tile and past it, a strided source (every other
     sample of a bigger batch), fp16 and fp32 sources; empty lists and T = 0."""
-    from flash.kernels import weighted_sums
+    from dp_cost.flash.kernels import weighted_sums
 
     torch.manual_seed(6)
     for T, dtype in ((70, torch.float16), (5, torch.float32), (128, torch.float32)):

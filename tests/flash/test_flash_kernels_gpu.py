@@ -14,7 +14,7 @@ pytestmark = [
 @pytest.mark.parametrize("dtype, tolerance", [(torch.float32, 1e-5), (torch.bfloat16, 1e-4)])
 @pytest.mark.parametrize("B, T, d, p", [(3, 257, 48, 48), (8, 512, 256, 1024), (2, 1, 64, 64)])
 def test_gram_kernel_on_cuda(dtype, tolerance, B, T, d, p):
-    from flash import kernels as flash_kernels
+    from dp_cost.flash import kernels as flash_kernels
 
     torch.manual_seed(0)
     A = torch.randn(B, T, d, device="cuda").to(dtype)
@@ -29,8 +29,8 @@ def test_flash_gram_route_runs_the_fused_kernel_on_cuda(monkeypatch):
     """flash's Gram route goes through the Triton kernel for bf16 on CUDA (the torch path
     stays for CPU, fp32 and fused=False); both match brute force on a bf16 layer of the 1b
     model's shape."""
-    from flash import kernels as flash_kernels
-    from flash.rules import linear as linear_rule
+    from dp_cost.flash import kernels as flash_kernels
+    from dp_cost.flash.rules import linear as linear_rule
 
     calls = []
     kernel = flash_kernels.gram_squared_norms
@@ -58,7 +58,7 @@ def test_flash_gram_route_runs_the_fused_kernel_on_cuda(monkeypatch):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_noise_kernel_on_cuda(dtype):
     """Fused noise on the GPU: N(0, std^2) added in place, in the tensors' own dtype."""
-    from flash import kernels as flash_kernels
+    from dp_cost.flash import kernels as flash_kernels
 
     torch.manual_seed(0)
     base = [torch.randn(3_000_000, device="cuda").to(dtype), torch.zeros(4097, device="cuda")]
@@ -74,7 +74,7 @@ def test_noise_kernel_on_cuda(dtype):
 
 def test_grouped_kernel_on_cuda():
     """All Gram-route layers of a step in one launch: layers of the 1b model's shapes, bf16."""
-    from flash import kernels as flash_kernels
+    from dp_cost.flash import kernels as flash_kernels
 
     torch.manual_seed(2)
     widths = [(2048, 2048), (2048, 8192), (8192, 2048)]
@@ -95,7 +95,7 @@ def test_grouped_kernel_on_cuda():
 def test_weighted_sums_on_cuda():
     """Clipped sums of kept bf16 per-sample gradients into fp32 .grad buffers, one launch:
     against an fp64 reference, overwriting one target and accumulating into another."""
-    from flash import kernels as flash_kernels
+    from dp_cost.flash import kernels as flash_kernels
 
     torch.manual_seed(3)
     weights = torch.rand(8, device="cuda")
@@ -114,7 +114,7 @@ def test_weighted_sums_on_cuda():
 def test_token_sums_on_cuda():
     """The biases' per-sample gradients of 1b-shaped bf16 output gradients (widths 2048 and
     8192, T = 512) and a narrow fp32 one, one launch, against an fp64 sum over tokens."""
-    from flash import kernels as flash_kernels
+    from dp_cost.flash import kernels as flash_kernels
 
     torch.manual_seed(5)
     sources = [torch.randn(8, 512, p, device="cuda").bfloat16() for p in (2048, 8192, 2048)]
@@ -134,7 +134,7 @@ def test_token_sums_on_cuda():
 def test_norm_layer_grads_on_cuda(dtype, rms, blocks):
     """Per-sample LayerNorm / RMSNorm gradients at a 1b shape against fp64 autograd per sample
     (the closed form sum_t g_t * xhat_t is what autograd gives; checked in the CPU tests)."""
-    from flash import kernels as flash_kernels
+    from dp_cost.flash import kernels as flash_kernels
 
     torch.manual_seed(4)
     # B = 8: the whole-row kernel sums two tiles per program (the 1b model's shape)
@@ -158,8 +158,8 @@ def test_norm_layer_grads_on_cuda(dtype, rms, blocks):
 def test_direct_kernel_on_cuda(dtype, tolerance, B, T, d, p):
     """The direct route's fused kernel, autotuned, against brute force; flash's direct
     route matches too, through the kernel in bf16 and the torch path in fp32."""
-    from flash import kernels as flash_kernels
-    from flash.rules import linear as linear_rule
+    from dp_cost.flash import kernels as flash_kernels
+    from dp_cost.flash.rules import linear as linear_rule
 
     fused = linear_rule.fused_norms_available(torch.empty(0, device="cuda", dtype=dtype))
     assert fused == (dtype == torch.bfloat16)

@@ -20,7 +20,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from flash.engine import FlashClipping
+from dp_cost.flash.engine import FlashClipping
 
 
 @pytest.mark.parametrize("route", ["gram", "direct", "product", "auto"])
@@ -68,9 +68,9 @@ def test_fused_kernel_wiring_interpreted_on_cpu(monkeypatch):
     sums of kept per-sample gradients on flash.kernels, in two chunks, so .grad is written once
     and then accumulated into), run on CPU tensors by the Triton interpreter: against brute
     force in fp32. Every kept per-sample gradient counts as large, so all take the kernel."""
-    from flash import engine as flash_clip
+    from dp_cost.flash import engine as flash_clip
 
-    kernels = pytest.importorskip("flash.kernels", reason="needs triton")
+    kernels = pytest.importorskip("dp_cost.flash.kernels", reason="needs triton")
     monkeypatch.setattr(flash_clip, "SMALL_PER_SAMPLE_NUMEL", 0)
     calls = []
     for name in ("norm_layer_grads_supported", "weighted_sums_supported"):
@@ -180,8 +180,8 @@ def test_bf16_autocast_close_to_fp32(route):
 def test_cuda_step_matches_brute_force(monkeypatch, autocast, tolerance):
     """On CUDA flash runs its fused kernels (LayerNorm/RMSNorm per-sample gradients, the
     clipped sums of kept per-sample gradients): bf16 autocast, and fp32 exact to 1e-5."""
-    from flash import engine as flash_clip
-    from flash import kernels as flash_kernels
+    from dp_cost.flash import engine as flash_clip
+    from dp_cost.flash import kernels as flash_kernels
 
     # TinyLM's per-sample weight gradients (<= 96 elements) count as large here, so they take
     # the weighted-sum kernel as the 1b model's do; biases and norm layers stay small.
@@ -223,7 +223,7 @@ def test_cuda_gram_step_forms_the_biases_in_one_launch(monkeypatch, autocast, to
     """Gram route on CUDA: the Linear biases' per-sample gradients come right after the backward
     from the kept G, both layers' in one token-sums launch, with no host sync; the step matches
     brute force (bf16 autocast, and fp32 to 1e-5)."""
-    from flash import kernels as flash_kernels
+    from dp_cost.flash import kernels as flash_kernels
 
     launches = []
     token_sums = flash_kernels.token_sums_many
@@ -254,17 +254,17 @@ def test_cuda_gram_step_forms_the_biases_in_one_launch(monkeypatch, autocast, to
 def test_clip_factors_are_never_rounded_up():
     """In bf16 a clip factor rounded up would scale a sample's gradient past C (the sensitivity
     the noise is calibrated to): the low-precision factor must be <= the exact one, 1 ulp off."""
-    from flash.clip import _round_down
+    from dp_cost.flash.clip import round_down
 
     c = torch.rand(10_000, generator=torch.Generator().manual_seed(0)).clamp(min=1e-3)
     c[:3] = torch.tensor([1.0, 0.5, 0.3])
-    low = _round_down(c, torch.bfloat16)
+    low = round_down(c, torch.bfloat16)
     assert low.dtype == torch.bfloat16
     assert (low.float() <= c).all()
     assert low[0] == 1 and low[1] == 0.5  # exactly representable: kept as they are
     ulp = c * 2.0**-7
     assert ((c - low.float()) <= ulp).all()
-    assert torch.equal(_round_down(c, torch.float32), c)
+    assert torch.equal(round_down(c, torch.float32), c)
 
 
 def test_bf16_clipped_contribution_never_exceeds_the_clip_norm():

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 import models
-from core.schema import MB
-from measure import breakdown, phases
+from dp_cost.core.schema import MB
+from dp_cost.measure import breakdown, phases
 from trainers import make_trainer
 
 FIXTURES = os.path.join(os.path.dirname(os.path.dirname(__file__)), "fixtures")

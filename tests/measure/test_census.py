@@ -13,11 +13,11 @@ import torch  # noqa: E402
 pytest.importorskip("transformers")
 pytest.importorskip("peft")
 
-from core import schema  # noqa: E402
-from hf import data as hf_data  # noqa: E402
-from hf import models as hf_models  # noqa: E402
-from measure import census as module_memory  # noqa: E402
-from measure import phases  # noqa: E402
+from dp_cost.core import schema  # noqa: E402
+from dp_cost.hf import data as hf_data  # noqa: E402
+from dp_cost.hf import models as hf_models  # noqa: E402
+from dp_cost.measure import census as module_memory  # noqa: E402
+from dp_cost.measure import phases  # noqa: E402
 from trainers import make_trainer  # noqa: E402
 
 VOCAB = hf_models.HF_CONFIGS["tiny-llama"]["vocab_size"]

@@ -6,9 +6,9 @@ import torch
 pytest.importorskip("transformers")
 
 import trainers  # noqa: E402
-from core.settings import ExperimentConfig  # noqa: E402
-from measure import phases  # noqa: E402
-from measure.workload import Workload  # noqa: E402
+from dp_cost.core.settings import ExperimentConfig  # noqa: E402
+from dp_cost.measure import phases  # noqa: E402
+from dp_cost.measure.workload import Workload  # noqa: E402
 
 
 def cpu_peak_with_dataset_of(size: int) -> float:

@@ -2,10 +2,10 @@
 
 import io
 
-from core.files import write_json
-from core.settings import ExperimentConfig
-from measure import processes
-from measure.worker import result_skeleton
+from dp_cost.core.files import write_json
+from dp_cost.core.settings import ExperimentConfig
+from dp_cost.measure import processes
+from dp_cost.measure.worker import result_skeleton
 
 
 def test_progress_bar_counts_resumed_configs_as_done_and_estimates_from_the_rest():

@@ -6,8 +6,8 @@ import torch
 
 import models
 import trainers
-from measure import phases
-from measure.steps import Privacy, Session, TimedSteps
+from dp_cost.measure import phases
+from dp_cost.measure.steps import Privacy, Session, TimedSteps
 
 SMALL = models.ModelConfig(vocab_size=11, hidden_dim=8, num_layers=1, num_heads=2, mlp_dim=8)
 

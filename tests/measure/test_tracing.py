@@ -11,7 +11,7 @@ import urllib.request
 import pytest
 from cli_helpers import cli, small_run_args
 
-from core import kernel_names as kernels
+from dp_cost.core import kernel_names as kernels
 
 
 def run_cli(tmp_path, *extra):

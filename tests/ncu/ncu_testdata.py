@@ -10,7 +10,7 @@ ncu_raw_range_h100_ghost_full.csv (a whole app-range export) are real recordings
 import os
 import stat
 
-from ncu.export import parse_raw_csv
+from dp_cost.ncu.export import parse_raw_csv
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 FIXTURES = os.path.join(ROOT, "tests", "fixtures")

@@ -8,12 +8,12 @@ import sys
 import pytest
 from ncu_testdata import SCRIPT, fake_ncu
 
-from core.files import write_json
-from core.settings import ExperimentConfig
-from measure import processes
-from measure.worker import result_skeleton
-from ncu.command import NCU_MISSING_MESSAGE
-from report import summary as report
+from dp_cost.core.files import write_json
+from dp_cost.core.settings import ExperimentConfig
+from dp_cost.measure import processes
+from dp_cost.measure.worker import result_skeleton
+from dp_cost.ncu.command import NCU_MISSING_MESSAGE
+from dp_cost.report import summary as report
 
 PY_BIN = os.path.dirname(sys.executable)
 BASE_PATH = f"{PY_BIN}:/usr/bin:/bin"

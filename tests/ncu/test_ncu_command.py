@@ -1,5 +1,5 @@
 """ncu.command and ncu.cli: report names, the profiling and export command lines,
-``python -m ncu command ...``, and what importing the package costs (no torch)."""
+``python -m dp_cost.ncu command ...``, and what importing the package costs (no torch)."""
 
 import subprocess
 import sys
@@ -8,8 +8,8 @@ import pytest
 from ncu_testdata import DEFAULT_METRICS, ROOT
 
 import trainers
-from core.schema import TRAINER_ALIASES
-from ncu import command as ncu
+from dp_cost.core.schema import TRAINER_ALIASES
+from dp_cost.ncu import command as ncu
 
 
 def test_ncu_command_exact_argv():
@@ -125,7 +125,7 @@ def test_trainer_names_match_the_registry():
 
 def test_command_cli_prints_a_shell_command():
     proc = subprocess.run(
-        [sys.executable, "-m", "ncu", "command", "--trainer", "ghost", "--batch_size", "16",
+        [sys.executable, "-m", "dp_cost.ncu", "command", "--trainer", "ghost", "--batch_size", "16",
          "--seq_len", "1024", "--report_dir", "out dir", "--python", "py",
          "--", "--dtype", "bfloat16"],
         cwd=ROOT, capture_output=True, text=True,
@@ -136,8 +136,8 @@ def test_command_cli_prints_a_shell_command():
 
 
 def test_command_cli_replay_mode():
-    base = [sys.executable, "-m", "ncu", "command", "--trainer", "flash", "--batch_size", "8",
-            "--seq_len", "256", "--ncu", "/opt/ncu"]  # fmt: skip
+    base = [sys.executable, "-m", "dp_cost.ncu", "command", "--trainer", "flash",
+            "--batch_size", "8", "--seq_len", "256", "--ncu", "/opt/ncu"]  # fmt: skip
     proc = subprocess.run([*base, "--replay_mode", "app-range"], cwd=ROOT, capture_output=True,
                           text=True)  # fmt: skip
     assert proc.returncode == 0, proc.stderr
@@ -152,11 +152,11 @@ def test_command_cli_replay_mode():
 
 
 def test_cli_and_summary_import_neither_torch_nor_matplotlib():
-    """run_profiling_ncu.sh calls python -m ncu once per config and profiling_script.py
+    """run_profiling_ncu.sh calls python -m dp_cost.ncu once per config and profiling_script.py
     --mode=ncu_report runs without a GPU stack: neither may pay for torch (nor matplotlib,
     until a plot is drawn)."""
     code = (
-        "import sys, ncu.cli, ncu.summary\n"
+        "import sys, dp_cost.ncu.cli, dp_cost.ncu.summary\n"
         "print(sorted(m for m in ('torch', 'matplotlib', 'trainers') if m in sys.modules))"
     )
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)

@@ -19,9 +19,9 @@ from ncu_testdata import (
     read_text,
 )
 
-from core import kernel_names as kernels
-from core.schema import KERNEL_CATEGORIES
-from ncu import export as ncu
+from dp_cost.core import kernel_names as kernels
+from dp_cost.core.schema import KERNEL_CATEGORIES
+from dp_cost.ncu import export as ncu
 
 
 def test_units():

@@ -2,7 +2,7 @@
 
 import pytest
 
-from ncu import metrics
+from dp_cost.ncu import metrics
 
 
 @pytest.mark.parametrize("name", sorted(metrics.NVPROF_TO_NCU))

@@ -9,7 +9,7 @@ import threading
 import pytest
 from ncu_testdata import GEMM, STANDARD, raw_csv, write_reports
 
-from ncu import export, summary
+from dp_cost.ncu import export, summary
 
 
 def test_bad_report_files_are_named_and_the_rest_summarised(tmp_path, monkeypatch):

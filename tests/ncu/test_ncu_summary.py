@@ -18,7 +18,7 @@ from ncu_testdata import (
     write_reports,
 )
 
-from ncu import export, summary
+from dp_cost.ncu import export, summary
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 

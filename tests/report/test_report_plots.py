@@ -9,7 +9,7 @@ import pytest
 from test_report_summary import run_result
 from test_report_sweep import synthetic_result
 
-from report import figures, plots, sweep_peak_plots
+from dp_cost.report import figures, plots, sweep_detail_plots, sweep_peak_plots
 
 
 @pytest.fixture
@@ -39,7 +39,15 @@ def test_tradeoff_units_axes_legend_and_markers(tmp_path, drawn):
     assert labels[:2] == ["standard", "flash"]  # no dpsgd or ghost: they did not run
     shapes = labels[2:]
     assert len(shapes) == len(set(shapes)) == 3
-    assert any("pb1" in s for s in shapes) and any(" r8 " in s for s in shapes)
+    # only what tells the shapes apart, in words; what they share is in the title
+    assert sorted(shapes) == [
+        "physical batch 1, full fine-tuning",
+        "physical batch 2, LoRA r8",
+        "physical batch 2, full fine-tuning",
+    ]
+    assert ax.get_title().split("\n", 1)[1].replace("\n", " ") == (
+        "model 1b, batch 2, sequence length 16, bf16, SDPA attention, AdamW"
+    )
     markers = [c.get_paths()[0].vertices.tobytes() for c in ax.collections[: len(results)]]
     assert len(set(markers)) == 3  # one marker per shape, none repeated
     assert max(y for c in ax.collections for _, y in c.get_offsets()) == 1600.0  # MB, not GiB
@@ -81,4 +89,19 @@ def test_heatmap_has_panels_only_for_planned_combinations(tmp_path, drawn):
     sweep_peak_plots.plot_heatmap(str(tmp_path), results)
     fig = drawn["memory_heatmap.png"]
     titles = sorted(ax.get_title() for ax in fig.axes if ax.get_visible() and ax.get_title())
-    assert titles == ["dpsgd r8 · physical 1", "dpsgd r8 · physical 2", "ghost r8 · physical 2"]
+    assert titles == [
+        "dpsgd, LoRA r8\nphysical batch 1",
+        "dpsgd, LoRA r8\nphysical batch 2",
+        "ghost, LoRA r8\nphysical batch 2",
+    ]
+
+
+def test_sweep_titles_read_as_words(tmp_path, drawn):
+    result = synthetic_result("dpsgd", 256, 8, 2, None, peak=100.0)
+    result["config"]["dtype"] = "bfloat16"
+    sweep_detail_plots.plot_config_timeline(str(tmp_path), result)
+    (ax,) = [ax for ax in drawn[f"memory_timeline_config_{result['config_dir']}.png"].axes]
+    assert ax.get_title() == (
+        "dpsgd, sequence length 256, batch 8, physical batch 2, full fine-tuning, "
+        "model meta-llama/Llama-3.1-8B-Instruct, bf16"
+    )

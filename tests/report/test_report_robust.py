@@ -8,10 +8,10 @@ import os
 import pytest
 from test_report_summary import RESULTS, run_result, write_run
 
-from report import figures, tables
-from report import summary as report
-from report.result_check import result_problem
-from report.text import summary_text
+from dp_cost.report import figures, tables
+from dp_cost.report import summary as report
+from dp_cost.report.result_check import result_problem
+from dp_cost.report.text import summary_text
 
 GOOD = run_result("standard", 2, 1000.0, 10.0)
 
@@ -116,8 +116,11 @@ def test_spread_of_the_measured_steps_and_the_noisy_flag():
     assert "30.0% NOISY" in tables.format_table(tables.summary_rows([noisy]))
 
 
-def test_summary_text_uses_the_median_and_enough_digits():
-    # a CPU-sized run: 1.8 MB over 500 ms is 0.0036 MB/ms, which "%.2f" printed as 0.00
+def test_summary_text_uses_the_median_and_has_no_memory_per_time_column():
+    # MB divided by ms measures nothing: the old "Memory/Time" column is gone
     result = run_result("standard", 2, 1.8, 500.0) | {"avg_time_ms": 900.0}
-    line = next(x for x in summary_text([result]).splitlines() if x.startswith("Standard"))
-    assert line.split()[-3:] == ["1.80", "500.00", "0.0036"]
+    text = summary_text([result])
+    line = next(x for x in text.splitlines() if x.startswith("Standard"))
+    assert line.split()[-2:] == ["1.80", "500.00"]
+    header = next(x for x in text.splitlines() if x.startswith("Method"))
+    assert "Memory/Time" not in header and header.split("  ")[-1].strip() == "Median Time (ms)"

@@ -8,10 +8,10 @@ import sys
 
 from cli_helpers import ROOT
 
-from core.schema import BREAKDOWN_KEYS, KERNEL_CATEGORIES
-from report import summary as report
-from report import tables
-from report.results import shape_key, shape_label
+from dp_cost.core.schema import BREAKDOWN_KEYS, KERNEL_CATEGORIES
+from dp_cost.report import summary as report
+from dp_cost.report import tables
+from dp_cost.report.results import shape_key, shape_label, shape_labels
 
 
 def run_result(trainer, batch, peak, ms, lora=False, status="ok"):
@@ -70,6 +70,37 @@ def test_each_config_is_compared_with_standard_at_its_own_shape():
     assert [r["trainer"] for r in tables.summary_rows(RESULTS)[:2]] == ["standard", "dpsgd"]
 
 
+def test_shape_label_spells_out_the_config_directory_abbreviations():
+    """A plot title reads as words: no pb2, T16, r8, full or bfloat16 from the config directory."""
+    lora = run_result("dpsgd", 4, 10.0, 5.0, lora=True)
+    lora["config"] |= {"physical_batch_size": 2, "distributed": "ddp", "world_size": 2}
+    assert shape_label(lora["config"]) == (
+        "model 1b, batch 4, physical batch 2, sequence length 16, bf16, SDPA attention, "
+        "LoRA r8, DDP on 2 ranks, AdamW"
+    )
+    full = run_result("dpsgd", 4, 10.0, 5.0)["config"] | {"dtype": "float32"}
+    assert shape_label(full) == (
+        "model 1b, batch 4, physical batch 4, sequence length 16, fp32, SDPA attention, "
+        "full fine-tuning, AdamW"
+    )
+
+
+def test_shape_labels_split_what_configs_share_from_what_tells_them_apart():
+    eager, lora = run_result("flash", 4, 10.0, 5.0), run_result("flash", 4, 10.0, 5.0, lora=True)
+    graphed = run_result("flash", 4, 10.0, 4.0)
+    graphed["config"]["cuda_graph"] = True
+    common, labels = shape_labels([eager["config"], lora["config"], graphed["config"]])
+    assert common == "model 1b, batch 4, physical batch 4, sequence length 16, bf16, " + (
+        "SDPA attention, AdamW"
+    )
+    assert labels == [
+        "full fine-tuning, eager (no CUDA graph)",
+        "LoRA r8, eager (no CUDA graph)",
+        "full fine-tuning, CUDA graph",
+    ]
+    assert shape_labels([eager["config"]]) == (shape_label(eager["config"]), [""])
+
+
 def test_a_graphed_config_is_its_own_shape_with_its_own_label():
     """--cuda_graph changes what a step time means: eager and graphed configs are compared apart,
     and their labels and table rows say which is which."""
@@ -77,7 +108,7 @@ def test_a_graphed_config_is_its_own_shape_with_its_own_label():
     graphed["config"]["cuda_graph"] = True
     assert shape_key(eager["config"]) != shape_key(graphed["config"])
     assert shape_label(graphed["config"]) == shape_label(eager["config"]).replace(
-        " adamw", " graph adamw"
+        ", AdamW", ", CUDA graph, AdamW"
     )
     models = [row["model"] for row in tables.summary_rows([eager, graphed])]
     assert models == ["1b", "1b graph"]
@@ -119,9 +150,11 @@ def test_write_summary_writes_every_file_from_the_result_files(tmp_path):
 def test_report_imports_neither_torch_nor_measure():
     code = (
         "import sys\n"
-        "import report.summary, report.sweep, report.plots, report.figures\n"
-        "heavy = ('torch', 'measure', 'trainers', 'models', 'matplotlib', 'numpy')\n"
-        "print(sorted(m for m in sys.modules if m.split('.')[0] in heavy))\n"
+        "from dp_cost.report import figures, html_report, plots, run_info, summary, sweep\n"
+        "from dp_cost.report import trace_analysis\n"
+        "heavy = ('torch', 'dp_cost.measure', 'trainers', 'models', 'matplotlib', 'numpy',\n"
+        "         'hta', 'pandas', 'plotly')\n"
+        "print(sorted(m for m in sys.modules if m.startswith(heavy)))\n"
     )
     proc = subprocess.run(
         [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60

@@ -8,9 +8,9 @@ import os
 import pytest
 from cli_helpers import SWEEP_FILES
 
-from core.schema import BREAKDOWN_KEYS, CENSUS_KINDS, GROUPS, OPERATIONS
-from report import summary as report
-from report import sweep as hf_sweep
+from dp_cost.core.schema import BREAKDOWN_KEYS, CENSUS_KINDS, GROUPS, OPERATIONS
+from dp_cost.report import summary as report
+from dp_cost.report import sweep as hf_sweep
 
 
 def synthetic_result(trainer, seq, batch, physical, rank, status="ok", peak=None):
@@ -74,7 +74,8 @@ def test_scaling_fits_recover_exponents_and_say_why_not():
     full = [synthetic_result("dpsgd", s, 8, 1, None, peak=float(s)) for s in (64, 128)]
     assert "no LoRA" in hf_sweep.scaling_fits(full)["dpsgd"]["lora_rank"]["reason"]
     text = hf_sweep.findings_text(results, hf_sweep.scaling_fits(results))
-    assert "Out of memory:\n- dpsgd T1024 bs8 pb1 r16: oom reason" in text
+    oom = "- dpsgd, sequence length 1024, batch 8, physical batch 1, LoRA r16: oom reason"
+    assert f"Out of memory:\n{oom}" in text
     assert "sequence length (tokens): k = 1.50 (median of 2 series, range 1.50 to 1.50)" in text
 
 
@@ -93,7 +94,10 @@ def test_report_of_a_cuda_like_sweep_with_oom_and_skips(tmp_path):
         os.makedirs(tmp_path / r["config_dir"])
         (tmp_path / r["config_dir"] / "result.json").write_text(json.dumps(r))
     text = report.write_summary(str(tmp_path), report.load_results(str(tmp_path)))
-    assert "ghost T256 bs4 pb2 r8: oom reason" in text and "Skipped:" in text
+    assert (
+        "ghost, sequence length 256, batch 4, physical batch 2, LoRA r8: oom reason" in text
+        and "Skipped:" in text
+    )
     for name in SWEEP_FILES:  # data files in the run directory, every PNG under visualizations/
         folder = tmp_path / "visualizations" if name.endswith(".png") else tmp_path
         assert (folder / name).stat().st_size > 0, name

@@ -1,0 +1,483 @@
+"""The one table of experiment settings, and what each mode means.
+
+Each setting of an experiment is declared once, in ``SETTINGS``: its name (the config field and
+the ``result.json`` config key), default, default per mode, command-line flags, help, whether it
+names the config directory and whether reports compare trainers only among configs equal in it.
+The command-line parser, the experiment plan, ``ExperimentConfig``, the config directory name,
+the reports' comparison keys and ``--resume``'s change check all read this table.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from dp_cost.core.schema import TRAINER_ALIASES, TRAINER_ORDER
+from dp_cost.hf.configs import HF_CONFIGS
+from dp_cost.parallel.mode import MODES as MODES_OF_DISTRIBUTION
+from dp_cost.parallel.mode import SingleProcess, distributed_mode
+
+
+@dataclass(frozen=True)
+class Mode:
+    """What ``--mode=<name>`` means: its defaults are the ``modes`` column of ``SETTINGS``; these
+    fields say what it does on a machine without CUDA (when the device is not forced to CPU)."""
+
+    name: str
+    help: str
+    runs: bool = True  # measures (False: renders reports from files)
+    cpu_defaults: str | None = None  # whose defaults apply without CUDA
+    cpu_becomes: bool = False  # ... and the run becomes that mode (name, traces, breakdown)
+    cpu_model: str | None = None  # ... or the model it runs without CUDA when none is named
+    cpu_message: str = ""
+
+
+MODES = {
+    m.name: m
+    for m in (
+        Mode("test", "CPU, tiny model, every trainer, seconds"),
+        Mode(
+            "profile",
+            "GPU, ~1B-parameter model, torch.profiler traces",
+            cpu_defaults="test",
+            cpu_becomes=True,
+            cpu_message="No CUDA device found: --mode=profile runs the CPU test defaults instead.",
+        ),
+        Mode(
+            "memory",
+            "where the peak goes: breakdown on, traces off",
+            cpu_defaults="test",
+            cpu_message="No CUDA device found: the memory breakdown needs one; running the CPU "
+            "test defaults (breakdown fields are null).",
+        ),
+        Mode(
+            "hf",
+            "Hugging Face Llama sequence classifier (LoRA, Poisson sampling, epsilon)",
+            cpu_model="tiny-llama",
+            cpu_message="No CUDA device found: --mode=hf runs on the CPU with {model}, "
+            "with the hf mode's defaults.",
+        ),
+        Mode(
+            "hf_sweep",
+            "seq x batch x physical x LoRA rank sweep of a Hugging Face model",
+            cpu_model="tiny-llama",
+            cpu_message="No CUDA device found: --mode=hf_sweep runs on the CPU with {model}.",
+        ),
+        Mode("report", "re-render the summary of --input_dir from its result files", runs=False),
+        Mode("ncu_report", "summarise the Nsight Compute reports in --input_dir", runs=False),
+    )
+}
+RUN_MODES = tuple(name for name, mode in MODES.items() if mode.runs)
+
+
+class UsageError(Exception):
+    """A user mistake: reported as one line with exit code 2."""
+
+
+@dataclass(frozen=True)
+class Setting:
+    name: str  # ExperimentConfig field and result["config"] key
+    default: Any
+    help: str = ""
+    flags: tuple[str, ...] = ()  # CLI spellings, canonical first; none: set by the plan only
+    type: Callable | None = None
+    choices: tuple | None = None
+    axis: bool = False  # the flag takes several values: one config per value
+    switch: bool | None = None  # a value-less flag: the value it sets (True, or False for --no_x)
+    modes: dict = field(default_factory=dict)  # default per mode, where it differs
+    # This setting's part of the config directory name (None or "" when it adds none).
+    dir_part: Callable[[Any], str | None] | None = None
+    compare: bool = False  # reports compare trainers among configs equal in every such setting
+    # Where a result's config keeps the compared value (default: the setting's own key).
+    compared_value: Callable[[dict], Any] | None = None
+    into: str | None = None  # collected into this dict field (model overrides) instead
+    recorded: bool = True  # False: plan-internal, not written to result.json
+    # Its mode default follows the mode that runs, not the defaults a GPU mode borrows on CPU.
+    follows_mode: bool = False
+
+    @property
+    def dest(self) -> str:
+        return self.flags[0].lstrip("-").replace("-", "_") if self.flags else self.name
+
+    def default_for(self, mode: str | None) -> Any:
+        return self.modes.get(mode, self.default)
+
+    def value_in(self, config: dict) -> Any:
+        if self.compared_value is not None:
+            return self.compared_value(config)
+        return config.get(self.name, self.default)
+
+
+def physical_part(config) -> str | None:
+    physical = config.physical_batch_size
+    return f"_pb{physical}" if physical != config.batch_size // config.world_size else None
+
+
+# The causal LM's named configs (``models.CONFIGS``), listed here so --help needs no torch.
+LM_MODELS = ("tiny", "1b")
+MODEL_OVERRIDES = ("vocab_size", "hidden_dim", "num_layers", "num_heads", "max_seq_len")
+HF_MODES = {
+    "hf": "meta-llama/Llama-3.2-3B-Instruct",
+    "hf_sweep": "meta-llama/Llama-3.1-8B-Instruct",
+}
+
+# In the order of the config directory name: <trainer>_bs<B>_seq<T>_pb<P>_r<R>_bf16_<attention>
+# _ckpt_graph_<model>; the settings that name no directory part follow.
+SETTINGS: tuple[Setting, ...] = (
+    Setting(
+        "trainer",
+        None,
+        f"trainers to run: {', '.join(TRAINER_ORDER)} (aliases: "
+        f"{', '.join(f'{a}={t}' for a, t in TRAINER_ALIASES.items())}) (default: every "
+        "registered one; hf_sweep: dpsgd)",
+        flags=("--trainers",),
+        axis=True,
+        modes={"hf_sweep": ["dpsgd"]},
+        dir_part=lambda c: c.trainer,
+    ),
+    Setting(
+        "batch_size",
+        None,
+        "logical batch size(s)",
+        flags=("--batch_sizes", "--batch_size", "--batch-size"),
+        type=int,
+        axis=True,
+        modes=dict(test=[2, 4], profile=[4, 8], memory=[1], hf=[32], hf_sweep=[8, 16, 32]),
+        dir_part=lambda c: f"_bs{c.batch_size}",
+        compare=True,
+    ),
+    Setting(
+        "seq_len",
+        None,
+        "sequence length(s)",
+        flags=("--seq_lens", "--seq_len", "--seq_length", "--seq_lengths", "--seq-len"),
+        type=int,
+        axis=True,
+        modes=dict(
+            test=[256, 512], profile=[512, 1024], memory=[4096], hf=[128], hf_sweep=[128, 256, 512]
+        ),
+        dir_part=lambda c: f"_seq{c.seq_len}",
+        compare=True,
+    ),
+    Setting(
+        "max_physical_batch_size",
+        None,
+        "physical batch size(s) (default: the logical batch; hf: 1; hf_sweep: 1 2 4)",
+        flags=("--max_physical_batch_sizes", "--max_physical_batch_size"),
+        type=int,
+        axis=True,
+        modes={"hf": [1], "hf_sweep": [1, 2, 4]},
+        dir_part=physical_part,
+        compare=True,
+        compared_value=lambda c: c.get("physical_batch_size"),
+    ),
+    Setting(
+        "lora_rank",
+        16,
+        "LoRA rank(s), with --use_lora",
+        flags=("--lora_ranks", "--lora_rank"),
+        type=int,
+        axis=True,
+        modes={"hf_sweep": [8, 16]},
+        dir_part=lambda c: f"_r{c.lora_rank}" if c.use_lora else None,
+        compare=True,
+        compared_value=lambda c: c.get("lora_rank") if c.get("use_lora") else None,
+    ),
+    Setting(
+        "dtype",
+        "float32",
+        "bfloat16: autocast for forward/backward with fp32 master weights",
+        flags=("--dtype",),
+        choices=("float32", "bfloat16"),
+        dir_part=lambda c: "_bf16" if c.dtype == "bfloat16" else None,
+        compare=True,
+    ),
+    Setting(
+        "attention",
+        "explicit",
+        "default: explicit softmax (the DPMultiheadAttention LM); sdpa for Hugging Face models",
+        flags=("--attention",),
+        choices=("explicit", "sdpa"),
+        dir_part=lambda c: f"_{c.attention}" if c.attention != c.default_attention else None,
+        compare=True,
+    ),
+    Setting(
+        "activation_checkpointing",
+        False,
+        "recompute each transformer block in backward (standard trainer only)",
+        flags=("--activation_checkpointing",),
+        switch=True,
+        dir_part=lambda c: "_ckpt" if c.activation_checkpointing else None,
+        compare=True,
+    ),
+    Setting(
+        "cuda_graph",
+        False,
+        "replay each step as one CUDA graph, captured after the first full-sized batch "
+        "(standard and flash, CUDA, one process or DDP; other batch sizes run eagerly; under "
+        "DDP standard is captured after DDP's 11th iteration: give --warmup_steps 11). "
+        "The host launches a step once instead of each kernel; memory breakdowns and module "
+        "censuses still measure an eager step",
+        flags=("--cuda_graph",),
+        switch=True,
+        dir_part=lambda c: "_graph" if c.cuda_graph else None,
+        compare=True,
+    ),
+    Setting(
+        "model",
+        "tiny",
+        f"named model: {', '.join([*LM_MODELS, *HF_CONFIGS])}",
+        flags=("--model", "--model_name"),
+        modes={"profile": "1b", "memory": "1b", **HF_MODES},
+        dir_part=lambda c: "_" + c.model.replace("/", "-") if c.model != c.default_model else None,
+        compare=True,
+    ),
+    Setting(
+        "distributed",
+        "none",
+        "under torchrun: DDP or FSDP2 over the ranks (NCCL on GPUs, gloo on CPU). --batch_sizes "
+        "is then the global logical batch, split evenly over the ranks (it must divide by their "
+        "number); --max_physical_batch_sizes is per rank; every rank draws the same global batch "
+        "from --seed (Hugging Face: one global Poisson draw) and takes its own slice "
+        "(default: none)",
+        flags=("--distributed",),
+        choices=tuple(MODES_OF_DISTRIBUTION),
+        dir_part=lambda c: c.distributed_mode.dir_part(),
+        compare=True,
+    ),
+    # The number of ranks: set by the plan from torchrun's WORLD_SIZE, never by a flag.
+    Setting("world_size", 1, "ranks of a distributed run", compare=True),
+    Setting(
+        "optimizer",
+        "sgd",
+        "plain SGD or Adam",
+        flags=("--optimizer",),
+        choices=("sgd", "adam"),
+        compare=True,
+    ),  # fmt: skip
+    Setting(
+        "lr",
+        1e-4,
+        "learning rate",
+        flags=("--lr", "--learning_rate"),
+        type=float,
+        modes={"hf": 1e-5, "hf_sweep": 1e-5},
+    ),
+    Setting("noise_multiplier", 1.0, "sigma", flags=("--noise_multiplier", "--sigma"), type=float),
+    Setting("max_grad_norm", 1.0, "clipping norm C", flags=("--max_grad_norm",), type=float),
+    Setting(
+        "steps",
+        3,
+        "measured steps",
+        flags=("--steps", "--num_steps", "--num_iter"),
+        type=int,
+        modes={"profile": 5, "memory": 5, "hf": 5, "hf_sweep": 5},  # GPU modes: >= 5
+    ),
+    Setting(
+        "warmup_steps",
+        1,
+        "steps before measuring",
+        flags=("--warmup_steps", "--warmup_iter"),
+        type=int,
+        modes={"profile": 2, "memory": 2},
+    ),
+    Setting("seed", 0, "seed of the data and the model", flags=("--seed",), type=int),
+    Setting(
+        "device",
+        "cpu",
+        "auto: CUDA if present; cuda without CUDA is an error",
+        flags=("--device",),
+        choices=("auto", "cuda", "cpu"),
+        modes={mode: "auto" for mode in RUN_MODES if mode != "test"},
+    ),
+    Setting(
+        "flash_route",
+        "auto",
+        "how flash gets Linear layers' per-sample norms",
+        flags=("--flash_route",),
+        choices=("auto", "gram", "direct", "product"),
+    ),
+    Setting(
+        "trace",
+        True,
+        "numbers only: no torch.profiler trace (memory and hf_sweep never trace)",
+        flags=("--no_trace",),
+        switch=False,
+        modes={"memory": False, "hf_sweep": False},
+        follows_mode=True,
+    ),
+    Setting(
+        "trace_gzip",
+        None,
+        "gzip the trace files (default: on for GPU runs)",
+        flags=("--trace_gzip",),
+        switch=None,  # --trace_gzip / --no-trace_gzip
+    ),
+    Setting(
+        "breakdown",
+        False,
+        "attribute the peak of one extra step to its components (CUDA)",
+        modes={"memory": True, "hf_sweep": True},
+        follows_mode=True,
+    ),
+    Setting(
+        "save_snapshot",
+        False,
+        "memory mode: keep the allocator snapshot (python -m torch.cuda._memory_viz) and an HTML "
+        "timeline per config",
+        flags=("--save_snapshot",),
+        switch=True,
+    ),
+    Setting(
+        "ncu",
+        False,
+        "run one step inside cudaProfilerStart/Stop, the range ncu profiles (`--replay-mode "
+        "app-range`, or `--profile-from-start off` for per-kernel replay; see "
+        "run_profiling_ncu.sh); traces and timing are off",
+        flags=("--ncu",),
+        switch=True,
+    ),
+    Setting(
+        "detailed_memory",
+        False,
+        "module census and phase costs (hf_sweep)",
+        modes={"hf_sweep": True},
+        follows_mode=True,
+    ),
+    Setting(
+        "use_lora", False, "LoRA (peft) on attention and MLP", flags=("--use_lora",), switch=True
+    ),  # fmt: skip
+    Setting(
+        "pretrained",
+        False,
+        "load the real weights (needs the hub or a local cache; default: random weights)",
+        flags=("--pretrained",),
+        switch=True,
+    ),
+    Setting(
+        "dataset_path",
+        None,
+        "a local SNLI JSONL (default: synthetic)",
+        flags=("--dataset_path",),
+    ),
+    Setting(
+        "dataset_size",
+        10000,
+        "N for the sampling rate B/N",
+        flags=("--dataset_size",),
+        type=int,
+    ),
+    Setting("poisson", True, "fixed-size batches", flags=("--no_poisson",), switch=False),
+    Setting("delta", 1e-5, "delta of the reported epsilon", flags=("--delta",), type=float),
+    *(
+        Setting(
+            name,
+            None,
+            f"override the causal LM's {name}",
+            flags=(f"--{name}",),
+            type=int,
+            into="model_overrides",
+        )  # fmt: skip
+        for name in MODEL_OVERRIDES
+    ),
+    Setting("model_overrides", {}, "the --vocab_size ... overrides given"),
+    # The mode's default model: the directory name omits the model when it is this one.
+    Setting("default_model", "tiny", recorded=False),
+)
+BY_NAME = {s.name: s for s in SETTINGS}
+# Settings of the Hugging Face models (shown in their own --help group).
+HF_SETTINGS = ("use_lora", "lora_rank", "pretrained", "dataset_path", "dataset_size", "poisson",
+               "delta")  # fmt: skip
+CONFIG_FIELDS = tuple(s for s in SETTINGS if s.into is None)
+
+
+def default_attention(model: str) -> str:
+    """Hugging Face models default to SDPA, the DPMultiheadAttention LM to explicit softmax."""
+    return "sdpa" if model in HF_CONFIGS else "explicit"
+
+
+AXES_REQUIRED = ("trainer", "batch_size", "seq_len")  # no default: every config names them
+
+
+@dataclass
+class ExperimentConfig:
+    """One measured configuration: one field per row of ``SETTINGS`` (a test keeps the two
+    equal: names, order and defaults)."""
+
+    trainer: str
+    batch_size: int
+    seq_len: int
+    max_physical_batch_size: int | None = None
+    lora_rank: int = 16
+    dtype: str = "float32"
+    attention: str = "explicit"
+    activation_checkpointing: bool = False
+    cuda_graph: bool = False
+    model: str = "tiny"
+    distributed: str = "none"
+    world_size: int = 1
+    optimizer: str = "sgd"
+    lr: float = 1e-4
+    noise_multiplier: float = 1.0
+    max_grad_norm: float = 1.0
+    steps: int = 3
+    warmup_steps: int = 1
+    seed: int = 0
+    device: str = "cpu"
+    flash_route: str = "auto"
+    trace: bool = True
+    trace_gzip: bool | None = None
+    breakdown: bool = False
+    save_snapshot: bool = False
+    ncu: bool = False
+    detailed_memory: bool = False
+    use_lora: bool = False
+    pretrained: bool = False
+    dataset_path: str | None = None
+    dataset_size: int = 10000
+    poisson: bool = True
+    delta: float = 1e-5
+    model_overrides: dict = field(default_factory=dict)
+    default_model: str = "tiny"
+
+    @property
+    def physical_batch_size(self) -> int:
+        """Per rank: the logical batch's share of one rank unless --max_physical_batch_size."""
+        return self.max_physical_batch_size or self.batch_size // self.world_size
+
+    @property
+    def default_attention(self) -> str:
+        return default_attention(self.model)
+
+    @property
+    def distributed_mode(self) -> SingleProcess:
+        """The distributed mode as an object (what differs between one process, DDP, FSDP2)."""
+        return distributed_mode(self.distributed, self.world_size)
+
+    @property
+    def config_dir(self) -> str:
+        """``<trainer>_bs<B>_seq<T>`` plus the parts of settings that differ from their
+        default."""
+        return "".join(part for s in SETTINGS if s.dir_part and (part := s.dir_part(self)))
+
+    def to_dict(self) -> dict:
+        """The config as ``result.json`` records it."""
+        data = {s.name: getattr(self, s.name) for s in CONFIG_FIELDS if s.recorded}
+        data["model_overrides"] = dict(self.model_overrides or {})
+        data["physical_batch_size"] = self.physical_batch_size
+        return data
+
+
+def comparison_key(config: dict, leave_out: str | None = None) -> tuple:
+    """Everything but the trainer that reports compare on: configs with equal keys (from
+    ``result.json``'s config) are the same shape, measured by different trainers. ``leave_out``:
+    a setting's name, for configs that differ at most in that setting (a sweep's series)."""
+    return tuple(s.value_in(config) for s in SETTINGS if s.compare and s.name != leave_out)
+
+
+def changed_settings(old: dict, new: dict) -> list[str]:
+    """Recorded settings whose value differs between two configs' dicts; a setting added after
+    ``old`` was written reads as its default there."""
+    defaults = ExperimentConfig(trainer="", batch_size=0, seq_len=0).to_dict()
+    return sorted(k for k in new if old.get(k, defaults.get(k)) != new[k])

@@ -1,0 +1,211 @@
+"""Clip factors, the per-sample norms and clipped sums of kept per-sample gradients (rows of
+[B, n]), the clipped sums written into .grad, and the Gaussian noise."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import Tensor, nn
+from torch._utils import _unflatten_dense_tensors
+
+from dp_cost.flash.fused import triton_kernels
+from dp_cost.flash.precision import accumulation_dtype
+
+CPU_ROW_CHUNK = 2**16  # columns per chunk: bounds the temporary of the CPU sum of squares
+
+
+def squared_row_norms(x: Tensor) -> Tensor:
+    """||x_b||^2 of each row of [B, n], accumulated in fp32 or wider, with no copy of the rows.
+
+    CUDA: vector_norm's tree reduction. CPU: vector_norm's fp32 reduction drifts on long rows
+    (6e-5 relative at 2M elements, 2e-5 on the tiny model's output layer), so a sum of squares
+    per chunk of columns (pairwise, ~1e-8), the chunks summed in fp64.
+    """
+    if x.device.type != "cpu":
+        return torch.linalg.vector_norm(x, dim=1, dtype=accumulation_dtype(x)).square()
+    chunks = x.split(CPU_ROW_CHUNK, dim=1)
+    total = sum(c.to(accumulation_dtype(x)).square().sum(1, dtype=torch.float64) for c in chunks)
+    return total.to(accumulation_dtype(x))
+
+
+def squared_row_norms_many(grads: list[Tensor]) -> list[Tensor]:
+    """The sum over ``grads`` of squared_row_norms(grad.flatten(1)), [B], one term per (dtype,
+    device): one launch over all their sample rows, not a reduction per tensor (LoRA keeps
+    hundreds of per-sample gradients per chunk and flash is launch/CPU-bound there). CUDA:
+    flash.kernels.squared_row_norms_many where it takes them (the clipped sums' conditions),
+    else a multi-tensor norm. CPU accumulates in fp64 (fp32 drifts on long rows, see
+    squared_row_norms)."""
+    groups: dict[tuple, list[Tensor]] = {}
+    for grad in grads:
+        groups.setdefault((grad.dtype, grad.device), []).append(grad)
+    terms = []
+    kernels = triton_kernels()
+    for members in groups.values():
+        acc = accumulation_dtype(members[0])
+        if kernels is not None and all(kernels.weighted_sums_supported(g, g) for g in members):
+            terms.append(kernels.squared_row_norms_many(members).to(acc))
+            continue
+        rows = [row for grad in members for row in grad.unbind(0)]
+        on_cpu = members[0].device.type == "cpu"
+        norms = torch._foreach_norm(rows, 2, dtype=torch.float64 if on_cpu else acc)
+        terms.append(torch.stack(norms).view(len(members), -1).square().sum(0).to(acc))
+    return terms
+
+
+def round_down(c: Tensor, dtype: torch.dtype) -> Tensor:
+    """Clip factors in ``dtype``, rounded toward zero: a factor rounded up (bf16 keeps 8 bits)
+    would let a sample's clipped gradient exceed C, the bound DP's noise is calibrated to."""
+    low = c.to(dtype)
+    if dtype == c.dtype:
+        return low
+    return torch.where(low.to(c.dtype) > c, torch.nextafter(low, torch.zeros_like(low)), low)
+
+
+class ClipFactors:
+    """One chunk's clip factors c [B], with the casts the layers need made once per chunk (not
+    once per layer: flash is launch-bound at short sequences)."""
+
+    def __init__(self, c: Tensor):
+        self.c = c
+        self._cast: dict[torch.dtype, Tensor] = {}
+        self._per_token: dict[tuple, Tensor] = {}
+        self._schedule: tuple[Tensor, ...] | None = None
+
+    def to(self, dtype: torch.dtype) -> Tensor:
+        """c in ``dtype``, rounded toward zero (see round_down). In 16-bit dtypes also shrunk by
+        one ulp at 1 (2u; bf16: 2^-7): the operand the clipped GEMM reads is c * g rounded to
+        nearest, up to u larger than c * g in each element, so a sample's clipped contribution
+        could exceed C by that much (0.4% measured with g and c at a rounding tie). Costs 0.8%
+        of a clipped gradient where a 16-bit GEMM reads c * g (CPU); fp32 stays exact, and so
+        do the CUDA kernels, which take fp32 c (accumulate_weighted_sums, and the Linear's
+        clipped GEMM: gemm_schedule)."""
+        if dtype not in self._cast:
+            c = self.c
+            if torch.finfo(dtype).bits == 16:
+                c = c * (1 - torch.finfo(dtype).eps)
+            self._cast[dtype] = round_down(c, dtype)
+        return self._cast[dtype]
+
+    def gemm_schedule(self) -> tuple[Tensor, ...]:
+        """dp_cost.flash.kernels.clip_schedule(c): the fp32 clip factors in the order the Linear's
+        clipped GEMM kernel takes the samples, made once per chunk."""
+        if self._schedule is None:
+            self._schedule = triton_kernels().clip_schedule(self.c)
+        return self._schedule
+
+    def per_token(self, dtype: torch.dtype, tokens: int) -> Tensor:
+        """c repeated for each of a sample's ``tokens`` rows of a flattened [B*T, n], [B*T, 1]."""
+        key = (dtype, tokens)
+        if key not in self._per_token:
+            self._per_token[key] = self.to(dtype).repeat_interleave(tokens)[:, None]
+        return self._per_token[key]
+
+
+def accumulate_into_grad(param: nn.Parameter, grad: Tensor) -> None:
+    """param.grad += grad (param.grad = grad when there is none yet)."""
+    if grad.dtype != param.dtype or grad.shape != param.shape:  # no op where none is needed
+        grad = grad.to(param.dtype).view(param.shape)
+    param.grad = grad if param.grad is None else param.grad.add_(grad)
+
+
+def accumulate_many(params: list[nn.Parameter], sums: Tensor) -> None:
+    """accumulate_into_grad for many parameters from one flat ``sums`` [sum of their numels], with
+    multi-tensor kernels; each .grad gets its own storage (not a view of ``sums``), as autograd
+    would give it (the memory census counts distinct storages whole, by owner: views of one
+    buffer would put every small parameter's gradient in one module group). torch's
+    unflatten_dense_tensors (what DDP's buckets use) makes the shaped views in one call, not one
+    Python op per parameter (LoRA: hundreds per chunk)."""
+    grads = _unflatten_dense_tensors(sums, params)
+    fresh = [i for i, param in enumerate(params) if param.grad is None]
+    if len(fresh) < len(params):
+        held = [i for i, param in enumerate(params) if param.grad is not None]
+        torch._foreach_add_([params[i].grad for i in held], [grads[i] for i in held])
+    if fresh:
+        new = [torch.empty_like(params[i]) for i in fresh]
+        torch._foreach_copy_(new, [grads[i] for i in fresh])
+        for i, grad in zip(fresh, new, strict=True):
+            params[i].grad = grad
+
+
+def accumulate_weighted_sums(params, grads, c: ClipFactors) -> None:
+    """param.grad += sum_b c_b * grad[b] for each per-sample gradient grad [B, ...].
+
+    On CUDA: flash.kernels.weighted_sums_, one launch per dtype pair for all of them, fp32 clip
+    factors (no 16-bit rounding of c: each c_b * g_b is formed in fp32) and fp32 accumulation
+    straight into .grad. Elsewhere (or for a tensor the kernel cannot take) one [B] x [B, n]
+    product per parameter."""
+    kernels = triton_kernels()
+    fused, targets, sources, accumulate = [], [], [], []
+    for param, grad in zip(params, grads, strict=True):
+        target = param.grad if param.grad is not None else param
+        source = grad.flatten(1)
+        if kernels is not None and kernels.weighted_sums_supported(target, source):
+            fused.append(param)
+            accumulate.append(param.grad is not None)
+            targets.append(target if param.grad is not None else torch.empty_like(param))
+            sources.append(source)
+        else:
+            accumulate_into_grad(param, c.to(grad.dtype) @ source)
+    if fused:
+        kernels.weighted_sums_(targets, sources, c.to(torch.float32), accumulate)
+        for param, target in zip(fused, targets, strict=True):
+            param.grad = target
+
+
+def clip_per_sample(
+    params, grads: list[Tensor], factors: Callable[[Tensor], Tensor], divisor: int
+) -> None:
+    """param.grad += sum_b c_b * grad[b] for per-sample gradients grads [B, ...] of ``params``
+    held whole (flash under DDP at one sample per rank, gathered), with c = factors(each
+    sample's norm over all of them) / divisor."""
+    norms = sum(squared_row_norms_many(grads)).sqrt()
+    accumulate_weighted_sums(params, grads, ClipFactors(factors(norms) / divisor))
+
+
+def weighted_sum(grads: Tensor, c: ClipFactors) -> Tensor:
+    """sum_b c_b * grads[b] of a [B, N] concatenation, [N]. CUDA: the weighted-sums kernel (fp32
+    c, accumulated and written in fp32: 16-bit gradients are not rounded on the way); else one
+    [B] x [B, N] product in the gradients' dtype."""
+    kernels = triton_kernels()
+    if kernels is not None and grads.is_cuda:
+        target = grads.new_empty(
+            grads.shape[1], dtype=torch.promote_types(grads.dtype, torch.float32)
+        )
+        if kernels.weighted_sums_supported(target, grads):
+            kernels.weighted_sums_([target], [grads], c.to(torch.float32), [False])
+            return target
+    return c.to(grads.dtype) @ grads
+
+
+NOISE_GROUP_BYTES = 256 * 2**20
+
+
+def add_gaussian_noise(
+    tensors: list[torch.Tensor], std: float, generator: torch.Generator | None = None
+) -> None:
+    """t += N(0, std^2) elementwise for each tensor, drawn from ``generator`` (default: torch's
+    of the device). CUDA: one fused Triton kernel (noise drawn and added in one pass).
+    Elsewhere: noise drawn per tensor, added by one multi-tensor kernel per group of
+    <= NOISE_GROUP_BYTES of noise (bounded extra memory)."""
+    fused = (
+        tensors
+        and all(t.is_cuda and t.is_contiguous() for t in tensors)
+        and len({t.device for t in tensors}) == 1
+    )
+    kernels = triton_kernels() if fused else None
+    if kernels is not None:
+        kernels.add_gaussian_noise_(tensors, std, generator)
+        return
+    group: list[torch.Tensor] = []
+    group_bytes = 0
+    for i, tensor in enumerate(tensors):
+        group.append(tensor)
+        group_bytes += tensor.numel() * tensor.element_size()
+        if group_bytes >= NOISE_GROUP_BYTES or i == len(tensors) - 1:
+            noise = [
+                torch.randn(t.shape, dtype=t.dtype, device=t.device, generator=generator)
+                for t in group
+            ]
+            torch._foreach_add_(group, noise, alpha=std)
+            group, group_bytes = [], 0

@@ -1,0 +1,231 @@
+"""Kept per-sample gradients: their per-sample squared norms and their clipped sums, each one
+read of every gradient and one launch for all."""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import triton
+import triton.language as tl
+
+from dp_cost.flash.kernels.common import (
+    TL_DTYPES,
+    block_table,
+    int64_table,
+    on_cuda_in_kernel_dtypes,
+)
+
+# Elements per program. Both kernels are memory-bound: on an H100, blocks of 1024 (weighted
+# sums, 4 warps) and 512 (norms, 2 warps) read 1.2-1.4x faster than blocks of 2048 or more
+# (more programs, more loads in flight); benchmarks/history/2026-11-26.md.
+WEIGHTED_SUM_BLOCK = 1024
+ROW_NORM_BLOCK = 512
+
+
+@triton.jit
+def _squared_row_norms_kernel(
+    table, tensor_of_block, first_block, sizes, partials, batch,
+    BLOCK: tl.constexpr, SOURCE_DTYPE: tl.constexpr,
+):  # fmt: skip
+    """partials[block, b] = ||source_i[b, this block's columns]||^2 in fp32 for a list of
+    sources [B, n_i] in one launch; ``table``: their pointers. The host sums the partials over
+    blocks (deterministic: no atomics)."""
+    block = tl.program_id(0)
+    i = tl.load(tensor_of_block + block)
+    n = tl.load(sizes + i)
+    source = tl.load(table + i).to(tl.pointer_type(SOURCE_DTYPE))
+    offsets = (block - tl.load(first_block + i)).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    keep = offsets < n
+    for b in range(batch):
+        x = tl.load(source + b * n + offsets, mask=keep, other=0.0).to(tl.float32)
+        tl.store(partials + block.to(tl.int64) * batch + b, tl.sum(x * x, axis=0))
+
+
+def squared_row_norms_many(sources: list[torch.Tensor]) -> torch.Tensor:
+    """sum over ``sources`` (contiguous [B, ...], one dtype and CUDA device) of each sample's
+    squared norm, [B] in fp32: flash's norms of kept per-sample gradients. torch's multi-tensor
+    norm over the B rows of each reads them at about 2 TB/s on an H100 and needs a stack, a
+    square and a sum after it; this reads each once, in one launch, then sums its partials."""
+    if not sources:
+        raise ValueError("squared_row_norms_many needs at least one tensor")
+    if len({(x.dtype, x.device) for x in sources}) != 1 or not all(
+        x.is_contiguous() for x in sources
+    ):
+        raise ValueError("squared_row_norms_many needs contiguous tensors of one dtype and device")
+    B, device = sources[0].shape[0], sources[0].device
+    if any(x.shape[0] != B for x in sources):
+        raise ValueError("squared_row_norms_many needs one batch size")
+    sizes = tuple(x[0].numel() for x in sources) if B else ()
+    if not any(sizes):
+        return torch.zeros(B, device=device, dtype=torch.float32)
+    tensor_of_block, first_block, numels = block_table(device, sizes, ROW_NORM_BLOCK)
+    partials = torch.empty(len(tensor_of_block), B, device=device, dtype=torch.float32)
+    table = int64_table([x.data_ptr() for x in sources], device)
+    with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
+        _squared_row_norms_kernel[(len(tensor_of_block),)](
+            table, tensor_of_block, first_block, numels, partials, B,
+            BLOCK=ROW_NORM_BLOCK, SOURCE_DTYPE=TL_DTYPES[sources[0].dtype], num_warps=2,
+        )  # fmt: skip
+    return partials.sum(0)
+
+
+@triton.jit
+def _weighted_sum_kernel(
+    table, tensor_of_block, first_block, sizes, weights, batch,
+    BLOCK: tl.constexpr, SOURCE_DTYPE: tl.constexpr, TARGET_DTYPE: tl.constexpr,
+):  # fmt: skip
+    """target_i (+)= sum_b weights[b] * source_i[b] for a list of (source [B, n_i], target [n_i])
+    in one launch. ``table`` rows: source pointer, target pointer, accumulate (0: overwrite)."""
+    block = tl.program_id(0)
+    i = tl.load(tensor_of_block + block)
+    n = tl.load(sizes + i)
+    source = tl.load(table + 3 * i).to(tl.pointer_type(SOURCE_DTYPE))
+    target = tl.load(table + 3 * i + 1).to(tl.pointer_type(TARGET_DTYPE))
+    offsets = (block - tl.load(first_block + i)).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    keep = offsets < n
+    total = tl.zeros((BLOCK,), dtype=tl.float32)
+    for b in range(batch):  # weights in fp32: c_b * x_b rounded once, in fp32
+        x = tl.load(source + b * n + offsets, mask=keep, other=0.0)
+        total += tl.load(weights + b) * x.to(tl.float32)
+    if tl.load(table + 3 * i + 2) != 0:
+        total += tl.load(target + offsets, mask=keep, other=0.0).to(tl.float32)
+    tl.store(target + offsets, total.to(TARGET_DTYPE), mask=keep)
+
+
+def weighted_sums_supported(target: torch.Tensor, source: torch.Tensor) -> bool:
+    """Can weighted_sums_ run on these (CUDA, a kernel dtype, contiguous)?"""
+    return (
+        on_cuda_in_kernel_dtypes(target, source)
+        and target.is_contiguous()
+        and source.is_contiguous()
+    )
+
+
+def weighted_sums_(
+    targets: list[torch.Tensor],
+    sources: list[torch.Tensor],
+    weights: torch.Tensor,
+    accumulate: list[bool],
+) -> None:
+    """targets[i] = (targets[i] if accumulate[i] else 0) + sum_b weights[b] * sources[i][b], in
+    place, one launch per (source dtype, target dtype), accumulated in fp32.
+
+    Flash's clipped sum of kept per-sample gradients (sources [B, ...], weights the clip factors
+    [B]). torch's ``weights @ sources.flatten(1)`` is a GEMV with K = B, which cuBLAS runs at a
+    third of the copy bandwidth (76 us against a 23 us read floor for [8, 2048 x 2048] bf16 on an
+    H100), writes its result in the source dtype and leaves the cast and the add to .grad to two
+    more passes; here each source is read once and each target written once, in its own dtype.
+    """
+    if not (len(targets) == len(sources) == len(accumulate)):
+        raise ValueError("weighted_sums_ needs one source and one accumulate flag per target")
+    B = weights.shape[0]
+    for target, source in zip(targets, sources, strict=True):
+        if source.shape[0] != B or source[0].numel() != target.numel():
+            raise ValueError(
+                f"source {tuple(source.shape)} does not match weights [{B}] and a target of "
+                f"{target.numel()} elements"
+            )
+        if not (target.is_contiguous() and source.is_contiguous()):
+            raise ValueError("weighted_sums_ needs contiguous tensors")
+    groups: dict[tuple, list[int]] = {}
+    for i, (target, source) in enumerate(zip(targets, sources, strict=True)):
+        if source.device != target.device:
+            raise ValueError(f"source on {source.device}, target on {target.device}")
+        groups.setdefault((target.device, source.dtype, target.dtype), []).append(i)
+    for (device, source_dtype, target_dtype), members in groups.items():
+        weights_here = weights.to(device, torch.float32).contiguous()
+        sizes = tuple(targets[i].numel() for i in members)
+        tensor_of_block, first_block, numels = block_table(device, sizes, WEIGHTED_SUM_BLOCK)
+        table = int64_table(
+            [[sources[i].data_ptr(), targets[i].data_ptr(), int(accumulate[i])] for i in members],
+            device,
+        )
+        with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
+            _weighted_sum_kernel[(len(tensor_of_block),)](
+                table, tensor_of_block, first_block, numels, weights_here, B,
+                BLOCK=WEIGHTED_SUM_BLOCK, SOURCE_DTYPE=TL_DTYPES[source_dtype],
+                TARGET_DTYPE=TL_DTYPES[target_dtype],
+            )  # fmt: skip
+
+
+# Columns and tokens per program of the token sums: a [64, 128] tile of G per loop step (16-bit:
+# 16 KB), one program per (128 columns of a layer, sample).
+TOKEN_SUM_COLUMNS = 128
+TOKEN_SUM_TOKENS = 64
+
+
+@triton.jit
+def _token_sums_kernel(
+    table, tensor_of_block, first_block, T,
+    BLOCK_T: tl.constexpr, BLOCK_P: tl.constexpr, SOURCE_DTYPE: tl.constexpr,
+):  # fmt: skip
+    """out_i[b, cols] = sum_t source_i[b, t, cols] in fp32 for a list of sources [B, T, p_i] in
+    one launch: program (block, b) -> (source i, this block's columns). ``table`` rows: source
+    pointer, its batch and token strides, p_i, out_i's pointer ([B, p_i], contiguous)."""
+    block = tl.program_id(0)
+    b = tl.program_id(1).to(tl.int64)
+    i = tl.load(tensor_of_block + block)
+    row = table + 5 * i
+    source = tl.load(row).to(tl.pointer_type(SOURCE_DTYPE)) + b * tl.load(row + 1)
+    stride_t = tl.load(row + 2)
+    P = tl.load(row + 3)
+    out = tl.load(row + 4).to(tl.pointer_type(tl.float32)) + b * P
+    cols = (block - tl.load(first_block + i)).to(tl.int64) * BLOCK_P + tl.arange(0, BLOCK_P)
+    col_ok = cols < P
+    total = tl.zeros((BLOCK_P,), dtype=tl.float32)
+    for start in range(0, T, BLOCK_T):
+        tokens = start + tl.arange(0, BLOCK_T)
+        keep = (tokens < T)[:, None] & col_ok[None, :]
+        tile = tl.load(source + tokens[:, None] * stride_t + cols[None, :], mask=keep, other=0.0)
+        total += tl.sum(tile.to(tl.float32), axis=0)
+    tl.store(out + cols, total, mask=col_ok)
+
+
+def token_sums_supported(source: torch.Tensor) -> bool:
+    """Can token_sums_many take this [B, T, p] (CUDA, a kernel dtype, unit column stride, B
+    within the 65535 programs of CUDA's y grid axis, where the kernel puts the samples)?"""
+    return (
+        on_cuda_in_kernel_dtypes(source, source)
+        and source.dim() == 3
+        and source.stride(2) == 1
+        and source.shape[0] <= 65535
+    )
+
+
+def token_sums_many(sources: list[torch.Tensor]) -> list[torch.Tensor]:
+    """[source.sum(1) in fp32 for source in sources], each [B, p_i] in its own storage, for
+    sources [B, T, p_i] of one B, T, dtype and device, in one launch: the per-sample gradients of
+    the biases of every Gram- and direct-route Linear layer of a step (their output gradients
+    G), 120 reductions at the 1b model, each costing more host time than its GPU time."""
+    if not sources:
+        return []
+    first = sources[0]
+    B, T = first.shape[:2]
+    if first.dtype not in TL_DTYPES or not all(
+        s.dim() == 3 and s.shape[:2] == (B, T) and s.stride(2) == 1 and s.dtype == first.dtype
+        and s.device == first.device
+        for s in sources
+    ):  # fmt: skip
+        raise ValueError(
+            "token_sums_many needs [B, T, p] sources of one B, T, kernel dtype and device, "
+            "columns contiguous"
+        )
+    device = first.device
+    outs = [torch.empty(B, s.shape[2], device=device, dtype=torch.float32) for s in sources]
+    if B == 0 or T == 0:
+        return [out.zero_() for out in outs]
+    sizes = tuple(s.shape[2] for s in sources)
+    tensor_of_block, first_block, _ = block_table(device, sizes, TOKEN_SUM_COLUMNS)
+    table = int64_table(
+        [[s.data_ptr(), s.stride(0), s.stride(1), s.shape[2], out.data_ptr()]
+         for s, out in zip(sources, outs, strict=True)],
+        device,
+    )  # fmt: skip
+    with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
+        _token_sums_kernel[(len(tensor_of_block), B)](
+            table, tensor_of_block, first_block, T,
+            BLOCK_T=TOKEN_SUM_TOKENS, BLOCK_P=TOKEN_SUM_COLUMNS,
+            SOURCE_DTYPE=TL_DTYPES[sources[0].dtype],
+        )  # fmt: skip
+    return outs

@@ -1,0 +1,73 @@
+"""A layer flash manages: its module, norm rule and parameters, and what is kept for it between
+its forward and release() (the A and G of each call, per-sample gradients)."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from torch import Tensor, nn
+
+DEFAULT_BLOCK_NUMEL = 64 * 2**20  # largest intermediate of the direct route, in elements
+
+
+@dataclass(eq=False)
+class Call:
+    """One forward call of a managed layer, as the hooks keep it: A, its input ([B, T, d]); G,
+    its output gradient, once the backward reached it; and the names of the parameters still to
+    be done from A and G (the others were formed per sample in the backward hook). A is None
+    once nothing more is needed of the call (released, or every parameter formed)."""
+
+    A: Tensor | None
+    G: Tensor | None = None
+    pending: set[str] = field(default_factory=set)
+
+    def tensors(self) -> list[Tensor]:
+        return [t for t in (self.A, self.G) if t is not None]
+
+    def release(self) -> None:
+        """Drop A and G (the hook closures keep the record as long as the autograd graph)."""
+        self.A = self.G = None
+        self.pending = set()
+
+
+@dataclass
+class Layer:
+    """A managed module and what its rule needs; A/G are [B, T, features] (ids: [B, T])."""
+
+    name: str
+    module: nn.Module
+    # Its layer type's NormRule (flash.rules). Not imported here: the rules read Layer, and a
+    # type-only import back would make the two modules a circle.
+    rule: Any
+    params: dict[str, nn.Parameter]  # managed (trainable) parameters, by attribute name
+    route: str = "auto"
+    tile_size: int = 512
+    block_numel: int = DEFAULT_BLOCK_NUMEL
+    calls: list[Call] = field(default_factory=list)  # one per forward call, in order
+    # Per-sample gradients [B, ...] by parameter name, formed in the backward hook instead of
+    # keeping A and G for them (summed over calls: a reused module's gradient is the sum).
+    per_sample: dict[str, Tensor] = field(default_factory=dict)
+    described: list[dict] = field(default_factory=list)  # the route of each call, for routes()
+    plans: dict[tuple, tuple] = field(default_factory=dict)  # FlashClipping._plan's, by shapes
+
+
+def flatten_tokens(x: Tensor, feature_dims: int) -> Tensor:
+    """View [B, ..., features] as [B, T, prod(features)] ([B, T] when no feature dims)."""
+    if feature_dims == 0:
+        return x.reshape(x.shape[0], -1)
+    if feature_dims == 1:  # Linear: the common case, without math.prod (a hook per call)
+        # already [B, T, d] (most calls): no reshape op (flash is host-bound with LoRA)
+        return x if x.dim() == 3 else x.reshape(x.shape[0], -1, x.shape[-1])
+    return x.reshape(x.shape[0], -1, math.prod(x.shape[x.dim() - feature_dims :]))
+
+
+def tensors_in(obj) -> Iterator[Tensor]:
+    """The tensors in a tensor or nested lists and tuples of them (Opacus' grad_sample lists)."""
+    if isinstance(obj, Tensor):
+        yield obj
+    elif isinstance(obj, (list, tuple)):
+        for item in obj:
+            yield from tensors_in(item)

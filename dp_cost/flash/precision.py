@@ -1,0 +1,26 @@
+"""The dtypes flash's norms and GEMMs compute in: sums of squares accumulate in fp32 (fp64 for
+fp64 inputs); a Linear's norm GEMMs take its operands in the narrower of their dtypes."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+
+def accumulation_dtype(x: Tensor) -> torch.dtype:
+    return torch.promote_types(x.dtype, torch.float32)
+
+
+def to_accumulation(x: Tensor) -> Tensor:
+    """Cast to the accumulation dtype: fp32, or fp64 for fp64 inputs."""
+    return x.to(torch.promote_types(x.dtype, torch.float32))
+
+
+def gemm_operands(A: Tensor, G: Tensor) -> tuple[Tensor, Tensor]:
+    """A and G in one dtype for the norm GEMMs: under autocast a Linear's input can be fp32
+    (a LayerNorm output) while its output gradient is bf16; the layer itself multiplied in
+    the narrower dtype, and so do we (tensor cores), accumulating the squares in fp32."""
+    if A.dtype == G.dtype:
+        return A, G
+    dtype = min((A.dtype, G.dtype), key=lambda t: torch.finfo(t).bits)
+    return A.to(dtype), G.to(dtype)

@@ -1,0 +1,59 @@
+"""nn.Embedding: a sample's gradient rows are the sums of its tokens' output gradients by id."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+from torch import Tensor, nn
+
+from dp_cost.flash.precision import to_accumulation
+from dp_cost.flash.rules.base import NormRule, register_norm_rule
+
+if TYPE_CHECKING:
+    from dp_cost.flash.layer import Layer
+
+
+@register_norm_rule(nn.Embedding)
+class EmbeddingRule(NormRule):
+    def feature_dims(self, module):
+        return 0, 1  # input: token ids [B, T]; output: [B, T, d]
+
+    def describe(self, layer, A, G):
+        return {"route": "embedding"}
+
+    @staticmethod
+    def _tokens(layer: Layer, ids: Tensor, G: Tensor):
+        """Flat (sample index, token id, g) of every token; padding tokens get g = 0 (torch gives
+        the padding row no gradient). Masking by multiplication, not boolean indexing: indexing
+        by a mask waits for the GPU to count it (a host sync mid-step)."""
+        samples = torch.arange(ids.shape[0], device=ids.device)[:, None].expand_as(ids)
+        g = G.flatten(0, 1)
+        if layer.module.padding_idx is not None:
+            g = g * (ids != layer.module.padding_idx).flatten()[:, None].to(g.dtype)
+        return samples.flatten(), ids.flatten(), g
+
+    def squared_norms(self, layer, A, G):
+        samples, ids, g = self._tokens(layer, A, G)
+        g = to_accumulation(g)
+        # A sample's gradient row for token id v is the sum of g over its tokens with id v:
+        # sort the (sample, id) keys, number the runs of equal keys, segment-sum g into one row
+        # per run. Sorting has a fixed output size (torch.unique would sync with the host).
+        keys, order = (samples * layer.module.num_embeddings + ids).sort()
+        run = torch.ones_like(keys, dtype=torch.bool)
+        run[1:] = keys[1:] != keys[:-1]
+        run_index = run.cumsum(0) - 1  # of each sorted token; runs <= n
+        run_of_token = torch.empty_like(run_index).scatter_(0, order, run_index)  # unsorted
+        rows = g.new_zeros(g.shape).index_add_(0, run_of_token, g)  # no sorted copy of g
+        run_sample = torch.zeros_like(keys).scatter_(
+            0, run_index, keys // layer.module.num_embeddings
+        )  # a run's tokens share their sample; rows past the last run are zero
+        norms = rows.new_zeros(A.shape[0])
+        return norms.index_add_(0, run_sample, rows.square().sum(1))
+
+    def clipped_grads(self, layer, A, G, c):
+        samples, ids, g = self._tokens(layer, A, G)
+        weight = layer.module.weight
+        scaled = (to_accumulation(g) * to_accumulation(c.c)[samples, None]).to(weight.dtype)
+        # new_zeros of the full shape: under FSDP2 the weight is a shard (a DTensor) here
+        return {"weight": scaled.new_zeros(weight.shape).index_add_(0, ids, scaled)}

@@ -1,0 +1,241 @@
+"""Hugging Face Llama sequence classifiers from the configs the project ships, and LoRA.
+
+Architectures come from ``hf.configs.HF_CONFIGS`` and are built with random weights directly on
+the target device; ``pretrained=True`` is the only path that touches the Hub.
+
+Decisions (see ``build_hf_model``):
+- HF's ``LlamaRMSNorm`` is a custom module that no Opacus grad sampler and no flash norm rule
+  knows, so every one is replaced by ``torch.nn.RMSNorm`` with the same eps, reusing the same
+  weight Parameter: the same math (x * rsqrt(mean(x^2) + eps) * w), and Opacus 1.6 (hooks and
+  ghost) and flash's norm rules support ``nn.RMSNorm``, so full fine-tuning trains the norm weights.
+- With LoRA the classifier head ``score`` is trained too (peft ``modules_to_save=["score"]``: a
+  trainable copy of the head beside the frozen original), as DP fine-tuning usually does; a
+  randomly initialised head that stays frozen would make the task unlearnable.
+- ``pad_token_id`` (``hf.configs.PAD_TOKEN_ID``) matters to the classifier because it pools the
+  logits at the last token that is not the pad id.
+
+Requires ``transformers`` (5.x: the configs use the 4.x names ``rope_theta``/``rope_scaling``,
+which 5.x still accepts) and ``peft`` for LoRA; both are imported lazily so importing this module
+is cheap and the non-HF modes do not need them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from dp_cost.hf.configs import (
+    ATTENTION_IMPLEMENTATIONS,
+    HF_CONFIGS,
+    LORA_TARGET_MODULES,
+    NUM_LABELS,
+    PAD_TOKEN_ID,
+)
+
+
+def hf_config(name: str, *, num_labels: int = NUM_LABELS, attention: str = "sdpa"):
+    """The shipped ``LlamaConfig`` of ``name`` for a ``num_labels``-way classifier, dropout 0."""
+    from transformers import LlamaConfig
+
+    if name not in HF_CONFIGS:
+        raise ValueError(f"unknown HF model {name!r}; known: {', '.join(HF_CONFIGS)}")
+    return LlamaConfig(
+        **HF_CONFIGS[name],
+        num_labels=num_labels,
+        pad_token_id=PAD_TOKEN_ID,
+        attention_dropout=0.0,
+        use_cache=False,
+        attn_implementation=_attention(attention),
+    )
+
+
+def _attention(attention: str) -> str:
+    if attention not in ATTENTION_IMPLEMENTATIONS:
+        raise ValueError(f"attention must be one of {sorted(ATTENTION_IMPLEMENTATIONS)}")
+    return ATTENTION_IMPLEMENTATIONS[attention]
+
+
+@contextlib.contextmanager
+def _default_dtype(dtype: torch.dtype):
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(previous)
+
+
+def _offline() -> bool:
+    flags = (os.environ.get(k, "") for k in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"))
+    return any(f.strip().upper() in {"1", "ON", "YES", "TRUE"} for f in flags)
+
+
+def _load_pretrained(name, *, num_labels, token, dtype, device, cache_dir, attention):
+    """``from_pretrained`` with one clear RuntimeError line (never the token) when it fails."""
+    from transformers import LlamaForSequenceClassification
+
+    if device.type == "meta":
+        raise ValueError("pretrained=True needs a real device, not meta")
+    token = token or os.environ.get("HF_TOKEN") or None
+    try:
+        from huggingface_hub.errors import HfHubHTTPError
+    except ImportError:  # pragma: no cover - older hubs
+        HfHubHTTPError = OSError
+    try:
+        return LlamaForSequenceClassification.from_pretrained(
+            name,
+            token=token,
+            num_labels=num_labels,
+            pad_token_id=PAD_TOKEN_ID,
+            attention_dropout=0.0,
+            use_cache=False,
+            attn_implementation=_attention(attention),
+            dtype=dtype,
+            device_map={"": device},
+            cache_dir=cache_dir,
+            local_files_only=_offline(),  # offline: never reach for the network
+        )
+    except (OSError, HfHubHTTPError) as exc:
+        lines = str(exc).strip().splitlines()
+        reason = lines[0][:300] if lines else type(exc).__name__
+        if token:
+            reason = reason.replace(token, "***")
+        raise RuntimeError(
+            f"cannot load pretrained {name!r} (Hub unreachable or offline and not in the local "
+            f"cache, or gated without access: set HF_TOKEN): {type(exc).__name__}: {reason}"
+        ) from None
+
+
+def swap_rms_norms(model: nn.Module) -> int:
+    """Replace every HF ``LlamaRMSNorm`` by ``torch.nn.RMSNorm`` sharing its weight and eps.
+
+    Same math (HF computes in fp32 and casts back before the weight multiply; in fp32 the two
+    agree to rounding). Opacus 1.6 has a grad sampler for ``nn.RMSNorm`` and none for the HF
+    class; ``flash_clip`` dispatches on exact types. Returns how many modules were replaced.
+    """
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    targets = [(n, m) for n, m in model.named_modules() if isinstance(m, LlamaRMSNorm)]
+    for name, old in targets:
+        parent_name, _, child = name.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        new = nn.RMSNorm(
+            old.weight.shape, eps=old.variance_epsilon, device="meta", dtype=old.weight.dtype
+        )
+        new.weight = old.weight  # the same Parameter: no copy, pretrained values kept
+        setattr(parent, child, new)
+    return len(targets)
+
+
+def check_no_shared_parameters(model: nn.Module) -> None:
+    """Raise if any Parameter is reachable under two names (Opacus ghost rejects tied weights)."""
+    seen: dict[int, str] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        if id(p) in seen:
+            raise ValueError(f"parameter shared by {seen[id(p)]} and {name} (tied weights)")
+        seen[id(p)] = name
+
+
+def apply_lora(
+    model: nn.Module, *, rank: int, alpha: float | None = None, dropout: float = 0.0
+) -> nn.Module:
+    """peft LoRA on q,k,v,o,gate,up,down; the head ``score`` trainable via ``modules_to_save``.
+
+    The model must already be on its device (opacus#820: peft places adapters by the base
+    layer's device, and moving a peft model afterwards breaks Opacus' hooks bookkeeping).
+    """
+    from peft import LoraConfig, TaskType, get_peft_model
+
+    if rank <= 0:
+        raise ValueError(f"lora_rank must be positive, got {rank}")
+    config = LoraConfig(
+        task_type=TaskType.SEQ_CLS,
+        r=rank,
+        lora_alpha=2 * rank if alpha is None else alpha,
+        lora_dropout=dropout,
+        target_modules=list(LORA_TARGET_MODULES),
+        modules_to_save=["score"],
+        bias="none",
+    )
+    return get_peft_model(model, config)
+
+
+def build_hf_model(
+    name: str,
+    *,
+    device: str | torch.device = "cpu",
+    num_labels: int = NUM_LABELS,
+    use_lora: bool = False,
+    lora_rank: int = 16,
+    lora_alpha: float | None = None,
+    lora_dropout: float = 0.0,
+    pretrained: bool = False,
+    token: str | None = None,
+    dtype: torch.dtype = torch.float32,
+    attention: str = "sdpa",
+    cache_dir: str | None = None,
+) -> tuple[nn.Module, dict]:
+    """A ``LlamaForSequenceClassification`` for ``name``, in train mode, and its ``info``.
+
+    Random weights (default): built from ``HF_CONFIGS[name]`` directly on ``device`` (under a
+    ``torch.device`` context: no CPU init + copy; ``device="meta"`` only counts parameters).
+    ``pretrained=True``: ``from_pretrained(name, token=token or $HF_TOKEN)`` onto ``device``;
+    when the Hub or cache cannot provide it, a one-line RuntimeError (the token never appears).
+    ``use_lora``: LoRA rank ``lora_rank`` (alpha default 2*rank) on the attention and MLP
+    projections plus a trainable head; otherwise full fine-tuning, every parameter trainable.
+    ``info``: trainable_params, frozen_params, config (name), lora_rank (None without LoRA).
+    """
+    from transformers import LlamaForSequenceClassification
+
+    device = torch.device(device)
+    if pretrained:
+        model = _load_pretrained(
+            name,
+            num_labels=num_labels,
+            token=token,
+            dtype=dtype,
+            device=device,
+            cache_dir=cache_dir,
+            attention=attention,
+        )
+    else:
+        config = hf_config(name, num_labels=num_labels, attention=attention)
+        with device, _default_dtype(dtype):
+            model = LlamaForSequenceClassification(config)
+    model.config.pad_token_id = PAD_TOKEN_ID
+    swap_rms_norms(model)
+    # A sequence classifier has no LM head, so tie_word_embeddings ties nothing; make sure.
+    check_no_shared_parameters(model)
+    if use_lora:
+        model.requires_grad_(False)
+        model = apply_lora(model, rank=lora_rank, alpha=lora_alpha, dropout=lora_dropout)
+    else:
+        model.requires_grad_(True)
+    model.train()
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    total = sum(p.numel() for p in model.parameters())
+    info = {
+        "trainable_params": trainable,
+        "frozen_params": total - trainable,
+        "config": name,
+        "lora_rank": lora_rank if use_lora else None,
+    }
+    return model, info
+
+
+def sequence_classification_loss(
+    model: nn.Module, input_ids: torch.Tensor, labels: torch.Tensor
+) -> torch.Tensor:
+    """Per-sample cross-entropy [n] in fp32: the trainers' ``loss_fn`` for HF classifiers.
+
+    Position ids get a batch dim and are contiguous ([B, T], not HF's broadcast [1, T]), so
+    every per-sample machinery sees batch-first tensors.
+    """
+    batch, seq = input_ids.shape
+    position_ids = torch.arange(seq, device=input_ids.device).expand(batch, seq).contiguous()
+    logits = model(input_ids=input_ids, position_ids=position_ids, use_cache=False).logits
+    return F.cross_entropy(logits.float(), labels, reduction="none")

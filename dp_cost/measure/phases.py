@@ -1,0 +1,106 @@
+"""Memory measurement: phase snapshots, the peak of a step, and what counts as "measured".
+
+CUDA: torch's caching-allocator counters (``memory_allocated`` / ``max_memory_allocated`` after a
+reset, and their ``reserved`` twins). CPU has no such counters, so there the peak of a step is
+the bytes of every live tensor storage when the step starts plus the highest running total of
+the allocations and frees torch.profiler reports during the step (``memory_source =
+"cpu-profiler"``); CPU snapshots and reserved bytes are ``null``: nothing measures them.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import tempfile
+import time
+import warnings
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from dp_cost.core import kernel_names
+from dp_cost.core.schema import MB
+
+
+def memory_source(device: torch.device) -> str:
+    return "cuda" if device.type == "cuda" else "cpu-profiler"
+
+
+class PhaseRecorder:
+    """Snapshots of allocated/reserved memory at the trainers' phase names.
+
+    Each snapshot also carries the peak allocated since the previous snapshot (the peak inside
+    that phase), read from the allocator's peak counter, which is reset at every snapshot.
+    """
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.snapshots: list[dict] = []
+        self.start = time.perf_counter()
+
+    def __call__(self, name: str) -> None:
+        if name.startswith("_"):  # internal markers are no snapshots
+            return
+        if self.device.type == "cuda":
+            # Kernels run asynchronously: the phase ends when the GPU is done with it, not when
+            # the CPU has launched it (a timestamp taken before this wait lags one phase behind).
+            torch.cuda.synchronize(self.device)
+        snapshot = {"name": name, "timestamp": time.perf_counter() - self.start}
+        if self.device.type == "cuda":
+            snapshot["allocated_mb"] = torch.cuda.memory_allocated(self.device) / MB
+            snapshot["reserved_mb"] = torch.cuda.memory_reserved(self.device) / MB
+            snapshot["phase_peak_mb"] = torch.cuda.max_memory_allocated(self.device) / MB
+            snapshot["phase_peak_reserved_mb"] = torch.cuda.max_memory_reserved(self.device) / MB
+            torch.cuda.reset_peak_memory_stats(self.device)
+        else:
+            snapshot.update(
+                allocated_mb=None, reserved_mb=None, phase_peak_mb=None, phase_peak_reserved_mb=None
+            )
+        self.snapshots.append(snapshot)
+
+
+def live_tensor_bytes(exclude=()) -> int:
+    """Bytes of every distinct CPU storage reachable from a Python tensor object (and its
+    .grad), except the storages of the tensors in ``exclude``."""
+    excluded = {tensor.untyped_storage().data_ptr() for tensor in exclude}
+    storages: dict[int, int] = {}
+
+    def add(tensor):
+        if isinstance(tensor, torch.Tensor) and tensor.device.type == "cpu":
+            try:
+                storage = tensor.untyped_storage()
+                storages[storage.data_ptr()] = storage.nbytes()
+            except RuntimeError:  # a wrapper (FSDP2's DTensor): its local tensor is counted
+                pass
+
+    with warnings.catch_warnings():  # isinstance() on deprecated torch objects warns
+        warnings.simplefilter("ignore")
+        tensors = [obj for obj in gc.get_objects() if isinstance(obj, torch.Tensor)]
+    for tensor in tensors:
+        add(tensor)
+        if tensor.is_leaf or tensor.retains_grad:  # others have none (reading it warns)
+            add(tensor.grad)
+    return sum(nbytes for address, nbytes in storages.items() if address not in excluded)
+
+
+def cpu_step_peak_bytes(step, exclude=()) -> int:
+    """Peak bytes during ``step()`` on CPU: the live tensor bytes when it starts (but those of
+    ``exclude``, e.g. a host-side dataset: what the CUDA peak counts) plus the highest running
+    total of the profiler's allocation events during the step."""
+    gc.collect()
+    baseline = live_tensor_bytes(exclude)
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        step()
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "trace.json")
+        prof.export_chrome_trace(path)
+        events = kernel_names.load_trace_events(path)
+    memory_events = sorted(
+        (e for e in events if e.get("name") == "[memory]" and e["args"].get("Device Type") == 0),
+        key=lambda e: e["ts"],
+    )
+    running = peak = 0
+    for event in memory_events:
+        running += event["args"]["Bytes"]
+        peak = max(peak, running)
+    return baseline + peak

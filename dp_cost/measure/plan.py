@@ -1,0 +1,367 @@
+"""Command-line arguments -> the experiment plan: one ``ExperimentConfig`` per combination.
+
+Every value comes from the settings table (``core.settings.SETTINGS``): the command line where
+given, else the mode's default. What a mode does without CUDA is its ``Mode`` row. The plan is
+checked here, before any worker starts: a bad value is a ``UsageError`` (one line, exit 2).
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import math
+import os
+from dataclasses import dataclass
+
+import models
+import trainers
+from dp_cost.core.settings import (
+    BY_NAME,
+    CONFIG_FIELDS,
+    HF_SETTINGS,
+    MODEL_OVERRIDES,
+    MODES,
+    SETTINGS,
+    ExperimentConfig,
+    UsageError,
+    default_attention,
+)
+from dp_cost.hf.configs import HF_CONFIGS
+from dp_cost.parallel import ddp, ranks
+from dp_cost.parallel.mode import distributed_mode
+
+
+@dataclass
+class Plan:
+    mode: str  # the mode that runs: a GPU mode without CUDA may run as another
+    device: str  # "cuda" or "cpu"
+    configs: list  # list[ExperimentConfig]
+    note: str | None = None  # printed first: what changed without CUDA; what a graph will replay
+
+
+def resolve_device(args: argparse.Namespace, cuda_available) -> tuple[str, str, str, str | None]:
+    """(device, mode that runs, mode whose defaults apply, note). ``cuda_available()`` is asked
+    only when the device is not forced to CPU."""
+    mode = MODES[args.mode]
+    requested = args.device or BY_NAME["device"].default_for(mode.name)
+    if requested == "cpu":
+        return "cpu", mode.name, mode.name, None
+    if cuda_available():
+        return "cuda", mode.name, mode.name, None
+    if requested == "cuda":
+        raise UsageError("--device cuda was given but no CUDA device is available")
+    running = mode.cpu_defaults if mode.cpu_becomes else mode.name
+    defaults = mode.cpu_defaults or mode.name
+    model = args.model or mode.cpu_model
+    return "cpu", running, defaults, mode.cpu_message.format(model=model)
+
+
+def make_plan(args: argparse.Namespace, cuda_available) -> Plan:
+    device, running, defaults, note = resolve_device(args, cuda_available)
+    mode = MODES[args.mode]
+
+    def value(setting):
+        given = getattr(args, setting.dest, None) if setting.flags else None
+        if given is not None:
+            return given
+        if setting.name == "model" and note and mode.cpu_model:  # no CUDA: the CPU model
+            return mode.cpu_model
+        return setting.default_for(running if setting.follows_mode else defaults)
+
+    values = {s.name: value(s) for s in CONFIG_FIELDS}
+    values["model_overrides"] = {
+        name: getattr(args, name) for name in MODEL_OVERRIDES if getattr(args, name) is not None
+    }
+    values["default_model"] = BY_NAME["model"].default_for(defaults)
+    values["device"] = device
+    if args.attention is None:
+        values["attention"] = default_attention(values["model"])
+    if values["ncu"]:  # one replayed step: no trace, no breakdown
+        values["trace"] = values["breakdown"] = False
+    values["world_size"] = world_size(values["distributed"])
+    names = [args.trainer] if args.trainer else values["trainer"]
+    try:
+        names = [trainers.canonical_trainer_name(n) for n in names or trainers.TRAINERS]
+    except ValueError as error:
+        raise UsageError(str(error)) from None
+    values["trainer"] = names
+    axes = {name: _unique(values.pop(name)) for name in ("batch_size", "seq_len", "trainer")}
+    axes["max_physical_batch_size"] = _unique(values.pop("max_physical_batch_size") or [None])
+    axes["lora_rank"] = _lora_ranks(args, values.pop("lora_rank"))
+    dataset_size = check(values, axes, args)
+    if note and args.model:  # no CUDA, and the CPU was not asked for: a huge model is a mistake
+        count = parameter_count(args.model, values["model_overrides"])
+        if count >= BILLION:
+            raise UsageError(
+                f"no CUDA device found and --model {args.model} has about "
+                f"{count / BILLION:.1f}B parameters: add --device cpu to run it on the CPU anyway"
+            )
+    notes = [note, poisson_graph_note(values, axes, dataset_size), ddp_graph_note(values, axes)]
+    note = "\n".join(filter(None, notes)) or None
+    order = ("batch_size", "max_physical_batch_size", "seq_len", "lora_rank", "trainer")
+    configs = [
+        ExperimentConfig(**values, **dict(zip(order, combination)))
+        for combination in itertools.product(*(axes[name] for name in order))
+    ]
+    return Plan(running, device, configs, note)
+
+
+def ddp_graph_note(values: dict, axes: dict) -> str | None:
+    """standard under DDP is captured only after DDP's 11th iteration: say so before the run
+    when the warm-up steps stop short of it (the timed steps would start eagerly)."""
+    graphed = values["cuda_graph"] and distributed_mode(values["distributed"]).replicates
+    if not graphed or "standard" not in axes["trainer"]:
+        return None
+    if values["warmup_steps"] >= ddp.EAGER_ITERATIONS:
+        return None
+    return (
+        f"note: --cuda_graph under DDP captures standard after DDP's {ddp.EAGER_ITERATIONS}th "
+        f"iteration: with --warmup_steps {values['warmup_steps']} its first timed steps run "
+        f"eagerly (give --warmup_steps {ddp.EAGER_ITERATIONS})"
+    )
+
+
+def poisson_graph_note(values: dict, axes: dict, dataset_size: int) -> str | None:
+    """With --cuda_graph and Poisson batches (Hugging Face models), only a batch of exactly the
+    expected size replays the graph: say how often that is, before the run, not after it."""
+    if not (values["cuda_graph"] and values["poisson"] and values["model"] in HF_CONFIGS):
+        return None
+    if not any(trainers.TRAINERS[name].capturable for name in axes["trainer"]):
+        return None  # every config is skipped, with its reason
+    # A dataset file's N is its rows; unlabeled ones are dropped on load, hence "about".
+    shares = ", ".join(
+        f"{100 * full_batch_probability(b, dataset_size):.2g}% of steps at batch {b}"
+        for b in axes["batch_size"]
+    )
+    return (
+        f"note: --cuda_graph with Poisson sampling replays only batches of exactly the expected "
+        f"size (about {shares}); the others run eagerly. --no_poisson replays every "
+        "step after the capture, but fixed-size batches are outside the Poisson accountant."
+    )
+
+
+def full_batch_probability(batch_size: int, dataset_size: int) -> float:
+    """P(a Poisson-sampled batch has exactly ``batch_size`` samples) at rate B/N: binomial over
+    N samples, or its Poisson limit where N >> B (lgamma's differences lose digits there)."""
+    b, n = batch_size, dataset_size
+    if n > 10**6 * b:
+        return math.exp(b * math.log(b) - b - math.lgamma(b + 1))
+    if b == n:
+        return 1.0
+    log_choose = math.lgamma(n + 1) - math.lgamma(b + 1) - math.lgamma(n - b + 1)
+    return math.exp(log_choose + b * math.log(b / n) + (n - b) * math.log1p(-b / n))
+
+
+def _unique(values) -> list:
+    """Each value once, in order: a repeated value would run one config directory twice."""
+    return list(dict.fromkeys(values if isinstance(values, list) else [values]))
+
+
+def _lora_ranks(args, ranks) -> list[int]:
+    ranks = _unique(ranks)
+    if args.lora_ranks and len(ranks) > 1 and not args.use_lora:
+        raise UsageError("several --lora_ranks need --use_lora (without it there is no LoRA)")
+    if not args.use_lora:  # one rank, recorded in the config and not used
+        ranks = [args.lora_ranks[0] if args.lora_ranks else BY_NAME["lora_rank"].default]
+    return ranks
+
+
+def check_applies(model: str, args) -> None:
+    """A setting the model would ignore is an error, not a silent no-op recorded as if used."""
+    given = [s for s in SETTINGS if s.flags and getattr(args, s.dest, None) is not None]
+    if model not in HF_CONFIGS:
+        ignored = [s.flags[0] for s in given if s.name in HF_SETTINGS]
+        what = "Hugging Face models (--model tiny-llama or a Llama name)"
+    else:
+        ignored = [s.flags[0] for s in given if s.into == "model_overrides"]
+        what = "the named LM configs (tiny, 1b); a Hugging Face model keeps its shipped config"
+    if ignored:
+        raise UsageError(f"{', '.join(ignored)} applies only to {what}; model is {model!r}")
+
+
+def world_size(distributed: str) -> int:
+    """The ranks of a distributed run (torchrun's WORLD_SIZE); UsageError where --distributed
+    and the way the CLI was started disagree."""
+    try:
+        info = ranks.from_environment()
+    except ValueError as error:
+        raise UsageError(str(error)) from None
+    if not distributed_mode(distributed).is_distributed:
+        if info is not None and info.world_size > 1:
+            raise UsageError(
+                f"started by torchrun with {info.world_size} ranks: add --distributed ddp or "
+                "--distributed fsdp (else every rank would run every config alone)"
+            )
+        return 1
+    if info is None:
+        raise UsageError(
+            f"--distributed {distributed} runs under torchrun, one process per GPU: "
+            f"torchrun --nproc_per_node <GPUs> profiling_script.py ... --distributed {distributed}"
+        )
+    return info.world_size
+
+
+def check_distributed(values: dict, batch_sizes: list[int]) -> None:
+    ranks_count = values["world_size"]
+    for b in batch_sizes:
+        if b % ranks_count:
+            raise UsageError(
+                f"batch size {b} does not split evenly over {ranks_count} ranks (--batch_sizes "
+                f"is the global batch): give a multiple of {ranks_count}"
+            )
+    if values["ncu"] and distributed_mode(values["distributed"]).is_distributed:
+        raise UsageError("--ncu profiles one process: run it without --distributed")
+
+
+def check(values: dict, axes: dict, args) -> int:
+    """UsageError for a plan that cannot run as asked; else the dataset's N (a dataset file's
+    rows, as read here, or --dataset_size)."""
+    model = values["model"]
+    check_numbers(values)
+    check_distributed(values, axes["batch_size"])
+    max_seq_len = model_max_seq_len(model, values["attention"], values["model_overrides"])
+    dataset_size = values["dataset_size"]
+    if values["dataset_path"]:
+        dataset_size = check_dataset_file(values["dataset_path"], max(axes["batch_size"]))
+    if args.mode == "hf_sweep" and model not in HF_CONFIGS:
+        known = ", ".join(HF_CONFIGS)
+        raise UsageError(f"--mode=hf_sweep needs a Hugging Face model ({known}), got {model!r}")
+    check_applies(model, args)
+    if values["save_snapshot"] and not values["breakdown"]:
+        raise UsageError("--save_snapshot keeps the breakdown's allocator history: it needs "
+                         "--mode=memory or --mode=hf_sweep")  # fmt: skip
+    if min(axes["lora_rank"]) <= 0 or values["dataset_size"] <= 0:
+        raise UsageError("--lora_ranks and --dataset_size must be positive")
+    if values["noise_multiplier"] < 0 or values["max_grad_norm"] <= 0 or values["lr"] <= 0:
+        raise UsageError("--noise_multiplier must be >= 0, --max_grad_norm and --lr > 0")
+    if not 0 < values["delta"] < 1:
+        raise UsageError(f"--delta must be in (0, 1), got {values['delta']}")
+    batch_sizes, seq_lens = axes["batch_size"], axes["seq_len"]
+    if model in HF_CONFIGS:
+        if min(seq_lens) < 3:
+            raise UsageError("a sentence pair needs seq_len >= 3 (premise, separator, hypothesis)")
+        if not values["dataset_path"] and max(batch_sizes) > values["dataset_size"]:
+            raise UsageError(
+                f"batch size {max(batch_sizes)} > --dataset_size {values['dataset_size']}: the "
+                "sampling rate B/N must be at most 1"
+            )
+    for b in batch_sizes:
+        if b <= 0:
+            raise UsageError(f"batch size must be positive, got {b}")
+    for t in seq_lens:
+        if not 0 < t <= max_seq_len:
+            raise UsageError(
+                f"seq_len {t} must be in 1..{max_seq_len} (the max_seq_len of model "
+                f"{model!r}; raise it with --max_seq_len)"
+            )
+    for pb in axes["max_physical_batch_size"]:
+        if pb is not None and pb <= 0:
+            raise UsageError(f"physical batch size must be positive, got {pb}")
+        if pb is not None and pb > max(batch_sizes):
+            raise UsageError(f"physical batch {pb} > every logical batch size {batch_sizes}")
+    if values["steps"] <= 0 or values["warmup_steps"] < 0:
+        raise UsageError("--steps must be positive and --warmup_steps non-negative")
+    if values["steps"] > MAX_STEPS or values["warmup_steps"] > MAX_STEPS:
+        raise UsageError(f"--steps and --warmup_steps must be at most {MAX_STEPS}")
+    if values["ncu"] and values["device"] != "cuda":
+        raise UsageError("--ncu profiles CUDA kernels: it needs a CUDA device")
+    if values["cuda_graph"] and values["device"] != "cuda":
+        raise UsageError("--cuda_graph replays CUDA graphs: it needs a CUDA device")
+    if values["cuda_graph"] and values["ncu"]:
+        raise UsageError("--ncu profiles one eager step in named phases: drop --cuda_graph")
+    if values["cuda_graph"] and (reason := distributed_mode(values["distributed"]).graph_refusal):
+        raise UsageError(reason)
+    physical = max(pb or b for pb in axes["max_physical_batch_size"] for b in batch_sizes)
+    needed = bytes_lower_bound(
+        model, values["model_overrides"], physical, max(seq_lens), values["dataset_size"]
+    )
+    if needed > ADDRESS_SPACE:
+        raise UsageError(
+            f"model {model!r} at batch {physical} x seq_len {max(seq_lens)} needs at least "
+            f"{needed / 2**40:.0f} TiB: more than any process can address"
+        )
+    return dataset_size
+
+
+MAX_STEPS = 1_000_000
+MAX_SEED = 2**63 - 1  # torch.manual_seed takes 64-bit seeds
+BILLION = 10**9
+ADDRESS_SPACE = 2**47  # bytes of a process's user address space (x86-64, 4-level paging)
+
+
+def check_numbers(values: dict) -> None:
+    """Every float finite; the seed and model overrides in range (sizes: in ``check``)."""
+    for name in ("lr", "noise_multiplier", "max_grad_norm", "delta"):
+        if not math.isfinite(values[name]):
+            raise UsageError(f"--{name} must be a finite number, got {values[name]}")
+    if not 0 <= values["seed"] <= MAX_SEED:
+        raise UsageError(f"--seed must be in 0..{MAX_SEED}, got {values['seed']}")
+    for name, value in values["model_overrides"].items():
+        if value <= 0:
+            raise UsageError(f"--{name} must be positive, got {value}")
+
+
+def check_dataset_file(path: str, largest_batch: int) -> int:
+    """Its non-empty lines; UsageError unless ``path`` is a file whose first non-empty line is a
+    JSON object and that has at least as many lines as the largest logical batch (the sampling
+    rate B/N <= 1)."""
+    if not os.path.isfile(path):
+        raise UsageError(f"--dataset_path {path} is not a file (JSON lines expected)")
+    try:
+        with open(path, encoding="utf-8") as f:
+            first = next((line for line in f if line.strip()), "")
+            lines = 1 + sum(1 for line in f if line.strip()) if first else 0
+        record = json.loads(first) if first else None
+    except (OSError, ValueError) as error:  # UnicodeDecodeError and JSONDecodeError included
+        raise UsageError(f"--dataset_path {path} is not JSON lines: {error}") from None
+    if not isinstance(record, dict):
+        raise UsageError(f"--dataset_path {path} is not JSON lines (one object per line)")
+    if lines < largest_batch:
+        raise UsageError(
+            f"--dataset_path {path} has {lines} rows, fewer than the batch size {largest_batch}: "
+            "the sampling rate B/N must be at most 1"
+        )
+    return lines
+
+
+def model_shape(model: str, overrides: dict) -> tuple[int, int, int, int]:
+    """(vocab, hidden, layers, MLP width) of a named model with its overrides."""
+    if model in HF_CONFIGS:
+        c = HF_CONFIGS[model]
+        shape = (c["vocab_size"], c["hidden_size"], c["num_hidden_layers"])
+        return (*shape, c["intermediate_size"])
+    c = models.get_config(model, **overrides)
+    return c.vocab_size, c.hidden_dim, c.num_layers, c.mlp_dim
+
+
+def parameter_count(model: str, overrides: dict) -> int:
+    """About how many parameters the model has: embeddings plus attention and MLP weights."""
+    vocab, hidden, layers, mlp = model_shape(model, overrides)
+    return 2 * vocab * hidden + layers * (4 * hidden * hidden + 3 * hidden * mlp)
+
+
+def bytes_lower_bound(model, overrides, physical_batch, seq_len, dataset_size) -> int:
+    """Bytes a config needs at the least: fp32 parameters, one hidden state per layer, the LM's
+    logits, the HF task's synthetic dataset. Python integers: no overflow, however large."""
+    vocab, hidden, layers, _ = model_shape(model, overrides)
+    tokens = physical_batch * seq_len
+    hf = model in HF_CONFIGS  # a sequence classifier: no vocabulary-wide logits
+    activations = tokens * (hidden * layers + (0 if hf else vocab))
+    dataset = 8 * dataset_size * seq_len if hf else 0
+    return 4 * (parameter_count(model, overrides) + activations) + dataset
+
+
+def model_max_seq_len(model: str, attention: str, overrides: dict) -> int:
+    """The longest sequence the named model takes (UsageError for an unknown name)."""
+    if model in HF_CONFIGS:
+        return HF_CONFIGS[model]["max_position_embeddings"]
+    try:
+        return models.get_config(model, attention=attention, **overrides).max_seq_len
+    except (ValueError, TypeError) as error:
+        known = ", ".join([*models.CONFIGS, *HF_CONFIGS])
+        raise UsageError(
+            f"{error}"
+            if "unknown" not in str(error)
+            else f"unknown model {model!r}; known: {known}"
+        ) from None

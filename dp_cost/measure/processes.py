@@ -1,0 +1,337 @@
+"""Each config in its own forked worker process; resume, progress and Ctrl-C.
+
+The CLI process imports torch and opacus once and never touches CUDA; each config runs in a
+child forked from it, so the import cost is paid once, the caching allocator starts empty for
+every config (no pool pollution between trainers) and an OOM or crash stays inside its child.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import glob
+import multiprocessing
+import os
+import re
+import shutil
+import signal
+import sys
+
+import torch
+from tqdm import tqdm
+
+import trainers
+from dp_cost.core.files import write_json
+from dp_cost.core.fmt import count
+from dp_cost.core.reading import read_json_or_none
+from dp_cost.core.schema import FINISHED
+from dp_cost.measure import quiet, ranks
+from dp_cost.measure.ranks import RankGroup
+from dp_cost.measure.worker import result_skeleton, worker_main
+
+# Directories a run makes per config (<trainer>_bs<B>_seq<T>...) and atomic_write's temporary
+# names (<name>.tmp<pid>): the only things leftover removal may touch.
+CONFIG_DIR_NAME = re.compile(r"^\w+?_bs\d+_seq\d+(_[\w.-]+)?$")
+ATOMIC_TEMPORARY = re.compile(r".+\.tmp\d+")
+
+
+class Interrupted(Exception):
+    """Ctrl-C during a run: the finished configs are summarised, the running one dropped."""
+
+
+def run_configs(
+    configs: list,
+    run_dir: str,
+    resume: bool = False,
+    progress: bool = False,
+    verbose=False,
+    group: RankGroup | None = None,
+):
+    """Run every config in its own forked worker; returns the results in config order.
+    ``progress``: a progress bar over the configs on stderr (plain lines when it is no tty).
+    ``verbose``: the workers show the libraries' known-harmless noise too.
+    ``group``: the ranks of a torchrun job: each runs its worker of every config; rank 0
+    decides what runs and writes the aggregates (the others return their own results)."""
+    try:
+        return _run_configs(configs, run_dir, resume, progress, verbose, group)
+    except KeyboardInterrupt:  # between two configs: nothing is running
+        raise Interrupted("between configs") from None
+
+
+def finished_result(result_path: str, resume: bool) -> dict | None:
+    """The earlier result that ``--resume`` keeps, or None when the config must run."""
+    previous = read_json_or_none(result_path) if resume else None
+    if not isinstance(previous, dict) or not isinstance(previous.get("config"), dict):
+        return None
+    if previous["config"].get("ncu"):
+        # An ncu config is never done: ncu runs the app to profile it now (again in each metric
+        # pass of app-range replay); skipping it would leave an empty report in place of one.
+        return None
+    return previous if previous.get("status") in FINISHED else None
+
+
+def _run_configs(configs, run_dir, resume, progress, verbose, group) -> list[dict]:
+    if group is not None and not group.is_first:
+        return _run_as_other_rank(configs, run_dir, verbose, group)
+    context = multiprocessing.get_context("fork")
+    paths = [os.path.join(run_dir, c.config_dir, "result.json") for c in configs]
+    # Read once: a bad earlier result warns once. Resumed and skipped configs take no time:
+    # counted as done from the start, they do not shorten the estimate of the rest.
+    kept = [finished_result(p, resume) for p in paths]
+    skips = [skip_reason(c) for c in configs]
+    no_worker = sum(bool(result or reason) for result, reason in zip(kept, skips))
+    if group is not None:  # the other ranks run the same workers
+        group.broadcast("runs", [not (result or reason) for result, reason in zip(kept, skips)])
+    if resume:  # what an earlier interrupted or killed run left behind, in config directories
+        for name in os.listdir(run_dir):
+            path = os.path.join(run_dir, name)
+            if CONFIG_DIR_NAME.match(name) and os.path.isdir(path) and not os.path.islink(path):
+                remove_leftovers(path)
+    bar = ProgressBar(len(configs), no_worker) if progress else None
+    log = bar.write if bar else print
+    results = []
+    for index, (config, result_path, result, reason) in enumerate(
+        zip(configs, paths, kept, skips), 1
+    ):
+        config_path = os.path.dirname(result_path)
+        tag = f"[{index}/{len(configs)}] {config.config_dir}"
+        if result:
+            log(f"{tag}: {result['status']} (resumed)")
+        else:
+            os.makedirs(config_path, exist_ok=True)
+            if reason:
+                result = result_skeleton(config, "skipped", reason)
+                write_json(result_path, result)
+            elif group is None:
+                log(f"{tag}: running")
+                result = run_in_child(context, config, config_path, result_path, verbose)
+            else:
+                log(f"{tag}: running on {count(group.info.world_size, 'rank')}")
+                per_rank = run_rank_worker(context, config, config_path, verbose, group, index)
+                for rank, rank_result in enumerate(per_rank[1:], 1):  # other nodes' disks too
+                    write_json(os.path.join(config_path, f"result.rank{rank}.json"), rank_result)
+                result = ranks.aggregate(per_rank)
+                write_json(result_path, result)
+                remove_leftovers(config_path)
+            if bar and not reason:
+                bar.update()
+            log(f"{tag}: {describe(result)}")
+        results.append(result)
+    if bar:
+        bar.close()
+    return results
+
+
+class ProgressBar(tqdm):
+    """Configs done and left, elapsed time and an estimate of the rest, on stderr: tqdm's bar
+    redrawn in place on a terminal; one plain line per config elsewhere (a pipe, a log file)."""
+
+    FORMAT = (
+        "[{bar:24}] {n}/{total} configs done, {left} left, elapsed {elapsed}, "
+        "estimate {remaining} left"
+    )
+
+    def __init__(self, total: int, done_already: int = 0, stream=None):
+        stream = stream or sys.stderr
+        self.lines = None if stream.isatty() else stream
+        super().__init__(
+            total=total,
+            initial=done_already,
+            file=stream if self.lines is None else open(os.devnull, "w"),  # noqa: SIM115
+            ascii="-#",
+            bar_format=self.FORMAT,
+            mininterval=0,
+        )
+        self.print_line()
+
+    @property
+    def format_dict(self):
+        return {**super().format_dict, "left": self.total - self.n}
+
+    def update(self, n: int = 1):
+        super().update(n)
+        self.print_line()
+
+    def print_line(self):
+        if self.lines is not None:
+            self.lines.write(str(self) + "\n")
+            self.lines.flush()
+
+    def write(self, message: str):  # type: ignore[override]
+        """``message`` on stdout, above the bar."""
+        tqdm.write(message, file=sys.stdout)
+        sys.stdout.flush()
+
+    def close(self):
+        file = self.fp
+        super().close()
+        if self.lines is not None:
+            file.close()
+
+
+def skip_reason(config) -> str | None:
+    """Why a combination of the plan cannot run (the others still do), or None."""
+    if config.physical_batch_size > config.batch_size:
+        return f"physical batch {config.physical_batch_size} > logical batch {config.batch_size}"
+    per_rank = config.batch_size // config.world_size  # --max_physical_batch_size is per rank
+    if config.physical_batch_size > per_rank:
+        return (
+            f"physical batch {config.physical_batch_size} > a rank's share of the logical batch "
+            f"({config.batch_size} / {config.world_size} ranks = {per_rank})"
+        )
+    return trainers.refusal(
+        config.trainer, config.distributed, config.cuda_graph, config.activation_checkpointing
+    )
+
+
+def _run_as_other_rank(configs, run_dir, verbose, group) -> list[dict]:
+    """Rank k > 0: run this rank's worker of each config rank 0 says runs."""
+    context = multiprocessing.get_context("fork")
+    for index, (config, runs) in enumerate(zip(configs, group.broadcast("runs"), strict=True), 1):
+        if not runs:
+            continue
+        config_path = os.path.join(run_dir, config.config_dir)
+        os.makedirs(config_path, exist_ok=True)
+        run_rank_worker(context, config, config_path, verbose, group, index)
+    return []  # rank 0 holds the results
+
+
+def run_rank_worker(context, config, config_path, verbose, group, index) -> list[dict] | None:
+    """This rank's worker of config ``index`` (result.rank<k>.json), its result handed to rank 0:
+    every rank's results in rank order on rank 0, None elsewhere."""
+    rank_path = os.path.join(config_path, f"result.rank{group.rank}.json")
+    own = run_in_child(context, config, config_path, rank_path, verbose, group, index)
+    return group.gather(f"result/{index}", own)
+
+
+STOP_GRACE_S = 10  # a worker left alone after another rank failed may still end by itself
+
+
+def run_in_child(
+    context, config, config_path, result_path, verbose=False, group=None, index=0
+) -> dict:
+    if os.path.exists(result_path):  # an unfinished earlier attempt (--resume reruns it)
+        os.replace(result_path, result_path + ".previous")
+    errors, child_errors = context.Pipe(duplex=False)
+    stderr = None if verbose else quiet.FilteredStderr()
+    rank_setup = None if group is None else (group.info, group.worker_prefix(index))
+    process = context.Process(
+        target=worker_main,
+        args=(config, config_path, child_errors),
+        kwargs={
+            "stderr": stderr,
+            "rank_setup": rank_setup,
+            "result_name": os.path.basename(result_path),
+        },
+    )
+    stopped_by = None
+    try:
+        process.start()
+        child_errors.close()
+        if stderr is not None:
+            stderr.started()
+        process.join(None if group is None else 0.5)
+        while process.is_alive():  # distributed: stop it if another rank's worker failed
+            stopped_by = group.ended_badly_elsewhere(index)
+            if stopped_by is not None:
+                process.join(STOP_GRACE_S)
+                if process.is_alive():
+                    process.terminate()
+                    process.join()
+                break
+            process.join(0.5)
+    except KeyboardInterrupt:  # Ctrl-C, or SIGTERM (the CLI raises it as one)
+        # A second signal must not cut the clean-up short (the CLI restores the handlers).
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        if process.pid is not None:
+            process.terminate()
+            process.join()
+        errors.close()
+        remove_leftovers(config_path)
+        raise Interrupted(config.config_dir) from None
+    finally:
+        if stderr is not None:
+            stderr.close()
+    result = read_json_or_none(result_path)
+    reported = last_words(errors)
+    errors.close()
+    if stopped_by is not None and (result is None or result.get("status") != "ok"):
+        result = ranks.stopped_result(result_skeleton(config, "error"), stopped_by)
+        write_json(result_path, result)
+    elif result is None:  # killed or crashed before writing (segfault, OOM killer's SIGKILL)
+        result = died_result(config, process.exitcode, reported)
+        try:
+            write_json(result_path, result)
+        except OSError as error:  # the disk is full for this one too: the summary still has it
+            print(f"{config.config_dir}: could not write result.json: {error}", file=sys.stderr)
+    if group is None:  # distributed: rank 0 cleans up once every rank's worker has ended
+        remove_leftovers(config_path)
+    else:  # the other ranks stop their workers if this one failed
+        group.post(f"ended/{index}/{group.rank}", {k: result.get(k) for k in ("status", "error")})
+    return result
+
+
+def last_words(errors) -> str | None:
+    """What a worker reported before dying, if anything (a killed one closed the pipe)."""
+    try:
+        return errors.recv() if errors.poll() else None
+    except EOFError:
+        return None
+
+
+def died_result(config, exitcode: int | None, reported: str | None) -> dict:
+    """The result of a worker that wrote none: ``reported`` is what it said before dying."""
+    if exitcode == -signal.SIGKILL:  # the kernel's OOM killer sends SIGKILL
+        return result_skeleton(
+            config,
+            "oom",
+            "worker killed by SIGKILL: most likely the kernel's OOM killer (host out of memory)",
+        )
+    reason = (
+        f"signal {-exitcode}" if exitcode is not None and exitcode < 0 else f"exit code {exitcode}"
+    )
+    return result_skeleton(config, "error", reported or f"worker died without a result ({reason})")
+
+
+def remove_leftovers(config_path: str) -> None:
+    """What an interrupted or killed worker leaves: a trace's staging folder, temporary files,
+    and the config directory itself when nothing else is in it."""
+    for staging in glob.glob(os.path.join(config_path, ".trace-*")):
+        shutil.rmtree(staging, ignore_errors=True)
+    for partial in glob.glob(os.path.join(config_path, "*.tmp[0-9]*")):
+        if ATOMIC_TEMPORARY.fullmatch(os.path.basename(partial)):  # atomic_write's names only
+            os.remove(partial)
+    with contextlib.suppress(OSError):  # not empty: it holds results or earlier files
+        os.rmdir(config_path)
+
+
+def describe(result: dict) -> str:
+    if result["status"] != "ok":
+        return f"{result['status']}: {result.get('error')}"
+    if result["median_time_ms"] is None:  # an --ncu step: its time under replay is no measurement
+        return "ok (" + result["env"].get("ncu_note", "not timed") + ")"
+    median, peak = result["median_time_ms"], result["peak_memory_mb"]
+    return f"ok, median {median:.1f} ms, peak " + ("n/a" if peak is None else f"{peak:.1f} MB")
+
+
+def probe_device() -> dict:
+    """Ask a forked child whether CUDA is usable (and the card's name), so this process never
+    initialises CUDA: the workers fork from it."""
+    context = multiprocessing.get_context("fork")
+    parent_end, child_end = context.Pipe(duplex=False)
+
+    def probe():
+        available = torch.cuda.is_available()
+        child_end.send(
+            {"cuda": available, "name": torch.cuda.get_device_name(0) if available else None}
+        )
+
+    process = context.Process(target=probe)
+    process.start()
+    info = parent_end.recv() if parent_end.poll(120) else {"cuda": False, "name": None}
+    process.join()
+    return info
+
+
+def cuda_available() -> bool:
+    return probe_device()["cuda"]

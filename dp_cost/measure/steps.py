@@ -1,0 +1,336 @@
+"""The measurements of one config, in order, each with one interface: ``run(session, result)``.
+
+``measurements(config)`` is the sequence a config asks for. The timed steps come first and
+nothing else runs during them; every later measurement runs extra steps on the last sampled
+batch that had samples and never records phase snapshots (``Session.extra_step``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gzip
+import json
+import os
+import pickle
+import shutil
+import statistics
+import tempfile
+import time
+from dataclasses import dataclass, field
+
+import torch
+from torch.cuda import _memory_viz
+
+from dp_cost.core import kernel_names
+from dp_cost.core.files import atomic_write
+from dp_cost.core.schema import MB
+from dp_cost.hf import privacy
+from dp_cost.measure import breakdown, census, phases, tracing
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+@dataclass
+class Session:
+    """What the measurements of one config share, in its worker process."""
+
+    config: object  # ExperimentConfig
+    device: torch.device
+    trainer: object  # trainers.Trainer
+    workload: object  # measure.workload.Workload
+    recorder: phases.PhaseRecorder
+    out_dir: str
+    env: dict
+    inputs: torch.Tensor = None  # the last sampled batch with samples: extra steps reuse it
+    targets: torch.Tensor = None
+    measured_snapshots: list = field(default_factory=list)
+    step_starts: list = field(default_factory=list)
+    module_census: census.ModuleCensus | None = None
+    extra_steps: int = 0  # steps after the timed ones, on a batch they already sampled
+    timed_replays: int = 0  # timed steps that replayed a CUDA graph (--cuda_graph)
+
+    def reused_batch_step(self) -> None:
+        """One step after the timed ones, on a batch they sampled (counted: a DP step that
+        reuses a batch is accounted as such)."""
+        self.extra_steps += 1
+        self.trainer.step(self.inputs, self.targets)
+
+    def extra_step(self) -> None:
+        """A reused-batch step that the module census (if any) observes."""
+        with self.module_census.observing() if self.module_census else contextlib.nullcontext():
+            self.reused_batch_step()
+
+
+class TimedSteps:
+    """Warm-up, then the timed steps (synchronised), with the phase snapshots they record."""
+
+    def run(self, s: Session, result: dict) -> None:
+        with s.trainer.observing_phases(s.recorder):
+            for _ in range(s.config.warmup_steps):
+                s.trainer.step(*s.workload.batch())
+            synchronize(s.device)
+            if s.device.type == "cuda":
+                torch.cuda.reset_peak_memory_stats(s.device)
+            first_measured = len(s.recorder.snapshots)
+            replays_before = s.trainer.graphs.replays
+            step_times, physical_times, losses = [], [], []
+            for _ in range(s.config.steps):
+                inputs, targets = s.workload.batch()  # sampled outside the timed region
+                if len(inputs) or s.inputs is None:
+                    # The extra steps after these reuse the last batch that had samples: a
+                    # measurement of an empty (Poisson) batch would measure the noise alone.
+                    s.inputs, s.targets = inputs, targets
+                synchronize(s.device)
+                start = time.perf_counter()
+                s.step_starts.append(start - s.recorder.start)
+                out = s.trainer.step(inputs, targets)
+                synchronize(s.device)
+                step_times.append((time.perf_counter() - start) * 1e3)
+                physical_times.extend(out["physical_step_times_ms"])
+                losses.append(out["loss"])
+        s.measured_snapshots = s.recorder.snapshots[first_measured:]
+        s.timed_replays = s.trainer.graphs.replays - replays_before
+        # Poisson batches vary in size: say which one the measurements after these steps use.
+        result["measurement_batch_size"] = len(s.inputs)
+        if not len(s.inputs):
+            s.env["measurement_batch_note"] = (
+                "every sampled batch was empty: the measurements after the timed steps (CPU "
+                "peak, breakdown, census, trace) ran on an empty batch, a noise-only step"
+            )
+        if s.trainer.graphs.enabled:
+            result["cuda_graph"] = {
+                **s.trainer.graphs.result(s.trainer.batch_size),
+                "timed_replays": s.timed_replays,
+            }
+        result.update(
+            avg_time_ms=statistics.fmean(step_times),
+            median_time_ms=statistics.median(step_times),
+            step_times_ms=step_times,
+            physical_step_times_ms=physical_times,
+            losses=losses,
+            snapshots=s.recorder.snapshots,
+            **s.trainer.result_extras(),
+        )
+
+
+class PeakMemory:
+    """CUDA: the largest phase peak of the timed steps (the recorder resets the counters at
+    every snapshot), and the capture's peak where they replayed a CUDA graph (a replay
+    allocates nothing; its tensors live in the graph's pool, allocated at capture). CPU: the
+    peak of one extra step, from the profiler's allocation events."""
+
+    def run(self, s: Session, result: dict) -> None:
+        if s.device.type == "cuda":
+            peaks = [x["phase_peak_mb"] for x in s.measured_snapshots]
+            if s.timed_replays:
+                peaks.append(s.trainer.graphs.graph.peak_bytes / MB)
+            result["peak_memory_mb"] = max(peaks)
+            result["peak_reserved_mb"] = max(
+                x["phase_peak_reserved_mb"] for x in s.measured_snapshots
+            )
+        else:
+            host_dataset = s.workload.host_dataset()
+            try:
+                peak = phases.cpu_step_peak_bytes(s.extra_step, host_dataset)
+            except ValueError as error:  # the profiler's own trace could not be read back
+                s.env["peak_note"] = f"the CPU peak could not be measured: {error}"
+                return
+            result["peak_memory_mb"] = peak / MB
+
+
+class Breakdown:
+    """Where the peak of one extra step goes (CUDA: the allocator's history)."""
+
+    def run(self, s: Session, result: dict) -> None:
+        if s.device.type != "cuda":
+            s.env["breakdown_note"] = "the allocator history that attributes the peak is CUDA-only"
+            return
+        with s.trainer.graphs.eager():  # the allocator's history of a step: a replay has none
+            parts, check, recording, snapshot = breakdown.record_breakdown(
+                s.trainer, s.extra_step, s.device
+            )
+        result["breakdown"], result["breakdown_check"] = parts, check
+        if s.config.save_snapshot:
+            save_snapshot(s.out_dir, snapshot, {**recording, "check": check})
+
+
+def save_snapshot(out_dir: str, snapshot: dict, recording: dict) -> None:
+    """The pickle feeds ``python -m torch.cuda._memory_viz``; the HTML is its timeline; the
+    trimmed recording is what the attribution read (small enough to keep as a test fixture)."""
+    with atomic_write(os.path.join(out_dir, "memory_snapshot.pickle"), "wb") as f:
+        pickle.dump(snapshot, f)
+    with atomic_write(os.path.join(out_dir, "memory_timeline.html")) as f:
+        f.write(_memory_viz.trace_plot(snapshot))
+    path = os.path.join(out_dir, "breakdown_recording.json.gz")
+    with atomic_write(path, "wt", opener=gzip.open) as f:
+        json.dump(recording, f)
+
+
+class Census:
+    """Bytes by module group and kind in one extra step, and time and memory per phase."""
+
+    def run(self, s: Session, result: dict) -> None:
+        if not s.module_census.steps_observed:  # no extra step ran yet (CUDA without breakdown)
+            with s.trainer.graphs.eager():  # the census reads a step's allocations
+                s.extra_step()
+        result["module_memory"] = s.module_census.result()
+        if s.timed_replays:
+            result["phase_costs"] = census.unmeasured_phase_costs()
+            s.env["phase_costs_note"] = (
+                f"{s.timed_replays} timed steps replayed a CUDA graph: a replay has no phase "
+                "boundaries, so time and memory per phase are not measured"
+            )
+        else:
+            result["phase_costs"] = census.phase_costs(s.measured_snapshots, s.step_starts)
+
+
+class Trace:
+    """torch.profiler trace of extra steps; on CUDA, GPU kernel time per category from it, and
+    the host time and GPU-busy fraction of one more step (``kernel_names.step_timeline``)."""
+
+    def run(self, s: Session, result: dict) -> None:
+        config = s.config
+        use_gzip = s.device.type == "cuda" if config.trace_gzip is None else config.trace_gzip
+        path = tracing.trace_steps(s.reused_batch_step, s.device, s.out_dir, use_gzip)
+        result["trace_file"] = os.path.basename(path) if path else None
+        result["host_time_ms"] = result["gpu_busy_fraction"] = None
+        if s.device.type != "cuda" or not path:
+            s.env["kernels_note"] = "GPU kernel times exist only for CUDA runs"
+            s.env["timeline_note"] = "host time and GPU-busy fraction need a CUDA trace"
+            return
+        try:
+            kernels = kernel_names.kernels_from_trace(path)  # durations in µs
+            summary = kernel_names.summarize(kernels)
+            result["kernels"] = summary["categories"]
+            result["top_kernels"] = summary["top"]
+            if torch.distributed.is_initialized():
+                # NCCL kernel time, waits for the other ranks included; overlapped with compute
+                # where the trainer overlaps it (DDP's buckets, FSDP2's prefetches).
+                nccl_us = sum(us for name, us, *_ in kernels if "nccl" in name.lower())
+                result["communication_time_ms"] = nccl_us / 1000
+        except ValueError as error:  # an unreadable trace (truncated, over the size cap)
+            s.env["kernels_note"] = f"the trace could not be read: {error}"
+        # Host time and GPU-busy fraction from a second, light trace of the step after a
+        # warm-up step: CUDA activity alone (kernels and the runtime and driver calls that
+        # launch them). Recording host ops costs microseconds per op on the host, more for the
+        # trainer with more ops: on an H100, standard's 1b step at (8, 512) ran 82 ms untraced
+        # and showed 111 ms of host time with host ops recorded. Such a trace has no host range:
+        # the window is from the step's first CUDA call to its last launch (step_timeline's
+        # docstring). In a staging folder of its own: ranks of one config share the directory,
+        # and an interrupted run's leftovers are removed like the trace's (".trace-*").
+        staging = tempfile.mkdtemp(prefix=".trace-", dir=s.out_dir)
+        light = os.path.join(staging, "timeline.json")
+        with torch.profiler.profile(
+            activities=[torch.profiler.ProfilerActivity.CUDA],
+            schedule=torch.profiler.schedule(wait=0, warmup=1, active=1, repeat=1),
+            on_trace_ready=lambda prof: prof.export_chrome_trace(light),
+        ) as prof:
+            for _ in range(2):
+                s.reused_batch_step()
+                synchronize(s.device)
+                prof.step()
+        try:
+            timeline = kernel_names.step_timeline(kernel_names.load_trace_events(light))
+        except ValueError as error:
+            s.env["timeline_note"] = f"host time and GPU-busy fraction not measured: {error}"
+            return
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
+        result["host_time_ms"] = timeline["host_time_ms"]
+        result["gpu_busy_fraction"] = timeline["gpu_busy_fraction"]
+        result["step_timeline"] = timeline
+
+
+class Privacy:
+    """The epsilon of every DP update the model received (Poisson-sampled workloads)."""
+
+    def run(self, s: Session, result: dict) -> None:
+        if s.workload.sample_rate is None or not s.trainer.is_private:
+            return
+        config = s.config
+        # Warm-up and timed steps each drew a fresh Poisson batch; the extra steps after them
+        # (CPU peak, breakdown, census, trace) reused one of those: accounted as such.
+        steps, last_batch_uses = s.trainer.steps_taken, 1 + s.extra_steps
+        epsilon = None
+        if config.poisson:
+            epsilon = privacy.epsilon(
+                config.noise_multiplier,
+                s.workload.sample_rate,
+                steps,
+                config.delta,
+                last_batch_uses=last_batch_uses,
+            )
+        else:
+            s.env["privacy_note"] = (
+                "--no_poisson: fixed-size batches, which the Poisson accountant does not cover; "
+                "epsilon is not reported"
+            )
+        result["privacy"] = {
+            "epsilon": epsilon,
+            "delta": config.delta,
+            "sample_rate": s.workload.sample_rate,
+            "steps": steps,
+            "last_batch_uses": last_batch_uses,
+            "poisson": config.poisson,
+            "accountant": "prv",
+        }
+
+
+class NcuRange:
+    """Warm-up, then exactly one step inside cudaProfilerStart/Stop, the range ncu profiles.
+
+    cudaProfilerStart/Stop is process-wide, so the backward kernels that autograd launches from
+    its own thread and the optimizer step are inside the range. NVTX ranges name the phases for
+    ``ncu --nvtx --nvtx-include "step/"`` (NVTX ranges are per thread: with that filter, kernels
+    launched by autograd's thread are not matched; the default suite does not filter). Its time
+    under ncu's replay is no measurement: times and peaks stay null.
+    """
+
+    def run(self, s: Session, result: dict) -> None:
+        if s.device.type != "cuda":
+            raise ValueError("--ncu needs a CUDA device")
+        with s.trainer.observing_phases(s.recorder):
+            for _ in range(s.config.warmup_steps):
+                s.trainer.step(*s.workload.batch())
+        inputs, targets = s.workload.batch()
+        nvtx = torch.cuda.nvtx
+        next_range = {"forward_done": "backward", "backward_done": "optimizer"}
+
+        def on_phase(name):
+            if name in next_range:
+                nvtx.range_pop()
+                nvtx.range_push(next_range[name])
+
+        synchronize(s.device)
+        torch.cuda.profiler.start()
+        nvtx.range_push("step")
+        nvtx.range_push("forward")
+        try:
+            with s.trainer.observing_phases(on_phase):
+                s.trainer.step(inputs, targets)
+            synchronize(s.device)
+        finally:
+            nvtx.range_pop()
+            nvtx.range_pop()
+            torch.cuda.profiler.stop()
+        s.env["ncu_note"] = (
+            "one step ran inside cudaProfilerStart/Stop for Nsight Compute; its time under "
+            "ncu replay is not a measurement, so times and peaks are null"
+        )
+
+
+def measurements(config) -> list:
+    """The measurements ``config`` asks for, in the order they run."""
+    if config.ncu:
+        return [NcuRange()]
+    sequence = [TimedSteps(), PeakMemory()]
+    if config.breakdown:
+        sequence.append(Breakdown())
+    if config.detailed_memory:
+        sequence.append(Census())
+    if config.trace:
+        sequence.append(Trace())
+    return [*sequence, Privacy()]

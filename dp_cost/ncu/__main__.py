@@ -1,0 +1,5 @@
+import sys
+
+from dp_cost.ncu.cli import main
+
+sys.exit(main())

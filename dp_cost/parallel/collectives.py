@@ -1,0 +1,81 @@
+"""The process group of one config's workers, and the few collectives every trainer's step
+takes outside the gradients: the start from rank 0's parameters, a noise generator seeded alike
+on every rank, and sums over the ranks of a loss or a flag. torch.distributed's collectives,
+no other communication."""
+
+from __future__ import annotations
+
+import datetime
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from dp_cost.parallel.ranks import RankInfo
+
+# A collective that waits this long is a failure (a rank died or ran out of memory): recorded as
+# an error for the config rather than a hang. The CLI stops the other ranks' workers much sooner
+# when one rank's worker ends badly; this is the backstop.
+GROUP_TIMEOUT = datetime.timedelta(minutes=10)
+
+
+def init_worker_group(info: RankInfo, prefix: str, device: torch.device) -> None:
+    """The default process group of one config's workers (one per rank), on the job's store
+    under ``prefix``: each config gets a fresh group, as each gets fresh processes."""
+    store = dist.TCPStore(
+        info.master_addr, info.master_port, is_master=False, timeout=GROUP_TIMEOUT
+    )
+    dist.init_process_group(
+        "nccl" if device.type == "cuda" else "gloo",
+        store=dist.PrefixStore(prefix, store),
+        rank=info.rank,
+        world_size=info.world_size,
+        timeout=GROUP_TIMEOUT,
+        device_id=device if device.type == "cuda" else None,
+    )
+
+
+def broadcast_parameters(model: nn.Module) -> None:
+    """Every rank starts from rank 0's parameters (as DDP does on wrapping)."""
+    with torch.no_grad():
+        for param in model.parameters():
+            dist.broadcast(param.data, 0)
+
+
+def shared_generator(device: torch.device) -> torch.Generator:
+    """A generator seeded alike on every rank (rank 0's draw): the same noise on every replica.
+    Reads the seed on the host: made once, in an eager step (never while a graph captures)."""
+    seed = torch.randint(2**62, (1,), device=device)
+    dist.broadcast(seed, 0)
+    return torch.Generator(device).manual_seed(int(seed.item()))
+
+
+def batch_mean(total: float, count: int, device: torch.device) -> float:
+    """total / count summed over the ranks (the loss of the global batch)."""
+    both = torch.tensor([total, count], dtype=torch.float64, device=device)
+    dist.all_reduce(both)
+    return (both[0] / both[1]).item()
+
+
+def summed_over_ranks(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` summed over the ranks in place, on the device (no host sync: a graph
+    captures it)."""
+    dist.all_reduce(tensor)
+    return tensor
+
+
+def reduced_over_ranks(value: int, op: dist.ReduceOp, device: torch.device) -> int:
+    """``value`` reduced over the ranks by ``op`` (read on the host)."""
+    reduced = torch.tensor([value], dtype=torch.int64, device=device)
+    dist.all_reduce(reduced, op=op)
+    return int(reduced.item())
+
+
+def on_every_rank(flag: bool, device: torch.device) -> bool:
+    """Whether ``flag`` holds on every rank: a decision the ranks must take alike."""
+    return bool(reduced_over_ranks(int(flag), dist.ReduceOp.MIN, device))
+
+
+def largest_batch(batch: int, device: torch.device) -> int:
+    """The largest of the ranks' batches (a Poisson draw's slices differ by one at most)."""
+    return reduced_over_ranks(batch, dist.ReduceOp.MAX, device)

@@ -1,0 +1,50 @@
+"""FSDP2 over a trainer's model: which modules are its units, and gradients summed (not
+averaged) over the ranks."""
+
+from __future__ import annotations
+
+from opacus.utils.fsdp_utils import FSDP2Wrapper
+from torch import nn
+from torch.distributed.fsdp import FSDPModule, fully_shard
+
+
+def transformer_blocks(model: nn.Module) -> list[nn.Module]:
+    """The repeated blocks (the members of the outermost nn.ModuleLists): FSDP's units."""
+    blocks: list[nn.Module] = []
+    inside: set[int] = set()
+    for module in model.modules():
+        if id(module) in inside or not isinstance(module, nn.ModuleList):
+            continue
+        for block in module:
+            blocks.append(block)
+            inside.update(id(m) for m in block.modules())
+    return blocks
+
+
+def shard(model: nn.Module, units: str) -> nn.Module:
+    """FSDP2 over ``model`` in place, in FSDP_UNITS[units]."""
+    return FSDP_UNITS[units](model)
+
+
+def shard_blocks(model: nn.Module) -> nn.Module:
+    """Each transformer block one FSDP2 unit (all-gathered for its forward and backward, then
+    resharded), the rest in the root unit; gradients summed over ranks (FSDP2 averages by
+    default; the trainers' 1/B is already the global batch's)."""
+    for block in transformer_blocks(model):
+        fully_shard(block)
+    fully_shard(model)
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.set_gradient_divide_factor(1.0)
+            # A plain SUM (NCCL would otherwise use PreMulSum by 1.0, which gloo lacks).
+            module.set_force_sum_reduction_for_comms(True)
+    return model
+
+
+FSDP_UNITS = {
+    "blocks": shard_blocks,
+    # Opacus' FSDP2 path (ghost clipping): every layer it has a norm sampler for is its own
+    # unit (its hooks need that layer's parameters whole); gradients averaged over ranks, as
+    # Opacus' FSDP optimizer expects.
+    "opacus_layers": FSDP2Wrapper,
+}

@@ -1,0 +1,225 @@
+"""Result files read back, put in order, and matched up: which configs a report compares.
+
+Two comparisons, both keyed by the settings table (``core.settings.comparison_key``: the
+settings marked ``compare``): a run compares every trainer with ``standard`` at the same shape
+(``shape_key``), and a sweep fits how the peak grows along one swept setting among configs of one
+trainer equal in every other compared setting (``series_key``).
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import sys
+
+from dp_cost.core.reading import UnreadableFile, read_json
+from dp_cost.core.schema import trainer_rank
+from dp_cost.core.settings import comparison_key
+from dp_cost.parallel.mode import MODES
+from dp_cost.report.result_check import result_problem
+
+BASELINE = "standard"  # the trainer every other one is compared with
+
+
+class LoadedResults(list):
+    """The results read from a run directory; ``skipped``: (path, reason) of every file that was
+    not read (summary.md counts them)."""
+
+    def __init__(self, results=(), skipped=()):
+        super().__init__(results)
+        self.skipped = list(skipped)
+
+
+def load_results(run_dir: str, warn=None) -> LoadedResults:
+    """Every ``<config_dir>/result.json`` under a run directory. A file that is not a regular
+    UTF-8 JSON file of a result's shape is skipped with one warning line on ``warn`` (default:
+    stderr)."""
+    results, skipped = [], []
+    for path in sorted(glob.glob(os.path.join(run_dir, "*", "result.json"))):
+        try:
+            result = read_json(path)
+        except UnreadableFile as error:
+            problem = str(error)
+        else:
+            problem = result_problem(result)
+        if problem is None:
+            results.append(result)
+        else:
+            skipped.append((path, problem))
+            print(f"warning: skipped {path}: {problem}", file=warn or sys.stderr)
+    return LoadedResults(results, skipped)
+
+
+# ---------------------------------------------------------------- a run: same-shape comparisons
+def shape_key(config: dict) -> tuple:
+    """Everything but the trainer: configs with the same key are compared with each other."""
+    return comparison_key(config)
+
+
+# Words for plot titles, legends and headings: a config directory's abbreviations (pb2, r16,
+# full, bf16, T256) spelled out.
+DTYPE_WORDS = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
+ATTENTION_WORDS = {"explicit": "explicit-softmax attention", "sdpa": "SDPA attention"}
+OPTIMIZER_WORDS = {"sgd": "SGD", "adam": "Adam", "adamw": "AdamW"}
+
+
+def lora_words(rank) -> str:
+    """``LoRA r16``, or ``full fine-tuning`` without a LoRA rank."""
+    return f"LoRA r{rank}" if rank else "full fine-tuning"
+
+
+def dtype_words(dtype) -> str:
+    return DTYPE_WORDS.get(dtype, str(dtype))
+
+
+def shape_parts(config: dict) -> dict[str, str]:
+    """Every compared setting of a config in words, by setting ("" for an optional setting that
+    is off): model, logical and physical batch, sequence length, dtype, attention, LoRA rank or
+    full fine-tuning, checkpointing, CUDA graph, distribution, optimizer."""
+    physical = config.get("physical_batch_size") or config["batch_size"]
+    rank = config.get("lora_rank") if config.get("use_lora") else None
+    distributed = str(config.get("distributed") or "none")
+    mode = MODES.get(distributed)  # None: a name this toolkit does not know (shown as it is)
+    optimizer = config.get("optimizer")
+    return {
+        "model": f"model {config['model']}",
+        "batch_size": f"batch {config['batch_size']}",
+        "physical_batch_size": f"physical batch {physical}",
+        "seq_len": f"sequence length {config['seq_len']}",
+        "dtype": dtype_words(config["dtype"]),
+        "attention": ATTENTION_WORDS.get(config["attention"], f"{config['attention']} attention"),
+        "lora_rank": lora_words(rank),
+        "activation_checkpointing": (
+            "activation checkpointing" if config.get("activation_checkpointing") else ""
+        ),
+        "cuda_graph": "CUDA graph" if config.get("cuda_graph") else "",
+        "distributed": (
+            f"{distributed.upper()} on {config.get('world_size', 1)} ranks"
+            if mode is None or mode.is_distributed
+            else ""
+        ),
+        "optimizer": OPTIMIZER_WORDS.get(optimizer, str(optimizer)) if optimizer else "",
+    }
+
+
+# An optional setting that is off, where it tells configs apart.
+OFF_WORDS = {
+    "activation_checkpointing": "no activation checkpointing",
+    "cuda_graph": "eager (no CUDA graph)",
+    "distributed": "one process",
+}
+
+
+def shape_label(config: dict) -> str:
+    """Every compared setting of a config in words (two shapes never share a label)."""
+    return ", ".join(part for part in shape_parts(config).values() if part)
+
+
+def shape_labels(configs: list[dict]) -> tuple[str, list[str]]:
+    """What ``configs`` share, in words, and for each config the settings that tell it apart
+    ("" for all when they share every one): a plot's title and its tick or legend labels."""
+    parts = [shape_parts(c) for c in configs]
+    keys = list(dict.fromkeys(k for p in parts for k in p))
+    differ = [k for k in keys if len({p.get(k, "") for p in parts}) > 1]
+    common = ", ".join(parts[0][k] for k in keys if k not in differ and parts[0].get(k))
+    labels = [", ".join(p.get(k) or OFF_WORDS.get(k, "") for k in differ) for p in parts]
+    return common, labels
+
+
+def baselines(results) -> dict[tuple, dict]:
+    """The ``standard`` result of each shape among ``results`` (by ``shape_key``)."""
+    return {shape_key(r["config"]): r for r in results if r["config"]["trainer"] == BASELINE}
+
+
+def ordered(results: list[dict]) -> list[dict]:
+    """Run order: by model, batch and sequence length, then shape, then trainer."""
+
+    def order(r):
+        c = r["config"]
+        return (
+            c["model"],
+            c["batch_size"],
+            c["seq_len"],
+            str(shape_key(c)),
+            trainer_rank(c["trainer"]),
+        )
+
+    return sorted(results, key=order)
+
+
+def trainers_in(results: list[dict]) -> list[str]:
+    """The trainers of ``results``, in the canonical order (unknown ones last, by name)."""
+    names = {r["config"]["trainer"] for r in results}
+    return sorted(names, key=lambda name: (trainer_rank(name), name))
+
+
+def allocated_snapshots(result: dict) -> list[dict]:
+    """The phase snapshots that measured allocated memory (none on CPU)."""
+    return [s for s in result.get("snapshots") or [] if s.get("allocated_mb") is not None]
+
+
+# ---------------------------------------------------------------- a sweep: series of configs
+SWEPT = (
+    ("seq_len", "sequence length (tokens)"),
+    ("batch_size", "logical batch (samples)"),
+    ("physical_batch_size", "physical batch (samples)"),
+    ("lora_rank", "LoRA rank"),
+)
+# The fields that name a config in the sweep's CSV, in its column order.
+SWEEP_FIELDS = ("trainer", "model", "seq_len", "batch_size", "physical_batch_size", "lora_rank")
+# The settings-table row of each swept parameter (result keys name the physical batch itself).
+SETTING_OF = {"physical_batch_size": "max_physical_batch_size"}
+
+
+def swept_value(config: dict, param: str):
+    """A config's value of a swept parameter; the LoRA rank is None for full fine-tuning."""
+    if param == "lora_rank":
+        return config.get("lora_rank") if config.get("use_lora") else None
+    if param == "physical_batch_size":
+        return config.get("physical_batch_size") or config["batch_size"]
+    return config.get(param)
+
+
+def series_key(config: dict, param: str) -> tuple:
+    """Configs with the same key differ at most in ``param``: one series along it."""
+    return (config["trainer"], *comparison_key(config, leave_out=SETTING_OF.get(param, param)))
+
+
+def sweep_order(result: dict) -> tuple:
+    c = result["config"]
+    return (
+        c["trainer"],
+        c["model"],
+        *(swept_value(c, p) or 0 for p, _ in SWEPT),
+        c.get("dtype", ""),
+    )
+
+
+def config_label(config: dict) -> str:
+    """A sweep config in one line of words: trainer, sequence length, batches and LoRA rank (or
+    full fine-tuning)."""
+    return (
+        f"{config['trainer']}, sequence length {config['seq_len']}, "
+        f"batch {config['batch_size']}, "
+        f"physical batch {swept_value(config, 'physical_batch_size')}, "
+        + lora_words(swept_value(config, "lora_rank"))
+    )
+
+
+def ok_peak(result: dict) -> float | None:
+    """The peak allocated memory of an ok result; None otherwise."""
+    return result.get("peak_memory_mb") if result["status"] == "ok" else None
+
+
+def longest_series(results: list[dict], param: str) -> list[dict]:
+    """The ok configs of the longest series along ``param`` with every other setting equal."""
+    series: dict[tuple, dict] = {}
+    for r in results:
+        x = swept_value(r["config"], param)
+        if r["status"] == "ok" and x:
+            series.setdefault(series_key(r["config"], param), {})[x] = r
+    if not series:
+        return []
+    keys = sorted(series, key=lambda k: [(v is None, v) for v in k])  # None: full FT
+    key = max(keys, key=lambda k: len(series[k]))  # ties: the first in that order
+    return [series[key][x] for x in sorted(series[key])]

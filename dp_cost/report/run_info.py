@@ -1,0 +1,87 @@
+"""What produced a run, for the head of report.html: the command line, the date, the device and
+the versions (torch, opacus, CUDA, Python, the toolkit's git commit).
+
+Two sources, both optional:
+
+- ``<run_dir>/run.json``, written by the CLI when the run starts (``RUN_FILE``), with
+  ``command`` (a string, or the argv list), ``date`` (ISO 8601) and ``versions`` (a mapping:
+  ``python``, ``torch``, ``opacus``, ``git_commit``, ...);
+- each ``result.json``'s ``env``, written by the worker that measured the config: ``device``,
+  ``torch``, ``opacus``, ``cuda`` (and ``python``, ``git_commit`` when recorded there).
+
+What neither records is shown as "not recorded"; a date then falls back to the newest result
+file's modification time, said to be that.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import shlex
+
+from dp_cost.core.reading import read_json_or_none
+
+RUN_FILE = "run.json"
+NOT_RECORDED = "not recorded"
+# (label, key in run.json's versions or a result's env), in the order shown
+FIELDS = (
+    ("device", "device"),
+    ("torch", "torch"),
+    ("opacus", "opacus"),
+    ("CUDA", "cuda"),
+    ("Python", "python"),
+    ("toolkit git commit", "git_commit"),
+)
+
+
+def _text(value) -> str | None:
+    if isinstance(value, (str, int, float)) and not isinstance(value, bool) and str(value):
+        return str(value)
+    return None
+
+
+def _command(run: dict) -> str | None:
+    command = run.get("command", run.get("argv"))
+    if isinstance(command, list) and command and all(isinstance(a, str) for a in command):
+        return shlex.join(command)
+    return _text(command)
+
+
+def _newest_result_time(run_dir: str, results: list[dict]) -> str | None:
+    times = []
+    for r in results:
+        path = os.path.join(run_dir, r.get("config_dir") or "", "result.json")
+        if r.get("config_dir") and os.path.isfile(path):
+            times.append(os.path.getmtime(path))
+    if not times:
+        return None
+    when = datetime.datetime.fromtimestamp(max(times), tz=datetime.timezone.utc)
+    return when.strftime("%Y-%m-%d %H:%M UTC")
+
+
+def run_info(run_dir: str, results: list[dict], warn=None) -> list[tuple[str, str]]:
+    """(label, text) pairs: command line, date, then ``FIELDS``; "not recorded" where no file
+    says. A value that differs between configs lists each one."""
+    run = read_json_or_none(os.path.join(run_dir, RUN_FILE), warn=warn)
+    run = run if isinstance(run, dict) else {}
+    versions = run.get("versions") if isinstance(run.get("versions"), dict) else {}
+    date = _text(run.get("date"))
+    if date is None:
+        newest = _newest_result_time(run_dir, results)
+        date = f"{NOT_RECORDED} (newest result file modified {newest})" if newest else None
+    rows = [
+        ("command line", _command(run) or NOT_RECORDED),
+        ("date", date or NOT_RECORDED),
+    ]
+    envs = [r["env"] for r in results if isinstance(r.get("env"), dict)]
+    for label, key in FIELDS:
+        # what measured each config first; the run-level file for what no worker recorded
+        values = [_text(env.get(key)) for env in envs]
+        values = (
+            list(dict.fromkeys(v for v in values if v))
+            or [v for v in (_text(versions.get(key)), _text(run.get(key))) if v][:1]
+        )
+        if not values and key == "cuda" and envs and all(e.get("device") == "cpu" for e in envs):
+            values = ["none (a CPU run)"]
+        rows.append((label, " / ".join(values) if values else NOT_RECORDED))
+    return rows

@@ -1,5 +1,0 @@
-import sys
-
-from ncu.cli import main
-
-sys.exit(main())

@@ -1,0 +1,82 @@
+"""Run by torchrun (2 ranks, gloo, CPU) from test_distributed_updates.py: flash's DP step on a
+model with a data-dependent branch that only rank 0's samples take (as routing to experts
+would), in small buckets; rank 0 saves the summed gradient (FSDP2's shards gathered)."""
+
+import argparse
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, ROOT)
+
+from one_step_per_rank import full_gradients  # noqa: E402
+
+import trainers  # noqa: E402
+from dp_cost.parallel import buckets, ranks  # noqa: E402
+
+# Rank 0 holds the samples with token 0, which take the branch; rank 1's do not.
+INPUTS = torch.tensor([[0, 1, 2, 3], [0, 2, 4, 6], [1, 2, 3, 4], [5, 6, 7, 8]])
+TARGETS = (INPUTS + 1) % 11
+# One sample per rank, the same split (flash under DDP then gathers per-sample gradients).
+ONE_PER_RANK = slice(1, 3)
+
+
+class Branchy(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed, self.first = nn.Embedding(11, 8), nn.Linear(8, 8)
+        self.expert = nn.Linear(8, 8)  # called only for a batch holding token 0
+        self.norm, self.head = nn.LayerNorm(8), nn.Linear(8, 11)
+
+    def forward(self, ids):
+        hidden = self.first(self.embed(ids))
+        if (ids == 0).any():
+            hidden = hidden + self.expert(hidden)
+        return self.head(self.norm(hidden).tanh())
+
+
+def build() -> Branchy:
+    torch.manual_seed(0)
+    return Branchy()
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--distributed", required=True)
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--one_per_rank", action="store_true")
+    parser.add_argument(
+        "--bf16", action="store_true", help="every per-sample gradient sent in bf16"
+    )
+    args = parser.parse_args()
+    if args.bf16:
+        buckets.SMALL_GRADIENT_NUMEL = 0  # every parameter "large": sent in the step's dtype
+    rows = ONE_PER_RANK if args.one_per_rank else slice(None)
+    inputs, targets = INPUTS[rows], TARGETS[rows]
+    buckets.BUCKET_BYTES = 600  # several buckets, each weight alone
+    info = ranks.from_environment()
+    dist.init_process_group("gloo")
+    mine = ranks.share(len(inputs), info.rank, info.world_size)
+    model = build()
+    trainer = trainers.make_trainer(
+        "flash", model, lr=1.0, batch_size=len(inputs), max_grad_norm=0.05,
+        noise_multiplier=0.0, distributed=args.distributed,
+        dtype=torch.bfloat16 if args.bf16 else torch.float32,
+    )  # fmt: skip
+    trainer.step(inputs[mine.start : mine.stop], targets[mine.start : mine.stop])
+    assert trainer.gathering == (args.distributed == "ddp" and args.one_per_rank)
+    grads = full_gradients(model)  # on every rank: FSDP2 gathers the shards collectively
+    if info.rank == 0:
+        torch.save(grads, args.out)
+    dist.barrier()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)  # no gloo teardown: it can abort at exit
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,105 @@
+"""Run by torchrun (2 ranks, gloo, CPU) from test_distributed_updates.py: one step of every trainer
+under ``--distributed`` on the slices of one global batch; rank 0 saves each trainer's gradient
+(the full tensors, gathered from FSDP2's shards) for the test to compare with a brute force."""
+
+import argparse
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from test_trainers import SMALL, make_batch  # noqa: E402
+
+import models  # noqa: E402
+import trainers  # noqa: E402
+from dp_cost.parallel import buckets, ranks  # noqa: E402
+from dp_cost.parallel.mode import distributed_mode  # noqa: E402
+from dp_cost.stepping import chunks  # noqa: E402
+
+
+def full_gradients(model) -> torch.Tensor:
+    grads = []
+    for p in model.parameters():
+        grad = p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
+        grads.append(grad.reshape(-1))
+    return torch.cat(grads).double()
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--distributed", required=True)
+    parser.add_argument("--trainers", nargs="+", required=True)
+    parser.add_argument(
+        "--cases", nargs="+", required=True, help="global_samples,batch_size,physical each"
+    )
+    parser.add_argument("--noise_multiplier", type=float, default=0.0)
+    parser.add_argument("--max_grad_norm", type=float, default=0.05)
+    parser.add_argument("--seq", type=int, default=12)
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--bucket_bytes", type=int, help="flash's bucket size")
+    parser.add_argument("--in_flight_bytes", type=int, help="FSDP2: bytes behind the newest")
+    parser.add_argument(
+        "--device_step", action="store_true", help="the step a CUDA graph captures (no host sync)"
+    )
+    args = parser.parse_args()
+    if args.bucket_bytes:
+        buckets.BUCKET_BYTES = args.bucket_bytes
+    if args.in_flight_bytes is not None:
+        buckets.ShardedGradients.IN_FLIGHT_BYTES = args.in_flight_bytes
+    info = ranks.from_environment()
+    dist.init_process_group("gloo")
+    mode = distributed_mode(args.distributed, info.world_size)
+    saved = {"agreed": [mode.on_every_rank(flag, torch.device("cpu"))
+                        for flag in (info.rank == 0, True)]}  # fmt: skip
+    for case in args.cases:
+        samples, batch_size, physical = map(int, case.split(","))
+        inputs, targets = make_batch(samples, args.seq, seed=3)
+        mine = ranks.share(samples, info.rank, info.world_size)
+        local = slice(mine.start, mine.stop)
+        for name in args.trainers:
+            torch.manual_seed(0)
+            model = models.build_model(SMALL)
+            trainer = trainers.make_trainer(
+                name,
+                model,
+                lr=1.0,
+                batch_size=batch_size,
+                max_physical_batch_size=physical,
+                max_grad_norm=args.max_grad_norm,
+                noise_multiplier=args.noise_multiplier,
+                distributed=args.distributed,
+            )
+            torch.manual_seed(100 + info.rank)  # each rank its own noise stream
+            if args.device_step:
+                loss_sum = chunks.device_step(trainer, inputs[local], targets[local])
+                out = {"loss": loss_sum.item() / samples}
+            else:
+                out = trainer.step(inputs[local], targets[local])
+            grad = full_gradients(model)
+            rank0 = grad.clone()
+            dist.broadcast(rank0, 0)
+            agree = torch.tensor([float(torch.equal(grad, rank0))])
+            dist.all_reduce(agree, op=dist.ReduceOp.MIN)  # every rank's replica is rank 0's
+            saved[case, name] = {
+                "grad": grad,
+                "loss": out["loss"],
+                "replicas_agree": bool(agree.item()),
+                "gathered": getattr(trainer, "gathering", False),  # flash: per-sample gathered
+            }
+    if info.rank == 0:
+        torch.save(saved, args.out)
+    dist.barrier()
+    # No teardown: gloo's can abort at exit ("terminate called without an active exception").
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
+if __name__ == "__main__":
+    main()
