@@ -51,11 +51,13 @@ print("step time, bf16 (8, 512): the two runs' median ms, old -> new (new / old 
 old, new = medians("old"), medians("new")
 for name in sorted(old):
     a, b = old[name], new.get(name, [])
-    ratio = None
+    ratio = noise = None
     if a and b and None not in a + b:
         ratio = (sum(b) / len(b)) / (sum(a) / len(a))
+        # The same code's two runs differ by this much: below it a ratio says nothing.
+        noise = max(abs(x - y) / min(x, y) for x, y in ((max(a), min(a)), (max(b), min(b))))
     ok &= ratio is not None and abs(ratio - 1) <= 0.03
-    shown = f"{ratio:.3f}" if ratio else "not measured"
+    shown = f"{ratio:.3f}, the runs of one code apart by {noise:.1%}" if ratio else "not measured"
     print(f"  {name}: {[round(x, 1) for x in a if x]} -> {[round(x, 1) for x in b if x]} ({shown})")
 print("--mode=memory (1, 2048): peak_memory_mb old -> new, breakdown keys equal")
 old, new = results("old", "memory"), results("new", "memory")

@@ -5,6 +5,11 @@
 - One intra-op thread in the pytest process: tests compute in it and also fork workers from it
   (measure.processes.run_configs), and a child forked while an OpenMP pool exists can hang in
   its first parallel op (seen here in layer_norm). The CLI itself never computes before forking.
+- One intra-op thread in the processes the tests start too (the CLI, torchrun's ranks), through
+  OMP_NUM_THREADS: pytest-xdist runs two test processes on CI's 2 cores (pyproject's addopts),
+  and a CLI worker's pool of one thread per core, spinning beside the other test process, ran
+  2-4 times slower (a pinned run of test_pinned_run.py sets its own count). Results do not
+  depend on it: the CLI's losses are bit-identical with 1 and 2 threads.
 """
 
 import os
@@ -14,3 +19,33 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 torch.set_num_threads(1)
+os.environ["OMP_NUM_THREADS"] = "1"
+
+
+# The longest tests (CLI runs of many configs, torchrun jobs, interpreted kernels at large shapes)
+# start first, longest first: pytest-xdist hands the tests out in this order one at a time
+# (pyproject's addopts: --dist load --maxschedchunk 1), so the short ones fill in at the end
+# instead of one worker finishing a minute-long run alone. Files or test ids, by the seconds they
+# took on 2 cores; whatever is not listed keeps pytest's order after them.
+LONGEST_FIRST = (
+    "tests/test_pinned_run.py::test_test_mode_grid_behaves_as_pinned",
+    "tests/measure/test_tracing.py",
+    "tests/parallel/test_distributed_cli.py::test_a_torchrun_job_is_one_run",
+    "tests/test_hf_sweep.py::test_hf_sweep_cli_writes_every_file",
+    "tests/parallel/test_distributed_updates.py",
+    "tests/test_cli.py",
+    "tests/flash/test_flash_kernels.py::test_norm_layer_whole_rows_several_tiles_per_program",
+    "tests/test_run_record.py",
+    "tests/measure/test_faults.py",
+    "tests/test_run_guarantees.py",
+)
+
+
+def pytest_collection_modifyitems(config, items):
+    def rank(item):
+        node = item.nodeid
+        return next(
+            (i for i, p in enumerate(LONGEST_FIRST) if node.startswith(p)), len(LONGEST_FIRST)
+        )
+
+    items.sort(key=rank)  # stable: pytest's order within each rank

@@ -5,8 +5,10 @@ config keys, the same statuses, and every loss equal to 1e-6 relative.
 
 The losses are deterministic: the same seed gives bit-identical losses run after run, with 1 or
 2 intra-op threads alike. The CLI's test mode sets no thread count (torch's default: one per
-core); the run here gets the thread count the fixture was made with (OMP_NUM_THREADS), so a
-machine of more cores runs the same arithmetic.
+core); the run here gets the thread count the fixture was made with (OMP_NUM_THREADS, which
+conftest.py sets to 1 for the other runs), so a machine of more cores runs the same arithmetic.
+Its threads wait passively (OMP_WAIT_POLICY): a spinning pool beside the other pytest-xdist
+worker ran 2-4 times slower.
 
 To pin again (only where a change of behaviour is meant), from a checkout of the reference code:
     python profiling_script.py --mode=test --output_dir /tmp/pinned --run_name grid
@@ -89,7 +91,7 @@ def grid_run(tmp_path_factory):
     """The current code's ``--mode=test`` run, with the fixture's thread count."""
     pinned = load_pinned()
     out = tmp_path_factory.mktemp("pinned")
-    env = {**os.environ, "OMP_NUM_THREADS": str(pinned["threads"])}
+    env = {**os.environ, "OMP_NUM_THREADS": str(pinned["threads"]), "OMP_WAIT_POLICY": "PASSIVE"}
     proc = cli(*COMMAND, "--output_dir", str(out), timeout=900, env=env)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return out / "grid"

@@ -2,6 +2,7 @@
 and the command line and the plan both reading the one table."""
 
 import argparse
+import glob
 import os
 import re
 import shlex
@@ -170,10 +171,17 @@ README_COMMAND = re.compile(r"^(?:torchrun\s.*?\s|python3?\s+)profiling_script\.
 
 
 def readme_commands() -> list[str]:
-    """The profiling_script.py command lines of README's bash blocks, continuations joined,
-    comments dropped; one with a placeholder (runs/<run>, ...) is not a command to plan."""
-    with open(os.path.join(ROOT, "README.md"), encoding="utf-8") as f:
-        blocks = re.findall(r"```bash\n(.*?)```", f.read(), re.S)
+    """The profiling_script.py command lines of the bash blocks of README and the topic pages
+    under docs/, continuations joined, comments dropped; one with a placeholder (runs/<run>,
+    ...) is not a command to plan."""
+    pages = [
+        os.path.join(ROOT, "README.md"),
+        *sorted(glob.glob(os.path.join(ROOT, "docs", "*.md"))),
+    ]
+    blocks = []
+    for page in pages:
+        with open(page, encoding="utf-8") as f:
+            blocks += re.findall(r"```bash\n(.*?)```", f.read(), re.S)
     lines = [
         line.split("  #")[0].strip() for b in blocks for line in b.replace("\\\n", " ").splitlines()
     ]
