@@ -54,10 +54,10 @@ def command_words(words: list[str]) -> list[str]:
     token by its look, hidden (paths are kept: a token has no '/')."""
     shown = ["profiling_script.py"]
     for word in words:
-        if shown[-1] in ("--token", "--hf_token") or TOKEN_LIKE.fullmatch(word):
+        if shown[-1] == "--token" or TOKEN_LIKE.fullmatch(word):
             word = "<hidden>"
-        elif word.startswith(("--token=", "--hf_token=")):
-            word = word.split("=", 1)[0] + "=<hidden>"
+        elif word.startswith("--token="):
+            word = "--token=<hidden>"
         shown.append(word)
     return shown
 
@@ -265,7 +265,7 @@ def record_run(run_dir: str, command: list[str]) -> None:
     the first command and adds each resume's."""
     now = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
     path = os.path.join(run_dir, RUN_FILE)
-    record = read_json_or_none(path) if os.path.exists(path) else None
+    record = read_json_or_none(path)  # None for a first run (no file yet)
     if isinstance(record, dict) and "command" in record:
         resumed = record.get("resumed") if isinstance(record.get("resumed"), list) else []
         record["resumed"] = [*resumed, {"command": command, "date": now}]
