@@ -29,15 +29,14 @@ os.environ["OMP_NUM_THREADS"] = "1"
 # took on 2 cores; whatever is not listed keeps pytest's order after them.
 LONGEST_FIRST = (
     "tests/test_pinned_run.py::test_test_mode_grid_behaves_as_pinned",
-    "tests/measure/test_tracing.py",
     "tests/parallel/test_distributed_cli.py::test_a_torchrun_job_is_one_run",
-    "tests/test_hf_sweep.py::test_hf_sweep_cli_writes_every_file",
     "tests/parallel/test_distributed_updates.py",
-    "tests/test_cli.py",
+    "tests/test_hf_sweep.py::test_hf_sweep_cli_writes_every_file",
     "tests/flash/test_flash_kernels.py::test_norm_layer_whole_rows_several_tiles_per_program",
-    "tests/test_run_record.py",
-    "tests/measure/test_faults.py",
+    "tests/measure/test_tracing.py",
     "tests/test_run_guarantees.py",
+    "tests/test_cli.py",
+    "tests/measure/test_faults.py",
 )
 
 

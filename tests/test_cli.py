@@ -8,7 +8,7 @@ import sys
 import time
 
 import pytest
-from cli_helpers import ROOT, SMALL_MODEL, cli, results_in, small_run_args
+from cli_helpers import ROOT, SMALL_MODEL, in_process, results_in, small_run_args
 
 import profiling_script
 from dp_cost.measure import worker
@@ -16,7 +16,7 @@ from dp_cost.measure import worker
 
 def test_test_mode_runs_every_trainer_and_writes_summaries(tmp_path):
     trainers = ("vanilla", "hooks", "dpsgd_ghost", "flash_clip")
-    proc = cli(*small_run_args(tmp_path, *trainers, seq_lens=(16,), steps=2))
+    proc = in_process(*small_run_args(tmp_path, *trainers, seq_lens=(16,), steps=2))
     assert proc.returncode == 0, proc.stderr[-2000:]
     run_dir = tmp_path / "r"
     results = results_in(run_dir)
@@ -45,7 +45,7 @@ def test_test_mode_runs_every_trainer_and_writes_summaries(tmp_path):
 
 
 def test_peak_memory_on_cpu_grows_with_the_batch(tmp_path):
-    proc = cli(*small_run_args(tmp_path, "standard", batch_sizes=(1, 8), seq_lens=(64,)))
+    proc = in_process(*small_run_args(tmp_path, "standard", batch_sizes=(1, 8), seq_lens=(64,)))
     assert proc.returncode == 0, proc.stderr[-2000:]
     results = results_in(tmp_path / "r")
     small = results["standard_bs1_seq64"]["peak_memory_mb"]
@@ -55,11 +55,11 @@ def test_peak_memory_on_cpu_grows_with_the_batch(tmp_path):
 
 def test_resume_skips_finished_configs_and_existing_run_is_refused(tmp_path):
     args = small_run_args(tmp_path, "standard")
-    assert cli(*args).returncode == 0
+    assert in_process(*args).returncode == 0
     stamp = os.path.getmtime(tmp_path / "r" / "standard_bs2_seq8" / "result.json")
-    refused = cli(*args)
+    refused = in_process(*args)
     assert refused.returncode == 2 and "exists" in refused.stderr
-    resumed = cli(*args, "--resume", "--batch_sizes", "2", "3")
+    resumed = in_process(*args, "--resume", "--batch_sizes", "2", "3")
     assert resumed.returncode == 0
     assert "(resumed)" in resumed.stdout
     assert os.path.getmtime(tmp_path / "r" / "standard_bs2_seq8" / "result.json") == stamp
@@ -86,11 +86,14 @@ def test_resume_skips_finished_configs_and_existing_run_is_refused(tmp_path):
         (["--mode", "report", "--input_dir", "/nonexistent"], "--input_dir"),
     ],
 )
-def test_bad_input_is_one_clear_line_and_exit_2(args, message, tmp_path):
-    proc = cli(*args, "--output_dir", str(tmp_path))
-    assert proc.returncode == 2
-    assert message in proc.stderr
-    assert "Traceback" not in proc.stderr
+def test_bad_input_is_one_clear_line_and_exit_2(args, message, tmp_path, capsys):
+    """In this process (profiling_script.main, what the command runs): tests/test_bad_inputs.py
+    runs a sample of bad command lines as real processes."""
+    code = profiling_script.main([*args, "--output_dir", str(tmp_path)])
+    err = capsys.readouterr().err
+    assert code == 2
+    assert len(err.strip().splitlines()) == 1 and message in err, err
+    assert "Traceback" not in err
     assert not any(tmp_path.iterdir())  # nothing was started
 
 
@@ -99,9 +102,9 @@ def test_profile_mode_without_cuda_falls_back_or_refuses(tmp_path):
 
     if torch.cuda.is_available():
         pytest.skip("a CUDA device is present")
-    refused = cli("--mode=profile", "--device", "cuda", "--output_dir", str(tmp_path))
+    refused = in_process("--mode=profile", "--device", "cuda", "--output_dir", str(tmp_path))
     assert refused.returncode == 2 and "no CUDA device" in refused.stderr
-    fallback = cli(
+    fallback = in_process(
         "--mode=profile",
         "--trainers",
         "standard",
@@ -157,7 +160,7 @@ def test_oom_is_a_measurement_not_an_error(tmp_path, monkeypatch):
 
 def test_physical_larger_than_some_logical_batches_is_skipped(tmp_path):
     args = small_run_args(tmp_path, "dpsgd", batch_sizes=(2, 4))
-    proc = cli(*args, "--max_physical_batch_sizes", "3")
+    proc = in_process(*args, "--max_physical_batch_sizes", "3")
     assert proc.returncode == 0, proc.stderr[-2000:]
     results = results_in(tmp_path / "r")
     assert results["dpsgd_bs2_seq8_pb3"]["status"] == "skipped"
@@ -209,54 +212,22 @@ def test_ctrl_c_keeps_only_complete_results(tmp_path):
 
 
 def test_report_mode_rerenders_from_result_files(tmp_path):
-    assert cli(*small_run_args(tmp_path, "standard", "dpsgd")).returncode == 0
+    assert in_process(*small_run_args(tmp_path, "standard", "dpsgd")).returncode == 0
     (tmp_path / "r" / "summary.csv").unlink()
-    proc = cli("--mode=report", "--input_dir", str(tmp_path / "r"))
+    proc = in_process("--mode=report", "--input_dir", str(tmp_path / "r"))
     assert proc.returncode == 0, proc.stderr
     assert "dpsgd" in (tmp_path / "r" / "summary.csv").read_text()
 
 
-def test_hf_mode_tiny_llama_with_lora_and_physical_batches(tmp_path):
+def test_hf_mode_tiny_llama_with_lora_and_physical_batches(tmp_path, monkeypatch):
     env_token = "hf_SECRET_TOKEN_123"
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "profiling_script.py",
-            "--mode=hf",
-            "--model_name",
-            "tiny-llama",
-            "--seq_length",
-            "16",
-            "--batch_size",
-            "6",
-            "--max_physical_batch_size",
-            "4",
-            "--use_lora",
-            "--lora_rank",
-            "4",
-            "--steps",
-            "2",
-            "--trainers",
-            "standard",
-            "dpsgd",
-            "ghost",
-            "flash",
-            "--token",
-            env_token,
-            "--no_trace",
-            "--dataset_size",
-            "60",
-            "--output_dir",
-            str(tmp_path),
-            "--run_name",
-            "r",
-        ],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env={**os.environ, "HF_HUB_OFFLINE": "1"},
-    )
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    proc = in_process(
+        "--mode=hf", "--model_name", "tiny-llama", "--seq_length", "16", "--batch_size", "6",
+        "--max_physical_batch_size", "4", "--use_lora", "--lora_rank", "4", "--steps", "2",
+        "--trainers", "standard", "dpsgd", "ghost", "flash", "--token", env_token, "--no_trace",
+        "--dataset_size", "60", "--output_dir", tmp_path, "--run_name", "r",
+    )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-2000:]
     results = results_in(tmp_path / "r")
     assert sorted(results) == sorted(
@@ -281,7 +252,7 @@ def test_hf_mode_tiny_llama_with_lora_and_physical_batches(tmp_path):
 
 
 def test_memory_mode_on_cpu_and_activation_checkpointing(tmp_path):
-    proc = cli(
+    proc = in_process(
         "--mode=memory",
         "--device",
         "cpu",
@@ -315,10 +286,10 @@ def test_memory_mode_on_cpu_and_activation_checkpointing(tmp_path):
 
 def test_resume_refuses_changed_settings_and_duplicates_run_once(tmp_path):
     args = [*small_run_args(tmp_path, "standard", batch_sizes=(2, 2)), "--no_trace"]
-    first = cli(*args)
+    first = in_process(*args)
     assert first.returncode == 0, first.stderr[-2000:]
     assert first.stdout.count("standard_bs2_seq8: running") == 1
-    changed = cli(*args, "--resume", "--lr", "0.5")
+    changed = in_process(*args, "--resume", "--lr", "0.5")
     assert changed.returncode == 2 and "other settings (lr)" in changed.stderr
     assert results_in(tmp_path / "r")["standard_bs2_seq8"]["config"]["lr"] == 1e-4
 
@@ -328,8 +299,8 @@ def test_ncu_report_mode_from_exported_csvs(tmp_path):
     for trainer in ("standard", "dpsgd"):
         with open(fixture) as src, open(tmp_path / f"report_{trainer}_bs8_seq256.csv", "w") as dst:
             dst.write(src.read())
-    proc = cli("--mode=ncu_report", "--input_dir", str(tmp_path))
+    proc = in_process("--mode=ncu_report", "--input_dir", str(tmp_path))
     assert proc.returncode == 0, proc.stderr
     assert (tmp_path / "ncu_summary.md").exists() and (tmp_path / "ncu_comparison.png").exists()
-    missing = cli("--mode=ncu_report", "--input_dir", str(tmp_path / "nope"))
+    missing = in_process("--mode=ncu_report", "--input_dir", str(tmp_path / "nope"))
     assert missing.returncode == 2 and "Traceback" not in missing.stderr

@@ -16,7 +16,7 @@ import pytest  # noqa: E402
 pytest.importorskip("transformers")
 pytest.importorskip("peft")
 
-from cli_helpers import ROOT, SWEEP_FILES, cli  # noqa: E402
+from cli_helpers import ROOT, SWEEP_FILES, in_process  # noqa: E402
 
 from dp_cost.measure import census as module_memory  # noqa: E402
 
@@ -52,7 +52,7 @@ def sweep_cli(tmp_path, *extra, token=None):
     if token:
         args += ["--token", token]
     start = time.monotonic()
-    proc = cli(*args)
+    proc = in_process(*args)
     return proc, time.monotonic() - start
 
 

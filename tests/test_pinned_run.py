@@ -4,15 +4,14 @@ tests/fixtures/test_grid_pinned.json: the same config directories, the same resu
 config keys, the same statuses, and every loss equal to 1e-6 relative.
 
 The losses are deterministic: the same seed gives bit-identical losses run after run, with 1 or
-2 intra-op threads alike. The CLI's test mode sets no thread count (torch's default: one per
-core); the run here gets the thread count the fixture was made with (OMP_NUM_THREADS, which
-conftest.py sets to 1 for the other runs), so a machine of more cores runs the same arithmetic.
-Its threads wait passively (OMP_WAIT_POLICY): a spinning pool beside the other pytest-xdist
-worker ran 2-4 times slower.
+2 intra-op threads alike (the reference code's run with 1 thread equalled its run with 2, every
+loss bit for bit). The fixture was made with one thread, the count conftest.py gives the test
+processes, so the run here is made in this process (cli_helpers.in_process: its workers fork
+from it with its thread count).
 
 To pin again (only where a change of behaviour is meant), from a checkout of the reference code:
-    python profiling_script.py --mode=test --output_dir /tmp/pinned --run_name grid
-    python tests/test_pinned_run.py /tmp/pinned/grid "commit ..."   # rewrites the fixture
+    OMP_NUM_THREADS=1 python profiling_script.py --mode=test --output_dir /tmp/p --run_name grid
+    python tests/test_pinned_run.py /tmp/p/grid "commit ..."   # rewrites the fixture
 """
 
 import copy
@@ -21,10 +20,11 @@ import os
 import sys
 
 import pytest
+import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # when run as a script
 
-from cli_helpers import ROOT, cli, results_in  # noqa: E402
+from cli_helpers import ROOT, in_process, results_in  # noqa: E402
 
 FIXTURE = os.path.join(ROOT, "tests", "fixtures", "test_grid_pinned.json")
 COMMAND = ["--mode=test", "--run_name", "grid"]  # and --output_dir
@@ -90,9 +90,9 @@ def differences(pinned: dict, got: dict, known_additions=KNOWN_ADDITIONS, rel=RE
 def grid_run(tmp_path_factory):
     """The current code's ``--mode=test`` run, with the fixture's thread count."""
     pinned = load_pinned()
+    assert torch.get_num_threads() == pinned["threads"]  # what the forked workers inherit
     out = tmp_path_factory.mktemp("pinned")
-    env = {**os.environ, "OMP_NUM_THREADS": str(pinned["threads"]), "OMP_WAIT_POLICY": "PASSIVE"}
-    proc = cli(*COMMAND, "--output_dir", str(out), timeout=900, env=env)
+    proc = in_process(*COMMAND, "--output_dir", out)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return out / "grid"
 

@@ -7,13 +7,13 @@ import platform
 
 import opacus
 import torch
-from cli_helpers import cli, small_run_args
+from cli_helpers import in_process, small_run_args
 
 
 def test_run_json_records_the_command_date_and_versions(tmp_path):
     args = small_run_args(tmp_path, "standard")
     before = datetime.datetime.now(datetime.timezone.utc).replace(microsecond=0)
-    proc = cli(*args, "--token", "hf_abcdefghijklmnopqrstuvwxyz123456")
+    proc = in_process(*args, "--token", "hf_abcdefghijklmnopqrstuvwxyz123456")
     assert proc.returncode == 0, proc.stderr
     record = json.loads((tmp_path / "r" / "run.json").read_text())
     assert record["command"][0] == "profiling_script.py"
@@ -25,7 +25,7 @@ def test_run_json_records_the_command_date_and_versions(tmp_path):
     page = (tmp_path / "r" / "report.html").read_text()
     assert "profiling_script.py --mode=test" in page and "hf_abcdef" not in page
 
-    proc = cli(*args, "--resume")
+    proc = in_process(*args, "--resume")
     assert proc.returncode == 0, proc.stderr
     resumed = json.loads((tmp_path / "r" / "run.json").read_text())
     assert resumed["command"] == record["command"] and resumed["date"] == record["date"]

@@ -70,6 +70,10 @@ def finished_result(result_path: str, resume: bool) -> dict | None:
 
 
 def _run_configs(configs, run_dir, resume, progress, verbose, group) -> list[dict]:
+    # torch.optim's Optimizer imports torch._dynamo at its first construction (about 1 s of
+    # CPU): imported here, before the workers fork, it is paid once per run, not once per config.
+    import torch._dynamo  # noqa: F401
+
     if group is not None and not group.is_first:
         return _run_as_other_rank(configs, run_dir, verbose, group)
     context = multiprocessing.get_context("fork")

@@ -9,14 +9,14 @@ import time
 import urllib.request
 
 import pytest
-from cli_helpers import cli, small_run_args
+from cli_helpers import in_process, small_run_args
 
 from dp_cost.core import kernel_names as kernels
 
 
 def run_cli(tmp_path, *extra):
     args = small_run_args(tmp_path, "standard", "flash", seq_lens=(16,), run_name=None)
-    proc = cli(*args, *extra)
+    proc = in_process(*args, *extra)
     assert proc.returncode == 0, proc.stderr[-2000:]
     return proc
 

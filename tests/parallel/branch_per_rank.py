@@ -44,34 +44,44 @@ def build() -> Branchy:
     return Branchy()
 
 
-def main():
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--distributed", required=True)
-    parser.add_argument("--out", required=True)
-    parser.add_argument("--one_per_rank", action="store_true")
-    parser.add_argument(
-        "--bf16", action="store_true", help="every per-sample gradient sent in bf16"
-    )
-    args = parser.parse_args()
-    if args.bf16:
+def run_variant(distributed: str, one_per_rank: bool, bf16: bool, info) -> torch.Tensor:
+    """flash's step on the branchy model; every rank returns the full summed gradient.
+    ``bf16``: every per-sample gradient sent in bf16."""
+    defaults = buckets.SMALL_GRADIENT_NUMEL, buckets.BUCKET_BYTES
+    if bf16:
         buckets.SMALL_GRADIENT_NUMEL = 0  # every parameter "large": sent in the step's dtype
-    rows = ONE_PER_RANK if args.one_per_rank else slice(None)
-    inputs, targets = INPUTS[rows], TARGETS[rows]
     buckets.BUCKET_BYTES = 600  # several buckets, each weight alone
-    info = ranks.from_environment()
-    dist.init_process_group("gloo")
+    rows = ONE_PER_RANK if one_per_rank else slice(None)
+    inputs, targets = INPUTS[rows], TARGETS[rows]
     mine = ranks.share(len(inputs), info.rank, info.world_size)
     model = build()
     trainer = trainers.make_trainer(
         "flash", model, lr=1.0, batch_size=len(inputs), max_grad_norm=0.05,
-        noise_multiplier=0.0, distributed=args.distributed,
-        dtype=torch.bfloat16 if args.bf16 else torch.float32,
+        noise_multiplier=0.0, distributed=distributed,
+        dtype=torch.bfloat16 if bf16 else torch.float32,
     )  # fmt: skip
     trainer.step(inputs[mine.start : mine.stop], targets[mine.start : mine.stop])
-    assert trainer.gathering == (args.distributed == "ddp" and args.one_per_rank)
+    assert trainer.gathering == (distributed == "ddp" and one_per_rank)
     grads = full_gradients(model)  # on every rank: FSDP2 gathers the shards collectively
+    buckets.SMALL_GRADIENT_NUMEL, buckets.BUCKET_BYTES = defaults
+    return grads
+
+
+def main():
+    """Each ``--variants`` entry ("ddp|fsdp,one_per_rank 0|1,bf16 0|1") in one process group;
+    rank 0 saves {variant: gradient}."""
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--variants", nargs="+", required=True)
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args()
+    info = ranks.from_environment()
+    dist.init_process_group("gloo")
+    saved = {}
+    for variant in args.variants:
+        distributed, one_per_rank, bf16 = variant.split(",")
+        saved[variant] = run_variant(distributed, one_per_rank == "1", bf16 == "1", info)
     if info.rank == 0:
-        torch.save(grads, args.out)
+        torch.save(saved, args.out)
     dist.barrier()
     sys.stdout.flush()
     sys.stderr.flush()

@@ -1,8 +1,10 @@
 """Run by torchrun (2 ranks, gloo, CPU) from test_distributed_updates.py: one step of every trainer
-under ``--distributed`` on the slices of one global batch; rank 0 saves each trainer's gradient
-(the full tensors, gathered from FSDP2's shards) for the test to compare with a brute force."""
+under DDP or FSDP2 on the slices of one global batch, for each job of a list; rank 0 saves each
+trainer's gradient (the full tensors, gathered from FSDP2's shards) for the test to compare with
+a brute force."""
 
 import argparse
+import json
 import os
 import sys
 
@@ -31,38 +33,24 @@ def full_gradients(model) -> torch.Tensor:
     return torch.cat(grads).double()
 
 
-def main():
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--distributed", required=True)
-    parser.add_argument("--trainers", nargs="+", required=True)
-    parser.add_argument(
-        "--cases", nargs="+", required=True, help="global_samples,batch_size,physical each"
-    )
-    parser.add_argument("--noise_multiplier", type=float, default=0.0)
-    parser.add_argument("--max_grad_norm", type=float, default=0.05)
-    parser.add_argument("--seq", type=int, default=12)
-    parser.add_argument("--out", required=True)
-    parser.add_argument("--bucket_bytes", type=int, help="flash's bucket size")
-    parser.add_argument("--in_flight_bytes", type=int, help="FSDP2: bytes behind the newest")
-    parser.add_argument(
-        "--device_step", action="store_true", help="the step a CUDA graph captures (no host sync)"
-    )
-    args = parser.parse_args()
-    if args.bucket_bytes:
-        buckets.BUCKET_BYTES = args.bucket_bytes
-    if args.in_flight_bytes is not None:
-        buckets.ShardedGradients.IN_FLIGHT_BYTES = args.in_flight_bytes
-    info = ranks.from_environment()
-    dist.init_process_group("gloo")
-    mode = distributed_mode(args.distributed, info.world_size)
+def run_job(job: dict, info, max_grad_norm: float, seq: int) -> dict:
+    """One job: each trainer's one step on each case. ``job``: distributed, trainers, cases
+    ("global_samples,batch_size,physical" each), and optionally noise_multiplier, bucket_bytes
+    (flash's bucket size), in_flight_bytes (FSDP2: bytes behind the newest), device_step (the
+    step a CUDA graph captures: no host sync)."""
+    defaults = buckets.BUCKET_BYTES, buckets.ShardedGradients.IN_FLIGHT_BYTES
+    buckets.BUCKET_BYTES = job.get("bucket_bytes") or defaults[0]
+    in_flight = job.get("in_flight_bytes")
+    buckets.ShardedGradients.IN_FLIGHT_BYTES = defaults[1] if in_flight is None else in_flight
+    mode = distributed_mode(job["distributed"], info.world_size)
     saved = {"agreed": [mode.on_every_rank(flag, torch.device("cpu"))
                         for flag in (info.rank == 0, True)]}  # fmt: skip
-    for case in args.cases:
+    for case in job["cases"]:
         samples, batch_size, physical = map(int, case.split(","))
-        inputs, targets = make_batch(samples, args.seq, seed=3)
+        inputs, targets = make_batch(samples, seq, seed=3)
         mine = ranks.share(samples, info.rank, info.world_size)
         local = slice(mine.start, mine.stop)
-        for name in args.trainers:
+        for name in job["trainers"]:
             torch.manual_seed(0)
             model = models.build_model(SMALL)
             trainer = trainers.make_trainer(
@@ -71,12 +59,12 @@ def main():
                 lr=1.0,
                 batch_size=batch_size,
                 max_physical_batch_size=physical,
-                max_grad_norm=args.max_grad_norm,
-                noise_multiplier=args.noise_multiplier,
-                distributed=args.distributed,
+                max_grad_norm=max_grad_norm,
+                noise_multiplier=job.get("noise_multiplier", 0.0),
+                distributed=job["distributed"],
             )
             torch.manual_seed(100 + info.rank)  # each rank its own noise stream
-            if args.device_step:
+            if job.get("device_step"):
                 loss_sum = chunks.device_step(trainer, inputs[local], targets[local])
                 out = {"loss": loss_sum.item() / samples}
             else:
@@ -92,6 +80,24 @@ def main():
                 "replicas_agree": bool(agree.item()),
                 "gathered": getattr(trainer, "gathering", False),  # flash: per-sample gathered
             }
+    buckets.BUCKET_BYTES, buckets.ShardedGradients.IN_FLIGHT_BYTES = defaults
+    return saved
+
+
+def main():
+    """Every job of ``--jobs`` (a JSON file: {name: job}) in one process group: one torchrun
+    launch (interpreters, imports, the group) for many checks. Saves {name: run_job(...)}."""
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--jobs", required=True, help="JSON file: {name: job} (see run_job)")
+    parser.add_argument("--max_grad_norm", type=float, default=0.05)
+    parser.add_argument("--seq", type=int, default=12)
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args()
+    with open(args.jobs) as f:
+        jobs = json.load(f)
+    info = ranks.from_environment()
+    dist.init_process_group("gloo")
+    saved = {name: run_job(job, info, args.max_grad_norm, args.seq) for name, job in jobs.items()}
     if info.rank == 0:
         torch.save(saved, args.out)
     dist.barrier()

@@ -13,6 +13,7 @@ import profiling_script
 
 ARGS = ["--mode=test", "--batch_sizes", "4", "--seq_lens", "8", "--steps", "2",
         "--noise_multiplier", "0", "--no_trace", "--run_name", "r", *SMALL_MODEL]  # fmt: skip
+TRAINERS = ["standard", "dpsgd", "ghost", "flash"]
 
 
 def torchrun_cli(*args):
@@ -22,27 +23,30 @@ def torchrun_cli(*args):
     return subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=600, env=env)
 
 
-@pytest.mark.parametrize("distributed", ["ddp", "fsdp"])
-def test_a_torchrun_job_is_one_run_with_the_single_process_losses(tmp_path, distributed):
-    trainers = ["standard", "dpsgd", "ghost", "flash"]
-    single = cli(*ARGS, "--trainers", *trainers, "--output_dir", str(tmp_path / "single"))
+def test_a_torchrun_job_is_one_run_with_the_single_process_losses(tmp_path):
+    """One single-process run, then the same run under torchrun with DDP and with FSDP2."""
+    single = cli(*ARGS, "--trainers", *TRAINERS, "--output_dir", str(tmp_path / "single"))
     assert single.returncode == 0, single.stderr[-3000:]
-    done = torchrun_cli(
-        *ARGS, "--trainers", *trainers, "--distributed", distributed,
-        "--output_dir", str(tmp_path / "multi"),
-    )  # fmt: skip
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert os.listdir(tmp_path / "multi") == ["r"]  # rank 0 named the run for both ranks
     expected = results_in(tmp_path / "single" / "r")
-    results = results_in(tmp_path / "multi" / "r")
+    for distributed in ("ddp", "fsdp"):
+        check_torchrun_run(tmp_path / distributed, distributed, expected)
+
+
+def check_torchrun_run(out, distributed, expected):
+    done = torchrun_cli(
+        *ARGS, "--trainers", *TRAINERS, "--distributed", distributed, "--output_dir", str(out)
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert os.listdir(out) == ["r"]  # rank 0 named the run for both ranks
+    results = results_in(out / "r")
     assert sorted(results) == sorted(f"{name}_{distributed}2x" for name in expected)
     for name, reference in expected.items():
-        run_dir = tmp_path / "multi" / "r" / f"{name}_{distributed}2x"
+        run_dir = out / "r" / f"{name}_{distributed}2x"
         result = results[f"{name}_{distributed}2x"]
         if name.startswith("dpsgd") and distributed == "fsdp":
             assert result["status"] == "skipped" and "FSDP2" in result["error"]
             continue
-        assert result["status"] == "ok", result["error"]
+        assert result["status"] == "ok", (distributed, result["error"])
         assert sorted(os.listdir(run_dir)) == ["result.json", "result.rank0.json",
                                                "result.rank1.json"]  # fmt: skip
         assert [r["rank"] for r in result["ranks"]] == [0, 1]
@@ -50,10 +54,10 @@ def test_a_torchrun_job_is_one_run_with_the_single_process_losses(tmp_path, dist
         assert result["config"]["physical_batch_size"] == 2  # the rank's share of 4
         # Noise 0, same seed, the global batch split over the ranks: the same losses.
         for got, want in zip(result["losses"], reference["losses"], strict=True):
-            assert got == pytest.approx(want, rel=1e-5), name
+            assert got == pytest.approx(want, rel=1e-5), (distributed, name)
         assert result["communication_time_ms"] is None  # no CUDA trace: null, with the reason
         assert "communication" in result["env"]["communication_note"]
-    report = cli("--mode=report", "--input_dir", str(tmp_path / "multi" / "r"))
+    report = cli("--mode=report", "--input_dir", str(out / "r"))
     assert report.returncode == 0 and "flash" in report.stdout
 
 

@@ -4,6 +4,7 @@ update must equal the brute-force DP-SGD update of the whole batch (fp32, 1e-5),
 be added once (std sigma*C/B of the global batch)."""
 
 import copy
+import json
 import os
 import subprocess
 import sys
@@ -30,13 +31,15 @@ def run_ranks(script, *args, timeout=600):
     assert done.returncode == 0, done.stderr[-4000:]
 
 
-def torchrun(tmp_path, distributed, trainers, cases, noise=0.0, extra=()):
-    """{(case, trainer): {"grad", "loss"}} of one torchrun job (case: "samples,batch,physical")."""
-    out = tmp_path / f"{distributed}_{noise}.pt"
+def torchrun(tmp_path, jobs: dict) -> dict:
+    """{job name: {(case, trainer): {"grad", "loss", ...}}} of one torchrun launch running every
+    job (see one_step_per_rank.run_job): one launch, so the interpreters, imports and process
+    group are paid once for many checks."""
+    jobs_file, out = tmp_path / "jobs.json", tmp_path / "saved.pt"
+    jobs_file.write_text(json.dumps(jobs))
     run_ranks(
-        "one_step_per_rank.py", "--distributed", distributed, "--trainers", *trainers,
-        "--cases", *cases, "--noise_multiplier", str(noise), "--max_grad_norm", str(C),
-        "--seq", str(SEQ), "--out", str(out), *extra,
+        "one_step_per_rank.py", "--jobs", str(jobs_file), "--max_grad_norm", str(C),
+        "--seq", str(SEQ), "--out", str(out),
     )  # fmt: skip
     return torch.load(out)
 
@@ -81,39 +84,78 @@ def flash_gathers(distributed, samples):
 # rank-major with padded pieces: the vocabulary is odd), all pending (DDP) or the older ones
 # waited for past 5000 bytes (FSDP2); the noise test keeps one bucket, each collective waited
 # for at once.
-SMALL_BUCKETS = ["--bucket_bytes", "3000", "--in_flight_bytes", "5000"]
+SMALL_BUCKETS = {"bucket_bytes": 3000, "in_flight_bytes": 5000}
+# The cases of the step a CUDA graph captures, and of the noise test.
+DEVICE_STEP_CASES = ["8,8,3", "4,4,2", "2,2,1"]
+# A full batch, an empty Poisson draw (no rank has a sample: noise alone, still once), and
+# one sample per rank (flash under DDP: every rank adds the same draw to its replica).
+NOISE_CASES = ["8,8,8", "0,8,8", "2,8,8"]
+SIGMA = 2.0
 
 
-@pytest.mark.parametrize("distributed", ["ddp", "fsdp"])
-def test_update_equals_single_process_definition(tmp_path, distributed):
-    saved = torchrun(tmp_path, distributed, TRAINERS[distributed], CASES, extra=SMALL_BUCKETS)
+def dp_trainers(distributed):
+    return [n for n in TRAINERS[distributed] if n != "standard"]
+
+
+def every_job() -> dict:
+    """The jobs of the test below, run in one torchrun launch."""
+    jobs = {}
+    for distributed in ("ddp", "fsdp"):
+        jobs[f"update {distributed}"] = {
+            "distributed": distributed, "trainers": TRAINERS[distributed], "cases": CASES,
+            **SMALL_BUCKETS,
+        }  # fmt: skip
+        for noise in (0.0, SIGMA):  # FSDP2: each collective waited for at once
+            jobs[f"noise {noise} {distributed}"] = {
+                "distributed": distributed, "trainers": dp_trainers(distributed),
+                "cases": NOISE_CASES, "noise_multiplier": noise, "in_flight_bytes": 0,
+            }  # fmt: skip
+    jobs["device step ddp"] = {
+        "distributed": "ddp", "trainers": ["standard", "flash"], "cases": DEVICE_STEP_CASES,
+        "device_step": True, **SMALL_BUCKETS,
+    }  # fmt: skip
+    return jobs
+
+
+def test_every_trainer_under_ddp_and_fsdp2_steps_as_the_definition(tmp_path):
+    """One launch; each check below names its job: (1) the update of every trainer equals the
+    single-process definition, DDP and FSDP2; (2) the step a CUDA graph captures under DDP;
+    (3) the noise is added once."""
+    saved = torchrun(tmp_path, every_job())
+    for distributed in ("ddp", "fsdp"):
+        check_update(saved[f"update {distributed}"], distributed)
+        check_noise_added_once(
+            saved[f"noise 0.0 {distributed}"], saved[f"noise {SIGMA} {distributed}"], distributed
+        )
+    check_device_step(saved["device step ddp"])
+
+
+def check_update(saved, distributed):
     for case in CASES:
         samples, batch_size, _ = map(int, case.split(","))
         mean, clipped = references(samples, batch_size)
         for name in TRAINERS[distributed]:
             reference = mean if name == "standard" else clipped
-            assert relative(saved[case, name]["grad"], reference) < 1e-5, (case, name)
-            assert saved[case, name]["replicas_agree"], (case, name)
+            where = (distributed, case, name)
+            assert relative(saved[case, name]["grad"], reference) < 1e-5, where
+            assert saved[case, name]["replicas_agree"], where
         assert saved[case, "flash"]["gathered"] == flash_gathers(distributed, samples), case
         # the loss of the global batch, the same for every trainer
         assert len({saved[case, name]["loss"] for name in TRAINERS[distributed]}) == 1
 
 
-def test_the_step_a_cuda_graph_captures_under_ddp(tmp_path):
+def check_device_step(saved):
     """--cuda_graph under DDP captures stepping.chunks.device_step (no host sync; every rank
     holds its full share, so each rank's batch is the largest): the same update, flash's
     gathered one included, and the global batch's loss summed on the device. Which ranks agree
     (capture, replay) is one collective: a flag false on one rank is false on all."""
-    cases = ["8,8,3", "4,4,2", "2,2,1"]
-    extra = [*SMALL_BUCKETS, "--device_step"]
-    saved = torchrun(tmp_path, "ddp", ["standard", "flash"], cases, extra=extra)
     assert saved["agreed"] == [False, True]
-    for case in cases:
+    for case in DEVICE_STEP_CASES:
         samples, batch_size, _ = map(int, case.split(","))
         mean, clipped = references(samples, batch_size)
         for name, reference in (("standard", mean), ("flash", clipped)):
-            assert relative(saved[case, name]["grad"], reference) < 1e-5, (case, name)
-            assert saved[case, name]["replicas_agree"], (case, name)
+            assert relative(saved[case, name]["grad"], reference) < 1e-5, ("device", case, name)
+            assert saved[case, name]["replicas_agree"], ("device", case, name)
         assert saved[case, "flash"]["gathered"] == flash_gathers("ddp", samples), case
         torch.manual_seed(0)
         model = models.build_model(SMALL)
@@ -124,48 +166,42 @@ def test_the_step_a_cuda_graph_captures_under_ddp(tmp_path):
             assert saved[case, name]["loss"] == pytest.approx(loss, rel=1e-5), (case, name)
 
 
-@pytest.mark.parametrize("distributed", ["ddp", "fsdp"])
-def test_noise_is_added_once(tmp_path, distributed):
-    dp = [n for n in TRAINERS[distributed] if n != "standard"]
-    # A full batch, an empty Poisson draw (no rank has a sample: noise alone, still once), and
-    # one sample per rank (flash under DDP: every rank adds the same draw to its replica).
-    cases = ["8,8,8", "0,8,8", "2,8,8"]
-    strict = ["--in_flight_bytes", "0"]  # FSDP2: each collective waited for at once
-    clean = torchrun(tmp_path, distributed, dp, cases, extra=strict)
-    noisy = torchrun(tmp_path, distributed, dp, cases, noise=2.0, extra=strict)
-    for case in cases:
-        for name in dp:
+def check_noise_added_once(clean, noisy, distributed):
+    for case in NOISE_CASES:
+        for name in dp_trainers(distributed):
+            where = ("noise", distributed, case, name)
             noise = noisy[case, name]["grad"] - clean[case, name]["grad"]
-            expected = 2.0 * C / 8  # sigma * C / B of the global batch; twice-added: x sqrt(2)
-            assert abs(noise.std().item() / expected - 1) < 0.05, (case, name)
-            assert abs(noise.mean().item()) < 0.05 * expected, (case, name)
-            assert noisy[case, name]["replicas_agree"], (case, name)
-        assert noisy[case, "flash"]["gathered"] == flash_gathers(distributed, int(case[0]))
+            expected = SIGMA * C / 8  # sigma * C / B of the global batch; twice-added: x sqrt(2)
+            assert abs(noise.std().item() / expected - 1) < 0.05, where
+            assert abs(noise.mean().item()) < 0.05 * expected, where
+            assert noisy[case, name]["replicas_agree"], where
+        gathered = flash_gathers(distributed, int(case[0]))
+        assert noisy[case, "flash"]["gathered"] == gathered, (distributed, case)
 
 
-@pytest.mark.parametrize(
-    "distributed, one_per_rank, bf16",
-    [("ddp", False, False), ("fsdp", False, False), ("fsdp", True, False), ("ddp", True, False),
-     ("ddp", True, True)],
-)  # fmt: skip
-def test_a_layer_only_one_rank_reaches(tmp_path, distributed, one_per_rank, bf16):
+# (distributed, one sample per rank, bf16)
+BRANCH_VARIANTS = [("ddp", False, False), ("fsdp", False, False), ("fsdp", True, False),
+                   ("ddp", True, False), ("ddp", True, True)]  # fmt: skip
+
+
+def test_a_layer_only_one_rank_reaches(tmp_path):
     """A data-dependent branch taken on rank 0 only: both ranks still issue the same
     collectives (the rank that skipped it hands over zeros in its place), and flash's update is
     the brute-force clipped mean of the global batch, each sample through its own branch. With
     one sample per rank, flash under DDP gathers per-sample gradients (the script checks); in a
-    bf16 step, in bf16, the zeros of the rank that skipped the branch too (to bf16's precision)."""
+    bf16 step, in bf16, the zeros of the rank that skipped the branch too (to bf16's precision).
+    Every variant in one launch."""
     from branch_per_rank import INPUTS, ONE_PER_RANK, TARGETS, build
 
-    out = tmp_path / f"branch_{distributed}.pt"
-    extra = ["--one_per_rank"] * one_per_rank + ["--bf16"] * bf16
-    run_ranks(
-        "branch_per_rank.py", "--distributed", distributed, "--out", str(out), *extra,
-        timeout=300,
-    )  # fmt: skip
-    rows = ONE_PER_RANK if one_per_rank else slice(None)
-    inputs, targets = INPUTS[rows], TARGETS[rows]
-    reference = clipped_mean(per_sample_grads(build(), inputs, targets), len(inputs))
-    assert relative(torch.load(out), reference) < (2e-2 if bf16 else 1e-5)
+    out = tmp_path / "branch.pt"
+    variants = [f"{d},{int(one)},{int(bf16)}" for d, one, bf16 in BRANCH_VARIANTS]
+    run_ranks("branch_per_rank.py", "--variants", *variants, "--out", str(out), timeout=300)
+    saved = torch.load(out)
+    for variant, (_, one_per_rank, bf16) in zip(variants, BRANCH_VARIANTS):
+        rows = ONE_PER_RANK if one_per_rank else slice(None)
+        inputs, targets = INPUTS[rows], TARGETS[rows]
+        reference = clipped_mean(per_sample_grads(build(), inputs, targets), len(inputs))
+        assert relative(saved[variant], reference) < (2e-2 if bf16 else 1e-5), variant
 
 
 @pytest.mark.gpu
