@@ -3,13 +3,14 @@
 # checkout and on another one (e.g. `git worktree add /tmp/parent HEAD~1`), one after the other
 # on the same card, and compares them:
 #   - bench_flash.py steps, bf16 (8, 512), 20 timed steps, run old, new, new, old (a drift of
-#     the host over the run falls on both alike): each trainer's mean of its two medians,
+#     the host over the run falls on both alike; PAIRS=n repeats that n times, for host-bound
+#     steps whose runs differ by more than the goal): each trainer's mean of its medians,
 #     new / old (the goal: within 3%);
 #   - --mode=memory at (1, 2048): peak_memory_mb and the breakdown's keys, per trainer
 #     (the goal: equal).
-# usage: benchmarks/same_behaviour.sh OLD_CHECKOUT [OUTPUT_DIR]   (needs CUDA)
+# usage: [PAIRS=n] benchmarks/same_behaviour.sh OLD_CHECKOUT [OUTPUT_DIR]   (needs CUDA)
 set -euo pipefail
-usage() { sed -n '2,10p' "$0" | sed 's/^# \{0,1\}//'; }
+usage() { sed -n '2,11p' "$0" | sed 's/^# \{0,1\}//'; }
 case "${1:-}" in
     -h | --help) usage; exit 0 ;;
     "") usage >&2; exit 2 ;;
@@ -22,7 +23,9 @@ OUT=$(cd "$OUT" && pwd)
 PYTHON=${PYTHON:-python3}
 tree_of() { if [ "$1" = new ]; then echo "$NEW"; else echo "$OLD"; fi; }
 round=0
-for tag in old new new old; do
+order=""
+for _ in $(seq "${PAIRS:-1}"); do order="$order old new new old"; done
+for tag in $order; do
     round=$((round + 1))
     (cd "$(tree_of $tag)" && "$PYTHON" bench_flash.py steps --dtypes bfloat16 --shapes 8x512 \
         --steps 20 --warmup_steps 3 --output_dir "$OUT/$tag" --run_name "steps$round")
