@@ -50,7 +50,7 @@ def medians(tag):
                 found.setdefault(name, []).append(result.get("median_time_ms"))
     return found
 ok = True
-print("step time, bf16 (8, 512): the two runs' median ms, old -> new (new / old of their means)")
+print("step time, bf16 (8, 512): each run's median ms, old -> new (new / old of their means)")
 old, new = medians("old"), medians("new")
 for name in sorted(old):
     a, b = old[name], new.get(name, [])

@@ -41,7 +41,14 @@ from dp_cost.flash.clip import (
     squared_row_norms_many,
     weighted_sum,
 )
-from dp_cost.flash.layer import DEFAULT_BLOCK_NUMEL, Call, Layer, flatten_tokens
+from dp_cost.flash.layer import (
+    DEFAULT_BLOCK_NUMEL,
+    Call,
+    GradRequest,
+    Layer,
+    LayerCall,
+    flatten_tokens,
+)
 from dp_cost.flash.rules import NORM_RULES, NormRule
 
 # Kept per-sample gradients with at most this many elements per sample (biases, norm layers, LoRA
@@ -155,17 +162,18 @@ class FlashClipping:
         """A forward pre-hook that keeps A (and hands the layer the cast flash keeps, where
         _saved_input made one) and a forward hook that hooks the output's node for G."""
         keep = self._make_hook(layer)
-        pending = [None]  # (A, the input the layer was given) from the pre-hook of this call
+        pending = None  # (A, the input the layer was given) from the pre-hook of this call
 
         def before(module, args, kwargs):
-            pending[0] = None
+            nonlocal pending
+            pending = None
             if self._idle or not torch.is_grad_enabled():
                 return None
             if self._after_backward:
                 raise RuntimeError("FlashClipping: call release() before the next forward")
             x = _layer_input(args, kwargs)
             saved, fed = self._saved_input(layer, x)
-            pending[0] = saved, fed
+            pending = saved, fed
             if fed is x:
                 return None
             if args:
@@ -173,9 +181,10 @@ class FlashClipping:
             return args, {**kwargs, next(iter(kwargs)): fed}
 
         def after(module, args, kwargs, output):
-            if pending[0] is None:
+            nonlocal pending
+            if pending is None:
                 return None
-            (saved, fed), pending[0] = pending[0], None
+            (saved, fed), pending = pending, None
             x = _layer_input(args, kwargs)
             if x is not fed:  # a pre-hook registered after flash's replaced the input
                 saved = layer.rule.saved_input(module, x.detach())
@@ -310,7 +319,8 @@ class FlashClipping:
                 if names:
                     asked.setdefault(layer.rule, []).append((layer, call, names))
         for rule, entries in asked.items():
-            grads = rule.per_sample_grads_many([(ly, c.A, c.G, n) for ly, c, n in entries])
+            requests = [GradRequest(ly, c.A, c.G, n) for ly, c, n in entries]
+            grads = rule.per_sample_grads_many(requests)
             for (layer, call, names), formed in zip(entries, grads, strict=True):
                 self._add_per_sample(layer, formed)
                 call.pending = call.pending - names
@@ -463,13 +473,13 @@ class FlashClipping:
 
     @staticmethod
     def _calls_by_rule(order: list[Layer], c: ClipFactors | None = None) -> dict[NormRule, Any]:
-        """(layer, A, G) of every call still to be done from A and G, by rule, in ``order``.
+        """A LayerCall of every call still to be done from A and G, by rule, in ``order``.
         Given c, each rule's clipped_grads_many of them instead: their clipped gradients in that
         order, made as they are asked for (a rule may share launches between its calls)."""
         by_rule: dict[NormRule, deque] = {}
         for layer in order:
             for call in layer.calls:
-                by_rule.setdefault(layer.rule, deque()).append((layer, call.A, call.G))
+                by_rule.setdefault(layer.rule, deque()).append(LayerCall(layer, call.A, call.G))
         if c is None:
             return by_rule
         return {rule: rule.clipped_grads_many(calls, c) for rule, calls in by_rule.items()}

@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 from torch import Tensor, nn
 
@@ -52,6 +52,24 @@ class Layer:
     per_sample: dict[str, Tensor] = field(default_factory=dict)
     described: list[dict] = field(default_factory=list)  # the route of each call, for routes()
     plans: dict[tuple, tuple] = field(default_factory=dict)  # FlashClipping._plan's, by shapes
+
+
+class LayerCall(NamedTuple):
+    """One call still to be done from its A and G, as the engine hands it to its layer's rule
+    (the rules' ``*_many`` methods take lists of them)."""
+
+    layer: Layer
+    A: Tensor
+    G: Tensor
+
+
+class GradRequest(NamedTuple):
+    """A call whose per-sample gradients of ``names`` the rule forms right after the backward."""
+
+    layer: Layer
+    A: Tensor
+    G: Tensor
+    names: set[str]
 
 
 def flatten_tokens(x: Tensor, feature_dims: int) -> Tensor:

@@ -11,7 +11,7 @@ from torch import Tensor, nn
 
 if TYPE_CHECKING:
     from dp_cost.flash.clip import ClipFactors
-    from dp_cost.flash.layer import Layer
+    from dp_cost.flash.layer import GradRequest, Layer, LayerCall
 
 
 class NormRule:
@@ -57,18 +57,16 @@ class NormRule:
         (per_sample_grads_many); the rest are done by squared_norms and clipped_grads."""
         return set()
 
-    def per_sample_grads_many(
-        self, calls: list[tuple[Layer, Tensor, Tensor, set[str]]]
-    ) -> list[dict[str, Tensor]]:
-        """per_sample_grads of each call (layer, A, G, names), in order (a rule may share
-        launches between its calls)."""
+    def per_sample_grads_many(self, calls: list[GradRequest]) -> list[dict[str, Tensor]]:
+        """per_sample_grads of each call, in order (a rule may share launches between its
+        calls)."""
         return [self.per_sample_grads(layer, A, G, names) for layer, A, G, names in calls]
 
     def squared_norms(self, layer: Layer, A: Tensor, G: Tensor) -> Tensor:
         """Per-sample squared gradient norm [B] over the parameters not kept per sample."""
         raise NotImplementedError
 
-    def squared_norms_many(self, calls: list[tuple[Layer, Tensor, Tensor]]) -> list[Tensor]:
+    def squared_norms_many(self, calls: list[LayerCall]) -> list[Tensor]:
         """squared_norms of every call of this rule's layers in a step, as terms to be summed
         (a rule may compute several layers at once)."""
         return [self.squared_norms(layer, A, G) for layer, A, G in calls]
@@ -77,9 +75,7 @@ class NormRule:
         """sum_b c_b * grad_b for each parameter not kept per sample, by name."""
         raise NotImplementedError
 
-    def clipped_grads_many(
-        self, calls: deque[tuple[Layer, Tensor, Tensor]], c: ClipFactors
-    ) -> Iterator[dict]:
+    def clipped_grads_many(self, calls: deque[LayerCall], c: ClipFactors) -> Iterator[dict]:
         """clipped_grads of each call of ``calls`` in order, one at a time (a rule may do some
         work of several calls at once). The deque is the rule's: each call leaves it as its
         gradients are made, so its A and G are freed once the caller drops them too."""

@@ -3,17 +3,14 @@
 from __future__ import annotations
 
 from collections import deque
-from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor, nn
 
 from dp_cost.flash.fused import triton_kernels
+from dp_cost.flash.layer import Layer, LayerCall
 from dp_cost.flash.precision import accumulation_dtype, gemm_operands, to_accumulation
 from dp_cost.flash.rules.base import NormRule, register_norm_rule
-
-if TYPE_CHECKING:
-    from dp_cost.flash.layer import Layer
 
 
 def gram_squared_norms(A: Tensor, G: Tensor, tile: int, fused: bool | None = None) -> Tensor:
@@ -145,7 +142,7 @@ class LinearRule(NormRule):
             else:
                 grads[i] = self.per_sample_grads(layer, A, G, names)
         for members in groups.values():
-            sums = kernels.token_sums_many([calls[i][2] for i in members])
+            sums = kernels.token_sums_many([calls[i].G for i in members])
             for i, bias in zip(members, sums, strict=True):
                 grads[i] = {"bias": bias}
         return grads
@@ -183,24 +180,25 @@ class LinearRule(NormRule):
         return terms
 
     def clipped_grads(self, layer, A, G, c):
-        return self._clipped_grads(c, layer, A, G, folded=None)
+        return self._clipped_grads(c, LayerCall(layer, A, G), folded=None)
 
     def clipped_grads_many(self, calls, c):
         """clipped_grads of each call in order; where the fp32 clip factors are folded into a
         16-bit operand by flash.kernels (CUDA), the operands of the next calls, up to
         FOLD_GROUP_BYTES of them, are folded by one launch."""
-        ready = deque()  # (layer, A, G, folded operand or None), the next calls
+        ready = deque()  # (LayerCall, its folded operand or None), the next calls
         while calls or ready:
             if not ready:
                 ready.extend(self._fold_next(calls, c))
             # no local holds a call's tensors or gradients while suspended
             yield self._clipped_grads(c, *ready.popleft())
 
-    def _fold_next(self, calls, c) -> list[tuple]:
+    def _fold_next(self, calls, c) -> list[tuple[LayerCall, Tensor | None]]:
         """The next calls off ``calls``, each with its operand folded by one shared launch (None
         where its clipped GEMM takes another path): up to FOLD_GROUP_BYTES of folded operands,
         at least one call."""
-        group, folds, held = [], [], 0
+        group, narrows, held = [], [], 0
+        folds = []  # the narrow operands to fold, in order
         while calls and (held < FOLD_GROUP_BYTES or not folds):
             layer, A, G = calls[0]
             A_op, G_op = gemm_operands(A, G)
@@ -213,19 +211,18 @@ class LinearRule(NormRule):
                     break  # one dtype and device per launch
                 folds.append(narrow)
                 held += narrow.numel() * narrow.element_size()
-            calls.popleft()
-            group.append([layer, A, G, narrow])
-        if folds:
-            tokens = [A.shape[1] for _, A, _, narrow in group if narrow is not None]
-            folded = iter(triton_kernels().fold_clip_factors_many(folds, c.c, tokens))
-            for entry in group:
-                if entry[3] is not None:
-                    entry[3] = next(folded)
-        return [tuple(entry) for entry in group]
+            group.append(calls.popleft())
+            narrows.append(narrow)
+        if not folds:
+            return list(zip(group, narrows))
+        tokens = [call.A.shape[1] for call, n in zip(group, narrows) if n is not None]
+        folded = iter(triton_kernels().fold_clip_factors_many(folds, c.c, tokens))
+        return [(call, None if n is None else next(folded)) for call, n in zip(group, narrows)]
 
-    def _clipped_grads(self, c, layer, A, G, folded):
+    def _clipped_grads(self, c, call: LayerCall, folded):
         """The weight's clipped sum; ``folded``: the narrower of A and G, flattened to [B*T, n],
         with c already folded in by flash.kernels, or None."""
+        layer, A, G = call
         A_op, G_op = gemm_operands(A, G)  # the dtype autocast's own weight GEMM uses
         weight = layer.params["weight"]
         fold_into_G = _folds_into_G(A_op, G_op)
