@@ -15,34 +15,43 @@ from __future__ import annotations
 import argparse
 import contextlib
 import datetime
+import difflib
 import glob
 import os
 import platform
 import re
-import signal
+import shlex
 import subprocess
 import sys
 import time
 
-from dp_cost.core import rundir
+from dp_cost.core import interrupts, rundir
 from dp_cost.core.files import write_json
 from dp_cost.core.fmt import count
-from dp_cost.core.reading import read_json_or_none
+from dp_cost.core.interrupts import say
+from dp_cost.core.reading import (
+    MAX_BYTES,
+    MAX_RESULT_BYTES,
+    MAX_TOKEN_BYTES,
+    UnreadableFile,
+    read_json_or_none,
+    read_text,
+    size_words,
+)
 from dp_cost.core.schema import (
     EXIT_BAD_ARGS,
     EXIT_CONFIG_ERROR,
-    EXIT_INTERRUPTED,
     EXIT_OK,
-    EXIT_TERMINATED,
     STATUSES,
 )
 from dp_cost.core.settings import HF_SETTINGS, MODES, SETTINGS, UsageError, changed_settings
 from dp_cost.ncu import summary as ncu_summary
-from dp_cost.report import summary
+from dp_cost.report import run_info, summary
 from dp_cost.report.run_info import RUN_FILE
 
 # What a secret looks like: a Hugging Face token, or a long run of letters mixed with digits.
-TOKEN_LIKE = re.compile(r"hf_\w+|\b(?=[\w-]*\d)(?=[\w-]*[A-Za-z])[\w-]{24,}\b")
+# ("hf_" and at least 10 more: a real token has 34; the mode name hf_sweep stays readable)
+TOKEN_LIKE = re.compile(r"hf_\w{10,}|\b(?=[\w-]*\d)(?=[\w-]*[A-Za-z])[\w-]{24,}\b")
 
 
 def redacted(text: str) -> str:
@@ -64,7 +73,16 @@ def command_words(words: list[str]) -> list[str]:
 
 class Parser(argparse.ArgumentParser):
     """argparse, but a mistake is one line and never echoes what looks like a secret: an
-    unknown flag is named without its value (``--tokn=hf_...`` stays off the screen)."""
+    unknown flag is named without its value (``--tokn=hf_...`` stays off the screen); a
+    mistyped flag or choice gets the closest known one as a suggestion."""
+
+    def __init__(self, *args, **kwargs):
+        self.flags: list[str] = []  # every option string, for suggestions (-h's added next)
+        super().__init__(*args, **kwargs)
+
+    def add_argument(self, *names, **kwargs):
+        self.flags += [name for name in names if name.startswith("-")]
+        return super().add_argument(*names, **kwargs)
 
     def error(self, message: str):
         prefix = "unrecognized arguments: "
@@ -74,8 +92,18 @@ class Parser(argparse.ArgumentParser):
             hidden = len(words) - len(flags)
             message = prefix + ", ".join(flags) if flags else "unexpected arguments"
             message += f" (and {hidden} value(s), not shown)" if hidden else ""
+            message += did_you_mean(flags[0], self.flags) if flags else ""
+        elif choice := re.search(r"invalid choice: '([^']*)' \(choose from (.*)\)", message):
+            known = re.findall(r"'([^']*)'", choice.group(2))
+            message += did_you_mean(choice.group(1), known)
         print(f"error: {redacted(message)} (see --help)", file=sys.stderr)
         sys.exit(EXIT_BAD_ARGS)
+
+
+def did_you_mean(word: str, known: list[str]) -> str:
+    """ " (did you mean X?)" for the known word closest to a mistyped one, or ""."""
+    close = difflib.get_close_matches(word, known, n=1, cutoff=0.6)
+    return f" (did you mean {close[0]}?)" if close else ""
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -108,7 +136,12 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="HF token for --pretrained (visible to other users: prefer HF_TOKEN or --token_file)",
     )
-    hf.add_argument("--token_file", default=None, help="a file holding the HF token")
+    hf.add_argument(
+        "--token_file",
+        default=None,
+        help="a file holding the HF token (a regular file of at most "
+        f"{size_words(MAX_TOKEN_BYTES)})",
+    )
     p.add_argument(
         "--output_dir",
         "--results_dir",
@@ -118,7 +151,15 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--run_name", default=None, help="one folder name (default: <mode>_<timestamp>)")
     p.add_argument("--resume", action="store_true", help="skip configs already finished")
-    p.add_argument("--input_dir", "--input-dir", default=None, help="run directory (report mode)")
+    p.add_argument(
+        "--input_dir",
+        "--input-dir",
+        default=None,
+        help="run directory (report modes); only its regular files are read: a result.json over "
+        f"{size_words(MAX_RESULT_BYTES)}, a trace or an ncu CSV export over "
+        f"{size_words(MAX_BYTES)} is skipped, named in a warning (report) or the summary "
+        "(ncu_report)",
+    )
     p.add_argument(
         "--verbose",
         action="store_true",
@@ -170,7 +211,9 @@ def exit_code(results: list[dict]) -> int:
 
 
 def run_report(args) -> int:
-    if not args.input_dir or not os.path.isdir(args.input_dir):
+    if not args.input_dir:
+        raise UsageError("--mode=report needs --input_dir RUN_DIR, the run directory to report")
+    if not os.path.isdir(args.input_dir):
         raise UsageError(f"--input_dir must be an existing run directory, got {args.input_dir!r}")
     results = summary.load_results(args.input_dir)
     if not results:
@@ -222,29 +265,34 @@ def run_experiments(args) -> int:
     configs = experiment.configs
     if configs and configs[0].distributed_mode.is_distributed:
         return run_distributed(args, experiment, processes)
-    run_dir, lock = prepare_run_dir(args, experiment)
+    run = prepare_run_dir(args, experiment)
     try:
-        return measure_and_summarise(args, experiment, run_dir, processes)
+        return measure_and_summarise(args, experiment, run.path, processes)
     finally:
-        lock.release()
+        run.close()
 
 
-def prepare_run_dir(args, experiment) -> tuple[str, rundir.RunLock]:
+def prepare_run_dir(args, experiment) -> rundir.RunDir:
     """The run directory, created and locked, with --resume's and containment's checks done."""
     if experiment.note:
         print(experiment.note)
-    run_dir = make_run_dir(args, experiment.mode)
-    lock = rundir.RunLock(run_dir)
+    run = None
     try:
+        with interrupts.held():  # made and locked whole: an interrupt finds it in open_now
+            run = rundir.RunDir(*make_run_dir(args, experiment.mode), kept_names=(RUN_FILE,))
+        run_dir = run.path
+        # A link planted in the run: refused before anything is read through it or measured.
+        rundir.check_contained(run_dir, os.path.join(run_dir, RUN_FILE))
+        for config in experiment.configs:
+            rundir.check_contained(run_dir, os.path.join(run_dir, config.config_dir, "result.json"))
         if args.resume:
             refuse_changed_settings(experiment.configs, run_dir)
-        for config in experiment.configs:
-            rundir.check_contained(run_dir, os.path.join(run_dir, config.config_dir))
         record_run(run_dir, args.command_line)
     except BaseException:
-        lock.release()
+        if run is not None:
+            run.close()
         raise
-    return run_dir, lock
+    return run
 
 
 def git_commit() -> str | None:
@@ -258,6 +306,18 @@ def git_commit() -> str | None:
         return commit + ("+dirty" if run("status", "--porcelain", "--untracked-files=no") else "")
     except (OSError, subprocess.SubprocessError):
         return None
+
+
+def record_load(run_dir: str, at_start: dict, at_end: dict) -> None:
+    """The machine's load while the configs ran, into run.json (its latest run or resume)."""
+    record = read_json_or_none(os.path.join(run_dir, RUN_FILE))
+    if not isinstance(record, dict):
+        return
+    resumed = record.get("resumed")
+    latest = resumed[-1] if isinstance(resumed, list) and resumed else record
+    if isinstance(latest, dict):
+        latest["machine_load"] = {"at_start": at_start, "at_end": at_end}
+        write_json(os.path.join(run_dir, RUN_FILE), record)
 
 
 def record_run(run_dir: str, command: list[str]) -> None:
@@ -286,13 +346,14 @@ def run_distributed(args, experiment, processes) -> int:
     from dp_cost.parallel.ranks import from_environment
 
     group = RankGroup(from_environment())
-    lock = None
+    run = None
     if group.is_first:
         try:
-            run_dir, lock = prepare_run_dir(args, experiment)
+            run = prepare_run_dir(args, experiment)
         except UsageError as error:
             group.broadcast("run_dir", {"error": str(error)})
             raise
+        run_dir = run.path
         group.broadcast("run_dir", {"run_dir": run_dir})
     else:
         answer = group.broadcast("run_dir")
@@ -313,84 +374,106 @@ def run_distributed(args, experiment, processes) -> int:
             code = None
         return group.broadcast("exit_code", code)
     finally:
-        if lock is not None:
-            lock.release()
+        if run is not None:
+            run.close()
 
 
-def make_run_dir(args, mode: str) -> str:
-    """The run directory, created (or found, with --resume) inside --output_dir."""
+def make_run_dir(args, mode: str) -> tuple[str, bool]:
+    """The run directory, created (or found, with --resume) inside --output_dir, and whether
+    this run created it."""
     run_name = args.run_name or f"{mode}_{time.strftime('%Y%m%d_%H%M%S')}"
+    made = True
     try:
         os.makedirs(args.output_dir, exist_ok=True)
         if args.resume:
             run_dir = os.path.join(args.output_dir, run_name)
-            os.makedirs(run_dir, exist_ok=True)
+            try:
+                os.mkdir(run_dir)
+            except FileExistsError:
+                if not os.path.isdir(run_dir):
+                    raise
+                made = False
         else:
             run_dir = rundir.new_run_dir(args.output_dir, run_name, numbered=not args.run_name)
     except OSError as error:
         raise UsageError(f"cannot create the run directory: {error}") from None
     rundir.check_contained(args.output_dir, run_dir)
-    return run_dir
+    return run_dir, made
 
 
 def measure_and_summarise(args, experiment, run_dir: str, processes, group=None) -> int:
     configs = experiment.configs
-    where = experiment.device
-    if group is not None:
-        where = f"{count(group.info.world_size, 'rank')} ({configs[0].distributed}, {where})"
-    print(f"{count(len(configs), 'config')} on {where}, results in {run_dir}")
+    first = group is None or group.is_first  # rank 0 summarises
+    reached = "configs"  # how far the run got: what an interrupt reports
     try:
+        where = experiment.device
+        if group is not None:
+            where = f"{count(group.info.world_size, 'rank')} ({configs[0].distributed}, {where})"
+        print(f"{count(len(configs), 'config')} on {where}, results in {run_dir}")
+        load_at_start = run_info.machine_load()
         results = processes.run_configs(
             configs,
             run_dir,
             resume=args.resume,
-            progress=experiment.mode == "hf_sweep" and (group is None or group.is_first),
+            progress=experiment.mode == "hf_sweep" and first,
             verbose=args.verbose,
             group=group,
         )
-    except processes.Interrupted as interrupted:
-        ignore_signals()  # a second Ctrl-C while the summary is written: no traceback
-        if group is not None and not group.is_first:  # rank 0 summarises
-            return interrupted_exit_code()
-        finished = summary.load_results(run_dir)
-        print(
-            f"\nInterrupted during {interrupted}; {count(len(finished), 'finished config')} kept."
-        )
-        if finished:
-            print(summary.write_summary(run_dir, finished))
-        return interrupted_exit_code()
-    print()
-    if group is not None and not group.is_first:
+        if not first:
+            return exit_code(results)
+        load_at_end = run_info.machine_load()
+        record_load(run_dir, load_at_start, load_at_end)
+        reached = "report"
+        print()
+        # Summarise every result in the run directory: a --resume run adds to earlier ones.
+        text = summary.write_summary(run_dir, summary.load_results(run_dir))
+        reached = "done"
+        print(text)
+        if note := run_info.busy_note(load_at_start, load_at_end):
+            print(note)
+        print(f"Summary: {run_dir}/summary.csv, {run_dir}/summary.md")
+        interrupts.ignore()  # done: a signal now has nothing left to stop
         return exit_code(results)
-    # Summarise every result in the run directory: a --resume run adds to earlier ones.
-    print(summary.write_summary(run_dir, summary.load_results(run_dir)))
-    print(f"Summary: {run_dir}/summary.csv, {run_dir}/summary.md")
-    return exit_code(results)
+    except (processes.Interrupted, KeyboardInterrupt) as interrupted:
+        interrupts.ignore()  # a second Ctrl-C while the summary is written: no traceback
+        if not first:
+            return interrupts.exit_code()
+        if reached == "configs":
+            report_interrupt(args, run_dir, str(interrupted) or "before the first config")
+        else:  # every result is complete: the summary is written again, unless it was
+            when = "while the report was written" if reached == "report" else "at the end"
+            report_interrupt(
+                args, run_dir, when, every_config_ran=True, summarise=reached != "done"
+            )
+        return interrupts.exit_code()
 
 
-class Terminated(KeyboardInterrupt):
-    """SIGTERM (``timeout``, batch schedulers): handled exactly like Ctrl-C, exit 143."""
-
-
-_received = []  # the signals that interrupted this run
-
-
-def _on_sigterm(signum, frame):
-    _received.append(signum)
-    raise Terminated()
-
-
-def ignore_signals() -> None:
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
-
-
-def interrupted_exit_code() -> int:
-    return EXIT_TERMINATED if signal.SIGTERM in _received else EXIT_INTERRUPTED
+def report_interrupt(args, run_dir, when: str, every_config_ran=False, summarise=True) -> None:
+    """After an interrupt (every signal ignored by now): what was kept, the summary of it, and
+    the command that continues the run."""
+    finished = None
+    try:
+        finished = summary.load_results(run_dir)
+        kept = count(len(finished), "finished config") + " kept"
+        say(
+            f"\nInterrupted {when}; "
+            + (f"every config had finished: {kept}." if every_config_ran else f"{kept}.")
+        )
+        if finished and summarise:
+            say(summary.write_summary(run_dir, finished))
+            say(f"Summary: {run_dir}/summary.csv, {run_dir}/summary.md")
+    except Exception as error:  # noqa: BLE001 - a full disk, ...: what finished is complete
+        if finished is None:
+            say(f"\nInterrupted {when}.")
+        report = [*interrupts.launcher_words(), "--mode=report", "--input_dir", run_dir]
+        say(f"The summary could not be written ({type(error).__name__}: {error}).", sys.stderr)
+        say(f"Write it once the cause is fixed: {shlex.join(report)}", sys.stderr)
+    interrupts.say_continue(args.command_line, os.path.basename(run_dir))
 
 
 def hf_token(args) -> str | None:
-    """The token of --token or --token_file (UsageError when the file cannot be read)."""
+    """The token of --token or --token_file (UsageError when the file cannot be read: not a
+    regular file, over MAX_TOKEN_BYTES, not UTF-8, or not one word)."""
     if args.token:
         print(
             "warning: --token is visible to other users of this machine (ps, /proc): "
@@ -400,10 +483,14 @@ def hf_token(args) -> str | None:
         return args.token
     if args.token_file:
         try:
-            with open(args.token_file, encoding="utf-8") as f:
-                return f.read().strip()
-        except (OSError, UnicodeDecodeError) as error:
+            token = read_text(args.token_file, max_bytes=MAX_TOKEN_BYTES).strip()
+        except UnreadableFile as error:
             raise UsageError(f"--token_file {args.token_file}: cannot read it ({error})") from None
+        # Never shown: it may be the token with a stray word. Printable: the workers read it
+        # from the environment, which takes no NUL.
+        if len(token.split()) != 1 or not token.isprintable():
+            raise UsageError(f"--token_file {args.token_file}: does not hold one token")
+        return token
     return None
 
 
@@ -412,24 +499,27 @@ def main(argv=None) -> int:
         args = parse_args(argv)
     except SystemExit as stop:  # --help, or a parser error already printed
         return stop.code if isinstance(stop.code, int) else EXIT_BAD_ARGS
-    _received.clear()
-    handlers = signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)
-    signal.signal(signal.SIGTERM, _on_sigterm)
+    handlers = interrupts.install()
     try:
         return run_mode(args)
     except UsageError as error:
         print(f"error: {error}", file=sys.stderr)
         return EXIT_BAD_ARGS
-    except KeyboardInterrupt:  # before any config ran (imports, the plan): nothing to keep
-        ignore_signals()
-        print("\nInterrupted before any config ran.", file=sys.stderr)
-        return interrupted_exit_code()
+    except KeyboardInterrupt:  # before any config ran (imports, the plan, the run directory)
+        interrupts.ignore()
+        measuring = args.mode not in ("report", "ncu_report")  # a report is just run again
+        say("\nInterrupted" + (" before any config ran." if measuring else "."), sys.stderr)
+        if os.environ.get("RANK", "0") == "0":  # under torchrun: rank 0 speaks for the job
+            interrupts.say_continue(args.command_line, args.run_name if measuring else None)
+        return interrupts.exit_code()
     except OSError as error:  # the disk filled up while writing the summary, ...
         print(f"error: {error}", file=sys.stderr)
         return EXIT_CONFIG_ERROR
     finally:
-        signal.signal(signal.SIGINT, handlers[0])
-        signal.signal(signal.SIGTERM, handlers[1])
+        interrupts.ignore()  # nothing may interrupt the run directory's removal
+        for run in list(rundir.RunDir.open_now):
+            run.close()
+        interrupts.restore(handlers)
 
 
 def run_mode(args) -> int:

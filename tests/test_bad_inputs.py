@@ -50,6 +50,13 @@ def bad_command_lines(tmp_path):
         (["--batch_size", str(10**15), "--seq_len", "8"], "more than any process can address"),
         (["--max_seq_len", str(10**12), "--seq_len", str(10**12)], "can address"),
         (["--vocab_size", str(10**13)], "more than any process can address"),
+        # the position table alone: max_seq_len rows, at the default sequence length
+        (["--mode=test", "--max_seq_len", str(10**12)], "more than any process can address"),
+        (["--mode=test", "--model", "1b"], "add --device cpu"),  # test mode's CPU is a default
+        (["--mode", "hf_swep"], "(did you mean hf_sweep?)"),  # and hf_sweep is not hidden
+        (["--trainers", "flsh"], "unknown trainer 'flsh' (did you mean flash?)"),
+        (["--steps_", "3"], "(did you mean --steps?)"),
+        (["--mode=report"], "--mode=report needs --input_dir"),
         (["--batch_size", "0"], "batch size must be positive"),
         (["--batch_size", "abc"], "invalid int value"),
         (["--seq_len", "0"], "seq_len 0"),

@@ -3,11 +3,14 @@ line (a token on it hidden), the date, the versions; a resume adds its own comma
 
 import datetime
 import json
+import os
 import platform
 
 import opacus
 import torch
 from cli_helpers import in_process, small_run_args
+
+from dp_cost.report import run_info
 
 
 def test_run_json_records_the_command_date_and_versions(tmp_path):
@@ -30,3 +33,18 @@ def test_run_json_records_the_command_date_and_versions(tmp_path):
     resumed = json.loads((tmp_path / "r" / "run.json").read_text())
     assert resumed["command"] == record["command"] and resumed["date"] == record["date"]
     assert resumed["resumed"][0]["command"][-1] == "--resume"
+    # the machine's load while each measured: the OS's own numbers, at the start and the end
+    for load in (record["machine_load"], resumed["resumed"][0]["machine_load"]):
+        for moment in ("at_start", "at_end"):
+            assert load[moment]["cpus"] == os.cpu_count()
+            assert 0 <= load[moment]["load"] <= 100 * os.cpu_count()
+
+
+def test_a_busy_machine_is_named_beside_the_table():
+    quiet, busy = {"cpus": 2, "load": 0.3}, {"cpus": 2, "load": 3.5}
+    assert run_info.busy_note(quiet, {"cpus": 2, "load": 1.9}) is None  # the run's own worker
+    assert "load average 3.5 at the start, 1.9 at the end, on 2 CPUs" in run_info.busy_note(
+        busy, {"cpus": 2, "load": 1.9}
+    )
+    assert run_info.busy_note(quiet, {"cpus": 2, "load": 2.2}) is not None
+    assert run_info.busy_note({"cpus": 2, "load": None}, busy) is None  # not measured: no claim

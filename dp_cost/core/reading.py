@@ -1,6 +1,7 @@
 """Reading input files that may be anything: only regular files, a size cap, UTF-8, bounded JSON
 nesting. Every reader raises ``UnreadableFile`` with a short reason instead of hanging on a FIFO,
-filling memory, or failing deep inside json with a RecursionError."""
+filling memory, or failing deep inside json with a RecursionError. The caps are by what a file
+holds; each flag's --help states its own."""
 
 from __future__ import annotations
 
@@ -10,8 +11,14 @@ import json
 import os
 import stat
 import sys
+import zlib
 
-MAX_BYTES = 512 * 2**20  # a result is a few kB and a trace tens of MB; a file over this is not ours
+MAX_BYTES = 512 * 2**20  # a trace is tens of MB; a file over this is not ours
+# A result (result.json, result.rank<k>.json) or run.json: a few kB, more with many steps (their
+# times, losses and snapshots). Checked on the size before reading: parsing a 200 MB list of
+# floats took a minute and 4.6 GB.
+MAX_RESULT_BYTES = 16 * 2**20
+MAX_TOKEN_BYTES = 4096  # --token_file: a Hugging Face token is about 40 characters
 MAX_DEPTH = 64  # a result nests 5 levels; json itself recurses (and fails) near 1000
 _GZIP_MAGIC = b"\x1f\x8b"
 
@@ -20,11 +27,21 @@ class UnreadableFile(ValueError):
     """A file that cannot be read as what it should be; ``str()`` is the reason, one line."""
 
 
-def _open_regular(path: str):
-    """``path`` opened in binary, if it is a regular file under the size cap.
+def size_words(size: int) -> str:
+    """A cap in words: ``16 MiB``, ``4 KiB``, ``100 bytes``."""
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if size >= scale and size % scale == 0:
+            return f"{size // scale} {unit}"
+    return f"{size} bytes"
+
+
+def open_regular(path: str | os.PathLike, max_bytes: int):
+    """``path`` opened in binary, if it is a regular file of at most ``max_bytes``.
 
     O_NONBLOCK: opening a FIFO for reading would otherwise wait for a writer forever; it is then
-    refused by the regular-file check on the open descriptor (no race with a renamed file).
+    refused by the regular-file check on the open descriptor (no race with a renamed file). The
+    size is checked before anything is read; callers still read at most ``max_bytes`` + 1 (a
+    regular file may grow while it is read).
     """
     try:
         fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
@@ -34,35 +51,38 @@ def _open_regular(path: str):
     if not stat.S_ISREG(info.st_mode):
         os.close(fd)
         raise UnreadableFile("not a regular file")
-    if info.st_size > MAX_BYTES:
+    if info.st_size > max_bytes:
         os.close(fd)
-        raise UnreadableFile(f"larger than {MAX_BYTES // 2**20} MiB")
+        raise UnreadableFile(
+            f"larger than the cap of {size_words(max_bytes)}: {info.st_size} bytes"
+        )
     return os.fdopen(fd, "rb")
 
 
-def read_bytes(path: str | os.PathLike) -> bytes:
-    """The bytes of a regular file of at most MAX_BYTES; gzip content is decompressed (by
-    extension or magic bytes), to at most MAX_BYTES as well."""
+def read_bytes(path: str | os.PathLike, max_bytes: int | None = None) -> bytes:
+    """The bytes of a regular file of at most ``max_bytes`` (default MAX_BYTES); gzip content is
+    decompressed (by extension or magic bytes), to at most ``max_bytes`` as well."""
     path = os.fspath(path)
-    with _open_regular(path) as f:
-        data = f.read(MAX_BYTES + 1)
-    if len(data) > MAX_BYTES:
-        raise UnreadableFile(f"larger than {MAX_BYTES // 2**20} MiB")
+    max_bytes = MAX_BYTES if max_bytes is None else max_bytes
+    with open_regular(path, max_bytes) as f:
+        data = f.read(max_bytes + 1)
+    if len(data) > max_bytes:
+        raise UnreadableFile(f"larger than the cap of {size_words(max_bytes)}")
     if path.endswith(".gz") or data[:2] == _GZIP_MAGIC:
         try:
             with gzip.GzipFile(fileobj=io.BytesIO(data)) as g:
-                data = g.read(MAX_BYTES + 1)
-        except (OSError, EOFError) as error:
+                data = g.read(max_bytes + 1)
+        except (OSError, EOFError, zlib.error) as error:
             raise UnreadableFile(f"broken gzip ({error})") from None
-        if len(data) > MAX_BYTES:
-            raise UnreadableFile(f"larger than {MAX_BYTES // 2**20} MiB uncompressed")
+        if len(data) > max_bytes:
+            raise UnreadableFile(f"larger than the cap of {size_words(max_bytes)} uncompressed")
     return data
 
 
-def read_text(path: str | os.PathLike) -> str:
+def read_text(path: str | os.PathLike, max_bytes: int | None = None) -> str:
     """The file as UTF-8 text (see ``read_bytes``)."""
     try:
-        return read_bytes(path).decode("utf-8")
+        return read_bytes(path, max_bytes).decode("utf-8")
     except UnicodeDecodeError as error:
         raise UnreadableFile(f"not UTF-8 (byte {error.start})") from None
 
@@ -83,11 +103,13 @@ def _no_constant(name: str):
     raise ValueError(f"{name} is not JSON")
 
 
-def read_json(path: str | os.PathLike, max_depth: int | None = MAX_DEPTH):
-    """The parsed JSON of a regular UTF-8 file (plain or gzipped), without bare NaN/Infinity,
-    nested at most ``max_depth`` deep (None: no check, for large traces). Raises UnreadableFile
-    with the reason."""
-    text = read_text(path)
+def read_json(
+    path: str | os.PathLike, max_depth: int | None = MAX_DEPTH, max_bytes: int | None = None
+):
+    """The parsed JSON of a regular UTF-8 file (plain or gzipped) of at most ``max_bytes``
+    (default MAX_BYTES), without bare NaN/Infinity, nested at most ``max_depth`` deep (None: no
+    check, for large traces). Raises UnreadableFile with the reason."""
+    text = read_text(path, max_bytes)
     try:
         value = json.loads(text, parse_constant=_no_constant)
     except RecursionError:
@@ -99,13 +121,33 @@ def read_json(path: str | os.PathLike, max_depth: int | None = MAX_DEPTH):
     return value
 
 
+def read_result(path: str | os.PathLike):
+    """A result file's (or run.json's) parsed JSON: ``read_json`` under MAX_RESULT_BYTES."""
+    return read_json(path, max_bytes=MAX_RESULT_BYTES)
+
+
+# The unreadable files already warned about, as (path, device, inode, size, mtime, reason):
+# --resume reads an earlier result in two checks, and a bad one is one warning, not two.
+_warned: set[tuple] = set()
+
+
 def read_json_or_none(path: str | os.PathLike, warn=None):
-    """``read_json``, or None: silently for a missing file, with one warning line on ``warn``
-    (default stderr) naming the file and the reason for any other (for --resume's checks)."""
+    """``read_result``, or None: silently for a missing file, with one warning line on ``warn``
+    (default stderr) naming the file and the reason for any other (for --resume's checks and
+    run.json). The same unchanged file with the same problem warns once per process."""
+    path = os.fspath(path)
     if not os.path.lexists(path):
         return None
     try:
-        return read_json(path)
+        return read_result(path)
     except UnreadableFile as error:
-        print(f"warning: skipped {os.fspath(path)}: {error}", file=warn or sys.stderr)
+        try:
+            info = os.stat(path)
+            seen = (path, info.st_dev, info.st_ino, info.st_size, info.st_mtime_ns, str(error))
+        except OSError:  # a dangling link: nothing to tell one reading from the next
+            seen = None
+        if seen is None or seen not in _warned:
+            print(f"warning: skipped {path}: {error}", file=warn or sys.stderr)
+        if seen is not None:
+            _warned.add(seen)
         return None

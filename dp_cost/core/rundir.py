@@ -1,18 +1,22 @@
 """The run directory: a contained name, a usable output directory, one process at a time.
 
 Every file a run writes lies under ``<output_dir>/<run_name>/``: the run name is one plain path
-component, and every path is checked again after resolving symlinks. A run holds an ``flock``
-on ``<run_dir>/.lock`` for as long as it runs, so two processes never measure into one
-directory (and beside each other).
+component, no entry below the output directory on the way to a file may be a symbolic link
+(checked here before a run starts; ``core.files`` refuses one again as it writes). A run holds
+an ``flock`` on ``<run_dir>/.lock`` for as long as it runs, so two processes never measure into
+one directory (and beside each other).
 """
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import fcntl
 import os
 import re
 import tempfile
 
+from dp_cost.core import files
 from dp_cost.core.settings import UsageError
 
 MAX_RUN_NAME = 100
@@ -41,6 +45,7 @@ def check_run_name(name: str) -> None:
 def check_output_dir(output_dir: str) -> None:
     """UsageError when runs cannot be written under ``output_dir``; creates nothing (a missing
     directory is checked at its nearest existing parent, where it would be created)."""
+    check_not_broken_link(output_dir)
     real = os.path.realpath(output_dir)
     if any(real == d or real.startswith(d + os.sep) for d in SYSTEM_DIRS):
         raise UsageError(f"--output_dir {output_dir} is under a system directory ({real})")
@@ -56,6 +61,28 @@ def check_output_dir(output_dir: str) -> None:
         raise UsageError(f"--output_dir {output_dir} is not writable: {error.strerror}") from None
 
 
+def check_not_broken_link(output_dir: str) -> None:
+    """UsageError when ``output_dir`` goes through a symbolic link loop or a link to nothing:
+    creating it would fail with a bare "File exists"."""
+    try:
+        os.stat(output_dir)
+        return
+    except OSError as error:
+        if error.errno == errno.ELOOP:
+            raise UsageError(
+                f"--output_dir {output_dir} goes through a symbolic link loop: fix the link or "
+                "pick another directory"
+            ) from None
+    nearest = output_dir  # the deepest part of it that exists, a link included
+    while nearest and not os.path.lexists(nearest) and os.path.dirname(nearest) != nearest:
+        nearest = os.path.dirname(nearest)
+    if nearest and os.path.islink(nearest) and not os.path.exists(nearest):
+        raise UsageError(
+            f"--output_dir {output_dir}: {nearest} is a symbolic link to a missing path "
+            f"({os.readlink(nearest)}): create its target or pick another directory"
+        )
+
+
 def contained(root: str, path: str) -> bool:
     """Whether ``path`` resolves (symlinks followed) to ``root`` or below it."""
     root, path = os.path.realpath(root), os.path.realpath(path)
@@ -63,8 +90,13 @@ def contained(root: str, path: str) -> bool:
 
 
 def check_contained(root: str, path: str) -> None:
+    """UsageError unless ``path`` resolves inside ``root`` and no entry below ``root`` on the way
+    to it (``path`` included) is a symbolic link."""
     if not contained(root, path):
-        raise UsageError(f"{path} resolves outside {root} (a symlink?): refusing to write there")
+        raise UsageError(
+            f"{path} resolves outside {root} (through a symbolic link?): refusing to write there"
+        )
+    files.refuse_links(path, root)
 
 
 def new_run_dir(output_dir: str, run_name: str, numbered: bool) -> str:
@@ -91,7 +123,8 @@ class RunLock:
 
     def __init__(self, run_dir: str):
         self.path = os.path.join(run_dir, LOCK_FILE)
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        # Never through a link, nor a file with other hard links: it is truncated below.
+        fd = files.open_file(self.path, os.O_RDWR | os.O_CREAT)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -106,3 +139,38 @@ class RunLock:
         if self.fd is not None:
             os.close(self.fd)  # closing drops the flock
             self.fd = None
+
+
+class RunDir:
+    """This run's directory, made (or found, with --resume) and locked. ``close`` releases the
+    lock and removes the directory if this run made it and nothing but the lock and
+    ``kept_names`` (the run's own record) was written into it: an interrupt or an error before
+    any config wrote a file leaves no run directory holding only a lock."""
+
+    open_now: list[RunDir] = []  # not closed yet: the CLI closes them, whatever ends the run
+
+    def __init__(self, path: str, made: bool, kept_names: tuple[str, ...] = ()):
+        self.path, self.made, self.lock = path, made, None
+        self.bookkeeping = {LOCK_FILE, *kept_names}
+        RunDir.open_now.append(self)
+        try:
+            self.lock = RunLock(path)
+        except BaseException:
+            self.close()
+            raise
+
+    def close(self) -> None:
+        if self not in RunDir.open_now:
+            return
+        RunDir.open_now.remove(self)
+        try:
+            if self.made and set(os.listdir(self.path)) <= self.bookkeeping:
+                for name in self.bookkeeping:
+                    with contextlib.suppress(FileNotFoundError):
+                        os.remove(os.path.join(self.path, name))
+                os.rmdir(self.path)
+        except OSError:
+            pass  # something else is in it now: kept
+        finally:
+            if self.lock is not None:
+                self.lock.release()

@@ -6,6 +6,7 @@ A config's ``result.json`` is the one seam between measuring (``measure/``) and 
 
 from __future__ import annotations
 
+import difflib
 import re
 from dataclasses import dataclass
 
@@ -179,5 +180,7 @@ def canonical_trainer_name(name: str, known) -> str:
     canonical = TRAINER_ALIASES.get(name, name)
     if canonical not in known:
         names = sorted(known) + sorted(TRAINER_ALIASES)
-        raise ValueError(f"unknown trainer {name!r}; known: {', '.join(names)}")
+        close = difflib.get_close_matches(name, names, n=1, cutoff=0.6)
+        guess = f" (did you mean {close[0]}?)" if close else ""
+        raise ValueError(f"unknown trainer {name!r}{guess}; known: {', '.join(names)}")
     return canonical

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from dp_cost.core.schema import TRAINER_ALIASES, TRAINER_ORDER
-from dp_cost.hf.configs import HF_CONFIGS
+from dp_cost.hf.configs import DATASET_MAX_BYTES, DATASET_MAX_LINE_BYTES, HF_CONFIGS
 from dp_cost.parallel.mode import MODES as MODES_OF_DISTRIBUTION
 from dp_cost.parallel.mode import SingleProcess, distributed_mode
 
@@ -358,7 +358,9 @@ SETTINGS: tuple[Setting, ...] = (
     Setting(
         "dataset_path",
         None,
-        "a local SNLI JSONL (default: synthetic)",
+        "a local SNLI JSONL, checked whole before any config runs: a regular file of at most "
+        f"{DATASET_MAX_BYTES // 2**20} MiB, lines of at most {DATASET_MAX_LINE_BYTES // 2**20} "
+        "MiB (default: synthetic)",
         flags=("--dataset_path",),
     ),
     Setting(

@@ -14,6 +14,10 @@ SEP_TOKEN_ID = 1
 FIRST_CONTENT_ID = 2  # data tokens are drawn from [FIRST_CONTENT_ID, vocab_size)
 NUM_LABELS = 3  # SNLI: 0 entailment, 1 neutral, 2 contradiction
 SNLI_LABELS = {"entailment": 0, "neutral": 1, "contradiction": 2}
+# --dataset_path: SNLI's JSONL with its parse trees is about 470 MB, a line about 2 kB. Over
+# these caps a file is not a dataset of this task (and reading it would exhaust memory).
+DATASET_MAX_BYTES = 2**30
+DATASET_MAX_LINE_BYTES = 2**20
 LORA_TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 ATTENTION_IMPLEMENTATIONS = {"sdpa": "sdpa", "eager": "eager", "explicit": "eager"}
 

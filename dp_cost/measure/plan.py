@@ -9,9 +9,7 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import json
 import math
-import os
 from dataclasses import dataclass
 
 import models
@@ -27,6 +25,7 @@ from dp_cost.core.settings import (
     UsageError,
     default_attention,
 )
+from dp_cost.hf import data as hf_data
 from dp_cost.hf.configs import HF_CONFIGS
 from dp_cost.parallel import ddp, ranks
 from dp_cost.parallel.mode import distributed_mode
@@ -90,12 +89,15 @@ def make_plan(args: argparse.Namespace, cuda_available) -> Plan:
     axes["max_physical_batch_size"] = _unique(values.pop("max_physical_batch_size") or [None])
     axes["lora_rank"] = _lora_ranks(args, values.pop("lora_rank"))
     dataset_size = check(values, axes, args)
-    if note and args.model:  # no CUDA, and the CPU was not asked for: a huge model is a mistake
+    if device == "cpu" and args.device != "cpu" and args.model:
+        # The CPU was not asked for (no CUDA, or a mode whose default device is the CPU, such
+        # as test): a huge model there is a mistake, not a measurement
         count = parameter_count(args.model, values["model_overrides"])
         if count >= BILLION:
             raise UsageError(
-                f"no CUDA device found and --model {args.model} has about "
-                f"{count / BILLION:.1f}B parameters: add --device cpu to run it on the CPU anyway"
+                f"{'no CUDA device found and ' if note else ''}--model {args.model} has about "
+                f"{count / BILLION:.1f}B parameters, on the CPU: add --device cpu to run it "
+                "there anyway"
             )
     notes = [note, poisson_graph_note(values, axes, dataset_size), ddp_graph_note(values, axes)]
     note = "\n".join(filter(None, notes)) or None
@@ -284,7 +286,9 @@ def check(values: dict, axes: dict, args) -> int:
     return dataset_size
 
 
-MAX_STEPS = 1_000_000
+# A result records each step (its times, losses, memory snapshots: about 1 kB a step), and a
+# result.json over core.reading.MAX_RESULT_BYTES is not read back: 10,000 steps stay well under.
+MAX_STEPS = 10_000
 MAX_SEED = 2**63 - 1  # torch.manual_seed takes 64-bit seeds
 BILLION = 10**9
 ADDRESS_SPACE = 2**47  # bytes of a process's user address space (x86-64, 4-level paging)
@@ -303,26 +307,20 @@ def check_numbers(values: dict) -> None:
 
 
 def check_dataset_file(path: str, largest_batch: int) -> int:
-    """Its non-empty lines; UsageError unless ``path`` is a file whose first non-empty line is a
-    JSON object and that has at least as many lines as the largest logical batch (the sampling
-    rate B/N <= 1)."""
-    if not os.path.isfile(path):
-        raise UsageError(f"--dataset_path {path} is not a file (JSON lines expected)")
+    """Its labelled pairs (the N of the sampling rate B/N); UsageError, one line naming the file,
+    the line and what is wrong, unless every line of ``path`` is what ``hf.data.snli_pairs``
+    reads (the whole file, streamed, before any worker starts) and it holds at least as many
+    pairs as the largest logical batch (B/N <= 1)."""
     try:
-        with open(path, encoding="utf-8") as f:
-            first = next((line for line in f if line.strip()), "")
-            lines = 1 + sum(1 for line in f if line.strip()) if first else 0
-        record = json.loads(first) if first else None
-    except (OSError, ValueError) as error:  # UnicodeDecodeError and JSONDecodeError included
-        raise UsageError(f"--dataset_path {path} is not JSON lines: {error}") from None
-    if not isinstance(record, dict):
-        raise UsageError(f"--dataset_path {path} is not JSON lines (one object per line)")
-    if lines < largest_batch:
+        pairs = hf_data.count_snli_pairs(path)
+    except hf_data.DatasetError as error:
+        raise UsageError(f"--dataset_path {error}") from None
+    if pairs < largest_batch:
         raise UsageError(
-            f"--dataset_path {path} has {lines} rows, fewer than the batch size {largest_batch}: "
-            "the sampling rate B/N must be at most 1"
+            f"--dataset_path {path} has {pairs} labelled pairs, fewer than the batch size "
+            f"{largest_batch}: the sampling rate B/N must be at most 1"
         )
-    return lines
+    return pairs
 
 
 def model_shape(model: str, overrides: dict) -> tuple[int, int, int, int]:
@@ -336,7 +334,11 @@ def model_shape(model: str, overrides: dict) -> tuple[int, int, int, int]:
 
 
 def parameter_count(model: str, overrides: dict) -> int:
-    """About how many parameters the model has: embeddings plus attention and MLP weights."""
+    """How many parameters the model has: our LMs counted exactly, built on the meta device (no
+    memory, the learned position table of max_seq_len rows included); a Hugging Face
+    architecture about (embeddings plus attention and MLP weights)."""
+    if model not in HF_CONFIGS:
+        return models.count_parameters(models.build_model(model, device="meta", **overrides))
     vocab, hidden, layers, mlp = model_shape(model, overrides)
     return 2 * vocab * hidden + layers * (4 * hidden * hidden + 3 * hidden * mlp)
 

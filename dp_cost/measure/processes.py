@@ -20,8 +20,9 @@ import torch
 from tqdm import tqdm
 
 import trainers
-from dp_cost.core.files import write_json
+from dp_cost.core.files import TEMPORARY_NAME, make_folder, write_json
 from dp_cost.core.fmt import count
+from dp_cost.core.interrupts import INTERRUPTS
 from dp_cost.core.reading import read_json_or_none
 from dp_cost.core.schema import FINISHED
 from dp_cost.measure import quiet, ranks
@@ -29,13 +30,17 @@ from dp_cost.measure.ranks import RankGroup
 from dp_cost.measure.worker import result_skeleton, worker_main
 
 # Directories a run makes per config (<trainer>_bs<B>_seq<T>...) and atomic_write's temporary
-# names (<name>.tmp<pid>): the only things leftover removal may touch.
+# names (files.TEMPORARY_NAME): the only things leftover removal may touch.
 CONFIG_DIR_NAME = re.compile(r"^\w+?_bs\d+_seq\d+(_[\w.-]+)?$")
-ATOMIC_TEMPORARY = re.compile(r".+\.tmp\d+")
+# A worker sent SIGTERM (and SIGCONT: a stopped one would hold SIGTERM pending for ever) that has
+# not ended after this long is killed: stuck in a driver call, or ignoring SIGTERM.
+KILL_GRACE_S = 5
 
 
 class Interrupted(Exception):
-    """Ctrl-C during a run: the finished configs are summarised, the running one dropped."""
+    """Ctrl-C, SIGTERM or SIGHUP during a run: the finished configs are summarised, the running
+    one dropped. Its text says when: "during <config>", "between configs" or "before the first
+    config"."""
 
 
 def run_configs(
@@ -51,10 +56,11 @@ def run_configs(
     ``verbose``: the workers show the libraries' known-harmless noise too.
     ``group``: the ranks of a torchrun job: each runs its worker of every config; rank 0
     decides what runs and writes the aggregates (the others return their own results)."""
+    started = []  # the configs whose worker has started
     try:
-        return _run_configs(configs, run_dir, resume, progress, verbose, group)
-    except KeyboardInterrupt:  # between two configs: nothing is running
-        raise Interrupted("between configs") from None
+        return _run_configs(configs, run_dir, resume, progress, verbose, group, started)
+    except KeyboardInterrupt:  # no worker is running
+        raise Interrupted("between configs" if started else "before the first config") from None
 
 
 def finished_result(result_path: str, resume: bool) -> dict | None:
@@ -69,13 +75,13 @@ def finished_result(result_path: str, resume: bool) -> dict | None:
     return previous if previous.get("status") in FINISHED else None
 
 
-def _run_configs(configs, run_dir, resume, progress, verbose, group) -> list[dict]:
+def _run_configs(configs, run_dir, resume, progress, verbose, group, started) -> list[dict]:
     # torch.optim's Optimizer imports torch._dynamo at its first construction (about 1 s of
     # CPU): imported here, before the workers fork, it is paid once per run, not once per config.
     import torch._dynamo  # noqa: F401
 
     if group is not None and not group.is_first:
-        return _run_as_other_rank(configs, run_dir, verbose, group)
+        return _run_as_other_rank(configs, run_dir, verbose, group, started)
     context = multiprocessing.get_context("fork")
     paths = [os.path.join(run_dir, c.config_dir, "result.json") for c in configs]
     # Read once: a bad earlier result warns once. Resumed and skipped configs take no time:
@@ -101,20 +107,23 @@ def _run_configs(configs, run_dir, resume, progress, verbose, group) -> list[dic
         if result:
             log(f"{tag}: {result['status']} (resumed)")
         else:
-            os.makedirs(config_path, exist_ok=True)
+            make_folder(config_path, root=run_dir)  # a link in its place is refused
             if reason:
                 result = result_skeleton(config, "skipped", reason)
-                write_json(result_path, result)
+                write_json(result_path, result, root=run_dir)
             elif group is None:
                 log(f"{tag}: running")
+                started.append(config.config_dir)
                 result = run_in_child(context, config, config_path, result_path, verbose)
             else:
                 log(f"{tag}: running on {count(group.info.world_size, 'rank')}")
+                started.append(config.config_dir)
                 per_rank = run_rank_worker(context, config, config_path, verbose, group, index)
                 for rank, rank_result in enumerate(per_rank[1:], 1):  # other nodes' disks too
-                    write_json(os.path.join(config_path, f"result.rank{rank}.json"), rank_result)
+                    rank_path = os.path.join(config_path, f"result.rank{rank}.json")
+                    write_json(rank_path, rank_result, root=run_dir)
                 result = ranks.aggregate(per_rank)
-                write_json(result_path, result)
+                write_json(result_path, result, root=run_dir)
                 remove_leftovers(config_path)
             if bar and not reason:
                 bar.update()
@@ -187,14 +196,15 @@ def skip_reason(config) -> str | None:
     )
 
 
-def _run_as_other_rank(configs, run_dir, verbose, group) -> list[dict]:
+def _run_as_other_rank(configs, run_dir, verbose, group, started) -> list[dict]:
     """Rank k > 0: run this rank's worker of each config rank 0 says runs."""
     context = multiprocessing.get_context("fork")
     for index, (config, runs) in enumerate(zip(configs, group.broadcast("runs"), strict=True), 1):
         if not runs:
             continue
         config_path = os.path.join(run_dir, config.config_dir)
-        os.makedirs(config_path, exist_ok=True)
+        make_folder(config_path, root=run_dir)
+        started.append(config.config_dir)
         run_rank_worker(context, config, config_path, verbose, group, index)
     return []  # rank 0 holds the results
 
@@ -210,16 +220,57 @@ def run_rank_worker(context, config, config_path, verbose, group, index) -> list
 STOP_GRACE_S = 10  # a worker left alone after another rank failed may still end by itself
 
 
+def worker_process(*args, **kwargs) -> None:
+    """The forked worker: ``worker_main``, a hangup ignored first. Ctrl-C and a hangup reach the
+    workers too (the terminal's whole process group): the CLI decides what they stop."""
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)
+    worker_main(*args, **kwargs)
+
+
+@contextlib.contextmanager
+def interrupts_after_fork():
+    """Around a fork: an interrupt that arrives inside is raised once the fork is done (raised
+    in the fork's own callbacks, logging's and threading's, Python would print it and drop it).
+    The child starts with the recording handler, not the CLI's: it sets its own."""
+    arrived = []
+    replaced = {}
+    for interrupt in INTERRUPTS:
+        if callable(signal.getsignal(interrupt)):  # the CLI's handler, or Python's Ctrl-C
+            replaced[interrupt] = signal.signal(interrupt, lambda signum, _: arrived.append(signum))
+    try:
+        yield
+    finally:
+        for interrupt, handler in replaced.items():
+            signal.signal(interrupt, handler)
+        if arrived:
+            signal.raise_signal(arrived[0])
+
+
+def stop_worker(process) -> None:
+    """End a started worker for sure, and reap it: SIGTERM, SIGCONT, then SIGKILL after
+    KILL_GRACE_S."""
+    if process.exitcode is not None:  # ended (and reaped) already: its pid may be another's
+        return
+    process.terminate()
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(process.pid, signal.SIGCONT)
+    process.join(KILL_GRACE_S)
+    if process.is_alive():
+        process.kill()
+        process.join()
+
+
 def run_in_child(
     context, config, config_path, result_path, verbose=False, group=None, index=0
 ) -> dict:
+    earlier = result_path + ".previous"
     if os.path.exists(result_path):  # an unfinished earlier attempt (--resume reruns it)
-        os.replace(result_path, result_path + ".previous")
+        os.replace(result_path, earlier)  # kept until this attempt's result is written
     errors, child_errors = context.Pipe(duplex=False)
     stderr = None if verbose else quiet.FilteredStderr()
     rank_setup = None if group is None else (group.info, group.worker_prefix(index))
     process = context.Process(
-        target=worker_main,
+        target=worker_process,
         args=(config, config_path, child_errors),
         kwargs={
             "stderr": stderr,
@@ -229,7 +280,8 @@ def run_in_child(
     )
     stopped_by = None
     try:
-        process.start()
+        with interrupts_after_fork():
+            process.start()
         child_errors.close()
         if stderr is not None:
             stderr.started()
@@ -239,20 +291,18 @@ def run_in_child(
             if stopped_by is not None:
                 process.join(STOP_GRACE_S)
                 if process.is_alive():
-                    process.terminate()
-                    process.join()
+                    stop_worker(process)
                 break
             process.join(0.5)
-    except KeyboardInterrupt:  # Ctrl-C, or SIGTERM (the CLI raises it as one)
+    except KeyboardInterrupt:  # Ctrl-C, SIGTERM or SIGHUP (the CLI raises them as one)
         # A second signal must not cut the clean-up short (the CLI restores the handlers).
-        signal.signal(signal.SIGINT, signal.SIG_IGN)
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        for interrupt in INTERRUPTS:
+            signal.signal(interrupt, signal.SIG_IGN)
         if process.pid is not None:
-            process.terminate()
-            process.join()
+            stop_worker(process)
         errors.close()
         remove_leftovers(config_path)
-        raise Interrupted(config.config_dir) from None
+        raise Interrupted(f"during {config.config_dir}") from None
     finally:
         if stderr is not None:
             stderr.close()
@@ -261,13 +311,16 @@ def run_in_child(
     errors.close()
     if stopped_by is not None and (result is None or result.get("status") != "ok"):
         result = ranks.stopped_result(result_skeleton(config, "error"), stopped_by)
-        write_json(result_path, result)
+        write_json(result_path, result, root=os.path.dirname(config_path))
     elif result is None:  # killed or crashed before writing (segfault, OOM killer's SIGKILL)
         result = died_result(config, process.exitcode, reported)
         try:
-            write_json(result_path, result)
+            write_json(result_path, result, root=os.path.dirname(config_path))
         except OSError as error:  # the disk is full for this one too: the summary still has it
             print(f"{config.config_dir}: could not write result.json: {error}", file=sys.stderr)
+    if os.path.exists(result_path):
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(earlier)
     if group is None:  # distributed: rank 0 cleans up once every rank's worker has ended
         remove_leftovers(config_path)
     else:  # the other ranks stop their workers if this one failed
@@ -303,7 +356,7 @@ def remove_leftovers(config_path: str) -> None:
     for staging in glob.glob(os.path.join(config_path, ".trace-*")):
         shutil.rmtree(staging, ignore_errors=True)
     for partial in glob.glob(os.path.join(config_path, "*.tmp[0-9]*")):
-        if ATOMIC_TEMPORARY.fullmatch(os.path.basename(partial)):  # atomic_write's names only
+        if TEMPORARY_NAME.fullmatch(os.path.basename(partial)):  # atomic_write's names only
             os.remove(partial)
     with contextlib.suppress(OSError):  # not empty: it holds results or earlier files
         os.rmdir(config_path)
@@ -325,15 +378,25 @@ def probe_device() -> dict:
     parent_end, child_end = context.Pipe(duplex=False)
 
     def probe():
+        for interrupt in INTERRUPTS:  # the CLI's handlers would raise here: the CLI decides
+            signal.signal(interrupt, signal.SIG_IGN)
         available = torch.cuda.is_available()
         child_end.send(
             {"cuda": available, "name": torch.cuda.get_device_name(0) if available else None}
         )
 
     process = context.Process(target=probe)
-    process.start()
-    info = parent_end.recv() if parent_end.poll(120) else {"cuda": False, "name": None}
-    process.join()
+    answered = False
+    try:
+        with interrupts_after_fork():
+            process.start()
+        answered = parent_end.poll(120)
+        info = parent_end.recv() if answered else {"cuda": False, "name": None}
+    finally:
+        if process.pid is not None:
+            if not answered:  # hung in the driver, or the CLI was interrupted: not left behind
+                process.kill()
+            process.join()
     return info
 
 

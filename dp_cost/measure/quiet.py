@@ -5,8 +5,8 @@ straight to file descriptor 2, below Python, so the worker's fd 2 is the write e
 a thread in the parent reads, forwarding every other line to the parent's stderr. The reader is
 in the parent so that a worker that aborts or segfaults loses nothing it wrote (its fatal
 message, faulthandler's traceback), and a large write in the worker never waits on a thread of
-its own. Python warnings are filtered in the worker by their exact message. ``--verbose`` turns
-all of it off.
+its own. Python warnings are filtered in the worker: by their exact message, and the profiler's
+own by the module that raises them. ``--verbose`` turns all of it off.
 """
 
 from __future__ import annotations
@@ -17,10 +17,15 @@ import sys
 import threading
 import warnings
 
-# Lines the C++ profiler writes on every traced or memory-measured step.
+# Lines the C++ profiler writes on every traced or memory-measured step; its warnings about the
+# events it collects (collection.cpp, when no Python code is there to turn them into warnings);
+# and Kineto's, once per trace line it cannot write while the disk is full (the full disk is
+# reported once, by the write of the result).
 NOISE_LINES = (
     re.compile(r"^USDT:.*\] profiler_(start|stop)\s*$"),
     re.compile(r"CPUAllocator\.cpp:\d+\] Memory block of unknown size was allocated before"),
+    re.compile(r"^\[W[^\]]*\bcollection\.cpp:\d+\]"),
+    re.compile(r"Failed to write to log file!\s*$"),
 )
 # Known-harmless warnings, by the start of their exact message.
 HARMLESS_WARNINGS = (
@@ -32,10 +37,19 @@ HARMLESS_WARNINGS = (
     "FSDP2-wrapped module",
     # flash's reduce-scatter into FSDP2 shards: the name torch 2.11 (the GPU image) still has.
     "`torch.distributed.reduce_scatter_tensor` is deprecated",
+    # flash's all-gather of per-sample gradients (DDP, one sample per rank): likewise.
+    "`torch.distributed.all_gather_into_tensor` is deprecated",
     # standard under DDP with --cuda_graph: DDP is built on a side stream, as a capture needs,
     # and its eager steps before the capture run on the current one (an extra stream wait).
     "The AccumulateGrad node's stream does not match the stream of the node that produced",
 )
+
+
+# The profiler's own warnings (its schedule, its event collection, a device it cannot trace):
+# about the trace, a by-product, never about a measurement. Raised in these modules, or in its
+# C++ event collection, which torch turns into a warning with the file it came from.
+PROFILER_MODULES = r"torch\.profiler(\.|$)|torch\.autograd\.profiler(_util)?$"
+PROFILER_INTERNAL = r"(?s).*\(Triggered internally at \S*\bprofiler[/\\]collection\.cpp:\d+"
 
 
 def is_noise(line: str) -> bool:
@@ -45,6 +59,8 @@ def is_noise(line: str) -> bool:
 def filter_warnings() -> None:
     for message in HARMLESS_WARNINGS:
         warnings.filterwarnings("ignore", message=re.escape(message))
+    warnings.filterwarnings("ignore", module=PROFILER_MODULES)
+    warnings.filterwarnings("ignore", message=PROFILER_INTERNAL)
 
 
 class FilteredStderr:
@@ -83,7 +99,12 @@ class FilteredStderr:
 
 
 def _forward(read_end: int, target: int) -> None:
+    gone = False  # the terminal is gone (a dropped ssh session): drained all the same, so the
+    # worker never blocks on a full pipe
     with os.fdopen(read_end, "rb") as pipe:
         for raw in pipe:
-            if not is_noise(raw.decode(errors="replace")):
-                os.write(target, raw)
+            if not gone and not is_noise(raw.decode(errors="replace")):
+                try:
+                    os.write(target, raw)
+                except OSError:
+                    gone = True

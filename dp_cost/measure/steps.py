@@ -160,12 +160,13 @@ class Breakdown:
 def save_snapshot(out_dir: str, snapshot: dict, recording: dict) -> None:
     """The pickle feeds ``python -m torch.cuda._memory_viz``; the HTML is its timeline; the
     trimmed recording is what the attribution read (small enough to keep as a test fixture)."""
-    with atomic_write(os.path.join(out_dir, "memory_snapshot.pickle"), "wb") as f:
+    run_dir = os.path.dirname(out_dir)  # nothing below it is written through a link
+    with atomic_write(os.path.join(out_dir, "memory_snapshot.pickle"), "wb", root=run_dir) as f:
         pickle.dump(snapshot, f)
-    with atomic_write(os.path.join(out_dir, "memory_timeline.html")) as f:
+    with atomic_write(os.path.join(out_dir, "memory_timeline.html"), root=run_dir) as f:
         f.write(_memory_viz.trace_plot(snapshot))
     path = os.path.join(out_dir, "breakdown_recording.json.gz")
-    with atomic_write(path, "wt", opener=gzip.open) as f:
+    with atomic_write(path, "wt", opener=gzip.open, root=run_dir) as f:
         json.dump(recording, f)
 
 

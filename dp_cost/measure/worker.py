@@ -14,7 +14,7 @@ import opacus
 import torch
 
 import trainers
-from dp_cost.core.files import non_finite_paths, write_json
+from dp_cost.core.files import UnsafePath, non_finite_paths, write_json
 from dp_cost.core.schema import empty_result
 from dp_cost.measure import census, phases, quiet
 from dp_cost.measure.steps import Session, measurements
@@ -121,9 +121,10 @@ def worker_main(
     # A distributed worker leaves its process group to the process's end (multiprocessing ends
     # the child with os._exit): tearing gloo down explicitly can abort, losing the result.
     result = classified_run(config, config_path, rank_setup)
+    run_dir = os.path.dirname(config_path)  # nothing below it is written through a link
     try:
-        write_json(os.path.join(config_path, result_name), result)
-    except OSError as error:  # the parent records it: "worker died" would hide the cause
+        write_json(os.path.join(config_path, result_name), result, root=run_dir)
+    except (OSError, UnsafePath) as error:  # the parent records it: "worker died" hides why
         message = f"could not write result.json: {type(error).__name__}: {error}"
         if errors is not None:
             errors.send(message)

@@ -203,7 +203,7 @@ def plot_comparison(rows: list[dict], path: str) -> str | None:
         title=legend_title, title_fontsize=8,
     )  # fmt: skip
     fig.suptitle(title, fontsize=11)
-    return save_figure(fig, path, dpi=110)
+    return save_figure(fig, path, dpi=110, root=os.path.dirname(path))
 
 
 NOTES = """

@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 import sys
 
-from dp_cost.core.files import atomic_write
+from dp_cost.core.files import UnsafePath, atomic_write
 
 
 def pyplot():
@@ -19,12 +19,17 @@ def pyplot():
     return plt
 
 
-def save_figure(fig, path: str, dpi: int = 110) -> str:
-    """Write ``fig`` as a PNG at ``path`` (atomically, creating its folder) and close it."""
-    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-    with atomic_write(path, "wb") as f:
-        fig.savefig(f, format="png", dpi=dpi)
-    pyplot().close(fig)
+def save_figure(fig, path: str, dpi: int = 110, root: str | None = None) -> str:
+    """Write ``fig`` as a PNG at ``path`` (atomically) and close it. Its folder is created and
+    entered from ``root`` without following a link: by default from the folder above it (a
+    run's visualizations/ from the run directory)."""
+    if root is None:
+        root = os.path.dirname(os.path.dirname(path))
+    try:
+        with atomic_write(path, "wb", root=root) as f:
+            fig.savefig(f, format="png", dpi=dpi)
+    finally:
+        pyplot().close(fig)
     return path
 
 
@@ -35,11 +40,14 @@ def save_visualization(fig, run_dir: str, name: str, dpi: int = 110) -> str:
 
 def draw_each(jobs, warn=None) -> tuple[list[str], list[str]]:
     """Run each (what, draw) job: the paths drawn, and one line per plot that failed (also
-    printed on ``warn``, default stderr) -- a plot never takes the tables or the others with it."""
+    printed on ``warn``, default stderr) -- a plot never takes the tables or the others with it.
+    A link planted where a plot goes stops the report (UnsafePath): the tables are written."""
     made, failed = [], []
     for what, job in jobs:
         try:
             path = job()
+        except UnsafePath:
+            raise
         except Exception as error:  # any failure of one plot (disk, matplotlib, odd data)
             line = f"plot {what} not written: {type(error).__name__}: {error}"
             failed.append(line)

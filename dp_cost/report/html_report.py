@@ -15,7 +15,7 @@ import base64
 import os
 from html import escape
 
-from dp_cost.core.files import write_text
+from dp_cost.core.files import open_file, write_text
 from dp_cost.core.fmt import count
 from dp_cost.core.schema import BREAKDOWN_LABELS, trainer_title
 from dp_cost.report.results import ordered, shape_label
@@ -50,9 +50,10 @@ def table_html(header: list[str], body: list[list[str]]) -> str:
     return "\n".join(lines) + "</table>"
 
 
-def image_html(path: str) -> str:
-    """A PNG embedded as a data: URI, under its file name."""
-    with open(path, "rb") as f:
+def image_html(path: str, root: str | None = None) -> str:
+    """A PNG embedded as a data: URI, under its file name; read as it was written (no link
+    followed below ``root``), so a link planted there cannot pull another file into the page."""
+    with os.fdopen(open_file(path, os.O_RDONLY, root=root), "rb") as f:
         data = base64.b64encode(f.read()).decode("ascii")
     name = escape(os.path.basename(path))
     return f'<h3>{name}</h3>\n<img alt="{name}" src="data:image/png;base64,{data}">'
@@ -201,7 +202,7 @@ def report_html(
         parts += ["<h2>Sweep findings</h2>", f"<pre>{escape(findings.strip())}</pre>"]
     if plots:
         parts.append("<h2>Plots</h2>")
-        parts += [image_html(path) for path in plots]
+        parts += [image_html(path, root=run_dir) for path in plots]
     parts.append("<h2>Configs</h2>")
     parts += [config_html(run_dir, r) for r in ordered(results)]
     parts.append("</body></html>")

@@ -12,7 +12,7 @@ import glob
 import os
 import sys
 
-from dp_cost.core.reading import UnreadableFile, read_json
+from dp_cost.core.reading import UnreadableFile, read_result
 from dp_cost.core.schema import trainer_rank
 from dp_cost.core.settings import comparison_key
 from dp_cost.parallel.mode import MODES
@@ -32,12 +32,13 @@ class LoadedResults(list):
 
 def load_results(run_dir: str, warn=None) -> LoadedResults:
     """Every ``<config_dir>/result.json`` under a run directory. A file that is not a regular
-    UTF-8 JSON file of a result's shape is skipped with one warning line on ``warn`` (default:
-    stderr)."""
+    UTF-8 JSON file of a result's shape, or is over the cap of results (``MAX_RESULT_BYTES``,
+    judged by its size before a byte is read), is skipped with one warning line on ``warn``
+    (default: stderr)."""
     results, skipped = [], []
-    for path in sorted(glob.glob(os.path.join(run_dir, "*", "result.json"))):
+    for path in sorted(glob.glob(os.path.join(glob.escape(run_dir), "*", "result.json"))):
         try:
-            result = read_json(path)
+            result = read_result(path)
         except UnreadableFile as error:
             problem = str(error)
         else:

@@ -85,3 +85,34 @@ def run_info(run_dir: str, results: list[dict], warn=None) -> list[tuple[str, st
             values = ["none (a CPU run)"]
         rows.append((label, " / ".join(values) if values else NOT_RECORDED))
     return rows
+
+
+# A 1-minute load average over this many runnable processes per CPU, beside the run's own
+# worker, makes step times noisy (the timed steps share the cores).
+BUSY_LOAD_PER_CPU = 0.5
+
+
+def machine_load() -> dict:
+    """{cpus, load}: the CPU count and the 1-minute load average (runnable processes) now; a
+    value the OS does not give is None."""
+    try:
+        load = round(os.getloadavg()[0], 2)
+    except (OSError, AttributeError):  # no load average on this OS
+        load = None
+    return {"cpus": os.cpu_count(), "load": load}
+
+
+def busy_note(at_start: dict, at_end: dict) -> str | None:
+    """One line saying the machine was busy while the run measured, or None. At the start the
+    load is other processes'; at the end it includes the run's own worker (about 1)."""
+    cpus = at_start.get("cpus") or at_end.get("cpus")
+    start, end = at_start.get("load"), at_end.get("load")
+    if not cpus or start is None or end is None:
+        return None
+    if start <= BUSY_LOAD_PER_CPU * cpus and end - 1 <= BUSY_LOAD_PER_CPU * cpus:
+        return None
+    return (
+        f"note: the machine was busy while this run measured (1-minute load average {start:g} "
+        f"at the start, {end:g} at the end, on {cpus} CPUs; this run's worker counts about 1): "
+        "step times may be noisy, ratios of NOISY rows most of all"
+    )

@@ -8,7 +8,7 @@ from __future__ import annotations
 import os
 import sys
 
-from dp_cost.core.files import write_text
+from dp_cost.core.files import UnsafePath, write_text
 from dp_cost.core.fmt import count
 from dp_cost.report import html_report, plots, sweep, trace_analysis
 from dp_cost.report.figures import draw_each
@@ -94,6 +94,8 @@ def write_summary(run_dir: str, results: list[dict]) -> str:
     traces = [], None
     try:
         traces = trace_analysis.write_trace_analysis(run_dir, results)
+    except UnsafePath:  # a planted link stops the report, as for a plot
+        raise
     except Exception as error:  # a disk error writing the CSV: the page and the rest still come
         line = f"{trace_analysis.TRACE_CSV} not written: {type(error).__name__}: {error}"
         failed.append(line)

@@ -26,12 +26,18 @@ COLUMNS = (
     "peak_alloc_mb",
     "peak_reserved_mb",
     "time_vs_standard",
+    "time_ratio_noisy",
     "mem_vs_standard",
     "status",
 )
-# The text and Markdown tables: the steps' range in one cell, the spread and its flag in another.
+# The text and Markdown tables: the steps' range in one cell, the spread and its flag in another;
+# a time ratio of a noisy config (or of a noisy baseline) carries the flag in its own cell.
 _AFTER_MEDIAN = COLUMNS.index("median_ms") + 1
-SHOWN = (*COLUMNS[:_AFTER_MEDIAN], "steps_ms", "spread", *COLUMNS[_AFTER_MEDIAN + 4 :])
+SHOWN = tuple(
+    c
+    for c in (*COLUMNS[:_AFTER_MEDIAN], "steps_ms", "spread", *COLUMNS[_AFTER_MEDIAN + 4 :])
+    if c != "time_ratio_noisy"
+)
 NOISY_SPREAD = 0.10  # (max - min) / median of the measured steps above this: a noisy config
 
 
@@ -58,6 +64,7 @@ def summary_rows(results: list[dict]) -> list[dict]:
     for result in ordered(results):
         config = result["config"]
         base = standard.get(shape_key(config), {})
+        spread = step_spread(result)
         rows.append(
             {
                 "trainer": config["trainer"],
@@ -71,10 +78,14 @@ def summary_rows(results: list[dict]) -> list[dict]:
                 + (" ckpt" if config.get("activation_checkpointing") else "")
                 + (" graph" if config.get("cuda_graph") else ""),
                 "median_ms": result.get("median_time_ms"),
-                **step_spread(result),
+                **spread,
                 "peak_alloc_mb": result.get("peak_memory_mb"),
                 "peak_reserved_mb": result.get("peak_reserved_mb"),
                 "time_vs_standard": ratio(result.get("median_time_ms"), base.get("median_time_ms")),
+                # a ratio of two timings is as noisy as the noisier of them (the baseline's own
+                # ratio is 1 by definition)
+                "time_ratio_noisy": base is not result
+                and bool(spread["noisy"] or (base and step_spread(base)["noisy"])),
                 "mem_vs_standard": ratio(result.get("peak_memory_mb"), base.get("peak_memory_mb")),
                 "status": result["status"],
             }
@@ -89,6 +100,12 @@ def _summary_cell(row: dict, col: str) -> str:
         if row["spread_pct"] is None:
             return "-"
         return f"{row['spread_pct']:.1f}%" + (" NOISY" if row["noisy"] else "")
+    if (
+        col == "time_vs_standard"
+        and row["time_vs_standard"] is not None
+        and row["time_ratio_noisy"]
+    ):
+        return f"~{cell(row[col])} NOISY"  # not a plain number: one of its timings is noisy
     return cell(row[col])
 
 

@@ -19,7 +19,7 @@ ALLOWED = {
     "dp_cost.report": {"dp_cost.core", "dp_cost.report", "dp_cost.parallel.mode"},
     "dp_cost.ncu": {"dp_cost.core", "dp_cost.ncu", "dp_cost.report.figures"},
     "dp_cost.flash": {"dp_cost.flash"},
-    "dp_cost.hf": {"dp_cost.hf"},
+    "dp_cost.hf": {"dp_cost.hf", "dp_cost.core"},
     "models": {"dp_cost.core"},
     "dp_cost.samplers": {"dp_cost.samplers", "dp_cost.core"},
     "dp_cost.parallel": {"dp_cost.parallel"},

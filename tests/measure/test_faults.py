@@ -43,7 +43,7 @@ def test_python_memory_error_is_oom():
 
 
 def test_disk_full_names_no_space_left(tmp_path, monkeypatch, capsys):
-    def disk_full(path, data):
+    def disk_full(path, data, root=None):
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), path)
 
     monkeypatch.setattr(worker, "write_json", disk_full)  # the worker's writes only

@@ -161,3 +161,28 @@ def test_report_imports_neither_torch_nor_measure():
     )
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == "[]"
+
+
+def test_a_time_ratio_with_a_noisy_timing_is_not_shown_as_a_plain_number():
+    """Steps spread over 10% of their median: the config's ratio against standard, and every
+    ratio against a noisy standard, is shown flagged; the CSV keeps the number and the flag."""
+
+    def with_steps(result, steps):
+        return {**result, "step_times_ms": steps, "median_time_ms": sorted(steps)[1]}
+
+    quiet_standard = with_steps(run_result("standard", 2, 1000.0, 10.0), [9.9, 10.0, 10.1])
+    noisy_dpsgd = with_steps(run_result("dpsgd", 2, 3000.0, 30.0), [20.0, 30.0, 40.0])
+    quiet_ghost = with_steps(run_result("ghost", 2, 2000.0, 20.0), [19.9, 20.0, 20.1])
+    noisy_standard = with_steps(run_result("standard", 2, 500.0, 5.0, lora=True), [4.0, 5.0, 6.0])
+    quiet_lora = with_steps(run_result("dpsgd", 2, 900.0, 15.0, lora=True), [15.0, 15.0, 15.1])
+    rows = tables.summary_rows(
+        [quiet_standard, noisy_dpsgd, quiet_ghost, noisy_standard, quiet_lora]
+    )
+    flagged = {(r["trainer"], r["model"]): r["time_ratio_noisy"] for r in rows}
+    assert flagged == {("standard", "1b"): False, ("dpsgd", "1b"): True, ("ghost", "1b"): False,
+                       ("standard", "1b r8"): False, ("dpsgd", "1b r8"): True}  # fmt: skip
+    header, cells = tables.summary_cells(rows)
+    shown = {(row[0], row[6]): row[header.index("time_vs_standard")] for row in cells}
+    assert shown["dpsgd", "1b"] == "~3.00 NOISY" and shown["ghost", "1b"] == "2.00"
+    assert shown["dpsgd", "1b r8"] == "~3.00 NOISY" and shown["standard", "1b"] == "1.00"
+    assert "time_ratio_noisy" not in header  # its flag is in the ratio's cell

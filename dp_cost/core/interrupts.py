@@ -1,0 +1,129 @@
+"""Ctrl-C, SIGTERM and SIGHUP as one interrupt of the CLI, and what an interrupted run prints.
+
+SIGTERM (``timeout``, batch schedulers) and SIGHUP (a dropped ssh session) are handled as
+Ctrl-C is: a KeyboardInterrupt (``Terminated`` for those two) the CLI turns into "keep what
+finished", exit 130 for Ctrl-C and 143 for the others. A hangup ignored at the start (nohup)
+stays ignored. Ctrl-C is handled even where it was ignored at the start (a job a shell script
+put in the background), so that ``kill -INT`` still stops the run.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shlex
+import shutil
+import signal
+import sys
+
+from dp_cost.core.schema import EXIT_INTERRUPTED, EXIT_TERMINATED
+
+INTERRUPTS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+CONTINUE = "Continue this run with:"  # the line that gives the command (tests read it)
+
+_received = []  # the signals that interrupted this run
+_held = []  # non-empty inside held(): a signal is recorded, and raised once the block ends
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM or SIGHUP: handled exactly like Ctrl-C, exit 143."""
+
+
+def _on_interrupt(signum, frame):
+    _received.append(signum)
+    if not _held:
+        raise KeyboardInterrupt() if signum == signal.SIGINT else Terminated()
+
+
+def install() -> dict:
+    """Handle every interrupt from now on; returns the handlers replaced, for ``restore``."""
+    _received.clear()
+    previous = {signum: signal.getsignal(signum) for signum in INTERRUPTS}
+    for signum, handler in previous.items():
+        if signum != signal.SIGHUP or handler != signal.SIG_IGN:
+            signal.signal(signum, _on_interrupt)
+    return previous
+
+
+def restore(previous: dict) -> None:
+    for signum, handler in previous.items():
+        if handler is not None:  # None: not set from Python, left as it is
+            signal.signal(signum, handler)
+
+
+@contextlib.contextmanager
+def held():
+    """Run the block whole: a signal that arrives inside interrupts once it has ended."""
+    arrived = len(_received)
+    _held.append(True)
+    try:
+        yield
+    finally:
+        _held.pop()
+    if len(_received) > arrived:
+        raise KeyboardInterrupt() if _received[-1] == signal.SIGINT else Terminated()
+
+
+def ignore() -> None:
+    """From now on nothing interrupts: the clean-up after an interrupt runs to its end."""
+    for signum in INTERRUPTS:
+        signal.signal(signum, signal.SIG_IGN)
+
+
+def exit_code() -> int:
+    terminated = signal.SIGTERM in _received or signal.SIGHUP in _received
+    return EXIT_TERMINATED if terminated else EXIT_INTERRUPTED
+
+
+def say(text: str, stream=None) -> None:
+    """print, to a terminal that may be gone (a dropped ssh session: EIO): the files are what
+    counts, so that stream goes to /dev/null from then on instead of stopping the clean-up (or
+    the interpreter's exit)."""
+    stream = sys.stdout if stream is None else stream
+    try:
+        print(text, file=stream, flush=True)
+    except OSError:
+        with contextlib.suppress(OSError, ValueError):
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, stream.fileno())
+            os.close(devnull)
+
+
+def say_continue(command_line: list[str], run_name: str | None) -> None:
+    """On stderr: the command that continues the run (see ``continue_command``)."""
+    command = continue_command(command_line, run_name)
+    say(f"{CONTINUE} {command}", sys.stderr)
+    if "<hidden>" in command:
+        say("(<hidden>: the token given on the command line, not shown)", sys.stderr)
+
+
+def continue_command(command_line: list[str], run_name: str | None) -> str:
+    """``command_line`` (the CLI's words as run.json records them, a token hidden) with
+    ``--resume --run_name RUN_NAME``: what continues the run. Without a run name yet (the
+    default one is chosen with the run directory), the command as given."""
+    words = command_line[1:]
+    if run_name is not None:
+        kept, value_of_run_name = [], False
+        for word in words:
+            if not value_of_run_name and word != "--resume" and not word.startswith("--run_name"):
+                kept.append(word)
+            value_of_run_name = word == "--run_name"
+        words = [*kept, "--resume", "--run_name", run_name]
+    return shlex.join([*launcher_words(), *words])
+
+
+def launcher_words(program: str = "profiling_script.py") -> list[str]:
+    """How this CLI was started, as one types it again: ``dp-cost``; torchrun; or python (by
+    its path unless ``python`` on the PATH is this interpreter) and the script."""
+    started_as = sys.argv[0] if sys.argv else ""
+    if os.path.basename(started_as) == "dp-cost":
+        return ["dp-cost"]
+    script = started_as if started_as.endswith(program) else program
+    world = os.environ.get("WORLD_SIZE")
+    if world is not None:  # torchrun's own options are not known here on several nodes
+        if os.environ.get("LOCAL_WORLD_SIZE", world) == world:
+            return ["torchrun", "--standalone", f"--nproc_per_node={world}", script]
+        return ["torchrun", "(its options as before)", script]
+    python = shutil.which("python")
+    same = python is not None and os.path.abspath(python) == os.path.abspath(sys.executable)
+    return ["python" if same else sys.executable, script]
