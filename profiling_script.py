@@ -258,10 +258,17 @@ def refuse_changed_settings(configs: list, run_dir: str) -> None:
 
 
 def run_experiments(args) -> int:
-    # Delayed: these import torch, opacus and the models.
-    from dp_cost.measure import plan, processes
+    # The plan needs no torch for its checks: a mistake is found before torch, opacus and the
+    # models are imported (seconds), and only then are they (the workers fork from here).
+    from dp_cost.measure import plan
 
-    experiment = plan.make_plan(args, processes.cuda_available)
+    experiment = plan.make_plan(args, cuda_available)
+    try:
+        import opacus  # noqa: F401 - one line, before any config runs
+    except ImportError:
+        raise UsageError("opacus is not installed: pip install -r requirements.txt") from None
+    from dp_cost.measure import processes
+
     configs = experiment.configs
     if configs and configs[0].distributed_mode.is_distributed:
         return run_distributed(args, experiment, processes)
@@ -534,11 +541,14 @@ def run_mode(args) -> int:
     if args.run_name is not None:
         rundir.check_run_name(args.run_name)
     rundir.check_output_dir(args.output_dir)
-    try:
-        import opacus  # noqa: F401 - fail early with one line, before any config runs
-    except ImportError:
-        raise UsageError("opacus is not installed: pip install -r requirements.txt") from None
     return run_experiments(args)
+
+
+def cuda_available() -> bool:
+    """Whether CUDA is usable, asked only when the plan needs to know (torch imported then)."""
+    from dp_cost.measure import processes
+
+    return processes.cuda_available()
 
 
 if __name__ == "__main__":

@@ -1,7 +1,10 @@
 """Hostile command lines: each is one error line and exit 2, before any worker starts, and
 nothing is written outside the temporary output directory."""
 
+import json
 import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -130,3 +133,39 @@ def test_a_billion_parameter_model_without_cuda_asks_for_device_cpu(tmp_path, ca
         code = profiling_script.main(["--mode=hf", "--model", model, "--output_dir", str(tmp_path)])
         assert code == 2 and "add --device cpu" in capsys.readouterr().err
     assert not any(tmp_path.iterdir())
+
+
+def test_mistakes_that_need_no_torch_are_found_before_it_is_imported(tmp_path):
+    """An unknown trainer, a bad number, a missing or broken dataset file, --distributed
+    outside torchrun: found by the plan before torch (and opacus) are imported, in a process of
+    their own that never imports them (the seconds those imports take)."""
+    broken = tmp_path / "broken.jsonl"
+    broken.write_text('{"premise": "a", "hypothesis": "b", "label": 0}\n[1, 2]\n')
+    llama = ["--mode=hf", "--device", "cpu", "--model", "tiny-llama"]
+    cases = [
+        ["--trainers", "flsh"],
+        ["--batch_size", "-1"],
+        ["--steps", "0"],
+        ["--distributed", "ddp"],
+        ["--max_physical_batch_size", "9", "--batch_size", "2"],
+        [*llama, "--dataset_path", str(tmp_path / "missing.jsonl")],
+        [*llama, "--dataset_path", str(broken)],
+    ]
+    script = (
+        "import json, sys\n"
+        "import profiling_script\n"
+        "codes = [profiling_script.main(args) for args in json.loads(sys.argv[1])]\n"
+        "print(json.dumps({'codes': codes, 'torch': 'torch' in sys.modules,\n"
+        "                  'opacus': 'opacus' in sys.modules}))\n"
+    )
+    argv = [[*args, "--output_dir", str(tmp_path / "out")] for args in cases]
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}
+    proc = subprocess.run(
+        [sys.executable, "-c", script, json.dumps(argv)],
+        cwd=ROOT, capture_output=True, text=True, timeout=120, env=env,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    seen = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert seen == {"codes": [2] * len(cases), "torch": False, "opacus": False}, proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == len(cases)  # one line each
+    assert not (tmp_path / "out").exists()

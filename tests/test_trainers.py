@@ -197,3 +197,12 @@ def test_chunks_match_batch_memory_manager():
         "standard", model, lr=0.1, batch_size=14, max_physical_batch_size=4
     )
     assert [len(c) for c in trainer.chunks(14)] == [4, 4, 3, 3]
+
+
+def test_the_built_in_trainers_are_the_schema_s():
+    """The plan knows the trainers' names before the registry (and torch) is imported: then the
+    registry holds the built-in trainers alone, schema.TRAINER_ORDER."""
+    from dp_cost.core.schema import TRAINER_ORDER
+
+    built_in = [n for n, c in trainers.TRAINERS.items() if c.__module__.startswith("dp_cost.")]
+    assert built_in == list(TRAINER_ORDER)

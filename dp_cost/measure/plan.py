@@ -10,10 +10,10 @@ from __future__ import annotations
 import argparse
 import itertools
 import math
+import sys
 from dataclasses import dataclass
 
-import models
-import trainers
+from dp_cost.core.schema import TRAINER_ORDER, canonical_trainer_name
 from dp_cost.core.settings import (
     BY_NAME,
     CONFIG_FIELDS,
@@ -25,9 +25,9 @@ from dp_cost.core.settings import (
     UsageError,
     default_attention,
 )
-from dp_cost.hf import data as hf_data
+from dp_cost.hf import snli_file
 from dp_cost.hf.configs import HF_CONFIGS
-from dp_cost.parallel import ddp, ranks
+from dp_cost.parallel import ranks
 from dp_cost.parallel.mode import distributed_mode
 
 
@@ -81,7 +81,8 @@ def make_plan(args: argparse.Namespace, cuda_available) -> Plan:
     values["world_size"] = world_size(values["distributed"])
     names = [args.trainer] if args.trainer else values["trainer"]
     try:
-        names = [trainers.canonical_trainer_name(n) for n in names or trainers.TRAINERS]
+        known = trainer_names()
+        names = [canonical_trainer_name(n, known) for n in names or known]
     except ValueError as error:
         raise UsageError(str(error)) from None
     values["trainer"] = names
@@ -109,12 +110,22 @@ def make_plan(args: argparse.Namespace, cuda_available) -> Plan:
     return Plan(running, device, configs, note)
 
 
+def trainer_names() -> list[str]:
+    """The registered trainers' names (``trainers.TRAINERS``), read without importing torch
+    where nothing imported the registry yet: it then holds the built-in trainers alone
+    (``TRAINER_ORDER``; a test keeps the two equal), since registering one imports it."""
+    registry = sys.modules.get("trainers")
+    return list(registry.TRAINERS) if registry is not None else list(TRAINER_ORDER)
+
+
 def ddp_graph_note(values: dict, axes: dict) -> str | None:
     """standard under DDP is captured only after DDP's 11th iteration: say so before the run
     when the warm-up steps stop short of it (the timed steps would start eagerly)."""
     graphed = values["cuda_graph"] and distributed_mode(values["distributed"]).replicates
     if not graphed or "standard" not in axes["trainer"]:
         return None
+    from dp_cost.parallel import ddp  # torch: see model_shape
+
     if values["warmup_steps"] >= ddp.EAGER_ITERATIONS:
         return None
     return (
@@ -129,6 +140,8 @@ def poisson_graph_note(values: dict, axes: dict, dataset_size: int) -> str | Non
     expected size replays the graph: say how often that is, before the run, not after it."""
     if not (values["cuda_graph"] and values["poisson"] and values["model"] in HF_CONFIGS):
         return None
+    import trainers  # torch: see model_shape
+
     if not any(trainers.TRAINERS[name].capturable for name in axes["trainer"]):
         return None  # every config is skipped, with its reason
     # A dataset file's N is its rows; unlabeled ones are dropped on load, hence "about".
@@ -222,7 +235,6 @@ def check(values: dict, axes: dict, args) -> int:
     model = values["model"]
     check_numbers(values)
     check_distributed(values, axes["batch_size"])
-    max_seq_len = model_max_seq_len(model, values["attention"], values["model_overrides"])
     dataset_size = values["dataset_size"]
     if values["dataset_path"]:
         dataset_size = check_dataset_file(values["dataset_path"], max(axes["batch_size"]))
@@ -251,12 +263,6 @@ def check(values: dict, axes: dict, args) -> int:
     for b in batch_sizes:
         if b <= 0:
             raise UsageError(f"batch size must be positive, got {b}")
-    for t in seq_lens:
-        if not 0 < t <= max_seq_len:
-            raise UsageError(
-                f"seq_len {t} must be in 1..{max_seq_len} (the max_seq_len of model "
-                f"{model!r}; raise it with --max_seq_len)"
-            )
     for pb in axes["max_physical_batch_size"]:
         if pb is not None and pb <= 0:
             raise UsageError(f"physical batch size must be positive, got {pb}")
@@ -274,6 +280,14 @@ def check(values: dict, axes: dict, args) -> int:
         raise UsageError("--ncu profiles one eager step in named phases: drop --cuda_graph")
     if values["cuda_graph"] and (reason := distributed_mode(values["distributed"]).graph_refusal):
         raise UsageError(reason)
+    # From here on the model's own numbers: the first check that imports torch (models)
+    max_seq_len = model_max_seq_len(model, values["attention"], values["model_overrides"])
+    for t in seq_lens:
+        if not 0 < t <= max_seq_len:
+            raise UsageError(
+                f"seq_len {t} must be in 1..{max_seq_len} (the max_seq_len of model "
+                f"{model!r}; raise it with --max_seq_len)"
+            )
     physical = max(pb or b for pb in axes["max_physical_batch_size"] for b in batch_sizes)
     needed = bytes_lower_bound(
         model, values["model_overrides"], physical, max(seq_lens), values["dataset_size"]
@@ -312,8 +326,8 @@ def check_dataset_file(path: str, largest_batch: int) -> int:
     reads (the whole file, streamed, before any worker starts) and it holds at least as many
     pairs as the largest logical batch (B/N <= 1)."""
     try:
-        pairs = hf_data.count_snli_pairs(path)
-    except hf_data.DatasetError as error:
+        pairs = snli_file.count_snli_pairs(path)
+    except snli_file.DatasetError as error:
         raise UsageError(f"--dataset_path {error}") from None
     if pairs < largest_batch:
         raise UsageError(
@@ -325,6 +339,8 @@ def check_dataset_file(path: str, largest_batch: int) -> int:
 
 def model_shape(model: str, overrides: dict) -> tuple[int, int, int, int]:
     """(vocab, hidden, layers, MLP width) of a named model with its overrides."""
+    import models  # torch and opacus: imported once the checks that need neither have passed
+
     if model in HF_CONFIGS:
         c = HF_CONFIGS[model]
         shape = (c["vocab_size"], c["hidden_size"], c["num_hidden_layers"])
@@ -337,6 +353,8 @@ def parameter_count(model: str, overrides: dict) -> int:
     """How many parameters the model has: our LMs counted exactly, built on the meta device (no
     memory, the learned position table of max_seq_len rows included); a Hugging Face
     architecture about (embeddings plus attention and MLP weights)."""
+    import models  # torch: see model_shape
+
     if model not in HF_CONFIGS:
         return models.count_parameters(models.build_model(model, device="meta", **overrides))
     vocab, hidden, layers, mlp = model_shape(model, overrides)
@@ -356,6 +374,8 @@ def bytes_lower_bound(model, overrides, physical_batch, seq_len, dataset_size) -
 
 def model_max_seq_len(model: str, attention: str, overrides: dict) -> int:
     """The longest sequence the named model takes (UsageError for an unknown name)."""
+    import models  # torch: see model_shape
+
     if model in HF_CONFIGS:
         return HF_CONFIGS[model]["max_position_embeddings"]
     try:

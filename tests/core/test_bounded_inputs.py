@@ -244,7 +244,10 @@ resource.setrlimit(resource.RLIMIT_AS, (3 * 2**30, 3 * 2**30))
 import profiling_script
 start = time.monotonic()
 code = profiling_script.main(["--mode=report", "--input_dir", sys.argv[1]])
-peak_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+# This process's own peak (VmHWM): ru_maxrss would carry over the peak of the process that
+# started it (Linux keeps it across fork and exec), here a test process of a GB or more.
+status = open("/proc/self/status").read()
+peak_kib = int(status.split("VmHWM:")[1].split()[0])
 print(json.dumps({"code": code, "seconds": time.monotonic() - start, "peak_kib": peak_kib}))
 """
 

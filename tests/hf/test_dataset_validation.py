@@ -8,6 +8,7 @@ import pytest
 
 import profiling_script
 from dp_cost.hf import data as hf_data
+from dp_cost.hf import snli_file
 from dp_cost.measure import plan
 
 GOOD = json.dumps({"premise": "A man plays.", "hypothesis": "A man sleeps.", "label": 2})
@@ -57,7 +58,7 @@ def test_a_bad_line_far_down_is_one_error_naming_the_file_and_the_line(tmp_path,
 def test_the_worker_reads_through_the_same_checks(tmp_path, kind):
     """A file changed after the plan checked it fails in the worker with the same words."""
     path = dataset_with_a_bad_line(tmp_path, BAD_LINES[kind][0])
-    with pytest.raises(hf_data.DatasetError) as raised:
+    with pytest.raises(snli_file.DatasetError) as raised:
         hf_data.load_snli(path, seq_len=16, vocab_size=64)
     with pytest.raises(plan.UsageError) as refused:
         plan.check_dataset_file(str(path), 1)
@@ -78,7 +79,7 @@ def test_rows_without_a_gold_label_are_not_counted_as_pairs(tmp_path, capsys):
     path = tmp_path / "snli.jsonl"
     path.write_bytes(b"\xef\xbb\xbf" + b"\r\n\r\n".join(json.dumps(r).encode() for r in rows))
     assert plan.check_dataset_file(str(path), 3) == 3
-    assert [label for _, _, label in hf_data.snli_pairs(path)] == [0, 1, 0]
+    assert [label for _, _, label in snli_file.snli_pairs(path)] == [0, 1, 0]
     _, labels = hf_data.load_snli(path, seq_len=8, vocab_size=64)
     assert labels.tolist() == [0, 1, 0]
     with pytest.raises(plan.UsageError, match="has 3 labelled pairs, fewer than the batch size 4"):
