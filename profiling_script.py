@@ -17,6 +17,7 @@ import contextlib
 import datetime
 import difflib
 import glob
+import importlib.util
 import os
 import platform
 import re
@@ -76,14 +77,6 @@ class Parser(argparse.ArgumentParser):
     unknown flag is named without its value (``--tokn=hf_...`` stays off the screen); a
     mistyped flag or choice gets the closest known one as a suggestion."""
 
-    def __init__(self, *args, **kwargs):
-        self.flags: list[str] = []  # every option string, for suggestions (-h's added next)
-        super().__init__(*args, **kwargs)
-
-    def add_argument(self, *names, **kwargs):
-        self.flags += [name for name in names if name.startswith("-")]
-        return super().add_argument(*names, **kwargs)
-
     def error(self, message: str):
         prefix = "unrecognized arguments: "
         if message.startswith(prefix):
@@ -92,7 +85,9 @@ class Parser(argparse.ArgumentParser):
             hidden = len(words) - len(flags)
             message = prefix + ", ".join(flags) if flags else "unexpected arguments"
             message += f" (and {hidden} value(s), not shown)" if hidden else ""
-            message += did_you_mean(flags[0], self.flags) if flags else ""
+            # every option string, argument groups' included (argparse keeps them in one map)
+            known_flags = list(self._option_string_actions)
+            message += did_you_mean(flags[0], known_flags) if flags else ""
         elif choice := re.search(r"invalid choice: '([^']*)' \(choose from (.*)\)", message):
             known = re.findall(r"'([^']*)'", choice.group(2))
             message += did_you_mean(choice.group(1), known)
@@ -263,10 +258,6 @@ def run_experiments(args) -> int:
     from dp_cost.measure import plan
 
     experiment = plan.make_plan(args, cuda_available)
-    try:
-        import opacus  # noqa: F401 - one line, before any config runs
-    except ImportError:
-        raise UsageError("opacus is not installed: pip install -r requirements.txt") from None
     from dp_cost.measure import processes
 
     configs = experiment.configs
@@ -428,9 +419,9 @@ def measure_and_summarise(args, experiment, run_dir: str, processes, group=None)
         )
         if not first:
             return exit_code(results)
+        reached = "report"
         load_at_end = run_info.machine_load()
         record_load(run_dir, load_at_start, load_at_end)
-        reached = "report"
         print()
         # Summarise every result in the run directory: a --resume run adds to earlier ones.
         text = summary.write_summary(run_dir, summary.load_results(run_dir))
@@ -541,6 +532,8 @@ def run_mode(args) -> int:
     if args.run_name is not None:
         rundir.check_run_name(args.run_name)
     rundir.check_output_dir(args.output_dir)
+    if importlib.util.find_spec("opacus") is None:  # found, not imported: the plan comes first
+        raise UsageError("opacus is not installed: pip install -r requirements.txt")
     return run_experiments(args)
 
 

@@ -1,11 +1,11 @@
 """Shared by the end-to-end tests: run the CLI as a user does and read what a run wrote."""
 
 import contextlib
-import io
 import json
 import os
 import subprocess
 import sys
+import tempfile
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # The environment torchrun gives rank 0 of two: a plan or CLI run in-process "under torchrun".
@@ -43,19 +43,39 @@ def in_process(*args):
     """What ``cli`` returns, from ``profiling_script.main(args)`` run in this process (from the
     repository root, the environment restored after): it skips the interpreter's start and the
     imports of torch and opacus, about 4 s of CPU a run. The workers still fork, as they do from
-    the CLI. Tests of what only a process shows (signals, a worker's own output) use ``cli``."""
+    the CLI, and what they print is captured too: stdout and stderr go to files, at the Python
+    and the file-descriptor level, which the forked workers inherit. Tests of what only a
+    process shows (signals, exit by the interpreter) use ``cli``."""
     import profiling_script
 
-    out, err, cwd, environ = io.StringIO(), io.StringIO(), os.getcwd(), dict(os.environ)
-    try:
-        os.chdir(ROOT)
-        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-            code = profiling_script.main([str(arg) for arg in args])
-    finally:
-        os.chdir(cwd)
-        os.environ.clear()
-        os.environ.update(environ)
-    return subprocess.CompletedProcess(args, code, out.getvalue(), err.getvalue())
+    cwd, environ = os.getcwd(), dict(os.environ)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    saved_fds = os.dup(1), os.dup(2)
+    # line-buffered: a worker forks with nothing of the parent's pending in its copy
+    with (
+        tempfile.TemporaryFile("w+", buffering=1) as out,
+        tempfile.TemporaryFile("w+", buffering=1) as err,
+    ):
+        try:
+            os.chdir(ROOT)
+            os.dup2(out.fileno(), 1)
+            os.dup2(err.fileno(), 2)
+            with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+                code = profiling_script.main([str(arg) for arg in args])
+        finally:
+            out.flush()
+            err.flush()
+            os.dup2(saved_fds[0], 1)
+            os.dup2(saved_fds[1], 2)
+            for fd in saved_fds:
+                os.close(fd)
+            os.chdir(cwd)
+            os.environ.clear()
+            os.environ.update(environ)
+        out.seek(0)
+        err.seek(0)
+        return subprocess.CompletedProcess(args, code, out.read(), err.read())
 
 
 def small_run_args(output_dir, *trainers, batch_sizes=(2,), seq_lens=(8,), steps=1, run_name="r"):

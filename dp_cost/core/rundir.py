@@ -164,7 +164,13 @@ class RunDir:
             return
         RunDir.open_now.remove(self)
         try:
-            if self.made and set(os.listdir(self.path)) <= self.bookkeeping:
+            # only a directory this run made and locked: a lock that failed means another
+            # process holds it (and may be writing into it)
+            if (
+                self.made
+                and self.lock is not None
+                and set(os.listdir(self.path)) <= self.bookkeeping
+            ):
                 for name in self.bookkeeping:
                     with contextlib.suppress(FileNotFoundError):
                         os.remove(os.path.join(self.path, name))

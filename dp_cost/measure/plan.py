@@ -144,7 +144,7 @@ def poisson_graph_note(values: dict, axes: dict, dataset_size: int) -> str | Non
 
     if not any(trainers.TRAINERS[name].capturable for name in axes["trainer"]):
         return None  # every config is skipped, with its reason
-    # A dataset file's N is its rows; unlabeled ones are dropped on load, hence "about".
+    # N: the labelled pairs (of a dataset file, as the plan counted them), or --dataset_size
     shares = ", ".join(
         f"{100 * full_batch_probability(b, dataset_size):.2g}% of steps at batch {b}"
         for b in axes["batch_size"]

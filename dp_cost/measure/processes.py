@@ -8,7 +8,6 @@ every config (no pool pollution between trainers) and an OOM or crash stays insi
 from __future__ import annotations
 
 import contextlib
-import glob
 import multiprocessing
 import os
 import re
@@ -20,6 +19,7 @@ import torch
 from tqdm import tqdm
 
 import trainers
+from dp_cost.core import files
 from dp_cost.core.files import TEMPORARY_NAME, make_folder, write_json
 from dp_cost.core.fmt import count
 from dp_cost.core.interrupts import INTERRUPTS
@@ -263,9 +263,12 @@ def stop_worker(process) -> None:
 def run_in_child(
     context, config, config_path, result_path, verbose=False, group=None, index=0
 ) -> dict:
-    earlier = result_path + ".previous"
-    if os.path.exists(result_path):  # an unfinished earlier attempt (--resume reruns it)
-        os.replace(result_path, earlier)  # kept until this attempt's result is written
+    earlier = os.path.basename(result_path) + ".previous"
+    # An unfinished earlier attempt (--resume reruns it): kept beside, until this attempt's
+    # result is written (in the config directory, entered without following a link).
+    with files.folder(config_path, root=os.path.dirname(config_path)) as fd:
+        with contextlib.suppress(FileNotFoundError):
+            os.replace(os.path.basename(result_path), earlier, src_dir_fd=fd, dst_dir_fd=fd)
     errors, child_errors = context.Pipe(duplex=False)
     stderr = None if verbose else quiet.FilteredStderr()
     rank_setup = None if group is None else (group.info, group.worker_prefix(index))
@@ -319,8 +322,9 @@ def run_in_child(
         except OSError as error:  # the disk is full for this one too: the summary still has it
             print(f"{config.config_dir}: could not write result.json: {error}", file=sys.stderr)
     if os.path.exists(result_path):
-        with contextlib.suppress(FileNotFoundError):
-            os.remove(earlier)
+        with files.folder(config_path, root=os.path.dirname(config_path)) as fd:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(earlier, dir_fd=fd)
     if group is None:  # distributed: rank 0 cleans up once every rank's worker has ended
         remove_leftovers(config_path)
     else:  # the other ranks stop their workers if this one failed
@@ -352,14 +356,21 @@ def died_result(config, exitcode: int | None, reported: str | None) -> dict:
 
 def remove_leftovers(config_path: str) -> None:
     """What an interrupted or killed worker leaves: a trace's staging folder, temporary files,
-    and the config directory itself when nothing else is in it."""
-    for staging in glob.glob(os.path.join(config_path, ".trace-*")):
-        shutil.rmtree(staging, ignore_errors=True)
-    for partial in glob.glob(os.path.join(config_path, "*.tmp[0-9]*")):
-        if TEMPORARY_NAME.fullmatch(os.path.basename(partial)):  # atomic_write's names only
-            os.remove(partial)
-    with contextlib.suppress(OSError):  # not empty: it holds results or earlier files
-        os.rmdir(config_path)
+    and the config directory itself when nothing else is in it. Through the config directory's
+    descriptor (entered without following a link), as every write is."""
+    run_dir, config_dir = os.path.split(config_path)
+    try:
+        with files.folder(run_dir) as run_fd, files.folder(config_path, root=run_dir) as fd:
+            for name in os.listdir(fd):
+                if name.startswith(".trace-"):  # by descriptor: a link swapped in is not followed
+                    shutil.rmtree(f"/proc/self/fd/{fd}/{name}", ignore_errors=True)
+                elif TEMPORARY_NAME.fullmatch(name):  # atomic_write's names only
+                    with contextlib.suppress(FileNotFoundError):
+                        os.unlink(name, dir_fd=fd)
+            with contextlib.suppress(OSError):  # not empty: it holds results or earlier files
+                os.rmdir(config_dir, dir_fd=run_fd)
+    except (FileNotFoundError, files.UnsafePath):  # gone already, or a link: nothing of ours
+        return
 
 
 def describe(result: dict) -> str:

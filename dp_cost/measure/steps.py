@@ -12,16 +12,14 @@ import gzip
 import json
 import os
 import pickle
-import shutil
 import statistics
-import tempfile
 import time
 from dataclasses import dataclass, field
 
 import torch
 from torch.cuda import _memory_viz
 
-from dp_cost.core import kernel_names
+from dp_cost.core import files, kernel_names
 from dp_cost.core.files import atomic_write
 from dp_cost.core.schema import MB
 from dp_cost.hf import privacy
@@ -222,24 +220,23 @@ class Trace:
         # the window is from the step's first CUDA call to its last launch (step_timeline's
         # docstring). In a staging folder of its own: ranks of one config share the directory,
         # and an interrupted run's leftovers are removed like the trace's (".trace-*").
-        staging = tempfile.mkdtemp(prefix=".trace-", dir=s.out_dir)
-        light = os.path.join(staging, "timeline.json")
-        with torch.profiler.profile(
-            activities=[torch.profiler.ProfilerActivity.CUDA],
-            schedule=torch.profiler.schedule(wait=0, warmup=1, active=1, repeat=1),
-            on_trace_ready=lambda prof: prof.export_chrome_trace(light),
-        ) as prof:
-            for _ in range(2):
-                s.reused_batch_step()
-                synchronize(s.device)
-                prof.step()
-        try:
-            timeline = kernel_names.step_timeline(kernel_names.load_trace_events(light))
-        except ValueError as error:
-            s.env["timeline_note"] = f"host time and GPU-busy fraction not measured: {error}"
-            return
-        finally:
-            shutil.rmtree(staging, ignore_errors=True)
+        # (files.staging: a private folder reached by its descriptor, never through a link)
+        with files.staging(s.out_dir, os.path.dirname(s.out_dir), ".trace-") as stage:
+            light = os.path.join(stage.path, "timeline.json")
+            with torch.profiler.profile(
+                activities=[torch.profiler.ProfilerActivity.CUDA],
+                schedule=torch.profiler.schedule(wait=0, warmup=1, active=1, repeat=1),
+                on_trace_ready=lambda prof: prof.export_chrome_trace(light),
+            ) as prof:
+                for _ in range(2):
+                    s.reused_batch_step()
+                    synchronize(s.device)
+                    prof.step()
+            try:
+                timeline = kernel_names.step_timeline(kernel_names.load_trace_events(light))
+            except ValueError as error:
+                s.env["timeline_note"] = f"host time and GPU-busy fraction not measured: {error}"
+                return
         result["host_time_ms"] = timeline["host_time_ms"]
         result["gpu_busy_fraction"] = timeline["gpu_busy_fraction"]
         result["step_timeline"] = timeline

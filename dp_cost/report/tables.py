@@ -84,8 +84,9 @@ def summary_rows(results: list[dict]) -> list[dict]:
                 "time_vs_standard": ratio(result.get("median_time_ms"), base.get("median_time_ms")),
                 # a ratio of two timings is as noisy as the noisier of them (the baseline's own
                 # ratio is 1 by definition)
-                "time_ratio_noisy": base is not result
-                and bool(spread["noisy"] or (base and step_spread(base)["noisy"])),
+                "time_ratio_noisy": bool(base)
+                and base is not result
+                and bool(spread["noisy"] or step_spread(base)["noisy"]),
                 "mem_vs_standard": ratio(result.get("peak_memory_mb"), base.get("peak_memory_mb")),
                 "status": result["status"],
             }

@@ -381,3 +381,30 @@ def test_check_contained_refuses_a_link_inside_the_run(tmp_path):
     with pytest.raises(UnsafePath, match="symbolic link"):
         rundir.check_contained(str(run), str(run / CONFIG / "result.json"))
     rundir.check_contained(str(run), str(run / "elsewhere" / "result.json"))  # plain: fine
+
+
+def test_leftovers_are_not_removed_through_a_linked_config_directory(tmp_path):
+    """An interrupted config's leftovers (temporaries, a trace's staging folder) are removed
+    through the config directory's descriptor: a link in its place is not followed."""
+    from dp_cost.measure import processes
+
+    outside, run_dir = tmp_path / "outside", tmp_path / "run"
+    outside.mkdir()
+    run_dir.mkdir()
+    (outside / "result.json.tmp12345678901234567890").write_text("theirs")
+    (outside / ".trace-abc").mkdir()
+    (outside / ".trace-abc" / "kept").write_text("theirs")
+    (run_dir / "standard_bs2_seq8").symlink_to(outside)
+    processes.remove_leftovers(str(run_dir / "standard_bs2_seq8"))
+    assert sorted(p.name for p in outside.iterdir()) == [
+        ".trace-abc", "result.json.tmp12345678901234567890"
+    ]  # fmt: skip
+    assert (outside / ".trace-abc" / "kept").read_text() == "theirs"
+    assert os.path.islink(run_dir / "standard_bs2_seq8")
+    # the same leftovers in a real config directory go, and the emptied directory with them
+    real = run_dir / "flash_bs2_seq8"
+    real.mkdir()
+    (real / "result.json.tmp12345678901234567890").write_text("ours")
+    (real / ".trace-abc").mkdir()
+    processes.remove_leftovers(str(real))
+    assert not real.exists()
