@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import datetime
-import difflib
 import glob
 import importlib.util
 import os
@@ -28,7 +27,7 @@ import time
 
 from dp_cost.core import interrupts, rundir
 from dp_cost.core.files import write_json
-from dp_cost.core.fmt import count
+from dp_cost.core.fmt import count, did_you_mean
 from dp_cost.core.interrupts import say
 from dp_cost.core.reading import (
     MAX_BYTES,
@@ -93,12 +92,6 @@ class Parser(argparse.ArgumentParser):
             message += did_you_mean(choice.group(1), known)
         print(f"error: {redacted(message)} (see --help)", file=sys.stderr)
         sys.exit(EXIT_BAD_ARGS)
-
-
-def did_you_mean(word: str, known: list[str]) -> str:
-    """ " (did you mean X?)" for the known word closest to a mistyped one, or ""."""
-    close = difflib.get_close_matches(word, known, n=1, cutoff=0.6)
-    return f" (did you mean {close[0]}?)" if close else ""
 
 
 def build_parser() -> argparse.ArgumentParser:

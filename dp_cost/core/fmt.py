@@ -1,6 +1,9 @@
-"""Numbers into table cells: one ratio helper and one table renderer (text or Markdown)."""
+"""Numbers into table cells: one ratio helper and one table renderer (text or Markdown); the
+"did you mean" of an error line."""
 
 from __future__ import annotations
+
+import difflib
 
 
 def ratio(value, baseline):
@@ -8,6 +11,12 @@ def ratio(value, baseline):
     if value is None or not baseline:
         return None
     return value / baseline
+
+
+def did_you_mean(word: str, known) -> str:
+    """ " (did you mean X?)" for the known word closest to a mistyped one, or ""."""
+    close = difflib.get_close_matches(word, list(known), n=1, cutoff=0.6)
+    return f" (did you mean {close[0]}?)" if close else ""
 
 
 def count(n: int, noun: str) -> str:

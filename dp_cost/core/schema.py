@@ -6,9 +6,10 @@ A config's ``result.json`` is the one seam between measuring (``measure/``) and 
 
 from __future__ import annotations
 
-import difflib
 import re
 from dataclasses import dataclass
+
+from dp_cost.core.fmt import did_you_mean
 
 MB = 2**20  # bytes per MB, as torch reports memory
 
@@ -180,7 +181,6 @@ def canonical_trainer_name(name: str, known) -> str:
     canonical = TRAINER_ALIASES.get(name, name)
     if canonical not in known:
         names = sorted(known) + sorted(TRAINER_ALIASES)
-        close = difflib.get_close_matches(name, names, n=1, cutoff=0.6)
-        guess = f" (did you mean {close[0]}?)" if close else ""
+        guess = did_you_mean(name, names)
         raise ValueError(f"unknown trainer {name!r}{guess}; known: {', '.join(names)}")
     return canonical

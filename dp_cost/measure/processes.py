@@ -19,7 +19,7 @@ import torch
 from tqdm import tqdm
 
 import trainers
-from dp_cost.core import files
+from dp_cost.core import files, interrupts
 from dp_cost.core.files import TEMPORARY_NAME, make_folder, write_json
 from dp_cost.core.fmt import count
 from dp_cost.core.interrupts import INTERRUPTS
@@ -299,8 +299,7 @@ def run_in_child(
             process.join(0.5)
     except KeyboardInterrupt:  # Ctrl-C, SIGTERM or SIGHUP (the CLI raises them as one)
         # A second signal must not cut the clean-up short (the CLI restores the handlers).
-        for interrupt in INTERRUPTS:
-            signal.signal(interrupt, signal.SIG_IGN)
+        interrupts.ignore()
         if process.pid is not None:
             stop_worker(process)
         errors.close()
@@ -389,8 +388,7 @@ def probe_device() -> dict:
     parent_end, child_end = context.Pipe(duplex=False)
 
     def probe():
-        for interrupt in INTERRUPTS:  # the CLI's handlers would raise here: the CLI decides
-            signal.signal(interrupt, signal.SIG_IGN)
+        interrupts.ignore()  # the CLI's handlers would raise here: the CLI decides
         available = torch.cuda.is_available()
         child_end.send(
             {"cuda": available, "name": torch.cuda.get_device_name(0) if available else None}
