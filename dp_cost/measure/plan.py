@@ -136,36 +136,58 @@ def ddp_graph_note(values: dict, axes: dict) -> str | None:
 
 
 def poisson_graph_note(values: dict, axes: dict, dataset_size: int) -> str | None:
-    """With --cuda_graph and Poisson batches (Hugging Face models), only a batch of exactly the
-    expected size replays the graph: say how often that is, before the run, not after it."""
+    """With --cuda_graph and Poisson batches (Hugging Face models) the graph replays chunks of
+    P samples, P the expected batch (a rank's share of it) unless a smaller cap is given: say,
+    before the run, how often a draw takes a second chunk then, and what a cap does."""
     if not (values["cuda_graph"] and values["poisson"] and values["model"] in HF_CONFIGS):
         return None
     import trainers  # torch: see model_shape
 
     if not any(trainers.TRAINERS[name].capturable for name in axes["trainer"]):
         return None  # every config is skipped, with its reason
-    # N: the labelled pairs (of a dataset file, as the plan counted them), or --dataset_size
+    ranks = values["world_size"]
+    uncapped = [
+        batch
+        for batch in axes["batch_size"]
+        for cap in axes["max_physical_batch_size"]
+        if cap is None or cap >= math.ceil(batch / ranks)
+    ]
+    if not uncapped:
+        return None
+    # A draw of n takes a second chunk on some rank when its largest share, ceil(n / W), is
+    # above P = ceil(B / W): n > W * P. N: the labelled pairs of a dataset file, or
+    # --dataset_size.
     shares = ", ".join(
-        f"{100 * full_batch_probability(b, dataset_size):.2g}% of steps at batch {b}"
-        for b in axes["batch_size"]
+        f"{100 * draw_above_probability(ranks * math.ceil(b / ranks), b, dataset_size):.2g}% "
+        f"of steps at batch {b}"
+        for b in _unique(uncapped)
     )
     return (
-        f"note: --cuda_graph with Poisson sampling replays only batches of exactly the expected "
-        f"size (about {shares}); the others run eagerly. --no_poisson replays every "
-        "step after the capture, but fixed-size batches are outside the Poisson accountant."
+        "note: --cuda_graph replays padded chunks of the expected batch (a rank's share of it) "
+        f"when --max_physical_batch_size does not cap it lower; larger Poisson draws replay two "
+        f"chunks, the second mostly padding (about {shares}). A smaller "
+        "--max_physical_batch_size pads less; every draw replays the graphs either way."
     )
 
 
-def full_batch_probability(batch_size: int, dataset_size: int) -> float:
-    """P(a Poisson-sampled batch has exactly ``batch_size`` samples) at rate B/N: binomial over
-    N samples, or its Poisson limit where N >> B (lgamma's differences lose digits there)."""
-    b, n = batch_size, dataset_size
+def draw_probability(count: int, batch_size: int, dataset_size: int) -> float:
+    """P(a Poisson-sampled batch has exactly ``count`` samples) at rate B/N: binomial over N
+    samples, or its Poisson limit where N >> B (lgamma's differences lose digits there)."""
+    k, b, n = count, batch_size, dataset_size
+    if k > n:
+        return 0.0
     if n > 10**6 * b:
-        return math.exp(b * math.log(b) - b - math.lgamma(b + 1))
+        return math.exp(k * math.log(b) - b - math.lgamma(k + 1))
     if b == n:
-        return 1.0
-    log_choose = math.lgamma(n + 1) - math.lgamma(b + 1) - math.lgamma(n - b + 1)
-    return math.exp(log_choose + b * math.log(b / n) + (n - b) * math.log1p(-b / n))
+        return float(k == n)
+    log_choose = math.lgamma(n + 1) - math.lgamma(k + 1) - math.lgamma(n - k + 1)
+    return math.exp(log_choose + k * math.log(b / n) + (n - k) * math.log1p(-b / n))
+
+
+def draw_above_probability(limit: int, batch_size: int, dataset_size: int) -> float:
+    """P(a Poisson-sampled batch has more than ``limit`` samples)."""
+    below = math.fsum(draw_probability(k, batch_size, dataset_size) for k in range(limit + 1))
+    return max(0.0, 1.0 - below)
 
 
 def _unique(values) -> list:

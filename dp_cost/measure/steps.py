@@ -73,7 +73,7 @@ class TimedSteps:
             if s.device.type == "cuda":
                 torch.cuda.reset_peak_memory_stats(s.device)
             first_measured = len(s.recorder.snapshots)
-            replays_before = s.trainer.graphs.replays
+            counts_before = s.trainer.graphs.counts()
             step_times, physical_times, losses = [], [], []
             for _ in range(s.config.steps):
                 inputs, targets = s.workload.batch()  # sampled outside the timed region
@@ -90,7 +90,8 @@ class TimedSteps:
                 physical_times.extend(out["physical_step_times_ms"])
                 losses.append(out["loss"])
         s.measured_snapshots = s.recorder.snapshots[first_measured:]
-        s.timed_replays = s.trainer.graphs.replays - replays_before
+        timed = {k: v - counts_before[k] for k, v in s.trainer.graphs.counts().items()}
+        s.timed_replays = timed["replays"]
         # Poisson batches vary in size: say which one the measurements after these steps use.
         result["measurement_batch_size"] = len(s.inputs)
         if not len(s.inputs):
@@ -101,7 +102,7 @@ class TimedSteps:
         if s.trainer.graphs.enabled:
             result["cuda_graph"] = {
                 **s.trainer.graphs.result(s.trainer.batch_size),
-                "timed_replays": s.timed_replays,
+                **{f"timed_{key}": value for key, value in timed.items()},
             }
         result.update(
             avg_time_ms=statistics.fmean(step_times),
@@ -124,7 +125,7 @@ class PeakMemory:
         if s.device.type == "cuda":
             peaks = [x["phase_peak_mb"] for x in s.measured_snapshots]
             if s.timed_replays:
-                peaks.append(s.trainer.graphs.graph.peak_bytes / MB)
+                peaks.append(s.trainer.graphs.capture_peak_bytes / MB)
             result["peak_memory_mb"] = max(peaks)
             result["peak_reserved_mb"] = max(
                 x["phase_peak_reserved_mb"] for x in s.measured_snapshots

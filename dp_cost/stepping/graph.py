@@ -1,15 +1,17 @@
-"""A trainer's whole step (forward, backward, clipping, noise, optimizer) captured as one CUDA
-graph after an eager step of the same shape, and replayed for every later one.
+"""A trainer's step (forward, backward, clipping, noise, optimizer) captured as CUDA graphs of
+one padded physical chunk and of the finishing step, after an eager step at the chunk's shape,
+and replayed for every later batch, whatever size Poisson sampling draws.
 
 Why: a short step's host work (Python, autograd, one launch per kernel) can take as long as its
 GPU work, most for flash's per-layer hooks, and then any jitter of the host lands on the step.
-A replay is one launch. What it needs from a trainer: chunk steps and an optimizer step with
+A replayed chunk is one launch. What it needs from a trainer: chunk steps and an optimizer step with
 no host sync (``Trainer.capturable``) and ``discard_step_state``.
 
 Under DDP every rank captures and replays the same step, its collectives (DDP's all-reduce,
 flash's gathers, the loss's sum) inside the graph: NCCL's captured collectives run at each
-replay, so every rank must replay when the others do. Each such decision (capture, replay) is
-taken by all the ranks together, on every rank's batch.
+replay, so every rank must replay when the others do, as many chunks as the busiest rank
+(a rank with fewer samples pads with stand-ins). Each such decision (capture, how many chunks)
+is taken by all the ranks together, on every rank's batch.
 """
 
 from __future__ import annotations
@@ -28,87 +30,137 @@ if TYPE_CHECKING:
 MB = 2**20
 
 
-class StepGraph:
-    """One captured step. Replays run the captured kernels on the captured addresses: the
-    parameters (updated in place) and the graph's own input tensors, which each replay fills
-    with the batch. torch's CUDA generator is replay-aware: every replay draws fresh noise.
+class ChunkGraphs:
+    """The captured step of one trainer: its start (gradients zeroed), the padded chunk step of
+    P samples (under DDP two, a chunk that does not sync and the last one, which does) and the
+    finishing step (optimizer, noise where the trainer adds it there, the step's loss summed
+    over the ranks). A logical batch of n samples replays the start, ceil(n / P) chunks, the
+    last one padded, then the finishing step; the chunk inputs, targets and sample weights are
+    the graphs' own tensors, filled before each replay. torch's CUDA generators are
+    replay-aware: every replay draws fresh noise.
 
-    The capture goes through the allocator like an eager step, in the graph's private pool, so
-    the allocator's peak during the capture is the step's; a replay allocates nothing."""
+    The gradients accumulate over the replayed chunks into tensors that exist before the
+    capture (the parameters' .grad), which hold the step's gradient after it, as an eager
+    step's do. The graphs share one memory pool (they replay one after another), so their peak
+    is one padded chunk step's, the peak users get; the capture goes through the allocator as
+    an eager step does, so the allocator's peak during it is the step's, and a replay
+    allocates nothing."""
 
     def __init__(self, trainer: SteppingTrainer, inputs: torch.Tensor, targets: torch.Tensor):
         device = inputs.device
-        self.inputs, self.targets = inputs.clone(), targets.clone()
-        self.graph = torch.cuda.CUDAGraph()
-        if trainer.shared_noise is not None:  # each replay advances it, as the default one
-            self.graph.register_generator_state(trainer.shared_noise)
+        self.size = chunks.physical_size(trainer)
+        self.chunk = chunks.new_padded_chunk(inputs, targets, self.size)
+        chunks.fill_chunk(self.chunk, inputs, targets, 0)  # real rows: the capture's are finite
+        self.totals = torch.zeros(2, device=device)  # [real samples' loss sum, their count]
+        params = [p for group in trainer.optimizer.param_groups for p in group["params"]]
+        for p in params:  # the gradients the chunks accumulate into
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        self.grads = [(p, p.grad) for p in params]
         torch.cuda.synchronize(device)
         torch.cuda.reset_peak_memory_stats(device)
-        with trainer.observing_phases(lambda name: None), torch.cuda.graph(self.graph):
-            self.loss_sum = chunks.device_step(trainer, self.inputs, self.targets)
+        self.chunk_graphs: dict[bool, torch.cuda.CUDAGraph] = {}
+        pool = None
+        trainer.prepare_padded_chunks()
+        # One process: every chunk is alike. DDP: the last chunk syncs (standard's reducer,
+        # flash's sum over the ranks with rank 0's noise), the others do not.
+        self.start_graph, pool = self._capture(trainer, pool, self._start)
+        for is_last in (False, True) if trainer.distributed_mode.is_distributed else (True,):
+            self.chunk_graphs[is_last], pool = self._capture(trainer, pool, self._chunk, is_last)
+        self.finish_graph, _ = self._capture(trainer, pool, self._finish)
         torch.cuda.synchronize(device)
-        # The gradients the graph writes: an eager step between replays rebinds .grad, so each
-        # replay binds these again (the optimizer inside the graph reads them either way).
-        params = [p for group in trainer.optimizer.param_groups for p in group["params"]]
-        self.grads = [(p, p.grad) for p in params]
         self.peak_bytes = torch.cuda.max_memory_allocated(device)
-        torch.cuda.empty_cache()  # the eager steps' cached blocks: replays use the graph's pool
-        self.replays = 0
+        torch.cuda.empty_cache()  # the eager steps' cached blocks: replays use the graphs' pool
+        self.replays = self.chunk_replays = self.padding_samples = 0
 
-    def fits(self, inputs: torch.Tensor, targets: torch.Tensor) -> bool:
-        def spec(t):
-            return t.shape, t.dtype, t.device
+    def _capture(self, trainer: SteppingTrainer, pool, body, *args):
+        graph = torch.cuda.CUDAGraph()
+        if trainer.shared_noise is not None:  # each replay advances it, as the default one
+            graph.register_generator_state(trainer.shared_noise)
+        with trainer.observing_phases(lambda name: None), torch.cuda.graph(graph, pool=pool):
+            body(trainer, *args)
+        return graph, graph.pool()
 
-        return (spec(inputs), spec(targets)) == (spec(self.inputs), spec(self.targets))
+    def _start(self, trainer: SteppingTrainer) -> None:
+        torch._foreach_zero_([grad for _, grad in self.grads])
+        self.totals.zero_()
 
-    def replay(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        self.inputs.copy_(inputs)
-        self.targets.copy_(targets)
-        self.graph.replay()
-        self.replays += 1
-        for p, grad in self.grads:
+    def _chunk(self, trainer: SteppingTrainer, is_last: bool) -> None:
+        self.totals += chunks.padded_chunk_step(trainer, self.chunk, is_last)
+
+    def _finish(self, trainer: SteppingTrainer) -> None:
+        trainer.optimizer_step()
+        self.step_totals = trainer.distributed_mode.sum_over_ranks(self.totals.clone())
+
+    def step(self, trainer: SteppingTrainer, inputs: torch.Tensor, targets: torch.Tensor) -> dict:
+        """Replay this batch's chunks and the finishing step; ``{"loss", ...}`` as eager_step's
+        (the loss averages the real samples of every rank)."""
+        for p, grad in self.grads:  # an eager step between replays rebinds .grad
             p.grad = grad
-        return self.loss_sum
+        count = chunks.padded_chunk_count(trainer, len(inputs), self.size, inputs.device)
+        self.start_graph.replay()
+        for k in range(count):
+            real = chunks.fill_chunk(self.chunk, inputs, targets, k * self.size)
+            last = k == count - 1  # one process: the one graph serves every chunk
+            self.chunk_graphs.get(last, self.chunk_graphs[True]).replay()
+            self.padding_samples += self.size - real
+        self.chunk_replays += count
+        if count == 0 and not trainer.is_private:
+            # Nothing drawn: the non-private step has no gradient, and its optimizer skips.
+            trainer.on_phase("step_done")
+            return {"loss": None, "physical_step_times_ms": []}
+        self.finish_graph.replay()  # nothing drawn: a DP trainer's noise-only step
+        self.replays += 1
+        trainer.on_phase("step_done")  # the chunks ran inside the graphs: no host clock
+        loss_sum, real = self.step_totals.tolist()
+        return {"loss": loss_sum / real if real else None, "physical_step_times_ms": []}
 
 
 class Replayer:
-    """A trainer's CUDA-graph state: off, waiting for its first full-sized batch, captured (then
-    replaying every batch of that shape), or failed (every step eager, the error kept)."""
+    """A trainer's CUDA-graph state: off, waiting for its first batch to capture after,
+    captured (then replaying every batch, whatever its size), or failed (every step eager, the
+    error kept)."""
 
     def __init__(self, enabled: bool):
         self.enabled = enabled
-        self.graph: StepGraph | None = None
+        self.graphs: ChunkGraphs | None = None
         self.error: str | None = None  # why the capture failed: the steps run eagerly
         self.eager_only = False  # set by eager()
-        self.waited = False  # a full batch came before the trainer could be captured
+        self.waited = False  # a batch came before the trainer could be captured
 
     @property
-    def replays(self) -> int:
-        return self.graph.replays if self.graph else 0
+    def replays(self) -> int:  # steps replayed
+        return self.graphs.replays if self.graphs else 0
+
+    def counts(self) -> dict:
+        """What the replays ran so far: steps, chunks and padding samples."""
+        graphs = self.graphs
+        return {
+            "replays": graphs.replays if graphs else 0,
+            "chunk_replays": graphs.chunk_replays if graphs else 0,
+            "padding_samples": graphs.padding_samples if graphs else 0,
+        }
+
+    @property
+    def capture_peak_bytes(self) -> int | None:
+        return self.graphs.peak_bytes if self.graphs else None
 
     def step(self, trainer: SteppingTrainer, inputs: torch.Tensor, targets: torch.Tensor) -> dict:
-        """One step of ``trainer``: replayed if a graph fits the batch, else eager (and captured
-        after, if it is the first full-sized one)."""
-        graph = self.graph
-        if graph is not None and not self.eager_only:
-            if trainer.distributed_mode.on_every_rank(graph.fits(inputs, targets), inputs.device):
-                loss_sum = graph.replay(inputs, targets)  # the global batch's (summed over ranks)
-                trainer.on_phase("step_done")  # the chunks ran inside the graph: no host clock
-                loss = loss_sum.item() / (len(inputs) * trainer.world_size)
-                return {"loss": loss, "physical_step_times_ms": []}
+        """One step of ``trainer``: replayed once captured, else eager (and captured after, if
+        it is the first that may be)."""
+        if self.graphs is not None and not self.eager_only:
+            return self.graphs.step(trainer, inputs, targets)
         if self.captures_after(inputs, trainer):
             return self.capture_after(trainer, inputs, targets)
         return chunks.eager_step(trainer, inputs, targets)
 
     def captures_after(self, inputs: torch.Tensor, trainer: SteppingTrainer) -> bool:
-        """Is this step the eager one a capture follows? The first full-sized batch on CUDA (on
-        every rank: its share of the global batch) once the trainer's eager steps before a
-        capture are taken; other sizes (Poisson draws) always run eagerly."""
-        waiting = self.enabled and self.graph is None and self.error is None
+        """Is this step the eager one a capture follows? The first on CUDA with a sample on some
+        rank, once the trainer's eager steps before a capture are taken."""
+        waiting = self.enabled and self.graphs is None and self.error is None
         if not (waiting and not self.eager_only and inputs.is_cuda):
             return False
-        full = len(inputs) == trainer.batch_size // trainer.world_size
-        if not trainer.distributed_mode.on_every_rank(full, inputs.device):
+        if not trainer.distributed_mode.largest_batch(len(inputs), inputs.device):
             return False
         self.waited = not trainer.captures_after_this()  # alike on every rank
         return not self.waited
@@ -116,17 +168,17 @@ class Replayer:
     def capture_after(
         self, trainer: SteppingTrainer, inputs: torch.Tensor, targets: torch.Tensor
     ) -> dict:
-        """Run this step eagerly on a side stream, as capture needs (autograd, cuBLAS and Triton
-        set up their state and tune there, not inside the capture), then capture the next ones.
-        Returns the eager step's output."""
+        """Run this step eagerly as padded chunks on a side stream, as capture needs (autograd,
+        cuBLAS and Triton set up their state and tune there, at the chunk's shape, not inside
+        the capture), then capture the next ones. Returns the eager step's output."""
         current = torch.cuda.current_stream(inputs.device)
         side = torch.cuda.Stream(inputs.device)
         side.wait_stream(current)
         with torch.cuda.stream(side):
-            out = chunks.eager_step(trainer, inputs, targets)
+            out = chunks.padded_step(trainer, inputs, targets, chunks.physical_size(trainer))
         current.wait_stream(side)
         try:
-            self.graph = StepGraph(trainer, inputs, targets)
+            self.graphs = ChunkGraphs(trainer, inputs, targets)
         except RuntimeError as error:  # e.g. a host sync inside a model's forward
             # torch.cuda.graph's exit raises again for an invalidated capture before it restores
             # the stream, and the first error (the cause) is then the context of the second.
@@ -138,7 +190,7 @@ class Replayer:
         # A failed capture leaves DDP's reducer and the noise generators mid-step, and a rank
         # replaying collectives another rank does not would wait for it: under DDP, every
         # rank's config ends with an error.
-        captured = self.graph is not None
+        captured = self.graphs is not None
         mode = trainer.distributed_mode
         if mode.is_distributed and not mode.on_every_rank(captured, inputs.device):
             raise RuntimeError(
@@ -150,7 +202,7 @@ class Replayer:
     @contextlib.contextmanager
     def eager(self):
         """Steps run eagerly inside (a measurement that reads the allocator's events: a replay
-        allocates nothing); the graph is kept for the steps after."""
+        allocates nothing); the graphs are kept for the steps after."""
         saved, self.eager_only = self.eager_only, True
         try:
             yield
@@ -158,23 +210,22 @@ class Replayer:
             self.eager_only = saved
 
     def result(self, batch_size: int) -> dict:
-        """The ``cuda_graph`` result key: captured or not (and why not), replays, its peak."""
-        graph = self.graph
+        """The ``cuda_graph`` result key: captured or not (and why not), the chunk size, what
+        the replays ran, the capture's peak (the padded chunk's: the peak users get)."""
+        graphs = self.graphs
         out = {
-            "captured": graph is not None,
-            "replays": graph.replays if graph else 0,
-            "capture_peak_mb": graph.peak_bytes / MB if graph else None,
+            "captured": graphs is not None,
+            "physical_batch_size": graphs.size if graphs else None,
+            **self.counts(),
+            "capture_peak_mb": graphs.peak_bytes / MB if graphs else None,
             "error": self.error,
         }
-        if graph is None and self.error is None and self.waited:
+        if graphs is None and self.error is None and self.waited:
             out["error"] = (
                 f"standard under DDP is captured after DDP's {ddp.EAGER_ITERATIONS}th iteration "
                 f"(DDP times the first ones with CUDA events): give --warmup_steps "
                 f"{ddp.EAGER_ITERATIONS} or more; every step ran eagerly"
             )
-        elif graph is None and self.error is None:
-            out["error"] = (
-                f"no step had a batch of {batch_size} samples to capture after (Poisson batches "
-                "vary in size; --no_poisson makes every batch full-sized): every step ran eagerly"
-            )
+        elif graphs is None and self.error is None:
+            out["error"] = "no step on CUDA had a sample to capture after: every step ran eagerly"
         return out

@@ -20,6 +20,9 @@ class GraphReplayer(Protocol):
 
     enabled: bool
     replays: int
+    capture_peak_bytes: int | None
+
+    def counts(self) -> dict: ...
 
     def step(
         self, trainer: SteppingTrainer, inputs: torch.Tensor, targets: torch.Tensor
@@ -37,6 +40,7 @@ class SteppingTrainer(Protocol):
     is_private: bool
     model: nn.Module
     batch_size: int  # the expected (global) logical batch: the averaging divisor
+    max_physical_batch_size: int  # the chunk cap (the logical batch when not given)
     world_size: int
     distributed_mode: SingleProcess
     optimizer: torch.optim.Optimizer
@@ -51,6 +55,8 @@ class SteppingTrainer(Protocol):
     def step(self, inputs: torch.Tensor, targets: torch.Tensor) -> dict: ...
 
     def chunks(self, batch: int, largest: int | None = None) -> list[torch.Tensor]: ...
+
+    def prepare_padded_chunks(self) -> None: ...
 
     def chunk_step(self, inputs: torch.Tensor, targets: torch.Tensor, is_last: bool) -> Any: ...
 

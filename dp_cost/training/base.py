@@ -159,6 +159,10 @@ class Trainer:
         num_chunks = math.ceil((largest or batch) / self.max_physical_batch_size)
         return list(torch.arange(batch).tensor_split(num_chunks))
 
+    def prepare_padded_chunks(self) -> None:
+        """The per-step decisions ``chunks`` takes, for a step of padded chunks of a fixed size
+        (stepping.chunks.padded_step, CUDA graphs): any number of them, so none that needs one."""
+
     def step(self, inputs: torch.Tensor, targets: torch.Tensor) -> dict:
         """One logical batch (stepping.chunks), or its CUDA graph replayed (stepping.graph)."""
         self.steps_taken += 1

@@ -41,6 +41,11 @@ class FlashClippingTrainer(Trainer):
         self.gathering = self.distributed_mode.gathers_per_sample(largest)
         return super().chunks(batch, largest)
 
+    def prepare_padded_chunks(self):
+        # Gathering takes the step's one chunk and hands .grad over to the gathers: padded
+        # steps (any number of chunks, a graph's own .grad) sum clipped gradients instead.
+        self.gathering = False
+
     def chunk_step(self, inputs, targets, is_last):
         if self.gathering:  # one sample per rank: its gradient is its per-sample gradient
             return self.gathered_chunk_step(inputs, targets)

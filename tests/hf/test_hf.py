@@ -106,8 +106,9 @@ def test_noise_free_update_matches_brute_force(name, use_lora, padding):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("use_lora", [False, True])
 def test_replayed_flash_step_matches_brute_force_on_cuda(use_lora):
-    """--cuda_graph on a Llama classifier (peft's LoRA layers, left padding, chunks 2,2,1): the
-    replayed step against brute force on the model as the eager step left it."""
+    """--cuda_graph on a Llama classifier (peft's LoRA layers, left padding, padded chunks of
+    2): replayed steps of 5 samples (chunks 2, 2, 1 + a stand-in) and of a Poisson draw of 3
+    (divided by the expected 5) against brute force on the model as the step before left it."""
     model, _ = tiny_model(use_lora)
     model.cuda()
     batches = [hf_data.synthetic_snli(5, 10, VOCAB, seed=s) for s in (1, 2)]
@@ -127,15 +128,18 @@ def test_replayed_flash_step_matches_brute_force_on_cuda(use_lora):
         cuda_graph=True,
     )
     trainer.step(*batches[0])  # eager, then captured
-    assert trainer.graphs.graph is not None, trainer.graphs.error
-    reference_model, _ = tiny_model(use_lora)  # no flash hooks, every trainable one trainable
-    reference_model.cuda().load_state_dict(model.state_dict())
-    ref, norms = reference_update(reference_model, *batches[1], max_grad_norm)
-    assert (norms > max_grad_norm).any() and (norms < max_grad_norm).any()
-    trainer.step(*batches[1])
-    assert trainer.graphs.graph.replays == 1
-    update = torch.cat([p.grad.reshape(-1) for p in params]).double()
-    assert ((update - ref).norm() / ref.norm()).item() < 1e-5
+    assert trainer.graphs.graphs is not None, trainer.graphs.error
+    for inputs, labels in (batches[1], (batches[1][0][:3], batches[1][1][:3])):
+        reference_model, _ = tiny_model(use_lora)  # no flash hooks, every trainable one trainable
+        reference_model.cuda().load_state_dict(model.state_dict())
+        ref, norms = reference_update(reference_model, inputs, labels, max_grad_norm)
+        ref *= len(inputs) / 5  # the divisor is the expected batch
+        clipped = (norms > max_grad_norm).any() and (norms < max_grad_norm).any()
+        assert clipped or len(inputs) < 5
+        trainer.step(inputs, labels)
+        update = torch.cat([p.grad.reshape(-1) for p in params]).double()
+        assert ((update - ref).norm() / ref.norm()).item() < 1e-5
+    assert trainer.graphs.counts() == {"replays": 2, "chunk_replays": 5, "padding_samples": 2}
 
 
 @pytest.mark.parametrize("use_lora", [False, True])

@@ -36,8 +36,8 @@ def full_gradients(model) -> torch.Tensor:
 def run_job(job: dict, info, max_grad_norm: float, seq: int) -> dict:
     """One job: each trainer's one step on each case. ``job``: distributed, trainers, cases
     ("global_samples,batch_size,physical" each), and optionally noise_multiplier, bucket_bytes
-    (flash's bucket size), in_flight_bytes (FSDP2: bytes behind the newest), device_step (the
-    step a CUDA graph captures: no host sync)."""
+    (flash's bucket size), in_flight_bytes (FSDP2: bytes behind the newest), padded_step (the
+    step CUDA graphs replay: padded chunks of P samples, every rank as many)."""
     defaults = buckets.BUCKET_BYTES, buckets.ShardedGradients.IN_FLIGHT_BYTES
     buckets.BUCKET_BYTES = job.get("bucket_bytes") or defaults[0]
     in_flight = job.get("in_flight_bytes")
@@ -64,9 +64,9 @@ def run_job(job: dict, info, max_grad_norm: float, seq: int) -> dict:
                 distributed=job["distributed"],
             )
             torch.manual_seed(100 + info.rank)  # each rank its own noise stream
-            if job.get("device_step"):
-                loss_sum = chunks.device_step(trainer, inputs[local], targets[local])
-                out = {"loss": loss_sum.item() / samples}
+            if job.get("padded_step"):
+                size = chunks.physical_size(trainer)
+                out = chunks.padded_step(trainer, inputs[local], targets[local], size)
             else:
                 out = trainer.step(inputs[local], targets[local])
             grad = full_gradients(model)

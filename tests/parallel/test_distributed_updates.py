@@ -85,8 +85,14 @@ def flash_gathers(distributed, samples):
 # waited for past 5000 bytes (FSDP2); the noise test keeps one bucket, each collective waited
 # for at once.
 SMALL_BUCKETS = {"bucket_bytes": 3000, "in_flight_bytes": 5000}
-# The cases of the step a CUDA graph captures, and of the noise test.
-DEVICE_STEP_CASES = ["8,8,3", "4,4,2", "2,2,1"]
+# The cases of the step CUDA graphs replay (padded chunks of P = min(cap, B / 2) per rank): 4 + 4
+# in two chunks of 3, the second padded by 2; a Poisson-like 4 + 3 in chunks of 2 (rank 1's
+# second padded); 2 + 1 one sample per chunk (rank 1's second chunk all padding); one sample in
+# all (rank 1's only chunk all padding); one per rank.
+PADDED_CASES = ["8,8,3", "7,8,2", "3,4,1", "1,4,2", "2,2,1"]
+# flash's noise through padded chunks: a draw of 5 in chunks of 3, and an empty draw (one
+# all-padding chunk on every rank: its noise enters the sum over ranks there), added once.
+PADDED_NOISE_CASES = ["5,8,3", "0,8,3"]
 # A full batch, an empty Poisson draw (no rank has a sample: noise alone, still once), and
 # one sample per rank (flash under DDP: every rank adds the same draw to its replica).
 NOISE_CASES = ["8,8,8", "0,8,8", "2,8,8"]
@@ -110,10 +116,15 @@ def every_job() -> dict:
                 "distributed": distributed, "trainers": dp_trainers(distributed),
                 "cases": NOISE_CASES, "noise_multiplier": noise, "in_flight_bytes": 0,
             }  # fmt: skip
-    jobs["device step ddp"] = {
-        "distributed": "ddp", "trainers": ["standard", "flash"], "cases": DEVICE_STEP_CASES,
-        "device_step": True, **SMALL_BUCKETS,
+    jobs["padded step ddp"] = {
+        "distributed": "ddp", "trainers": ["standard", "flash"], "cases": PADDED_CASES,
+        "padded_step": True, **SMALL_BUCKETS,
     }  # fmt: skip
+    for noise in (0.0, SIGMA):
+        jobs[f"padded noise {noise}"] = {
+            "distributed": "ddp", "trainers": ["flash"], "cases": PADDED_NOISE_CASES,
+            "padded_step": True, "noise_multiplier": noise,
+        }  # fmt: skip
     return jobs
 
 
@@ -127,7 +138,11 @@ def test_every_trainer_under_ddp_and_fsdp2_steps_as_the_definition(tmp_path):
         check_noise_added_once(
             saved[f"noise 0.0 {distributed}"], saved[f"noise {SIGMA} {distributed}"], distributed
         )
-    check_device_step(saved["device step ddp"])
+    check_padded_step(saved["padded step ddp"])
+    check_noise_added_once(
+        saved["padded noise 0.0"], saved[f"padded noise {SIGMA}"], "ddp", PADDED_NOISE_CASES,
+        ["flash"],
+    )  # fmt: skip
 
 
 def check_update(saved, distributed):
@@ -144,19 +159,21 @@ def check_update(saved, distributed):
         assert len({saved[case, name]["loss"] for name in TRAINERS[distributed]}) == 1
 
 
-def check_device_step(saved):
-    """--cuda_graph under DDP captures stepping.chunks.device_step (no host sync; every rank
-    holds its full share, so each rank's batch is the largest): the same update, flash's
-    gathered one included, and the global batch's loss summed on the device. Which ranks agree
-    (capture, replay) is one collective: a flag false on one rank is false on all."""
+def check_padded_step(saved):
+    """--cuda_graph under DDP replays stepping.chunks.padded_step's chunks: every rank runs the
+    busiest rank's count of chunks of P samples, stand-ins weighted 0: the same update (flash's
+    clipped sums, also at one sample per chunk), and the global batch's loss over its real
+    samples. Which ranks agree (capture, chunk counts) is one collective: a flag false on one
+    rank is false on all."""
     assert saved["agreed"] == [False, True]
-    for case in DEVICE_STEP_CASES:
-        samples, batch_size, _ = map(int, case.split(","))
+    for case in PADDED_CASES:
+        samples, batch_size, physical = map(int, case.split(","))
         mean, clipped = references(samples, batch_size)
         for name, reference in (("standard", mean), ("flash", clipped)):
-            assert relative(saved[case, name]["grad"], reference) < 1e-5, ("device", case, name)
-            assert saved[case, name]["replicas_agree"], ("device", case, name)
-        assert saved[case, "flash"]["gathered"] == flash_gathers("ddp", samples), case
+            assert relative(saved[case, name]["grad"], reference) < 1e-5, ("padded", case, name)
+            assert saved[case, name]["replicas_agree"], ("padded", case, name)
+        # Never gathered: gathering takes a step's one chunk and hands .grad over to the gathers
+        assert not saved[case, "flash"]["gathered"], case
         torch.manual_seed(0)
         model = models.build_model(SMALL)
         inputs, targets = make_batch(samples, SEQ, seed=3)
@@ -166,9 +183,9 @@ def check_device_step(saved):
             assert saved[case, name]["loss"] == pytest.approx(loss, rel=1e-5), (case, name)
 
 
-def check_noise_added_once(clean, noisy, distributed):
-    for case in NOISE_CASES:
-        for name in dp_trainers(distributed):
+def check_noise_added_once(clean, noisy, distributed, cases=NOISE_CASES, names=None):
+    for case in cases:
+        for name in names or dp_trainers(distributed):
             where = ("noise", distributed, case, name)
             noise = noisy[case, name]["grad"] - clean[case, name]["grad"]
             expected = SIGMA * C / 8  # sigma * C / B of the global batch; twice-added: x sqrt(2)

@@ -1,6 +1,6 @@
-"""The step replayed as one CUDA graph (--cuda_graph): exact against the brute-force reference
-of tests/test_trainers.py, fresh noise at every replay, other batch sizes eager; and the refusals
-and CPU errors, which CI checks."""
+"""The step replayed as CUDA graphs of a padded chunk (--cuda_graph): exact against the
+brute-force reference of tests/test_trainers.py and against the eager step for every Poisson
+draw's size, fresh noise at every replay; and the refusals and CPU errors, which CI checks."""
 
 import contextlib
 import glob
@@ -50,7 +50,8 @@ def update_of(trainer, model, inputs, targets, lr):
     after a replay, written by it)."""
     before = flat_params(model)
     trainer.step(inputs, targets)
-    grads = torch.cat([p.grad.reshape(-1) for p in model.parameters()]).double()
+    grads = [torch.zeros_like(p) if p.grad is None else p.grad for p in model.parameters()]
+    grads = torch.cat([grad.reshape(-1) for grad in grads]).double()  # None: an empty batch's
     assert torch.allclose(flat_params(model) - before, -lr * grads, atol=1e-6)
     return -lr * grads
 
@@ -69,7 +70,7 @@ def test_replayed_steps_match_brute_force(name, physical):
         max_physical_batch_size=physical,
     )  # fmt: skip
     trainer.step(*batches[0])  # eager, then captured
-    assert trainer.graphs.graph is not None and trainer.graphs.error is None
+    assert trainer.graphs.graphs is not None and trainer.graphs.error is None
     for inputs, targets in batches[1:]:
         if name == "flash":
             ref, norms = reference_update(plain_copy(model), inputs, targets, clip, lr)
@@ -78,7 +79,7 @@ def test_replayed_steps_match_brute_force(name, physical):
             ref = -lr * per_sample_grads(plain_copy(model), inputs, targets).mean(0)
         update = update_of(trainer, model, inputs, targets, lr)
         assert relative_error(update, ref) < 1e-5
-    assert trainer.graphs.graph.replays == 2
+    assert trainer.graphs.graphs.replays == 2
     assert trainer.graphs.result(5)["captured"]
 
 
@@ -119,7 +120,7 @@ def test_replayed_adam_steps_are_torch_adams_on_brute_force_gradients(name):
         moved, expected = flat_params(model) - start, flat_params(reference) - start
         assert signal.float().mean() > 0.5
         assert relative_error(moved[signal], expected[signal]) < 1e-5, seed
-    assert trainer.graphs.graph.replays == 3
+    assert trainer.graphs.graphs.replays == 3
 
 
 @pytest.mark.gpu
@@ -142,26 +143,41 @@ def test_replays_draw_fresh_noise_of_sigma_c_over_b():
     assert abs(torch.corrcoef(torch.stack(noises))[0, 1].item()) < 0.1
 
 
+@pytest.mark.parametrize("physical", [2, 3])
+@pytest.mark.parametrize("name", ["standard", "flash"])
 @pytest.mark.gpu
 @needs_cuda
-def test_other_batch_sizes_and_eager_steps_do_not_replay():
+def test_every_poisson_draw_replays_the_eager_step(name, physical):
+    """Batches of 0, 1, P-1, P, P+1 and 3P-1 samples (expected batch 4) each replay the
+    captured chunks, padded, and give the eager trainer's step on the same batch (a copy of
+    the model, no graph) to 1e-6 relative in fp32, noise 0; the counts say how many chunks
+    ran and how many rows were padding. Inside eager() a step runs eagerly, and the replays
+    after it bind .grad to the graphs' tensors again."""
     torch.manual_seed(0)
     model = models.build_model(SMALL, device=CUDA)
-    lr, clip = 0.5, 0.05
-    trainer = graphed_trainer("flash", model, 4, lr=lr, max_grad_norm=clip, noise_multiplier=0.0)
-    trainer.step(*(t.to(CUDA) for t in make_batch(4, 6)))
-    # A smaller (Poisson) batch runs eagerly, exactly; so does any step inside eager(); a
-    # full-sized batch after them replays, exactly, and .grad is the graph's again.
-    steps = ((3, None), (4, trainer.graphs.eager()), (4, None))
-    for seed, (batch, context) in enumerate(steps):
+    eager_model = plain_copy(model)
+    options = dict(lr=0.5, max_grad_norm=0.05, noise_multiplier=0.0)
+    graphed = graphed_trainer(name, model, 4, max_physical_batch_size=physical, **options)
+    eager = trainers.make_trainer(
+        name, eager_model, batch_size=4, max_physical_batch_size=physical, **options
+    )
+    sizes = [4, 0, 1, physical - 1, physical, physical + 1, 3 * physical - 1, 4]
+    for seed, batch in enumerate(sizes):
         inputs, targets = (t.to(CUDA) for t in make_batch(batch, 6, seed=seed + 10))
-        ref, _ = reference_update(plain_copy(model), inputs, targets, clip, lr)
-        ref *= batch / 4  # a Poisson batch's sum is divided by the expected batch, 4
-        with context or contextlib.nullcontext():
-            update = update_of(trainer, model, inputs, targets, lr)
-        assert relative_error(update, ref) < 1e-5
-    assert trainer.graphs.graph.replays == 1
-    assert all(p.grad is grad for p, grad in trainer.graphs.graph.grads)
+        context = graphed.graphs.eager() if seed == len(sizes) - 2 else contextlib.nullcontext()
+        with context:
+            graphed_update = update_of(graphed, model, inputs, targets, 0.5)
+        eager_update = update_of(eager, eager_model, inputs, targets, 0.5)
+        if batch == 0:  # noise 0: flash's noise-only step is zero too, standard's skipped
+            assert not graphed_update.any() and not eager_update.any()
+            continue
+        assert relative_error(graphed_update, eager_update) < 1e-6, batch
+    counts = graphed.graphs.counts()
+    replayed_sizes = sizes[1:-2] + sizes[-1:]
+    assert counts["chunk_replays"] == sum(math.ceil(n / physical) for n in replayed_sizes)
+    assert counts["padding_samples"] == sum(-n % physical for n in replayed_sizes)
+    assert counts["replays"] == len(replayed_sizes) - (name == "standard")  # its empty step
+    assert all(p.grad is grad for p, grad in graphed.graphs.graphs.grads)
 
 
 @pytest.mark.gpu
@@ -186,8 +202,8 @@ def test_cli_records_the_graph_and_its_peak(tmp_path):
         assert graph["capture_peak_mb"] > 0 and result["breakdown"]
 
 
-def test_without_a_full_sized_batch_on_cuda_nothing_is_captured_and_the_result_says_why():
-    """On the CPU (or with only smaller Poisson batches) every step runs eagerly and exactly."""
+def test_on_the_cpu_nothing_is_captured_and_the_result_says_why():
+    """On the CPU every step runs eagerly and exactly."""
     torch.manual_seed(0)
     model = models.build_model(SMALL)
     trainer = trainers.make_trainer(
@@ -200,7 +216,7 @@ def test_without_a_full_sized_batch_on_cuda_nothing_is_captured_and_the_result_s
         assert relative_error(update_of(trainer, model, inputs, targets, 0.5), ref) < 1e-5
     result = trainer.graphs.result(4)
     assert not result["captured"] and result["replays"] == 0
-    assert "no step had a batch of 4 samples" in result["error"]
+    assert "no step on CUDA had a sample" in result["error"]
 
 
 def test_a_capture_bypasses_the_kept_device_tables(monkeypatch):
@@ -274,31 +290,34 @@ def test_a_skipped_config_says_why():
     assert skip_reason(ExperimentConfig("flash", 8, 64, cuda_graph=True)) is None
 
 
-def test_plan_says_how_often_a_poisson_batch_replays(tmp_path):
-    """--cuda_graph replays only batches of exactly the expected size: the plan's note gives
-    that share, binomial over the dataset's N (math.comb here, lgamma in the plan): the
-    synthetic dataset's --dataset_size, or a dataset file's rows."""
+def test_plan_says_how_often_a_poisson_draw_takes_a_second_chunk(tmp_path):
+    """With a cap at B or above, the graphs' chunk is the expected batch B and a draw above it
+    replays two chunks: the plan's note gives that share, P(n > B) binomial over the dataset's
+    N (math.comb here, lgamma in the plan), N the synthetic dataset's --dataset_size or a
+    dataset file's rows; a cap below B (the mode's default is 1) needs no note."""
 
     def note_of(*argv):
-        args = profiling_script.parse_args(["--mode=hf", "--model_name", "tiny-llama", *argv])
+        argv = ["--mode=hf", "--model_name", "tiny-llama", "--max_physical_batch_size", *argv]
+        args = profiling_script.parse_args(argv)
         return plan.make_plan(args, cuda_available=lambda: True).note
 
-    def binomial(n, b):
-        return math.comb(n, b) * (b / n) ** b * (1 - b / n) ** (n - b)
+    def above(n, b):
+        pmf = [math.comb(n, k) * (b / n) ** k * (1 - b / n) ** (n - k) for k in range(b + 1)]
+        return 1 - sum(pmf)
 
-    note = note_of("--cuda_graph", "--batch_size", "16", "--dataset_size", "200")
-    assert f"about {100 * binomial(200, 16):.2g}% of steps at batch 16" in note
-    assert "--no_poisson" in note and 0.09 < binomial(200, 16) < 0.11  # a share worth a note
+    note = note_of("16", "--cuda_graph", "--batch_size", "16", "--dataset_size", "200")
+    assert f"about {100 * above(200, 16):.2g}% of steps at batch 16" in note
+    assert 0.42 < above(200, 16) < 0.45  # Poisson(16)'s 43%
     rows = tmp_path / "snli.jsonl"
     rows.write_text('{"premise": "a", "hypothesis": "b", "label": 0}\n' * 20)
-    note = note_of("--cuda_graph", "--batch_size", "16", "--dataset_path", str(rows))
-    assert (
-        f"about {100 * binomial(20, 16):.2g}% of steps at batch 16" in note
-    )  # 22%, not Poisson's 9.9%
-    # Nothing to say: fixed-size batches, no graph, or only trainers a graph skips.
-    assert note_of("--cuda_graph", "--no_poisson", "--batch_size", "16") is None
-    assert note_of("--batch_size", "16") is None
-    assert note_of("--cuda_graph", "--trainers", "dpsgd", "ghost") is None
+    note = note_of("16", "--cuda_graph", "--batch_size", "16", "--dataset_path", str(rows))
+    assert f"about {100 * above(20, 16):.2g}% of steps at batch 16" in note
+    # Nothing to say: a cap below the batch, fixed-size batches, no graph, or only trainers a
+    # graph skips.
+    assert note_of("4", "--cuda_graph", "--batch_size", "16") is None
+    assert note_of("16", "--cuda_graph", "--no_poisson", "--batch_size", "16") is None
+    assert note_of("16", "--batch_size", "16") is None
+    assert note_of("16", "--cuda_graph", "--trainers", "dpsgd", "ghost") is None
 
 
 class Batch:
@@ -322,11 +341,12 @@ def one_rank(tmp_path):
     torch.distributed.destroy_process_group()
 
 
-def test_a_capture_waits_for_ddps_11th_iteration_and_a_full_batch(one_rank):
+def test_a_capture_waits_for_ddps_11th_iteration_and_a_sample(one_rank):
     """DDP times its first 10 iterations (forwards that sync gradients) with CUDA events, read
     in the next: standard under DDP is captured only after its 11th, whatever the steps around
     it (chunks that do not sync, forwards without grad, empty batches do not count); flash at
-    its first full batch; a rank's full batch is its share of the global one."""
+    its first batch with a sample. Any drawn size may be captured after (the graphs' chunk is
+    padded); an empty draw on every rank may not."""
     torch.manual_seed(0)
     model = models.build_model(SMALL)
     trainer = trainers.make_trainer(
@@ -344,15 +364,13 @@ def test_a_capture_waits_for_ddps_11th_iteration_and_a_full_batch(one_rank):
     assert "give --warmup_steps 11" in replayer.result(4)["error"]
     trainer.step(inputs, targets)
     assert replayer.captures_after(Batch(4), trainer)  # this step is DDP's 11th
-    assert not replayer.captures_after(Batch(3), trainer)
-    trainer.world_size = 2  # as on two ranks: each holds 2 of the 4
-    assert replayer.captures_after(Batch(2), trainer)
-    assert not replayer.captures_after(Batch(4), trainer)
+    assert replayer.captures_after(Batch(3), trainer) and replayer.captures_after(Batch(1), trainer)
+    assert not replayer.captures_after(Batch(0), trainer)
     with replayer.eager():
         assert not replayer.captures_after(Batch(2), trainer)
     assert not graph.Replayer(enabled=False).captures_after(Batch(2), trainer)
     flash = trainers.make_trainer("flash", models.build_model(SMALL), lr=0.1, batch_size=4)
-    assert flash.captures_after_this() and graph.Replayer(True).captures_after(Batch(4), flash)
+    assert flash.captures_after_this() and graph.Replayer(True).captures_after(Batch(1), flash)
 
 
 @pytest.mark.parametrize("warmup, noted", [("1", True), ("11", False)])
@@ -391,7 +409,7 @@ def test_a_failed_capture_runs_eagerly_alone_ends_a_ddp_config(distributed, requ
     def failing_capture(*args):
         raise RuntimeError("operation not permitted when stream is capturing")
 
-    monkeypatch.setattr(graph, "StepGraph", failing_capture)
+    monkeypatch.setattr(graph, "ChunkGraphs", failing_capture)
     torch.manual_seed(0)
     trainer = trainers.make_trainer(
         "standard", models.build_model(SMALL), lr=0.1, batch_size=4, distributed=distributed
@@ -400,7 +418,7 @@ def test_a_failed_capture_runs_eagerly_alone_ends_a_ddp_config(distributed, requ
     inputs, targets = make_batch(4, 6)
     if distributed == "none":
         assert replayer.capture_after(trainer, inputs, targets)["loss"] is not None
-        assert replayer.graph is None and "not permitted" in replayer.error
+        assert replayer.graphs is None and "not permitted" in replayer.error
         return
     with pytest.raises(RuntimeError, match="capture failed on a rank .*not permitted"):
         replayer.capture_after(trainer, inputs, targets)
