@@ -1,0 +1,75 @@
+"""What the CUDA graphs of a run replayed, per config and rank, and flash's time against
+standard's over the same Poisson draws: one row per result file of ``RUN_DIR``.
+
+    python benchmarks/graph_replays.py RUN_DIR
+
+Columns: the config, the rank, the mean timed step (the draws are the same for every trainer
+of the run: same seed), the share of the timed steps' physical chunks that replayed a graph (a
+step run eagerly timed each of its chunks), the padding rows the replays ran, and flash's mean
+over standard's of the same rank."""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import sys
+
+
+def rows(run_dir: str) -> list[dict]:
+    out = []
+    for config_dir in sorted(glob.glob(os.path.join(run_dir, "*", ""))):
+        # torchrun: one result per rank (result.json repeats rank 0's); else result.json
+        paths = sorted(glob.glob(os.path.join(config_dir, "result.rank*.json")))
+        out += [row(path) for path in paths or glob.glob(os.path.join(config_dir, "result.json"))]
+    return out
+
+
+def row(path: str) -> dict:
+    """One result file's row (its status where the config did not run)."""
+    with open(path) as f:
+        result = json.load(f)
+    config = os.path.basename(os.path.dirname(path))
+    if result.get("status") != "ok":
+        return {"config": config, "status": result}
+    graph = result.get("cuda_graph")
+    replayed = graph["timed_chunk_replays"] if graph else 0
+    chunks = replayed + len(result.get("physical_step_times_ms") or [])
+    name = os.path.basename(path)
+    return {
+        "config": config,
+        "trainer": result["config"]["trainer"],
+        "rank": int(name.split(".rank")[1].split(".")[0]) if ".rank" in name else 0,
+        "mean_ms": result["avg_time_ms"],
+        "steps": len(result["step_times_ms"]),
+        "replayed": replayed / chunks if graph and chunks else None,
+        "chunks": chunks,
+        "padding": graph["timed_padding_samples"] if graph else None,
+    }
+
+
+def main(argv: list[str]) -> int:
+    if len(argv) != 1 or not os.path.isdir(argv[0]):
+        print("usage: python benchmarks/graph_replays.py RUN_DIR", file=sys.stderr)
+        return 2
+    table = rows(argv[0])
+    standard = {r["rank"]: r["mean_ms"] for r in table if r.get("trainer") == "standard"}
+    columns = ["config", "rank", "steps", "mean ms", "chunks replayed", "chunks", "padding rows"]
+    print("| " + " | ".join([*columns, "flash / standard"]) + " |")
+    print("|---|---|---|---|---|---|---|---|")
+    for r in table:
+        if "status" in r:
+            print(f"| {r['config']} | - | - | - | - | - | - | {r['status'].get('status')} |")
+            continue
+        base = standard.get(r["rank"])
+        versus = f"{r['mean_ms'] / base:.3f}" if r["trainer"] == "flash" and base else "-"
+        share = "-" if r["replayed"] is None else f"{r['replayed']:.1%}"
+        print(
+            f"| {r['config']} | {r['rank']} | {r['steps']} | {r['mean_ms']:.1f} | {share} "
+            f"| {r['chunks']} | {r['padding']} | {versus} |"
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
