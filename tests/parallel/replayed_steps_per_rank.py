@@ -1,7 +1,8 @@
-"""Run by torchrun (2 ranks, NCCL, one GPU each) from test_distributed_updates.py: standard and
-flash under DDP with --cuda_graph, stepping on one global batch's slices until their step is
-captured and replayed; rank 0 saves each replay's gradient (lr 0: the parameters stay, so one
-brute force of the initial model is every step's reference)."""
+"""Run by torchrun (NCCL, one GPU per rank) from test_distributed_updates.py: standard and
+flash under DDP with --cuda_graph, stepping on Poisson-like draws of a global batch (their sizes
+cycle through ``--draws``, each rank its slice) until every draw size was replayed; rank 0
+saves each step's gradient and drawn size (lr 0: the parameters stay, so a brute force of the
+initial model on the draw is every step's reference)."""
 
 import argparse
 import os
@@ -24,7 +25,8 @@ from dp_cost.parallel import ranks  # noqa: E402
 
 def main():
     parser = argparse.ArgumentParser()
-    parser.add_argument("--cases", nargs="+", required=True, help="samples,physical each")
+    parser.add_argument("--cases", nargs="+", required=True, help="batch,physical each")
+    parser.add_argument("--draws", nargs="+", type=int, default=None, help="sizes, cycled")
     parser.add_argument("--seq", type=int, default=12)
     parser.add_argument("--max_grad_norm", type=float, default=0.05)
     parser.add_argument("--noise_multiplier", type=float, default=0.0)
@@ -35,11 +37,15 @@ def main():
     torch.cuda.set_device(device)
     dist.init_process_group("nccl", device_id=device)
     saved = {}
-    for case in args.cases:
-        samples, physical = map(int, case.split(","))
+
+    def draw(samples):  # this rank's slice of a global draw of ``samples``
         inputs, targets = make_batch(samples, args.seq, seed=3)
         mine = ranks.share(samples, info.rank, info.world_size)
-        x, y = inputs[mine.start : mine.stop].to(device), targets[mine.start : mine.stop].to(device)
+        return inputs[mine.start : mine.stop].to(device), targets[mine.start : mine.stop].to(device)
+
+    for case in args.cases:
+        samples, physical = map(int, case.split(","))
+        draws = args.draws or [samples]
         for name in ("standard", "flash"):
             torch.manual_seed(0)
             model = models.build_model(SMALL).to(device)  # the CPU reference's weights
@@ -49,9 +55,11 @@ def main():
                 distributed="ddp", cuda_graph=True,
             )  # fmt: skip
             print(f"rank {info.rank}: {case} {name}", flush=True)  # where a hang would be
-            grads, losses, agree = [], [], True
-            while trainer.graphs.replays < 2 and trainer.steps_taken < 20:
-                losses.append(trainer.step(x, y)["loss"])
+            grads, losses, sizes, agree = [], [], [], True
+            replays = max(2, len(draws))
+            while trainer.graphs.replays < replays and trainer.steps_taken < 20 + replays:
+                sizes.append(draws[trainer.steps_taken % len(draws)])
+                losses.append(trainer.step(*draw(sizes[-1]))["loss"])
                 grad = full_gradients(model)
                 rank0 = grad.clone()
                 dist.broadcast(rank0, 0)
@@ -60,6 +68,7 @@ def main():
             saved[case, name] = {
                 "grads": grads,
                 "losses": losses,
+                "sizes": sizes,
                 "replays": trainer.graphs.replays,
                 "eager_steps": trainer.steps_taken - trainer.graphs.replays,
                 "error": trainer.graphs.error,
