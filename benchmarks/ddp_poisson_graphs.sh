@@ -4,8 +4,11 @@
 # 30 timed draws after DDP's 11 eager iterations; then what each rank replayed and flash's mean
 # step over standard's (benchmarks/graph_replays.py).
 #
-#     bash benchmarks/ddp_poisson_graphs.sh [GPUS] [OUTPUT_DIR]
+# usage: bash benchmarks/ddp_poisson_graphs.sh [GPUS] [OUTPUT_DIR]   (needs GPUS CUDA cards)
 set -euo pipefail
+case "${1:-}" in
+    -h | --help) sed -n '2,7p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+esac
 gpus=${1:-2}
 out=${2:-./runs}
 run="ddp_poisson_graphs_$(date +%Y%m%d_%H%M%S)"

@@ -10,6 +10,7 @@ over standard's of the same rank."""
 
 from __future__ import annotations
 
+import argparse
 import glob
 import json
 import os
@@ -49,10 +50,13 @@ def row(path: str) -> dict:
 
 
 def main(argv: list[str]) -> int:
-    if len(argv) != 1 or not os.path.isdir(argv[0]):
-        print("usage: python benchmarks/graph_replays.py RUN_DIR", file=sys.stderr)
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("run_dir", help="a run directory (<output_dir>/<run_name>)")
+    run_dir = parser.parse_args(argv).run_dir
+    if not os.path.isdir(run_dir):
+        print(f"error: no run directory at {run_dir}", file=sys.stderr)
         return 2
-    table = rows(argv[0])
+    table = rows(run_dir)
     standard = {r["rank"]: r["mean_ms"] for r in table if r.get("trainer") == "standard"}
     columns = ["config", "rank", "steps", "mean ms", "chunks replayed", "chunks", "padding rows"]
     print("| " + " | ".join([*columns, "flash / standard"]) + " |")
