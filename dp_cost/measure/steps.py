@@ -8,7 +8,6 @@ batch that had samples and never records phase snapshots (``Session.extra_step``
 from __future__ import annotations
 
 import contextlib
-import gc
 import gzip
 import json
 import os
@@ -63,22 +62,6 @@ class Session:
             self.reused_batch_step()
 
 
-@contextlib.contextmanager
-def collector_frozen():
-    """Inside, the objects alive when it starts (torch's, the model's, transformers': ~400k) are
-    outside the garbage collector's generations (gc.freeze): a full collection scans them in
-    tens of ms, and one that falls in a timed or traced step would land on whichever trainer
-    allocates more Python objects per step (flash's per-layer hooks), at random. Collections
-    inside scan the new objects only. Outside, gc.get_objects() sees every object again (the
-    CPU peak lists the live tensors with it)."""
-    gc.collect()
-    gc.freeze()
-    try:
-        yield
-    finally:
-        gc.unfreeze()
-
-
 class TimedSteps:
     """Warm-up, then the timed steps (synchronised), with the phase snapshots they record."""
 
@@ -92,8 +75,20 @@ class TimedSteps:
             first_measured = len(s.recorder.snapshots)
             counts_before = s.trainer.graphs.counts()
             step_times, physical_times, losses = [], [], []
-            with collector_frozen():
-                self.timed_steps(s, step_times, physical_times, losses)
+            for _ in range(s.config.steps):
+                inputs, targets = s.workload.batch()  # sampled outside the timed region
+                if len(inputs) or s.inputs is None:
+                    # The extra steps after these reuse the last batch that had samples: a
+                    # measurement of an empty (Poisson) batch would measure the noise alone.
+                    s.inputs, s.targets = inputs, targets
+                synchronize(s.device)
+                start = time.perf_counter()
+                s.step_starts.append(start - s.recorder.start)
+                out = s.trainer.step(inputs, targets)
+                synchronize(s.device)
+                step_times.append((time.perf_counter() - start) * 1e3)
+                physical_times.extend(out["physical_step_times_ms"])
+                losses.append(out["loss"])
         s.measured_snapshots = s.recorder.snapshots[first_measured:]
         timed = {k: v - counts_before[k] for k, v in s.trainer.graphs.counts().items()}
         s.timed_replays = timed["replays"]
@@ -118,23 +113,6 @@ class TimedSteps:
             snapshots=s.recorder.snapshots,
             **s.trainer.result_extras(),
         )
-
-    @staticmethod
-    def timed_steps(s: Session, step_times: list, physical_times: list, losses: list) -> None:
-        for _ in range(s.config.steps):
-            inputs, targets = s.workload.batch()  # sampled outside the timed region
-            if len(inputs) or s.inputs is None:
-                # The extra steps after these reuse the last batch that had samples: a
-                # measurement of an empty (Poisson) batch would measure the noise alone.
-                s.inputs, s.targets = inputs, targets
-            synchronize(s.device)
-            start = time.perf_counter()
-            s.step_starts.append(start - s.recorder.start)
-            out = s.trainer.step(inputs, targets)
-            synchronize(s.device)
-            step_times.append((time.perf_counter() - start) * 1e3)
-            physical_times.extend(out["physical_step_times_ms"])
-            losses.append(out["loss"])
 
 
 class PeakMemory:
@@ -214,11 +192,6 @@ class Trace:
     the host time and GPU-busy fraction of one more step (``kernel_names.step_timeline``)."""
 
     def run(self, s: Session, result: dict) -> None:
-        with collector_frozen():  # as the timed steps: no full collection in a traced step
-            self.trace(s, result)
-
-    @staticmethod
-    def trace(s: Session, result: dict) -> None:
         config = s.config
         use_gzip = s.device.type == "cuda" if config.trace_gzip is None else config.trace_gzip
         path = tracing.trace_steps(s.reused_batch_step, s.device, s.out_dir, use_gzip)
