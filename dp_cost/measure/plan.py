@@ -372,15 +372,17 @@ def model_shape(model: str, overrides: dict) -> tuple[int, int, int, int]:
 
 
 def parameter_count(model: str, overrides: dict) -> int:
-    """How many parameters the model has: our LMs counted exactly, built on the meta device (no
-    memory, the learned position table of max_seq_len rows included); a Hugging Face
-    architecture about (embeddings plus attention and MLP weights)."""
+    """How many parameters the model has, counted exactly on a build on the meta device (no
+    memory): our LMs with the learned position table of max_seq_len rows; a Hugging Face
+    architecture as --mode=hf builds it (a sequence classifier: grouped-query attention's
+    smaller k and v, tied embeddings once, no vocabulary head)."""
     import models  # torch: see model_shape
 
     if model not in HF_CONFIGS:
         return models.count_parameters(models.build_model(model, device="meta", **overrides))
-    vocab, hidden, layers, mlp = model_shape(model, overrides)
-    return 2 * vocab * hidden + layers * (4 * hidden * hidden + 3 * hidden * mlp)
+    from dp_cost.hf import models as hf_models  # transformers: a Hugging Face model's alone
+
+    return models.count_parameters(hf_models.build_hf_model(model, device="meta")[0])
 
 
 def bytes_lower_bound(model, overrides, physical_batch, seq_len, dataset_size) -> int:
