@@ -27,44 +27,25 @@ import torch
 
 import models
 from dp_cost.core.files import atomic_write, write_json
-from dp_cost.core.fmt import ratio
 from dp_cost.core.settings import ExperimentConfig, default_attention
 from dp_cost.flash import engine as flash_clip
 from dp_cost.flash.clip import ClipFactors, accumulate_weighted_sums
 from dp_cost.flash.rules.linear import direct_squared_norms, gram_squared_norms, linear_route
 from dp_cost.measure import processes
+from dp_cost.report import step_goals
 from dp_cost.report import summary as report
 
-# (batch, seq) -> flash / standard step-time goal; the attention each dtype is benchmarked with.
-STEP_GOALS = {(8, 512): 1.15, (8, 1024): 1.20, (2, 4096): 1.25, (1, 16384): 1.25}
-# Goals per (dtype, B, T) tighter than STEP_GOALS: bf16's short sequences, where the step is
-# partly bound by the host, must hold on any host.
-TIGHTER_GOALS = {("bfloat16", 8, 512): 1.12, ("bfloat16", 8, 1024): 1.12}
+# The 1b shapes the step goals are set for (report.step_goals); the attention each dtype is
+# benchmarked with.
+STEP_SHAPES = tuple(step_goals.STEP_GOALS)
 ATTENTION = {"float32": "explicit", "bfloat16": "sdpa"}
 BF16_ONLY = {(1, 16384)}  # explicit fp32 attention cannot hold B*H*T^2 probabilities there
-PEAK_GOAL = 1.05  # flash peak memory / standard's
-GHOST_SPEEDUP_GOAL = 1.6  # ghost step time / flash's
 TRAINERS = ("standard", "flash", "ghost", "dpsgd")
-# --cuda_graph: these also run with their step replayed as one CUDA graph ("<name>_graph"); the
-# goals then take flash's graphed step against standard's eager one (what users run today).
-GRAPHED = ("standard", "flash")
-ROW_TRAINERS = ("standard", "standard_graph", "flash", "flash_graph", "ghost", "dpsgd")
-GRAPHED_NAMES = tuple(f"{name}_graph" for name in GRAPHED)
-# 1b, bf16 SDPA: flash's host time / standard's, and standard's GPU-busy fraction minus flash's.
-HOST_GOALS = {("bfloat16", 8, 512): {"host_x": 1.10, "busy_gap": 0.03}}
-# Hugging Face LoRA configs: (model, LoRA rank, seq, batch, physical batch, dtypes); goals:
-# flash / standard <= HF_TIME_GOAL, flash faster than dpsgd and ghost.
+# Hugging Face LoRA configs: (model, LoRA rank, seq, batch, physical batch, dtypes).
 HF_STEPS = (
     ("meta-llama/Llama-3.2-3B-Instruct", 32, 256, 16, 2, ("float32", "bfloat16")),
     ("meta-llama/Llama-3.1-8B-Instruct", 16, 512, 16, 4, ("bfloat16",)),
 )
-HF_TIME_GOAL = 1.10
-# With --cuda_graph (both trainers graphed, every Poisson draw replayed as padded chunks): flash /
-# standard <= HF_GRAPHED_GOAL; flash graphed / standard eager <= HF_OVER_EAGER_GOALS where named;
-# the timed steps' chunks replayed >= HF_REPLAYED_GOAL.
-HF_GRAPHED_GOAL = 1.05
-HF_OVER_EAGER_GOALS = {("Llama-3.2-3B-Instruct LoRA r32", "bfloat16"): 0.5}
-HF_REPLAYED_GOAL = 0.95
 HF_DRAWS = 30  # timed Poisson draws per LoRA config (--hf_steps)
 # The routes flash runs (gram and direct: the fused Triton kernels on CUDA in 16-bit), and the
 # torch paths they replaced, measured beside them.
@@ -80,11 +61,12 @@ def bench_config(trainer: str, **settings) -> ExperimentConfig:
 
 
 def with_graphs(configs: list[ExperimentConfig]) -> list[ExperimentConfig]:
-    """``configs`` and, after each of a GRAPHED trainer, the same with its step as a CUDA graph."""
+    """``configs`` and, after each of a graphed trainer's (step_goals.GRAPHED), the same with its
+    steps replayed as CUDA graphs."""
     out = []
     for config in configs:
         out.append(config)
-        if config.trainer in GRAPHED:
+        if config.trainer in step_goals.GRAPHED:
             out.append(dataclasses.replace(config, cuda_graph=True))
     return out
 
@@ -105,7 +87,7 @@ def step_configs(
             device="cuda",
         )
         for dtype in dtypes
-        for batch, seq in shapes or STEP_GOALS
+        for batch, seq in shapes or STEP_SHAPES
         if not (dtype == "float32" and (batch, seq) in BF16_ONLY)
         for trainer in trainers
     ]
@@ -144,180 +126,6 @@ def hf_step_configs(
         if dtypes is None or dtype in dtypes
         for trainer in trainers
     ]
-
-
-def model_label(config: dict) -> str:
-    model = config.get("model", "1b").rsplit("/", 1)[-1]
-    return f"{model} LoRA r{config.get('lora_rank')}" if config.get("use_lora") else model
-
-
-def step_rows(results: list[dict]) -> list[dict]:
-    """One row per (dtype, B, T): flash's ratios and whether each goal is met."""
-    by_shape: dict[tuple, dict[str, dict]] = {}
-    for result in results:
-        config = result["config"]
-        physical = config.get("physical_batch_size") or config["batch_size"]
-        key = (model_label(config), config["dtype"], config["batch_size"], config["seq_len"])
-        name = config["trainer"] + ("_graph" if config.get("cuda_graph") else "")
-        by_shape.setdefault(key + (physical,), {})[name] = result
-    rows = []
-    for (model, dtype, batch, seq, physical), trainers in by_shape.items():
-        lora = "LoRA" in model
-        # Poisson draws vary in size: the mean over the same draws (their total) compares them
-        time_key = "avg_time_ms" if lora else "median_time_ms"
-
-        def time_of(name, trainers=trainers, key=time_key):
-            result = trainers.get(name)
-            return result[key] if result and result["status"] == "ok" else None
-
-        def peak_of(name, trainers=trainers):
-            result = trainers.get(name)
-            return result["peak_memory_mb"] if result and result["status"] == "ok" else None
-
-        def timeline(key, trainers=trainers):
-            return {
-                name: r.get(key) if r["status"] == "ok" else None for name, r in trainers.items()
-            }
-
-        # flash's graphed step where it was captured (a failed capture ran eagerly: not it)
-        graphed = trainers.get("flash_graph") or {}
-        flash = "flash_graph" if (graphed.get("cuda_graph") or {}).get("captured") else "flash"
-        flash_time = time_of(flash)
-        host, busy = timeline("host_time_ms"), timeline("gpu_busy_fraction")
-        goals = HOST_GOALS.get((dtype, batch, seq), {}) if not lora else {}
-        both_graphed = lora and flash == "flash_graph"
-        row = {
-            "model": model,
-            "dtype": dtype,
-            "batch": batch,
-            "seq": seq,
-            "physical": physical,
-            "standard_ms": time_of("standard"),
-            "flash_ms": flash_time,
-            "ghost_ms": time_of("ghost"),
-            "dpsgd_ms": time_of("dpsgd"),
-            "flash_graphed": flash == "flash_graph",
-            "time_x": ratio(flash_time, time_of("standard")),
-            "eager_x": ratio(time_of("flash"), time_of("standard")),
-            "graphed_x": ratio(time_of("flash_graph"), time_of("standard_graph")),
-            "time_goal": HF_TIME_GOAL
-            if lora
-            else TIGHTER_GOALS.get((dtype, batch, seq), STEP_GOALS.get((batch, seq))),
-            "graphed_goal": HF_GRAPHED_GOAL if both_graphed else None,
-            "over_eager_x": ratio(time_of("flash_graph"), time_of("standard")),
-            "over_eager_goal": HF_OVER_EAGER_GOALS.get((model, dtype)) if both_graphed else None,
-            "replayed": {name: replayed_share(r) for name, r in trainers.items()},
-            "replayed_goal": HF_REPLAYED_GOAL if both_graphed else None,
-            "peak_x": ratio(peak_of(flash), peak_of("standard")),
-            "peak_goal": None if lora else PEAK_GOAL,
-            "ghost_over_flash": ratio(time_of("ghost"), flash_time),
-            "ghost_goal": None if "ghost" not in trainers else 1.0 if lora else GHOST_SPEEDUP_GOAL,
-            "dpsgd_goal": 1.0 if "dpsgd" in trainers else None,
-            "dpsgd_over_flash": ratio(time_of("dpsgd"), flash_time),
-            "host_ms": host,
-            "gpu_busy": busy,
-            "host_x": ratio(host.get("flash"), host.get("standard")),  # the eager steps' host
-            "host_goal": goals.get("host_x"),
-            "busy_gap": (
-                None
-                if busy.get(flash) is None or busy.get("standard") is None
-                else busy["standard"] - busy[flash]
-            ),
-            "busy_goal": goals.get("busy_gap"),
-            "status": {name: r["status"] for name, r in trainers.items()},
-        }
-        if both_graphed:  # LoRA with --cuda_graph: the goal is flash graphed / standard graphed
-            row["time_goal"] = None
-        row["misses"] = goal_misses(row)
-        rows.append(row)
-    return rows
-
-
-def replayed_share(result: dict) -> float | None:
-    """The share of the timed steps' physical chunks that replayed a CUDA graph (a step that
-    ran eagerly timed each of its chunks); None without --cuda_graph or a measurement."""
-    graph = result.get("cuda_graph") if result.get("status") == "ok" else None
-    if not graph:
-        return None
-    replayed = graph.get("timed_chunk_replays", 0)
-    total = replayed + len(result.get("physical_step_times_ms") or [])
-    return replayed / total if total else None
-
-
-def goal_misses(row: dict) -> list[str]:
-    """Each goal the row misses, with by how much; unmeasured values are said, not guessed."""
-    checks = [
-        ("time_x", row["time_goal"], "<=", "flash/standard time"),
-        ("graphed_x", row.get("graphed_goal"), "<=", "flash/standard time, both graphed"),
-        ("over_eager_x", row.get("over_eager_goal"), "<=", "flash graphed/standard eager time"),
-        ("peak_x", row.get("peak_goal", PEAK_GOAL), "<=", "flash/standard peak"),
-        ("ghost_over_flash", row.get("ghost_goal", GHOST_SPEEDUP_GOAL), ">=", "ghost/flash time"),
-        ("dpsgd_over_flash", row.get("dpsgd_goal", 1.0), ">", "dpsgd/flash time"),
-        ("host_x", row.get("host_goal"), "<=", "flash/standard host time"),
-        ("busy_gap", row.get("busy_goal"), "<=", "standard-flash GPU busy"),
-    ]
-    misses: list[str] = []
-    replayed = row.get("replayed") or {}
-    for name in GRAPHED_NAMES if row.get("replayed_goal") else ():
-        share, goal = replayed.get(name), row["replayed_goal"]
-        if share is None or share < goal:
-            misses.append(f"{name} chunks replayed {share} vs goal >= {goal:.2f}")
-    for key, goal, op, label in checks:
-        value = row[key]
-        if goal is None:
-            continue
-        if value is None:
-            misses.append(f"{label}: not measured")
-        elif (op == "<=" and value > goal) or (op == ">=" and value < goal):
-            misses.append(f"{label} {value:.2f} vs goal {op} {goal:.2f} ({value / goal - 1:+.1%})")
-        elif op == ">" and value <= goal:
-            misses.append(f"{label} {value:.2f} vs goal > {goal:.2f}")
-    return misses
-
-
-def format_step_table(rows: list[dict]) -> str:
-    """flash's graphed step, where it ran, is "flash ms" (marked) and the goals' flash."""
-    names = [n for n in ROW_TRAINERS if any(n in row["host_ms"] for row in rows)]
-
-    def cell(value, fmt="{:.2f}"):
-        return "-" if value is None else fmt.format(value)
-
-    def per_trainer(values: dict, fmt: str) -> str:
-        return " / ".join(cell(values.get(name), fmt) for name in names)
-
-    lines = [
-        "| model | dtype | B | T | physical | standard ms | flash ms | ghost ms | dpsgd ms "
-        "| flash/std time (goal) | eager / graphed | flash/std peak (goal) | ghost/flash (goal) "
-        "| dpsgd/flash (goal >1) | flash graph / standard eager (goal) "
-        "| chunks replayed standard / flash graph | host ms "
-        + " / ".join(names)
-        + " | GPU busy % "
-        + " / ".join(names)
-        + " | misses |",
-        "|" + "---|" * 19,
-    ]
-    for row in rows:
-        ms = "{:.1f}"
-        busy = {name: None if v is None else 100 * v for name, v in row["gpu_busy"].items()}
-        graph = " (graph)" if row.get("flash_graphed") else ""
-        replayed, pct = row.get("replayed") or {}, "{:.0%}"
-        lines.append(
-            f"| {row['model']} | {row['dtype']} | {row['batch']} | {row['seq']}"
-            f" | {row['physical']} | {cell(row['standard_ms'], ms)}"
-            f" | {cell(row['flash_ms'], ms)}{graph} | {cell(row['ghost_ms'], ms)}"
-            f" | {cell(row['dpsgd_ms'], ms)}"
-            f" | {cell(row['time_x'])} ({cell(row['time_goal'])})"
-            f" | {cell(row.get('eager_x'))} / {cell(row.get('graphed_x'))}"
-            f"{' (' + cell(row.get('graphed_goal')) + ')' if row.get('graphed_goal') else ''}"
-            f" | {cell(row['peak_x'])} ({cell(row['peak_goal'])})"
-            f" | {cell(row['ghost_over_flash'])} ({cell(row['ghost_goal'])})"
-            f" | {cell(row['dpsgd_over_flash'])}"
-            f" | {cell(row.get('over_eager_x'))} ({cell(row.get('over_eager_goal'))})"
-            f" | {' / '.join(cell(replayed.get(name), pct) for name in GRAPHED_NAMES)}"
-            f" | {per_trainer(row['host_ms'], ms)} | {per_trainer(busy, '{:.0f}')}"
-            f" | {'; '.join(row['misses']) or 'all met'} |"
-        )
-    return "\n".join(lines)
 
 
 # ---------------------------------------------------------------- kernel level
@@ -439,7 +247,7 @@ def kernel_rows(dtype: torch.dtype, shapes=None) -> tuple[list[dict], dict]:
         }
     )
     rows = []
-    for B, T in shapes or STEP_GOALS:
+    for B, T in shapes or STEP_SHAPES:
         for d, p in linear_shapes:
             rows += shape_rows(B, T, d, p, dtype, rates)
     return rows, rates
@@ -534,8 +342,8 @@ def main(argv=None) -> int:
     else:
         # Steps run in forked workers: this process must not have touched CUDA beyond the check.
         results = processes.run_configs(configs, run_dir)
-        rows = step_rows(results)
-        table = format_step_table(rows)
+        rows = step_goals.step_rows(results)
+        table = step_goals.format_step_table(rows)
         header = (
             f"# Flash Clipping step goals, {card}\n\nHost time and GPU busy: one step after "
             "the timed ones, traced for CUDA activity alone (host: the step's first CUDA call to "

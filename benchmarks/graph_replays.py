@@ -16,6 +16,9 @@ import json
 import os
 import sys
 
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository
+from dp_cost.report import step_goals  # noqa: E402
+
 
 def rows(run_dir: str) -> list[dict]:
     out = []
@@ -35,16 +38,17 @@ def row(path: str) -> dict:
         return {"config": config, "status": result}
     graph = result.get("cuda_graph")
     replayed = graph["timed_chunk_replays"] if graph else 0
-    chunks = replayed + len(result.get("physical_step_times_ms") or [])
     name = os.path.basename(path)
     return {
         "config": config,
+        # the config's name less its trainer's: flash is compared with standard's of the same
+        "shape": config.split("_", 1)[1],
         "trainer": result["config"]["trainer"],
         "rank": int(name.split(".rank")[1].split(".")[0]) if ".rank" in name else 0,
         "mean_ms": result["avg_time_ms"],
         "steps": len(result["step_times_ms"]),
-        "replayed": replayed / chunks if graph and chunks else None,
-        "chunks": chunks,
+        "replayed": step_goals.replayed_share(result),
+        "chunks": replayed + len(result.get("physical_step_times_ms") or []),
         "padding": graph["timed_padding_samples"] if graph else None,
     }
 
@@ -57,7 +61,9 @@ def main(argv: list[str]) -> int:
         print(f"error: no run directory at {run_dir}", file=sys.stderr)
         return 2
     table = rows(run_dir)
-    standard = {r["rank"]: r["mean_ms"] for r in table if r.get("trainer") == "standard"}
+    standard = {
+        (r["shape"], r["rank"]): r["mean_ms"] for r in table if r.get("trainer") == "standard"
+    }
     columns = ["config", "rank", "steps", "mean ms", "chunks replayed", "chunks", "padding rows"]
     print("| " + " | ".join([*columns, "flash / standard"]) + " |")
     print("|---|---|---|---|---|---|---|---|")
@@ -65,7 +71,7 @@ def main(argv: list[str]) -> int:
         if "status" in r:
             print(f"| {r['config']} | - | - | - | - | - | - | {r['status'].get('status')} |")
             continue
-        base = standard.get(r["rank"])
+        base = standard.get((r["shape"], r["rank"]))
         versus = f"{r['mean_ms'] / base:.3f}" if r["trainer"] == "flash" and base else "-"
         share = "-" if r["replayed"] is None else f"{r['replayed']:.1%}"
         print(

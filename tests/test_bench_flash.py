@@ -1,6 +1,7 @@
 """bench_flash's bookkeeping on CPU: goal checks, step rows, route floors, and each route's work."""
 
 import json
+import os
 
 import pytest
 import torch
@@ -8,6 +9,7 @@ import torch
 import bench_flash
 from dp_cost.flash import engine as flash_clip
 from dp_cost.measure import processes
+from dp_cost.report import step_goals
 
 
 def result(trainer, batch, seq, dtype, ms, peak, status="ok"):
@@ -26,7 +28,7 @@ def test_step_rows_and_misses():
         result("ghost", 8, 1024, "bfloat16", 180.0, 1200.0),
         result("dpsgd", 8, 1024, "bfloat16", 0, 0, status="oom"),
     ]
-    (row,) = bench_flash.step_rows(results)
+    (row,) = step_goals.step_rows(results)
     # bf16 (8, 1024): 1.12, tighter than the 1.20 of fp32 at that shape
     assert row["time_x"] == pytest.approx(1.3) and row["time_goal"] == 1.12
     assert row["peak_x"] == pytest.approx(1.04)
@@ -37,7 +39,7 @@ def test_step_rows_and_misses():
     assert misses[1].startswith("ghost/flash time 1.38 vs goal >= 1.60")
     assert misses[2] == "dpsgd/flash time: not measured"
     assert len(misses) == 3  # the peak goal is met
-    assert "all met" not in bench_flash.format_step_table([row])
+    assert "all met" not in step_goals.format_step_table([row])
 
 
 def test_all_goals_met():
@@ -47,9 +49,9 @@ def test_all_goals_met():
         result("ghost", 2, 4096, "float32", 200.0, 1000.0),
         result("dpsgd", 2, 4096, "float32", 111.0, 1000.0),
     ]
-    (row,) = bench_flash.step_rows(results)
+    (row,) = step_goals.step_rows(results)
     assert row["misses"] == []
-    assert "all met" in bench_flash.format_step_table([row])
+    assert "all met" in step_goals.format_step_table([row])
 
 
 def lora_result(trainer, ms, chunks_replayed=0, eager_chunks=0, graph=False):
@@ -76,7 +78,7 @@ def test_lora_rows_compare_graphed_means_and_count_the_chunks_replayed():
         lora_result("flash", 500.0),
         lora_result("flash", 110.0, chunks_replayed=240, eager_chunks=30, graph=True),
     ]
-    (row,) = bench_flash.step_rows(results)
+    (row,) = step_goals.step_rows(results)
     assert row["graphed_x"] == pytest.approx(1.1) and row["over_eager_x"] == pytest.approx(0.275)
     assert row["replayed"]["standard_graph"] == 1.0
     assert row["replayed"]["flash_graph"] == pytest.approx(240 / 270)
@@ -84,7 +86,7 @@ def test_lora_rows_compare_graphed_means_and_count_the_chunks_replayed():
         "flash_graph chunks replayed 0.8888888888888888 vs goal >= 0.95",
         "flash/standard time, both graphed 1.10 vs goal <= 1.05 (+4.8%)",
     ]  # ghost and dpsgd did not run: no goal of theirs
-    assert "89%" in bench_flash.format_step_table([row])
+    assert "89%" in step_goals.format_step_table([row])
 
 
 def test_step_plan_skips_fp32_at_16384():
@@ -142,14 +144,14 @@ def test_host_time_and_gpu_busy_goals():
         r["host_time_ms"], r["gpu_busy_fraction"] = timeline.get(
             r["config"]["trainer"], (None,) * 2
         )
-    (row,) = bench_flash.step_rows(results)
+    (row,) = step_goals.step_rows(results)
     assert row["host_ms"] == {"standard": 40.0, "flash": 50.0, "ghost": 60.0, "dpsgd": None}
     assert row["host_x"] == pytest.approx(1.25) and row["busy_gap"] == pytest.approx(0.05)
     assert row["misses"] == [
         "flash/standard host time 1.25 vs goal <= 1.10 (+13.6%)",
         "standard-flash GPU busy 0.05 vs goal <= 0.03 (+66.7%)",
     ]
-    line = bench_flash.format_step_table([row]).splitlines()[-1]
+    line = step_goals.format_step_table([row]).splitlines()[-1]
     assert "| 40.0 / 50.0 / 60.0 / - | 95 / 90 / 80 / - |" in line
 
 
@@ -188,20 +190,20 @@ def test_hf_steps_on_cpu_with_the_tiny_model(tmp_path):
     configs = bench_flash.hf_step_configs(1, 1, specs=spec, device="cpu")
     results = processes.run_configs(configs, str(tmp_path))
     assert [r["status"] for r in results] == ["ok"] * len(bench_flash.TRAINERS)
-    (row,) = bench_flash.step_rows(results)
+    (row,) = step_goals.step_rows(results)
     assert (row["model"], row["batch"], row["seq"], row["physical"]) == (
         "tiny-llama LoRA r4",
         6,
         16,
         4,
     )
-    assert row["time_goal"] == bench_flash.HF_TIME_GOAL and row["peak_goal"] is None
+    assert row["time_goal"] == step_goals.HF_TIME_GOAL and row["peak_goal"] is None
     assert all(row[f"{name}_ms"] > 0 for name in bench_flash.TRAINERS)
     # CPU: no CUDA trace, so no host time or GPU-busy fraction, and the reason is recorded.
     assert set(row["host_ms"].values()) == {None} and set(row["gpu_busy"].values()) == {None}
     saved = json.loads((tmp_path / results[1]["config_dir"] / "result.json").read_text())
     assert saved["host_time_ms"] is None and "timeline_note" in saved["env"]
-    assert "tiny-llama LoRA r4 | float32 | 6 | 16 | 4 |" in bench_flash.format_step_table([row])
+    assert "tiny-llama LoRA r4 | float32 | 6 | 16 | 4 |" in step_goals.format_step_table([row])
 
 
 def graphed(r, captured=True):
@@ -223,7 +225,7 @@ def test_graphed_rows_take_flash_graph_against_standard_eager():
         name = r["config"]["trainer"] + ("_graph" if r["config"].get("cuda_graph") else "")
         r["host_time_ms"] = {"standard": 80.0, "flash": 95.0, "flash_graph": 2.0}.get(name)
         r["gpu_busy_fraction"] = 0.9
-    (row,) = bench_flash.step_rows(results)
+    (row,) = step_goals.step_rows(results)
     assert row["flash_graphed"] and row["flash_ms"] == 99.0
     assert row["time_x"] == pytest.approx(0.99)
     assert row["eager_x"] == pytest.approx(1.2) and row["graphed_x"] == pytest.approx(1.1)
@@ -231,11 +233,11 @@ def test_graphed_rows_take_flash_graph_against_standard_eager():
     # The host-time goal is the eager step's (a replay's host time is a launch per chunk).
     assert row["host_x"] == pytest.approx(95.0 / 80.0)
     assert any(miss.startswith("flash/standard host time 1.19") for miss in row["misses"])
-    line = bench_flash.format_step_table([row]).splitlines()[-1]
+    line = step_goals.format_step_table([row]).splitlines()[-1]
     assert "| 99.0 (graph) |" in line and "| 1.20 / 1.10 |" in line
     # A capture that failed ran flash eagerly: the goals take the eager flash config then.
     results[3] = graphed(result("flash", 8, 512, "bfloat16", 121.0, 1020.0), captured=False)
-    (row,) = bench_flash.step_rows(results)
+    (row,) = step_goals.step_rows(results)
     assert not row["flash_graphed"] and row["flash_ms"] == 120.0
 
 
@@ -260,3 +262,39 @@ def test_steps_with_no_config_left_is_one_error_line(tmp_path, capsys):
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "--hf 8B --dtypes float32" in err
     assert not (tmp_path / "out").exists()
+
+
+def test_graph_replays_lists_each_rank_and_compares_flash_with_standard_of_its_shape(
+    tmp_path, capsys
+):
+    """benchmarks/graph_replays.py: one row per rank's result file (result.json repeats rank
+    0's), the share of the timed chunks replayed (a step run eagerly timed each of its chunks),
+    flash's mean over standard's of the same shape and rank."""
+    import importlib.util
+
+    path = os.path.join(
+        os.path.dirname(os.path.dirname(__file__)), "benchmarks", "graph_replays.py"
+    )
+    spec = importlib.util.spec_from_file_location("graph_replays", path)
+    graph_replays = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(graph_replays)
+
+    def write(config_dir, name, trainer, mean, replayed, eager_chunks):
+        result = {
+            "status": "ok", "config": {"trainer": trainer}, "avg_time_ms": mean,
+            "step_times_ms": [mean] * 3, "physical_step_times_ms": [1.0] * eager_chunks,
+            "cuda_graph": {"timed_chunk_replays": replayed, "timed_padding_samples": 2},
+        }  # fmt: skip
+        (tmp_path / config_dir).mkdir(exist_ok=True)
+        (tmp_path / config_dir / name).write_text(json.dumps(result))
+
+    for shape, standard_ms in (("bs32_ddp2x", 100.0), ("bs16_ddp2x", 40.0)):
+        for rank in (0, 1):
+            write(f"standard_{shape}", f"result.rank{rank}.json", "standard", standard_ms, 9, 0)
+            write(f"flash_{shape}", f"result.rank{rank}.json", "flash", 96.0, 9, 1)
+        write(f"flash_{shape}", "result.json", "flash", 1e6, 0, 0)  # rank 0's again: not read
+    assert graph_replays.main([str(tmp_path)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) == 2 + 8  # header, separator, 2 shapes x 2 trainers x 2 ranks
+    assert "| flash_bs32_ddp2x | 1 | 3 | 96.0 | 90.0% | 10 | 2 | 0.960 |" in lines
+    assert "| flash_bs16_ddp2x | 0 | 3 | 96.0 | 90.0% | 10 | 2 | 2.400 |" in lines

@@ -214,11 +214,12 @@ SETTINGS: tuple[Setting, ...] = (
     Setting(
         "cuda_graph",
         False,
-        "replay each step as one CUDA graph, captured after the first full-sized batch "
-        "(standard and flash, CUDA, one process or DDP; other batch sizes run eagerly; under "
-        "DDP standard is captured after DDP's 11th iteration: give --warmup_steps 11). "
-        "The host launches a step once instead of each kernel; memory breakdowns and module "
-        "censuses still measure an eager step",
+        "replay every step, whatever its Poisson-drawn size, as CUDA graphs of one padded "
+        "physical chunk and of the finishing step, captured after the first step with a sample "
+        "(standard and flash, CUDA, one process or DDP; under DDP standard is captured after "
+        "DDP's 11th iteration: give --warmup_steps 11). The host launches a graph per chunk "
+        "instead of each kernel; memory breakdowns and module censuses still measure an eager "
+        "step",
         flags=("--cuda_graph",),
         switch=True,
         dir_part=lambda c: "_graph" if c.cuda_graph else None,

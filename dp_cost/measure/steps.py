@@ -101,7 +101,7 @@ class TimedSteps:
             )
         if s.trainer.graphs.enabled:
             result["cuda_graph"] = {
-                **s.trainer.graphs.result(s.trainer.batch_size),
+                **s.trainer.graphs.result(),
                 **{f"timed_{key}": value for key, value in timed.items()},
             }
         result.update(

@@ -1,2 +1,2 @@
-"""How a trainer's step runs: its physical chunks, eagerly or for a capture (``chunks``), and
-the whole step as one CUDA graph (``graph``)."""
+"""How a trainer's step runs: its physical chunks, eagerly or padded to one size (``chunks``),
+and the padded step captured and replayed as CUDA graphs (``graph``)."""

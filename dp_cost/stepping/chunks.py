@@ -99,16 +99,22 @@ def padded_chunk_step(trainer: SteppingTrainer, chunk, is_last: bool) -> torch.T
 
 
 def padded_step(
-    trainer: SteppingTrainer, inputs: torch.Tensor, targets: torch.Tensor, size: int
+    trainer: SteppingTrainer,
+    inputs: torch.Tensor,
+    targets: torch.Tensor,
+    size: int,
+    min_chunks: int = 1,
 ) -> dict:
     """The step a CUDA graph replays, run eagerly: the batch as padded chunks of exactly
     ``size`` samples, then the optimizer step; as eager_step, the divisor is the expected batch
     whatever was drawn or padded. A capture warms up with it (every kernel at the chunk's
-    shape), and the CPU tests check the padding with it."""
+    shape; ``min_chunks``: all-padding chunks added up to that many, which change nothing), and
+    the CPU tests check the padding with it."""
     trainer.optimizer.zero_grad(set_to_none=True)
     count = padded_chunk_count(trainer, len(inputs), size, inputs.device)
     if count == 0:  # nothing drawn on any rank: as eager_step's empty batch
         return eager_step(trainer, inputs, targets)
+    count = max(count, min_chunks)
     trainer.prepare_padded_chunks()
     chunk = new_padded_chunk(inputs, targets, size)
     totals, chunk_times_ms = torch.zeros(2, device=inputs.device), []

@@ -50,8 +50,12 @@ class ChunkGraphs:
         device = inputs.device
         self.size = chunks.physical_size(trainer)
         self.chunk = chunks.new_padded_chunk(inputs, targets, self.size)
-        chunks.fill_chunk(self.chunk, inputs, targets, 0)  # real rows: the capture's are finite
+        # Real rows: a rank with no sample replays on what the chunk holds, finite then too.
+        chunks.fill_chunk(self.chunk, inputs, targets, 0)
         self.totals = torch.zeros(2, device=device)  # [real samples' loss sum, their count]
+        # The step's totals over every rank: outside the graphs' pool, so no graph's
+        # temporaries share its memory between the finishing replay and the read after it.
+        self.step_totals = torch.zeros(2, device=device)
         params = [p for group in trainer.optimizer.param_groups for p in group["params"]]
         for p in params:  # the gradients the chunks accumulate into
             if p.grad is None:
@@ -90,11 +94,18 @@ class ChunkGraphs:
 
     def _finish(self, trainer: SteppingTrainer) -> None:
         trainer.optimizer_step()
-        self.step_totals = trainer.distributed_mode.sum_over_ranks(self.totals.clone())
+        self.step_totals.copy_(self.totals)
+        trainer.distributed_mode.sum_over_ranks(self.step_totals)  # in place
 
     def step(self, trainer: SteppingTrainer, inputs: torch.Tensor, targets: torch.Tensor) -> dict:
         """Replay this batch's chunks and the finishing step; ``{"loss", ...}`` as eager_step's
         (the loss averages the real samples of every rank)."""
+        captured = tuple(self.chunk[0].shape[1:]), tuple(self.chunk[1].shape[1:])
+        if (tuple(inputs.shape[1:]), tuple(targets.shape[1:])) != captured:
+            raise ValueError(
+                f"the CUDA graphs were captured for samples of shape {captured[0]}, got "
+                f"{tuple(inputs.shape[1:])}: one run's batches have one sequence length"
+            )
         for p, grad in self.grads:  # an eager step between replays rebinds .grad
             p.grad = grad
         count = chunks.padded_chunk_count(trainer, len(inputs), self.size, inputs.device)
@@ -127,10 +138,6 @@ class Replayer:
         self.error: str | None = None  # why the capture failed: the steps run eagerly
         self.eager_only = False  # set by eager()
         self.waited = False  # a batch came before the trainer could be captured
-
-    @property
-    def replays(self) -> int:  # steps replayed
-        return self.graphs.replays if self.graphs else 0
 
     def counts(self) -> dict:
         """What the replays ran so far: steps, chunks and padding samples."""
@@ -175,7 +182,11 @@ class Replayer:
         side = torch.cuda.Stream(inputs.device)
         side.wait_stream(current)
         with torch.cuda.stream(side):
-            out = chunks.padded_step(trainer, inputs, targets, chunks.physical_size(trainer))
+            # Under DDP at least two chunks: the chunk that does not sync runs too before its
+            # capture (an all-padding chunk more changes nothing).
+            warm = 2 if trainer.distributed_mode.is_distributed else 1
+            size = chunks.physical_size(trainer)
+            out = chunks.padded_step(trainer, inputs, targets, size, min_chunks=warm)
         current.wait_stream(side)
         try:
             self.graphs = ChunkGraphs(trainer, inputs, targets)
@@ -209,7 +220,7 @@ class Replayer:
         finally:
             self.eager_only = saved
 
-    def result(self, batch_size: int) -> dict:
+    def result(self) -> dict:
         """The ``cuda_graph`` result key: captured or not (and why not), the chunk size, what
         the replays ran, the capture's peak (the padded chunk's: the peak users get)."""
         graphs = self.graphs

@@ -19,7 +19,6 @@ class GraphReplayer(Protocol):
     """A trainer's CUDA graph state, as the measurements read it (stepping.graph.Replayer)."""
 
     enabled: bool
-    replays: int
     capture_peak_bytes: int | None
 
     def counts(self) -> dict: ...
@@ -30,7 +29,7 @@ class GraphReplayer(Protocol):
 
     def eager(self) -> AbstractContextManager: ...
 
-    def result(self, batch_size: int) -> dict: ...
+    def result(self) -> dict: ...
 
 
 class SteppingTrainer(Protocol):
@@ -47,7 +46,7 @@ class SteppingTrainer(Protocol):
     graphs: GraphReplayer  # its CUDA graph, when --cuda_graph (stepping.graph.Replayer)
     shared_noise: torch.Generator | None  # a noise generator of its own (a graph tracks it)
     steps_taken: int
-    # Per-sample losses of a chunk, [n] (a stand-in chunk swaps in a zero-weighted one).
+    # Per-sample losses of a chunk, [n] (a padded or stand-in chunk swaps in a weighted one).
     per_sample_loss: Callable[[nn.Module, torch.Tensor, torch.Tensor], torch.Tensor]
     on_phase: Callable[[str], None]
 

@@ -87,7 +87,7 @@ class Trainer:
             self.optimizer = torch.optim.Adam(params, lr=lr, capturable=cuda_graph)
         self.base_optimizer = self.optimizer  # holds the optimizer states
         self.on_phase("optimizer_created")
-        self.graphs = graph.Replayer(cuda_graph)  # the step as one CUDA graph, if asked
+        self.graphs = graph.Replayer(cuda_graph)  # the step as CUDA graphs, if asked
 
     @contextlib.contextmanager
     def observing_phases(self, callback: Callable[[str], None]):

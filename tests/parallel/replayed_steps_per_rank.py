@@ -57,7 +57,9 @@ def main():
             print(f"rank {info.rank}: {case} {name}", flush=True)  # where a hang would be
             grads, losses, sizes, agree = [], [], [], True
             replays = max(2, len(draws))
-            while trainer.graphs.replays < replays and trainer.steps_taken < 20 + replays:
+            while (
+                trainer.graphs.counts()["replays"] < replays and trainer.steps_taken < 20 + replays
+            ):
                 sizes.append(draws[trainer.steps_taken % len(draws)])
                 losses.append(trainer.step(*draw(sizes[-1]))["loss"])
                 grad = full_gradients(model)
@@ -69,8 +71,8 @@ def main():
                 "grads": grads,
                 "losses": losses,
                 "sizes": sizes,
-                "replays": trainer.graphs.replays,
-                "eager_steps": trainer.steps_taken - trainer.graphs.replays,
+                "replays": trainer.graphs.counts()["replays"],
+                "eager_steps": trainer.steps_taken - trainer.graphs.counts()["replays"],
                 "error": trainer.graphs.error,
                 "replicas_agree": bool(agree),
                 "gathered": trainer.gathering if name == "flash" else None,

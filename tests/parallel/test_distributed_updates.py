@@ -90,9 +90,10 @@ SMALL_BUCKETS = {"bucket_bytes": 3000, "in_flight_bytes": 5000}
 # second padded); 2 + 1 one sample per chunk (rank 1's second chunk all padding); one sample in
 # all (rank 1's only chunk all padding); one per rank.
 PADDED_CASES = ["8,8,3", "7,8,2", "3,4,1", "1,4,2", "2,2,1"]
-# flash's noise through padded chunks: a draw of 5 in chunks of 3, and an empty draw (one
-# all-padding chunk on every rank: its noise enters the sum over ranks there), added once.
-PADDED_NOISE_CASES = ["5,8,3", "0,8,3"]
+# flash's noise through padded chunks, added once: a draw of 5 in chunks of 3 (one chunk per rank,
+# the second rank's padded), of 8 (two chunks per rank: noise in the last one only), and an
+# empty draw (one all-padding chunk on every rank: its noise enters the sum over ranks there).
+PADDED_NOISE_CASES = ["5,8,3", "8,8,3", "0,8,3"]
 # A full batch, an empty Poisson draw (no rank has a sample: noise alone, still once), and
 # one sample per rank (flash under DDP: every rank adds the same draw to its replica).
 NOISE_CASES = ["8,8,8", "0,8,8", "2,8,8"]
@@ -261,9 +262,10 @@ def test_replayed_ddp_noise_is_fresh_and_added_once(tmp_path):
     replay, replicas equal."""
     out, sigma = tmp_path / "noisy.pt", 2.0
     args = ["--seq", str(SEQ), "--max_grad_norm", str(C), "--noise_multiplier", str(sigma)]
-    run_ranks("replayed_steps_per_rank.py", "--cases", "2,1", "4,2", *args, "--out", str(out))
+    cases = ("2,1", "4,2", "8,3")  # one chunk per rank, and two (noise in the last one only)
+    run_ranks("replayed_steps_per_rank.py", "--cases", *cases, *args, "--out", str(out))
     saved = torch.load(out)
-    for case in ("2,1", "4,2"):
+    for case in cases:
         samples = int(case.split(",")[0])
         got = saved[case, "flash"]
         assert got["replays"] == 2 and got["replicas_agree"], (case, got["error"])

@@ -157,6 +157,24 @@ def test_padded_step_is_brute_force_on_the_real_samples(kind, name, drawn):
     assert out["loss"] == pytest.approx(losses.mean().item(), rel=1e-5)
 
 
+@pytest.mark.parametrize("name", ["flash", "standard"])
+def test_all_padding_chunks_added_for_a_warm_up_change_nothing(name):
+    """min_chunks (a capture's warm-up under DDP runs the chunk that does not sync too): the
+    all-padding chunks added are run, and the update and loss are still brute force's."""
+    case = CASES["lm"]
+    model = case.model()
+    inputs, targets, clip = ordered_batch("lm")
+    inputs, targets = inputs[: P + 1], targets[: P + 1]  # two chunks; three with min_chunks 3
+    grad, _ = case.reference(model, inputs, targets, clip if name == "flash" else math.inf)
+    losses = brute_losses(case, model, inputs, targets)
+    trainer = make(name, model, case, clip)
+    step = lambda: chunks.padded_step(trainer, inputs, targets, P, min_chunks=3)  # noqa: E731
+    update, out = update_of(case.params(model), step)
+    assert len(out["physical_step_times_ms"]) == 3
+    assert relative_error(update, -grad * (P + 1) / EXPECTED) < 1e-5
+    assert out["loss"] == pytest.approx(losses.mean().item(), rel=1e-5)
+
+
 @pytest.mark.parametrize("kind", list(CASES))
 def test_stand_ins_have_zero_norm_and_loss_in_a_padded_chunk(kind):
     """Flash's chunk norms, clip factors, losses: brute force's on real rows, stand-ins' add 0."""

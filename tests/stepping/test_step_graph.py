@@ -80,7 +80,7 @@ def test_replayed_steps_match_brute_force(name, physical):
         update = update_of(trainer, model, inputs, targets, lr)
         assert relative_error(update, ref) < 1e-5
     assert trainer.graphs.graphs.replays == 2
-    assert trainer.graphs.result(5)["captured"]
+    assert trainer.graphs.result()["captured"]
 
 
 @pytest.mark.parametrize("name", ["standard", "flash"])
@@ -166,8 +166,10 @@ def test_every_poisson_draw_replays_the_eager_step(name, physical):
         inputs, targets = (t.to(CUDA) for t in make_batch(batch, 6, seed=seed + 10))
         context = graphed.graphs.eager() if seed == len(sizes) - 2 else contextlib.nullcontext()
         with context:
-            graphed_update = update_of(graphed, model, inputs, targets, 0.5)
-        eager_update = update_of(eager, eager_model, inputs, targets, 0.5)
+            graphed_update, graphed_loss = update_and_loss(graphed, model, inputs, targets)
+        eager_update, eager_loss = update_and_loss(eager, eager_model, inputs, targets)
+        # The loss of the draw's real samples: summed inside the graphs, read after the step.
+        assert graphed_loss == (None if eager_loss is None else pytest.approx(eager_loss))
         if batch == 0:  # noise 0: flash's noise-only step is zero too, standard's skipped
             assert not graphed_update.any() and not eager_update.any()
             continue
@@ -178,6 +180,19 @@ def test_every_poisson_draw_replays_the_eager_step(name, physical):
     assert counts["padding_samples"] == sum(-n % physical for n in replayed_sizes)
     assert counts["replays"] == len(replayed_sizes) - (name == "standard")  # its empty step
     assert all(p.grad is grad for p, grad in graphed.graphs.graphs.grads)
+    with pytest.raises(ValueError, match=r"captured for samples of shape \(6,\), got \(7,\)"):
+        graphed.step(*(t.to(CUDA) for t in make_batch(4, 7)))
+
+
+def update_and_loss(trainer, model, inputs, targets):
+    """update_of's update, and the loss the step reported."""
+    losses = []
+    step = trainer.step
+    trainer.step = lambda x, y: losses.append(step(x, y)["loss"])
+    try:
+        return update_of(trainer, model, inputs, targets, 0.5), losses[0]
+    finally:
+        trainer.step = step
 
 
 @pytest.mark.gpu
@@ -214,7 +229,7 @@ def test_on_the_cpu_nothing_is_captured_and_the_result_says_why():
         inputs, targets = make_batch(4, 6)
         ref, _ = reference_update(plain_copy(model, "cpu"), inputs, targets, 0.05, 0.5)
         assert relative_error(update_of(trainer, model, inputs, targets, 0.5), ref) < 1e-5
-    result = trainer.graphs.result(4)
+    result = trainer.graphs.result()
     assert not result["captured"] and result["replays"] == 0
     assert "no step on CUDA had a sample" in result["error"]
 
@@ -361,7 +376,7 @@ def test_a_capture_waits_for_ddps_11th_iteration_and_a_sample(one_rank):
         trainer.step(inputs[:0], targets[:0])  # an empty Poisson draw: no forward
     assert trainer.forward_model.iterations == 9
     assert not replayer.captures_after(Batch(4), trainer)
-    assert "give --warmup_steps 11" in replayer.result(4)["error"]
+    assert "give --warmup_steps 11" in replayer.result()["error"]
     trainer.step(inputs, targets)
     assert replayer.captures_after(Batch(4), trainer)  # this step is DDP's 11th
     assert replayer.captures_after(Batch(3), trainer) and replayer.captures_after(Batch(1), trainer)
@@ -380,7 +395,7 @@ def test_the_plan_says_when_standard_under_ddp_would_capture_late(warmup, noted,
     argv = ["--mode=profile", "--cuda_graph", "--distributed", "ddp", "--warmup_steps", warmup]
     note = plan.make_plan(profiling_script.parse_args(argv), cuda_available=lambda: True).note
     assert ("give --warmup_steps 11" in (note or "")) == noted
-    argv = [*argv[:-2], "--trainers", "flash"]  # flash captures after its first full batch
+    argv = [*argv[:-2], "--trainers", "flash"]  # flash captures after its first batch with a sample
     assert not plan.make_plan(profiling_script.parse_args(argv), cuda_available=lambda: True).note
 
 
