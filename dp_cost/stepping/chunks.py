@@ -33,8 +33,10 @@ def eager_step(trainer: SteppingTrainer, inputs: torch.Tensor, targets: torch.Te
     for i, index in enumerate(chunk_list):
         start = time.perf_counter()
         x, y, stand_in = chunk_of(inputs, targets, index.to(inputs.device))
-        weights = torch.zeros(1, device=x.device) if stand_in else None
-        with weighted(trainer, weights) if stand_in else contextlib.nullcontext():
+        weighting = contextlib.nullcontext()
+        if stand_in:  # its loss weighs 0: no gradient, no norm, no share of the clipped sum
+            weighting = weighted(trainer, torch.zeros(1, device=x.device))
+        with weighting:
             chunk_loss = trainer.chunk_step(x, y, is_last=i == len(chunk_list) - 1)
         loss_sum += chunk_loss.item()  # a device sync: the host clock is valid here
         chunk_times_ms.append((time.perf_counter() - start) * 1e3)

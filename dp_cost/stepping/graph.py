@@ -4,14 +4,14 @@ and replayed for every later batch, whatever size Poisson sampling draws.
 
 Why: a short step's host work (Python, autograd, one launch per kernel) can take as long as its
 GPU work, most for flash's per-layer hooks, and then any jitter of the host lands on the step.
-A replayed chunk is one launch. What it needs from a trainer: chunk steps and an optimizer step with
-no host sync (``Trainer.capturable``) and ``discard_step_state``.
+A replayed chunk is one launch. What it needs from a trainer: chunk steps and an optimizer step
+with no host sync (``Trainer.capturable``) and ``discard_step_state``.
 
 Under DDP every rank captures and replays the same step, its collectives (DDP's all-reduce,
-flash's gathers, the loss's sum) inside the graph: NCCL's captured collectives run at each
-replay, so every rank must replay when the others do, as many chunks as the busiest rank
-(a rank with fewer samples pads with stand-ins). Each such decision (capture, how many chunks)
-is taken by all the ranks together, on every rank's batch.
+flash's sum over the ranks, the loss's sum) inside the graphs: NCCL's captured collectives run
+at each replay, so every rank must replay when the others do, as many chunks as the busiest
+rank (a rank with fewer samples pads with stand-ins). Each such decision (capture, how many
+chunks) is taken by all the ranks together, on every rank's batch.
 """
 
 from __future__ import annotations
@@ -120,7 +120,7 @@ class ChunkGraphs:
             # Nothing drawn: the non-private step has no gradient, and its optimizer skips.
             trainer.on_phase("step_done")
             return {"loss": None, "physical_step_times_ms": []}
-        self.finish_graph.replay()  # nothing drawn: a DP trainer's noise-only step
+        self.finish_graph.replay()  # after no chunk (nothing drawn): a DP trainer's noise alone
         self.replays += 1
         trainer.on_phase("step_done")  # the chunks ran inside the graphs: no host clock
         loss_sum, real = self.step_totals.tolist()
