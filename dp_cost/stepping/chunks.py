@@ -32,12 +32,17 @@ def eager_step(trainer: SteppingTrainer, inputs: torch.Tensor, targets: torch.Te
     loss_sum, chunk_times_ms = 0.0, []
     for i, index in enumerate(chunk_list):
         start = time.perf_counter()
-        x, y, stand_in = chunk_of(inputs, targets, index.to(inputs.device))
-        weighting = contextlib.nullcontext()
-        if stand_in:  # its loss weighs 0: no gradient, no norm, no share of the clipped sum
-            weighting = weighted(trainer, torch.zeros(1, device=x.device))
-        with weighting:
-            chunk_loss = trainer.chunk_step(x, y, is_last=i == len(chunk_list) - 1)
+        is_last = i == len(chunk_list) - 1
+        if len(index):
+            index = index.to(inputs.device)
+            chunk_loss = trainer.chunk_step(inputs[index], targets[index], is_last=is_last)
+        else:
+            # Every rank runs as many chunks as the rank with the most samples (FSDP2
+            # all-gathers in each chunk's forward): a rank with none for this chunk runs a
+            # padded chunk of one stand-in, weighted 0 (its gradient, norm and share are 0).
+            stand_in = new_padded_chunk(inputs, targets, 1)
+            fill_chunk(stand_in, inputs, targets, len(inputs))
+            chunk_loss = padded_chunk_step(trainer, stand_in, is_last)[0]
         loss_sum += chunk_loss.item()  # a device sync: the host clock is valid here
         chunk_times_ms.append((time.perf_counter() - start) * 1e3)
     trainer.optimizer_step()
@@ -130,22 +135,6 @@ def padded_step(
     trainer.on_phase("step_done")
     loss_sum, real = trainer.distributed_mode.sum_over_ranks(totals).tolist()
     return {"loss": loss_sum / real if real else None, "physical_step_times_ms": chunk_times_ms}
-
-
-def chunk_of(inputs: torch.Tensor, targets: torch.Tensor, index: torch.Tensor):
-    """(inputs, targets, stand_in) of one physical chunk. Every rank runs as many chunks as the
-    rank with the most samples (FSDP2 all-gathers in each chunk's forward); a rank with fewer
-    samples gets an empty chunk, which runs one stand-in sample instead (a copy of its first, or
-    zeros when it has none) whose loss weighs 0: its gradient, norm and clipped sum are 0."""
-    if len(index):
-        return inputs[index], targets[index], False
-    if len(inputs):
-        return inputs[:1], targets[:1], True
-    return (
-        inputs.new_zeros((1, *inputs.shape[1:])),
-        targets.new_zeros((1, *targets.shape[1:])),
-        True,
-    )
 
 
 @contextlib.contextmanager
