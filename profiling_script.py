@@ -175,7 +175,7 @@ def _argument(setting) -> dict:
         options.update(action=argparse.BooleanOptionalAction)
     else:
         options.update(type=setting.type, choices=setting.choices)
-        if setting.axis:
+        if setting.axis or setting.many:
             options["nargs"] = "+"
     return options
 

@@ -31,6 +31,7 @@ class Mode:
     cpu_becomes: bool = False  # ... and the run becomes that mode (name, traces, breakdown)
     cpu_model: str | None = None  # ... or the model it runs without CUDA when none is named
     cpu_message: str = ""
+    predicts: bool = False  # predicts on fake tensors: any model, any size, on any machine
 
 
 MODES = {
@@ -64,6 +65,12 @@ MODES = {
             cpu_model="tiny-llama",
             cpu_message="No CUDA device found: --mode=hf_sweep runs on the CPU with {model}.",
         ),
+        Mode(
+            "capacity",
+            "predict each trainer's peak memory without a GPU and the largest physical batch "
+            "that fits --gpu_memory",
+            predicts=True,
+        ),
         Mode("report", "re-render the summary of --input_dir from its result files", runs=False),
         Mode("ncu_report", "summarise the Nsight Compute reports in --input_dir", runs=False),
     )
@@ -84,6 +91,7 @@ class Setting:
     type: Callable | None = None
     choices: tuple | None = None
     axis: bool = False  # the flag takes several values: one config per value
+    many: bool = False  # the flag takes several values, all of them in every config
     switch: bool | None = None  # a value-less flag: the value it sets (True, or False for --no_x)
     modes: dict = field(default_factory=dict)  # default per mode, where it differs
     # This setting's part of the config directory name (None or "" when it adds none).
@@ -143,7 +151,9 @@ SETTINGS: tuple[Setting, ...] = (
         flags=("--batch_sizes", "--batch_size", "--batch-size"),
         type=int,
         axis=True,
-        modes=dict(test=[2, 4], profile=[4, 8], memory=[1], hf=[32], hf_sweep=[8, 16, 32]),
+        modes=dict(
+            test=[2, 4], profile=[4, 8], memory=[1], hf=[32], hf_sweep=[8, 16, 32], capacity=[8]
+        ),
         dir_part=lambda c: f"_bs{c.batch_size}",
         compare=True,
     ),
@@ -155,7 +165,12 @@ SETTINGS: tuple[Setting, ...] = (
         type=int,
         axis=True,
         modes=dict(
-            test=[256, 512], profile=[512, 1024], memory=[4096], hf=[128], hf_sweep=[128, 256, 512]
+            test=[256, 512],
+            profile=[512, 1024],
+            memory=[4096],
+            hf=[128],
+            hf_sweep=[128, 256, 512],
+            capacity=[1024],
         ),
         dir_part=lambda c: f"_seq{c.seq_len}",
         compare=True,
@@ -230,7 +245,7 @@ SETTINGS: tuple[Setting, ...] = (
         "tiny",
         f"named model: {', '.join([*LM_MODELS, *HF_CONFIGS])}",
         flags=("--model", "--model_name"),
-        modes={"profile": "1b", "memory": "1b", **HF_MODES},
+        modes={"profile": "1b", "memory": "1b", "capacity": "1b", **HF_MODES},
         dir_part=lambda c: "_" + c.model.replace("/", "-") if c.model != c.default_model else None,
         compare=True,
     ),
@@ -273,7 +288,8 @@ SETTINGS: tuple[Setting, ...] = (
         "measured steps",
         flags=("--steps", "--num_steps", "--num_iter"),
         type=int,
-        modes={"profile": 5, "memory": 5, "hf": 5, "hf_sweep": 5},  # GPU modes: >= 5
+        # GPU modes: >= 5; capacity's --validate: the peak of two steps after one warm-up
+        modes={"profile": 5, "memory": 5, "hf": 5, "hf_sweep": 5, "capacity": 2},
     ),
     Setting(
         "warmup_steps",
@@ -305,7 +321,7 @@ SETTINGS: tuple[Setting, ...] = (
         "numbers only: no torch.profiler trace (memory and hf_sweep never trace)",
         flags=("--no_trace",),
         switch=False,
-        modes={"memory": False, "hf_sweep": False},
+        modes={"memory": False, "hf_sweep": False, "capacity": False},
         follows_mode=True,
     ),
     Setting(
@@ -319,7 +335,7 @@ SETTINGS: tuple[Setting, ...] = (
         "breakdown",
         False,
         "attribute the peak of one extra step to its components (CUDA)",
-        modes={"memory": True, "hf_sweep": True},
+        modes={"memory": True, "hf_sweep": True, "capacity": True},
         follows_mode=True,
     ),
     Setting(
@@ -373,6 +389,30 @@ SETTINGS: tuple[Setting, ...] = (
     ),
     Setting("poisson", True, "fixed-size batches", flags=("--no_poisson",), switch=False),
     Setting("delta", 1e-5, "delta of the reported epsilon", flags=("--delta",), type=float),
+    Setting(
+        "capacity",
+        False,
+        "predict the peak on fake tensors instead of measuring it",
+        modes={"capacity": True},
+        follows_mode=True,
+    ),
+    Setting(
+        "gpu_memory",
+        None,
+        "capacity: GiB of each card to plan for, its total as torch reports it (H100 80GB: "
+        "about 79, H200: about 140); the largest physical batch that fits each is searched",
+        flags=("--gpu_memory",),
+        type=float,
+        many=True,
+    ),
+    Setting(
+        "validate",
+        False,
+        "capacity, CUDA: also run each config (its --steps after --warmup_steps, no trace, "
+        "the memory breakdown) and record the measured peak beside the prediction",
+        flags=("--validate",),
+        switch=True,
+    ),
     *(
         Setting(
             name,
@@ -441,6 +481,9 @@ class ExperimentConfig:
     dataset_size: int = 10000
     poisson: bool = True
     delta: float = 1e-5
+    capacity: bool = False
+    gpu_memory: list | None = None
+    validate: bool = False
     model_overrides: dict = field(default_factory=dict)
     default_model: str = "tiny"
 

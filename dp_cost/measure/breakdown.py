@@ -24,16 +24,18 @@ def _phase_marker(device: torch.device) -> None:
     del marker
 
 
-def tensor_identities(trainer, device_type: str = "cuda") -> dict[int, str]:
+def tensor_identities(trainer, device_type: str = "cuda", key=None) -> dict[int, str]:
     """Storage address -> role for every tensor on ``device_type`` the trainer holds; the first
     role listed wins (a storage can be reachable several ways, e.g. Opacus' saved activations
-    are views of the model's activations)."""
+    are views of the model's activations). ``key(tensor)``: another number per storage than its
+    address (fake tensors have none)."""
     roles: dict[int, str] = {}
     for role, _, tensor in trainer.state_tensors():
         if isinstance(tensor, DTensor):  # FSDP2: the shard this rank holds
             tensor = tensor.to_local()
         if isinstance(tensor, torch.Tensor) and tensor.device.type == device_type:
-            roles.setdefault(tensor.untyped_storage().data_ptr(), role)
+            address = key(tensor) if key else tensor.untyped_storage().data_ptr()
+            roles.setdefault(address, role)
     return roles
 
 

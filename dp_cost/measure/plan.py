@@ -90,7 +90,7 @@ def make_plan(args: argparse.Namespace, cuda_available) -> Plan:
     axes["max_physical_batch_size"] = _unique(values.pop("max_physical_batch_size") or [None])
     axes["lora_rank"] = _lora_ranks(args, values.pop("lora_rank"))
     dataset_size = check(values, axes, args)
-    if device == "cpu" and args.device != "cpu" and args.model:
+    if device == "cpu" and args.device != "cpu" and args.model and not mode.predicts:
         # The CPU was not asked for (no CUDA, or a mode whose default device is the CPU, such
         # as test): a huge model there is a mistake, not a measurement
         count = parameter_count(args.model, values["model_overrides"])
@@ -264,6 +264,7 @@ def check(values: dict, axes: dict, args) -> int:
         known = ", ".join(HF_CONFIGS)
         raise UsageError(f"--mode=hf_sweep needs a Hugging Face model ({known}), got {model!r}")
     check_applies(model, args)
+    check_capacity(values, args)
     if values["save_snapshot"] and not values["breakdown"]:
         raise UsageError("--save_snapshot keeps the breakdown's allocator history: it needs "
                          "--mode=memory or --mode=hf_sweep")  # fmt: skip
@@ -320,6 +321,22 @@ def check(values: dict, axes: dict, args) -> int:
             f"{needed / 2**40:.0f} TiB: more than any process can address"
         )
     return dataset_size
+
+
+def check_capacity(values: dict, args) -> None:
+    """--gpu_memory and --validate belong to --mode=capacity; budgets are finite positive GiB;
+    --validate measures, so it needs CUDA."""
+    budgets = values["gpu_memory"] or []
+    if not MODES[args.mode].predicts:
+        for flag, given in (("--gpu_memory", budgets), ("--validate", values["validate"])):
+            if given:
+                raise UsageError(f"{flag} plans memory: it needs --mode=capacity")
+        return
+    for budget in budgets:
+        if not (math.isfinite(budget) and budget > 0):
+            raise UsageError(f"--gpu_memory must be a finite positive number of GiB, got {budget}")
+    if values["validate"] and values["device"] != "cuda":
+        raise UsageError("--validate measures each config on a GPU: it needs a CUDA device")
 
 
 # A result records each step (its times, losses, memory snapshots: about 1 kB a step), and a

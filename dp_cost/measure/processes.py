@@ -373,6 +373,16 @@ def remove_leftovers(config_path: str) -> None:
 
 
 def describe(result: dict) -> str:
+    prediction = result.get("prediction")
+    if prediction:  # --mode=capacity: the prediction, and with --validate the measured peak
+        told = f"predicted peak {prediction['peak_memory_mb']:.1f} MB" + "".join(
+            f", fits {p['gpu_memory_gib']:g} GiB up to physical batch {p['physical_batch_size']}"
+            for p in prediction["largest_physical_batch"]
+        )
+        if result["status"] != "ok":
+            return f"{told}; measured: {result['status']}: {result.get('error')}"
+        measured = result.get("peak_memory_mb")
+        return told + ("" if measured is None else f"; measured {measured:.1f} MB")
     if result["status"] != "ok":
         return f"{result['status']}: {result.get('error')}"
     if result["median_time_ms"] is None:  # an --ncu step: its time under replay is no measurement

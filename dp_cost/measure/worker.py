@@ -4,6 +4,8 @@ classify the outcome, write ``result.json``. ``measure.processes`` runs this in 
 from __future__ import annotations
 
 import ctypes
+import dataclasses
+import functools
 import multiprocessing
 import os
 import signal
@@ -16,7 +18,7 @@ import torch
 import trainers
 from dp_cost.core.files import UnsafePath, non_finite_paths, write_json
 from dp_cost.core.schema import empty_result
-from dp_cost.measure import census, phases, quiet
+from dp_cost.measure import capacity, census, phases, quiet
 from dp_cost.measure.steps import Session, measurements
 from dp_cost.measure.workload import Workload
 from dp_cost.parallel import collectives
@@ -41,6 +43,35 @@ def result_skeleton(config, status: str, error: str | None = None) -> dict:
 
 
 def run_experiment(config, out_dir: str, rank_setup=None) -> dict:
+    """One config in this process: measured, or predicted (--mode=capacity)."""
+    if config.capacity:
+        return predict_experiment(config, out_dir)
+    return measure_experiment(config, out_dir, rank_setup)
+
+
+def predict_experiment(config, out_dir: str) -> dict:
+    """--mode=capacity: the config's peak predicted on fake tensors (``measure.capacity``); with
+    --validate, then measured in this process as the measuring modes do, the prediction kept
+    whatever the measurement's outcome (an out-of-memory included)."""
+    prediction = capacity.capacity_result(config, functools.partial(build_trainer, config))
+    if not config.validate:
+        result = result_skeleton(config, "ok")
+        result["env"] = {
+            "device": "fake tensors on the CPU (no GPU used)",
+            "torch": torch.__version__,
+            "opacus": opacus.__version__,
+        }
+    else:
+        result = classified_run(dataclasses.replace(config, capacity=False), out_dir)
+        result["config"] = config.to_dict()
+        measured = result.get("peak_memory_mb")
+        if measured:
+            prediction["error"] = prediction["peak_memory_mb"] / measured - 1
+    result["prediction"] = prediction
+    return result
+
+
+def measure_experiment(config, out_dir: str, rank_setup=None) -> dict:
     """Build, warm up and measure one config in this process; returns its result dict.
 
     The timed steps run first and alone; then, on the last sampled batch, what else the config
@@ -65,22 +96,7 @@ def run_experiment(config, out_dir: str, rank_setup=None) -> dict:
         torch.cuda.reset_peak_memory_stats(device)
     rank, world_size = (info.rank, info.world_size) if rank_setup else (0, 1)
     workload = Workload(config, device, recorder, env, rank=rank, world_size=world_size)
-    trainer = trainers.make_trainer(
-        config.trainer,
-        workload.model,
-        lr=config.lr,
-        max_grad_norm=config.max_grad_norm,
-        noise_multiplier=config.noise_multiplier,
-        batch_size=config.batch_size,
-        optimizer=config.optimizer,
-        dtype=getattr(torch, config.dtype),
-        max_physical_batch_size=config.max_physical_batch_size,
-        loss_fn=workload.loss_fn,
-        on_phase=recorder,
-        distributed=config.distributed,
-        cuda_graph=config.cuda_graph,
-        **{option: getattr(config, option) for option in trainers.TRAINERS[config.trainer].options},
-    )
+    trainer = build_trainer(config, workload.model, workload.loss_fn, recorder)
     if rank_setup is not None:  # each rank its own noise stream (FSDP2: noise on its shard)
         torch.manual_seed(config.seed + 1_000_003 * info.rank)
     session = Session(config, device, trainer, workload, recorder, out_dir, env)
@@ -103,6 +119,27 @@ def run_experiment(config, out_dir: str, rank_setup=None) -> dict:
             f"communication time comes from a CUDA trace's NCCL kernels; {why}"
         )
     return result
+
+
+def build_trainer(config, model, loss_fn, on_phase):
+    """The config's trainer around ``model`` (the measuring modes and the capacity prediction
+    build it alike)."""
+    return trainers.make_trainer(
+        config.trainer,
+        model,
+        lr=config.lr,
+        max_grad_norm=config.max_grad_norm,
+        noise_multiplier=config.noise_multiplier,
+        batch_size=config.batch_size,
+        optimizer=config.optimizer,
+        dtype=getattr(torch, config.dtype),
+        max_physical_batch_size=config.max_physical_batch_size,
+        loss_fn=loss_fn,
+        on_phase=on_phase,
+        distributed=config.distributed,
+        cuda_graph=config.cuda_graph,
+        **{option: getattr(config, option) for option in trainers.TRAINERS[config.trainer].options},
+    )
 
 
 def worker_main(

@@ -1,0 +1,379 @@
+"""Peak memory of a config's training step, predicted without a GPU, and the largest physical
+batch that fits a card.
+
+The prediction runs the config's own trainer step (the same model, trainer and chunking the
+measuring modes run) on fake tensors: torch's ``FakeTensorMode`` gives every tensor its shape,
+dtype and storage but no data and no memory, so a Llama-3.1-70B step runs on a laptop in
+seconds. A dispatch mode records every storage as it is allocated and released; the peak, and
+its split into the breakdown's roles, come from the same attribution the CUDA breakdown uses
+(``measure.breakdown.attribute_peak``: the trainer's tensors by identity, the rest by the
+functions that allocated them). So each trainer's DP state (Opacus' per-sample gradients and
+ghost clipping's second backward, flash's kept A and G and its route per layer) is what that
+trainer's code allocates, never a formula beside it.
+
+Why not ``torch.distributed._tools.mem_tracker.MemTracker``: it hooks every parameter's
+gradient, which fails on parameters that do not require a gradient (flash's managed layers,
+LoRA's frozen base weights); a storage-level record is all the peak needs.
+
+What the fake step does not see is the CUDA side: the allocator rounds each block up to 512
+bytes (applied here), the cuBLAS workspaces, the CUDA context and the caching allocator's
+unused reserve (``GPU_OVERHEADS``: measured, with the card and the script that measured them).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import sys
+import time
+import weakref
+
+import torch
+from torch._subclasses.fake_tensor import FakeCopyMode, FakeTensorMode
+from torch.fx.experimental.symbolic_shapes import ShapeEnv
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+import models
+from dp_cost.core.schema import MB
+from dp_cost.hf import models as hf_models
+from dp_cost.hf.configs import HF_CONFIGS
+from dp_cost.measure.breakdown import MARKER_FUNCTION, attribute_peak, tensor_identities
+from dp_cost.measure.plan import draw_above_probability
+
+BLOCK_BYTES = 512  # the CUDA caching allocator's block size: every allocation is a multiple
+GIB = 2**30
+DEVICE = "cpu"  # the fake tensors' device: CPU code paths (torch's, no Triton), CUDA's memory
+
+
+def allocator_bytes(nbytes: int) -> int:
+    """What the CUDA caching allocator hands out for a request of ``nbytes`` (>= one block)."""
+    return max(BLOCK_BYTES, -(-nbytes // BLOCK_BYTES) * BLOCK_BYTES)
+
+
+def storage_key(tensor: torch.Tensor) -> int:
+    """One number per storage, equal for every view of it (a fake tensor has no data pointer)."""
+    return tensor.untyped_storage()._cdata
+
+
+def _unique_rows(values, dim, sorted=True, return_inverse=False, return_counts=False):
+    count = values.shape[dim]
+    return values.clone(), _indices(count if return_inverse else 0), _indices(count * return_counts)
+
+
+def _unique_values(values, sorted=True, return_inverse=False, return_counts=False):
+    inverse = torch.empty(values.shape if return_inverse else (0,), dtype=torch.long, device=DEVICE)
+    return values.flatten().clone(), inverse, _indices(values.numel() * return_counts)
+
+
+def _indices(count: int) -> torch.Tensor:
+    return torch.empty(count, dtype=torch.long, device=DEVICE)
+
+
+ALL_DISTINCT = {
+    torch.ops.aten.unique_dim.default: _unique_rows,
+    torch.ops.aten._unique2.default: _unique_values,
+}
+
+
+class StorageRecord(TorchDispatchMode):
+    """Every storage an op creates, as the allocator history ``attribute_peak`` reads: ``alloc``
+    and ``free_completed`` events with an address (the storage's key), its size in allocator
+    blocks and the Python functions on the stack that allocated it."""
+
+    def __init__(self):
+        super().__init__()
+        self.events: list[dict] = []
+        self.live: dict[int, int] = {}  # key -> bytes
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        distinct = ALL_DISTINCT.get(func)
+        # How many distinct values torch.unique finds depends on the data, which fake tensors
+        # lack: plan for every one distinct, the most memory (random tokens come close).
+        output = distinct(*args, **kwargs) if distinct else func(*args, **kwargs)
+        for tensor in tree_leaves(output):
+            if isinstance(tensor, torch.Tensor):
+                self._add(tensor)
+        return output
+
+    def add_existing(self, tensors) -> None:
+        """Storages made before the record began (parameters built under another mode)."""
+        for tensor in tensors:
+            self._add(tensor, frames=[])
+
+    def _add(self, tensor: torch.Tensor, frames: list[dict] | None = None) -> None:
+        storage = tensor.untyped_storage()
+        key = storage._cdata
+        if key in self.live:
+            return
+        size = allocator_bytes(storage.nbytes())
+        self.live[key] = size
+        event = {"action": "alloc", "addr": key, "size": size}
+        event["frames"] = _python_frames() if frames is None else frames
+        self.events.append(event)
+        weakref.finalize(storage, self._free, key)
+
+    def _free(self, key: int) -> None:
+        size = self.live.pop(key, None)
+        if size is not None:
+            self.events.append({"action": "free_completed", "addr": key, "size": size})
+
+    def marker(self) -> None:
+        """A phase boundary, as ``breakdown._phase_marker`` leaves one in the CUDA history."""
+        self.events.append(
+            {"action": "alloc", "addr": -len(self.events) - 1, "size": 0,
+             "frames": [{"filename": __file__, "name": MARKER_FUNCTION}]}
+        )  # fmt: skip
+
+
+def _python_frames() -> list[dict]:
+    """The allocating stack's Python frames, innermost first (what the allocator records)."""
+    frames, frame = [], sys._getframe(2)
+    while frame is not None:
+        frames.append({"filename": frame.f_code.co_filename, "name": frame.f_code.co_name})
+        frame = frame.f_back
+    return frames
+
+
+def meta_model(config) -> tuple[torch.nn.Module, object]:
+    """(model, per-sample loss or None) of ``config`` on the meta device: the model the
+    measuring modes build, with no storage at all (``fake_workload`` gives it fake ones)."""
+    if config.model in HF_CONFIGS:
+        model, _ = hf_models.build_hf_model(
+            config.model,
+            device="meta",
+            use_lora=config.use_lora,
+            lora_rank=config.lora_rank,
+            attention="explicit" if config.attention == "explicit" else "sdpa",
+        )
+        return model, hf_models.sequence_classification_loss
+    model = models.build_model(
+        config.model,
+        device="meta",
+        attention=config.attention,
+        activation_checkpointing=config.activation_checkpointing,
+        **config.model_overrides,
+    )
+    return model, None
+
+
+def fake_batch(config, samples: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(inputs, targets) of a batch of ``samples`` samples, inside a fake mode."""
+    inputs = torch.zeros(samples, config.seq_len, dtype=torch.long)
+    if config.model in HF_CONFIGS:
+        return inputs, torch.zeros(samples, dtype=torch.long)
+    return inputs, inputs.clone()
+
+
+def predict(config, build_trainer) -> dict:
+    """The predicted peak of one timed step of ``config`` (one process) and its split by role.
+
+    ``build_trainer(model, loss_fn, on_phase)``: the worker's own trainer construction. A
+    warm-up step runs first, as in the measuring modes: gradients and optimizer states exist
+    when the recorded step begins. Returns bytes: ``peak``, ``roles`` (breakdown key -> bytes),
+    ``parameters``, ``trainable_parameters``, ``state`` (role -> bytes the trainer holds after
+    the step) and the flash routes, if any."""
+    # shape_env: .item() gives a symbol, not an error; non-fake inputs: the meta model's
+    fake = FakeTensorMode(shape_env=ShapeEnv(), allow_non_fake_inputs=True)
+    record = StorageRecord()
+    model, loss_fn = meta_model(config)  # outside the fake mode: peft cannot build under one
+    with fake, FakeCopyMode(fake), record, _quiet_fake_warnings():
+        model = model.to_empty(device=DEVICE)
+        trainer = build_trainer(model, loss_fn, lambda name: None)
+        physical = min(config.physical_batch_size, config.batch_size)
+        trainer.step(*fake_batch(config, physical))
+        # Three chunks at most: the first (no gradient yet), the second (the first's summed in)
+        # and the third (Opacus' running sum beside the chunk's gradient): every later chunk
+        # holds what the third does, so a batch of 3P has the peak of any larger one.
+        inputs, targets = fake_batch(config, min(config.batch_size, 3 * physical))
+        start = dict(record.live)
+        identities = [tensor_identities(trainer, "cpu", key=storage_key)]
+        first_event = len(record.events)
+
+        def on_phase(name):
+            identities.append(tensor_identities(trainer, "cpu", key=storage_key))
+            record.marker()
+
+        with trainer.observing_phases(on_phase):
+            trainer.step(inputs, targets)
+        events = record.events[first_event:]
+        attributed = attribute_peak(events, start, identities, trainer.allocation_sites())
+        state: dict[str, int] = {}
+        for role, size in _state_bytes(trainer).items():
+            state[role] = size
+        extras = trainer.result_extras()
+        parameters = sum(p.numel() for p in model.parameters())
+        trainable = sum(p.numel() for p in trainer.optimizer.param_groups[0]["params"])
+    return {
+        "peak": attributed["peak_bytes"],
+        "roles": attributed["breakdown_bytes"],
+        "parameters": parameters,
+        "trainable_parameters": trainable,
+        "state": state,
+        **({"flash_routes": extras["flash_routes"]} if "flash_routes" in extras else {}),
+    }
+
+
+def _state_bytes(trainer) -> dict[str, int]:
+    """Bytes of what the trainer holds after a step, by role, each storage once."""
+    seen: set[int] = set()
+    sizes: dict[str, int] = {}
+    for role, _, tensor in trainer.state_tensors():
+        if not isinstance(tensor, torch.Tensor) or storage_key(tensor) in seen:
+            continue
+        seen.add(storage_key(tensor))
+        sizes[role] = sizes.get(role, 0) + allocator_bytes(tensor.untyped_storage().nbytes())
+    return sizes
+
+
+@contextlib.contextmanager
+def _quiet_fake_warnings():
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*data pointer of FakeTensor.*")
+        warnings.filterwarnings("ignore", message=".*Full backward hook is firing.*")
+        yield
+
+
+# What a CUDA process holds beside the step's own tensors, measured by
+# benchmarks/cuda_overheads.py (card, torch and date in benchmarks/README.md): the cuBLAS
+# workspaces a forward and a backward matmul allocate through the caching allocator (part of
+# torch's peak), the CUDA context and libraries (outside torch's counters), and the caching
+# allocator's reserve over its peak of allocated bytes at the peaks of the validated configs.
+GPU_OVERHEADS = {
+    "cublas_workspace_bytes": None,
+    "cuda_context_bytes": None,
+    "reserved_over_allocated": None,
+    "measured_on": None,
+}
+POISSON_QUANTILE = 1e-6  # an uncapped Poisson batch is planned at its 1 - 1e-6 quantile
+MAX_PROBES = 12  # predictions per budget search, at most (each is one fake step)
+
+
+def planned_physical_batch(config) -> tuple[int, str | None]:
+    """The physical batch a config's peak is planned at, and why when it is not the asked one:
+    a Poisson-sampled batch without a physical cap runs whole, as large as it is drawn."""
+    physical = config.physical_batch_size
+    if config.model not in HF_CONFIGS or not config.poisson or config.max_physical_batch_size:
+        return physical, None
+    drawn = physical
+    while draw_above_probability(drawn, config.batch_size, config.dataset_size) > POISSON_QUANTILE:
+        drawn += 1
+    note = (
+        f"Poisson sampling without --max_physical_batch_size: planned at {drawn} samples, the "
+        f"draw exceeded with probability {POISSON_QUANTILE:g} at batch {config.batch_size} of "
+        f"{config.dataset_size}"
+    )
+    return drawn, note
+
+
+def with_physical_batch(config, physical: int):
+    """``config`` at physical batch ``physical`` (its logical batch raised to it if smaller)."""
+    batch = max(config.batch_size, physical)
+    return dataclasses.replace(config, batch_size=batch, max_physical_batch_size=physical)
+
+
+def card_bytes(peak_bytes: int) -> float:
+    """What a step whose predicted peak is ``peak_bytes`` takes of the card: with the cuBLAS
+    workspaces, the allocator's reserve over its peak, and the CUDA context."""
+    allocated = peak_bytes + GPU_OVERHEADS["cublas_workspace_bytes"]
+    return (
+        allocated * GPU_OVERHEADS["reserved_over_allocated"] + GPU_OVERHEADS["cuda_context_bytes"]
+    )
+
+
+def fits(peak_bytes: int, budget_gib: float) -> bool:
+    return card_bytes(peak_bytes) <= budget_gib * GIB
+
+
+def largest_fitting(peak_at, budget_gib: float, first_guess: int) -> tuple[int, int]:
+    """(the largest physical batch whose predicted peak fits ``budget_gib``, 0 if not even one
+    sample fits; how many batch sizes it judged). ``peak_at(P)``: the predicted peak at P,
+    cached by the caller. It gallops from ``first_guess`` (a straight line through two
+    predictions: the peak grows about linearly in P) up or down until it brackets the answer,
+    then bisects."""
+    judged = 0
+
+    def fits_at(physical):
+        nonlocal judged
+        judged += 1
+        return fits(peak_at(physical), budget_gib)
+
+    guess, step = max(1, first_guess), 1
+    low, high = 0, None  # low fits (0: nothing known to fit); high does not
+    if fits_at(guess):
+        low = guess
+        while high is None and judged < MAX_PROBES:
+            high = low + step if not fits_at(low + step) else None
+            low, step = (low + step, step * 2) if high is None else (low, step)
+    else:
+        high = guess
+        while low == 0 and high > 1 and judged < MAX_PROBES:
+            candidate = max(1, high - step)
+            if fits_at(candidate):
+                low = candidate
+            else:
+                high, step = candidate, step * 2
+    while high is not None and high - low > 1 and judged < MAX_PROBES:
+        middle = (low + high) // 2
+        low, high = (middle, high) if fits_at(middle) else (low, middle)
+    return low, judged
+
+
+def capacity_result(config, build_trainer) -> dict:
+    """``result["prediction"]`` of one config: its predicted peak (what torch would count for
+    the step's own tensors) and roles at the planned physical batch, and for each
+    ``--gpu_memory`` budget the largest physical batch that fits, with every prediction made."""
+    started = time.perf_counter()
+    planned, note = planned_physical_batch(config)
+    peaks: dict[int, dict] = {}
+
+    def predicted(physical: int) -> dict:
+        if physical not in peaks:
+            peaks[physical] = predict(with_physical_batch(config, physical), build_trainer)
+        return peaks[physical]
+
+    def peak_at(physical: int) -> int:
+        return predicted(physical)["peak"]
+
+    main = predicted(planned)
+    largest = []
+    for budget in config.gpu_memory or []:
+        # A straight line through the peaks at 1 and 2 samples: where it crosses the budget.
+        slope = peak_at(2) - peak_at(1)
+        room = budget * GIB - card_bytes(peak_at(1))
+        guess = (
+            1 + int(room // (slope * GPU_OVERHEADS["reserved_over_allocated"]))
+            if slope > 0
+            else planned
+        )
+        batch, judged = largest_fitting(peak_at, budget, guess)
+        largest.append(
+            {
+                "gpu_memory_gib": budget,
+                "physical_batch_size": batch,
+                "predicted_peak_mb": peak_at(batch) / MB if batch else None,
+                "predicted_card_mb": card_bytes(peak_at(batch)) / MB if batch else None,
+                "batch_sizes_judged": judged,
+            }
+        )
+    return {
+        "method": "the trainer's step on fake tensors (CPU code paths), storages recorded",
+        "physical_batch_size": planned,
+        "physical_batch_note": note,
+        "peak_memory_mb": main["peak"] / MB,
+        "breakdown": {key: value / MB for key, value in main["roles"].items()},
+        "held_after_step_mb": {role: size / MB for role, size in main["state"].items()},
+        "parameters": main["parameters"],
+        "trainable_parameters": main["trainable_parameters"],
+        "flash_routes": main.get("flash_routes"),
+        "largest_physical_batch": largest,
+        "predictions": [
+            {"physical_batch_size": p, "peak_memory_mb": peaks[p]["peak"] / MB}
+            for p in sorted(peaks)
+        ],
+        "overheads": dict(GPU_OVERHEADS),
+        "seconds": time.perf_counter() - started,
+    }
