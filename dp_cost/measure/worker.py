@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import ctypes
 import dataclasses
-import functools
 import multiprocessing
 import os
 import signal
@@ -53,7 +52,7 @@ def predict_experiment(config, out_dir: str) -> dict:
     """--mode=capacity: the config's peak predicted on fake tensors (``measure.capacity``); with
     --validate, then measured in this process as the measuring modes do, the prediction kept
     whatever the measurement's outcome (an out-of-memory included)."""
-    prediction = capacity.capacity_result(config, functools.partial(build_trainer, config))
+    prediction = capacity.capacity_result(config, build_trainer)
     if not config.validate:
         result = result_skeleton(config, "ok")
         result["env"] = {

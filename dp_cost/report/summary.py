@@ -10,7 +10,7 @@ import sys
 
 from dp_cost.core.files import UnsafePath, write_text
 from dp_cost.core.fmt import count
-from dp_cost.report import html_report, plots, sweep, trace_analysis
+from dp_cost.report import capacity, html_report, plots, sweep, trace_analysis
 from dp_cost.report.figures import draw_each
 from dp_cost.report.results import load_results
 from dp_cost.report.tables import (
@@ -67,7 +67,13 @@ def _run_plot_jobs(run_dir: str, results: list[dict], crowded: bool) -> list:
 
 def write_summary(run_dir: str, results: list[dict]) -> str:
     """Write the tables (summary.csv, .md, .txt) first, then the plots and report.html; return
-    the text of the tables, the plots written and any that failed."""
+    the text of the tables, the plots written and any that failed. A --mode=capacity run's
+    report is its own (report.capacity)."""
+    if capacity.is_capacity(results):
+        text = capacity.write_capacity_files(run_dir, results)
+        made, failed = draw_each([("capacity", lambda: capacity.plot_capacity(run_dir, results))])
+        text += "".join(f"Plot: {path}\n" for path in made) + "".join(f"{f}\n" for f in failed)
+        return text + f"Capacity: {os.path.join(run_dir, capacity.CAPACITY_JSON)}\n"
     rows = summary_rows(results)
     write_text(os.path.join(run_dir, "summary.csv"), csv_text(COLUMNS, rows))
     text = format_table(rows)

@@ -1,0 +1,144 @@
+"""--mode=capacity's report, from its result files alone: capacity.json (every config's
+prediction, the largest physical batch per --gpu_memory budget, the margins the fit adds, and
+with --validate the measured peak and the prediction's error), capacity.md, and
+visualizations/capacity.png (predicted peak against physical batch per trainer, a line per
+budget)."""
+
+from __future__ import annotations
+
+import os
+
+from dp_cost.core.files import write_json, write_text
+from dp_cost.core.fmt import cell, render_table
+from dp_cost.report.figures import MB as MB_UNIT
+from dp_cost.report.figures import TRAINER_COLORS, pyplot, save_visualization
+from dp_cost.report.results import dtype_words, lora_words, ordered, shape_label
+
+CAPACITY_JSON = "capacity.json"
+
+
+def is_capacity(results: list[dict]) -> bool:
+    return any(isinstance(r.get("prediction"), dict) for r in results)
+
+
+def entry(result: dict) -> dict:
+    """One config's line of capacity.json."""
+    config, prediction = result["config"], result.get("prediction") or {}
+    measured = result.get("peak_memory_mb")
+    reserved = result.get("peak_reserved_mb")
+    return {
+        "config_dir": result.get("config_dir"),
+        "trainer": config["trainer"],
+        "model": config["model"],
+        "batch_size": config["batch_size"],
+        "seq_len": config["seq_len"],
+        "physical_batch_size": prediction.get("physical_batch_size"),
+        "dtype": config["dtype"],
+        "lora_rank": config.get("lora_rank") if config.get("use_lora") else None,
+        "status": result["status"],
+        "error": result.get("error"),
+        "predicted_peak_mb": prediction.get("peak_memory_mb"),
+        "predicted_breakdown_mb": prediction.get("breakdown"),
+        "measured_peak_mb": measured,
+        "measured_breakdown_mb": result.get("breakdown"),
+        "measured_reserved_over_allocated": reserved / measured if measured and reserved else None,
+        "prediction_error": prediction.get("error"),
+        "largest_physical_batch": prediction.get("largest_physical_batch", []),
+        "predictions": prediction.get("predictions", []),
+        "physical_batch_note": prediction.get("physical_batch_note"),
+        "parameters": prediction.get("parameters"),
+        "trainable_parameters": prediction.get("trainable_parameters"),
+        "seconds": prediction.get("seconds"),
+    }
+
+
+def table(entries: list[dict], markdown: bool = False) -> str:
+    budgets = sorted({b["gpu_memory_gib"] for e in entries for b in e["largest_physical_batch"]})
+    validated = any(e["measured_peak_mb"] is not None or e["status"] != "ok" for e in entries)
+    header = ["trainer", "model", "batch", "seq", "physical", "dtype", "LoRA", "predicted MB"]
+    header += ["measured MB", "error %", "status"] if validated else []
+    header += [f"largest physical at {b:g} GiB" for b in budgets]
+    body = []
+    for e in entries:
+        largest = {
+            b["gpu_memory_gib"]: b["physical_batch_size"] for b in e["largest_physical_batch"]
+        }
+        error = e["prediction_error"]
+        cells = [e["trainer"], e["model"], str(e["batch_size"]), str(e["seq_len"])]
+        cells += [str(e["physical_batch_size"]), dtype_words(e["dtype"])]
+        cells += [lora_words(e["lora_rank"]), cell(e["predicted_peak_mb"], digits=0)]
+        if validated:
+            cells += [cell(e["measured_peak_mb"], digits=0)]
+            cells += [cell(None if error is None else 100 * error, digits=1), e["status"]]
+        cells += [cell(largest.get(b)) for b in budgets]
+        body.append(cells)
+    return render_table(header, body, markdown)
+
+
+NOTES = (
+    "\nPredicted MB: the step's own tensors as torch counts them (its peak_memory_mb), from the "
+    "trainer's step run on fake tensors. A physical batch fits a budget when that peak, plus "
+    "the cuBLAS workspaces, times the caching allocator's measured reserve, plus the CUDA "
+    "context, is at most the budget (margins in capacity.json). 0: not even one sample fits.\n"
+)
+
+
+def write_capacity_files(run_dir: str, results: list[dict]) -> str:
+    """capacity.json and capacity.md; returns the text table."""
+    entries = [entry(r) for r in ordered(results) if isinstance(r.get("prediction"), dict)]
+    skipped = [
+        {"config_dir": r.get("config_dir"), "status": r["status"], "error": r.get("error")}
+        for r in results
+        if not isinstance(r.get("prediction"), dict)
+    ]
+    margins = next((r["prediction"].get("overheads") for r in results if r.get("prediction")), None)
+    write_json(
+        os.path.join(run_dir, CAPACITY_JSON),
+        {"configs": entries, "not_predicted": skipped, "margins": margins},
+    )
+    write_text(os.path.join(run_dir, "capacity.md"), table(entries, markdown=True) + NOTES)
+    lines = "".join(f"- {s['config_dir']}: {s['status']}: {s['error']}\n" for s in skipped)
+    return table(entries) + NOTES + (f"\nNot predicted:\n{lines}" if lines else "")
+
+
+def plot_capacity(run_dir: str, results: list[dict]) -> str | None:
+    """visualizations/capacity.png: predicted peak against physical batch, one panel per shape
+    (everything but the trainer and the physical batch), a line per trainer, a dashed line per
+    --gpu_memory budget at the largest predicted peak that fits it."""
+    panels: dict[str, list] = {}
+    for result in ordered(results):
+        prediction = result.get("prediction")
+        if not isinstance(prediction, dict) or len(prediction.get("predictions", [])) < 2:
+            continue
+        config = dict(result["config"], physical_batch_size=None, batch_size=None)
+        panels.setdefault(shape_label_without_batch(config), []).append(result)
+    if not panels:
+        return None
+    plt = pyplot()
+    fig, axes = plt.subplots(
+        len(panels), 1, figsize=(9, 3.4 * len(panels)), squeeze=False, constrained_layout=True
+    )
+    for ax, (title, group) in zip(axes[:, 0], panels.items()):
+        for result in group:
+            points = result["prediction"]["predictions"]
+            trainer = result["config"]["trainer"]
+            x = [p["physical_batch_size"] for p in points]
+            y = [p["peak_memory_mb"] for p in points]
+            ax.plot(x, y, "o-", lw=1.2, ms=3, label=trainer, color=TRAINER_COLORS.get(trainer))
+        for budget in group[0]["prediction"].get("largest_physical_batch", []):
+            usable = budget["usable_peak_mb"]
+            ax.axhline(usable, ls="--", lw=0.8, color="gray")
+            ax.annotate(f"{budget['gpu_memory_gib']:g} GiB card", (0, usable), fontsize=7,
+                        xycoords=("axes fraction", "data"), va="bottom")  # fmt: skip
+        ax.set_title(title, fontsize=9)
+        ax.set_xlabel("physical batch")
+        ax.set_ylabel(f"predicted peak ({MB_UNIT})")
+        ax.set_ylim(bottom=0)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8, loc="upper left")
+    return save_visualization(fig, run_dir, "capacity.png")
+
+
+def shape_label_without_batch(config: dict) -> str:
+    words = shape_label({**config, "batch_size": "any", "physical_batch_size": "any"})
+    return ", ".join(w for w in words.split(", ") if not w.startswith(("batch", "physical")))

@@ -1,0 +1,164 @@
+"""The capacity prediction (fake tensors) against what the trainers really allocate on the CPU,
+and the searches and checks around it."""
+
+import json
+import math
+import multiprocessing
+import os
+
+import pytest
+import torch
+from torch.distributed._tools.mem_tracker import MemTracker
+
+import models
+from dp_cost.core.settings import ExperimentConfig
+from dp_cost.hf import models as hf_models
+from dp_cost.measure import capacity, plan, worker
+from tests.cli_helpers import SMALL_MODEL, cli
+
+TRAINERS = ("standard", "dpsgd", "ghost", "flash")
+TINY_LM = dict(model="tiny", seq_len=32, batch_size=6, max_physical_batch_size=2)
+TINY_LLAMA_LORA = dict(
+    model="tiny-llama", seq_len=24, batch_size=6, max_physical_batch_size=2, use_lora=True,
+    lora_rank=4, attention="sdpa",
+)  # fmt: skip
+
+
+def real_state_bytes(config: ExperimentConfig) -> dict[str, int]:
+    """Bytes by role of what the trainer holds after two real steps on the CPU (each storage
+    once, in the CUDA allocator's 512-byte blocks, as the prediction counts them)."""
+    torch.manual_seed(0)
+    if config.model in hf_models.HF_CONFIGS:
+        model, _ = hf_models.build_hf_model(
+            config.model, use_lora=config.use_lora, lora_rank=config.lora_rank, attention="sdpa"
+        )
+        loss_fn = hf_models.sequence_classification_loss
+        vocab = model.config.vocab_size
+        inputs = torch.randint(3, vocab, (config.batch_size, config.seq_len))
+        targets = torch.randint(3, (config.batch_size,))
+    else:
+        model, loss_fn = models.build_model(config.model), None
+        inputs = torch.randint(model.config.vocab_size, (config.batch_size, config.seq_len))
+        targets = torch.randint(model.config.vocab_size, (config.batch_size, config.seq_len))
+    trainer = worker.build_trainer(config, model, loss_fn, lambda name: None)
+    for _ in range(2):
+        trainer.step(inputs, targets)
+    seen, sizes = set(), {}
+    for role, _, tensor in trainer.state_tensors():
+        storage = tensor.untyped_storage()
+        if storage.data_ptr() in seen:
+            continue
+        seen.add(storage.data_ptr())
+        blocks = max(1, math.ceil(storage.nbytes() / 512)) * 512
+        sizes[role] = sizes.get(role, 0) + blocks
+    return sizes
+
+
+@pytest.mark.parametrize("shape", [TINY_LM, TINY_LLAMA_LORA], ids=["tiny-lm", "tiny-llama-lora"])
+@pytest.mark.parametrize("trainer", TRAINERS)
+def test_predicted_state_equals_the_real_trainers(shape, trainer):
+    """Parameters, gradients, Adam's states and the DP state held after a step: the fake step's
+    bytes equal the real step's, role by role, for every trainer."""
+    config = ExperimentConfig(trainer=trainer, optimizer="adam", **shape)
+    predicted = capacity.predict(config, worker.build_trainer)
+    assert predicted["state"] == real_state_bytes(config)
+    trainable = predicted["trainable_parameters"]
+    assert predicted["state"]["optimizer_states"] >= 2 * 4 * trainable  # exp_avg, exp_avg_sq
+
+
+def mem_tracker_peak(config: ExperimentConfig) -> int:
+    """torch's MemTracker's peak of a real CPU step of ``config`` (after a warm-up step)."""
+    torch.manual_seed(0)
+    model = models.build_model(config.model)
+    trainer = worker.build_trainer(config, model, None, lambda name: None)
+    tokens = torch.randint(model.config.vocab_size, (config.batch_size, config.seq_len + 1))
+    trainer.step(tokens[:, :-1], tokens[:, 1:])
+    tracker = MemTracker()
+    tracker.track_external(model, trainer.optimizer)
+    with tracker:
+        trainer.step(tokens[:, :-1], tokens[:, 1:])
+    return tracker.get_tracker_snapshot("peak")[torch.device("cpu")]["Total"]
+
+
+def test_whole_peak_within_ten_percent_of_torch_mem_tracker():
+    """Where torch's own MemTracker applies (every parameter trainable: the standard step), the
+    predicted peak is within 10% of its peak of a real CPU step (measured in a forked child:
+    MemTracker leaves state behind that moves later CPU peaks of this process)."""
+    config = ExperimentConfig(trainer="standard", model="tiny", seq_len=64, batch_size=8)
+    predicted = capacity.predict(config, worker.build_trainer)["peak"]
+    with multiprocessing.get_context("fork").Pool(1) as pool:
+        tracked = pool.apply(mem_tracker_peak, (config,))
+    assert abs(predicted - tracked) / tracked <= 0.10, (predicted, tracked)
+
+
+def test_dp_state_grows_with_the_physical_batch_as_per_sample_gradients_do():
+    """dpsgd keeps one gradient per sample of a chunk: its peak over standard's grows by the
+    parameters' bytes per extra sample (Opacus' grad_sample), an independent count."""
+    shape = dict(model="tiny", seq_len=16)
+    peaks = {}
+    for trainer in ("standard", "dpsgd"):
+        for physical in (2, 4):
+            config = ExperimentConfig(trainer=trainer, batch_size=physical, **shape)
+            peaks[trainer, physical] = capacity.predict(config, worker.build_trainer)["peak"]
+    parameter_bytes = 4 * models.count_parameters(models.build_model("tiny", device="meta"))
+    extra = (peaks["dpsgd", 4] - peaks["standard", 4]) - (peaks["dpsgd", 2] - peaks["standard", 2])
+    assert extra == pytest.approx(2 * parameter_bytes, rel=0.05)
+
+
+@pytest.mark.parametrize("guess", [1, 5, 31, 32, 33, 60, 500])
+@pytest.mark.parametrize("budget", [10, 40, 79])
+def test_largest_fitting_finds_the_boundary_from_any_guess(guess, budget):
+    def peak(physical):  # an affine peak, as a step's is
+        return (2 + physical) * 2**30
+
+    found, judged = capacity.largest_fitting(peak, budget, guess)
+    fits = [p for p in range(1, 200) if capacity.fits(peak(p), budget)]
+    assert found == (max(fits) if fits else 0)
+    assert judged <= math.ceil(math.log2(max(2, abs(guess - found) + 1))) * 2 + 3
+
+
+def test_an_uncapped_poisson_batch_is_planned_at_its_rare_quantile():
+    config = ExperimentConfig(
+        trainer="standard", model="tiny-llama", batch_size=16, seq_len=8, dataset_size=10000
+    )
+    planned, note = capacity.planned_physical_batch(config)
+    assert plan.draw_above_probability(planned, 16, 10000) <= capacity.POISSON_QUANTILE
+    assert plan.draw_above_probability(planned - 1, 16, 10000) > capacity.POISSON_QUANTILE
+    assert planned > 16 and "Poisson" in note
+    capped = ExperimentConfig(**{**config.__dict__, "max_physical_batch_size": 4})
+    assert capacity.planned_physical_batch(capped) == (4, None)
+
+
+def test_capacity_mode_writes_its_report(tmp_path):
+    run = cli(
+        "--mode=capacity", "--model", "tiny", *SMALL_MODEL, "--seq_lens", "16", "--batch_sizes",
+        "2", "--gpu_memory", "0.9", "--output_dir", str(tmp_path), "--run_name", "plan",
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr
+    with open(os.path.join(tmp_path, "plan", "capacity.json")) as f:
+        written = json.load(f)
+    assert sorted(e["trainer"] for e in written["configs"]) == sorted(TRAINERS)
+    for entry in written["configs"]:
+        (budget,) = entry["largest_physical_batch"]
+        assert budget["gpu_memory_gib"] == 0.9 and budget["physical_batch_size"] > 0
+        assert entry["predicted_peak_mb"] > 0 and entry["measured_peak_mb"] is None
+    assert written["margins"]["cuda_context_bytes"] > 0
+    assert os.path.isfile(os.path.join(tmp_path, "plan", "visualizations", "capacity.png"))
+    assert "largest physical at 0.9 GiB" in run.stdout
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--mode=capacity", "--gpu_memory", "-3"], "finite positive number of GiB"),
+        (["--mode=capacity", "--gpu_memory", "inf"], "finite positive number of GiB"),
+        (["--mode=capacity", "--validate", "--device", "cpu"], "needs a CUDA device"),
+        (["--mode=test", "--gpu_memory", "80"], "needs --mode=capacity"),
+        (["--mode=test", "--validate"], "needs --mode=capacity"),
+    ],
+)
+def test_bad_capacity_input_is_one_line_and_exit_2(args, message, tmp_path):
+    run = cli(*args, "--output_dir", str(tmp_path))
+    assert run.returncode == 2
+    assert run.stderr.strip().count("\n") == 0 and message in run.stderr
+    assert os.listdir(tmp_path) == []
