@@ -34,7 +34,9 @@ REL = 1e-6
 KNOWN_ADDITIONS: frozenset[str] = frozenset()
 # Config keys added since, with the value a measuring run must record for them: the capacity
 # mode's settings (a --mode=test run predicts nothing).
-KNOWN_CONFIG_ADDITIONS = {"capacity": False, "gpu_memory": None, "validate": False}
+KNOWN_CONFIG_ADDITIONS = {
+    "capacity": False, "gpu_memory": None, "find_max_batch": False, "validate": False,
+}  # fmt: skip
 
 
 def summarise(run_dir) -> dict:

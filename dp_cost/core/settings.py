@@ -406,6 +406,14 @@ SETTINGS: tuple[Setting, ...] = (
         many=True,
     ),
     Setting(
+        "find_max_batch",
+        False,
+        "capacity, CUDA: find the largest physical batch that runs on this card by runs (each "
+        "probe its own worker; an out-of-memory stays there), starting from the prediction",
+        flags=("--find_max_batch",),
+        switch=True,
+    ),
+    Setting(
         "validate",
         False,
         "capacity, CUDA: also run each config (its --steps after --warmup_steps, no trace, "
@@ -483,6 +491,7 @@ class ExperimentConfig:
     delta: float = 1e-5
     capacity: bool = False
     gpu_memory: list | None = None
+    find_max_batch: bool = False
     validate: bool = False
     model_overrides: dict = field(default_factory=dict)
     default_model: str = "tiny"

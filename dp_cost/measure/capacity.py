@@ -289,44 +289,105 @@ def fits(peak_bytes: int, budget_gib: float) -> bool:
     return peak_bytes <= usable_peak_bytes(budget_gib)
 
 
-def largest_fitting(peak_at, budget_gib: float, first_guess: int) -> tuple[int, int]:
-    """(the largest physical batch whose predicted peak fits ``budget_gib``, 0 if not even one
-    sample fits; how many batch sizes it judged). ``peak_at(P)``: the predicted peak at P,
-    cached by the caller. It gallops from ``first_guess`` (a straight line through two
-    predictions: the peak grows about linearly in P) up or down until it brackets the answer,
-    then bisects."""
-    judged = 0
+def largest_passing(passes, first_guess: int) -> tuple[int, list[int]]:
+    """(the largest physical batch P >= 1 with ``passes(P)``, 0 if not even 1 passes; the
+    batches judged, in order). ``passes`` is monotone: true up to some P, false above. From
+    ``first_guess`` it gallops up or down until it brackets the answer, then bisects: about
+    2 log2(|guess - answer|) + 2 judgements, 2 when the guess is right."""
+    judged: list[int] = []
 
-    def fits_at(physical):
-        nonlocal judged
-        judged += 1
-        return fits(peak_at(physical), budget_gib)
+    def judge(physical):
+        judged.append(physical)
+        return passes(physical)
 
     guess, step = max(1, first_guess), 1
-    low, high = 0, None  # low fits (0: nothing known to fit); high does not
-    if fits_at(guess):
+    low, high = 0, None  # low passes (0: none known to); high does not
+    if judge(guess):
         low = guess
-        while high is None and judged < MAX_PROBES:
-            high = low + step if not fits_at(low + step) else None
-            low, step = (low + step, step * 2) if high is None else (low, step)
+        while high is None and len(judged) < MAX_PROBES:
+            if judge(low + step):
+                low, step = low + step, step * 2
+            else:
+                high = low + step
     else:
         high = guess
-        while low == 0 and high > 1 and judged < MAX_PROBES:
+        while low == 0 and high > 1 and len(judged) < MAX_PROBES:
             candidate = max(1, high - step)
-            if fits_at(candidate):
+            if judge(candidate):
                 low = candidate
             else:
                 high, step = candidate, step * 2
-    while high is not None and high - low > 1 and judged < MAX_PROBES:
+    while high is not None and high - low > 1 and len(judged) < MAX_PROBES:
         middle = (low + high) // 2
-        low, high = (middle, high) if fits_at(middle) else (low, middle)
+        low, high = (middle, high) if judge(middle) else (low, middle)
     return low, judged
 
 
-def capacity_result(config, build_trainer) -> dict:
+def probe_config(config, physical: int):
+    """A --find_max_batch probe: ``config`` measured at physical batch ``physical`` (two
+    steps after one warm-up, no trace, no breakdown)."""
+    return dataclasses.replace(
+        with_physical_batch(config, physical),
+        capacity=False, validate=False, find_max_batch=False, trace=False, breakdown=False,
+        steps=2, warmup_steps=1,
+    )  # fmt: skip
+
+
+def find_max_batch(config, prediction: dict, run_probe) -> dict:
+    """--find_max_batch: the largest physical batch that runs on this card, found by runs.
+    ``run_probe(probe_config, name)`` runs one probe in its own worker (an out-of-memory stays
+    there) and returns its result. The search starts at the predicted largest batch for the
+    card's whole memory, and records every probe."""
+    card = prediction["card"]
+    probes: list[dict] = []
+
+    def runs(physical: int) -> bool:
+        probed = run_probe(probe_config(config, physical), f"probe_pb{physical}.json")
+        probes.append(
+            {
+                "physical_batch_size": physical,
+                "status": probed["status"],
+                "peak_memory_mb": probed.get("peak_memory_mb"),
+                "error": probed.get("error"),
+            }
+        )
+        if probed["status"] not in ("ok", "oom"):  # not a question of memory: stop here
+            raise ProbeFailed(f"probe at physical batch {physical}: {probed.get('error')}")
+        return probed["status"] == "ok"
+
+    outcome = {"predicted_largest": card["physical_batch_size"], "probes": probes}
+    try:
+        largest, _ = largest_passing(runs, card["physical_batch_size"])
+    except ProbeFailed as error:
+        return {**outcome, "largest_physical_batch": None, "error": str(error)}
+    measured = next(
+        (p["peak_memory_mb"] for p in probes if p["physical_batch_size"] == largest), None
+    )
+    predicted = next(
+        (
+            p["peak_memory_mb"]
+            for p in prediction["predictions"]
+            if p["physical_batch_size"] == largest
+        ),
+        None,
+    )
+    return {
+        **outcome,
+        "largest_physical_batch": largest,
+        "measured_peak_mb": measured,
+        "predicted_peak_mb": predicted,
+    }
+
+
+class ProbeFailed(RuntimeError):
+    """A --find_max_batch probe ended in an error that is not an out-of-memory."""
+
+
+def capacity_result(config, build_trainer, card_gib: float | None = None) -> dict:
     """``result["prediction"]`` of one config: its predicted peak (what torch would count for
     the step's own tensors) and roles at the planned physical batch, and for each
-    ``--gpu_memory`` budget the largest physical batch that fits, with every prediction made."""
+    ``--gpu_memory`` budget the largest physical batch that fits, with every prediction made.
+    ``card_gib``: this process's card (--find_max_batch), searched as one more budget."""
     started = time.perf_counter()
     planned, note = planned_physical_batch(config)
     peaks: dict[int, dict] = {}
@@ -341,21 +402,25 @@ def capacity_result(config, build_trainer) -> dict:
 
     main = predicted(planned)
     largest = []
-    for budget in config.gpu_memory or []:
+    card = None
+    for budget in [*(config.gpu_memory or []), *([card_gib] if card_gib else [])]:
         # A straight line through the peaks at 1 and 2 samples: where it crosses the budget.
         slope = peak_at(2) - peak_at(1)
         room = usable_peak_bytes(budget) - peak_at(1)
         guess = 1 + int(room // slope) if slope > 0 else planned
-        batch, judged = largest_fitting(peak_at, budget, guess)
+        batch, judged = largest_passing(lambda p, b=budget: fits(peak_at(p), b), guess)
         largest.append(
             {
                 "gpu_memory_gib": budget,
                 "physical_batch_size": batch,
                 "predicted_peak_mb": peak_at(batch) / MB if batch else None,
                 "usable_peak_mb": usable_peak_bytes(budget) / MB,
-                "batch_sizes_judged": judged,
+                "batch_sizes_judged": len(judged),
             }
         )
+        card = largest[-1] if budget == card_gib else card
+    if card_gib:
+        largest.pop()  # the card's entry is "card", not one of the asked budgets
     return {
         "method": "the trainer's step on fake tensors (CPU code paths), storages recorded",
         "physical_batch_size": planned,
@@ -367,6 +432,7 @@ def capacity_result(config, build_trainer) -> dict:
         "trainable_parameters": main["trainable_parameters"],
         "flash_routes": main.get("flash_routes"),
         "largest_physical_batch": largest,
+        "card": card,
         "predictions": [
             {"physical_batch_size": p, "peak_memory_mb": peaks[p]["peak"] / MB}
             for p in sorted(peaks)

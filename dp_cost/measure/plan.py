@@ -324,19 +324,23 @@ def check(values: dict, axes: dict, args) -> int:
 
 
 def check_capacity(values: dict, args) -> None:
-    """--gpu_memory and --validate belong to --mode=capacity; budgets are finite positive GiB;
-    --validate measures, so it needs CUDA."""
+    """--gpu_memory, --validate and --find_max_batch belong to --mode=capacity; budgets are
+    finite positive GiB; --validate and --find_max_batch measure, so they need CUDA."""
     budgets = values["gpu_memory"] or []
+    measuring = (("--validate", values["validate"]), ("--find_max_batch", values["find_max_batch"]))
     if not MODES[args.mode].predicts:
-        for flag, given in (("--gpu_memory", budgets), ("--validate", values["validate"])):
+        for flag, given in (("--gpu_memory", budgets), *measuring):
             if given:
                 raise UsageError(f"{flag} plans memory: it needs --mode=capacity")
         return
     for budget in budgets:
         if not (math.isfinite(budget) and budget > 0):
             raise UsageError(f"--gpu_memory must be a finite positive number of GiB, got {budget}")
-    if values["validate"] and values["device"] != "cuda":
-        raise UsageError("--validate measures each config on a GPU: it needs a CUDA device")
+    for flag, given in measuring:
+        if given and values["device"] != "cuda":
+            raise UsageError(f"{flag} measures on a GPU: it needs a CUDA device")
+    if values["find_max_batch"] and distributed_mode(values["distributed"]).is_distributed:
+        raise UsageError("--find_max_batch searches on one GPU: drop --distributed")
 
 
 # A result records each step (its times, losses, memory snapshots: about 1 kB a step), and a

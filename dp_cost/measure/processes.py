@@ -25,7 +25,7 @@ from dp_cost.core.fmt import count
 from dp_cost.core.interrupts import INTERRUPTS
 from dp_cost.core.reading import read_json_or_none
 from dp_cost.core.schema import FINISHED
-from dp_cost.measure import quiet, ranks
+from dp_cost.measure import capacity, quiet, ranks
 from dp_cost.measure.ranks import RankGroup
 from dp_cost.measure.worker import result_skeleton, worker_main
 
@@ -115,6 +115,15 @@ def _run_configs(configs, run_dir, resume, progress, verbose, group, started) ->
                 log(f"{tag}: running")
                 started.append(config.config_dir)
                 result = run_in_child(context, config, config_path, result_path, verbose)
+                if config.find_max_batch and (result.get("prediction") or {}).get("card"):
+                    log(f"{tag}: searching the largest physical batch by runs")
+                    probe = lambda probed, name, path=config_path: run_in_child(  # noqa: E731
+                        context, probed, path, os.path.join(path, name), verbose
+                    )
+                    result["find_max_batch"] = capacity.find_max_batch(
+                        config, result["prediction"], probe
+                    )
+                    write_json(result_path, result, root=run_dir)
             else:
                 log(f"{tag}: running on {count(group.info.world_size, 'rank')}")
                 started.append(config.config_dir)
@@ -379,6 +388,14 @@ def describe(result: dict) -> str:
             f", fits {p['gpu_memory_gib']:g} GiB up to physical batch {p['physical_batch_size']}"
             for p in prediction["largest_physical_batch"]
         )
+        found = result.get("find_max_batch")
+        if found:
+            told += (
+                f"; found by {len(found['probes'])} runs: physical batch "
+                f"{found['largest_physical_batch']} runs"
+                + (" (the next one does not)" if found.get("largest_physical_batch") else "")
+                + (f", {found['error']}" if found.get("error") else "")
+            )
         if result["status"] != "ok":
             return f"{told}; measured: {result['status']}: {result.get('error')}"
         measured = result.get("peak_memory_mb")

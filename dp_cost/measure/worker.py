@@ -52,7 +52,10 @@ def predict_experiment(config, out_dir: str) -> dict:
     """--mode=capacity: the config's peak predicted on fake tensors (``measure.capacity``); with
     --validate, then measured in this process as the measuring modes do, the prediction kept
     whatever the measurement's outcome (an out-of-memory included)."""
-    prediction = capacity.capacity_result(config, build_trainer)
+    card_gib = None
+    if config.find_max_batch:  # the card's whole memory, as torch reports it
+        card_gib = torch.cuda.mem_get_info(torch.device(config.device))[1] / capacity.GIB
+    prediction = capacity.capacity_result(config, build_trainer, card_gib)
     if not config.validate:
         result = result_skeleton(config, "ok")
         result["env"] = {

@@ -45,6 +45,8 @@ def entry(result: dict) -> dict:
         "prediction_error": prediction.get("error"),
         "largest_physical_batch": prediction.get("largest_physical_batch", []),
         "predictions": prediction.get("predictions", []),
+        "card": prediction.get("card"),
+        "find_max_batch": result.get("find_max_batch"),
         "physical_batch_note": prediction.get("physical_batch_note"),
         "parameters": prediction.get("parameters"),
         "trainable_parameters": prediction.get("trainable_parameters"),
@@ -58,6 +60,8 @@ def table(entries: list[dict], markdown: bool = False) -> str:
     header = ["trainer", "model", "batch", "seq", "physical", "dtype", "LoRA", "predicted MB"]
     header += ["measured MB", "error %", "status"] if validated else []
     header += [f"largest physical at {b:g} GiB" for b in budgets]
+    searched = any(e["find_max_batch"] for e in entries)
+    header += ["this card: predicted largest", "found by runs", "runs"] if searched else []
     body = []
     for e in entries:
         largest = {
@@ -71,6 +75,11 @@ def table(entries: list[dict], markdown: bool = False) -> str:
             cells += [cell(e["measured_peak_mb"], digits=0)]
             cells += [cell(None if error is None else 100 * error, digits=1), e["status"]]
         cells += [cell(largest.get(b)) for b in budgets]
+        if searched:
+            found = e["find_max_batch"] if isinstance(e["find_max_batch"], dict) else {}
+            card = e["card"] if isinstance(e["card"], dict) else {}
+            cells += [cell(card.get("physical_batch_size"))]
+            cells += [cell(found.get("largest_physical_batch")), cell(len(found.get("probes", [])))]
         body.append(cells)
     return render_table(header, body, markdown)
 

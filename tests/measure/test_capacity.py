@@ -107,14 +107,54 @@ def test_dp_state_grows_with_the_physical_batch_as_per_sample_gradients_do():
 
 @pytest.mark.parametrize("guess", [1, 5, 31, 32, 33, 60, 500])
 @pytest.mark.parametrize("budget", [10, 40, 79])
-def test_largest_fitting_finds_the_boundary_from_any_guess(guess, budget):
+def test_the_budget_search_finds_the_boundary_from_any_guess(guess, budget):
     def peak(physical):  # an affine peak, as a step's is
         return (2 + physical) * 2**30
 
-    found, judged = capacity.largest_fitting(peak, budget, guess)
+    found, judged = capacity.largest_passing(lambda p: capacity.fits(peak(p), budget), guess)
     fits = [p for p in range(1, 200) if capacity.fits(peak(p), budget)]
     assert found == (max(fits) if fits else 0)
-    assert judged <= math.ceil(math.log2(max(2, abs(guess - found) + 1))) * 2 + 3
+    assert len(judged) <= 2 * math.ceil(math.log2(abs(guess - found) + 1)) + 2
+    if found:  # the answer and the one above it were both judged
+        assert found in judged and found + 1 in judged
+
+
+def test_find_max_batch_probes_from_the_prediction_and_keeps_every_probe():
+    """Each probe is a measured config at one physical batch (two steps after a warm-up, no
+    trace); the search starts at the card's predicted largest batch, and ends with the largest
+    that ran beside the next, which did not."""
+    config = ExperimentConfig(trainer="flash", model="tiny", batch_size=8, seq_len=16,
+                              capacity=True, find_max_batch=True, device="cuda")  # fmt: skip
+    prediction = {
+        "card": {"gpu_memory_gib": 79.0, "physical_batch_size": 40},
+        "predictions": [{"physical_batch_size": 37, "peak_memory_mb": 1234.0}],
+    }
+    asked = []
+
+    def run_probe(probe, name):
+        asked.append((probe.max_physical_batch_size, probe.batch_size, name))
+        assert not probe.capacity and not probe.trace and probe.steps == 2
+        fits = probe.max_physical_batch_size <= 37
+        status = "ok" if fits else "oom"
+        return {"status": status, "peak_memory_mb": 1000.0 if fits else None, "error": None}
+
+    found = capacity.find_max_batch(config, prediction, run_probe)
+    assert found["largest_physical_batch"] == 37 and found["predicted_largest"] == 40
+    assert found["predicted_peak_mb"] == 1234.0 and found["measured_peak_mb"] == 1000.0
+    assert [p["physical_batch_size"] for p in found["probes"]] == [a[0] for a in asked]
+    assert {37, 38} <= {a[0] for a in asked} and len(asked) <= math.ceil(math.log2(40)) + 3
+    assert all(batch == max(8, physical) for physical, batch, _ in asked)
+    assert asked[0][2] == "probe_pb40.json"
+
+
+def test_find_max_batch_stops_on_an_error_that_is_not_memory():
+    config = ExperimentConfig(trainer="flash", model="tiny", batch_size=8, seq_len=16)
+    prediction = {"card": {"physical_batch_size": 4}, "predictions": []}
+    found = capacity.find_max_batch(
+        config, prediction, lambda probe, name: {"status": "error", "error": "ValueError: x"}
+    )
+    assert found["largest_physical_batch"] is None and "ValueError: x" in found["error"]
+    assert len(found["probes"]) == 1
 
 
 def test_an_uncapped_poisson_batch_is_planned_at_its_rare_quantile():
@@ -153,6 +193,8 @@ def test_capacity_mode_writes_its_report(tmp_path):
         (["--mode=capacity", "--gpu_memory", "-3"], "finite positive number of GiB"),
         (["--mode=capacity", "--gpu_memory", "inf"], "finite positive number of GiB"),
         (["--mode=capacity", "--validate", "--device", "cpu"], "needs a CUDA device"),
+        (["--mode=capacity", "--find_max_batch", "--device", "cpu"], "needs a CUDA device"),
+        (["--mode=test", "--find_max_batch"], "needs --mode=capacity"),
         (["--mode=test", "--gpu_memory", "80"], "needs --mode=capacity"),
         (["--mode=test", "--validate"], "needs --mode=capacity"),
     ],
