@@ -87,8 +87,8 @@ def table(entries: list[dict], markdown: bool = False) -> str:
 NOTES = (
     "\nPredicted MB: the step's own tensors as torch counts them (its peak_memory_mb), from the "
     "trainer's step run on fake tensors. A physical batch fits a budget when that peak, plus "
-    "the cuBLAS workspaces, times the caching allocator's measured reserve, plus the CUDA "
-    "context, is at most the budget (margins in capacity.json). 0: not even one sample fits.\n"
+    "the cuBLAS workspaces, is at most the measured share of the card a step's peak reaches "
+    "beside the CUDA context (margins in capacity.json). 0: not even one sample fits.\n"
 )
 
 

@@ -119,6 +119,23 @@ def test_the_budget_search_finds_the_boundary_from_any_guess(guess, budget):
         assert found in judged and found + 1 in judged
 
 
+def test_the_search_sees_the_one_chunk_step_at_the_logical_batch():
+    """Below the logical batch the step runs chunks whose gradients add up, so its peak dips
+    where the physical batch reaches the logical one: the search checks both pieces."""
+    batch = 8
+
+    def peak(physical):  # chunked: flat and high below the batch; one chunk: grows from lower
+        return (10 if physical < batch else 9 + 0.1 * (physical - batch)) * 2**20
+
+    for budget_mb, want in ((9.05, 8), (9.55, 13), (8.5, 0), (10.45, 22), (9.95, 17)):
+        for guess in (1, 3, 8, 12, 30):
+            fits = lambda p, mb=budget_mb: peak(p) <= mb * 2**20  # noqa: E731
+            found, judged = capacity.largest_physical(fits, guess, batch)
+            assert found == want, (budget_mb, guess, found, judged)
+            if found:
+                assert found in judged and found + 1 in judged
+
+
 def test_find_max_batch_probes_from_the_prediction_and_keeps_every_probe():
     """Each probe is a measured config at one physical batch (two steps after a warm-up, no
     trace); the search starts at the card's predicted largest batch, and ends with the largest
