@@ -214,7 +214,8 @@ def run_report(args) -> int:
             )
         raise UsageError(f"no */result.json files under {args.input_dir}")
     print(summary.write_summary(args.input_dir, results))
-    print(f"Summary written to {args.input_dir}/summary.csv and summary.md")
+    if not summary.is_capacity(results):  # a capacity run's report names its own files
+        print(f"Summary written to {args.input_dir}/summary.csv and summary.md")
     return exit_code(results)
 
 
@@ -417,12 +418,14 @@ def measure_and_summarise(args, experiment, run_dir: str, processes, group=None)
         record_load(run_dir, load_at_start, load_at_end)
         print()
         # Summarise every result in the run directory: a --resume run adds to earlier ones.
-        text = summary.write_summary(run_dir, summary.load_results(run_dir))
+        loaded = summary.load_results(run_dir)
+        text = summary.write_summary(run_dir, loaded)
         reached = "done"
         print(text)
-        if note := run_info.busy_note(load_at_start, load_at_end):
-            print(note)
-        print(f"Summary: {run_dir}/summary.csv, {run_dir}/summary.md")
+        if not summary.is_capacity(loaded):  # a capacity run times nothing, names its files
+            if note := run_info.busy_note(load_at_start, load_at_end):
+                print(note)
+            print(f"Summary: {run_dir}/summary.csv, {run_dir}/summary.md")
         interrupts.ignore()  # done: a signal now has nothing left to stop
         return exit_code(results)
     except (processes.Interrupted, KeyboardInterrupt) as interrupted:

@@ -204,7 +204,8 @@ def predict(config, build_trainer) -> dict:
             state[role] = size
         extras = trainer.result_extras()
         parameters = sum(p.numel() for p in model.parameters())
-        trainable = sum(p.numel() for p in trainer.optimizer.param_groups[0]["params"])
+        groups = trainer.optimizer.param_groups
+        trainable = sum(p.numel() for group in groups for p in group["params"])
     return {
         "peak": attributed["peak_bytes"],
         "roles": attributed["breakdown_bytes"],

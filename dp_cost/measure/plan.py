@@ -264,7 +264,7 @@ def check(values: dict, axes: dict, args) -> int:
         known = ", ".join(HF_CONFIGS)
         raise UsageError(f"--mode=hf_sweep needs a Hugging Face model ({known}), got {model!r}")
     check_applies(model, args)
-    check_capacity(values, args)
+    check_capacity(values, axes, args)
     if values["save_snapshot"] and not values["breakdown"]:
         raise UsageError("--save_snapshot keeps the breakdown's allocator history: it needs "
                          "--mode=memory or --mode=hf_sweep")  # fmt: skip
@@ -323,7 +323,10 @@ def check(values: dict, axes: dict, args) -> int:
     return dataset_size
 
 
-def check_capacity(values: dict, args) -> None:
+MAX_GPU_MEMORY_GIB = 2**16  # 64 TiB: far above any card, below torch's size arithmetic
+
+
+def check_capacity(values: dict, axes: dict, args) -> None:
     """--gpu_memory, --validate and --find_max_batch belong to --mode=capacity; budgets are
     finite positive GiB; --validate and --find_max_batch measure, so they need CUDA."""
     budgets = values["gpu_memory"] or []
@@ -333,9 +336,20 @@ def check_capacity(values: dict, args) -> None:
             if given:
                 raise UsageError(f"{flag} plans memory: it needs --mode=capacity")
         return
+    if distributed_mode(values["distributed"]).is_distributed:
+        raise UsageError("--mode=capacity plans one process: several ranks are not planned yet")
     for budget in budgets:
-        if not (math.isfinite(budget) and budget > 0):
-            raise UsageError(f"--gpu_memory must be a finite positive number of GiB, got {budget}")
+        if not (math.isfinite(budget) and 0 < budget <= MAX_GPU_MEMORY_GIB):
+            raise UsageError(
+                f"--gpu_memory must be a finite positive number of GiB (at most "
+                f"{MAX_GPU_MEMORY_GIB}), got {budget}"
+            )
+    if values["validate"] and values["model"] in HF_CONFIGS and values["poisson"]:
+        if None in axes["max_physical_batch_size"]:
+            raise UsageError(
+                "--validate with Poisson sampling needs --max_physical_batch_size: without a cap "
+                "the prediction plans the rare largest draw, not the draws a run measures"
+            )
     for flag, given in measuring:
         if given and values["device"] != "cuda":
             raise UsageError(f"{flag} measures on a GPU: it needs a CUDA device")

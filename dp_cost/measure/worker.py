@@ -68,7 +68,7 @@ def predict_experiment(config, out_dir: str) -> dict:
         result["config"] = config.to_dict()
         measured = result.get("peak_memory_mb")
         if measured:
-            prediction["error"] = prediction["peak_memory_mb"] / measured - 1
+            prediction["relative_error"] = prediction["peak_memory_mb"] / measured - 1
     result["prediction"] = prediction
     return result
 

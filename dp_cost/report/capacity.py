@@ -18,7 +18,8 @@ CAPACITY_JSON = "capacity.json"
 
 
 def is_capacity(results: list[dict]) -> bool:
-    return any(isinstance(r.get("prediction"), dict) for r in results)
+    """A --mode=capacity run: a prediction, or a config predicted (skipped or failed ones too)."""
+    return any(r.get("prediction") or r["config"].get("capacity") for r in results)
 
 
 def entry(result: dict) -> dict:
@@ -42,7 +43,7 @@ def entry(result: dict) -> dict:
         "measured_peak_mb": measured,
         "measured_breakdown_mb": result.get("breakdown"),
         "measured_reserved_over_allocated": reserved / measured if measured and reserved else None,
-        "prediction_error": prediction.get("error"),
+        "prediction_error": prediction.get("relative_error"),
         "largest_physical_batch": prediction.get("largest_physical_batch", []),
         "predictions": prediction.get("predictions", []),
         "card": prediction.get("card"),
@@ -105,15 +106,22 @@ def write_capacity_files(run_dir: str, results: list[dict]) -> str:
         os.path.join(run_dir, CAPACITY_JSON),
         {"configs": entries, "not_predicted": skipped, "margins": margins},
     )
-    write_text(os.path.join(run_dir, "capacity.md"), table(entries, markdown=True) + NOTES)
+    planned = "".join(
+        f"- {e['config_dir']}: {e['physical_batch_note']}\n"
+        for e in entries
+        if e["physical_batch_note"]
+    )
+    planned = f"\nPlanned physical batches:\n{planned}" if planned else ""
     lines = "".join(f"- {s['config_dir']}: {s['status']}: {s['error']}\n" for s in skipped)
-    return table(entries) + NOTES + (f"\nNot predicted:\n{lines}" if lines else "")
+    lines = f"\nNot predicted:\n{lines}" if lines else ""
+    write_text(os.path.join(run_dir, "capacity.md"), table(entries, True) + NOTES + planned + lines)
+    return table(entries) + NOTES + planned + lines
 
 
 def plot_capacity(run_dir: str, results: list[dict]) -> str | None:
     """visualizations/capacity.png: predicted peak against physical batch, one panel per shape
     (everything but the trainer and the physical batch), a line per trainer, a dashed line per
-    --gpu_memory budget at the largest predicted peak that fits it."""
+    --gpu_memory budget at the largest predicted peak that fits it (its usable peak)."""
     panels: dict[str, list] = {}
     for result in ordered(results):
         prediction = result.get("prediction")
@@ -136,6 +144,8 @@ def plot_capacity(run_dir: str, results: list[dict]) -> str | None:
             ax.plot(x, y, "o-", lw=1.2, ms=3, label=trainer, color=TRAINER_COLORS.get(trainer))
         for budget in group[0]["prediction"].get("largest_physical_batch", []):
             usable = budget["usable_peak_mb"]
+            if not usable or usable <= 0:  # the budget is smaller than the CUDA context
+                continue
             ax.axhline(usable, ls="--", lw=0.8, color="gray")
             ax.annotate(f"{budget['gpu_memory_gib']:g} GiB card", (0, usable), fontsize=7,
                         xycoords=("axes fraction", "data"), va="bottom")  # fmt: skip

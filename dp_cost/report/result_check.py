@@ -75,7 +75,47 @@ RESULT_CHECKS = {
         isinstance(v, dict) and all(_dict_of(v.get(op), _number_or_none) for op, _ in OPERATIONS)
     ),
     "privacy": lambda v: isinstance(v, dict),
+    "prediction": lambda v: _prediction(v),
+    "find_max_batch": lambda v: (
+        isinstance(v, dict)
+        and _int_or_none(v.get("largest_physical_batch"))
+        and _int_or_none(v.get("predicted_largest"))
+        and _list_of(v.get("probes"), lambda p: isinstance(p, dict))
+    ),
 }
+
+
+def _int_or_none(value) -> bool:
+    return value is None or (isinstance(value, int) and not isinstance(value, bool))
+
+
+def _budget(value) -> bool:
+    return (
+        isinstance(value, dict)
+        and _is_number(value.get("gpu_memory_gib"))
+        and _int_or_none(value.get("physical_batch_size"))
+        and _number_or_none(value.get("usable_peak_mb"))
+    )
+
+
+def _prediction(value) -> bool:
+    """--mode=capacity's prediction: what its table and plot read."""
+    return (
+        isinstance(value, dict)
+        and _is_number(value.get("peak_memory_mb"))
+        and _int_or_none(value.get("physical_batch_size"))
+        and _list_of(value.get("largest_physical_batch"), _budget)
+        and (value.get("card") is None or _budget(value["card"]))
+        and _list_of(
+            value.get("predictions"),
+            lambda p: (
+                isinstance(p, dict)
+                and _int_or_none(p.get("physical_batch_size"))
+                and _is_number(p.get("peak_memory_mb"))
+            ),
+        )
+        and isinstance(value.get("overheads"), dict)
+    )
 
 
 def result_problem(result) -> str | None:

@@ -23,7 +23,8 @@ from dp_cost.report.tables import (
 )
 from dp_cost.report.text import summary_text
 
-__all__ = ["load_results", "write_summary"]
+is_capacity = capacity.is_capacity
+__all__ = ["is_capacity", "load_results", "write_summary"]
 
 NOTES = (
     "\nTimes are the median of the measured steps; steps_ms is their range and spread "

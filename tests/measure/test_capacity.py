@@ -1,6 +1,7 @@
 """The capacity prediction (fake tensors) against what the trainers really allocate on the CPU,
 and the searches and checks around it."""
 
+import glob
 import json
 import math
 import multiprocessing
@@ -209,6 +210,7 @@ def test_capacity_mode_writes_its_report(tmp_path):
     [
         (["--mode=capacity", "--gpu_memory", "-3"], "finite positive number of GiB"),
         (["--mode=capacity", "--gpu_memory", "inf"], "finite positive number of GiB"),
+        (["--mode=capacity", "--gpu_memory", "1e300"], "finite positive number of GiB"),
         (["--mode=capacity", "--validate", "--device", "cpu"], "needs a CUDA device"),
         (["--mode=capacity", "--find_max_batch", "--device", "cpu"], "needs a CUDA device"),
         (["--mode=test", "--find_max_batch"], "needs --mode=capacity"),
@@ -221,3 +223,60 @@ def test_bad_capacity_input_is_one_line_and_exit_2(args, message, tmp_path):
     assert run.returncode == 2
     assert run.stderr.strip().count("\n") == 0 and message in run.stderr
     assert os.listdir(tmp_path) == []
+
+
+def test_validate_keeps_the_prediction_whatever_the_measurement(monkeypatch, tmp_path):
+    """--validate: the measured run's outcome (here an out-of-memory) becomes the result's
+    status; the prediction stays, and an error is computed only beside a measured peak."""
+    config = ExperimentConfig(
+        trainer="standard", model="tiny", batch_size=2, seq_len=16, capacity=True, validate=True
+    )
+    measured = {"status": "oom", "error": "CUDA out of memory", "peak_memory_mb": None,
+                "config": {}}  # fmt: skip
+    monkeypatch.setattr(worker, "classified_run", lambda c, path: dict(measured))
+    result = worker.predict_experiment(config, str(tmp_path))
+    assert result["status"] == "oom" and result["config"]["capacity"] is True
+    assert result["prediction"]["peak_memory_mb"] > 0
+    assert "relative_error" not in result["prediction"]
+    measured.update(status="ok", error=None, peak_memory_mb=2.0)
+    result = worker.predict_experiment(config, str(tmp_path))
+    error = result["prediction"]["relative_error"]
+    assert error == pytest.approx(result["prediction"]["peak_memory_mb"] / 2.0 - 1)
+
+
+def test_a_capacity_run_whose_configs_were_all_skipped_still_reports(tmp_path):
+    run = cli(
+        "--mode=capacity", "--model", "tiny", *SMALL_MODEL, "--seq_lens", "16", "--batch_sizes",
+        "2", "--trainers", "dpsgd", "--activation_checkpointing", "--output_dir", str(tmp_path),
+        "--run_name", "plan",
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr
+    with open(os.path.join(tmp_path, "plan", "capacity.json")) as f:
+        written = json.load(f)
+    assert written["configs"] == [] and written["not_predicted"][0]["status"] == "skipped"
+    assert "Summary:" not in run.stdout and "Not predicted" in run.stdout
+
+
+@pytest.mark.parametrize(
+    "prediction",
+    ["abc", {"peak_memory_mb": 1.0, "largest_physical_batch": [1]},
+     {"peak_memory_mb": 1.0, "physical_batch_size": 2, "largest_physical_batch": [
+         {"gpu_memory_gib": "80", "physical_batch_size": 3}], "predictions": [], "overheads": {}}],
+)  # fmt: skip
+def test_a_broken_prediction_is_skipped_with_a_warning(prediction, tmp_path):
+    run = cli(
+        "--mode=capacity", "--model", "tiny", *SMALL_MODEL, "--seq_lens", "16", "--batch_sizes",
+        "2", "--trainers", "standard", "flash", "--output_dir", str(tmp_path), "--run_name", "p",
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr
+    (path,) = glob.glob(os.path.join(tmp_path, "p", "flash_*", "result.json"))
+    with open(path) as f:
+        result = json.load(f)
+    result["prediction"] = prediction
+    with open(path, "w") as f:
+        json.dump(result, f)
+    report = cli("--mode=report", "--input_dir", os.path.join(tmp_path, "p"))
+    assert report.returncode == 0, report.stderr
+    assert "Traceback" not in report.stderr and "'prediction' has the wrong type" in report.stderr
+    with open(os.path.join(tmp_path, "p", "capacity.json")) as f:
+        assert [e["trainer"] for e in json.load(f)["configs"]] == ["standard"]
