@@ -63,6 +63,15 @@ _LLAMA_3_1_8B = {
     "rope_scaling": {**_LLAMA3_ROPE, "factor": 8.0},
     "tie_word_embeddings": False,
 }
+# Planned with --mode=capacity (built on the meta device there); measuring it needs a sharded
+# build over several cards.
+_LLAMA_3_1_70B = {
+    **_LLAMA_3_1_8B,
+    "hidden_size": 8192,
+    "intermediate_size": 28672,
+    "num_hidden_layers": 80,
+    "num_attention_heads": 64,
+}
 # CPU test model: the Llama-3.2 code path (GQA, llama3 RoPE, tied config) at ~90k parameters.
 _TINY_LLAMA = {
     **_LLAMA_3_2_1B,
@@ -83,6 +92,8 @@ HF_CONFIGS: dict[str, dict] = {
     "meta-llama/Llama-3.2-3B": _LLAMA_3_2_3B,
     "meta-llama/Llama-3.1-8B-Instruct": _LLAMA_3_1_8B,
     "meta-llama/Llama-3.1-8B": _LLAMA_3_1_8B,
+    "meta-llama/Llama-3.1-70B-Instruct": _LLAMA_3_1_70B,
+    "meta-llama/Llama-3.1-70B": _LLAMA_3_1_70B,
     "tiny-llama": _TINY_LLAMA,
 }
 DEFAULT_HF_MODEL = "meta-llama/Llama-3.2-3B-Instruct"

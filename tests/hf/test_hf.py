@@ -207,6 +207,7 @@ def test_lora_trains_only_adapters_and_head():
         ("meta-llama/Llama-3.2-1B-Instruct", 1_235_814_400, False),  # tied: no separate head
         ("meta-llama/Llama-3.2-3B", 3_212_749_824, False),
         ("meta-llama/Llama-3.1-8B-Instruct", 8_030_261_248, True),  # untied 128256 x 4096 head
+        ("meta-llama/Llama-3.1-70B-Instruct", 70_553_706_496, True),
     ],
 )
 def test_shipped_configs_give_published_sizes(name, published_lm, lm_head):
