@@ -3,21 +3,22 @@ batch that fits a card.
 
 The prediction runs the config's own trainer step (the same model, trainer and chunking the
 measuring modes run) on fake tensors: torch's ``FakeTensorMode`` gives every tensor its shape,
-dtype and storage but no data and no memory, so a Llama-3.1-8B step runs on a laptop in
-seconds. A dispatch mode records every storage as it is allocated and released; the peak, and
-its split into the breakdown's roles, come from the same attribution the CUDA breakdown uses
-(``measure.breakdown.attribute_peak``: the trainer's tensors by identity, the rest by the
-functions that allocated them). So each trainer's DP state (Opacus' per-sample gradients and
-ghost clipping's second backward, flash's kept A and G and its route per layer) is what that
-trainer's code allocates, never a formula beside it.
+dtype and storage but no data and no memory, so a Llama-3.1-8B step runs on a laptop's CPU (in
+under a minute). A dispatch mode records every storage as it is allocated and released; the
+peak, and its split into the breakdown's roles, come from the same attribution the CUDA
+breakdown uses (``measure.breakdown.attribute_peak``: the trainer's tensors by identity, the
+rest by the functions that allocated them). So each trainer's DP state (Opacus' per-sample
+gradients and ghost clipping's second backward, flash's kept A and G and its route per layer)
+is what that trainer's code allocates, never a formula beside it.
 
 Why not ``torch.distributed._tools.mem_tracker.MemTracker``: it hooks every parameter's
 gradient, which fails on parameters that do not require a gradient (flash's managed layers,
 LoRA's frozen base weights); a storage-level record is all the peak needs.
 
 What the fake step does not see is the CUDA side: the allocator rounds each block up to 512
-bytes (applied here), the cuBLAS workspaces, the CUDA context and the caching allocator's
-unused reserve (``GPU_OVERHEADS``: measured, with the card and the script that measured them).
+bytes (applied here), the cuBLAS workspaces, the CUDA context and the share of the card the
+caching allocator's fragmentation leaves unused (``GPU_OVERHEADS``: measured, with the card and
+the scripts that measured them).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ import contextlib
 import dataclasses
 import sys
 import time
+import warnings
 import weakref
 
 import torch
@@ -199,9 +201,7 @@ def predict(config, build_trainer) -> dict:
             trainer.step(inputs, targets)
         events = record.events[first_event:]
         attributed = attribute_peak(events, start, identities, trainer.allocation_sites())
-        state: dict[str, int] = {}
-        for role, size in _state_bytes(trainer).items():
-            state[role] = size
+        state = _state_bytes(trainer)
         extras = trainer.result_extras()
         parameters = sum(p.numel() for p in model.parameters())
         groups = trainer.optimizer.param_groups
@@ -230,8 +230,6 @@ def _state_bytes(trainer) -> dict[str, int]:
 
 @contextlib.contextmanager
 def _quiet_fake_warnings():
-    import warnings
-
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*data pointer of FakeTensor.*")
         warnings.filterwarnings("ignore", message=".*Full backward hook is firing.*")
