@@ -353,8 +353,6 @@ def check_capacity(values: dict, axes: dict, args) -> None:
     for flag, given in measuring:
         if given and values["device"] != "cuda":
             raise UsageError(f"{flag} measures on a GPU: it needs a CUDA device")
-    if values["find_max_batch"] and distributed_mode(values["distributed"]).is_distributed:
-        raise UsageError("--find_max_batch searches on one GPU: drop --distributed")
 
 
 # A result records each step (its times, losses, memory snapshots: about 1 kB a step), and a
