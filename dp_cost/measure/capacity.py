@@ -420,29 +420,25 @@ def capacity_result(config, build_trainer, card_gib: float | None = None) -> dic
     def peak_at(physical: int) -> int:
         return predicted(physical)["peak"]
 
-    main = predicted(planned)
-    largest = []
-    card = None
-    for budget in [*(config.gpu_memory or []), *([card_gib] if card_gib else [])]:
+    def largest_for(budget: float) -> dict:
         # A straight line through the peaks at 1 and 2 samples: where it crosses the budget.
         slope = peak_at(2) - peak_at(1)
         room = usable_peak_bytes(budget) - peak_at(1)
         guess = 1 + int(room // slope) if slope > 0 else planned
         batch, judged = largest_physical(
-            lambda p, b=budget: fits(peak_at(p), b), guess, config.batch_size
+            lambda p: fits(peak_at(p), budget), guess, config.batch_size
         )
-        largest.append(
-            {
-                "gpu_memory_gib": budget,
-                "physical_batch_size": batch,
-                "predicted_peak_mb": peak_at(batch) / MB if batch else None,
-                "usable_peak_mb": usable_peak_bytes(budget) / MB,
-                "batch_sizes_judged": len(judged),
-            }
-        )
-        card = largest[-1] if budget == card_gib else card
-    if card_gib:
-        largest.pop()  # the card's entry is "card", not one of the asked budgets
+        return {
+            "gpu_memory_gib": budget,
+            "physical_batch_size": batch,
+            "predicted_peak_mb": peak_at(batch) / MB if batch else None,
+            "usable_peak_mb": usable_peak_bytes(budget) / MB,
+            "batch_sizes_judged": len(judged),
+        }
+
+    main = predicted(planned)
+    largest = [largest_for(budget) for budget in config.gpu_memory or []]
+    card = largest_for(card_gib) if card_gib else None
     return {
         "method": "the trainer's step on fake tensors (CPU code paths), storages recorded",
         "physical_batch_size": planned,

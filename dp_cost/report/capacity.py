@@ -12,7 +12,7 @@ from dp_cost.core.files import write_json, write_text
 from dp_cost.core.fmt import cell, render_table
 from dp_cost.report.figures import MB as MB_UNIT
 from dp_cost.report.figures import TRAINER_COLORS, pyplot, save_visualization
-from dp_cost.report.results import dtype_words, lora_words, ordered, shape_label
+from dp_cost.report.results import dtype_words, lora_words, ordered, shape_parts
 
 CAPACITY_JSON = "capacity.json"
 
@@ -127,8 +127,7 @@ def plot_capacity(run_dir: str, results: list[dict]) -> str | None:
         prediction = result.get("prediction")
         if not isinstance(prediction, dict) or len(prediction.get("predictions", [])) < 2:
             continue
-        config = dict(result["config"], physical_batch_size=None, batch_size=None)
-        panels.setdefault(shape_label_without_batch(config), []).append(result)
+        panels.setdefault(shape_label_without_batch(result["config"]), []).append(result)
     if not panels:
         return None
     plt = pyplot()
@@ -159,5 +158,9 @@ def plot_capacity(run_dir: str, results: list[dict]) -> str | None:
 
 
 def shape_label_without_batch(config: dict) -> str:
-    words = shape_label({**config, "batch_size": "any", "physical_batch_size": "any"})
-    return ", ".join(w for w in words.split(", ") if not w.startswith(("batch", "physical")))
+    """``results.shape_label`` without the logical and physical batch (a panel's x axis)."""
+    parts = shape_parts(config)
+    return ", ".join(part for name, part in parts.items() if part and name not in BATCH_SETTINGS)
+
+
+BATCH_SETTINGS = ("batch_size", "physical_batch_size")
