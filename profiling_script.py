@@ -255,7 +255,9 @@ def run_experiments(args) -> int:
     from dp_cost.measure import processes
 
     configs = experiment.configs
-    if configs and configs[0].distributed_mode.is_distributed:
+    # Several ranks measure under torchrun; --mode=capacity plans its ranks in one process.
+    first = configs[0] if configs else None
+    if first and first.distributed_mode.is_distributed and (first.validate or not first.capacity):
         return run_distributed(args, experiment, processes)
     run = prepare_run_dir(args, experiment)
     try:

@@ -1,21 +1,25 @@
 #!/usr/bin/env bash
-# Predicted against measured peak memory on one GPU: every config is predicted on fake tensors
+# Predicted against measured peak memory on one GPU or several: every config is predicted on fake tensors
 # (--mode=capacity) and then run on the card (--validate: --steps 2 after --warmup_steps 1, no
 # trace, the memory breakdown); capacity.md in each run directory lists predicted MB, measured
 # MB and the error per config. Also records the card's CUDA-side overheads (cuda_overheads.json).
 #
 # Usage: benchmarks/capacity_validation.sh [output_dir]   (default: ./runs/capacity_validation)
-# GRID=1b runs only the 1b grid; GRID=lora only the Llama LoRA configs.
+# GRID=1b runs only the 1b grid; GRID=lora only the Llama LoRA configs; GRID=ranks only
+# Llama-3.1-8B full fine-tuning under FSDP2 on RANKS GPUs each (default "2 4"; one torchrun job
+# per count, each rank predicting its own peak before the job measures it).
 set -euo pipefail
 if [[ "${1:-}" == "-h" || "${1:-}" == "--help" ]]; then
-    sed -n '2,8p' "$0" | sed 's/^# \{0,1\}//'
+    sed -n '2,10p' "$0" | sed 's/^# \{0,1\}//'
     exit 0
 fi
 cd "$(dirname "$0")/.."
 out="${1:-./runs/capacity_validation}"
 grid="${GRID:-all}"
 mkdir -p "$out"
-python benchmarks/cuda_overheads.py > "$out/cuda_overheads.json"
+if [[ "$grid" != ranks ]]; then
+    python benchmarks/cuda_overheads.py > "$out/cuda_overheads.json"
+fi
 run() { python profiling_script.py --mode=capacity --validate --output_dir "$out" --resume "$@"; }
 if [[ "$grid" == all || "$grid" == 1b ]]; then
     for precision in "bf16 --dtype bfloat16 --attention sdpa" "fp32 --dtype float32 --attention explicit"; do
@@ -35,4 +39,13 @@ if [[ "$grid" == all || "$grid" == lora ]]; then
     done
     run --run_name lora8b_bf16 --model meta-llama/Llama-3.1-8B-Instruct --use_lora --lora_rank 16 \
         --seq_lens 512 --batch_sizes 16 --max_physical_batch_size 4 --dtype bfloat16
+fi
+if [[ "$grid" == all || "$grid" == ranks ]]; then
+    for ranks in ${RANKS:-2 4}; do
+        torchrun --nproc_per_node "$ranks" --standalone profiling_script.py --mode=capacity \
+            --validate --output_dir "$out" --resume --run_name "fsdp8b_${ranks}" \
+            --model meta-llama/Llama-3.1-8B-Instruct --seq_lens 512 --batch_sizes 16 \
+            --max_physical_batch_size 2 --dtype bfloat16 --no_poisson --distributed fsdp \
+            --trainers standard ghost flash
+    done
 fi

@@ -262,8 +262,16 @@ SETTINGS: tuple[Setting, ...] = (
         dir_part=lambda c: c.distributed_mode.dir_part(),
         compare=True,
     ),
-    # The number of ranks: set by the plan from torchrun's WORLD_SIZE, never by a flag.
-    Setting("world_size", 1, "ranks of a distributed run", compare=True),
+    # The number of ranks: torchrun's WORLD_SIZE; the flag plans ranks (capacity) only.
+    Setting(
+        "world_size",
+        1,
+        "capacity: the ranks of --distributed to plan for, in one process without torchrun "
+        "(a measuring run takes its ranks from torchrun)",
+        flags=("--world_size",),
+        type=int,
+        compare=True,
+    ),
     Setting(
         "optimizer",
         "sgd",

@@ -11,6 +11,12 @@ rest by the functions that allocated them). So each trainer's DP state (Opacus' 
 gradients and ghost clipping's second backward, flash's kept A and G and its route per layer)
 is what that trainer's code allocates, never a formula beside it.
 
+Several ranks are planned in this one process, without torchrun: rank 0 (the largest share of
+a batch) of a fake process group of ``--world_size`` ranks (torch's ``FakeProcessGroup``: every
+collective returns at once, as if the others had sent what it receives). FSDP2 shards, gathers
+and reduce-scatters as on W GPUs; DDP's buckets, Opacus' DPDDP hooks and flash's own buckets
+run their code on this rank's share.
+
 Why not ``torch.distributed._tools.mem_tracker.MemTracker``: it hooks every parameter's
 gradient, which fails on parameters that do not require a gradient (flash's managed layers,
 LoRA's frozen base weights); a storage-level record is all the peak needs.
@@ -31,9 +37,17 @@ import warnings
 import weakref
 
 import torch
-from torch._subclasses.fake_tensor import FakeCopyMode, FakeTensorMode
+import torch.distributed as dist
+from torch._subclasses.fake_tensor import (
+    FakeCopyMode,
+    FakeTensor,
+    FakeTensorMode,
+    unset_fake_temporarily,
+)
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
 from torch.fx.experimental.symbolic_shapes import ShapeEnv
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 from torch.utils._pytree import tree_leaves
 
 import models
@@ -42,6 +56,7 @@ from dp_cost.hf import models as hf_models
 from dp_cost.hf.configs import HF_CONFIGS
 from dp_cost.measure.breakdown import MARKER_FUNCTION, attribute_peak, tensor_identities
 from dp_cost.measure.plan import draw_above_probability
+from dp_cost.parallel.ranks import share
 
 BLOCK_BYTES = 512  # the CUDA caching allocator's block size: every allocation is a multiple
 GIB = 2**30
@@ -95,7 +110,8 @@ class StorageRecord(TorchDispatchMode):
         # lack: plan for every one distinct, the most memory (random tokens come close).
         output = distinct(*args, **kwargs) if distinct else func(*args, **kwargs)
         for tensor in tree_leaves(output):
-            if isinstance(tensor, torch.Tensor):
+            # A DTensor (FSDP2) holds no storage of its own: its shard is an op's output too.
+            if isinstance(tensor, torch.Tensor) and not isinstance(tensor, DTensor):
                 self._add(tensor)
         return output
 
@@ -160,8 +176,13 @@ def meta_model(config) -> tuple[torch.nn.Module, object]:
     return model, None
 
 
+def rank_share(config) -> int:
+    """Samples of the logical batch rank 0 takes (all of them in one process): the most."""
+    return len(share(config.batch_size, 0, config.world_size))
+
+
 def fake_batch(config, samples: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(inputs, targets) of a batch of ``samples`` samples, inside a fake mode."""
+    """(inputs, targets) of a batch of ``samples`` samples (of this rank), inside a fake mode."""
     inputs = torch.zeros(samples, config.seq_len, dtype=torch.long)
     if config.model in HF_CONFIGS:
         return inputs, torch.zeros(samples, dtype=torch.long)
@@ -175,20 +196,22 @@ def predict(config, build_trainer) -> dict:
     warm-up step runs first, as in the measuring modes: gradients and optimizer states exist
     when the recorded step begins. Returns bytes: ``peak``, ``roles`` (breakdown key -> bytes),
     ``parameters``, ``trainable_parameters``, ``state`` (role -> bytes the trainer holds after
-    the step) and the flash routes, if any."""
+    the step) and the flash routes, if any. Distributed: rank 0's, the rank with the largest
+    share of a batch, in a fake process group of the config's ranks (``planned_ranks``)."""
     # shape_env: .item() gives a symbol, not an error; non-fake inputs: the meta model's
     fake = FakeTensorMode(shape_env=ShapeEnv(), allow_non_fake_inputs=True)
     record = StorageRecord()
     model, loss_fn = meta_model(config)  # outside the fake mode: peft cannot build under one
-    with fake, FakeCopyMode(fake), record, _quiet_fake_warnings():
+    with planned_ranks(config.world_size), fake, FakeCopyMode(fake), record, _quiet_fake_warnings():
         model = model.to_empty(device=DEVICE)
         trainer = build_trainer(config, model, loss_fn, lambda name: None)
-        physical = min(config.physical_batch_size, config.batch_size)
+        mine = rank_share(config)
+        physical = min(config.physical_batch_size, mine)
         trainer.step(*fake_batch(config, physical))
         # Three chunks at most: the first (no gradient yet), the second (the first's summed in)
         # and the third (Opacus' running sum beside the chunk's gradient): every later chunk
         # holds what the third does, so a batch of 3P has the peak of any larger one.
-        inputs, targets = fake_batch(config, min(config.batch_size, 3 * physical))
+        inputs, targets = fake_batch(config, min(mine, 3 * physical))
         start = dict(record.live)
         identities = [tensor_identities(trainer, "cpu", key=storage_key)]
         first_event = len(record.events)
@@ -203,7 +226,7 @@ def predict(config, build_trainer) -> dict:
         attributed = attribute_peak(events, start, identities, trainer.allocation_sites())
         state = _state_bytes(trainer)
         extras = trainer.result_extras()
-        parameters = sum(p.numel() for p in model.parameters())
+        parameters = sum(p.numel() for p in model.parameters())  # a DTensor's: the whole's
         groups = trainer.optimizer.param_groups
         trainable = sum(p.numel() for group in groups for p in group["params"])
     return {
@@ -221,11 +244,57 @@ def _state_bytes(trainer) -> dict[str, int]:
     seen: set[int] = set()
     sizes: dict[str, int] = {}
     for role, _, tensor in trainer.state_tensors():
+        if isinstance(tensor, DTensor):  # FSDP2: the shard this rank holds
+            tensor = tensor.to_local()
         if not isinstance(tensor, torch.Tensor) or storage_key(tensor) in seen:
             continue
         seen.add(storage_key(tensor))
         sizes[role] = sizes.get(role, 0) + allocator_bytes(tensor.untyped_storage().nbytes())
     return sizes
+
+
+@contextlib.contextmanager
+def planned_ranks(world_size: int):
+    """This process as rank 0 of a fake process group of ``world_size`` ranks (none for one
+    rank): the trainers' collectives run and return at once, moving no data."""
+    if world_size == 1:
+        yield
+        return
+    # torch's own fake backend; importing the module registers it with torch.distributed
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
+    try:
+        with _meshes_outside_fake_mode():
+            yield
+    finally:
+        dist.destroy_process_group()
+
+
+@contextlib.contextmanager
+def _meshes_outside_fake_mode():
+    """FSDP2's DeviceMesh built on real tensors, on the fake tensors' device: it finds this
+    rank's place in its rank map by reading the map's values, which a fake tensor does not have
+    (``init_device_mesh`` passes the identity map, ``arange`` over the ranks: a fake one is
+    remade as that, for real), and FSDP2 would otherwise put the shards on the machine's GPU."""
+    original = DeviceMesh.__init__
+
+    def real(value):
+        if isinstance(value, FakeTensor):
+            return torch.arange(value.numel(), dtype=value.dtype).view(value.shape)
+        return value
+
+    def init(self, device_type, *args, **kwargs):
+        with _disable_current_modes(), unset_fake_temporarily():
+            args = [real(value) for value in args]
+            kwargs = {name: real(value) for name, value in kwargs.items()}
+            original(self, DEVICE, *args, **kwargs)
+
+    DeviceMesh.__init__ = init
+    try:
+        yield
+    finally:
+        DeviceMesh.__init__ = original
 
 
 @contextlib.contextmanager
@@ -254,26 +323,29 @@ MAX_PROBES = 64  # a guard: galloping and bisecting take about 2 log2(|guess - a
 
 
 def planned_physical_batch(config) -> tuple[int, str | None]:
-    """The physical batch a config's peak is planned at, and why when it is not the asked one:
-    a Poisson-sampled batch without a physical cap runs whole, as large as it is drawn."""
+    """The physical batch (per rank) a config's peak is planned at, and why when it is not the
+    asked one: a Poisson-sampled batch without a physical cap runs whole, as large as it is
+    drawn (each rank its share of the draw; rank 0 the largest)."""
     physical = config.physical_batch_size
     if config.model not in HF_CONFIGS or not config.poisson or config.max_physical_batch_size:
         return physical, None
-    drawn = physical
+    drawn = config.batch_size
     while draw_above_probability(drawn, config.batch_size, config.dataset_size) > POISSON_QUANTILE:
         drawn += 1
+    mine = len(share(drawn, 0, config.world_size))
     note = (
-        f"Poisson sampling without --max_physical_batch_size: planned at {drawn} samples, the "
-        f"draw exceeded with probability {POISSON_QUANTILE:g} at batch {config.batch_size} of "
-        f"{config.dataset_size}"
+        f"Poisson sampling without --max_physical_batch_size: planned at {drawn} samples"
+        f"{f' ({mine} on rank 0)' if mine != drawn else ''}, the draw exceeded with probability "
+        f"{POISSON_QUANTILE:g} at batch {config.batch_size} of {config.dataset_size}"
     )
-    return drawn, note
+    return mine, note
 
 
 def with_physical_batch(config, physical: int):
-    """``config`` at physical batch ``physical``: one chunk of ``physical`` samples when that is
-    at least the logical batch (which is raised to it), else chunks of it."""
-    batch = max(config.batch_size, physical)
+    """``config`` at physical batch ``physical`` (per rank): one chunk of ``physical`` samples
+    on each rank when that is at least a rank's share of the logical batch (which is raised to
+    it), else chunks of it."""
+    batch = max(config.batch_size, physical * config.world_size)
     return dataclasses.replace(config, batch_size=batch, max_physical_batch_size=physical)
 
 
@@ -377,7 +449,7 @@ def find_max_batch(config, prediction: dict, run_probe) -> dict:
 
     outcome = {"predicted_largest": card["physical_batch_size"], "probes": probes}
     try:
-        largest, _ = largest_physical(runs, card["physical_batch_size"], config.batch_size)
+        largest, _ = largest_physical(runs, card["physical_batch_size"], rank_share(config))
     except ProbeFailed as error:
         return {**outcome, "largest_physical_batch": None, "error": str(error)}
     measured = next(
@@ -426,7 +498,7 @@ def capacity_result(config, build_trainer, card_gib: float | None = None) -> dic
         room = usable_peak_bytes(budget) - peak_at(1)
         guess = 1 + int(room // slope) if slope > 0 else planned
         batch, judged = largest_physical(
-            lambda p: fits(peak_at(p), budget), guess, config.batch_size
+            lambda p: fits(peak_at(p), budget), guess, rank_share(config)
         )
         return {
             "gpu_memory_gib": budget,

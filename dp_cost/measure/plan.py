@@ -78,7 +78,7 @@ def make_plan(args: argparse.Namespace, cuda_available) -> Plan:
         values["attention"] = default_attention(values["model"])
     if values["ncu"]:  # one replayed step: no trace, no breakdown
         values["trace"] = values["breakdown"] = False
-    values["world_size"] = world_size(values["distributed"])
+    values["world_size"] = world_size(values["distributed"], args.world_size, mode)
     names = [args.trainer] if args.trainer else values["trainer"]
     try:
         known = trainer_names()
@@ -217,13 +217,31 @@ def check_applies(model: str, args) -> None:
         raise UsageError(f"{', '.join(ignored)} applies only to {what}; model is {model!r}")
 
 
-def world_size(distributed: str) -> int:
-    """The ranks of a distributed run (torchrun's WORLD_SIZE); UsageError where --distributed
-    and the way the CLI was started disagree."""
+def world_size(distributed: str, planned: int | None, mode) -> int:
+    """The ranks of a distributed run: torchrun's WORLD_SIZE, or ``planned`` (--world_size, for
+    --mode=capacity without torchrun); UsageError where --distributed, --world_size and the way
+    the CLI was started disagree."""
     try:
         info = ranks.from_environment()
     except ValueError as error:
         raise UsageError(str(error)) from None
+    if planned is not None:
+        if not mode.predicts:
+            raise UsageError(
+                "--world_size plans ranks without torchrun: it needs --mode=capacity (a "
+                "measuring run takes its ranks from torchrun)"
+            )
+        if not 1 <= planned <= MAX_PLANNED_RANKS:
+            raise UsageError(f"--world_size must be in 1..{MAX_PLANNED_RANKS}, got {planned}")
+        if info is not None:
+            raise UsageError(
+                "--world_size plans ranks in one process: run --mode=capacity without "
+                "torchrun (under torchrun, --validate measures on the job's own ranks)"
+            )
+        if planned > 1 and not distributed_mode(distributed).is_distributed:
+            raise UsageError(
+                f"--world_size {planned} plans ranks of --distributed ddp or fsdp: add one"
+            )
     if not distributed_mode(distributed).is_distributed:
         if info is not None and info.world_size > 1:
             raise UsageError(
@@ -232,11 +250,21 @@ def world_size(distributed: str) -> int:
             )
         return 1
     if info is None:
+        if mode.predicts:
+            if planned is None:
+                raise UsageError(
+                    f"--mode=capacity --distributed {distributed} plans ranks in one process: "
+                    "give their number, --world_size W"
+                )
+            return planned
         raise UsageError(
             f"--distributed {distributed} runs under torchrun, one process per GPU: "
             f"torchrun --nproc_per_node <GPUs> profiling_script.py ... --distributed {distributed}"
         )
     return info.world_size
+
+
+MAX_PLANNED_RANKS = 4096
 
 
 def check_distributed(values: dict, batch_sizes: list[int]) -> None:
@@ -337,7 +365,16 @@ def check_capacity(values: dict, axes: dict, args) -> None:
                 raise UsageError(f"{flag} plans memory: it needs --mode=capacity")
         return
     if distributed_mode(values["distributed"]).is_distributed:
-        raise UsageError("--mode=capacity plans one process: several ranks are not planned yet")
+        if values["find_max_batch"]:
+            raise UsageError(
+                "--find_max_batch searches one process's batch by runs: several ranks are "
+                "planned (--world_size W), not searched"
+            )
+        if ranks.from_environment() is not None and not values["validate"]:
+            raise UsageError(
+                "--mode=capacity under torchrun measures on the job's ranks: add --validate, "
+                "or plan without torchrun (--world_size W)"
+            )
     for budget in budgets:
         if not (math.isfinite(budget) and 0 < budget <= MAX_GPU_MEMORY_GIB):
             raise UsageError(

@@ -44,14 +44,16 @@ def result_skeleton(config, status: str, error: str | None = None) -> dict:
 def run_experiment(config, out_dir: str, rank_setup=None) -> dict:
     """One config in this process: measured, or predicted (--mode=capacity)."""
     if config.capacity:
-        return predict_experiment(config, out_dir)
+        return predict_experiment(config, out_dir, rank_setup)
     return measure_experiment(config, out_dir, rank_setup)
 
 
-def predict_experiment(config, out_dir: str) -> dict:
-    """--mode=capacity: the config's peak predicted on fake tensors (``measure.capacity``); with
-    --validate, then measured in this process as the measuring modes do, the prediction kept
-    whatever the measurement's outcome (an out-of-memory included)."""
+def predict_experiment(config, out_dir: str, rank_setup=None) -> dict:
+    """--mode=capacity: the config's peak predicted on fake tensors (``measure.capacity``; its
+    ranks planned in this process); with --validate, then measured in this process as the
+    measuring modes do (a rank of a torchrun job: after the prediction, which needs this
+    process outside the job's group), the prediction kept whatever the measurement's outcome
+    (an out-of-memory included)."""
     card_gib = None
     if config.find_max_batch:  # the card's whole memory, as torch reports it
         card_gib = torch.cuda.mem_get_info(torch.device(config.device))[1] / capacity.GIB
@@ -64,11 +66,8 @@ def predict_experiment(config, out_dir: str) -> dict:
             "opacus": opacus.__version__,
         }
     else:
-        result = classified_run(dataclasses.replace(config, capacity=False), out_dir)
+        result = classified_run(dataclasses.replace(config, capacity=False), out_dir, rank_setup)
         result["config"] = config.to_dict()
-        measured = result.get("peak_memory_mb")
-        if measured:
-            prediction["relative_error"] = prediction["peak_memory_mb"] / measured - 1
     result["prediction"] = prediction
     return result
 

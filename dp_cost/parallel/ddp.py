@@ -9,6 +9,7 @@ import contextlib
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch._subclasses.fake_tensor import FakeTensor
 from torch.nn.parallel import DistributedDataParallel
 
 EAGER_ITERATIONS = 11  # DDP times its first 10 iterations: a capture follows the 11th or later
@@ -34,11 +35,43 @@ class DataParallel(DistributedDataParallel):
         return self.iterations >= EAGER_ITERATIONS - 1  # this eager step is the 11th or later
 
 
+class PlannedDataParallel(nn.Module):
+    """DDP as the capacity prediction runs it, on fake tensors: torch's DDP compares the
+    parameters' values over the ranks when built, and fake tensors have none. It holds what
+    DDP holds beside the model: a flat buffer per bucket (torch's own assignment of the
+    gradients to buckets, 1 MiB first, 25 MiB after), where DDP copies each gradient to sum it
+    over the ranks and back. Never used to train (the sums are not taken)."""
+
+    BUCKET_BYTES = (dist._DEFAULT_FIRST_BUCKET_BYTES, 25 * 2**20)  # DDP's defaults
+
+    def __init__(self, module: nn.Module):
+        super().__init__()
+        self.module = module
+        params = [p for p in reversed(list(module.parameters())) if p.requires_grad]
+        assignment, _ = dist._compute_bucket_assignment_by_size(params, self.BUCKET_BYTES)
+        self.bucket_buffers = [
+            torch.empty(sum(params[i].numel() for i in bucket), dtype=params[bucket[0]].dtype,
+                        device=params[bucket[0]].device)
+            for bucket in assignment
+        ]  # fmt: skip
+
+    def forward(self, *args, **kwargs):
+        return self.module(*args, **kwargs)
+
+    def no_sync(self):
+        return contextlib.nullcontext()
+
+    def captures_after_this(self) -> bool:
+        return False
+
+
 def data_parallel(model: nn.Module, for_capture: bool = False) -> DataParallel:
     """torch's DDP (its bucketed all-reduce overlaps the backward), summing instead of
     averaging. ``for_capture`` (by a CUDA graph): built on a side stream, as torch's CUDA graphs
     notes ask (the gradient accumulators DDP keeps are then not the default stream's), and
     never timing an iteration after its first 10 (DDP would time every 100th)."""
+    if isinstance(next(model.parameters()), FakeTensor):
+        return PlannedDataParallel(model)
     device = next(model.parameters()).device
     side = torch.cuda.Stream(device) if for_capture and device.type == "cuda" else None
     if side is not None:

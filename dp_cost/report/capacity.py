@@ -36,6 +36,8 @@ def entry(result: dict) -> dict:
         "physical_batch_size": prediction.get("physical_batch_size"),
         "dtype": config["dtype"],
         "lora_rank": config.get("lora_rank") if config.get("use_lora") else None,
+        "distributed": config.get("distributed", "none"),
+        "world_size": config.get("world_size", 1),
         "status": result["status"],
         "error": result.get("error"),
         "predicted_peak_mb": prediction.get("peak_memory_mb"),
@@ -43,7 +45,11 @@ def entry(result: dict) -> dict:
         "measured_peak_mb": measured,
         "measured_breakdown_mb": result.get("breakdown"),
         "measured_reserved_over_allocated": reserved / measured if measured and reserved else None,
-        "prediction_error": prediction.get("relative_error"),
+        "prediction_error": (
+            prediction["peak_memory_mb"] / measured - 1
+            if measured and prediction.get("peak_memory_mb") is not None
+            else None
+        ),
         "largest_physical_batch": prediction.get("largest_physical_batch", []),
         "predictions": prediction.get("predictions", []),
         "card": prediction.get("card"),
@@ -58,7 +64,8 @@ def entry(result: dict) -> dict:
 def table(entries: list[dict], markdown: bool = False) -> str:
     budgets = sorted({b["gpu_memory_gib"] for e in entries for b in e["largest_physical_batch"]})
     validated = any(e["measured_peak_mb"] is not None or e["status"] != "ok" for e in entries)
-    header = ["trainer", "model", "batch", "seq", "physical", "dtype", "LoRA", "predicted MB"]
+    header = ["trainer", "model", "ranks", "batch", "seq", "physical", "dtype", "LoRA"]
+    header += ["predicted MB per rank"]
     header += ["measured MB", "error %", "status"] if validated else []
     header += [f"largest physical at {b:g} GiB" for b in budgets]
     searched = any(e["find_max_batch"] for e in entries)
@@ -69,7 +76,8 @@ def table(entries: list[dict], markdown: bool = False) -> str:
             b["gpu_memory_gib"]: b["physical_batch_size"] for b in e["largest_physical_batch"]
         }
         error = e["prediction_error"]
-        cells = [e["trainer"], e["model"], str(e["batch_size"]), str(e["seq_len"])]
+        cells = [e["trainer"], e["model"], ranks_words(e)]
+        cells += [str(e["batch_size"]), str(e["seq_len"])]
         cells += [str(e["physical_batch_size"]), dtype_words(e["dtype"])]
         cells += [lora_words(e["lora_rank"]), cell(e["predicted_peak_mb"], digits=0)]
         if validated:
@@ -85,9 +93,17 @@ def table(entries: list[dict], markdown: bool = False) -> str:
     return render_table(header, body, markdown)
 
 
+def ranks_words(entry: dict) -> str:
+    """"1", or the distributed mode and its ranks ("fsdp x 8")."""
+    if entry["distributed"] in (None, "none"):
+        return "1"
+    return f"{entry['distributed']} x {entry['world_size']}"
+
+
 NOTES = (
-    "\nPredicted MB: the step's own tensors as torch counts them (its peak_memory_mb), from the "
-    "trainer's step run on fake tensors. A physical batch fits a budget when that peak, plus "
+    "\nPredicted MB per rank: the step's own tensors as torch counts them (its peak_memory_mb; "
+    "with several ranks, rank 0's, the largest share of a batch; batch is the global one, "
+    "physical per rank), from the trainer's step run on fake tensors. A physical batch fits a budget when that peak, plus "
     "the cuBLAS workspaces, is at most the measured share of the card a step's peak reaches "
     "beside the CUDA context (margins in capacity.json). 0: not even one sample fits.\n"
 )

@@ -1,11 +1,14 @@
 """The capacity prediction (fake tensors) against what the trainers really allocate on the CPU,
 and the searches and checks around it."""
 
+import dataclasses
 import glob
 import json
 import math
 import multiprocessing
 import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -13,9 +16,10 @@ from torch.distributed._tools.mem_tracker import MemTracker
 
 import models
 from dp_cost.core.settings import ExperimentConfig
-from dp_cost.hf import models as hf_models
 from dp_cost.measure import capacity, plan, worker
+from dp_cost.report import capacity as report_capacity
 from tests.cli_helpers import SMALL_MODEL, cli
+from tests.measure.held_state import held_state_bytes
 
 TRAINERS = ("standard", "dpsgd", "ghost", "flash")
 TINY_LM = dict(model="tiny", seq_len=32, batch_size=6, max_physical_batch_size=2)
@@ -25,36 +29,6 @@ TINY_LLAMA_LORA = dict(
 )  # fmt: skip
 
 
-def real_state_bytes(config: ExperimentConfig) -> dict[str, int]:
-    """Bytes by role of what the trainer holds after two real steps on the CPU (each storage
-    once, in the CUDA allocator's 512-byte blocks, as the prediction counts them)."""
-    torch.manual_seed(0)
-    if config.model in hf_models.HF_CONFIGS:
-        model, _ = hf_models.build_hf_model(
-            config.model, use_lora=config.use_lora, lora_rank=config.lora_rank, attention="sdpa"
-        )
-        loss_fn = hf_models.sequence_classification_loss
-        vocab = model.config.vocab_size
-        inputs = torch.randint(3, vocab, (config.batch_size, config.seq_len))
-        targets = torch.randint(3, (config.batch_size,))
-    else:
-        model, loss_fn = models.build_model(config.model), None
-        inputs = torch.randint(model.config.vocab_size, (config.batch_size, config.seq_len))
-        targets = torch.randint(model.config.vocab_size, (config.batch_size, config.seq_len))
-    trainer = worker.build_trainer(config, model, loss_fn, lambda name: None)
-    for _ in range(2):
-        trainer.step(inputs, targets)
-    seen, sizes = set(), {}
-    for role, _, tensor in trainer.state_tensors():
-        storage = tensor.untyped_storage()
-        if storage.data_ptr() in seen:
-            continue
-        seen.add(storage.data_ptr())
-        blocks = max(1, math.ceil(storage.nbytes() / 512)) * 512
-        sizes[role] = sizes.get(role, 0) + blocks
-    return sizes
-
-
 @pytest.mark.parametrize("shape", [TINY_LM, TINY_LLAMA_LORA], ids=["tiny-lm", "tiny-llama-lora"])
 @pytest.mark.parametrize("trainer", TRAINERS)
 def test_predicted_state_equals_the_real_trainers(shape, trainer):
@@ -62,9 +36,74 @@ def test_predicted_state_equals_the_real_trainers(shape, trainer):
     bytes equal the real step's, role by role, for every trainer."""
     config = ExperimentConfig(trainer=trainer, optimizer="adam", **shape)
     predicted = capacity.predict(config, worker.build_trainer)
-    assert predicted["state"] == real_state_bytes(config)
+    assert predicted["state"] == held_state_bytes(config)
     trainable = predicted["trainable_parameters"]
     assert predicted["state"]["optimizer_states"] >= 2 * 4 * trainable  # exp_avg, exp_avg_sq
+
+
+RANKS = 2
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def held_by_rank(tmp_path, configs: list[dict]) -> list[list[dict]]:
+    """Per config, each rank's ``held_state_bytes`` from one torchrun job of RANKS ranks."""
+    configs_file, out = tmp_path / "configs.json", tmp_path / "held.json"
+    configs_file.write_text(json.dumps(configs))
+    command = [
+        sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(RANKS),
+        "--standalone", os.path.join(HERE, "state_per_rank.py"), "--configs", str(configs_file),
+        "--out", str(out),
+    ]  # fmt: skip
+    done = subprocess.run(command, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-4000:]
+    return json.loads(out.read_text())
+
+
+DISTRIBUTED = [
+    (distributed, trainer, shape)
+    for distributed, names in (("ddp", TRAINERS), ("fsdp", ("standard", "ghost", "flash")))
+    for trainer in names
+    for shape in (TINY_LM, TINY_LLAMA_LORA)
+]
+
+
+def test_predicted_state_per_rank_equals_the_real_ranks(tmp_path):
+    """Planned in one process for RANKS ranks (a fake process group), the bytes rank 0 holds
+    after a step equal, role by role, what rank 0 of a real torchrun job (gloo) holds: DDP's
+    replicas, FSDP2's shards (a 1/RANKS share of parameters, gradients and Adam's states)."""
+    fields = [
+        dict(trainer=trainer, distributed=distributed, optimizer="adam", **shape)
+        for distributed, trainer, shape in DISTRIBUTED
+    ]
+    held = held_by_rank(tmp_path, fields)
+    for config_fields, ranks_held in zip(fields, held, strict=True):
+        config = ExperimentConfig(**config_fields, world_size=RANKS)
+        predicted = capacity.predict(config, worker.build_trainer)
+        assert predicted["state"] == ranks_held[0], config_fields
+        # Sharded: 1/RANKS of one process's Adam states (the tiny LM's: LoRA's are so small
+        # that the allocator's 512-byte blocks round them up more than sharding halves them).
+        if config.distributed == "fsdp" and not config.use_lora:
+            alone = capacity.predict(dataclasses.replace(config, distributed="none",
+                                                         world_size=1), worker.build_trainer)
+            share = predicted["state"]["optimizer_states"] / alone["state"]["optimizer_states"]
+            assert share == pytest.approx(1 / RANKS, rel=0.05), config_fields
+
+
+def test_dpsgd_under_fsdp2_is_skipped_with_the_trainers_reason(tmp_path):
+    run = cli(
+        "--mode=capacity", "--model", "tiny", *SMALL_MODEL, "--seq_lens", "16", "--batch_sizes",
+        "4", "--trainers", "dpsgd", "standard", "--distributed", "fsdp", "--world_size", "2",
+        "--output_dir", str(tmp_path), "--run_name", "r",
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr
+    results = {}
+    for path in glob.glob(str(tmp_path / "r" / "*" / "result.json")):
+        with open(path) as f:
+            result = json.load(f)
+        results[result["config"]["trainer"]] = result
+    assert results["dpsgd"]["status"] == "skipped" and "FSDP2" in results["dpsgd"]["error"]
+    assert results["standard"]["status"] == "ok"
+    assert results["standard"]["config"]["world_size"] == 2
 
 
 def mem_tracker_peak(config: ExperimentConfig) -> int:
@@ -233,14 +272,14 @@ def test_validate_keeps_the_prediction_whatever_the_measurement(monkeypatch, tmp
     )
     measured = {"status": "oom", "error": "CUDA out of memory", "peak_memory_mb": None,
                 "config": {}}  # fmt: skip
-    monkeypatch.setattr(worker, "classified_run", lambda c, path: dict(measured))
+    monkeypatch.setattr(worker, "classified_run", lambda c, path, rank_setup: dict(measured))
     result = worker.predict_experiment(config, str(tmp_path))
     assert result["status"] == "oom" and result["config"]["capacity"] is True
     assert result["prediction"]["peak_memory_mb"] > 0
-    assert "relative_error" not in result["prediction"]
+    assert report_capacity.entry(result)["prediction_error"] is None
     measured.update(status="ok", error=None, peak_memory_mb=2.0)
     result = worker.predict_experiment(config, str(tmp_path))
-    error = result["prediction"]["relative_error"]
+    error = report_capacity.entry(result)["prediction_error"]
     assert error == pytest.approx(result["prediction"]["peak_memory_mb"] / 2.0 - 1)
 
 
