@@ -96,12 +96,35 @@ ALL_DISTINCT = {
 class StorageRecord(TorchDispatchMode):
     """Every storage an op creates, as the allocator history ``attribute_peak`` reads: ``alloc``
     and ``free_completed`` events with an address (the storage's key), its size in allocator
-    blocks and the Python functions on the stack that allocated it."""
+    blocks and the Python functions on the stack that allocated it. A storage resized in
+    place (FSDP2 frees and re-allocates its unsharded parameters so, ``resize_(0)`` and back;
+    no op is dispatched for it) is a free and an allocation too."""
 
     def __init__(self):
         super().__init__()
         self.events: list[dict] = []
-        self.live: dict[int, int] = {}  # key -> bytes
+        self.live: dict[int, int] = {}  # key -> bytes (0: resized to nothing)
+        self._storage_resize = torch.UntypedStorage.resize_
+
+    def __enter__(self):
+        record, resize = self, self._storage_resize
+
+        def resize_(storage, nbytes):
+            result = resize(storage, nbytes)
+            if storage._cdata in record.live:
+                record._resized(storage._cdata, nbytes)
+            return result
+
+        torch.UntypedStorage.resize_ = resize_
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        torch.UntypedStorage.resize_ = self._storage_resize
+        return super().__exit__(*exc)
+
+    def held(self) -> dict[int, int]:
+        """key -> bytes of the storages that hold memory now."""
+        return {key: size for key, size in self.live.items() if size}
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -110,8 +133,9 @@ class StorageRecord(TorchDispatchMode):
         # lack: plan for every one distinct, the most memory (random tokens come close).
         output = distinct(*args, **kwargs) if distinct else func(*args, **kwargs)
         for tensor in tree_leaves(output):
-            # A DTensor (FSDP2) holds no storage of its own: its shard is an op's output too.
-            if isinstance(tensor, torch.Tensor) and not isinstance(tensor, DTensor):
+            if isinstance(tensor, DTensor):  # FSDP2: its shard, made by ops this mode skips
+                tensor = tensor.to_local()
+            if isinstance(tensor, torch.Tensor):
                 self._add(tensor)
         return output
 
@@ -134,8 +158,17 @@ class StorageRecord(TorchDispatchMode):
 
     def _free(self, key: int) -> None:
         size = self.live.pop(key, None)
-        if size is not None:
+        if size:
             self.events.append({"action": "free_completed", "addr": key, "size": size})
+
+    def _resized(self, key: int, nbytes: int) -> None:
+        if self.live[key]:
+            self.events.append({"action": "free_completed", "addr": key, "size": self.live[key]})
+        self.live[key] = allocator_bytes(nbytes) if nbytes else 0
+        if nbytes:
+            self.events.append(
+                {"action": "alloc", "addr": key, "size": self.live[key], "frames": _python_frames()}
+            )
 
     def marker(self) -> None:
         """A phase boundary, as ``breakdown._phase_marker`` leaves one in the CUDA history."""
@@ -212,7 +245,7 @@ def predict(config, build_trainer) -> dict:
         # and the third (Opacus' running sum beside the chunk's gradient): every later chunk
         # holds what the third does, so a batch of 3P has the peak of any larger one.
         inputs, targets = fake_batch(config, min(mine, 3 * physical))
-        start = dict(record.live)
+        start = record.held()
         identities = [tensor_identities(trainer, "cpu", key=storage_key)]
         first_event = len(record.events)
 
