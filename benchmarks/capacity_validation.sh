@@ -6,8 +6,9 @@
 #
 # Usage: benchmarks/capacity_validation.sh [output_dir]   (default: ./runs/capacity_validation)
 # GRID=1b runs only the 1b grid; GRID=lora only the Llama LoRA configs; GRID=ranks only
-# Llama-3.1-8B full fine-tuning under FSDP2 on RANKS GPUs each (default "2 4"; one torchrun job
-# per count, each rank predicting its own peak before the job measures it).
+# Llama-3.1-8B full fine-tuning under FSDP2 and the 1b model under DDP (8 samples a rank) on
+# RANKS GPUs each (default "2 4"; torchrun jobs, each rank predicting its own peak before the
+# job measures it).
 set -euo pipefail
 if [[ "${1:-}" == "-h" || "${1:-}" == "--help" ]]; then
     sed -n '2,10p' "$0" | sed 's/^# \{0,1\}//'
@@ -47,5 +48,9 @@ if [[ "$grid" == all || "$grid" == ranks ]]; then
             --model meta-llama/Llama-3.1-8B-Instruct --seq_lens 512 --batch_sizes 16 \
             --max_physical_batch_size 2 --dtype bfloat16 --no_poisson --distributed fsdp \
             --trainers standard ghost flash
+        torchrun --nproc_per_node "$ranks" --standalone profiling_script.py --mode=capacity \
+            --validate --output_dir "$out" --resume --run_name "ddp1b_${ranks}" --model 1b \
+            --seq_lens 512 --batch_sizes $((8 * ranks)) --dtype bfloat16 --attention sdpa \
+            --distributed ddp
     done
 fi
