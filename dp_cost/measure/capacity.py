@@ -38,12 +38,7 @@ import weakref
 
 import torch
 import torch.distributed as dist
-from torch._subclasses.fake_tensor import (
-    FakeCopyMode,
-    FakeTensor,
-    FakeTensorMode,
-    unset_fake_temporarily,
-)
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode, unset_fake_temporarily
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 from torch.fx.experimental.symbolic_shapes import ShapeEnv
@@ -235,7 +230,9 @@ def predict(config, build_trainer) -> dict:
     fake = FakeTensorMode(shape_env=ShapeEnv(), allow_non_fake_inputs=True)
     record = StorageRecord()
     model, loss_fn = meta_model(config)  # outside the fake mode: peft cannot build under one
-    with planned_ranks(config.world_size), fake, FakeCopyMode(fake), record, _quiet_fake_warnings():
+    # Not torch's FakeCopyMode beside it: under that mode copy.deepcopy of a fake tensor is the
+    # same tensor, and Opacus' ghost clipping deepcopies each gradient into its running sum.
+    with planned_ranks(config.world_size), fake, record, _quiet_fake_warnings():
         model = model.to_empty(device=DEVICE)
         trainer = build_trainer(config, model, loss_fn, lambda name: None)
         mine = rank_share(config)

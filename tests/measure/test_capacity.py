@@ -106,6 +106,19 @@ def test_dpsgd_under_fsdp2_is_skipped_with_the_trainers_reason(tmp_path):
     assert results["standard"]["config"]["world_size"] == 2
 
 
+def test_ghost_keeps_its_running_sum_beside_the_chunks_gradient():
+    """Opacus' ghost clipping copies each chunk's clipped gradient into a running sum (a
+    deepcopy) and the next chunk's gradient is built beside it: two chunks peak one set of
+    gradient bytes above one chunk of the same size, an independent count."""
+    peaks = {}
+    for batch in (4, 8):
+        config = ExperimentConfig(trainer="ghost", model="tiny", seq_len=64, batch_size=batch,
+                                  max_physical_batch_size=4)  # fmt: skip
+        peaks[batch] = capacity.predict(config, worker.build_trainer)["peak"]
+    parameter_bytes = 4 * models.count_parameters(models.build_model("tiny", device="meta"))
+    assert peaks[8] - peaks[4] == pytest.approx(parameter_bytes, rel=0.02)
+
+
 def mem_tracker_peak(config: ExperimentConfig) -> int:
     """torch's MemTracker's peak of a real CPU step of ``config`` (after a warm-up step)."""
     torch.manual_seed(0)
