@@ -38,7 +38,12 @@ import weakref
 
 import torch
 import torch.distributed as dist
-from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode, unset_fake_temporarily
+from torch._subclasses.fake_tensor import (
+    FakeCopyMode,
+    FakeTensor,
+    FakeTensorMode,
+    unset_fake_temporarily,
+)
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 from torch.fx.experimental.symbolic_shapes import ShapeEnv
@@ -86,6 +91,22 @@ ALL_DISTINCT = {
     torch.ops.aten.unique_dim.default: _unique_rows,
     torch.ops.aten._unique2.default: _unique_values,
 }
+
+
+class FakeCopies(FakeCopyMode):
+    """torch's FakeCopyMode (copy.deepcopy under a fake mode makes fake tensors), except that a
+    fake tensor's deepcopy is a new fake tensor, as a real deepcopy allocates: torch's returns
+    the tensor itself, and Opacus' ghost clipping deepcopies each chunk's gradient into its
+    running sum, which would then go uncounted."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func is torch.Tensor.__deepcopy__ and isinstance(args[0], FakeTensor):
+            tensor, memo = args
+            if id(tensor) not in memo:
+                copied = tensor.detach().clone()
+                memo[id(tensor)] = copied.requires_grad_(tensor.requires_grad)
+            return memo[id(tensor)]
+        return super().__torch_function__(func, types, args, kwargs)
 
 
 class StorageRecord(TorchDispatchMode):
@@ -230,9 +251,7 @@ def predict(config, build_trainer) -> dict:
     fake = FakeTensorMode(shape_env=ShapeEnv(), allow_non_fake_inputs=True)
     record = StorageRecord()
     model, loss_fn = meta_model(config)  # outside the fake mode: peft cannot build under one
-    # Not torch's FakeCopyMode beside it: under that mode copy.deepcopy of a fake tensor is the
-    # same tensor, and Opacus' ghost clipping deepcopies each gradient into its running sum.
-    with planned_ranks(config.world_size), fake, record, _quiet_fake_warnings():
+    with planned_ranks(config.world_size), fake, FakeCopies(fake), record, _quiet_fake_warnings():
         model = model.to_empty(device=DEVICE)
         trainer = build_trainer(config, model, loss_fn, lambda name: None)
         mine = rank_share(config)
