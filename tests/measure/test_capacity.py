@@ -268,6 +268,16 @@ def test_capacity_mode_writes_its_report(tmp_path):
         (["--mode=test", "--find_max_batch"], "needs --mode=capacity"),
         (["--mode=test", "--gpu_memory", "80"], "needs --mode=capacity"),
         (["--mode=test", "--validate"], "needs --mode=capacity"),
+        (["--mode=test", "--world_size", "2"], "needs --mode=capacity"),
+        (["--mode=capacity", "--world_size", "2"], "add one"),
+        (["--mode=capacity", "--distributed", "fsdp"], "give their number, --world_size W"),
+        (["--mode=capacity", "--distributed", "ddp", "--world_size", "0"], "must be in 1.."),
+        (["--mode=capacity", "--distributed", "ddp", "--world_size", "9999"], "must be in 1.."),
+        (["--mode=capacity", "--distributed", "ddp", "--world_size", "x"], "invalid int value"),
+        (["--mode=capacity", "--distributed", "ddp", "--world_size", "2", "--batch_sizes", "3"],
+         "does not split evenly over 2 ranks"),
+        (["--mode=capacity", "--distributed", "ddp", "--world_size", "2", "--find_max_batch"],
+         "planned (--world_size W), not searched"),
     ],
 )
 def test_bad_capacity_input_is_one_line_and_exit_2(args, message, tmp_path):
