@@ -128,7 +128,11 @@ def write_capacity_files(run_dir: str, results: list[dict]) -> str:
         if e["physical_batch_note"]
     )
     planned = f"\nPlanned physical batches:\n{planned}" if planned else ""
-    lines = "".join(f"- {s['config_dir']}: {s['status']}: {s['error']}\n" for s in skipped)
+    # An error's own line breaks (torch's messages have some) would split the list's items.
+    lines = "".join(
+        f"- {s['config_dir']}: {s['status']}: {' '.join(str(s['error']).split())}\n"
+        for s in skipped
+    )
     lines = f"\nNot predicted:\n{lines}" if lines else ""
     write_text(os.path.join(run_dir, "capacity.md"), table(entries, True) + NOTES + planned + lines)
     return table(entries) + NOTES + planned + lines
