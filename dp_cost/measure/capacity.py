@@ -542,13 +542,15 @@ def capacity_result(config, build_trainer, card_gib: float | None = None) -> dic
         return predicted(physical)["peak"]
 
     def largest_for(budget: float) -> dict:
-        # A straight line through the peaks at 1 and 2 samples: where it crosses the budget.
-        slope = peak_at(2) - peak_at(1)
-        room = usable_peak_bytes(budget) - peak_at(1)
-        guess = 1 + int(room // slope) if slope > 0 else planned
-        batch, judged = largest_physical(
-            lambda p: fits(peak_at(p), budget), guess, rank_share(config)
-        )
+        # The first guess: where a straight line through two peaks of the same kind of step
+        # crosses the budget. One chunk of a rank's share or more if that share fits (the
+        # peak then grows by the same bytes a sample), else chunks of 1 and 2 samples.
+        share = rank_share(config)
+        low = share if fits(peak_at(share), budget) else 1
+        slope = peak_at(low + 1) - peak_at(low)
+        room = usable_peak_bytes(budget) - peak_at(low)
+        guess = low + int(room // slope) if slope > 0 else planned
+        batch, judged = largest_physical(lambda p: fits(peak_at(p), budget), guess, share)
         return {
             "gpu_memory_gib": budget,
             "physical_batch_size": batch,
