@@ -381,6 +381,12 @@ def check_capacity(values: dict, axes: dict, args) -> None:
                 f"--gpu_memory must be a finite positive number of GiB (at most "
                 f"{MAX_GPU_MEMORY_GIB}), got {budget}"
             )
+    values["gpu_memory"] = _unique(budgets) or None  # a card named twice is searched once
+    if values["save_snapshot"] and not values["validate"]:
+        raise UsageError(
+            "--save_snapshot keeps a measured step's allocator history: with --mode=capacity "
+            "it needs --validate"
+        )
     if values["validate"] and values["model"] in HF_CONFIGS and values["poisson"]:
         if None in axes["max_physical_batch_size"]:
             raise UsageError(

@@ -242,7 +242,7 @@ def test_an_uncapped_poisson_batch_is_planned_at_its_rare_quantile():
 def test_capacity_mode_writes_its_report(tmp_path):
     run = cli(
         "--mode=capacity", "--model", "tiny", *SMALL_MODEL, "--seq_lens", "16", "--batch_sizes",
-        "2", "--gpu_memory", "0.9", "--output_dir", str(tmp_path), "--run_name", "plan",
+        "2", "--gpu_memory", "0.9", "0.9", "--output_dir", str(tmp_path), "--run_name", "plan",
     )  # fmt: skip
     assert run.returncode == 0, run.stderr
     with open(os.path.join(tmp_path, "plan", "capacity.json")) as f:
@@ -278,6 +278,7 @@ def test_capacity_mode_writes_its_report(tmp_path):
          "does not split evenly over 2 ranks"),
         (["--mode=capacity", "--distributed", "ddp", "--world_size", "2", "--find_max_batch"],
          "planned (--world_size W), not searched"),
+        (["--mode=capacity", "--save_snapshot"], "it needs --validate"),
     ],
 )
 def test_bad_capacity_input_is_one_line_and_exit_2(args, message, tmp_path):
