@@ -54,7 +54,9 @@ def batch_mean(total: float, count: int, device: torch.device) -> float:
     """total / count summed over the ranks (the loss of the global batch)."""
     # torch.full, not torch.tensor: a step on fake tensors (the capacity prediction) sums
     # symbolic losses, which torch.full takes and torch.tensor refuses.
-    both = torch.stack([torch.full((), v, dtype=torch.float64, device=device) for v in (total, count)])
+    both = torch.stack(
+        [torch.full((), value, dtype=torch.float64, device=device) for value in (total, count)]
+    )
     dist.all_reduce(both)
     return (both[0] / both[1]).item()
 

@@ -94,7 +94,7 @@ def table(entries: list[dict], markdown: bool = False) -> str:
 
 
 def ranks_words(entry: dict) -> str:
-    """"1", or the distributed mode and its ranks ("fsdp x 8")."""
+    """ "1", or the distributed mode and its ranks ("fsdp x 8")."""
     if entry["distributed"] in (None, "none"):
         return "1"
     return f"{entry['distributed']} x {entry['world_size']}"
@@ -103,9 +103,10 @@ def ranks_words(entry: dict) -> str:
 NOTES = (
     "\nPredicted MB per rank: the step's own tensors as torch counts them (its peak_memory_mb; "
     "with several ranks, rank 0's, the largest share of a batch; batch is the global one, "
-    "physical per rank), from the trainer's step run on fake tensors. A physical batch fits a budget when that peak, plus "
-    "the cuBLAS workspaces, is at most the measured share of the card a step's peak reaches "
-    "beside the CUDA context (margins in capacity.json). 0: not even one sample fits.\n"
+    "physical per rank), from the trainer's step run on fake tensors. A physical batch fits a "
+    "budget when that peak, plus the cuBLAS workspaces, is at most the measured share of the "
+    "card a step's peak reaches beside the CUDA context (margins in capacity.json). 0: not "
+    "even one sample fits.\n"
 )
 
 

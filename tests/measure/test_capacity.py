@@ -16,7 +16,7 @@ from torch.distributed._tools.mem_tracker import MemTracker
 
 import models
 from dp_cost.core.settings import ExperimentConfig
-from dp_cost.measure import capacity, plan, worker
+from dp_cost.measure import capacity, fake_step, plan, worker
 from dp_cost.report import capacity as report_capacity
 from tests.cli_helpers import SMALL_MODEL, cli
 from tests.measure.held_state import held_state_bytes
@@ -35,7 +35,7 @@ def test_predicted_state_equals_the_real_trainers(shape, trainer):
     """Parameters, gradients, Adam's states and the DP state held after a step: the fake step's
     bytes equal the real step's, role by role, for every trainer."""
     config = ExperimentConfig(trainer=trainer, optimizer="adam", **shape)
-    predicted = capacity.predict(config, worker.build_trainer)
+    predicted = fake_step.predict(config, worker.build_trainer)
     assert predicted["state"] == held_state_bytes(config)
     trainable = predicted["trainable_parameters"]
     assert predicted["state"]["optimizer_states"] >= 2 * 4 * trainable  # exp_avg, exp_avg_sq
@@ -78,13 +78,14 @@ def test_predicted_state_per_rank_equals_the_real_ranks(tmp_path):
     held = held_by_rank(tmp_path, fields)
     for config_fields, ranks_held in zip(fields, held, strict=True):
         config = ExperimentConfig(**config_fields, world_size=RANKS)
-        predicted = capacity.predict(config, worker.build_trainer)
+        predicted = fake_step.predict(config, worker.build_trainer)
         assert predicted["state"] == ranks_held[0], config_fields
         # Sharded: 1/RANKS of one process's Adam states (the tiny LM's: LoRA's are so small
         # that the allocator's 512-byte blocks round them up more than sharding halves them).
         if config.distributed == "fsdp" and not config.use_lora:
-            alone = capacity.predict(dataclasses.replace(config, distributed="none",
-                                                         world_size=1), worker.build_trainer)
+            alone = fake_step.predict(
+                dataclasses.replace(config, distributed="none", world_size=1), worker.build_trainer
+            )
             share = predicted["state"]["optimizer_states"] / alone["state"]["optimizer_states"]
             assert share == pytest.approx(1 / RANKS, rel=0.05), config_fields
 
@@ -114,7 +115,7 @@ def test_ghost_keeps_its_running_sum_beside_the_chunks_gradient():
     for batch in (4, 8):
         config = ExperimentConfig(trainer="ghost", model="tiny", seq_len=64, batch_size=batch,
                                   max_physical_batch_size=4)  # fmt: skip
-        peaks[batch] = capacity.predict(config, worker.build_trainer)["peak"]
+        peaks[batch] = fake_step.predict(config, worker.build_trainer)["peak"]
     parameter_bytes = 4 * models.count_parameters(models.build_model("tiny", device="meta"))
     assert peaks[8] - peaks[4] == pytest.approx(parameter_bytes, rel=0.02)
 
@@ -138,7 +139,7 @@ def test_whole_peak_within_ten_percent_of_torch_mem_tracker():
     predicted peak is within 10% of its peak of a real CPU step (measured in a forked child:
     MemTracker leaves state behind that moves later CPU peaks of this process)."""
     config = ExperimentConfig(trainer="standard", model="tiny", seq_len=64, batch_size=8)
-    predicted = capacity.predict(config, worker.build_trainer)["peak"]
+    predicted = fake_step.predict(config, worker.build_trainer)["peak"]
     with multiprocessing.get_context("fork").Pool(1) as pool:
         tracked = pool.apply(mem_tracker_peak, (config,))
     assert abs(predicted - tracked) / tracked <= 0.10, (predicted, tracked)
@@ -152,7 +153,7 @@ def test_dp_state_grows_with_the_physical_batch_as_per_sample_gradients_do():
     for trainer in ("standard", "dpsgd"):
         for physical in (2, 4):
             config = ExperimentConfig(trainer=trainer, batch_size=physical, **shape)
-            peaks[trainer, physical] = capacity.predict(config, worker.build_trainer)["peak"]
+            peaks[trainer, physical] = fake_step.predict(config, worker.build_trainer)["peak"]
     parameter_bytes = 4 * models.count_parameters(models.build_model("tiny", device="meta"))
     extra = (peaks["dpsgd", 4] - peaks["standard", 4]) - (peaks["dpsgd", 2] - peaks["standard", 2])
     assert extra == pytest.approx(2 * parameter_bytes, rel=0.05)
@@ -274,10 +275,14 @@ def test_capacity_mode_writes_its_report(tmp_path):
         (["--mode=capacity", "--distributed", "ddp", "--world_size", "0"], "must be in 1.."),
         (["--mode=capacity", "--distributed", "ddp", "--world_size", "9999"], "must be in 1.."),
         (["--mode=capacity", "--distributed", "ddp", "--world_size", "x"], "invalid int value"),
-        (["--mode=capacity", "--distributed", "ddp", "--world_size", "2", "--batch_sizes", "3"],
-         "does not split evenly over 2 ranks"),
-        (["--mode=capacity", "--distributed", "ddp", "--world_size", "2", "--find_max_batch"],
-         "planned (--world_size W), not searched"),
+        (
+            ["--mode=capacity", "--distributed", "ddp", "--world_size", "2", "--batch_sizes", "3"],
+            "does not split evenly over 2 ranks",
+        ),
+        (
+            ["--mode=capacity", "--distributed", "ddp", "--world_size", "2", "--find_max_batch"],
+            "planned (--world_size W), not searched",
+        ),
         (["--mode=capacity", "--save_snapshot"], "it needs --validate"),
     ],
 )

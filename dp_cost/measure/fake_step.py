@@ -1,0 +1,344 @@
+"""A config's training step run on fake tensors, every storage it allocates recorded: the
+peak memory of the step, without a GPU.
+
+torch's ``FakeTensorMode`` gives every tensor its shape, dtype and storage but no data and no
+memory, so the config's own step (the same model, trainer and chunking the measuring modes run)
+runs for a Llama-3.1-8B on a laptop's CPU. A dispatch mode records every storage as it is
+allocated and released; the peak, and its split into the breakdown's roles, come from the same
+attribution the CUDA breakdown uses (``measure.breakdown.attribute_peak``: the trainer's tensors
+by identity, the rest by the functions that allocated them). So each trainer's DP state
+(Opacus' per-sample gradients and ghost clipping's second backward, flash's kept A and G and its
+route per layer) is what that trainer's code allocates, never a formula beside it.
+
+Several ranks are planned in this one process, without torchrun: rank 0 (the largest share of
+a batch) of a fake process group of ``--world_size`` ranks (torch's ``FakeProcessGroup``: every
+collective returns at once, as if the others had sent what it receives). FSDP2 shards, gathers
+and reduce-scatters as on W GPUs; DDP's buckets, Opacus' DPDDP hooks and flash's own buckets
+run their code on this rank's share.
+
+Why not ``torch.distributed._tools.mem_tracker.MemTracker``: it hooks every parameter's
+gradient, which fails on parameters that do not require a gradient (flash's managed layers,
+LoRA's frozen base weights); a storage-level record is all the peak needs. The allocator's
+512-byte blocks are applied here; the rest of the CUDA side is ``measure.capacity``'s.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+import warnings
+import weakref
+
+import torch
+import torch.distributed as dist
+from torch._subclasses.fake_tensor import (
+    FakeCopyMode,
+    FakeTensor,
+    FakeTensorMode,
+    unset_fake_temporarily,
+)
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
+from torch.fx.experimental.symbolic_shapes import ShapeEnv
+from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
+from torch.utils._pytree import tree_leaves
+
+import models
+from dp_cost.hf import models as hf_models
+from dp_cost.hf.configs import HF_CONFIGS
+from dp_cost.measure.breakdown import MARKER_FUNCTION, attribute_peak, tensor_identities
+from dp_cost.parallel.ranks import share
+
+BLOCK_BYTES = 512  # the CUDA caching allocator's block size: every allocation is a multiple
+DEVICE = "cpu"  # the fake tensors' device: CPU code paths (torch's, no Triton), CUDA's memory
+
+
+def allocator_bytes(nbytes: int) -> int:
+    """What the CUDA caching allocator hands out for a request of ``nbytes`` (>= one block)."""
+    return max(BLOCK_BYTES, -(-nbytes // BLOCK_BYTES) * BLOCK_BYTES)
+
+
+def storage_key(tensor: torch.Tensor) -> int:
+    """One number per storage, equal for every view of it (a fake tensor has no data pointer)."""
+    return tensor.untyped_storage()._cdata
+
+
+def _unique_rows(values, dim, sorted=True, return_inverse=False, return_counts=False):
+    count = values.shape[dim]
+    return values.clone(), _indices(count if return_inverse else 0), _indices(count * return_counts)
+
+
+def _unique_values(values, sorted=True, return_inverse=False, return_counts=False):
+    inverse = torch.empty(values.shape if return_inverse else (0,), dtype=torch.long, device=DEVICE)
+    return values.flatten().clone(), inverse, _indices(values.numel() * return_counts)
+
+
+def _indices(count: int) -> torch.Tensor:
+    return torch.empty(count, dtype=torch.long, device=DEVICE)
+
+
+ALL_DISTINCT = {
+    torch.ops.aten.unique_dim.default: _unique_rows,
+    torch.ops.aten._unique2.default: _unique_values,
+}
+
+
+class FakeCopies(FakeCopyMode):
+    """torch's FakeCopyMode (copy.deepcopy under a fake mode makes fake tensors), except that a
+    fake tensor's deepcopy is a new fake tensor, as a real deepcopy allocates: torch's returns
+    the tensor itself, and Opacus' ghost clipping deepcopies each chunk's gradient into its
+    running sum, which would then go uncounted."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func is torch.Tensor.__deepcopy__ and isinstance(args[0], FakeTensor):
+            tensor, memo = args
+            if id(tensor) not in memo:
+                copied = tensor.detach().clone()
+                memo[id(tensor)] = copied.requires_grad_(tensor.requires_grad)
+            return memo[id(tensor)]
+        return super().__torch_function__(func, types, args, kwargs)
+
+
+class StorageRecord(TorchDispatchMode):
+    """Every storage an op creates, as the allocator history ``attribute_peak`` reads: ``alloc``
+    and ``free_completed`` events with an address (the storage's key), its size in allocator
+    blocks and the Python functions on the stack that allocated it. A storage resized in
+    place (FSDP2 frees and re-allocates its unsharded parameters so, ``resize_(0)`` and back;
+    no op is dispatched for it) is a free and an allocation too."""
+
+    def __init__(self):
+        super().__init__()
+        self.events: list[dict] = []
+        self.live: dict[int, int] = {}  # key -> bytes (0: resized to nothing)
+        self._storage_resize = torch.UntypedStorage.resize_
+
+    def __enter__(self):
+        record, resize = self, self._storage_resize
+
+        def resize_(storage, nbytes):
+            result = resize(storage, nbytes)
+            if storage._cdata in record.live:
+                record._resized(storage._cdata, nbytes)
+            return result
+
+        torch.UntypedStorage.resize_ = resize_
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        torch.UntypedStorage.resize_ = self._storage_resize
+        return super().__exit__(*exc)
+
+    def held(self) -> dict[int, int]:
+        """key -> bytes of the storages that hold memory now."""
+        return {key: size for key, size in self.live.items() if size}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        distinct = ALL_DISTINCT.get(func)
+        # How many distinct values torch.unique finds depends on the data, which fake tensors
+        # lack: plan for every one distinct, the most memory (random tokens come close).
+        output = distinct(*args, **kwargs) if distinct else func(*args, **kwargs)
+        for tensor in tree_leaves(output):
+            if isinstance(tensor, DTensor):  # FSDP2: its shard, made by ops this mode skips
+                tensor = tensor.to_local()
+            if isinstance(tensor, torch.Tensor):
+                self._add(tensor)
+        return output
+
+    def add_existing(self, tensors) -> None:
+        """Storages made before the record began (parameters built under another mode)."""
+        for tensor in tensors:
+            self._add(tensor, frames=[])
+
+    def _add(self, tensor: torch.Tensor, frames: list[dict] | None = None) -> None:
+        storage = tensor.untyped_storage()
+        key = storage._cdata
+        if key in self.live:
+            return
+        size = allocator_bytes(storage.nbytes())
+        self.live[key] = size
+        event = {"action": "alloc", "addr": key, "size": size}
+        event["frames"] = _python_frames() if frames is None else frames
+        self.events.append(event)
+        weakref.finalize(storage, self._free, key)
+
+    def _free(self, key: int) -> None:
+        size = self.live.pop(key, None)
+        if size:
+            self.events.append({"action": "free_completed", "addr": key, "size": size})
+
+    def _resized(self, key: int, nbytes: int) -> None:
+        if self.live[key]:
+            self.events.append({"action": "free_completed", "addr": key, "size": self.live[key]})
+        self.live[key] = allocator_bytes(nbytes) if nbytes else 0
+        if nbytes:
+            self.events.append(
+                {"action": "alloc", "addr": key, "size": self.live[key], "frames": _python_frames()}
+            )
+
+    def marker(self) -> None:
+        """A phase boundary, as ``breakdown._phase_marker`` leaves one in the CUDA history."""
+        self.events.append(
+            {"action": "alloc", "addr": -len(self.events) - 1, "size": 0,
+             "frames": [{"filename": __file__, "name": MARKER_FUNCTION}]}
+        )  # fmt: skip
+
+
+def _python_frames() -> list[dict]:
+    """The allocating stack's Python frames, innermost first (what the allocator records)."""
+    frames, frame = [], sys._getframe(2)
+    while frame is not None:
+        frames.append({"filename": frame.f_code.co_filename, "name": frame.f_code.co_name})
+        frame = frame.f_back
+    return frames
+
+
+def meta_model(config) -> tuple[torch.nn.Module, object]:
+    """(model, per-sample loss or None) of ``config`` on the meta device: the model the
+    measuring modes build, with no storage at all (``fake_workload`` gives it fake ones)."""
+    if config.model in HF_CONFIGS:
+        model, _ = hf_models.build_hf_model(
+            config.model,
+            device="meta",
+            use_lora=config.use_lora,
+            lora_rank=config.lora_rank,
+            attention="explicit" if config.attention == "explicit" else "sdpa",
+        )
+        return model, hf_models.sequence_classification_loss
+    model = models.build_model(
+        config.model,
+        device="meta",
+        attention=config.attention,
+        activation_checkpointing=config.activation_checkpointing,
+        **config.model_overrides,
+    )
+    return model, None
+
+
+def rank_share(config) -> int:
+    """Samples of the logical batch rank 0 takes (all of them in one process): the most."""
+    return len(share(config.batch_size, 0, config.world_size))
+
+
+def fake_batch(config, samples: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(inputs, targets) of a batch of ``samples`` samples (of this rank), inside a fake mode."""
+    inputs = torch.zeros(samples, config.seq_len, dtype=torch.long)
+    if config.model in HF_CONFIGS:
+        return inputs, torch.zeros(samples, dtype=torch.long)
+    return inputs, inputs.clone()
+
+
+def predict(config, build_trainer) -> dict:
+    """The predicted peak of one timed step of ``config`` (one process) and its split by role.
+
+    ``build_trainer(config, model, loss_fn, on_phase)``: the worker's trainer construction. A
+    warm-up step runs first, as in the measuring modes: gradients and optimizer states exist
+    when the recorded step begins. Returns bytes: ``peak``, ``roles`` (breakdown key -> bytes),
+    ``parameters``, ``trainable_parameters``, ``state`` (role -> bytes the trainer holds after
+    the step) and the flash routes, if any. Distributed: rank 0's, the rank with the largest
+    share of a batch, in a fake process group of the config's ranks (``planned_ranks``)."""
+    # shape_env: .item() gives a symbol, not an error; non-fake inputs: the meta model's
+    fake = FakeTensorMode(shape_env=ShapeEnv(), allow_non_fake_inputs=True)
+    record = StorageRecord()
+    model, loss_fn = meta_model(config)  # outside the fake mode: peft cannot build under one
+    with planned_ranks(config.world_size), fake, FakeCopies(fake), record, _quiet_fake_warnings():
+        model = model.to_empty(device=DEVICE)
+        trainer = build_trainer(config, model, loss_fn, lambda name: None)
+        mine = rank_share(config)
+        physical = min(config.physical_batch_size, mine)
+        trainer.step(*fake_batch(config, physical))
+        # Three chunks at most: the first (no gradient yet), the second (the first's summed in)
+        # and the third (Opacus' running sum beside the chunk's gradient): every later chunk
+        # holds what the third does, so a batch of 3P has the peak of any larger one.
+        inputs, targets = fake_batch(config, min(mine, 3 * physical))
+        start = record.held()
+        identities = [tensor_identities(trainer, "cpu", key=storage_key)]
+        first_event = len(record.events)
+
+        def on_phase(name):
+            identities.append(tensor_identities(trainer, "cpu", key=storage_key))
+            record.marker()
+
+        with trainer.observing_phases(on_phase):
+            trainer.step(inputs, targets)
+        events = record.events[first_event:]
+        attributed = attribute_peak(events, start, identities, trainer.allocation_sites())
+        state = _state_bytes(trainer)
+        extras = trainer.result_extras()
+        parameters = sum(p.numel() for p in model.parameters())  # a DTensor's: the whole's
+        groups = trainer.optimizer.param_groups
+        trainable = sum(p.numel() for group in groups for p in group["params"])
+    return {
+        "peak": attributed["peak_bytes"],
+        "roles": attributed["breakdown_bytes"],
+        "parameters": parameters,
+        "trainable_parameters": trainable,
+        "state": state,
+        **({"flash_routes": extras["flash_routes"]} if "flash_routes" in extras else {}),
+    }
+
+
+def _state_bytes(trainer) -> dict[str, int]:
+    """Bytes of what the trainer holds after a step, by role, each storage once."""
+    seen: set[int] = set()
+    sizes: dict[str, int] = {}
+    for role, _, tensor in trainer.state_tensors():
+        if isinstance(tensor, DTensor):  # FSDP2: the shard this rank holds
+            tensor = tensor.to_local()
+        if not isinstance(tensor, torch.Tensor) or storage_key(tensor) in seen:
+            continue
+        seen.add(storage_key(tensor))
+        sizes[role] = sizes.get(role, 0) + allocator_bytes(tensor.untyped_storage().nbytes())
+    return sizes
+
+
+@contextlib.contextmanager
+def planned_ranks(world_size: int):
+    """This process as rank 0 of a fake process group of ``world_size`` ranks (none for one
+    rank): the trainers' collectives run and return at once, moving no data."""
+    if world_size == 1:
+        yield
+        return
+    # torch's own fake backend; importing the module registers it with torch.distributed
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
+    try:
+        with _meshes_outside_fake_mode():
+            yield
+    finally:
+        dist.destroy_process_group()
+
+
+@contextlib.contextmanager
+def _meshes_outside_fake_mode():
+    """FSDP2's DeviceMesh built on real tensors, on the fake tensors' device: it finds this
+    rank's place in its rank map by reading the map's values, which a fake tensor does not have
+    (``init_device_mesh`` passes the identity map, ``arange`` over the ranks: a fake one is
+    remade as that, for real), and FSDP2 would otherwise put the shards on the machine's GPU."""
+    original = DeviceMesh.__init__
+
+    def real(value):
+        if isinstance(value, FakeTensor):
+            return torch.arange(value.numel(), dtype=value.dtype).view(value.shape)
+        return value
+
+    def init(self, device_type, *args, **kwargs):
+        with _disable_current_modes(), unset_fake_temporarily():
+            args = [real(value) for value in args]
+            kwargs = {name: real(value) for name, value in kwargs.items()}
+            original(self, DEVICE, *args, **kwargs)
+
+    DeviceMesh.__init__ = init
+    try:
+        yield
+    finally:
+        DeviceMesh.__init__ = original
+
+
+@contextlib.contextmanager
+def _quiet_fake_warnings():
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*data pointer of FakeTensor.*")
+        warnings.filterwarnings("ignore", message=".*Full backward hook is firing.*")
+        yield
