@@ -13,8 +13,8 @@ route per layer) is what that trainer's code allocates, never a formula beside i
 Several ranks are planned in this one process, without torchrun: rank 0 (the largest share of
 a batch) of a fake process group of ``--world_size`` ranks (torch's ``FakeProcessGroup``: every
 collective returns at once, as if the others had sent what it receives). FSDP2 shards, gathers
-and reduce-scatters as on W GPUs; DDP's buckets, Opacus' DPDDP hooks and flash's own buckets
-run their code on this rank's share.
+and reduce-scatters as on W GPUs; Opacus' DPDDP hooks and flash's own buckets run their code on
+this rank's share; torch's DDP, which fake tensors cannot build, is parallel.ddp's stand-in.
 
 Why not ``torch.distributed._tools.mem_tracker.MemTracker``: it hooks every parameter's
 gradient, which fails on parameters that do not require a gradient (flash's managed layers,

@@ -242,6 +242,11 @@ def world_size(distributed: str, planned: int | None, mode) -> int:
             raise UsageError(
                 f"--world_size {planned} plans ranks of --distributed ddp or fsdp: add one"
             )
+        if planned == 1 and distributed_mode(distributed).is_distributed:
+            raise UsageError(
+                f"--distributed {distributed} plans 2 or more ranks: give --world_size 2 or more "
+                "(one rank is --distributed none)"
+            )
     if not distributed_mode(distributed).is_distributed:
         if info is not None and info.world_size > 1:
             raise UsageError(
@@ -339,7 +344,11 @@ def check(values: dict, axes: dict, args) -> int:
                 f"seq_len {t} must be in 1..{max_seq_len} (the max_seq_len of model "
                 f"{model!r}; raise it with --max_seq_len)"
             )
-    physical = max(pb or b for pb in axes["max_physical_batch_size"] for b in batch_sizes)
+    # A rank's chunk: the cap, else its share of the global batch
+    ranks_count = values["world_size"]
+    physical = max(
+        pb or b // ranks_count for pb in axes["max_physical_batch_size"] for b in batch_sizes
+    )
     needed = bytes_lower_bound(
         model, values["model_overrides"], physical, max(seq_lens), values["dataset_size"]
     )
@@ -370,10 +379,17 @@ def check_capacity(values: dict, axes: dict, args) -> None:
                 "--find_max_batch searches one process's batch by runs: several ranks are "
                 "planned (--world_size W), not searched"
             )
-        if ranks.from_environment() is not None and not values["validate"]:
+        under_torchrun = ranks.from_environment() is not None
+        if under_torchrun and not values["validate"]:
             raise UsageError(
                 "--mode=capacity under torchrun measures on the job's ranks: add --validate, "
                 "or plan without torchrun (--world_size W)"
+            )
+        if values["validate"] and not under_torchrun:
+            raise UsageError(
+                "--validate with --distributed measures on the ranks of a torchrun job: "
+                "torchrun --nproc_per_node <GPUs> profiling_script.py --mode=capacity "
+                "--validate ..."
             )
     for budget in budgets:
         if not (math.isfinite(budget) and 0 < budget <= MAX_GPU_MEMORY_GIB):

@@ -41,9 +41,10 @@ class PlannedDataParallel(nn.Module):
     DDP holds beside the model: a flat buffer per bucket (torch's own assignment of the
     gradients to buckets, 1 MiB first, 25 MiB after), where DDP copies each gradient to sum it
     over the ranks and back; and DDP's one rebuild of its buckets (in gradient order), at the
-    second forward that syncs: measured on H200s, the iteration of the rebuild peaked one set of
-    buckets above the later ones, the old set held through it. Never used to train (the sums
-    are not taken)."""
+    first forward after its first synced backward, as torch's ``_pre_forward`` does. Measured
+    on H200s, that iteration held both sets on some ranks and runs and not on others: the old
+    set is kept here until the next step's first forward, the most any rank took. Never used
+    to train (the sums are not taken)."""
 
     BUCKET_BYTES = (dist._DEFAULT_FIRST_BUCKET_BYTES, 25 * 2**20)  # DDP's defaults
 
@@ -53,7 +54,7 @@ class PlannedDataParallel(nn.Module):
         self.params = [p for p in reversed(list(module.parameters())) if p.requires_grad]
         self.bucket_buffers = self.new_buckets()
         self.rebuilt_from: list[torch.Tensor] = []  # the old set, during the rebuild's iteration
-        self.synced_forwards, self.syncing = 0, True
+        self.rebuilt, self.syncing, self.step_done = False, True, False
 
     def new_buckets(self) -> list[torch.Tensor]:
         assignment, _ = dist._compute_bucket_assignment_by_size(self.params, self.BUCKET_BYTES)
@@ -63,11 +64,13 @@ class PlannedDataParallel(nn.Module):
         ]
 
     def forward(self, *args, **kwargs):
-        if torch.is_grad_enabled() and self.syncing:
-            self.synced_forwards += 1
-            self.rebuilt_from = []
-            if self.synced_forwards == 2:
-                self.rebuilt_from, self.bucket_buffers = self.bucket_buffers, self.new_buckets()
+        if torch.is_grad_enabled():
+            if self.step_done:  # a new step's first forward, after a synced (last) chunk
+                self.rebuilt_from = []
+                if not self.rebuilt:
+                    self.rebuilt_from, self.bucket_buffers = self.bucket_buffers, self.new_buckets()
+                    self.rebuilt = True
+            self.step_done = self.syncing
         return self.module(*args, **kwargs)
 
     @contextlib.contextmanager

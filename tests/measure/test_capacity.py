@@ -120,6 +120,31 @@ def test_ghost_keeps_its_running_sum_beside_the_chunks_gradient():
     assert peaks[8] - peaks[4] == pytest.approx(parameter_bytes, rel=0.02)
 
 
+def test_planned_ddp_holds_its_buckets_and_their_rebuild():
+    """Under DDP a rank holds, beside one process's step on its share, a flat copy of the
+    gradients in DDP's buckets, and in the iteration that rebuilds them a second set: twice the
+    parameters' bytes, an independent count."""
+    shape = dict(trainer="standard", model="tiny", seq_len=32, optimizer="adam")
+    alone = fake_step.predict(ExperimentConfig(batch_size=2, **shape), worker.build_trainer)
+    ranks = ExperimentConfig(batch_size=4, distributed="ddp", world_size=2, **shape)
+    replicated = fake_step.predict(ranks, worker.build_trainer)
+    parameter_bytes = 4 * models.count_parameters(models.build_model("tiny", device="meta"))
+    assert replicated["peak"] - alone["peak"] == pytest.approx(2 * parameter_bytes, rel=0.01)
+
+
+def test_a_storage_resized_in_place_is_freed_and_allocated_again():
+    """FSDP2 frees a gathered parameter by resizing its storage to nothing and gathers it
+    back into the same storage: the record sees a free and a new allocation."""
+    record = fake_step.StorageRecord()
+    with record:
+        tensor = torch.empty(1000)
+        tensor.untyped_storage().resize_(0)
+        tensor.untyped_storage().resize_(4000)
+    steps = [(event["action"], event["size"]) for event in record.events]
+    assert steps == [("alloc", 4096), ("free_completed", 4096), ("alloc", 4096)]
+    assert torch.UntypedStorage.resize_ is record._storage_resize  # restored on leaving
+
+
 def mem_tracker_peak(config: ExperimentConfig) -> int:
     """torch's MemTracker's peak of a real CPU step of ``config`` (after a warm-up step)."""
     torch.manual_seed(0)
@@ -284,6 +309,11 @@ def test_capacity_mode_writes_its_report(tmp_path):
             "planned (--world_size W), not searched",
         ),
         (["--mode=capacity", "--save_snapshot"], "it needs --validate"),
+        (["--mode=capacity", "--distributed", "fsdp", "--world_size", "1"], "2 or more ranks"),
+        (
+            ["--mode=capacity", "--distributed", "ddp", "--world_size", "2", "--validate"],
+            "the ranks of a torchrun job",
+        ),
     ],
 )
 def test_bad_capacity_input_is_one_line_and_exit_2(args, message, tmp_path):
