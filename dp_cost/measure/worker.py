@@ -49,7 +49,7 @@ def run_experiment(config, out_dir: str, rank_setup=None) -> dict:
 
 
 def predict_experiment(config, out_dir: str, rank_setup=None) -> dict:
-    """--mode=capacity: the config's peak predicted on fake tensors (``measure.capacity``; its
+    """--mode=capacity: the config's peak predicted on fake tensors (``measure.fake_step``; its
     ranks planned in this process); with --validate, then measured in this process as the
     measuring modes do (a rank of a torchrun job: after the prediction, which needs this
     process outside the job's group), the prediction kept whatever the measurement's outcome
