@@ -15,6 +15,7 @@ sys.path.insert(0, ROOT)
 from dp_cost.core.settings import ExperimentConfig  # noqa: E402
 from dp_cost.parallel import ranks  # noqa: E402
 from tests.measure.held_state import held_state_bytes  # noqa: E402
+from tests.torchrun_exit import leave_without_teardown  # noqa: E402
 
 
 def main():
@@ -37,10 +38,7 @@ def main():
         with open(args.out, "w") as f:
             json.dump([[rank[i] for rank in every] for i in range(len(fields))], f)
     dist.barrier()
-    # No teardown: gloo's can abort at exit ("terminate called without an active exception").
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    leave_without_teardown()
 
 
 if __name__ == "__main__":

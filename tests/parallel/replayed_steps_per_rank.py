@@ -21,6 +21,7 @@ from test_trainers import SMALL, make_batch  # noqa: E402
 import models  # noqa: E402
 import trainers  # noqa: E402
 from dp_cost.parallel import ranks  # noqa: E402
+from tests.torchrun_exit import leave_without_teardown  # noqa: E402
 
 
 def main():
@@ -80,10 +81,7 @@ def main():
     if info.rank == 0:
         torch.save(saved, args.out)
     dist.barrier(device_ids=[device.index])
-    # No teardown: destroying a communicator that captured graphs still use can wait forever.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    leave_without_teardown()
 
 
 if __name__ == "__main__":
