@@ -30,13 +30,21 @@ def tensor_identities(trainer, device_type: str = "cuda", key=None) -> dict[int,
     are views of the model's activations). ``key(tensor)``: another number per storage than its
     address (fake tensors have none)."""
     roles: dict[int, str] = {}
-    for role, _, tensor in trainer.state_tensors():
-        if isinstance(tensor, DTensor):  # FSDP2: the shard this rank holds
-            tensor = tensor.to_local()
-        if isinstance(tensor, torch.Tensor) and tensor.device.type == device_type:
+    for role, tensor in held_tensors(trainer):
+        if tensor.device.type == device_type:
             address = key(tensor) if key else tensor.untyped_storage().data_ptr()
             roles.setdefault(address, role)
     return roles
+
+
+def held_tensors(trainer):
+    """(role, tensor) of every tensor the trainer holds, in ``state_tensors``' order (FSDP2:
+    the shard this rank holds of a DTensor)."""
+    for role, _, tensor in trainer.state_tensors():
+        if isinstance(tensor, DTensor):
+            tensor = tensor.to_local()
+        if isinstance(tensor, torch.Tensor):
+            yield role, tensor
 
 
 def classify_frames(frames: list[dict], sites: list[AllocationSite]) -> str:

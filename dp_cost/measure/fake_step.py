@@ -46,7 +46,12 @@ from torch.utils._pytree import tree_leaves
 import models
 from dp_cost.hf import models as hf_models
 from dp_cost.hf.configs import HF_CONFIGS
-from dp_cost.measure.breakdown import MARKER_FUNCTION, attribute_peak, tensor_identities
+from dp_cost.measure.breakdown import (
+    MARKER_FUNCTION,
+    attribute_peak,
+    held_tensors,
+    tensor_identities,
+)
 from dp_cost.parallel.ranks import share
 
 BLOCK_BYTES = 512  # the CUDA caching allocator's block size: every allocation is a multiple
@@ -282,10 +287,8 @@ def _state_bytes(trainer) -> dict[str, int]:
     """Bytes of what the trainer holds after a step, by role, each storage once."""
     seen: set[int] = set()
     sizes: dict[str, int] = {}
-    for role, _, tensor in trainer.state_tensors():
-        if isinstance(tensor, DTensor):  # FSDP2: the shard this rank holds
-            tensor = tensor.to_local()
-        if not isinstance(tensor, torch.Tensor) or storage_key(tensor) in seen:
+    for role, tensor in held_tensors(trainer):
+        if storage_key(tensor) in seen:
             continue
         seen.add(storage_key(tensor))
         sizes[role] = sizes.get(role, 0) + allocator_bytes(tensor.untyped_storage().nbytes())

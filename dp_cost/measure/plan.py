@@ -225,6 +225,7 @@ def world_size(distributed: str, planned: int | None, mode) -> int:
         info = ranks.from_environment()
     except ValueError as error:
         raise UsageError(str(error)) from None
+    over_ranks = distributed_mode(distributed).is_distributed
     if planned is not None:
         if not mode.predicts:
             raise UsageError(
@@ -238,16 +239,16 @@ def world_size(distributed: str, planned: int | None, mode) -> int:
                 "--world_size plans ranks in one process: run --mode=capacity without "
                 "torchrun (under torchrun, --validate measures on the job's own ranks)"
             )
-        if planned > 1 and not distributed_mode(distributed).is_distributed:
+        if planned > 1 and not over_ranks:
             raise UsageError(
                 f"--world_size {planned} plans ranks of --distributed ddp or fsdp: add one"
             )
-        if planned == 1 and distributed_mode(distributed).is_distributed:
+        if planned == 1 and over_ranks:
             raise UsageError(
                 f"--distributed {distributed} plans 2 or more ranks: give --world_size 2 or more "
                 "(one rank is --distributed none)"
             )
-    if not distributed_mode(distributed).is_distributed:
+    if not over_ranks:
         if info is not None and info.world_size > 1:
             raise UsageError(
                 f"started by torchrun with {info.world_size} ranks: add --distributed ddp or "

@@ -12,7 +12,14 @@ from dp_cost.core.files import write_json, write_text
 from dp_cost.core.fmt import cell, render_table
 from dp_cost.report.figures import MB as MB_UNIT
 from dp_cost.report.figures import TRAINER_COLORS, pyplot, save_visualization
-from dp_cost.report.results import dtype_words, lora_words, ordered, shape_parts
+from dp_cost.report.results import (
+    OFF_WORDS,
+    distributed_words,
+    dtype_words,
+    lora_words,
+    ordered,
+    shape_parts,
+)
 
 CAPACITY_JSON = "capacity.json"
 
@@ -76,7 +83,7 @@ def table(entries: list[dict], markdown: bool = False) -> str:
             b["gpu_memory_gib"]: b["physical_batch_size"] for b in e["largest_physical_batch"]
         }
         error = e["prediction_error"]
-        cells = [e["trainer"], e["model"], ranks_words(e)]
+        cells = [e["trainer"], e["model"], distributed_words(e) or OFF_WORDS["distributed"]]
         cells += [str(e["batch_size"]), str(e["seq_len"])]
         cells += [str(e["physical_batch_size"]), dtype_words(e["dtype"])]
         cells += [lora_words(e["lora_rank"]), cell(e["predicted_peak_mb"], digits=0)]
@@ -91,13 +98,6 @@ def table(entries: list[dict], markdown: bool = False) -> str:
             cells += [cell(found.get("largest_physical_batch")), cell(len(found.get("probes", [])))]
         body.append(cells)
     return render_table(header, body, markdown)
-
-
-def ranks_words(entry: dict) -> str:
-    """ "1", or the distributed mode and its ranks ("fsdp x 8")."""
-    if entry["distributed"] in (None, "none"):
-        return "1"
-    return f"{entry['distributed']} x {entry['world_size']}"
 
 
 NOTES = (

@@ -79,8 +79,6 @@ def shape_parts(config: dict) -> dict[str, str]:
     full fine-tuning, checkpointing, CUDA graph, distribution, optimizer."""
     physical = config.get("physical_batch_size") or config["batch_size"]
     rank = config.get("lora_rank") if config.get("use_lora") else None
-    distributed = str(config.get("distributed") or "none")
-    mode = MODES.get(distributed)  # None: a name this toolkit does not know (shown as it is)
     optimizer = config.get("optimizer")
     return {
         "model": f"model {config['model']}",
@@ -94,13 +92,18 @@ def shape_parts(config: dict) -> dict[str, str]:
             "activation checkpointing" if config.get("activation_checkpointing") else ""
         ),
         "cuda_graph": "CUDA graph" if config.get("cuda_graph") else "",
-        "distributed": (
-            f"{distributed.upper()} on {config.get('world_size', 1)} ranks"
-            if mode is None or mode.is_distributed
-            else ""
-        ),
+        "distributed": distributed_words(config),
         "optimizer": OPTIMIZER_WORDS.get(optimizer, str(optimizer)) if optimizer else "",
     }
+
+
+def distributed_words(config: dict) -> str:
+    """The distribution in words ("FSDP on 8 ranks"; "" for one process)."""
+    distributed = str(config.get("distributed") or "none")
+    mode = MODES.get(distributed)  # None: a name this toolkit does not know (shown as it is)
+    if mode is None or mode.is_distributed:
+        return f"{distributed.upper()} on {config.get('world_size', 1)} ranks"
+    return ""
 
 
 # An optional setting that is off, where it tells configs apart.
