@@ -7,8 +7,12 @@ GPU_OVERHEADS).
   torch counts after a forward and a backward matmul beyond their own tensors.
 - CUDA context and libraries: the card's used memory (cudaMemGetInfo) beyond what torch's
   allocator has reserved, once CUDA, cuBLAS and a matmul have run.
+- NCCL's buffers (under torchrun, several ranks): what the card's used memory beyond torch's
+  reserved grew by once the process group is up and has run the collectives DDP and FSDP2 use
+  (all-reduce, all-gather, reduce-scatter), on rank 0.
 
-Prints one JSON object. Usage: python benchmarks/cuda_overheads.py
+Prints one JSON object (rank 0). Usage: python benchmarks/cuda_overheads.py, or
+torchrun --nproc_per_node N benchmarks/cuda_overheads.py
 """
 
 from __future__ import annotations
@@ -17,7 +21,10 @@ import argparse
 import json
 import sys
 
+import os
+
 import torch
+import torch.distributed as dist
 
 
 def main() -> int:
@@ -25,7 +32,9 @@ def main() -> int:
     if not torch.cuda.is_available():
         print("error: this measures a CUDA card; none is available", file=sys.stderr)
         return 2
-    device = torch.device("cuda", 0)
+    ranks = int(os.environ.get("WORLD_SIZE", "1"))
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    torch.cuda.set_device(device)
     torch.cuda.init()
     weight = torch.randn(1024, 1024, device=device, requires_grad=True)
     inputs = torch.randn(64, 1024, device=device, requires_grad=True)
@@ -38,6 +47,9 @@ def main() -> int:
     after_backward = torch.cuda.memory_allocated(device) - own - tensors
     free, total = torch.cuda.mem_get_info(device)
     context = total - free - torch.cuda.memory_reserved(device)
+    nccl = nccl_buffers(device, context) if ranks > 1 else None
+    if ranks > 1 and dist.get_rank() != 0:
+        return 0
     print(json.dumps({
         "device": torch.cuda.get_device_name(device),
         "torch": torch.__version__,
@@ -46,8 +58,28 @@ def main() -> int:
         "cublas_workspace_forward_bytes": after_forward,
         "cublas_workspace_bytes": after_backward,
         "cuda_context_bytes": context,
+        "ranks": ranks,
+        "nccl_buffers_bytes": nccl,
     }, indent=1))  # fmt: skip
     return 0
+
+
+def nccl_buffers(device: torch.device, context: int) -> int:
+    """The card's memory outside torch's allocator beyond ``context``, once NCCL has run an
+    all-reduce, an all-gather and a reduce-scatter of 64 MiB over the job's ranks."""
+    dist.init_process_group("nccl", device_id=device)
+    ranks = dist.get_world_size()
+    chunk = torch.ones(2**24 // ranks * ranks, device=device)  # 64 MiB of fp32
+    dist.all_reduce(chunk)
+    gathered = torch.empty(chunk.numel() * ranks, device=device)
+    dist.all_gather_into_tensor(gathered, chunk)
+    dist.reduce_scatter_tensor(chunk, gathered)
+    torch.cuda.synchronize(device)
+    free, total = torch.cuda.mem_get_info(device)
+    nccl = total - free - torch.cuda.memory_reserved(device) - context
+    dist.barrier()
+    dist.destroy_process_group()
+    return nccl
 
 
 if __name__ == "__main__":

@@ -14,6 +14,7 @@ import time
 
 from dp_cost.core.schema import MB
 from dp_cost.hf.configs import HF_CONFIGS
+from dp_cost.measure import allocator
 from dp_cost.measure.fake_step import predict, rank_share
 from dp_cost.measure.plan import draw_above_probability
 from dp_cost.parallel.ranks import share
@@ -22,15 +23,12 @@ GIB = 2**30
 
 # What a CUDA process holds beside the step's own tensors, measured on an H200 with torch 2.11
 # (benchmarks/README.md, "Will it fit?"): the cuBLAS workspaces a forward and a backward matmul
-# allocate through the caching allocator (part of torch's peak; benchmarks/cuda_overheads.py),
-# the CUDA context and libraries (outside torch's counters; the same script), and the share of
-# the rest of the card a step's allocated peak reached at the largest physical batch that ran
-# (--find_max_batch, 1b bf16 T=1024: 92.1% for dpsgd, the least of the four trainers, up to
-# 98.2% for standard; the caching allocator's fragmentation takes the rest).
+# allocate through the caching allocator (benchmarks/cuda_overheads.py) and the CUDA context and
+# libraries (outside torch's counters; the same script). What the allocator's fragmentation
+# takes is not a margin: ``measure.allocator`` replays the step's requests.
 GPU_OVERHEADS = {
     "cublas_workspace_bytes": 64 * MB,  # two of 32 MiB (Hopper): forward and backward thread
     "cuda_context_bytes": 785_186_816,  # about 749 MiB
-    "usable_share": 0.921,
     "measured_on": "NVIDIA H200, torch 2.11.0+cu130, 2026-11-27",
 }
 POISSON_QUANTILE = 1e-6  # an uncapped Poisson batch is planned at its 1 - 1e-6 quantile
@@ -64,16 +62,30 @@ def with_physical_batch(config, physical: int):
     return dataclasses.replace(config, batch_size=batch, max_physical_batch_size=physical)
 
 
-def usable_peak_bytes(budget_gib: float) -> float:
-    """The largest predicted peak (torch's count of the step's own tensors) that fits a card of
-    ``budget_gib`` GiB: the CUDA context off the card, the share of the rest a step's peak
-    reached, the cuBLAS workspaces off that."""
-    room = budget_gib * GIB - GPU_OVERHEADS["cuda_context_bytes"]
-    return room * GPU_OVERHEADS["usable_share"] - GPU_OVERHEADS["cublas_workspace_bytes"]
+def allocator_room_bytes(budget_gib: float) -> int:
+    """What torch's caching allocator can reserve on a card of ``budget_gib`` GiB: the card
+    less the CUDA context."""
+    return int(budget_gib * GIB) - GPU_OVERHEADS["cuda_context_bytes"]
 
 
-def fits(peak_bytes: int, budget_gib: float) -> bool:
-    return peak_bytes <= usable_peak_bytes(budget_gib)
+def planned_requests(prediction: dict) -> list[tuple[int, int]]:
+    """The requests the caching allocator gets: the fake step's (the model and trainer built,
+    a warm-up step, the recorded step), with the two cuBLAS workspaces the warm-up's first
+    forward and backward matmul allocate (negative keys: no storage has them)."""
+    workspace = GPU_OVERHEADS["cublas_workspace_bytes"] // 2
+    return [*prediction["requests"], (-1, workspace), (-2, workspace), *prediction["step_requests"]]
+
+
+def reserved_peak(prediction: dict) -> int:
+    """The most the caching allocator would reserve for the step on an unlimited card."""
+    return allocator.replay(planned_requests(prediction)).peak_reserved_bytes
+
+
+def fits(prediction: dict, budget_gib: float) -> bool:
+    """The step runs on the card: the allocator places every request within its room (returning
+    its wholly free segments to the card first where it must, as torch's does)."""
+    room = allocator_room_bytes(budget_gib)
+    return not allocator.replay(planned_requests(prediction), room).out_of_memory
 
 
 def largest_passing(passes, first_guess: int) -> tuple[int, list[int]]:
@@ -132,11 +144,12 @@ def largest_physical(passes, first_guess: int, batch: int) -> tuple[int, list[in
 
 def probe_config(config, physical: int):
     """A --find_max_batch probe: ``config`` measured at physical batch ``physical`` (two
-    steps after one warm-up, no trace, no breakdown)."""
+    steps after one warm-up, no trace, no breakdown). Its batches have a fixed size: a Poisson
+    draw below ``physical`` would run a smaller chunk, and the probe would pass by chance."""
     return dataclasses.replace(
         with_physical_batch(config, physical),
         capacity=False, validate=False, find_max_batch=False, trace=False, breakdown=False,
-        steps=2, warmup_steps=1,
+        steps=2, warmup_steps=1, poisson=False,
     )  # fmt: skip
 
 
@@ -212,16 +225,17 @@ def capacity_result(config, build_trainer, card_gib: float | None = None) -> dic
         # crosses the budget. One chunk of a rank's share or more if that share fits (the
         # peak then grows by the same bytes a sample), else chunks of 1 and 2 samples.
         share = rank_share(config)
-        low = share if fits(peak_at(share), budget) else 1
+        low = share if fits(predicted(share), budget) else 1
         slope = peak_at(low + 1) - peak_at(low)
-        room = usable_peak_bytes(budget) - peak_at(low)
+        room = allocator_room_bytes(budget) - reserved_peak(predicted(low))
         guess = low + int(room // slope) if slope > 0 else planned
-        batch, judged = largest_physical(lambda p: fits(peak_at(p), budget), guess, share)
+        batch, judged = largest_physical(lambda p: fits(predicted(p), budget), guess, share)
         return {
             "gpu_memory_gib": budget,
             "physical_batch_size": batch,
             "predicted_peak_mb": peak_at(batch) / MB if batch else None,
-            "usable_peak_mb": usable_peak_bytes(budget) / MB,
+            "predicted_reserved_mb": reserved_peak(predicted(batch)) / MB if batch else None,
+            "allocator_room_mb": allocator_room_bytes(budget) / MB,
             "batch_sizes_judged": len(judged),
         }
 
@@ -233,6 +247,7 @@ def capacity_result(config, build_trainer, card_gib: float | None = None) -> dic
         "physical_batch_size": planned,
         "physical_batch_note": note,
         "peak_memory_mb": main["peak"] / MB,
+        "peak_reserved_mb": reserved_peak(main) / MB,
         "breakdown": {key: value / MB for key, value in main["roles"].items()},
         "held_after_step_mb": {role: size / MB for role, size in main["state"].items()},
         "parameters": main["parameters"],
@@ -241,7 +256,11 @@ def capacity_result(config, build_trainer, card_gib: float | None = None) -> dic
         "largest_physical_batch": largest,
         "card": card,
         "predictions": [
-            {"physical_batch_size": p, "peak_memory_mb": peaks[p]["peak"] / MB}
+            {
+                "physical_batch_size": p,
+                "peak_memory_mb": peaks[p]["peak"] / MB,
+                "peak_reserved_mb": reserved_peak(peaks[p]) / MB,
+            }
             for p in sorted(peaks)
         ],
         "overheads": dict(GPU_OVERHEADS),

@@ -240,7 +240,9 @@ def predict(config, build_trainer) -> dict:
     warm-up step runs first, as in the measuring modes: gradients and optimizer states exist
     when the recorded step begins. Returns bytes: ``peak``, ``roles`` (breakdown key -> bytes),
     ``parameters``, ``trainable_parameters``, ``state`` (role -> bytes the trainer holds after
-    the step) and the flash routes, if any. Distributed: rank 0's, the rank with the largest
+    the step), the flash routes, if any, and the allocator's requests in order (``requests``:
+    the model and trainer built, ``step_requests``: the warm-up and the recorded step), for
+    ``measure.allocator.replay``. Distributed: rank 0's, the rank with the largest
     share of a batch, in a fake process group of the config's ranks (``planned_ranks``)."""
     # shape_env: .item() gives a symbol, not an error; non-fake inputs: the meta model's
     fake = FakeTensorMode(shape_env=ShapeEnv(), allow_non_fake_inputs=True)
@@ -251,6 +253,7 @@ def predict(config, build_trainer) -> dict:
         trainer = build_trainer(config, model, loss_fn, lambda name: None)
         mine = rank_share(config)
         physical = min(config.physical_batch_size, mine)
+        warmup_event = len(record.events)
         trainer.step(*fake_batch(config, physical))
         # Three chunks at most: the first (no gradient yet), the second (the first's summed in)
         # and the third (Opacus' running sum beside the chunk's gradient): every later chunk
@@ -275,12 +278,24 @@ def predict(config, build_trainer) -> dict:
         trainable = sum(p.numel() for group in groups for p in group["params"])
     return {
         "peak": attributed["peak_bytes"],
+        "requests": allocator_requests(record.events[:warmup_event]),
+        "step_requests": allocator_requests(record.events[warmup_event:]),
         "roles": attributed["breakdown_bytes"],
         "parameters": parameters,
         "trainable_parameters": trainable,
         "state": state,
         **({"flash_routes": extras["flash_routes"]} if "flash_routes" in extras else {}),
     }
+
+
+def allocator_requests(events) -> list[tuple[int, int]]:
+    """The record's events as ``measure.allocator.replay`` reads them: (storage key, bytes),
+    bytes <= 0 for a free; phase markers left out."""
+    return [
+        (event["addr"], event["size"] if event["action"] == "alloc" else -event["size"])
+        for event in events
+        if event["size"]
+    ]
 
 
 def _state_bytes(trainer) -> dict[str, int]:

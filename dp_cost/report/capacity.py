@@ -52,11 +52,10 @@ def entry(result: dict) -> dict:
         "measured_peak_mb": measured,
         "measured_breakdown_mb": result.get("breakdown"),
         "measured_reserved_over_allocated": reserved / measured if measured and reserved else None,
-        "prediction_error": (
-            prediction["peak_memory_mb"] / measured - 1
-            if measured and prediction.get("peak_memory_mb") is not None
-            else None
-        ),
+        "prediction_error": relative_error(prediction.get("peak_memory_mb"), measured),
+        "predicted_reserved_mb": prediction.get("peak_reserved_mb"),
+        "measured_reserved_mb": reserved,
+        "reserved_prediction_error": relative_error(prediction.get("peak_reserved_mb"), reserved),
         "largest_physical_batch": prediction.get("largest_physical_batch", []),
         "predictions": prediction.get("predictions", []),
         "card": prediction.get("card"),
@@ -68,12 +67,16 @@ def entry(result: dict) -> dict:
     }
 
 
+def relative_error(predicted, measured) -> float | None:
+    return predicted / measured - 1 if measured and predicted is not None else None
+
+
 def table(entries: list[dict], markdown: bool = False) -> str:
     budgets = sorted({b["gpu_memory_gib"] for e in entries for b in e["largest_physical_batch"]})
     validated = any(e["measured_peak_mb"] is not None or e["status"] != "ok" for e in entries)
     header = ["trainer", "model", "ranks", "batch", "seq", "physical", "dtype", "LoRA"]
-    header += ["predicted MB per rank"]
-    header += ["measured MB", "error %", "status"] if validated else []
+    header += ["predicted MB per rank", "predicted reserved MB"]
+    header += ["measured MB", "error %", "measured reserved MB", "error %", "status"] if validated else []
     header += [f"largest physical at {b:g} GiB" for b in budgets]
     searched = any(e["find_max_batch"] for e in entries)
     header += ["this card: predicted largest", "found by runs", "runs"] if searched else []
@@ -87,9 +90,14 @@ def table(entries: list[dict], markdown: bool = False) -> str:
         cells += [str(e["batch_size"]), str(e["seq_len"])]
         cells += [str(e["physical_batch_size"]), dtype_words(e["dtype"])]
         cells += [lora_words(e["lora_rank"]), cell(e["predicted_peak_mb"], digits=0)]
+        cells += [cell(e.get("predicted_reserved_mb"), digits=0)]
         if validated:
+            reserved_error = e.get("reserved_prediction_error")
             cells += [cell(e["measured_peak_mb"], digits=0)]
-            cells += [cell(None if error is None else 100 * error, digits=1), e["status"]]
+            cells += [cell(None if error is None else 100 * error, digits=1)]
+            cells += [cell(e.get("measured_reserved_mb"), digits=0)]
+            cells += [cell(None if reserved_error is None else 100 * reserved_error, digits=1)]
+            cells += [e["status"]]
         cells += [cell(largest.get(b)) for b in budgets]
         if searched:
             found = e["find_max_batch"] if isinstance(e["find_max_batch"], dict) else {}
@@ -103,10 +111,12 @@ def table(entries: list[dict], markdown: bool = False) -> str:
 NOTES = (
     "\nPredicted MB per rank: the step's own tensors as torch counts them (its peak_memory_mb; "
     "with several ranks, rank 0's, the largest share of a batch; batch is the global one, "
-    "physical per rank), from the trainer's step run on fake tensors. A physical batch fits a "
-    "budget when that peak, plus the cuBLAS workspaces, is at most the measured share of the "
-    "card a step's peak reaches beside the CUDA context (margins in capacity.json). 0: not "
-    "even one sample fits.\n"
+    "physical per rank), from the trainer's step run on fake tensors. Predicted reserved MB: "
+    "what torch's caching allocator would reserve for them (max_memory_reserved), from its "
+    "rules replayed over the step's allocations and frees. A physical batch fits a budget when "
+    "that replay, on a card of the budget less the CUDA context (and NCCL's buffers with "
+    "several ranks; margins in capacity.json), places every allocation. 0: not even one "
+    "sample fits.\n"
 )
 
 
@@ -142,7 +152,9 @@ def write_capacity_files(run_dir: str, results: list[dict]) -> str:
 def plot_capacity(run_dir: str, results: list[dict]) -> str | None:
     """visualizations/capacity.png: predicted peak against physical batch, one panel per shape
     (everything but the trainer and the physical batch), a line per trainer, a dashed line per
-    --gpu_memory budget at the largest predicted peak that fits it (its usable peak)."""
+    --gpu_memory budget at what the caching allocator may reserve on that card (the card less
+    the CUDA context): the predicted reserved peak must stay under it, or the allocator must
+    make room by returning its free segments (the fit replays that)."""
     panels: dict[str, list] = {}
     for result in ordered(results):
         prediction = result.get("prediction")
@@ -160,10 +172,10 @@ def plot_capacity(run_dir: str, results: list[dict]) -> str | None:
             points = result["prediction"]["predictions"]
             trainer = result["config"]["trainer"]
             x = [p["physical_batch_size"] for p in points]
-            y = [p["peak_memory_mb"] for p in points]
+            y = [p.get("peak_reserved_mb", p["peak_memory_mb"]) for p in points]
             ax.plot(x, y, "o-", lw=1.2, ms=3, label=trainer, color=TRAINER_COLORS.get(trainer))
         for budget in group[0]["prediction"].get("largest_physical_batch", []):
-            usable = budget["usable_peak_mb"]
+            usable = budget.get("allocator_room_mb")
             if not usable or usable <= 0:  # the budget is smaller than the CUDA context
                 continue
             ax.axhline(usable, ls="--", lw=0.8, color="gray")
@@ -171,7 +183,7 @@ def plot_capacity(run_dir: str, results: list[dict]) -> str | None:
                         xycoords=("axes fraction", "data"), va="bottom")  # fmt: skip
         ax.set_title(title, fontsize=9)
         ax.set_xlabel("physical batch")
-        ax.set_ylabel(f"predicted peak ({MB_UNIT})")
+        ax.set_ylabel(f"predicted peak reserved ({MB_UNIT})")
         ax.set_ylim(bottom=0)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8, loc="upper left")

@@ -94,7 +94,7 @@ def _budget(value) -> bool:
         isinstance(value, dict)
         and _is_number(value.get("gpu_memory_gib"))
         and _int_or_none(value.get("physical_batch_size"))
-        and _number_or_none(value.get("usable_peak_mb"))
+        and _number_or_none(value.get("allocator_room_mb"))
     )
 
 

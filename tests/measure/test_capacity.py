@@ -190,8 +190,11 @@ def test_the_budget_search_finds_the_boundary_from_any_guess(guess, budget):
     def peak(physical):  # an affine peak, as a step's is
         return (2 + physical) * 2**30
 
-    found, judged = capacity.largest_passing(lambda p: capacity.fits(peak(p), budget), guess)
-    fits = [p for p in range(1, 200) if capacity.fits(peak(p), budget)]
+    def passes(physical):
+        return peak(physical) <= budget * 2**30
+
+    found, judged = capacity.largest_passing(passes, guess)
+    fits = [p for p in range(1, 200) if passes(p)]
     assert found == (max(fits) if fits else 0)
     assert len(judged) <= 2 * math.ceil(math.log2(abs(guess - found) + 1)) + 2
     if found:  # the answer and the one above it were both judged

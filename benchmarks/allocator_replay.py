@@ -1,0 +1,154 @@
+"""The capacity planner's model of torch's CUDA caching allocator (dp_cost/measure/allocator.py)
+checked against the real one, on this card, for one config at a time:
+
+1. the real run: the config's model and trainer built on the GPU, one warm-up step and
+   ``--steps`` steps (1, as the fake step), every allocation and free recorded by torch (memory history);
+2. that recorded sequence replayed through the model: its peak reserved bytes against
+   ``torch.cuda.max_memory_reserved`` (the model alone, on the real requests);
+3. the fake-tensor step's sequence (``--mode=capacity``'s prediction, on the CPU) replayed: its
+   peak reserved against the same (the whole prediction);
+4. both sequences' large requests side by side (the first place they differ), so a difference
+   in reserved memory can be traced to the requests that cause it.
+
+Prints one JSON line per config; with --out, also writes the two request sequences there.
+Usage: python benchmarks/allocator_replay.py --model 1b --seq_len 1024 --batch_sizes 4 36 \
+    --dtype bfloat16 --attention sdpa --trainers standard flash [--out DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import gc
+import json
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from dp_cost.core.settings import ExperimentConfig  # noqa: E402
+from dp_cost.measure import allocator, capacity, fake_step, worker  # noqa: E402
+from dp_cost.measure.workload import Workload  # noqa: E402
+
+LARGE = 100 * 2**20  # requests compared one by one: the ones that move a peak
+
+
+def real_requests(config, device, steps: int) -> dict:
+    """One warm-up and ``steps`` steps of ``config`` on ``device``, recorded: ``requests``
+    ((address, bytes) in order, bytes <= 0 for a free), ``segments`` (the allocator's own
+    segment_alloc / segment_free / oom events, with the index of the request they came at),
+    torch's ``peak_reserved`` bytes and whether it ran ``out_of_memory``."""
+    torch.cuda.memory._record_memory_history(max_entries=10_000_000, stacks="python")
+    workload = trainer = None
+    out_of_memory = False
+    try:
+        workload = Workload(config, device, lambda name: None, {})
+        trainer = worker.build_trainer(config, workload.model, workload.loss_fn, lambda n: None)
+        for _ in range(1 + steps):
+            trainer.step(*workload.batch())
+        torch.cuda.synchronize(device)
+    except torch.cuda.OutOfMemoryError:
+        out_of_memory = True
+    finally:
+        snapshot = torch.cuda.memory._snapshot(device)
+        peak_reserved = torch.cuda.max_memory_reserved(device)
+        torch.cuda.memory._record_memory_history(enabled=None)
+    requests, segments = [], []
+    for entry in snapshot["device_traces"][device.index or 0]:
+        if entry["action"] in ("alloc", "free_completed"):
+            size = entry["size"] if entry["action"] == "alloc" else -entry["size"]
+            requests.append((entry["addr"], size))
+        elif entry["action"] in ("segment_alloc", "segment_free", "oom"):
+            segments.append((entry["action"], len(requests), entry["size"]))
+    del trainer, workload
+    gc.collect()
+    torch.cuda.empty_cache()
+    return {"requests": requests, "segments": segments, "peak_reserved": peak_reserved,
+            "out_of_memory": out_of_memory}  # fmt: skip
+
+
+def predicted_requests(config) -> list[tuple[int, int]]:
+    """The planner's requests: the fake step's (one warm-up, one step), with the cuBLAS
+    workspaces."""
+    prediction = fake_step.predict(dataclasses.replace(config, device="cpu"), worker.build_trainer)
+    return capacity.planned_requests(prediction)
+
+
+def first_difference(real, predicted) -> dict | None:
+    """The first large request (>= 100 MiB, allocations only) where the two sequences differ."""
+    real_large = [size for _, size in real if size >= LARGE]
+    predicted_large = [size for _, size in predicted if size >= LARGE]
+    for index, (a, b) in enumerate(zip(real_large, predicted_large)):
+        if a != b:
+            return {"index": index, "real_mib": a / 2**20, "predicted_mib": b / 2**20,
+                    "real_before": [s / 2**20 for s in real_large[max(0, index - 4):index + 4]],
+                    "predicted_before": [s / 2**20 for s in predicted_large[max(0, index - 4):index + 4]]}  # fmt: skip
+    if len(real_large) != len(predicted_large):
+        return {"index": min(len(real_large), len(predicted_large)), "real_count": len(real_large),
+                "predicted_count": len(predicted_large)}  # fmt: skip
+    return None
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default="1b")
+    parser.add_argument("--seq_len", type=int, default=1024)
+    parser.add_argument("--batch_sizes", type=int, nargs="+", default=[4])
+    parser.add_argument("--max_physical_batch_size", type=int, default=None)
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--attention", default="sdpa")
+    parser.add_argument("--trainers", nargs="+", default=["standard"])
+    parser.add_argument("--use_lora", action="store_true")
+    parser.add_argument("--lora_rank", type=int, default=16)
+    parser.add_argument("--steps", type=int, default=1, help="after the warm-up (the fake step has 1)")
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        print("error: this compares with a CUDA card's allocator; none is available", file=sys.stderr)
+        return 2
+    device = torch.device("cuda", 0)
+    torch.cuda.set_device(device)
+    torch.cuda.init()
+    for trainer in args.trainers:
+        for batch in args.batch_sizes:
+            config = ExperimentConfig(
+                trainer=trainer, model=args.model, seq_len=args.seq_len, batch_size=batch,
+                max_physical_batch_size=args.max_physical_batch_size, dtype=args.dtype,
+                attention=args.attention, use_lora=args.use_lora, lora_rank=args.lora_rank,
+                device="cuda", steps=args.steps, warmup_steps=1,
+            )  # fmt: skip
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats(device)
+            run = real_requests(config, device, args.steps)
+            real, peak_reserved = run["requests"], run["peak_reserved"]
+            card = torch.cuda.mem_get_info(device)[1] - capacity.GPU_OVERHEADS["cuda_context_bytes"]
+            predicted = predicted_requests(config)
+            row = {
+                "trainer": trainer, "batch_size": batch, "seq_len": args.seq_len,
+                "device": torch.cuda.get_device_name(device),
+                "measured_peak_reserved_mib": peak_reserved / 2**20,
+                "ran_out_of_memory": run["out_of_memory"],
+                "segments_released": sum(1 for event in run["segments"] if event[0] == "segment_free"),
+                "replayed_real_out_of_memory": allocator.replay(real, card).out_of_memory,
+                "replayed_prediction_out_of_memory": allocator.replay(predicted, card).out_of_memory,
+                "replayed_real_peak_reserved_mib":
+                    allocator.replay(real).peak_reserved_bytes / 2**20,
+                "replayed_prediction_peak_reserved_mib":
+                    allocator.replay(predicted).peak_reserved_bytes / 2**20,
+                "real_requests": sum(1 for _, size in real if size > 0),
+                "predicted_requests": sum(1 for _, size in predicted if size > 0),
+                "first_large_difference": first_difference(real, predicted),
+            }  # fmt: skip
+            print(json.dumps(row), flush=True)
+            if args.out:
+                os.makedirs(args.out, exist_ok=True)
+                name = os.path.join(args.out, f"{trainer}_b{batch}.json")
+                with open(name, "w") as file:
+                    json.dump({"real": real, "segments": run["segments"], "predicted": predicted, **row}, file)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
