@@ -3,8 +3,9 @@ each physical batch (``measure.fake_step``: the config's step on fake tensors, n
 --find_max_batch, the largest one that runs, found by runs.
 
 What the fake step does not see is the CUDA side: the cuBLAS workspaces, the CUDA context and
-the share of the card the caching allocator's fragmentation leaves unused (``GPU_OVERHEADS``:
-measured, with the card and the scripts that measured them).
+NCCL's buffers (``GPU_OVERHEADS``: measured, with the card and the scripts that measured them),
+and the caching allocator, whose rules ``measure.allocator`` replays over the step's requests:
+a physical batch fits when every request finds a place on the card.
 """
 
 from __future__ import annotations
@@ -24,12 +25,15 @@ GIB = 2**30
 # What a CUDA process holds beside the step's own tensors, measured on an H200 with torch 2.11
 # (benchmarks/README.md, "Will it fit?"): the cuBLAS workspaces a forward and a backward matmul
 # allocate through the caching allocator (benchmarks/cuda_overheads.py) and the CUDA context and
-# libraries (outside torch's counters; the same script). What the allocator's fragmentation
-# takes is not a margin: ``measure.allocator`` replays the step's requests.
+# libraries (outside torch's counters; the same script), and with several ranks NCCL's buffers
+# (outside torch's counters too: the same script under torchrun, 2 ranks, after an all-reduce,
+# an all-gather and a reduce-scatter). What the allocator's fragmentation takes is not a
+# margin: ``measure.allocator`` replays the step's requests.
 GPU_OVERHEADS = {
     "cublas_workspace_bytes": 64 * MB,  # two of 32 MiB (Hopper): forward and backward thread
     "cuda_context_bytes": 785_186_816,  # about 749 MiB
-    "measured_on": "NVIDIA H200, torch 2.11.0+cu130, 2026-11-27",
+    "nccl_buffers_bytes": 878_706_688,  # about 838 MiB a rank, 2 x H200 over NVLink
+    "measured_on": "NVIDIA H200, torch 2.11.0+cu130, NCCL 2.28.3, 2026-11-27",
 }
 POISSON_QUANTILE = 1e-6  # an uncapped Poisson batch is planned at its 1 - 1e-6 quantile
 MAX_PROBES = 64  # a guard: galloping and bisecting take about 2 log2(|guess - answer|)
@@ -62,10 +66,11 @@ def with_physical_batch(config, physical: int):
     return dataclasses.replace(config, batch_size=batch, max_physical_batch_size=physical)
 
 
-def allocator_room_bytes(budget_gib: float) -> int:
+def allocator_room_bytes(budget_gib: float, world_size: int = 1) -> int:
     """What torch's caching allocator can reserve on a card of ``budget_gib`` GiB: the card
-    less the CUDA context."""
-    return int(budget_gib * GIB) - GPU_OVERHEADS["cuda_context_bytes"]
+    less the CUDA context, and NCCL's buffers when there are several ranks."""
+    nccl = GPU_OVERHEADS["nccl_buffers_bytes"] if world_size > 1 else 0
+    return int(budget_gib * GIB) - GPU_OVERHEADS["cuda_context_bytes"] - nccl
 
 
 def planned_requests(prediction: dict) -> list[tuple[int, int]]:
@@ -81,10 +86,10 @@ def reserved_peak(prediction: dict) -> int:
     return allocator.replay(planned_requests(prediction)).peak_reserved_bytes
 
 
-def fits(prediction: dict, budget_gib: float) -> bool:
+def fits(prediction: dict, budget_gib: float, world_size: int = 1) -> bool:
     """The step runs on the card: the allocator places every request within its room (returning
     its wholly free segments to the card first where it must, as torch's does)."""
-    room = allocator_room_bytes(budget_gib)
+    room = allocator_room_bytes(budget_gib, world_size)
     return not allocator.replay(planned_requests(prediction), room).out_of_memory
 
 
@@ -225,17 +230,18 @@ def capacity_result(config, build_trainer, card_gib: float | None = None) -> dic
         # crosses the budget. One chunk of a rank's share or more if that share fits (the
         # peak then grows by the same bytes a sample), else chunks of 1 and 2 samples.
         share = rank_share(config)
-        low = share if fits(predicted(share), budget) else 1
+        ranks = config.world_size
+        low = share if fits(predicted(share), budget, ranks) else 1
         slope = peak_at(low + 1) - peak_at(low)
-        room = allocator_room_bytes(budget) - reserved_peak(predicted(low))
+        room = allocator_room_bytes(budget, ranks) - reserved_peak(predicted(low))
         guess = low + int(room // slope) if slope > 0 else planned
-        batch, judged = largest_physical(lambda p: fits(predicted(p), budget), guess, share)
+        batch, judged = largest_physical(lambda p: fits(predicted(p), budget, ranks), guess, share)
         return {
             "gpu_memory_gib": budget,
             "physical_batch_size": batch,
             "predicted_peak_mb": peak_at(batch) / MB if batch else None,
             "predicted_reserved_mb": reserved_peak(predicted(batch)) / MB if batch else None,
-            "allocator_room_mb": allocator_room_bytes(budget) / MB,
+            "allocator_room_mb": allocator_room_bytes(budget, ranks) / MB,
             "batch_sizes_judged": len(judged),
         }
 
