@@ -36,6 +36,7 @@ KNOWN_ADDITIONS: frozenset[str] = frozenset()
 # mode's settings (a --mode=test run predicts nothing).
 KNOWN_CONFIG_ADDITIONS = {
     "capacity": False, "gpu_memory": None, "find_max_batch": False, "validate": False,
+    "find_max_seq_len": False,
 }  # fmt: skip
 
 

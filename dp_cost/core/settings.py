@@ -422,6 +422,14 @@ SETTINGS: tuple[Setting, ...] = (
         switch=True,
     ),
     Setting(
+        "find_max_seq_len",
+        False,
+        "capacity, CUDA: find the longest sequence (a multiple of 64 tokens) that runs on this "
+        "card at the config's physical batch by runs, starting from the prediction",
+        flags=("--find_max_seq_len",),
+        switch=True,
+    ),
+    Setting(
         "validate",
         False,
         "capacity, CUDA: also run each config (its --steps after --warmup_steps, no trace, "
@@ -500,6 +508,7 @@ class ExperimentConfig:
     capacity: bool = False
     gpu_memory: list | None = None
     find_max_batch: bool = False
+    find_max_seq_len: bool = False
     validate: bool = False
     model_overrides: dict = field(default_factory=dict)
     default_model: str = "tiny"

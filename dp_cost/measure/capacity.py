@@ -17,7 +17,7 @@ from dp_cost.core.schema import MB
 from dp_cost.hf.configs import HF_CONFIGS
 from dp_cost.measure import allocator
 from dp_cost.measure.fake_step import predict, rank_share
-from dp_cost.measure.plan import draw_above_probability
+from dp_cost.measure.plan import draw_above_probability, model_max_seq_len
 from dp_cost.parallel.ranks import share
 
 GIB = 2**30
@@ -37,6 +37,7 @@ GPU_OVERHEADS = {
 }
 POISSON_QUANTILE = 1e-6  # an uncapped Poisson batch is planned at its 1 - 1e-6 quantile
 MAX_PROBES = 64  # a guard: galloping and bisecting take about 2 log2(|guess - answer|)
+SEQ_LEN_STEP = 64  # the sequence lengths --find_max_seq_len searches: multiples of this
 
 
 def planned_physical_batch(config) -> tuple[int, str | None]:
@@ -147,15 +148,47 @@ def largest_physical(passes, first_guess: int, batch: int) -> tuple[int, list[in
     return found, judged
 
 
-def probe_config(config, physical: int):
-    """A --find_max_batch probe: ``config`` measured at physical batch ``physical`` (two
-    steps after one warm-up, no trace, no breakdown). Its batches have a fixed size: a Poisson
-    draw below ``physical`` would run a smaller chunk, and the probe would pass by chance."""
+def probe_config(config, physical: int, seq_len: int | None = None):
+    """A --find_max_batch / --find_max_seq_len probe: ``config`` measured at physical batch
+    ``physical`` (and ``seq_len``: the config's by default), two steps after one warm-up, no
+    trace, no breakdown. Its batches have a fixed size: a Poisson draw below ``physical`` would
+    run a smaller chunk, and the probe would pass by chance."""
     return dataclasses.replace(
-        with_physical_batch(config, physical),
-        capacity=False, validate=False, find_max_batch=False, trace=False, breakdown=False,
-        steps=2, warmup_steps=1, poisson=False,
+        with_physical_batch(dataclasses.replace(config, seq_len=seq_len or config.seq_len), physical),
+        capacity=False, validate=False, find_max_batch=False, find_max_seq_len=False, trace=False,
+        breakdown=False, steps=2, warmup_steps=1, poisson=False,
     )  # fmt: skip
+
+
+def _search_by_runs(search, run_probe, probe_of, name_of, searched: str):
+    """(the value ``search(runs)`` settles on, or None after a probe that failed for another
+    reason than memory; every probe; that failure). ``runs(value)``: whether the probe
+    ``probe_of(value)``, run by ``run_probe`` into ``name_of(value)``, ran."""
+    probes: list[dict] = []
+
+    def runs(value: int) -> bool:
+        probed = run_probe(probe_of(value), name_of(value))
+        probes.append(
+            {
+                searched: value,
+                "status": probed["status"],
+                "peak_memory_mb": probed.get("peak_memory_mb"),
+                "error": probed.get("error"),
+            }
+        )
+        if probed["status"] not in ("ok", "oom"):  # not a question of memory: stop here
+            what = searched.replace("_", " ").replace("size", "").strip()
+            raise ProbeFailed(f"probe at {what} {value}: {probed.get('error')}")
+        return probed["status"] == "ok"
+
+    try:
+        return search(runs), probes, None
+    except ProbeFailed as error:
+        return None, probes, str(error)
+
+
+def _peak_at(points: list[dict], searched: str, value) -> float | None:
+    return next((p["peak_memory_mb"] for p in points if p[searched] == value), None)
 
 
 def find_max_batch(config, prediction: dict, run_probe) -> dict:
@@ -163,59 +196,71 @@ def find_max_batch(config, prediction: dict, run_probe) -> dict:
     ``run_probe(probe_config, name)`` runs one probe in its own worker (an out-of-memory stays
     there) and returns its result. The search starts at the predicted largest batch for the
     card's whole memory, and records every probe."""
-    card = prediction["card"]
-    probes: list[dict] = []
-
-    def runs(physical: int) -> bool:
-        probed = run_probe(probe_config(config, physical), f"probe_pb{physical}.json")
-        probes.append(
-            {
-                "physical_batch_size": physical,
-                "status": probed["status"],
-                "peak_memory_mb": probed.get("peak_memory_mb"),
-                "error": probed.get("error"),
-            }
-        )
-        if probed["status"] not in ("ok", "oom"):  # not a question of memory: stop here
-            raise ProbeFailed(f"probe at physical batch {physical}: {probed.get('error')}")
-        return probed["status"] == "ok"
-
-    outcome = {"predicted_largest": card["physical_batch_size"], "probes": probes}
-    try:
-        largest, _ = largest_physical(runs, card["physical_batch_size"], rank_share(config))
-    except ProbeFailed as error:
-        return {**outcome, "largest_physical_batch": None, "error": str(error)}
-    measured = next(
-        (p["peak_memory_mb"] for p in probes if p["physical_batch_size"] == largest), None
+    predicted = prediction["card"]["physical_batch_size"]
+    largest, probes, error = _search_by_runs(
+        lambda runs: largest_physical(runs, predicted, rank_share(config))[0],
+        run_probe,
+        lambda physical: probe_config(config, physical),
+        lambda physical: f"probe_pb{physical}.json",
+        "physical_batch_size",
     )
-    predicted = next(
-        (
-            p["peak_memory_mb"]
-            for p in prediction["predictions"]
-            if p["physical_batch_size"] == largest
-        ),
-        None,
-    )
+    outcome = {"predicted_largest": predicted, "probes": probes, "largest_physical_batch": largest}
+    if error:
+        return {**outcome, "error": error}
     return {
         **outcome,
-        "largest_physical_batch": largest,
-        "measured_peak_mb": measured,
-        "predicted_peak_mb": predicted,
+        "measured_peak_mb": _peak_at(probes, "physical_batch_size", largest),
+        "predicted_peak_mb": _peak_at(prediction["predictions"], "physical_batch_size", largest),
     }
 
 
+def find_max_seq_len(config, prediction: dict, run_probe) -> dict:
+    """--find_max_seq_len: the longest sequence (a multiple of SEQ_LEN_STEP tokens, at most the
+    model's) that runs on this card at the config's physical batch, found by runs from the
+    predicted longest, as find_max_batch searches the batch."""
+    predicted = prediction["card"]["seq_len"]
+    physical = prediction["physical_batch_size"]
+    limit = longest_model_seq_len(config) // SEQ_LEN_STEP
+    longest, probes, error = _search_by_runs(
+        lambda runs: SEQ_LEN_STEP * largest_passing(
+            lambda steps: steps <= limit and runs(steps * SEQ_LEN_STEP),
+            max(1, predicted // SEQ_LEN_STEP),
+        )[0],
+        run_probe,
+        lambda seq_len: probe_config(config, physical, seq_len),
+        lambda seq_len: f"probe_seq{seq_len}.json",
+        "seq_len",
+    )  # fmt: skip
+    outcome = {"predicted_longest": predicted, "probes": probes, "longest_seq_len": longest}
+    if error:
+        return {**outcome, "error": error}
+    return {
+        **outcome,
+        "measured_peak_mb": _peak_at(probes, "seq_len", longest),
+        "predicted_peak_mb": _peak_at(prediction["seq_len_predictions"], "seq_len", longest),
+    }
+
+
+def longest_model_seq_len(config) -> int:
+    return model_max_seq_len(config.model, config.attention, config.model_overrides)
+
+
 class ProbeFailed(RuntimeError):
-    """A --find_max_batch probe ended in an error that is not an out-of-memory."""
+    """A --find_max_batch or --find_max_seq_len probe ended in an error that is not an
+    out-of-memory."""
 
 
 def capacity_result(config, build_trainer, card_gib: float | None = None) -> dict:
     """``result["prediction"]`` of one config: its predicted peak (what torch would count for
     the step's own tensors) and roles at the planned physical batch, and for each
     ``--gpu_memory`` budget the largest physical batch that fits, with every prediction made.
-    ``card_gib``: this process's card (--find_max_batch), searched as one more budget."""
+    ``card_gib``: this process's card, searched as one more budget: for the largest physical
+    batch (--find_max_batch), or the longest sequence at the planned one (--find_max_seq_len)."""
     started = time.perf_counter()
     planned, note = planned_physical_batch(config)
+    ranks = config.world_size
     peaks: dict[int, dict] = {}
+    seq_len_peaks: dict[int, dict] = {}
 
     def predicted(physical: int) -> dict:
         if physical not in peaks:
@@ -230,7 +275,6 @@ def capacity_result(config, build_trainer, card_gib: float | None = None) -> dic
         # crosses the budget. One chunk of a rank's share or more if that share fits (the
         # peak then grows by the same bytes a sample), else chunks of 1 and 2 samples.
         share = rank_share(config)
-        ranks = config.world_size
         low = share if fits(predicted(share), budget, ranks) else 1
         slope = peak_at(low + 1) - peak_at(low)
         room = allocator_room_bytes(budget, ranks) - reserved_peak(predicted(low))
@@ -245,9 +289,43 @@ def capacity_result(config, build_trainer, card_gib: float | None = None) -> dic
             "batch_sizes_judged": len(judged),
         }
 
+    def predicted_at_seq_len(seq_len: int) -> dict:
+        if seq_len not in seq_len_peaks:
+            at_seq_len = dataclasses.replace(config, seq_len=seq_len)
+            seq_len_peaks[seq_len] = predict(with_physical_batch(at_seq_len, planned), build_trainer)
+        return seq_len_peaks[seq_len]
+
+    def longest_for(budget: float) -> dict:
+        # In steps of SEQ_LEN_STEP tokens, up to the model's longest; the first guess from the
+        # config's length and the next step, as the batch search's.
+        limit = longest_model_seq_len(config) // SEQ_LEN_STEP
+        start = max(1, min(limit, config.seq_len // SEQ_LEN_STEP))
+        peak = predicted_at_seq_len(start * SEQ_LEN_STEP)
+        slope = predicted_at_seq_len((start + 1) * SEQ_LEN_STEP)["peak"] - peak["peak"]
+        room = allocator_room_bytes(budget, ranks) - reserved_peak(peak)
+        guess = start + int(room // slope) if slope > 0 else start
+
+        def passes(steps: int) -> bool:
+            return steps <= limit and fits(predicted_at_seq_len(steps * SEQ_LEN_STEP), budget, ranks)
+
+        steps, judged = largest_passing(passes, guess)
+        longest = steps * SEQ_LEN_STEP
+        at_longest = predicted_at_seq_len(longest) if longest else None
+        return {
+            "gpu_memory_gib": budget,
+            "seq_len": longest,
+            "physical_batch_size": planned,
+            "predicted_peak_mb": at_longest["peak"] / MB if at_longest else None,
+            "predicted_reserved_mb": reserved_peak(at_longest) / MB if at_longest else None,
+            "allocator_room_mb": allocator_room_bytes(budget, ranks) / MB,
+            "seq_lens_judged": len(judged),
+        }
+
     main = predicted(planned)
     largest = [largest_for(budget) for budget in config.gpu_memory or []]
-    card = largest_for(card_gib) if card_gib else None
+    card = None
+    if card_gib:
+        card = longest_for(card_gib) if config.find_max_seq_len else largest_for(card_gib)
     return {
         "method": "the trainer's step on fake tensors (CPU code paths), storages recorded",
         "physical_batch_size": planned,
@@ -268,6 +346,14 @@ def capacity_result(config, build_trainer, card_gib: float | None = None) -> dic
                 "peak_reserved_mb": reserved_peak(peaks[p]) / MB,
             }
             for p in sorted(peaks)
+        ],
+        "seq_len_predictions": [
+            {
+                "seq_len": seq_len,
+                "peak_memory_mb": seq_len_peaks[seq_len]["peak"] / MB,
+                "peak_reserved_mb": reserved_peak(seq_len_peaks[seq_len]) / MB,
+            }
+            for seq_len in sorted(seq_len_peaks)
         ],
         "overheads": dict(GPU_OVERHEADS),
         "seconds": time.perf_counter() - started,

@@ -365,21 +365,32 @@ MAX_GPU_MEMORY_GIB = 2**16  # 64 TiB: far above any card, below torch's size ari
 
 
 def check_capacity(values: dict, axes: dict, args) -> None:
-    """--gpu_memory, --validate and --find_max_batch belong to --mode=capacity; budgets are
-    finite positive GiB; --validate and --find_max_batch measure, so they need CUDA."""
+    """--gpu_memory, --validate, --find_max_batch and --find_max_seq_len belong to
+    --mode=capacity; budgets are finite positive GiB; the last three measure, so they need
+    CUDA."""
     budgets = values["gpu_memory"] or []
-    measuring = (("--validate", values["validate"]), ("--find_max_batch", values["find_max_batch"]))
+    measuring = (
+        ("--validate", values["validate"]),
+        ("--find_max_batch", values["find_max_batch"]),
+        ("--find_max_seq_len", values["find_max_seq_len"]),
+    )
     if not MODES[args.mode].predicts:
         for flag, given in (("--gpu_memory", budgets), *measuring):
             if given:
                 raise UsageError(f"{flag} plans memory: it needs --mode=capacity")
         return
+    if values["find_max_batch"] and values["find_max_seq_len"]:
+        raise UsageError(
+            "--find_max_batch and --find_max_seq_len: one search a run (the other is held "
+            "at the config's value)"
+        )
     if distributed_mode(values["distributed"]).is_distributed:
-        if values["find_max_batch"]:
-            raise UsageError(
-                "--find_max_batch searches one process's batch by runs: several ranks are "
-                "planned (--world_size W), not searched"
-            )
+        for flag, given in measuring[1:]:
+            if given:
+                raise UsageError(
+                    f"{flag} searches one process's config by runs: several ranks are "
+                    "planned (--world_size W), not searched"
+                )
         under_torchrun = ranks.from_environment() is not None
         if under_torchrun and not values["validate"]:
             raise UsageError(

@@ -35,6 +35,11 @@ CONFIG_DIR_NAME = re.compile(r"^\w+?_bs\d+_seq\d+(_[\w.-]+)?$")
 # A worker sent SIGTERM (and SIGCONT: a stopped one would hold SIGTERM pending for ever) that has
 # not ended after this long is killed: stuck in a driver call, or ignoring SIGTERM.
 KILL_GRACE_S = 5
+# (--find_max_batch, --find_max_seq_len) -> (result key, what is searched, the search by runs)
+SEARCHES = {
+    (True, False): ("find_max_batch", "largest physical batch", capacity.find_max_batch),
+    (False, True): ("find_max_seq_len", "longest sequence", capacity.find_max_seq_len),
+}
 
 
 class Interrupted(Exception):
@@ -115,14 +120,14 @@ def _run_configs(configs, run_dir, resume, progress, verbose, group, started) ->
                 log(f"{tag}: running")
                 started.append(config.config_dir)
                 result = run_in_child(context, config, config_path, result_path, verbose)
-                if config.find_max_batch and (result.get("prediction") or {}).get("card"):
-                    log(f"{tag}: searching the largest physical batch by runs")
+                search = SEARCHES.get((config.find_max_batch, config.find_max_seq_len))
+                if search and (result.get("prediction") or {}).get("card"):
+                    key, what, find = search
+                    log(f"{tag}: searching the {what} by runs")
                     probe = lambda probed, name, path=config_path: run_in_child(  # noqa: E731
                         context, probed, path, os.path.join(path, name), verbose
                     )
-                    result["find_max_batch"] = capacity.find_max_batch(
-                        config, result["prediction"], probe
-                    )
+                    result[key] = find(config, result["prediction"], probe)
                     write_json(result_path, result, root=run_dir)
             else:
                 log(f"{tag}: running on {count(group.info.world_size, 'rank')}")
@@ -381,6 +386,12 @@ def remove_leftovers(config_path: str) -> None:
         return
 
 
+FOUND_WORDS = {  # result key -> (what was found, in words; its key)
+    "find_max_batch": ("physical batch", "largest_physical_batch"),
+    "find_max_seq_len": ("sequence length", "longest_seq_len"),
+}
+
+
 def describe(result: dict) -> str:
     prediction = result.get("prediction")
     if prediction:  # --mode=capacity: the prediction, and with --validate the measured peak
@@ -388,14 +399,14 @@ def describe(result: dict) -> str:
             f", fits {p['gpu_memory_gib']:g} GiB up to physical batch {p['physical_batch_size']}"
             for p in prediction["largest_physical_batch"]
         )
-        found = result.get("find_max_batch")
-        if found:
-            told += (
-                f"; found by {len(found['probes'])} runs: physical batch "
-                f"{found['largest_physical_batch']} runs"
-                + (" (the next one does not)" if found.get("largest_physical_batch") else "")
-                + (f", {found['error']}" if found.get("error") else "")
-            )
+        for key, (words, value) in FOUND_WORDS.items():
+            found = result.get(key)
+            if found:
+                told += (
+                    f"; found by {len(found['probes'])} runs: {words} {found[value]} runs"
+                    + (" (the next one does not)" if found.get(value) else "")
+                    + (f", {found['error']}" if found.get("error") else "")
+                )
         if result["status"] != "ok":
             return f"{told}; measured: {result['status']}: {result.get('error')}"
         measured = result.get("peak_memory_mb")

@@ -55,7 +55,7 @@ def predict_experiment(config, out_dir: str, rank_setup=None) -> dict:
     process outside the job's group), the prediction kept whatever the measurement's outcome
     (an out-of-memory included)."""
     card_gib = None
-    if config.find_max_batch:  # the card's whole memory, as torch reports it
+    if config.find_max_batch or config.find_max_seq_len:  # the whole card, as torch reports it
         card_gib = torch.cuda.mem_get_info(torch.device(config.device))[1] / capacity.GIB
     prediction = capacity.capacity_result(config, build_trainer, card_gib)
     if not config.validate:

@@ -60,11 +60,21 @@ def entry(result: dict) -> dict:
         "predictions": prediction.get("predictions", []),
         "card": prediction.get("card"),
         "find_max_batch": result.get("find_max_batch"),
+        "find_max_seq_len": result.get("find_max_seq_len"),
+        "seq_len_predictions": prediction.get("seq_len_predictions", []),
         "physical_batch_note": prediction.get("physical_batch_note"),
         "parameters": prediction.get("parameters"),
         "trainable_parameters": prediction.get("trainable_parameters"),
         "seconds": prediction.get("seconds"),
     }
+
+
+# The searches by runs: (result key, what, in words; the value found)
+SEARCHES = (
+    ("find_max_batch", "largest physical batch", "largest_physical_batch"),
+    ("find_max_seq_len", "longest sequence", "longest_seq_len"),
+)
+CARD_VALUES = {"largest_physical_batch": "physical_batch_size", "longest_seq_len": "seq_len"}
 
 
 def relative_error(predicted, measured) -> float | None:
@@ -78,8 +88,9 @@ def table(entries: list[dict], markdown: bool = False) -> str:
     header += ["predicted MB per rank", "predicted reserved MB"]
     header += ["measured MB", "error %", "measured reserved MB", "error %", "status"] if validated else []
     header += [f"largest physical at {b:g} GiB" for b in budgets]
-    searched = any(e["find_max_batch"] for e in entries)
-    header += ["this card: predicted largest", "found by runs", "runs"] if searched else []
+    searches = [search for search in SEARCHES if any(e.get(search[0]) for e in entries)]
+    for _, words, _ in searches:
+        header += [f"this card: predicted {words}", "found by runs", "runs"]
     body = []
     for e in entries:
         largest = {
@@ -99,11 +110,11 @@ def table(entries: list[dict], markdown: bool = False) -> str:
             cells += [cell(None if reserved_error is None else 100 * reserved_error, digits=1)]
             cells += [e["status"]]
         cells += [cell(largest.get(b)) for b in budgets]
-        if searched:
-            found = e["find_max_batch"] if isinstance(e["find_max_batch"], dict) else {}
-            card = e["card"] if isinstance(e["card"], dict) else {}
-            cells += [cell(card.get("physical_batch_size"))]
-            cells += [cell(found.get("largest_physical_batch")), cell(len(found.get("probes", [])))]
+        for key, _, value in searches:
+            found = e.get(key) if isinstance(e.get(key), dict) else {}
+            card = e["card"] if isinstance(e["card"], dict) and found else {}
+            cells += [cell(card.get(CARD_VALUES[value]))]
+            cells += [cell(found.get(value)), cell(len(found.get("probes", [])) or None)]
         body.append(cells)
     return render_table(header, body, markdown)
 

@@ -82,6 +82,12 @@ RESULT_CHECKS = {
         and _int_or_none(v.get("predicted_largest"))
         and _list_of(v.get("probes"), lambda p: isinstance(p, dict))
     ),
+    "find_max_seq_len": lambda v: (
+        isinstance(v, dict)
+        and _int_or_none(v.get("longest_seq_len"))
+        and _int_or_none(v.get("predicted_longest"))
+        and _list_of(v.get("probes"), lambda p: isinstance(p, dict))
+    ),
 }
 
 

@@ -256,6 +256,55 @@ def test_find_max_batch_stops_on_an_error_that_is_not_memory():
     assert len(found["probes"]) == 1
 
 
+@pytest.mark.parametrize("longest_that_runs, found", [(1000, 960), (5000, 1024), (10, 0)])
+def test_find_max_seq_len_probes_multiples_of_64_up_to_the_models_longest(longest_that_runs, found):
+    """Probes at the config's physical batch, sequence lengths in steps of 64 from the
+    predicted longest, never past the model's longest (the tiny LM's: 1024); the answer and the
+    step above it both probed when the model allows one."""
+    config = ExperimentConfig(trainer="standard", model="tiny", batch_size=8, seq_len=16,
+                              max_physical_batch_size=4, capacity=True, find_max_seq_len=True,
+                              device="cuda")  # fmt: skip
+    prediction = {"card": {"seq_len": 640}, "physical_batch_size": 4,
+                  "seq_len_predictions": [{"seq_len": 960, "peak_memory_mb": 99.0}]}  # fmt: skip
+    asked = []
+
+    def run_probe(probe, name):
+        asked.append(probe.seq_len)
+        assert (probe.max_physical_batch_size, probe.batch_size) == (4, 8)
+        assert not probe.find_max_seq_len and not probe.poisson and probe.steps == 2
+        assert name == f"probe_seq{probe.seq_len}.json"
+        runs = probe.seq_len <= longest_that_runs
+        return {"status": "ok" if runs else "oom", "peak_memory_mb": 1.0 if runs else None}
+
+    searched = capacity.find_max_seq_len(config, prediction, run_probe)
+    assert searched["longest_seq_len"] == found and searched["predicted_longest"] == 640
+    assert [p["seq_len"] for p in searched["probes"]] == asked
+    assert all(seq_len % 64 == 0 and 0 < seq_len <= 1024 for seq_len in asked)
+    assert found + 64 in asked or found == 1024
+    if found:
+        assert found in asked
+    assert searched["predicted_peak_mb"] == (99.0 if found == 960 else None)
+
+
+def test_the_predicted_longest_sequence_is_the_last_step_that_fits():
+    """--find_max_seq_len's card: the longest multiple of 64 tokens whose replayed step fits the
+    card, the next one not (each judged by the same fit as the batch search)."""
+    config = ExperimentConfig(trainer="flash", model="tiny", batch_size=2, seq_len=64,
+                              find_max_seq_len=True, capacity=True)  # fmt: skip
+    budget = 0.9  # GiB, 173 MiB beside the CUDA context: some hundreds of tokens, not 1024
+    result = capacity.capacity_result(config, worker.build_trainer, budget)
+    longest = result["card"]["seq_len"]
+    assert 64 <= longest < 1024 and result["card"]["physical_batch_size"] == 2
+
+    def fits_at(seq_len):
+        at = capacity.with_physical_batch(dataclasses.replace(config, seq_len=seq_len), 2)
+        return capacity.fits(fake_step.predict(at, worker.build_trainer), budget)
+
+    assert fits_at(longest) and not fits_at(longest + 64)
+    judged = {p["seq_len"] for p in result["seq_len_predictions"]}
+    assert {longest, longest + 64} <= judged
+
+
 def test_an_uncapped_poisson_batch_is_planned_at_its_rare_quantile():
     config = ExperimentConfig(
         trainer="standard", model="tiny-llama", batch_size=16, seq_len=8, dataset_size=10000
@@ -312,6 +361,13 @@ def test_capacity_mode_writes_its_report(tmp_path):
             "planned (--world_size W), not searched",
         ),
         (["--mode=capacity", "--save_snapshot"], "it needs --validate"),
+        (["--mode=capacity", "--find_max_seq_len", "--device", "cpu"], "needs a CUDA device"),
+        (["--mode=test", "--find_max_seq_len"], "needs --mode=capacity"),
+        (["--mode=capacity", "--find_max_seq_len", "--find_max_batch"], "one search a run"),
+        (
+            ["--mode=capacity", "--distributed", "ddp", "--world_size", "2", "--find_max_seq_len"],
+            "planned (--world_size W), not searched",
+        ),
         (["--mode=capacity", "--distributed", "fsdp", "--world_size", "1"], "2 or more ranks"),
         (
             ["--mode=capacity", "--distributed", "ddp", "--world_size", "2", "--validate"],
