@@ -2,7 +2,7 @@
 checked against the real one, on this card, for one config at a time:
 
 1. the real run: the config's model and trainer built on the GPU, one warm-up step and
-   ``--steps`` steps (1, as the fake step), every allocation and free recorded by torch (memory history);
+   ``--steps`` steps (1, as the fake step), every allocation and free recorded by torch;
 2. that recorded sequence replayed through the model: its peak reserved bytes against
    ``torch.cuda.max_memory_reserved`` (the model alone, on the real requests);
 3. the fake-tensor step's sequence (``--mode=capacity``'s prediction, on the CPU) replayed: its
@@ -77,17 +77,26 @@ def predicted_requests(config) -> list[tuple[int, int]]:
 
 
 def first_difference(real, predicted) -> dict | None:
-    """The first large request (>= 100 MiB, allocations only) where the two sequences differ."""
-    real_large = [size for _, size in real if size >= LARGE]
-    predicted_large = [size for _, size in predicted if size >= LARGE]
+    """The first large request (>= 100 MiB, allocations only) where the two sequences differ,
+    with the requests around it in each."""
+    real_large = [size / 2**20 for _, size in real if size >= LARGE]
+    predicted_large = [size / 2**20 for _, size in predicted if size >= LARGE]
     for index, (a, b) in enumerate(zip(real_large, predicted_large)):
         if a != b:
-            return {"index": index, "real_mib": a / 2**20, "predicted_mib": b / 2**20,
-                    "real_before": [s / 2**20 for s in real_large[max(0, index - 4):index + 4]],
-                    "predicted_before": [s / 2**20 for s in predicted_large[max(0, index - 4):index + 4]]}  # fmt: skip
+            around = slice(max(0, index - 4), index + 4)
+            return {
+                "index": index,
+                "real_mib": a,
+                "predicted_mib": b,
+                "real_around": real_large[around],
+                "predicted_around": predicted_large[around],
+            }
     if len(real_large) != len(predicted_large):
-        return {"index": min(len(real_large), len(predicted_large)), "real_count": len(real_large),
-                "predicted_count": len(predicted_large)}  # fmt: skip
+        return {
+            "index": min(len(real_large), len(predicted_large)),
+            "real_count": len(real_large),
+            "predicted_count": len(predicted_large),
+        }
     return None
 
 
@@ -102,11 +111,15 @@ def main() -> int:
     parser.add_argument("--trainers", nargs="+", default=["standard"])
     parser.add_argument("--use_lora", action="store_true")
     parser.add_argument("--lora_rank", type=int, default=16)
-    parser.add_argument("--steps", type=int, default=1, help="after the warm-up (the fake step has 1)")
+    parser.add_argument(
+        "--steps", type=int, default=1, help="after the warm-up (the fake step has 1)"
+    )
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     if not torch.cuda.is_available():
-        print("error: this compares with a CUDA card's allocator; none is available", file=sys.stderr)
+        print(
+            "error: this compares with a CUDA card's allocator; none is available", file=sys.stderr
+        )
         return 2
     device = torch.device("cuda", 0)
     torch.cuda.set_device(device)
@@ -125,18 +138,23 @@ def main() -> int:
             real, peak_reserved = run["requests"], run["peak_reserved"]
             card = torch.cuda.mem_get_info(device)[1] - capacity.GPU_OVERHEADS["cuda_context_bytes"]
             predicted = predicted_requests(config)
+            released = [event for event in run["segments"] if event[0] == "segment_free"]
+            on_card = {
+                "real": allocator.replay(real, card),
+                "prediction": allocator.replay(predicted, card),
+            }
+            unlimited = {"real": allocator.replay(real), "prediction": allocator.replay(predicted)}
             row = {
                 "trainer": trainer, "batch_size": batch, "seq_len": args.seq_len,
                 "device": torch.cuda.get_device_name(device),
                 "measured_peak_reserved_mib": peak_reserved / 2**20,
                 "ran_out_of_memory": run["out_of_memory"],
-                "segments_released": sum(1 for event in run["segments"] if event[0] == "segment_free"),
-                "replayed_real_out_of_memory": allocator.replay(real, card).out_of_memory,
-                "replayed_prediction_out_of_memory": allocator.replay(predicted, card).out_of_memory,
-                "replayed_real_peak_reserved_mib":
-                    allocator.replay(real).peak_reserved_bytes / 2**20,
+                "segments_released": len(released),
+                "replayed_real_out_of_memory": on_card["real"].out_of_memory,
+                "replayed_prediction_out_of_memory": on_card["prediction"].out_of_memory,
+                "replayed_real_peak_reserved_mib": unlimited["real"].peak_reserved_bytes / 2**20,
                 "replayed_prediction_peak_reserved_mib":
-                    allocator.replay(predicted).peak_reserved_bytes / 2**20,
+                    unlimited["prediction"].peak_reserved_bytes / 2**20,
                 "real_requests": sum(1 for _, size in real if size > 0),
                 "predicted_requests": sum(1 for _, size in predicted if size > 0),
                 "first_large_difference": first_difference(real, predicted),
@@ -146,7 +164,10 @@ def main() -> int:
                 os.makedirs(args.out, exist_ok=True)
                 name = os.path.join(args.out, f"{trainer}_b{batch}.json")
                 with open(name, "w") as file:
-                    json.dump({"real": real, "segments": run["segments"], "predicted": predicted, **row}, file)
+                    json.dump(
+                        {"real": real, "segments": run["segments"], "predicted": predicted, **row},
+                        file,
+                    )
     return 0
 
 

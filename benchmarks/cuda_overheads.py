@@ -19,9 +19,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
-
 import os
+import sys
 
 import torch
 import torch.distributed as dist

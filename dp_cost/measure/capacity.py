@@ -153,8 +153,9 @@ def probe_config(config, physical: int, seq_len: int | None = None):
     ``physical`` (and ``seq_len``: the config's by default), two steps after one warm-up, no
     trace, no breakdown. Its batches have a fixed size: a Poisson draw below ``physical`` would
     run a smaller chunk, and the probe would pass by chance."""
+    at_seq_len = dataclasses.replace(config, seq_len=seq_len or config.seq_len)
     return dataclasses.replace(
-        with_physical_batch(dataclasses.replace(config, seq_len=seq_len or config.seq_len), physical),
+        with_physical_batch(at_seq_len, physical),
         capacity=False, validate=False, find_max_batch=False, find_max_seq_len=False, trace=False,
         breakdown=False, steps=2, warmup_steps=1, poisson=False,
     )  # fmt: skip
@@ -292,7 +293,9 @@ def capacity_result(config, build_trainer, card_gib: float | None = None) -> dic
     def predicted_at_seq_len(seq_len: int) -> dict:
         if seq_len not in seq_len_peaks:
             at_seq_len = dataclasses.replace(config, seq_len=seq_len)
-            seq_len_peaks[seq_len] = predict(with_physical_batch(at_seq_len, planned), build_trainer)
+            seq_len_peaks[seq_len] = predict(
+                with_physical_batch(at_seq_len, planned), build_trainer
+            )
         return seq_len_peaks[seq_len]
 
     def longest_for(budget: float) -> dict:
@@ -306,7 +309,9 @@ def capacity_result(config, build_trainer, card_gib: float | None = None) -> dic
         guess = start + int(room // slope) if slope > 0 else start
 
         def passes(steps: int) -> bool:
-            return steps <= limit and fits(predicted_at_seq_len(steps * SEQ_LEN_STEP), budget, ranks)
+            return steps <= limit and fits(
+                predicted_at_seq_len(steps * SEQ_LEN_STEP), budget, ranks
+            )
 
         steps, judged = largest_passing(passes, guess)
         longest = steps * SEQ_LEN_STEP

@@ -86,7 +86,9 @@ def table(entries: list[dict], markdown: bool = False) -> str:
     validated = any(e["measured_peak_mb"] is not None or e["status"] != "ok" for e in entries)
     header = ["trainer", "model", "ranks", "batch", "seq", "physical", "dtype", "LoRA"]
     header += ["predicted MB per rank", "predicted reserved MB"]
-    header += ["measured MB", "error %", "measured reserved MB", "error %", "status"] if validated else []
+    header += (
+        ["measured MB", "error %", "measured reserved MB", "error %", "status"] if validated else []
+    )
     header += [f"largest physical at {b:g} GiB" for b in budgets]
     searches = [search for search in SEARCHES if any(e.get(search[0]) for e in entries)]
     for _, words, _ in searches:
