@@ -17,10 +17,13 @@ has no model of its allocator that runs without CUDA, so this is one, with the r
   equals), split when what is left is at least 512 bytes (small pool) or more than 1 MiB (large);
 - a freed block merges with the free blocks beside it in its segment;
 - when the card cannot give a new segment, the allocator returns every wholly free segment to
-  it and asks again; if that fails too, the request is out of memory.
+  it and asks again; if that fails too, the request is out of memory;
+- a block freed on one stream serves only requests on that stream (FSDP2 gathers and
+  reduce-scatters on streams of its own).
 
-Not modelled: streams (a block freed on one stream serves only that stream: FSDP2's and DDP's
-communication streams), and the driver's own rounding beyond 2 MiB pages.
+Not modelled: a block used on another stream than its own is freed only once that stream's
+work is done (``record_stream``: NCCL's inputs and outputs under DDP), and the driver's own
+rounding beyond 2 MiB pages.
 """
 
 from __future__ import annotations
@@ -51,39 +54,43 @@ def segment_bytes(size: int) -> int:
 
 
 class Block:
-    """A piece of one segment: allocated or free, with its neighbours in the segment."""
+    """A piece of one segment: allocated or free, with its neighbours in the segment. ``pool``:
+    (stream, small pool or not)."""
 
-    __slots__ = ("address", "size", "small", "allocated", "before", "after")
+    __slots__ = ("address", "size", "pool", "allocated", "before", "after")
 
-    def __init__(self, address: int, size: int, small: bool):
-        self.address, self.size, self.small = address, size, small
+    def __init__(self, address: int, size: int, pool: tuple[int, bool]):
+        self.address, self.size, self.pool = address, size, pool
         self.allocated = False
         self.before: Block | None = None
         self.after: Block | None = None
 
 
 class CachingAllocator:
-    """The allocator's state: free blocks by pool (sorted by size, then address) and the bytes
-    reserved from a card that leaves it ``card_bytes`` (None: no limit)."""
+    """The allocator's state: free blocks by pool, (stream, small), each sorted by size, then
+    address; and the bytes reserved from a card that leaves it ``card_bytes`` (None: no
+    limit)."""
 
     def __init__(self, card_bytes: int | None = None):
         self.card_bytes = card_bytes
-        self.free_blocks: dict[bool, list[tuple[int, int]]] = {True: [], False: []}
+        self.free_blocks: dict[tuple[int, bool], list[tuple[int, int]]] = {}
         self.blocks_at: dict[int, Block] = {}  # address -> free block
         self.reserved = 0
         self.peak_reserved = 0
         self.next_address = 0
 
-    def malloc(self, nbytes: int) -> Block | None:
-        """The block serving a request of ``nbytes``; None when it is out of memory."""
+    def malloc(self, nbytes: int, stream: int = 0) -> Block | None:
+        """The block serving a request of ``nbytes`` on ``stream``; None when it is out of
+        memory."""
         size = request_bytes(nbytes)
         small = size <= SMALL_REQUEST
-        block = self._best_fit(small, size) or self._new_segment(small, size)
+        pool = (stream, small)
+        block = self._best_fit(pool, size) or self._new_segment(pool, size)
         if block is None:
             return None
         left = block.size - size
         if left >= MIN_BLOCK if small else left > SMALL_REQUEST:
-            rest = Block(block.address + size, left, small)
+            rest = Block(block.address + size, left, pool)
             rest.before, rest.after = block, block.after
             if block.after is not None:
                 block.after.before = rest
@@ -100,20 +107,20 @@ class CachingAllocator:
                 block = _merged(block, neighbour)
         self._add_free(block)
 
-    def _best_fit(self, small: bool, size: int) -> Block | None:
-        pool = self.free_blocks[small]
-        index = bisect.bisect_left(pool, (size, -1))
-        if index == len(pool):
+    def _best_fit(self, pool: tuple[int, bool], size: int) -> Block | None:
+        blocks = self.free_blocks.get(pool, [])
+        index = bisect.bisect_left(blocks, (size, -1))
+        if index == len(blocks):
             return None
-        return self._remove_free(self.blocks_at[pool[index][1]])
+        return self._remove_free(self.blocks_at[blocks[index][1]])
 
-    def _new_segment(self, small: bool, size: int) -> Block | None:
+    def _new_segment(self, pool: tuple[int, bool], size: int) -> Block | None:
         wanted = segment_bytes(size)
         if not self._card_holds(wanted):
             self._release_free_segments()
             if not self._card_holds(wanted):
                 return None
-        block = Block(self.next_address, wanted, small)
+        block = Block(self.next_address, wanted, pool)
         self.next_address += wanted
         self.reserved += wanted
         self.peak_reserved = max(self.peak_reserved, self.reserved)
@@ -123,20 +130,20 @@ class CachingAllocator:
         return self.card_bytes is None or self.reserved + segment <= self.card_bytes
 
     def _release_free_segments(self) -> None:
-        for pool in self.free_blocks.values():
-            for _, address in list(pool):
+        for blocks in self.free_blocks.values():
+            for _, address in list(blocks):
                 block = self.blocks_at[address]
                 if block.before is None and block.after is None:
                     self._remove_free(block)
                     self.reserved -= block.size
 
     def _add_free(self, block: Block) -> None:
-        bisect.insort(self.free_blocks[block.small], (block.size, block.address))
+        bisect.insort(self.free_blocks.setdefault(block.pool, []), (block.size, block.address))
         self.blocks_at[block.address] = block
 
     def _remove_free(self, block: Block) -> Block:
-        pool = self.free_blocks[block.small]
-        del pool[bisect.bisect_left(pool, (block.size, block.address))]
+        blocks = self.free_blocks[block.pool]
+        del blocks[bisect.bisect_left(blocks, (block.size, block.address))]
         del self.blocks_at[block.address]
         return block
 
@@ -158,13 +165,14 @@ class Replay:
 
 
 def replay(requests, card_bytes: int | None = None) -> Replay:
-    """Replay ``requests``, (key, bytes) in order: bytes > 0 allocates a block for key,
-    bytes <= 0 frees key's block (an unknown key is ignored: made before the record began)."""
+    """Replay ``requests``, (key, bytes[, stream]) in order: bytes > 0 allocates a block for key
+    on the stream (0 when not given), bytes <= 0 frees key's block (an unknown key is ignored:
+    made before the record began)."""
     allocator = CachingAllocator(card_bytes)
     live: dict[int, Block] = {}
-    for key, nbytes in requests:
+    for key, nbytes, *stream in requests:
         if nbytes > 0:
-            block = allocator.malloc(nbytes)
+            block = allocator.malloc(nbytes, *stream)
             if block is None:
                 return Replay(allocator.peak_reserved, True)
             live[key] = block

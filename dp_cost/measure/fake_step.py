@@ -116,6 +116,12 @@ class StorageRecord(TorchDispatchMode):
         self.events: list[dict] = []
         self.live: dict[int, int] = {}  # key -> bytes (0: resized to nothing)
         self._storage_resize = torch.UntypedStorage.resize_
+        # The fake tensors' device is the CPU, whose streams FSDP2 enters as it would CUDA's:
+        # each allocation's stream (0: the default one) for the allocator's per-stream pools.
+        self._streams: dict[int, int] = {id(torch.cpu.current_stream()): 0}
+
+    def _stream(self) -> int:
+        return self._streams.setdefault(id(torch.cpu.current_stream()), len(self._streams))
 
     def __enter__(self):
         record, resize = self, self._storage_resize
@@ -162,7 +168,7 @@ class StorageRecord(TorchDispatchMode):
             return
         size = allocator_bytes(storage.nbytes())
         self.live[key] = size
-        event = {"action": "alloc", "addr": key, "size": size}
+        event = {"action": "alloc", "addr": key, "size": size, "stream": self._stream()}
         event["frames"] = _python_frames() if frames is None else frames
         self.events.append(event)
         weakref.finalize(storage, self._free, key)
@@ -178,8 +184,9 @@ class StorageRecord(TorchDispatchMode):
         self.live[key] = allocator_bytes(nbytes) if nbytes else 0
         if nbytes:
             self.events.append(
-                {"action": "alloc", "addr": key, "size": self.live[key], "frames": _python_frames()}
-            )
+                {"action": "alloc", "addr": key, "size": self.live[key], "stream": self._stream(),
+                 "frames": _python_frames()}
+            )  # fmt: skip
 
     def marker(self) -> None:
         """A phase boundary, as ``breakdown._phase_marker`` leaves one in the CUDA history."""
@@ -289,10 +296,12 @@ def predict(config, build_trainer) -> dict:
 
 
 def allocator_requests(events) -> list[tuple[int, int]]:
-    """The record's events as ``measure.allocator.replay`` reads them: (storage key, bytes),
-    bytes <= 0 for a free; phase markers left out."""
+    """The record's events as ``measure.allocator.replay`` reads them: (storage key, bytes,
+    stream), bytes <= 0 for a free; phase markers left out."""
     return [
-        (event["addr"], event["size"] if event["action"] == "alloc" else -event["size"])
+        (event["addr"], event["size"], event.get("stream", 0))
+        if event["action"] == "alloc"
+        else (event["addr"], -event["size"], 0)
         for event in events
         if event["size"]
     ]

@@ -83,3 +83,31 @@ def test_small_and_large_pools_do_not_share_blocks():
 
 def test_frees_of_blocks_made_before_the_record_are_ignored():
     assert reserved([(7, -MIB), (0, 12 * MIB)]) == 12 * MIB
+
+
+def test_a_block_freed_on_one_stream_serves_only_that_stream():
+    # a 40 MiB block freed on stream 1 (as FSDP2's gathers are) cannot serve stream 0
+    assert reserved([(0, 40 * MIB, 1), (0, -40 * MIB), (1, 40 * MIB, 0)]) == 80 * MIB
+    assert reserved([(0, 40 * MIB, 1), (0, -40 * MIB), (1, 40 * MIB, 1)]) == 40 * MIB
+    # a full card returns the other stream's wholly free segment and fits
+    replay = allocator.replay([(0, 40 * MIB, 1), (0, -40 * MIB), (1, 40 * MIB, 0)], 50 * MIB)
+    assert not replay.out_of_memory and replay.peak_reserved_bytes == 40 * MIB
+
+
+def test_the_fake_step_records_the_stream_an_allocation_is_made_on():
+    """FSDP2 enters its own streams around its gathers and reduce-scatters; on the fake tensors'
+    device (the CPU) those are torch.cpu streams, which the record tells apart."""
+    import torch
+
+    from dp_cost.measure import fake_step
+
+    side = torch.cpu.Stream()
+    with fake_step.StorageRecord() as record:
+        first = torch.empty(1000)
+        with torch.cpu.stream(side):
+            second = torch.empty(1000)
+        third = torch.empty(1000)
+    requests = fake_step.allocator_requests(record.events)
+    streams = [stream for _, size, stream in requests if size > 0]
+    assert streams == [0, 1, 0]
+    del first, second, third
