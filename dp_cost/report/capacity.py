@@ -82,6 +82,16 @@ def relative_error(predicted, measured) -> float | None:
 
 
 def table(entries: list[dict], markdown: bool = False) -> str:
+    return render_table(*table_cells(entries), markdown)
+
+
+def entries_of(results: list[dict]) -> list[dict]:
+    """capacity.json's lines of the configs that were predicted, in the report's order."""
+    return [entry(r) for r in ordered(results) if isinstance(r.get("prediction"), dict)]
+
+
+def table_cells(entries: list[dict]) -> tuple[list[str], list[list[str]]]:
+    """(header, rows) of the capacity table: the text and markdown files' and report.html's."""
     budgets = sorted({b["gpu_memory_gib"] for e in entries for b in e["largest_physical_batch"]})
     validated = any(e["measured_peak_mb"] is not None or e["status"] != "ok" for e in entries)
     header = ["trainer", "model", "ranks", "batch", "seq", "physical", "dtype", "LoRA"]
@@ -118,7 +128,7 @@ def table(entries: list[dict], markdown: bool = False) -> str:
             cells += [cell(card.get(CARD_VALUES[value]))]
             cells += [cell(found.get(value)), cell(len(found.get("probes", [])) or None)]
         body.append(cells)
-    return render_table(header, body, markdown)
+    return header, body
 
 
 NOTES = (
@@ -135,7 +145,7 @@ NOTES = (
 
 def write_capacity_files(run_dir: str, results: list[dict]) -> str:
     """capacity.json and capacity.md; returns the text table."""
-    entries = [entry(r) for r in ordered(results) if isinstance(r.get("prediction"), dict)]
+    entries = entries_of(results)
     skipped = [
         {"config_dir": r.get("config_dir"), "status": r["status"], "error": r.get("error")}
         for r in results

@@ -3,10 +3,10 @@ script, stylesheet or font from elsewhere; every plot embedded as a data: URI), 
 cluster without internet, where TensorBoard's profiler plugin cannot load its chart library.
 
 What it shows: a header (command line, date, device and versions: ``run_info``), the summary
-table with the spread of the steps, the kernel table, the trace analysis (Holistic Trace
-Analysis: ``trace_analysis``), every plot, and per config its status or error, breakdown at the
-peak, flash routes, kernel categories and relative links to its trace and memory-snapshot
-timeline.
+table with the spread of the steps (for --mode=capacity, its table of predictions instead), the
+kernel table, the trace analysis (Holistic Trace Analysis: ``trace_analysis``), every plot, and
+per config its status or error, breakdown at the peak, flash routes, kernel categories and
+relative links to its trace and memory-snapshot timeline.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from html import escape
 from dp_cost.core.files import open_file, write_text
 from dp_cost.core.fmt import count
 from dp_cost.core.schema import BREAKDOWN_LABELS, trainer_title
+from dp_cost.report import capacity
 from dp_cost.report.results import ordered, shape_label
 from dp_cost.report.run_info import run_info
 from dp_cost.report.tables import kernel_cells, kernel_rows, summary_cells, summary_rows
@@ -191,7 +192,12 @@ def report_html(
     if skipped:
         items = "".join(f"<li>{escape(path)}: {escape(why)}</li>" for path, why in skipped)
         parts.append(f"<p>{count(len(skipped), 'result file')} skipped:</p><ul>{items}</ul>")
-    parts += ["<h2>Summary</h2>", table_html(*summary_cells(summary_rows(results)))]
+    if capacity.is_capacity(results):  # predictions: the capacity table, not measured times
+        parts += ["<h2>Will it fit? Predicted peak memory</h2>"]
+        parts += [table_html(*capacity.table_cells(capacity.entries_of(results)))]
+        parts += [f"<p>{escape(capacity.NOTES.strip())}</p>"]
+    else:
+        parts += ["<h2>Summary</h2>", table_html(*summary_cells(summary_rows(results)))]
     kernels = kernel_rows(results)
     if kernels:
         parts += ["<h2>GPU kernel time per category, ms (extra over standard)</h2>"]

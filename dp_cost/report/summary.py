@@ -73,7 +73,11 @@ def write_summary(run_dir: str, results: list[dict]) -> str:
     if capacity.is_capacity(results):
         text = capacity.write_capacity_files(run_dir, results)
         made, failed = draw_each([("capacity", lambda: capacity.plot_capacity(run_dir, results))])
-        text += "".join(f"Plot: {path}\n" for path in made) + "".join(f"{f}\n" for f in failed)
+        page = lambda: html_report.write_html_report(run_dir, results, made)  # noqa: E731
+        html, html_failed = draw_each([("report.html", page)])
+        text += "".join(f"Plot: {path}\n" for path in made)
+        text += "".join(f"{line}\n" for line in failed + html_failed)
+        text += "".join(f"Offline report: {path}\n" for path in html)
         return text + f"Capacity: {os.path.join(run_dir, capacity.CAPACITY_JSON)}\n"
     rows = summary_rows(results)
     write_text(os.path.join(run_dir, "summary.csv"), csv_text(COLUMNS, rows))

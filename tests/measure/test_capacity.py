@@ -333,6 +333,10 @@ def test_capacity_mode_writes_its_report(tmp_path):
     assert written["margins"]["cuda_context_bytes"] > 0
     assert os.path.isfile(os.path.join(tmp_path, "plan", "visualizations", "capacity.png"))
     assert "largest physical at 0.9 GiB" in run.stdout
+    with open(os.path.join(tmp_path, "plan", "report.html")) as f:
+        page = f.read()
+    assert "Will it fit?" in page and "largest physical at 0.9 GiB" in page
+    assert "capacity.png" in page and "<h2>Summary</h2>" not in page
 
 
 @pytest.mark.parametrize(
