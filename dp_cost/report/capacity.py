@@ -209,7 +209,7 @@ def plot_capacity(run_dir: str, results: list[dict]) -> str | None:
         ax.set_ylabel(f"predicted peak reserved ({MB_UNIT})")
         ax.set_ylim(bottom=0)
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=8, loc="upper left")
+        ax.legend(fontsize=8, loc="lower right")  # the budget lines are labelled at the upper left
     return save_visualization(fig, run_dir, "capacity.png")
 
 
