@@ -37,7 +37,7 @@ LARGE = 100 * 2**20  # requests compared one by one: the ones that move a peak
 
 def real_requests(config, device, steps: int) -> dict:
     """One warm-up and ``steps`` steps of ``config`` on ``device``, recorded: ``requests``
-    ((address, bytes) in order, bytes <= 0 for a free), ``segments`` (the allocator's own
+    ((address, bytes, stream) in order, bytes <= 0 for a free), ``segments`` (the allocator's own
     segment_alloc / segment_free / oom events, with the index of the request they came at),
     torch's ``peak_reserved`` bytes and whether it ran ``out_of_memory``."""
     torch.cuda.memory._record_memory_history(max_entries=10_000_000, stacks="python")
@@ -56,10 +56,12 @@ def real_requests(config, device, steps: int) -> dict:
         peak_reserved = torch.cuda.max_memory_reserved(device)
         torch.cuda.memory._record_memory_history(enabled=None)
     requests, segments = [], []
+    streams: dict[int, int] = {}  # CUDA stream handle -> 0, 1, ... in order of first use
     for entry in snapshot["device_traces"][device.index or 0]:
         if entry["action"] in ("alloc", "free_completed"):
             size = entry["size"] if entry["action"] == "alloc" else -entry["size"]
-            requests.append((entry["addr"], size))
+            stream = streams.setdefault(entry.get("stream", 0), len(streams))
+            requests.append((entry["addr"], size, stream))
         elif entry["action"] in ("segment_alloc", "segment_free", "oom"):
             segments.append((entry["action"], len(requests), entry["size"]))
     del trainer, workload
@@ -79,8 +81,8 @@ def predicted_requests(config) -> list[tuple[int, int]]:
 def first_difference(real, predicted) -> dict | None:
     """The first large request (>= 100 MiB, allocations only) where the two sequences differ,
     with the requests around it in each."""
-    real_large = [size / 2**20 for _, size in real if size >= LARGE]
-    predicted_large = [size / 2**20 for _, size in predicted if size >= LARGE]
+    real_large = [size / 2**20 for _, size, *_ in real if size >= LARGE]
+    predicted_large = [size / 2**20 for _, size, *_ in predicted if size >= LARGE]
     for index, (a, b) in enumerate(zip(real_large, predicted_large)):
         if a != b:
             around = slice(max(0, index - 4), index + 4)
@@ -155,8 +157,8 @@ def main() -> int:
                 "replayed_real_peak_reserved_mib": unlimited["real"].peak_reserved_bytes / 2**20,
                 "replayed_prediction_peak_reserved_mib":
                     unlimited["prediction"].peak_reserved_bytes / 2**20,
-                "real_requests": sum(1 for _, size in real if size > 0),
-                "predicted_requests": sum(1 for _, size in predicted if size > 0),
+                "real_requests": sum(1 for _, size, *_ in real if size > 0),
+                "predicted_requests": sum(1 for _, size, *_ in predicted if size > 0),
                 "first_large_difference": first_difference(real, predicted),
             }  # fmt: skip
             print(json.dumps(row), flush=True)

@@ -1,6 +1,7 @@
 """--mode=capacity: the largest physical batch that fits a card, from the predicted peak of
 each physical batch (``measure.fake_step``: the config's step on fake tensors, no GPU), and
---find_max_batch, the largest one that runs, found by runs.
+--find_max_batch, the largest one that runs, found by runs; --find_max_seq_len, the same for
+the sequence length at the planned physical batch.
 
 What the fake step does not see is the CUDA side: the cuBLAS workspaces, the CUDA context and
 NCCL's buffers (``GPU_OVERHEADS``: measured, with the card and the scripts that measured them),
@@ -17,7 +18,7 @@ from dp_cost.core.schema import MB
 from dp_cost.hf.configs import HF_CONFIGS
 from dp_cost.measure import allocator
 from dp_cost.measure.fake_step import predict, rank_share
-from dp_cost.measure.plan import draw_above_probability, model_max_seq_len
+from dp_cost.measure.plan import SEQ_LEN_STEP, draw_above_probability, model_max_seq_len
 from dp_cost.parallel.ranks import share
 
 GIB = 2**30
@@ -26,9 +27,10 @@ GIB = 2**30
 # (benchmarks/README.md, "Will it fit?"): the cuBLAS workspaces a forward and a backward matmul
 # allocate through the caching allocator (benchmarks/cuda_overheads.py) and the CUDA context and
 # libraries (outside torch's counters; the same script), and with several ranks NCCL's buffers
-# (outside torch's counters too: the same script under torchrun, 2 ranks, after an all-reduce,
-# an all-gather and a reduce-scatter). What the allocator's fragmentation takes is not a
-# margin: ``measure.allocator`` replays the step's requests.
+# (outside torch's counters too: the same script under torchrun, 2 ranks over NVLink with
+# NCCL_NVLS_ENABLE=0, after an all-reduce, an all-gather and a reduce-scatter; NVLink SHARP,
+# NCCL's default on NVSwitch hosts, and more ranks can take more). What the allocator's
+# fragmentation takes is not a margin: ``measure.allocator`` replays the step's requests.
 GPU_OVERHEADS = {
     "cublas_workspace_bytes": 64 * MB,  # two of 32 MiB (Hopper): forward and backward thread
     "cuda_context_bytes": 785_186_816,  # about 749 MiB
@@ -37,7 +39,6 @@ GPU_OVERHEADS = {
 }
 POISSON_QUANTILE = 1e-6  # an uncapped Poisson batch is planned at its 1 - 1e-6 quantile
 MAX_PROBES = 64  # a guard: galloping and bisecting take about 2 log2(|guess - answer|)
-SEQ_LEN_STEP = 64  # the sequence lengths --find_max_seq_len searches: multiples of this
 
 
 def planned_physical_batch(config) -> tuple[int, str | None]:
@@ -303,10 +304,12 @@ def capacity_result(config, build_trainer, card_gib: float | None = None) -> dic
         # config's length and the next step, as the batch search's.
         limit = longest_model_seq_len(config) // SEQ_LEN_STEP
         start = max(1, min(limit, config.seq_len // SEQ_LEN_STEP))
-        peak = predicted_at_seq_len(start * SEQ_LEN_STEP)
-        slope = predicted_at_seq_len((start + 1) * SEQ_LEN_STEP)["peak"] - peak["peak"]
+        below = start - 1 if start == limit else start  # two steps the model takes
+        peak = predicted_at_seq_len(max(1, below) * SEQ_LEN_STEP)
+        slope = predicted_at_seq_len((below + 1) * SEQ_LEN_STEP)["peak"] - peak["peak"]
         room = allocator_room_bytes(budget, ranks) - reserved_peak(peak)
-        guess = start + int(room // slope) if slope > 0 else start
+        guess = below + int(room // slope) if below and slope > 0 else start
+        guess = max(1, min(guess, limit))
 
         def passes(steps: int) -> bool:
             return steps <= limit and fits(

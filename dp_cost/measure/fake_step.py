@@ -19,7 +19,8 @@ this rank's share; torch's DDP, which fake tensors cannot build, is parallel.ddp
 Why not ``torch.distributed._tools.mem_tracker.MemTracker``: it hooks every parameter's
 gradient, which fails on parameters that do not require a gradient (flash's managed layers,
 LoRA's frozen base weights); a storage-level record is all the peak needs. The allocator's
-512-byte blocks are applied here; the rest of the CUDA side is ``measure.capacity``'s.
+512-byte blocks are applied here; its segments and pools are ``measure.allocator``'s, the rest
+of the CUDA side (context, workspaces, NCCL) ``measure.capacity``'s.
 """
 
 from __future__ import annotations
@@ -118,10 +119,11 @@ class StorageRecord(TorchDispatchMode):
         self._storage_resize = torch.UntypedStorage.resize_
         # The fake tensors' device is the CPU, whose streams FSDP2 enters as it would CUDA's:
         # each allocation's stream (0: the default one) for the allocator's per-stream pools.
-        self._streams: dict[int, int] = {id(torch.cpu.current_stream()): 0}
+        # Keyed by the stream itself (held here): an id could be reused by a later stream.
+        self._streams: dict[object, int] = {torch.cpu.current_stream(): 0}
 
     def _stream(self) -> int:
-        return self._streams.setdefault(id(torch.cpu.current_stream()), len(self._streams))
+        return self._streams.setdefault(torch.cpu.current_stream(), len(self._streams))
 
     def __enter__(self):
         record, resize = self, self._storage_resize
@@ -166,11 +168,14 @@ class StorageRecord(TorchDispatchMode):
         key = storage._cdata
         if key in self.live:
             return
-        size = allocator_bytes(storage.nbytes())
+        # An empty storage takes no block (torch's allocator hands out nothing for 0 bytes); it
+        # is watched still, as FSDP2 resizes its empty unsharded storages to full and back.
+        size = allocator_bytes(storage.nbytes()) if storage.nbytes() else 0
         self.live[key] = size
-        event = {"action": "alloc", "addr": key, "size": size, "stream": self._stream()}
-        event["frames"] = _python_frames() if frames is None else frames
-        self.events.append(event)
+        if size:
+            event = {"action": "alloc", "addr": key, "size": size, "stream": self._stream()}
+            event["frames"] = _python_frames() if frames is None else frames
+            self.events.append(event)
         weakref.finalize(storage, self._free, key)
 
     def _free(self, key: int) -> None:

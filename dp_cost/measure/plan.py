@@ -361,6 +361,7 @@ def check(values: dict, axes: dict, args) -> int:
     return dataset_size
 
 
+SEQ_LEN_STEP = 64  # the sequence lengths --find_max_seq_len searches: multiples of this
 MAX_GPU_MEMORY_GIB = 2**16  # 64 TiB: far above any card, below torch's size arithmetic
 
 
@@ -379,6 +380,13 @@ def check_capacity(values: dict, axes: dict, args) -> None:
             if given:
                 raise UsageError(f"{flag} plans memory: it needs --mode=capacity")
         return
+    if values["find_max_seq_len"]:
+        longest = model_max_seq_len(values["model"], values["attention"], values["model_overrides"])
+        if longest < SEQ_LEN_STEP:
+            raise UsageError(
+                f"--find_max_seq_len searches multiples of {SEQ_LEN_STEP} tokens: model "
+                f"{values['model']!r} takes at most {longest}"
+            )
     if values["find_max_batch"] and values["find_max_seq_len"]:
         raise UsageError(
             "--find_max_batch and --find_max_seq_len: one search a run (the other is held "

@@ -386,9 +386,9 @@ def remove_leftovers(config_path: str) -> None:
         return
 
 
-FOUND_WORDS = {  # result key -> (what was found, in words; its key)
-    "find_max_batch": ("physical batch", "largest_physical_batch"),
-    "find_max_seq_len": ("sequence length", "longest_seq_len"),
+FOUND_WORDS = {  # result key -> (what was found, in words; its key; a probe's key)
+    "find_max_batch": ("physical batch", "largest_physical_batch", "physical_batch_size"),
+    "find_max_seq_len": ("sequence length", "longest_seq_len", "seq_len"),
 }
 
 
@@ -399,12 +399,15 @@ def describe(result: dict) -> str:
             f", fits {p['gpu_memory_gib']:g} GiB up to physical batch {p['physical_batch_size']}"
             for p in prediction["largest_physical_batch"]
         )
-        for key, (words, value) in FOUND_WORDS.items():
+        for key, (words, value, probed) in FOUND_WORDS.items():
             found = result.get(key)
             if found:
+                largest = found.get(value)
+                above = [p for p in found["probes"] if largest and p[probed] > largest]
                 told += (
-                    f"; found by {len(found['probes'])} runs: {words} {found[value]} runs"
-                    + (" (the next one does not)" if found.get(value) else "")
+                    f"; found by {len(found['probes'])} runs: "
+                    + (f"{words} {largest} runs" if largest else f"no {words} runs")
+                    + (" (the next one does not)" if above else "")
                     + (f", {found['error']}" if found.get("error") else "")
                 )
         if result["status"] != "ok":

@@ -1,8 +1,8 @@
 """--mode=capacity's report, from its result files alone: capacity.json (every config's
-prediction, the largest physical batch per --gpu_memory budget, the margins the fit adds, and
-with --validate the measured peak and the prediction's error), capacity.md, and
-visualizations/capacity.png (predicted peak against physical batch per trainer, a line per
-budget)."""
+prediction, the largest physical batch per --gpu_memory budget, the margins the fit uses, the
+searches by runs, and with --validate the measured peaks and the prediction's errors),
+capacity.md, and visualizations/capacity.png (predicted reserved peak against physical batch per
+trainer, a line per budget); report.html shows the table and the plot."""
 
 from __future__ import annotations
 
@@ -102,7 +102,7 @@ def table_cells(entries: list[dict]) -> tuple[list[str], list[list[str]]]:
     header += [f"largest physical at {b:g} GiB" for b in budgets]
     searches = [search for search in SEARCHES if any(e.get(search[0]) for e in entries)]
     for _, words, _ in searches:
-        header += [f"this card: predicted {words}", "found by runs", "runs"]
+        header += [f"this card: predicted {words}", f"{words}: found by runs", "runs"]
     body = []
     for e in entries:
         largest = {

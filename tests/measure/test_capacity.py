@@ -305,6 +305,33 @@ def test_the_predicted_longest_sequence_is_the_last_step_that_fits():
     assert {longest, longest + 64} <= judged
 
 
+def test_the_sequence_search_stays_within_the_models_longest():
+    """A config already at the model's longest sequence (the tiny LM's 1024) is searched below
+    it: no prediction past what the model takes."""
+    config = ExperimentConfig(trainer="standard", model="tiny", batch_size=1, seq_len=1024,
+                              find_max_seq_len=True, capacity=True)  # fmt: skip
+    result = capacity.capacity_result(config, worker.build_trainer, 80.0)
+    assert result["card"]["seq_len"] == 1024
+    assert max(p["seq_len"] for p in result["seq_len_predictions"]) == 1024
+
+
+def test_several_ranks_leave_nccl_its_buffers():
+    """The same requests fit a card alone and not beside NCCL's buffers (two ranks): room is
+    the card less the CUDA context, and less NCCL's buffers with ranks."""
+    card_gib = 2.0
+    one = capacity.allocator_room_bytes(card_gib, 1)
+    assert one == 2 * 2**30 - capacity.GPU_OVERHEADS["cuda_context_bytes"]
+    assert (
+        capacity.allocator_room_bytes(card_gib, 2)
+        == one - capacity.GPU_OVERHEADS["nccl_buffers_bytes"]
+    )
+    workspaces = capacity.GPU_OVERHEADS["cublas_workspace_bytes"]
+    tensor = (one - workspaces) // 2**21 * 2**21  # a 2 MiB multiple: its own segment, whole
+    prediction = {"requests": [(1, tensor)], "step_requests": []}
+    assert capacity.fits(prediction, card_gib, 1)
+    assert not capacity.fits(prediction, card_gib, 2)
+
+
 def test_an_uncapped_poisson_batch_is_planned_at_its_rare_quantile():
     config = ExperimentConfig(
         trainer="standard", model="tiny-llama", batch_size=16, seq_len=8, dataset_size=10000
@@ -368,6 +395,10 @@ def test_capacity_mode_writes_its_report(tmp_path):
         (["--mode=capacity", "--find_max_seq_len", "--device", "cpu"], "needs a CUDA device"),
         (["--mode=test", "--find_max_seq_len"], "needs --mode=capacity"),
         (["--mode=capacity", "--find_max_seq_len", "--find_max_batch"], "one search a run"),
+        (
+            ["--mode=capacity", "--find_max_seq_len", "--max_seq_len", "32", "--seq_lens", "16"],
+            "multiples of 64 tokens",
+        ),
         (
             ["--mode=capacity", "--distributed", "ddp", "--world_size", "2", "--find_max_seq_len"],
             "planned (--world_size W), not searched",
