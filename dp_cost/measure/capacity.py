@@ -247,6 +247,32 @@ def longest_model_seq_len(config) -> int:
     return model_max_seq_len(config.model, config.attention, config.model_overrides)
 
 
+@dataclasses.dataclass(frozen=True)
+class Search:
+    """A search by runs: ``run(config, prediction, run_probe)`` gives the result's entry under
+    the setting's name; ``found`` / ``probed`` are the keys of its answer and of a probe's value."""
+
+    goal: str  # what it searches, in words
+    words: str  # what it finds, as a run's messages say it
+    found: str
+    probed: str
+    run: object
+
+
+SEARCHES = {  # the setting (and result key) -> its search
+    "find_max_batch": Search(
+        "largest physical batch",
+        "physical batch",
+        "largest_physical_batch",
+        "physical_batch_size",
+        find_max_batch,
+    ),
+    "find_max_seq_len": Search(
+        "longest sequence", "sequence length", "longest_seq_len", "seq_len", find_max_seq_len
+    ),
+}
+
+
 class ProbeFailed(RuntimeError):
     """A --find_max_batch or --find_max_seq_len probe ended in an error that is not an
     out-of-memory."""

@@ -300,7 +300,7 @@ def predict(config, build_trainer) -> dict:
     }
 
 
-def allocator_requests(events) -> list[tuple[int, int]]:
+def allocator_requests(events) -> list[tuple[int, int, int]]:
     """The record's events as ``measure.allocator.replay`` reads them: (storage key, bytes,
     stream), bytes <= 0 for a free; phase markers left out."""
     return [

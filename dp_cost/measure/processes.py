@@ -35,11 +35,6 @@ CONFIG_DIR_NAME = re.compile(r"^\w+?_bs\d+_seq\d+(_[\w.-]+)?$")
 # A worker sent SIGTERM (and SIGCONT: a stopped one would hold SIGTERM pending for ever) that has
 # not ended after this long is killed: stuck in a driver call, or ignoring SIGTERM.
 KILL_GRACE_S = 5
-# (--find_max_batch, --find_max_seq_len) -> (result key, what is searched, the search by runs)
-SEARCHES = {
-    (True, False): ("find_max_batch", "largest physical batch", capacity.find_max_batch),
-    (False, True): ("find_max_seq_len", "longest sequence", capacity.find_max_seq_len),
-}
 
 
 class Interrupted(Exception):
@@ -120,14 +115,13 @@ def _run_configs(configs, run_dir, resume, progress, verbose, group, started) ->
                 log(f"{tag}: running")
                 started.append(config.config_dir)
                 result = run_in_child(context, config, config_path, result_path, verbose)
-                search = SEARCHES.get((config.find_max_batch, config.find_max_seq_len))
-                if search and (result.get("prediction") or {}).get("card"):
-                    key, what, find = search
-                    log(f"{tag}: searching the {what} by runs")
+                key = next((key for key in capacity.SEARCHES if getattr(config, key)), None)
+                if key and (result.get("prediction") or {}).get("card"):
+                    log(f"{tag}: searching the {capacity.SEARCHES[key].goal} by runs")
                     probe = lambda probed, name, path=config_path: run_in_child(  # noqa: E731
                         context, probed, path, os.path.join(path, name), verbose
                     )
-                    result[key] = find(config, result["prediction"], probe)
+                    result[key] = capacity.SEARCHES[key].run(config, result["prediction"], probe)
                     write_json(result_path, result, root=run_dir)
             else:
                 log(f"{tag}: running on {count(group.info.world_size, 'rank')}")
@@ -386,12 +380,6 @@ def remove_leftovers(config_path: str) -> None:
         return
 
 
-FOUND_WORDS = {  # result key -> (what was found, in words; its key; a probe's key)
-    "find_max_batch": ("physical batch", "largest_physical_batch", "physical_batch_size"),
-    "find_max_seq_len": ("sequence length", "longest_seq_len", "seq_len"),
-}
-
-
 def describe(result: dict) -> str:
     prediction = result.get("prediction")
     if prediction:  # --mode=capacity: the prediction, and with --validate the measured peak
@@ -399,14 +387,14 @@ def describe(result: dict) -> str:
             f", fits {p['gpu_memory_gib']:g} GiB up to physical batch {p['physical_batch_size']}"
             for p in prediction["largest_physical_batch"]
         )
-        for key, (words, value, probed) in FOUND_WORDS.items():
+        for key, search in capacity.SEARCHES.items():
             found = result.get(key)
             if found:
-                largest = found.get(value)
-                above = [p for p in found["probes"] if largest and p[probed] > largest]
+                largest = found.get(search.found)
+                above = [p for p in found["probes"] if largest and p[search.probed] > largest]
                 told += (
                     f"; found by {len(found['probes'])} runs: "
-                    + (f"{words} {largest} runs" if largest else f"no {words} runs")
+                    + (f"{search.words} {largest} runs" if largest else f"no {search.words} runs")
                     + (" (the next one does not)" if above else "")
                     + (f", {found['error']}" if found.get("error") else "")
                 )

@@ -332,6 +332,34 @@ def test_several_ranks_leave_nccl_its_buffers():
     assert not capacity.fits(prediction, card_gib, 2)
 
 
+@pytest.mark.parametrize(
+    "search, probes, told",
+    [
+        ("find_max_batch", [(36, "ok"), (37, "oom")], "batch 36 runs (the next one does not)"),
+        ("find_max_batch", [(1, "oom")], "no physical batch runs"),
+        ("find_max_seq_len", [(960, "ok"), (1024, "ok")], "sequence length 1024 runs"),
+    ],
+)  # fmt: skip
+def test_a_search_by_runs_is_told_as_it_ended(search, probes, told):
+    """The run's line: what runs, and "the next one does not" only where a larger probe ran out
+    of memory (not at the model's longest sequence, where none is probed)."""
+    from dp_cost.measure import processes
+
+    chosen = capacity.SEARCHES[search]
+    largest = max((value for value, status in probes if status == "ok"), default=0)
+    result = {
+        "status": "ok",
+        "prediction": {"peak_memory_mb": 1.0, "largest_physical_batch": []},
+        search: {
+            chosen.found: largest,
+            "probes": [{chosen.probed: value, "status": status} for value, status in probes],
+        },
+    }
+    line = processes.describe(result)
+    assert f"found by {len(probes)} runs: " in line and told in line
+    assert ("the next one does not" in line) == ("the next one does not" in told)
+
+
 def test_an_uncapped_poisson_batch_is_planned_at_its_rare_quantile():
     config = ExperimentConfig(
         trainer="standard", model="tiny-llama", batch_size=16, seq_len=8, dataset_size=10000
