@@ -18,7 +18,8 @@ from dp_cost.core.schema import MB
 from dp_cost.hf.configs import HF_CONFIGS
 from dp_cost.measure import allocator
 from dp_cost.measure.fake_step import predict, rank_share
-from dp_cost.measure.plan import SEQ_LEN_STEP, draw_above_probability, model_max_seq_len
+from dp_cost.measure.model_facts import model_max_seq_len
+from dp_cost.measure.plan import SEQ_LEN_STEP, draw_above_probability
 from dp_cost.parallel.ranks import share
 
 GIB = 2**30

@@ -27,6 +27,7 @@ from dp_cost.core.settings import (
 )
 from dp_cost.hf import snli_file
 from dp_cost.hf.configs import HF_CONFIGS
+from dp_cost.measure.model_facts import bytes_lower_bound, model_max_seq_len, parameter_count
 from dp_cost.parallel import ranks
 from dp_cost.parallel.mode import distributed_mode
 
@@ -124,7 +125,7 @@ def ddp_graph_note(values: dict, axes: dict) -> str | None:
     graphed = values["cuda_graph"] and distributed_mode(values["distributed"]).replicates
     if not graphed or "standard" not in axes["trainer"]:
         return None
-    from dp_cost.parallel import ddp  # torch: see model_shape
+    from dp_cost.parallel import ddp  # torch: imported once the checks that need none have passed
 
     if values["warmup_steps"] >= ddp.EAGER_ITERATIONS:
         return None
@@ -141,7 +142,7 @@ def poisson_graph_note(values: dict, axes: dict, dataset_size: int) -> str | Non
     before the run, how often a draw takes a second chunk then, and what a cap does."""
     if not (values["cuda_graph"] and values["poisson"] and values["model"] in HF_CONFIGS):
         return None
-    import trainers  # torch: see model_shape
+    import trainers  # torch: imported once the checks that need none have passed
 
     if not any(trainers.TRAINERS[name].capturable for name in axes["trainer"]):
         return None  # every config is skipped, with its reason
@@ -469,57 +470,3 @@ def check_dataset_file(path: str, largest_batch: int) -> int:
             f"{largest_batch}: the sampling rate B/N must be at most 1"
         )
     return pairs
-
-
-def model_shape(model: str, overrides: dict) -> tuple[int, int, int, int]:
-    """(vocab, hidden, layers, MLP width) of a named model with its overrides."""
-    import models  # torch and opacus: imported once the checks that need neither have passed
-
-    if model in HF_CONFIGS:
-        c = HF_CONFIGS[model]
-        shape = (c["vocab_size"], c["hidden_size"], c["num_hidden_layers"])
-        return (*shape, c["intermediate_size"])
-    c = models.get_config(model, **overrides)
-    return c.vocab_size, c.hidden_dim, c.num_layers, c.mlp_dim
-
-
-def parameter_count(model: str, overrides: dict) -> int:
-    """How many parameters the model has, counted exactly on a build on the meta device (no
-    memory): our LMs with the learned position table of max_seq_len rows; a Hugging Face
-    architecture as --mode=hf builds it (a sequence classifier: grouped-query attention's
-    smaller k and v, tied embeddings once, no vocabulary head)."""
-    import models  # torch: see model_shape
-
-    if model not in HF_CONFIGS:
-        return models.count_parameters(models.build_model(model, device="meta", **overrides))
-    from dp_cost.hf import models as hf_models  # transformers: a Hugging Face model's alone
-
-    return models.count_parameters(hf_models.build_hf_model(model, device="meta")[0])
-
-
-def bytes_lower_bound(model, overrides, physical_batch, seq_len, dataset_size) -> int:
-    """Bytes a config needs at the least: fp32 parameters, one hidden state per layer, the LM's
-    logits, the HF task's synthetic dataset. Python integers: no overflow, however large."""
-    vocab, hidden, layers, _ = model_shape(model, overrides)
-    tokens = physical_batch * seq_len
-    hf = model in HF_CONFIGS  # a sequence classifier: no vocabulary-wide logits
-    activations = tokens * (hidden * layers + (0 if hf else vocab))
-    dataset = 8 * dataset_size * seq_len if hf else 0
-    return 4 * (parameter_count(model, overrides) + activations) + dataset
-
-
-def model_max_seq_len(model: str, attention: str, overrides: dict) -> int:
-    """The longest sequence the named model takes (UsageError for an unknown name)."""
-    import models  # torch: see model_shape
-
-    if model in HF_CONFIGS:
-        return HF_CONFIGS[model]["max_position_embeddings"]
-    try:
-        return models.get_config(model, attention=attention, **overrides).max_seq_len
-    except (ValueError, TypeError) as error:
-        known = ", ".join([*models.CONFIGS, *HF_CONFIGS])
-        raise UsageError(
-            f"{error}"
-            if "unknown" not in str(error)
-            else f"unknown model {model!r}; known: {known}"
-        ) from None

@@ -20,7 +20,7 @@ from dp_cost.hf import configs as hf_configs  # noqa: E402
 from dp_cost.hf import data as hf_data  # noqa: E402
 from dp_cost.hf import models as hf_models  # noqa: E402
 from dp_cost.hf import privacy  # noqa: E402
-from dp_cost.measure import plan  # noqa: E402
+from dp_cost.measure import model_facts  # noqa: E402
 from trainers import make_trainer  # noqa: E402
 
 DP_TRAINERS = ["dpsgd", "ghost", "flash"]
@@ -219,7 +219,7 @@ def test_shipped_configs_give_published_sizes(name, published_lm, lm_head):
     assert info["trainable_params"] == expected + 3 * cfg["hidden_size"]
     # The plan's size guard counts the same model (it refused 8B on the CPU as "about 8.8B":
     # grouped-query attention ignored, tied embeddings counted twice).
-    assert plan.parameter_count(name, {}) == expected + 3 * cfg["hidden_size"]
+    assert model_facts.parameter_count(name, {}) == expected + 3 * cfg["hidden_size"]
 
 
 def test_unknown_model_is_a_clear_error():
