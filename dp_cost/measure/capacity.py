@@ -163,10 +163,11 @@ def probe_config(config, physical: int, seq_len: int | None = None):
     )  # fmt: skip
 
 
-def _search_by_runs(search, run_probe, probe_of, name_of, searched: str):
-    """(the value ``search(runs)`` settles on, or None after a probe that failed for another
-    reason than memory; every probe; that failure). ``runs(value)``: whether the probe
-    ``probe_of(value)``, run by ``run_probe`` into ``name_of(value)``, ran."""
+def _search_by_runs(search, run_probe, probe_of, name_of, searched: str, found: str, predictions):
+    """A search's result entry: every probe, under ``found`` the value ``search(runs)`` settles
+    on (None, with the ``error``, after a probe that failed for another reason than memory), and
+    there the measured peak and the predicted one (from ``predictions``). ``runs(value)``:
+    whether the probe ``probe_of(value)``, run by ``run_probe`` into ``name_of(value)``, ran."""
     probes: list[dict] = []
 
     def runs(value: int) -> bool:
@@ -185,9 +186,15 @@ def _search_by_runs(search, run_probe, probe_of, name_of, searched: str):
         return probed["status"] == "ok"
 
     try:
-        return search(runs), probes, None
+        value = search(runs)
     except ProbeFailed as error:
-        return None, probes, str(error)
+        return {"probes": probes, found: None, "error": str(error)}
+    return {
+        "probes": probes,
+        found: value,
+        "measured_peak_mb": _peak_at(probes, searched, value),
+        "predicted_peak_mb": _peak_at(predictions, searched, value),
+    }
 
 
 def _peak_at(points: list[dict], searched: str, value) -> float | None:
@@ -200,21 +207,16 @@ def find_max_batch(config, prediction: dict, run_probe) -> dict:
     there) and returns its result. The search starts at the predicted largest batch for the
     card's whole memory, and records every probe."""
     predicted = prediction["card"]["physical_batch_size"]
-    largest, probes, error = _search_by_runs(
+    searched = _search_by_runs(
         lambda runs: largest_physical(runs, predicted, rank_share(config))[0],
         run_probe,
         lambda physical: probe_config(config, physical),
         lambda physical: f"probe_pb{physical}.json",
         "physical_batch_size",
+        "largest_physical_batch",
+        prediction["predictions"],
     )
-    outcome = {"predicted_largest": predicted, "probes": probes, "largest_physical_batch": largest}
-    if error:
-        return {**outcome, "error": error}
-    return {
-        **outcome,
-        "measured_peak_mb": _peak_at(probes, "physical_batch_size", largest),
-        "predicted_peak_mb": _peak_at(prediction["predictions"], "physical_batch_size", largest),
-    }
+    return {"predicted_largest": predicted, **searched}
 
 
 def find_max_seq_len(config, prediction: dict, run_probe) -> dict:
@@ -224,7 +226,7 @@ def find_max_seq_len(config, prediction: dict, run_probe) -> dict:
     predicted = prediction["card"]["seq_len"]
     physical = prediction["physical_batch_size"]
     limit = longest_model_seq_len(config) // SEQ_LEN_STEP
-    longest, probes, error = _search_by_runs(
+    searched = _search_by_runs(
         lambda runs: SEQ_LEN_STEP * largest_passing(
             lambda steps: steps <= limit and runs(steps * SEQ_LEN_STEP),
             max(1, predicted // SEQ_LEN_STEP),
@@ -233,15 +235,10 @@ def find_max_seq_len(config, prediction: dict, run_probe) -> dict:
         lambda seq_len: probe_config(config, physical, seq_len),
         lambda seq_len: f"probe_seq{seq_len}.json",
         "seq_len",
+        "longest_seq_len",
+        prediction["seq_len_predictions"],
     )  # fmt: skip
-    outcome = {"predicted_longest": predicted, "probes": probes, "longest_seq_len": longest}
-    if error:
-        return {**outcome, "error": error}
-    return {
-        **outcome,
-        "measured_peak_mb": _peak_at(probes, "seq_len", longest),
-        "predicted_peak_mb": _peak_at(prediction["seq_len_predictions"], "seq_len", longest),
-    }
+    return {"predicted_longest": predicted, **searched}
 
 
 def longest_model_seq_len(config) -> int:
@@ -288,13 +285,16 @@ def capacity_result(config, build_trainer, card_gib: float | None = None) -> dic
     started = time.perf_counter()
     planned, note = planned_physical_batch(config)
     ranks = config.world_size
-    peaks: dict[int, dict] = {}
-    seq_len_peaks: dict[int, dict] = {}
+    steps: dict[tuple[int, int], dict] = {}  # (physical batch, sequence length) -> prediction
+    seq_lens_searched: set[int] = set()
 
-    def predicted(physical: int) -> dict:
-        if physical not in peaks:
-            peaks[physical] = predict(with_physical_batch(config, physical), build_trainer)
-        return peaks[physical]
+    def predicted(physical: int, seq_len: int = config.seq_len) -> dict:
+        if (physical, seq_len) not in steps:
+            at_seq_len = dataclasses.replace(config, seq_len=seq_len)
+            steps[physical, seq_len] = predict(
+                with_physical_batch(at_seq_len, physical), build_trainer
+            )
+        return steps[physical, seq_len]
 
     def peak_at(physical: int) -> int:
         return predicted(physical)["peak"]
@@ -319,12 +319,8 @@ def capacity_result(config, build_trainer, card_gib: float | None = None) -> dic
         }
 
     def predicted_at_seq_len(seq_len: int) -> dict:
-        if seq_len not in seq_len_peaks:
-            at_seq_len = dataclasses.replace(config, seq_len=seq_len)
-            seq_len_peaks[seq_len] = predict(
-                with_physical_batch(at_seq_len, planned), build_trainer
-            )
-        return seq_len_peaks[seq_len]
+        seq_lens_searched.add(seq_len)
+        return predicted(planned, seq_len)  # the config's own length: the main prediction
 
     def longest_for(budget: float) -> dict:
         # In steps of SEQ_LEN_STEP tokens, up to the model's longest; the first guess from the
@@ -376,19 +372,20 @@ def capacity_result(config, build_trainer, card_gib: float | None = None) -> dic
         "card": card,
         "predictions": [
             {
-                "physical_batch_size": p,
-                "peak_memory_mb": peaks[p]["peak"] / MB,
-                "peak_reserved_mb": reserved_peak(peaks[p]) / MB,
+                "physical_batch_size": physical,
+                "peak_memory_mb": step["peak"] / MB,
+                "peak_reserved_mb": reserved_peak(step) / MB,
             }
-            for p in sorted(peaks)
+            for (physical, seq_len), step in sorted(steps.items())
+            if seq_len == config.seq_len
         ],
         "seq_len_predictions": [
             {
                 "seq_len": seq_len,
-                "peak_memory_mb": seq_len_peaks[seq_len]["peak"] / MB,
-                "peak_reserved_mb": reserved_peak(seq_len_peaks[seq_len]) / MB,
+                "peak_memory_mb": steps[planned, seq_len]["peak"] / MB,
+                "peak_reserved_mb": reserved_peak(steps[planned, seq_len]) / MB,
             }
-            for seq_len in sorted(seq_len_peaks)
+            for seq_len in sorted(seq_lens_searched)
         ],
         "overheads": dict(GPU_OVERHEADS),
         "seconds": time.perf_counter() - started,

@@ -69,12 +69,11 @@ def entry(result: dict) -> dict:
     }
 
 
-# The searches by runs: (result key, what, in words; the value found)
+# The searches by runs: (result key, what, in words; the value found; the card's predicted one)
 SEARCHES = (
-    ("find_max_batch", "largest physical batch", "largest_physical_batch"),
-    ("find_max_seq_len", "longest sequence", "longest_seq_len"),
+    ("find_max_batch", "largest physical batch", "largest_physical_batch", "physical_batch_size"),
+    ("find_max_seq_len", "longest sequence", "longest_seq_len", "seq_len"),
 )
-CARD_VALUES = {"largest_physical_batch": "physical_batch_size", "longest_seq_len": "seq_len"}
 
 
 def relative_error(predicted, measured) -> float | None:
@@ -101,7 +100,7 @@ def table_cells(entries: list[dict]) -> tuple[list[str], list[list[str]]]:
     )
     header += [f"largest physical at {b:g} GiB" for b in budgets]
     searches = [search for search in SEARCHES if any(e.get(search[0]) for e in entries)]
-    for _, words, _ in searches:
+    for _, words, _, _ in searches:
         header += [f"this card: predicted {words}", f"{words}: found by runs", "runs"]
     body = []
     for e in entries:
@@ -122,10 +121,10 @@ def table_cells(entries: list[dict]) -> tuple[list[str], list[list[str]]]:
             cells += [cell(None if reserved_error is None else 100 * reserved_error, digits=1)]
             cells += [e["status"]]
         cells += [cell(largest.get(b)) for b in budgets]
-        for key, _, value in searches:
+        for key, _, value, predicted in searches:
             found = e.get(key) if isinstance(e.get(key), dict) else {}
             card = e["card"] if isinstance(e["card"], dict) and found else {}
-            cells += [cell(card.get(CARD_VALUES[value]))]
+            cells += [cell(card.get(predicted))]
             cells += [cell(found.get(value)), cell(len(found.get("probes", [])) or None)]
         body.append(cells)
     return header, body
