@@ -56,6 +56,11 @@ from dp_cost.flash.rules import NORM_RULES, NormRule
 # and one weighted sum per chunk instead of a few ops per parameter (LoRA: hundreds of layers, a
 # host-bound step). The 1b model's product-route weights (2048 x 2048 and up) stay one by one.
 SMALL_PER_SAMPLE_NUMEL = 2**18
+# A and G held in the backward only for per-sample gradients a rule forms after it (norm
+# layers: NormRule.formed_after_backward) are formed as soon as they exceed this many bytes,
+# several layers' in one launch: fewer launches than one per layer in its hook (the 1b model has
+# 41 LayerNorms, a host-bound step at short sequences), at most this much memory more.
+DEFERRED_BYTES = 512 * 2**20
 
 
 class UnsupportedLayerError(ValueError):
@@ -135,6 +140,11 @@ class FlashClipping:
         self._routes: list[dict] = []
         self._after_backward = False
         self._idle = False  # inside autograd_gradients(): hooks keep nothing
+        # (layer, call) whose A and G are held only for per-sample gradients formed after the
+        # backward (NormRule.formed_after_backward), and their bytes: formed once over
+        # DEFERRED_BYTES
+        self._deferred: list[tuple[Layer, Call]] = []
+        self._deferred_bytes = 0
 
     def _saved_input(self, layer: Layer, x: Tensor) -> tuple[Tensor, Tensor]:
         """(the rule's A for input x, what the layer computes on): layers reading one input (q, k
@@ -160,8 +170,22 @@ class FlashClipping:
 
     def _hook(self, layer: Layer) -> tuple:
         """A forward pre-hook that keeps A (and hands the layer the cast flash keeps, where
-        _saved_input made one) and a forward hook that hooks the output's node for G."""
+        _saved_input made one) and a forward hook that hooks the output's node for G. A rule
+        that keeps the input as given (norm layers, embeddings) needs no pre-hook: A is taken
+        in the forward hook (each hook costs host time on every call: 43 layers of a 1b step)."""
         keep = self._make_hook(layer)
+        module = layer.module
+        if not layer.rule.feeds_saved_input:
+
+            def after_only(module, args, kwargs, output):
+                if self._idle or not torch.is_grad_enabled():
+                    return None
+                if self._after_backward:
+                    raise RuntimeError("FlashClipping: call release() before the next forward")
+                x = args[0] if args else next(iter(kwargs.values()))
+                return keep(layer.rule.saved_input(module, x.detach()), output)
+
+            return (module.register_forward_hook(after_only, with_kwargs=True),)
         pending = None  # (A, the input the layer was given) from the pre-hook of this call
 
         def before(module, args, kwargs):
@@ -190,7 +214,6 @@ class FlashClipping:
                 saved = layer.rule.saved_input(module, x.detach())
             return keep(saved, output)
 
-        module = layer.module
         return (
             module.register_forward_pre_hook(before, with_kwargs=True),
             module.register_forward_hook(after, with_kwargs=True),
@@ -226,14 +249,19 @@ class FlashClipping:
                 if grad.requires_grad:  # only under create_graph: no detach op per hook else
                     grad = grad.detach()
                 G = flatten_tokens(grad, k_out)
-                description, kept, rest = self._plan(layer, A, G)
+                description, kept, rest, deferred = self._plan(layer, A, G)
                 layer.described.append(description)
                 if kept:
                     self._add_per_sample(layer, layer.rule.per_sample_grads(layer, A, G, kept))
-                if rest:
-                    call.G, call.pending = G, set(rest)  # the call's own: the plan's is shared
-                else:
+                if not rest:
                     call.A = None  # A and G are not needed any more
+                    return
+                call.G, call.pending = G, rest  # never changed in place: the plan's set
+                if deferred:
+                    self._deferred.append((layer, call))
+                    self._deferred_bytes += A.nbytes + G.nbytes
+                    if self._deferred_bytes > DEFERRED_BYTES:
+                        self._form_deferred()
 
             if not output.requires_grad:  # e.g. first layer: make a leaf so G still flows
                 output = output.detach().requires_grad_(True)
@@ -255,16 +283,35 @@ class FlashClipping:
         return keep
 
     @staticmethod
-    def _plan(layer: Layer, A: Tensor, G: Tensor) -> tuple[dict, set[str], set[str]]:
-        """(route description, parameters kept per sample, the rest) of a call, decided once per
-        layer and shapes, not per chunk (LoRA: hundreds of layers, each hook's Python counts)."""
+    def _plan(layer: Layer, A: Tensor, G: Tensor) -> tuple[dict, set[str], set[str], bool]:
+        """(route description, parameters kept per sample, the rest, whether the rest are all
+        formed after the backward) of a call, decided once per layer and shapes, not per chunk
+        (LoRA: hundreds of layers, each hook's Python counts)."""
         key = (A.shape, G.shape)
         plan = layer.plans.get(key)
         if plan is None:
-            description = {"layer": layer.name, "T": A.shape[1], **layer.rule.describe(layer, A, G)}
-            kept = layer.rule.kept_per_sample(layer, A, G)
-            plan = layer.plans[key] = (description, kept, layer.params.keys() - kept)
+            rule = layer.rule
+            description = {"layer": layer.name, "T": A.shape[1], **rule.describe(layer, A, G)}
+            kept = rule.kept_per_sample(layer, A, G)
+            rest = layer.params.keys() - kept
+            deferred = bool(rest) and rest <= rule.formed_after_backward(layer, A, G)
+            plan = layer.plans[key] = (description, kept, rest, deferred)
         return plan
+
+    def _form_deferred(self) -> None:
+        """The per-sample gradients of the calls held for after the backward (_deferred), now,
+        several in one launch per rule; their A and G are dropped."""
+        by_rule: dict[NormRule, list[tuple[Layer, Call]]] = {}
+        for layer, call in self._deferred:
+            by_rule.setdefault(layer.rule, []).append((layer, call))
+        self._deferred, self._deferred_bytes = [], 0
+        for rule, entries in by_rule.items():
+            requests = [GradRequest(layer, c.A, c.G, c.pending) for layer, c in entries]
+            grads = rule.per_sample_grads_many(requests)
+            for (layer, call), formed in zip(entries, grads, strict=True):
+                self._add_per_sample(layer, formed)
+                call.A = call.G = None
+                call.pending = set()
 
     @staticmethod
     def _add_per_sample(layer: Layer, grads: dict[str, Tensor]) -> None:
@@ -290,6 +337,8 @@ class FlashClipping:
         self._saved = {}
         torch.autograd.grad(loss, self._leaves, allow_unused=True)
         self._after_backward = True
+        # calls still held for after the backward are among layer.calls: formed below, at once
+        self._deferred, self._deferred_bytes = [], 0
         for layer in self.layers:
             hooked = layer.calls
             # Calls whose G never came (unused outputs) add nothing; parameters kept per sample
@@ -332,6 +381,8 @@ class FlashClipping:
         """A layer's calls still to be done from A and G, joined: a reused module's gradient is
         the sum over its calls."""
         pending = set().union(*(call.pending for call in calls))
+        if pending <= layer.rule.formed_after_backward(layer, calls[0].A, calls[0].G):
+            return calls  # each formed after the backward, summed into layer.per_sample
         if pending & layer.per_sample.keys():  # other calls formed these per sample: join
             for call in calls:
                 grads = layer.rule.per_sample_grads(layer, call.A, call.G, call.pending)
@@ -505,6 +556,7 @@ class FlashClipping:
             layer.calls, layer.per_sample, layer.described = [], {}, []
         self._leaves, self._norms, self._after_backward = [], None, False
         self._saved, self._small, self._batch = {}, None, None
+        self._deferred, self._deferred_bytes = [], 0
 
     @contextlib.contextmanager
     def autograd_gradients(self):

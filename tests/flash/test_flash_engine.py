@@ -714,3 +714,37 @@ def test_autograd_gradients_then_the_book_keeping_again():
         p.grad = None
     flash_step(flash, model, ids, targets, max_norm)
     assert_close(flat_grads(model), ref_sum, 1e-10)
+
+
+@pytest.mark.parametrize("budget, in_backward", [(0, True), (2**40, False)])
+def test_norm_layers_formed_after_the_backward_within_a_byte_budget(
+    monkeypatch, budget, in_backward
+):
+    """Norm layers' per-sample gradients are formed after their backward hook, several layers'
+    at once (one launch per kind on CUDA): the A and G held for them are formed and dropped as
+    soon as they exceed DEFERRED_BYTES (0: at each norm layer, mid-backward), else all together
+    right after the backward. Exact against brute force either way."""
+    from dp_cost.flash import engine as flash_clip
+    from dp_cost.flash.rules.norm import NormLayerRule
+
+    monkeypatch.setattr(flash_clip, "DEFERRED_BYTES", budget)
+    formed = []
+    many = NormLayerRule.per_sample_grads_many
+
+    def spy(self, calls):
+        formed.append((len(calls), not flash._after_backward))  # LayerNorm, RMSNorm: a rule each
+        return many(self, calls)
+
+    monkeypatch.setattr(NormLayerRule, "per_sample_grads_many", spy)
+    model = make_model()
+    reference = copy.deepcopy(model)
+    ids, targets = make_batch(3, 6, seed=2)
+    ref_norms = brute_force(reference, ids, targets)[0]
+    max_norm = ref_norms.median()
+    _, _, ref_sum = brute_force(reference, ids, targets, max_norm)
+    flash = FlashClipping(model)
+    norms, routes = flash_step(flash, model, ids, targets, max_norm)
+    assert formed == [(1, in_backward)] * 2
+    assert_close(norms, ref_norms, 1e-9)
+    assert_close(flat_grads(model), ref_sum, 1e-9)
+    assert {r["route"] for r in routes if r["layer"] in ("ln", "rms")} == {"norm"}

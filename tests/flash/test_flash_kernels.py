@@ -287,6 +287,31 @@ def test_direct_kernel_matches_brute_force(B, T, d, p, blocks):
     assert relative_error(norms, expected) < 1e-4
 
 
+@pytest.mark.parametrize("rms", [False, True])
+def test_norm_layer_grads_many_match_autograd(rms):
+    """Several layers in one launch (the layer a grid axis, pointers from a table): each layer's
+    per-sample gradients as autograd gives them, one x strided, T past a tile."""
+    torch.manual_seed(11)
+    B, T, d = 2, 37, 48
+    pairs = [
+        (torch.randn(B, T, 2 * d)[:, :, :d] * 3 + 50 if i == 1 else torch.randn(B, T, d),
+         torch.randn(B, T, d))
+        for i in range(3)
+    ]  # fmt: skip
+    grouped = flash_kernels.norm_layer_per_sample_grads_many(pairs, 1e-5, rms)
+    for (x, g), (weight, bias) in zip(pairs, grouped, strict=True):
+        expected_weight, expected_bias = per_sample_norm_layer_grads(x, g, 1e-5, rms)
+        assert weight.shape == (B, d) and weight.is_contiguous() and bias.is_contiguous()
+        assert relative_error(weight, expected_weight) < 1e-4
+        assert relative_error(bias, expected_bias) < 1e-5
+
+
+def test_norm_layer_grads_many_refuses_mixed_shapes():
+    x, y = torch.randn(2, 4, 8), torch.randn(2, 5, 8)
+    with pytest.raises(ValueError, match="one shape"):
+        flash_kernels.norm_layer_per_sample_grads_many([(x, x), (y, y)], 1e-5, False)
+
+
 def test_norm_layer_whole_rows_several_tiles_per_program():
     """The whole-row kernel at d = 8192 (one token per tile): 2 x 1029 tiles, enough for each
     program to sum two consecutive tiles in registers; the last program's second tile lies past

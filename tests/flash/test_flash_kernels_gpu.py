@@ -11,6 +11,30 @@ pytestmark = [
 
 
 # bf16 inputs are exact in the fp64 reference; only the fp32 accumulation differs.
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rms", [False, True])
+def test_norm_layer_grads_many_on_cuda(dtype, rms):
+    """Several layers' per-sample norm-layer gradients in one launch (one strided x) equal the
+    one-layer kernel's: the same tiles and arithmetic, a layer axis more (the sums' order may
+    differ with the loads' layout: to fp32 rounding)."""
+    from dp_cost.flash import kernels as flash_kernels
+
+    torch.manual_seed(5)
+    pairs = [
+        ((torch.randn(8, 512, 2 * 2048, device="cuda") + 1).to(dtype)[:, :, :2048] if i == 1
+         else (torch.randn(8, 512, 2048, device="cuda") + 1).to(dtype),
+         torch.randn(8, 512, 2048, device="cuda").to(dtype))
+        for i in range(3)
+    ]  # fmt: skip
+    assert all(flash_kernels.norm_layer_grads_many_supported(x, g) for x, g in pairs)
+    grouped = flash_kernels.norm_layer_per_sample_grads_many(pairs, 1e-5, rms)
+    for (x, g), (weight, bias) in zip(pairs, grouped, strict=True):
+        one_weight, one_bias = flash_kernels.norm_layer_per_sample_grads(x, g, 1e-5, rms)
+        for actual, expected in ((weight, one_weight), (bias, one_bias)):
+            error = ((actual - expected).abs().max() / expected.abs().max()).item()
+            assert error < 1e-6
+
+
 @pytest.mark.parametrize("dtype, tolerance", [(torch.float32, 1e-5), (torch.bfloat16, 1e-4)])
 @pytest.mark.parametrize("B, T, d, p", [(3, 257, 48, 48), (8, 512, 256, 1024), (2, 1, 64, 64)])
 def test_gram_kernel_on_cuda(dtype, tolerance, B, T, d, p):

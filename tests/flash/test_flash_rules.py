@@ -178,8 +178,9 @@ def test_bf16_autocast_close_to_fp32(route):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("autocast, tolerance", [(True, 2e-2), (False, 1e-5)])
 def test_cuda_step_matches_brute_force(monkeypatch, autocast, tolerance):
-    """On CUDA flash runs its fused kernels (LayerNorm/RMSNorm per-sample gradients, the
-    clipped sums of kept per-sample gradients): bf16 autocast, and fp32 exact to 1e-5."""
+    """On CUDA flash runs its fused kernels (LayerNorm/RMSNorm per-sample gradients after the
+    backward, the clipped sums of kept per-sample gradients): bf16 autocast, and fp32 exact to
+    1e-5."""
     from dp_cost.flash import engine as flash_clip
     from dp_cost.flash import kernels as flash_kernels
 
@@ -187,7 +188,7 @@ def test_cuda_step_matches_brute_force(monkeypatch, autocast, tolerance):
     # the weighted-sum kernel as the 1b model's do; biases and norm layers stay small.
     monkeypatch.setattr(flash_clip, "SMALL_PER_SAMPLE_NUMEL", 64)
     calls = []
-    for name in ("norm_layer_per_sample_grads", "weighted_sums_", "squared_row_norms_many"):
+    for name in ("norm_layer_per_sample_grads_many", "weighted_sums_", "squared_row_norms_many"):
         kernel = getattr(flash_kernels, name)
         spy = lambda *a, _kernel=kernel, _name=name, **k: calls.append(_name) or _kernel(*a, **k)
         monkeypatch.setattr(flash_kernels, name, spy)
@@ -209,10 +210,13 @@ def test_cuda_step_matches_brute_force(monkeypatch, autocast, tolerance):
         torch.cuda.set_sync_debug_mode("default")
     assert_close(norms.cpu(), ref_norms, tolerance)
     assert_close(flat_grads(model).cpu(), ref_sum, tolerance)
-    # two norm layers, each once; the product-route Linears' norms and sums in one launch each,
-    # and the small parameters' concatenation (biases, norm layers) in one more sum
+    # the norm layers after the backward, one launch per kind (LayerNorm, RMSNorm); the
+    # product-route Linears' norms and sums in one launch each, and the small parameters'
+    # concatenation (biases, norm layers) in one more sum
     assert sorted(calls) == sorted(
-        ["norm_layer_per_sample_grads"] * 2 + ["squared_row_norms_many"] + ["weighted_sums_"] * 2
+        ["norm_layer_per_sample_grads_many"] * 2
+        + ["squared_row_norms_many"]
+        + ["weighted_sums_"] * 2
     )
 
 

@@ -16,7 +16,7 @@ module:
   each sample's product accumulated in fp32 before its fp32 clip factor weights it (the torch
   path folds c into a 16-bit operand and shrinks it by an ulp to stay within C).
 - norm_layer: norm_layer_per_sample_grads, LayerNorm / RMSNorm per-sample gradients in one pass
-  over x and g.
+  over x and g; norm_layer_per_sample_grads_many, several layers' in one launch.
 
 Inputs in bf16/fp16 use tensor cores; fp32 inputs use IEEE-precision dots by default (exact to
 fp32 rounding, as the torch path), or TF32 when asked. Accumulation is fp32 throughout.
@@ -35,7 +35,12 @@ from dp_cost.flash.kernels.clipped_gemm import (
 from dp_cost.flash.kernels.direct import direct_squared_norms
 from dp_cost.flash.kernels.gram import gram_squared_norms, gram_squared_norms_grouped
 from dp_cost.flash.kernels.noise import NOISE_BLOCK, add_gaussian_noise_
-from dp_cost.flash.kernels.norm_layer import norm_layer_grads_supported, norm_layer_per_sample_grads
+from dp_cost.flash.kernels.norm_layer import (
+    norm_layer_grads_many_supported,
+    norm_layer_grads_supported,
+    norm_layer_per_sample_grads,
+    norm_layer_per_sample_grads_many,
+)
 from dp_cost.flash.kernels.weighted_sums import (
     ROW_NORM_BLOCK,
     WEIGHTED_SUM_BLOCK,
@@ -59,8 +64,10 @@ __all__ = [
     "fold_clip_factors_many",
     "gram_squared_norms",
     "gram_squared_norms_grouped",
+    "norm_layer_grads_many_supported",
     "norm_layer_grads_supported",
     "norm_layer_per_sample_grads",
+    "norm_layer_per_sample_grads_many",
     "squared_row_norms_many",
     "token_sums_many",
     "token_sums_supported",

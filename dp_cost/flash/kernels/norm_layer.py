@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import triton
 import triton.language as tl
 
-from dp_cost.flash.kernels.common import on_cuda_in_kernel_dtypes
+from dp_cost.flash.kernels.common import TL_DTYPES, int64_table, on_cuda_in_kernel_dtypes
 
 
 @triton.jit
@@ -63,14 +65,29 @@ def _norm_layer_rows_kernel(
     X, G, out, T, D, eps,
     stride_xb, stride_xt, stride_gb, stride_gt, TILES_PER_PROGRAM,
     BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, RMS: tl.constexpr,
+    TABLE: tl.constexpr = False, X_DTYPE: tl.constexpr = None, G_DTYPE: tl.constexpr = None,
 ):  # fmt: skip
     """_norm_layer_grads_kernel for rows that fit on chip (BLOCK_D >= D): each BLOCK_T-row tile
     of x and g is loaded once, both loads issued together, its mean, variance and xhat formed in
     registers (the same two-pass fp32 arithmetic), and the column sums of TILES_PER_PROGRAM
     consecutive tiles kept in registers before one partial row is written per program. The
-    blocked kernel reads each x row three times, serially; this one reads HBM once."""
+    blocked kernel reads each x row three times, serially; this one reads HBM once.
+
+    TABLE: several layers of one B, T and D in one launch (program axis 2: the layer), X a table
+    of one row per layer (x's pointer, its batch and token strides, then g's) and G unused; out
+    [layers, 2, B, programs, D]."""
     chunk = tl.program_id(0)
     b = tl.program_id(1).to(tl.int64)
+    if TABLE:  # alignment hints: what norm_layer_per_sample_grads_many checks (wide loads)
+        layer = tl.program_id(2).to(tl.int64)
+        row = X + 6 * layer
+        X = tl.multiple_of(tl.load(row).to(tl.pointer_type(X_DTYPE)), 16)
+        stride_xb = tl.multiple_of(tl.load(row + 1), 8)
+        stride_xt = tl.multiple_of(tl.load(row + 2), 8)
+        G = tl.multiple_of(tl.load(row + 3).to(tl.pointer_type(G_DTYPE)), 16)
+        stride_gb = tl.multiple_of(tl.load(row + 4), 8)
+        stride_gt = tl.multiple_of(tl.load(row + 5), 8)
+        out += layer * 2 * tl.num_programs(1) * tl.num_programs(0) * D
     cols = tl.arange(0, BLOCK_D)
     col_ok = cols < D
     sum_weight = tl.zeros((BLOCK_D,), dtype=tl.float32)
@@ -109,6 +126,83 @@ def norm_layer_grads_supported(x: torch.Tensor, g: torch.Tensor) -> bool:
     return on_cuda_in_kernel_dtypes(x, g) and x.stride(-1) == 1 and g.stride(-1) == 1
 
 
+def norm_layer_grads_many_supported(x: torch.Tensor, g: torch.Tensor) -> bool:
+    """Can norm_layer_per_sample_grads_many take x and g ([B, T, d] of one shape, rows held on
+    chip whole, B within the 65535 programs of CUDA's y grid axis)?"""
+    return (
+        norm_layer_grads_supported(x, g)
+        and x.dim() == 3
+        and x.shape == g.shape
+        and triton.next_power_of_2(x.shape[2]) <= ROW_KERNEL_ELEMENTS
+        and x.shape[0] <= 65535
+        and _aligned(x)
+        and _aligned(g)
+    )
+
+
+def _aligned(x: torch.Tensor) -> bool:
+    """The grouped kernel's hints: 16-byte aligned start, strides multiples of 8 elements."""
+    return x.data_ptr() % 16 == 0 and x.stride(0) % 8 == 0 and x.stride(1) % 8 == 0
+
+
+def _whole_row_tiles(B: int, T: int, D: int) -> tuple[int, int, int]:
+    """_norm_layer_rows_kernel's (BLOCK_T, tiles per program, programs per sample): a few tiles
+    per program (fewer partial rows to write and sum), while B x programs still fills the card
+    several times over (>= 1024 programs where T allows)."""
+    block_t = ROW_KERNEL_ELEMENTS // triton.next_power_of_2(D)
+    tiles = triton.cdiv(T, block_t)
+    per_program = max(1, min(8, tiles * B // 1024))
+    return block_t, per_program, triton.cdiv(tiles, per_program)
+
+
+def norm_layer_per_sample_grads_many(
+    pairs: list[tuple[torch.Tensor, torch.Tensor]], eps: float, rms: bool
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """norm_layer_per_sample_grads of several layers' (x, g), all [B, T, d] of one shape, x
+    dtype, g dtype and device (norm_layer_grads_many_supported), with one eps, in one launch: a
+    Triton launch costs tens of microseconds of host time, more than one layer's kernel at short
+    sequences (the 1b model has 41 LayerNorms). Each (weight, bias) [B, d] is a view into one
+    buffer of them all."""
+    x0, g0 = pairs[0]
+    if (
+        x0.dtype not in TL_DTYPES
+        or g0.dtype not in TL_DTYPES
+        or not all(
+            x.dim() == 3
+            and x.shape == g.shape == x0.shape
+            and x.stride(2) == g.stride(2) == 1
+            and _aligned(x)
+            and _aligned(g)
+            and (x.dtype, g.dtype, x.device, g.device) == (x0.dtype, g0.dtype, x0.device, x0.device)
+            for x, g in pairs
+        )
+    ):
+        raise ValueError(
+            "norm_layer_per_sample_grads_many needs (x, g) [B, T, d] of one shape, kernel dtypes "
+            "and device, features contiguous, rows 16-byte aligned"
+        )
+    if triton.next_power_of_2(x0.shape[2]) > ROW_KERNEL_ELEMENTS or x0.shape[0] > 65535:
+        raise ValueError(f"rows of {x0.shape[2]} features or {x0.shape[0]} samples: one by one")
+    B, T, D = x0.shape
+    if B == 0 or T == 0 or D == 0:
+        zeros = x0.new_zeros(len(pairs), 2, B, D, dtype=torch.float32)
+        return [(weight, bias) for weight, bias in zeros.unbind(0)]
+    block_t, per_program, programs = _whole_row_tiles(B, T, D)
+    partials = torch.empty(len(pairs), 2, B, programs, D, device=x0.device, dtype=torch.float32)
+    table = int64_table(
+        [[x.data_ptr(), x.stride(0), x.stride(1), g.data_ptr(), g.stride(0), g.stride(1)]
+         for x, g in pairs],
+        x0.device,
+    )  # fmt: skip
+    with torch.cuda.device(x0.device) if x0.is_cuda else contextlib.nullcontext():
+        _norm_layer_rows_kernel[(programs, B, len(pairs))](
+            table, table, partials, T, D, eps, 0, 0, 0, 0, per_program,
+            BLOCK_T=block_t, BLOCK_D=triton.next_power_of_2(D), RMS=rms, num_warps=8,
+            TABLE=True, X_DTYPE=TL_DTYPES[x0.dtype], G_DTYPE=TL_DTYPES[g0.dtype],
+        )  # fmt: skip
+    return [(weight, bias) for weight, bias in partials.sum(3).unbind(0)]
+
+
 def norm_layer_per_sample_grads(
     x: torch.Tensor,
     g: torch.Tensor,
@@ -139,12 +233,7 @@ def norm_layer_per_sample_grads(
     strides = (x.stride(0), x.stride(1), g.stride(0), g.stride(1))
     whole_row = triton.next_power_of_2(D)
     if block_t is None and block_d is None and whole_row <= ROW_KERNEL_ELEMENTS:
-        block_t = ROW_KERNEL_ELEMENTS // whole_row
-        tiles = triton.cdiv(T, block_t)
-        # a few tiles per program (fewer partial rows to write and sum), while B x programs
-        # still fills the card several times over (>= 1024 programs where T allows)
-        per_program = max(1, min(8, tiles * B // 1024))
-        programs = triton.cdiv(tiles, per_program)
+        block_t, per_program, programs = _whole_row_tiles(B, T, D)
         partials = torch.empty(2, B, programs, D, device=x.device, dtype=torch.float32)
         _norm_layer_rows_kernel[(programs, B)](
             x, g, partials, T, D, eps, *strides, per_program,

@@ -1,4 +1,5 @@
-"""nn.LayerNorm / nn.RMSNorm: per-sample weight and bias gradients [B, d], formed at once."""
+"""nn.LayerNorm / nn.RMSNorm: per-sample weight and bias gradients [B, d], formed after the backward
+(several layers in one launch on CUDA)."""
 
 from __future__ import annotations
 
@@ -25,8 +26,31 @@ class NormLayerRule(NormRule):
     def describe(self, layer, A, G):
         return {"route": "norm"}
 
-    def kept_per_sample(self, layer, A, G):
-        return set(layer.params)  # [B, d] per parameter: always smaller than A and G ([B, T, d])
+    def formed_after_backward(self, layer, A, G):
+        # [B, d] per parameter: always smaller than A and G ([B, T, d]). Formed after the
+        # backward, several layers' in one launch (per_sample_grads_many), not in the backward
+        # hook one launch each: the engine bounds the A and G held for it (DEFERRED_BYTES).
+        return set(layer.params)
+
+    def per_sample_grads_many(self, calls):
+        """per_sample_grads of each call; on CUDA the calls of one shape, dtypes, eps and kind
+        (LayerNorm or RMSNorm) in one launch (flash.kernels.norm_layer_per_sample_grads_many)."""
+        grads: list = [None] * len(calls)
+        groups: dict[tuple, list[int]] = {}
+        kernels = triton_kernels()
+        for i, (layer, A, G, names) in enumerate(calls):
+            if kernels is not None and kernels.norm_layer_grads_many_supported(A, G):
+                eps, rms = _eps_and_kind(layer.module, A)
+                groups.setdefault((A.shape, A.dtype, G.dtype, A.device, eps, rms), []).append(i)
+            else:
+                grads[i] = self.per_sample_grads(layer, A, G, names)
+        for (*_, eps, rms), members in groups.items():
+            pairs = [(calls[i].A, calls[i].G) for i in members]
+            formed = kernels.norm_layer_per_sample_grads_many(pairs, eps, rms)
+            for i, (weight, bias) in zip(members, formed, strict=True):
+                both = {"weight": weight, "bias": bias}
+                grads[i] = {name: both[name] for name in both if name in calls[i].names}
+        return grads
 
     @staticmethod
     def per_sample_grads(layer: Layer, A: Tensor, G: Tensor, names) -> dict[str, Tensor]:
@@ -35,10 +59,8 @@ class NormLayerRule(NormRule):
         rms = isinstance(m, nn.RMSNorm)
         kernels = triton_kernels()
         if kernels is not None and kernels.norm_layer_grads_supported(A, G):
-            # One fused pass over A and G (flash.kernels.norm_layer_per_sample_grads); eps=None
-            # means eps of the compute dtype, as in torch.
-            eps = m.eps if m.eps is not None else torch.finfo(accumulation_dtype(A)).eps
-            weight, bias = kernels.norm_layer_per_sample_grads(A, G, eps, rms)
+            # One fused pass over A and G (flash.kernels.norm_layer_per_sample_grads)
+            weight, bias = kernels.norm_layer_per_sample_grads(A, G, *_eps_and_kind(m, A))
             fused = {"weight": weight, "bias": bias}
             return {name: fused[name] for name in ("weight", "bias") if name in names}
         x, g = to_accumulation(A), to_accumulation(G)
@@ -53,3 +75,10 @@ class NormLayerRule(NormRule):
         if "bias" in names:
             grads["bias"] = g.sum(1)
         return grads
+
+
+def _eps_and_kind(module: nn.Module, A: Tensor) -> tuple[float, bool]:
+    """(eps, is RMSNorm) of a norm layer as its kernel takes them: eps=None means eps of the
+    compute dtype, as in torch."""
+    eps = module.eps if module.eps is not None else torch.finfo(accumulation_dtype(A)).eps
+    return eps, isinstance(module, nn.RMSNorm)
