@@ -7,12 +7,13 @@ norms and the clipped sum sum_b c_b * grad_b are then computed from (A, G) by pe
 rules (flash.rules).
 
 Under autocast a Linear's A is kept in the autocast dtype (the cast the layer multiplies, handed
-to it so it makes none of its own). Norm layers' per-sample gradients ([B, d]) are formed in
-the backward hook; a Linear's bias's there too where the layer forms its weight's, else right
-after the backward from the kept G, every layer's in one launch. Where a layer's per-sample
-gradients are no larger than its A and G (Linear with d*p <= T*(d+p); norm layers always), the
-hook forms them at once (one batched GEMM, the FLOPs of the weight gradient it replaces) and
-drops A and G: the clipped gradient is then a weighted sum of them, with no second GEMM. Layers
+to it so it makes none of its own). Norm layers' per-sample gradients ([B, d]) are formed after
+their backward hook, several layers in one launch, once their held A and G pass DEFERRED_BYTES
+or right after the backward; a Linear's bias's in the hook where the layer forms its weight's,
+else right after the backward from the kept G, every layer's in one launch. Where a Linear's
+per-sample gradients are no larger than its A and G (d*p <= T*(d+p)), the hook forms them at
+once (one batched GEMM, the FLOPs of the weight gradient it replaces) and drops A and G: the
+clipped gradient is then a weighted sum of them, with no second GEMM. Layers
 reading one input (q, k, v) share it, so at the threshold such a group holds up to ~1.5x what
 the Gram route would (peaks stay <= 1.01x standard's: the peak is in forward).
 
