@@ -60,7 +60,8 @@ SMALL_PER_SAMPLE_NUMEL = 2**18
 # A and G held in the backward only for per-sample gradients a rule forms after it (norm
 # layers: NormRule.formed_after_backward) are formed as soon as they exceed this many bytes,
 # several layers' in one launch: fewer launches than one per layer in its hook (the 1b model has
-# 41 LayerNorms, a host-bound step at short sequences), at most this much memory more.
+# 41 LayerNorms, a host-bound step at short sequences), for about this much memory more (plus
+# the call that crosses it; bytes of the views held, not of storages they keep alive).
 DEFERRED_BYTES = 512 * 2**20
 
 
@@ -240,7 +241,9 @@ class FlashClipping:
                 if shape is not None:  # the gradient of the view's base
                     grad = grad.reshape(shape)
                 A = call.A
-                if A is None:  # a second backward through the same graph
+                # A second backward through the same graph: A dropped, or G already kept (a
+                # layer whose A and G wait for after the backward)
+                if A is None or call.G is not None:
                     raise RuntimeError("FlashClipping: one backward per forward (release() first)")
                 if A._version != version:  # autograd would refuse a saved input changed so
                     raise RuntimeError(
@@ -543,7 +546,8 @@ class FlashClipping:
     def kept_tensors(self) -> Iterator[tuple[nn.Module, str, Tensor]]:
         """(module, role, tensor) for every tensor the engine holds for a managed module between
         its forward and release(): the saved inputs A and output gradients G ("activation_hooks")
-        and the per-sample gradients formed in the backward hook ("per_sample_gradients")."""
+        and the per-sample gradients formed in the backward hook or after it
+        ("per_sample_gradients")."""
         for layer in self.layers:
             for call in layer.calls:
                 for tensor in call.tensors():

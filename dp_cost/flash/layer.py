@@ -18,7 +18,8 @@ class Call:
     """One forward call of a managed layer, as the hooks keep it: A, its input ([B, T, d]); G,
     its output gradient, once the backward reached it; and the names of the parameters still to
     be done from A and G (the others were formed per sample in the backward hook). A is None
-    once nothing more is needed of the call (released, or every parameter formed)."""
+    once nothing more is needed of the call (released, or every parameter formed); G is set
+    once, by the backward."""
 
     A: Tensor | None
     G: Tensor | None = None
@@ -47,8 +48,9 @@ class Layer:
     tile_size: int = 512
     block_numel: int = DEFAULT_BLOCK_NUMEL
     calls: list[Call] = field(default_factory=list)  # one per forward call, in order
-    # Per-sample gradients [B, ...] by parameter name, formed in the backward hook instead of
-    # keeping A and G for them (summed over calls: a reused module's gradient is the sum).
+    # Per-sample gradients [B, ...] by parameter name, formed in the backward hook or after it
+    # (formed_after_backward) instead of keeping A and G for the rest of the step (summed over
+    # calls: a reused module's gradient is the sum).
     per_sample: dict[str, Tensor] = field(default_factory=dict)
     described: list[dict] = field(default_factory=list)  # the route of each call, for routes()
     plans: dict[tuple, tuple] = field(default_factory=dict)  # FlashClipping._plan's, by shapes

@@ -748,3 +748,83 @@ def test_norm_layers_formed_after_the_backward_within_a_byte_budget(
     assert_close(norms, ref_norms, 1e-9)
     assert_close(flat_grads(model), ref_sum, 1e-9)
     assert {r["route"] for r in routes if r["layer"] in ("ln", "rms")} == {"norm"}
+
+
+@pytest.mark.parametrize("budget", [0, 2**40])
+def test_a_second_backward_through_the_graph_raises(monkeypatch, budget):
+    """One backward per forward: a second one through a retained graph would add every kept
+    call's gradients again. Norm layers hold A and G past their hook (formed later), so G
+    already kept is the sign, as A dropped is for the rest."""
+    from dp_cost.flash import engine as flash_clip
+
+    monkeypatch.setattr(flash_clip, "DEFERRED_BYTES", budget)
+    model = make_model()
+    ids, targets = make_batch(3, 6, seed=2)
+    flash = FlashClipping(model, route="gram")  # Linears keep A and G too: both signs
+    loss = sample_losses(model(ids), targets).sum()
+    torch.autograd.grad(loss, flash._leaves, retain_graph=True, allow_unused=True)
+    with pytest.raises(RuntimeError, match="one backward per forward"):
+        flash.backward(loss)
+
+
+class ManyNorms(nn.Module):
+    """LayerNorms of one shape, one of them called twice and one without a bias, between
+    Linears: several norm-layer calls per grouped launch."""
+
+    def __init__(self, d=16):
+        super().__init__()
+        self.inp, self.out = nn.Linear(d, d), nn.Linear(d, 3)
+        self.a, self.b = nn.LayerNorm(d), nn.LayerNorm(d, eps=1e-5)
+        self.c = nn.LayerNorm(d, bias=False)
+        with torch.no_grad():
+            for norm in (self.a, self.b, self.c):
+                norm.weight.add_(0.3 * torch.randn_like(norm.weight))
+
+    def forward(self, x):
+        h = self.a(self.inp(x))
+        h = self.b(h) + self.b(2 * h + 1)
+        return self.out(self.c(h))
+
+
+@pytest.mark.parametrize("budget_calls, launches", [(0, [1, 1, 1, 1]), (2, [3, 1]), (None, [4])])
+def test_grouped_norm_layer_launches_match_brute_force(monkeypatch, budget_calls, launches):
+    """The engine's grouped path (flash.kernels.norm_layer_per_sample_grads_many, interpreted
+    on the CPU, its CUDA check lifted): the four LayerNorm calls of one shape formed per launch
+    as the byte budget allows (each call holds A and G of 3 x 5 x 16 fp32: 1920 bytes), each
+    result handed to its own call (the reused layer's two summed, the bias-free one's weight
+    alone); norms and clipped sums equal brute force."""
+    from dp_cost.flash import engine as flash_clip
+
+    kernels = pytest.importorskip("dp_cost.flash.kernels", reason="needs triton")
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("the CPU check of the grouped path; CUDA: test_flash_kernels_gpu.py")
+    budget = 2**40 if budget_calls is None else budget_calls * 1920
+    monkeypatch.setattr(flash_clip, "DEFERRED_BYTES", budget)
+    monkeypatch.setattr(
+        kernels, "norm_layer_grads_many_supported", lambda x, g: x.dim() == 3 and x.shape == g.shape
+    )
+    sizes, grouped = [], kernels.norm_layer_per_sample_grads_many
+
+    def spy(pairs, eps, rms):
+        sizes.append(len(pairs))
+        return grouped(pairs, eps, rms)
+
+    monkeypatch.setattr(kernels, "norm_layer_per_sample_grads_many", spy)
+    torch.manual_seed(3)
+    model = ManyNorms()
+    x = torch.randn(3, 5, 16)
+
+    def loss_of(m, inputs):
+        return m(inputs).square().mean((1, 2))
+
+    per_sample = per_sample_grads_of(loss_of, copy.deepcopy(model), x).double()
+    ref_norms = per_sample.norm(dim=1)
+    clip = (ref_norms.median() / (ref_norms + 1e-6)).clamp(max=1.0)
+    flash = FlashClipping(model)
+    flash.backward(loss_of(model, x).sum())
+    norms = flash.per_sample_squared_norms().sqrt()
+    flash.accumulate_clipped_grads((ref_norms.median() / (norms + 1e-6)).clamp(max=1.0).float())
+    flash.release()
+    assert sizes == launches
+    assert_close(norms.double(), ref_norms, 1e-5)
+    assert_close(flat_grads(model).double(), (clip[:, None] * per_sample).sum(0), 1e-5)

@@ -306,6 +306,21 @@ def test_norm_layer_grads_many_match_autograd(rms):
         assert relative_error(bias, expected_bias) < 1e-5
 
 
+def test_norm_layer_grads_many_splits_past_the_grid(monkeypatch):
+    """More layers than CUDA's grid z axis holds: several launches, results in order."""
+    from dp_cost.flash.kernels import norm_layer
+
+    monkeypatch.setattr(norm_layer, "MAX_LAYERS_PER_LAUNCH", 2)
+    torch.manual_seed(12)
+    pairs = [(torch.randn(2, 9, 16), torch.randn(2, 9, 16)) for _ in range(5)]
+    grouped = flash_kernels.norm_layer_per_sample_grads_many(pairs, 1e-5, False)
+    assert len(grouped) == 5
+    for (x, g), (weight, bias) in zip(pairs, grouped, strict=True):
+        expected_weight, expected_bias = per_sample_norm_layer_grads(x, g, 1e-5, False)
+        assert relative_error(weight, expected_weight) < 1e-4
+        assert relative_error(bias, expected_bias) < 1e-5
+
+
 def test_norm_layer_grads_many_refuses_mixed_shapes():
     x, y = torch.randn(2, 4, 8), torch.randn(2, 5, 8)
     with pytest.raises(ValueError, match="one shape"):

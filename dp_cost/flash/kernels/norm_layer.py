@@ -116,6 +116,8 @@ def _norm_layer_rows_kernel(
     tl.store(out_bias + cols, sum_bias, mask=col_ok)
 
 
+MAX_LAYERS_PER_LAUNCH = 65535  # CUDA's grid z axis: norm_layer_per_sample_grads_many's layers
+
 # Rows up to this many features (padded to a power of two) go through _norm_layer_rows_kernel,
 # BLOCK_T x BLOCK_D = 8192 elements per tile (8 warps: 32 fp32 registers per thread per tile).
 ROW_KERNEL_ELEMENTS = 8192
@@ -183,6 +185,12 @@ def norm_layer_per_sample_grads_many(
         )
     if triton.next_power_of_2(x0.shape[2]) > ROW_KERNEL_ELEMENTS or x0.shape[0] > 65535:
         raise ValueError(f"rows of {x0.shape[2]} features or {x0.shape[0]} samples: one by one")
+    if len(pairs) > MAX_LAYERS_PER_LAUNCH:  # the grid's z axis (layers) holds 65535 programs
+        first, rest = pairs[:MAX_LAYERS_PER_LAUNCH], pairs[MAX_LAYERS_PER_LAUNCH:]
+        return [
+            *norm_layer_per_sample_grads_many(first, eps, rms),
+            *norm_layer_per_sample_grads_many(rest, eps, rms),
+        ]
     B, T, D = x0.shape
     if B == 0 or T == 0 or D == 0:
         zeros = x0.new_zeros(len(pairs), 2, B, D, dtype=torch.float32)
