@@ -8,6 +8,7 @@ every config (no pool pollution between trainers) and an OOM or crash stays insi
 from __future__ import annotations
 
 import contextlib
+import gc
 import multiprocessing
 import os
 import re
@@ -236,6 +237,20 @@ def worker_process(*args, **kwargs) -> None:
 
 
 @contextlib.contextmanager
+def frozen_heap():
+    """Around a fork: every object that exists now is out of the collector's reach
+    (gc.freeze) while the child is made, so the child never collects what it inherited; the
+    parent takes them back after. An unreachable cycle left for the parent's collector (e.g. a
+    DDP reducer holding a gloo process group) would otherwise be destroyed in the child, whose
+    destructor waits for threads the fork did not copy: a worker that never ends."""
+    gc.freeze()
+    try:
+        yield
+    finally:
+        gc.unfreeze()
+
+
+@contextlib.contextmanager
 def interrupts_after_fork():
     """Around a fork: an interrupt that arrives inside is raised once the fork is done (raised
     in the fork's own callbacks, logging's and threading's, Python would print it and drop it).
@@ -291,7 +306,7 @@ def run_in_child(
     )
     stopped_by = None
     try:
-        with interrupts_after_fork():
+        with interrupts_after_fork(), frozen_heap():
             process.start()
         child_errors.close()
         if stderr is not None:
@@ -426,7 +441,7 @@ def probe_device() -> dict:
     process = context.Process(target=probe)
     answered = False
     try:
-        with interrupts_after_fork():
+        with interrupts_after_fork(), frozen_heap():
             process.start()
         answered = parent_end.poll(120)
         info = parent_end.recv() if answered else {"cuda": False, "name": None}

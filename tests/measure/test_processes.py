@@ -1,6 +1,12 @@
 """The worker processes' bookkeeping: the progress bar and what --resume keeps."""
 
+import contextlib
+import gc
 import io
+import multiprocessing
+import os
+
+import pytest
 
 from dp_cost.core.files import write_json
 from dp_cost.core.settings import ExperimentConfig
@@ -40,3 +46,57 @@ def test_resume_keeps_finished_results_except_ncu_configs(tmp_path):
     assert processes.finished_result(write("ncu.json", "ok", ncu=True), resume=True) is None
     (tmp_path / "list.json").write_text("[1, 2]")
     assert processes.finished_result(str(tmp_path / "list.json"), resume=True) is None
+
+
+class _Inherited:
+    """Half of an unreachable cycle whose destructor reports the process it ran in."""
+
+    def __init__(self, pipe):
+        self.pipe, self.cycle = pipe, self
+
+    def __del__(self):
+        self.pipe.send(os.getpid())
+
+
+@pytest.mark.parametrize("frozen", [False, True])
+def test_a_forked_worker_never_collects_what_it_inherited(frozen):
+    """An unreachable cycle left for the parent's collector is destroyed by a forked child's
+    own collection (a DDP reducer's gloo process group there waits for threads the fork did not
+    copy: a worker that hung in CI) unless the fork is made inside processes.frozen_heap."""
+    context = multiprocessing.get_context("fork")
+    reports, report = context.Pipe(duplex=False)
+    gc.disable()  # the cycle must still be there at the fork
+    try:
+        _Inherited(report)
+        child = context.Process(target=gc.collect)
+        with processes.frozen_heap() if frozen else contextlib.nullcontext():
+            child.start()
+        child.join(30)
+    finally:
+        gc.enable()
+    gc.collect()  # the parent's own copy, here and now (none left for a later test)
+    destroyed_in = []
+    while reports.poll(5 if not destroyed_in else 0.5):
+        destroyed_in.append(reports.recv())
+    # frozen: the child's collection found nothing it inherited
+    assert destroyed_in == ([os.getpid()] if frozen else [child.pid, os.getpid()])
+
+
+def test_workers_fork_inside_a_frozen_heap(monkeypatch, tmp_path):
+    """run_in_child (every config's worker) and the device probe fork inside frozen_heap."""
+    entered = []
+
+    @contextlib.contextmanager
+    def recording():
+        entered.append(gc.get_freeze_count())
+        yield
+
+    monkeypatch.setattr(processes, "frozen_heap", recording)
+    processes.probe_device()
+    assert len(entered) == 1
+    monkeypatch.setattr(processes, "worker_process", lambda *args, **kwargs: None)
+    config = ExperimentConfig(trainer="standard", batch_size=1, seq_len=4)
+    result = processes.run_in_child(
+        multiprocessing.get_context("fork"), config, str(tmp_path), str(tmp_path / "result.json")
+    )
+    assert len(entered) == 2 and result["status"] != "ok"  # the stand-in wrote no result
