@@ -2,6 +2,8 @@
 for, per-sample gradients by autograd one sample at a time (its loss or any function of a
 model), and one flash step to compare."""
 
+import copy
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -55,20 +57,38 @@ def make_model(dtype=torch.float64, seed=0):
     return model
 
 
-def brute_force(model, ids, targets, max_norm=None):
-    """Per-sample gradients one sample at a time on an untouched copy of the model."""
+def _per_sample_rows(model, ids, targets):
+    """[B, P]: each sample's gradient of its loss over all parameters, by autograd."""
     params = list(model.parameters())
     rows = []
     for b in range(len(ids)):
         loss = sample_losses(model(ids[b : b + 1]), targets[b : b + 1]).sum()
         grads = torch.autograd.grad(loss, params)
         rows.append(torch.cat([g.flatten() for g in grads]))
-    per_sample = torch.stack(rows)
+    return torch.stack(rows)
+
+
+def _clipped_sum(per_sample, norms, max_norm):
+    clip = (max_norm / (norms + 1e-6)).clamp(max=1.0)
+    return clip, (clip[:, None] * per_sample).sum(0)
+
+
+def brute_force(model, ids, targets, max_norm=None):
+    """Per-sample gradients one sample at a time on an untouched copy of the model."""
+    per_sample = _per_sample_rows(model, ids, targets)
     norms = per_sample.norm(dim=1)
     if max_norm is None:
         return norms, None, None
-    clip = (max_norm / (norms + 1e-6)).clamp(max=1.0)
-    return norms, clip, (clip[:, None] * per_sample).sum(0)
+    return norms, *_clipped_sum(per_sample, norms, max_norm)
+
+
+def brute_force_at_median(model, ids, targets):
+    """brute_force on a copy of ``model`` with max_norm the median per-sample norm (some samples
+    clipped, some not), the per-sample gradients formed once: (norms, max_norm, clip, sum)."""
+    per_sample = _per_sample_rows(copy.deepcopy(model), ids, targets)
+    norms = per_sample.norm(dim=1)
+    max_norm = norms.median()
+    return norms, max_norm, *_clipped_sum(per_sample, norms, max_norm)
 
 
 def flash_step(flash, model, ids, targets, max_norm):

@@ -12,6 +12,7 @@ from flash_reference import (
     RecordingSink,
     assert_close,
     brute_force,
+    brute_force_at_median,
     flash_step,
     flat_grads,
     make_batch,
@@ -149,11 +150,8 @@ def test_accumulate_many_gives_each_parameter_its_sum():
 
 def test_two_chunks_equal_full_batch():
     model = make_model()
-    reference = copy.deepcopy(model)
     ids, targets = make_batch(4, 7, seed=3)
-    ref_norms = brute_force(reference, ids, targets)[0]
-    max_norm = ref_norms.median()
-    _, clip, ref_sum = brute_force(reference, ids, targets, max_norm)
+    ref_norms, max_norm, clip, ref_sum = brute_force_at_median(model, ids, targets)
     assert (clip < 1).any() and (clip == 1).any()
     flash = FlashClipping(model, tile_size=4)
     for half in (slice(0, 2), slice(2, 4)):
@@ -737,11 +735,8 @@ def test_norm_layers_formed_after_the_backward_within_a_byte_budget(
 
     monkeypatch.setattr(NormLayerRule, "per_sample_grads_many", spy)
     model = make_model()
-    reference = copy.deepcopy(model)
     ids, targets = make_batch(3, 6, seed=2)
-    ref_norms = brute_force(reference, ids, targets)[0]
-    max_norm = ref_norms.median()
-    _, _, ref_sum = brute_force(reference, ids, targets, max_norm)
+    ref_norms, max_norm, _, ref_sum = brute_force_at_median(model, ids, targets)
     flash = FlashClipping(model)
     norms, routes = flash_step(flash, model, ids, targets, max_norm)
     assert formed == [(1, in_backward)] * 2

@@ -10,6 +10,7 @@ import torch
 from flash_reference import (
     assert_close,
     brute_force,
+    brute_force_at_median,
     flash_step,
     flat_grads,
     make_batch,
@@ -48,11 +49,8 @@ def test_matches_brute_force(route, T, B):
 
 def test_fp32_matches_brute_force():
     model = make_model(torch.float32)
-    reference = copy.deepcopy(model)
     ids, targets = make_batch(3, 257, seed=1)
-    ref_norms = brute_force(reference, ids, targets)[0]
-    max_norm = ref_norms.median()
-    _, _, ref_sum = brute_force(reference, ids, targets, max_norm)
+    ref_norms, max_norm, _, ref_sum = brute_force_at_median(model, ids, targets)
     flash = FlashClipping(model, tile_size=16)
     norms, _ = flash_step(flash, model, ids, targets, max_norm)
     assert norms.dtype == torch.float32
@@ -80,11 +78,8 @@ def test_fused_kernel_wiring_interpreted_on_cpu(monkeypatch):
             kernels, name, lambda *a, _check=check: calls.append(a) or _check(*a) or True
         )
     model = make_model(torch.float32)
-    reference = copy.deepcopy(model)
     ids, targets = make_batch(4, 17, seed=9)
-    ref_norms = brute_force(reference, ids, targets)[0]
-    max_norm = ref_norms.median()
-    _, clip, ref_sum = brute_force(reference, ids, targets, max_norm)
+    ref_norms, max_norm, clip, ref_sum = brute_force_at_median(model, ids, targets)
     assert (clip < 1).any() and (clip == 1).any()
     flash = FlashClipping(model, route="product")
     norms = torch.cat(
@@ -156,11 +151,8 @@ def test_no_large_intermediates(route):
 @pytest.mark.parametrize("route", ["gram", "direct", "product"])
 def test_bf16_autocast_close_to_fp32(route):
     model = make_model(torch.float32)
-    reference = copy.deepcopy(model)
     ids, targets = make_batch(3, 33, seed=5)
-    ref_norms = brute_force(reference, ids, targets)[0]
-    max_norm = ref_norms.median()
-    _, _, ref_sum = brute_force(reference, ids, targets, max_norm)
+    ref_norms, max_norm, _, ref_sum = brute_force_at_median(model, ids, targets)
     flash = FlashClipping(model, route=route, tile_size=16)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         loss = sample_losses(model(ids).float(), targets).sum()
