@@ -36,15 +36,11 @@ import torch  # noqa: E402
 
 from dp_cost.core import kernel_names  # noqa: E402
 from dp_cost.core.settings import MODEL_OVERRIDES, ExperimentConfig  # noqa: E402
+from dp_cost.measure.steps import synchronize  # noqa: E402
 from dp_cost.measure.worker import build_trainer  # noqa: E402
 from dp_cost.measure.workload import Workload  # noqa: E402
 
 LAUNCH_CALLS = ("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernelEx")
-
-
-def synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def launches_per_step(step, device: torch.device) -> dict | None:

@@ -305,17 +305,24 @@ class FlashClipping:
     def _form_deferred(self) -> None:
         """The per-sample gradients of the calls held for after the backward (_deferred), now,
         several in one launch per rule; their A and G are dropped."""
-        by_rule: dict[NormRule, list[tuple[Layer, Call]]] = {}
-        for layer, call in self._deferred:
-            by_rule.setdefault(layer.rule, []).append((layer, call))
-        self._deferred, self._deferred_bytes = [], 0
+        deferred, self._deferred, self._deferred_bytes = self._deferred, [], 0
+        self._form_per_sample((layer, call, call.pending) for layer, call in deferred)
+        for _, call in deferred:  # nothing pending any more
+            call.A = call.G = None
+
+    def _form_per_sample(self, asked) -> None:
+        """The per-sample gradients of ``asked`` (layer, call, names) from each call's A and G,
+        one per_sample_grads_many per rule (a rule may share launches between its calls); the
+        names leave each call's pending."""
+        by_rule: dict[NormRule, list] = {}
+        for entry in asked:
+            by_rule.setdefault(entry[0].rule, []).append(entry)
         for rule, entries in by_rule.items():
-            requests = [GradRequest(layer, c.A, c.G, c.pending) for layer, c in entries]
+            requests = [GradRequest(layer, c.A, c.G, names) for layer, c, names in entries]
             grads = rule.per_sample_grads_many(requests)
-            for (layer, call), formed in zip(entries, grads, strict=True):
+            for (layer, call, names), formed in zip(entries, grads, strict=True):
                 self._add_per_sample(layer, formed)
-                call.A = call.G = None
-                call.pending = set()
+                call.pending = call.pending - names
 
     @staticmethod
     def _add_per_sample(layer: Layer, grads: dict[str, Tensor]) -> None:
@@ -365,18 +372,12 @@ class FlashClipping:
         """The per-sample gradients the rules form right after the backward from the kept A and
         G (Linear biases: one launch for all, not one reduction per layer in its hook); a call
         left with nothing to do drops its A and G."""
-        asked: dict[NormRule, list] = {}
-        for layer in self.layers:
-            for call in layer.calls:
-                names = layer.rule.formed_after_backward(layer, call.A, call.G) & call.pending
-                if names:
-                    asked.setdefault(layer.rule, []).append((layer, call, names))
-        for rule, entries in asked.items():
-            requests = [GradRequest(ly, c.A, c.G, n) for ly, c, n in entries]
-            grads = rule.per_sample_grads_many(requests)
-            for (layer, call, names), formed in zip(entries, grads, strict=True):
-                self._add_per_sample(layer, formed)
-                call.pending = call.pending - names
+        self._form_per_sample(
+            (layer, call, names)
+            for layer in self.layers
+            for call in layer.calls
+            if (names := layer.rule.formed_after_backward(layer, call.A, call.G) & call.pending)
+        )
         for layer in self.layers:
             if any(not call.pending for call in layer.calls):
                 layer.calls = [call for call in layer.calls if call.pending]

@@ -48,8 +48,7 @@ class NormLayerRule(NormRule):
             pairs = [(calls[i].A, calls[i].G) for i in members]
             formed = kernels.norm_layer_per_sample_grads_many(pairs, eps, rms)
             for i, (weight, bias) in zip(members, formed, strict=True):
-                both = {"weight": weight, "bias": bias}
-                grads[i] = {name: both[name] for name in both if name in calls[i].names}
+                grads[i] = _named(weight, bias, calls[i].names)
         return grads
 
     @staticmethod
@@ -61,8 +60,7 @@ class NormLayerRule(NormRule):
         if kernels is not None and kernels.norm_layer_grads_supported(A, G):
             # One fused pass over A and G (flash.kernels.norm_layer_per_sample_grads)
             weight, bias = kernels.norm_layer_per_sample_grads(A, G, *_eps_and_kind(m, A))
-            fused = {"weight": weight, "bias": bias}
-            return {name: fused[name] for name in ("weight", "bias") if name in names}
+            return _named(weight, bias, names)
         x, g = to_accumulation(A), to_accumulation(G)
         grads = {}
         if "weight" in names:
@@ -82,3 +80,8 @@ def _eps_and_kind(module: nn.Module, A: Tensor) -> tuple[float, bool]:
     compute dtype, as in torch."""
     eps = module.eps if module.eps is not None else torch.finfo(accumulation_dtype(A)).eps
     return eps, isinstance(module, nn.RMSNorm)
+
+
+def _named(weight: Tensor, bias: Tensor, names) -> dict[str, Tensor]:
+    """The fused kernels' (weight, bias) by name, those of ``names`` alone (no bias: weight)."""
+    return {name: grad for name, grad in (("weight", weight), ("bias", bias)) if name in names}
