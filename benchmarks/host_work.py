@@ -3,9 +3,10 @@ the GPU is not what it waits for.
 
 At a tiny shape (1b model, (1, 16)) every kernel is shorter than its launch, so a step's wall
 time is its host work. For each trainer and shape this prints the median step time (synchronised
-before and after each step), the kernel launches per step (a CUDA-activity trace: runtime and
-driver launch calls, Triton's included), the host's and the GPU's time at each phase event of a
-step (where the GPU reaches an event soon after the host queued it, it was waiting for the host)
+before and after each step), the kernel launches per step and every CUDA runtime and driver call
+by name (a CUDA-activity trace: runtime and driver launch calls, Triton's included), the host's
+and the GPU's time at each phase event of a step (where the GPU reaches an event soon after the
+host queued it, it was waiting for the host), Python's garbage collections over the timed steps
 and, with --profile, the Python functions with the most own time over the profiled steps
 (cProfile). Each trainer is built as the CLI's worker builds it
 (measure.worker.build_trainer on measure.workload.Workload).
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import cProfile
+import gc
 import io
 import json
 import os
@@ -63,7 +65,16 @@ def launches_per_step(step, device: torch.device) -> dict | None:
     for e in calls:
         by_name[e["name"]] = by_name.get(e["name"], 0) + 1
     kernels = [e for e in events if e.get("cat") == "kernel"]
+    # every runtime and driver call the trace records (each costs host time while traced)
+    api: dict[str, list] = {}
+    for e in events:
+        if e.get("cat") in ("cuda_runtime", "cuda_driver"):
+            entry = api.setdefault(e.get("name"), [0, 0.0])
+            entry[0] += 1
+            entry[1] += float(e.get("dur", 0)) / 1000
     return {
+        "api_calls": sum(n for n, _ in api.values()),
+        "api_calls_by_name": dict(sorted(api.items(), key=lambda item: -item[1][0])),
         "launch_calls": len(calls),
         "launch_calls_by_api": by_name,
         "launch_call_ms": sum(float(e.get("dur", 0)) for e in calls) / 1000,
@@ -82,6 +93,31 @@ def python_profile(step, steps: int, top: int, sort: str = "tottime") -> str:
     text = io.StringIO()
     pstats.Stats(profiler, stream=text).sort_stats(sort).print_stats(top)
     return text.getvalue()
+
+
+class GarbageCollections:
+    """Python's cyclic garbage collections while inside: how many per generation, and the host
+    ms they took (gc.callbacks: each collection's start and stop)."""
+
+    def __init__(self):
+        self.counts = [0, 0, 0]
+        self.ms = 0.0
+        self._start = None
+
+    def _callback(self, phase, info):
+        if phase == "start":
+            self._start = time.perf_counter()
+        elif self._start is not None:
+            self.counts[info["generation"]] += 1
+            self.ms += (time.perf_counter() - self._start) * 1e3
+            self._start = None
+
+    def __enter__(self):
+        gc.callbacks.append(self._callback)
+        return self
+
+    def __exit__(self, *exc):
+        gc.callbacks.remove(self._callback)
 
 
 class PhaseClock:
@@ -136,17 +172,22 @@ def measure(trainer_name: str, batch: int, seq: int, args) -> dict:
     for _ in range(args.warmup_steps):
         step()
     synchronize(device)
+    if args.gc == "freeze":  # what exists now (model, trainer, caches) is never scanned again
+        gc.freeze()
+    elif args.gc == "off":
+        gc.disable()
     times, timelines = [], []
-    for _ in range(args.steps):
-        synchronize(device)
-        clock.marks = []
-        clock("start")
-        step()
-        synchronize(device)
-        clock("end")
-        timeline = clock.timeline()
-        times.append(timeline[-1][1])
-        timelines.append(timeline)
+    with GarbageCollections() as collections:
+        for _ in range(args.steps):
+            synchronize(device)
+            clock.marks = []
+            clock("start")
+            step()
+            synchronize(device)
+            clock("end")
+            timeline = clock.timeline()
+            times.append(timeline[-1][1])
+            timelines.append(timeline)
     row = {
         "trainer": trainer_name,
         "batch": batch,
@@ -161,6 +202,14 @@ def measure(trainer_name: str, batch: int, seq: int, args) -> dict:
             for i, (name, _, gpu) in enumerate(timelines[0])
         ],
         "launches": launches_per_step(step, device),
+        # Python's garbage collections over the timed steps: per generation, and their ms
+        "gc": {
+            "mode": args.gc,
+            "collections": collections.counts,
+            "ms": collections.ms,
+            "heap_objects": len(gc.get_objects()),
+            "frozen": gc.get_freeze_count(),
+        },
     }
     if args.profile:
         row["python_profile"] = python_profile(
@@ -188,6 +237,13 @@ def main(argv=None) -> int:
     parser.add_argument("--profile_steps", type=int, default=5)
     parser.add_argument("--profile_top", type=int, default=30)
     parser.add_argument("--profile_sort", default="tottime", choices=("tottime", "cumtime"))
+    parser.add_argument(
+        "--gc",
+        default="default",
+        choices=("default", "freeze", "off"),
+        help="Python's garbage collector over the timed steps: as is, gc.freeze() after the "
+        "warm-up steps, or disabled",
+    )
     parser.add_argument("--json", help="also write the rows here")
     parser.add_argument("--one", help=argparse.SUPPRESS)  # trainer,B,T: a child's own config
     for name in MODEL_OVERRIDES:
@@ -232,9 +288,17 @@ def main(argv=None) -> int:
                 print(
                     f"({batch}, {seq}) {name:9s} #{repeat} step {row['step_ms_median']:7.2f} ms"
                     f" median | at, ms host/GPU: {phases} | launches "
-                    f"{launches.get('launch_calls', '-')}",
+                    f"{launches.get('launch_calls', '-')} | gc {row['gc']['mode']}: "
+                    f"{row['gc']['collections']} collections, {row['gc']['ms']:.1f} ms over "
+                    f"{args.steps} steps, heap {row['gc']['heap_objects']} objects",
                     flush=True,
                 )
+                if launches.get("api_calls_by_name"):
+                    top = list(launches["api_calls_by_name"].items())[:8]
+                    print(
+                        f"    CUDA API calls per traced step: {launches['api_calls']}; most: "
+                        + ", ".join(f"{api} {n} ({ms:.1f} ms)" for api, (n, ms) in top)
+                    )
                 if args.profile:
                     print(row["python_profile"])
         for name in args.trainers:

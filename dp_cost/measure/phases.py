@@ -9,6 +9,7 @@ the allocations and frees torch.profiler reports during the step (``memory_sourc
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import os
 import tempfile
@@ -30,22 +31,37 @@ class PhaseRecorder:
     """Snapshots of allocated/reserved memory at the trainers' phase names.
 
     Each snapshot also carries the peak allocated since the previous snapshot (the peak inside
-    that phase), read from the allocator's peak counter, which is reset at every snapshot.
+    that phase), read from the allocator's peak counter, which is reset at every snapshot. The
+    counters are the host's (the caching allocator's, in the order ops are queued), so they need
+    no wait for the GPU.
+
+    When a phase ended: on CUDA, outside ``timed_step()``, the GPU is waited for and the host
+    clock read; inside it, a CUDA event is queued at the phase and the step is not stopped, so it
+    runs as a user's step does, its host work overlapping the GPU's (a wait at every phase would
+    add each phase's launch latency to the step time, more for a trainer with more host work).
     """
 
     def __init__(self, device: torch.device):
         self.device = device
         self.snapshots: list[dict] = []
         self.start = time.perf_counter()
+        self._timed: list[tuple[dict, torch.cuda.Event]] | None = None  # inside timed_step
 
     def __call__(self, name: str) -> None:
         if name.startswith("_"):  # internal markers are no snapshots
             return
-        if self.device.type == "cuda":
-            # Kernels run asynchronously: the phase ends when the GPU is done with it, not when
-            # the CPU has launched it (a timestamp taken before this wait lags one phase behind).
-            torch.cuda.synchronize(self.device)
-        snapshot = {"name": name, "timestamp": time.perf_counter() - self.start}
+        snapshot = {"name": name, "timestamp": None}
+        if self._timed is not None:  # resolved when the step is over
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            self._timed.append((snapshot, event))
+        else:
+            if self.device.type == "cuda":
+                # Kernels run asynchronously: the phase ends when the GPU is done with it, not
+                # when the CPU has launched it (a timestamp taken before this wait lags one
+                # phase behind).
+                torch.cuda.synchronize(self.device)
+            snapshot["timestamp"] = time.perf_counter() - self.start
         if self.device.type == "cuda":
             snapshot["allocated_mb"] = torch.cuda.memory_allocated(self.device) / MB
             snapshot["reserved_mb"] = torch.cuda.memory_reserved(self.device) / MB
@@ -57,6 +73,27 @@ class PhaseRecorder:
                 allocated_mb=None, reserved_mb=None, phase_peak_mb=None, phase_peak_reserved_mb=None
             )
         self.snapshots.append(snapshot)
+
+    @contextlib.contextmanager
+    def timed_step(self):
+        """One timed step on CUDA: the GPU idle when it begins, a CUDA event at each phase (no
+        wait), and each phase's timestamp, when the GPU reached it, once the step is over. CPU:
+        as outside (its ops run as they are called)."""
+        if self.device.type != "cuda":
+            yield
+            return
+        torch.cuda.synchronize(self.device)
+        began = time.perf_counter() - self.start
+        start = torch.cuda.Event(enable_timing=True)
+        start.record()
+        self._timed = []
+        try:
+            yield
+        finally:
+            timed, self._timed = self._timed, None
+            torch.cuda.synchronize(self.device)
+            for snapshot, event in timed:
+                snapshot["timestamp"] = began + start.elapsed_time(event) / 1e3
 
 
 def live_tensor_bytes(exclude=()) -> int:

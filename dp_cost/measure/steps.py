@@ -63,7 +63,8 @@ class Session:
 
 
 class TimedSteps:
-    """Warm-up, then the timed steps (synchronised), with the phase snapshots they record."""
+    """Warm-up, then the timed steps (synchronised before and after each, not between its
+    phases), with the phase snapshots they record."""
 
     def run(self, s: Session, result: dict) -> None:
         with s.trainer.observing_phases(s.recorder):
@@ -81,12 +82,14 @@ class TimedSteps:
                     # The extra steps after these reuse the last batch that had samples: a
                     # measurement of an empty (Poisson) batch would measure the noise alone.
                     s.inputs, s.targets = inputs, targets
-                synchronize(s.device)
-                start = time.perf_counter()
-                s.step_starts.append(start - s.recorder.start)
-                out = s.trainer.step(inputs, targets)
-                synchronize(s.device)
-                step_times.append((time.perf_counter() - start) * 1e3)
+                # The phases' ends are CUDA events: nothing waits for the GPU inside the step
+                with s.recorder.timed_step():
+                    synchronize(s.device)
+                    start = time.perf_counter()
+                    s.step_starts.append(start - s.recorder.start)
+                    out = s.trainer.step(inputs, targets)
+                    synchronize(s.device)
+                    step_times.append((time.perf_counter() - start) * 1e3)
                 physical_times.extend(out["physical_step_times_ms"])
                 losses.append(out["loss"])
         s.measured_snapshots = s.recorder.snapshots[first_measured:]
