@@ -154,7 +154,7 @@ class FlashClipping:
         state in between. A new cast the layer would make itself (rule.feeds_saved_input: a
         Linear under autocast) is made with its gradient and handed to the layer, which then
         casts nothing (one cast per call, as the non-private step: none of flash's own)."""
-        device = x.device.type
+        device = "cuda" if x.is_cuda else x.device.type  # x.device makes an object: host time
         state = (x._version, torch.is_autocast_enabled(device), torch.get_autocast_dtype(device))
         last = self._saved.get(id(x))
         if (

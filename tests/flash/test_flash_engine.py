@@ -823,3 +823,36 @@ def test_grouped_norm_layer_launches_match_brute_force(monkeypatch, budget_calls
     assert sizes == launches
     assert_close(norms.double(), ref_norms, 1e-5)
     assert_close(flat_grads(model).double(), (clip[:, None] * per_sample).sum(0), 1e-5)
+
+
+@pytest.mark.parametrize("route_elements", [0, 2**40], ids=["sort", "gram"])
+@pytest.mark.parametrize("B,T", [(1, 1), (2, 1), (3, 12), (5, 40)])
+def test_embedding_norms_by_either_route_match_brute_force(monkeypatch, route_elements, B, T):
+    """An embedding's per-sample norms by the Gram route (within GRAM_ROUTE_ELEMENTS) and by the
+    sort route (beyond it) both equal brute force: a vocabulary of 4 ids, so a sample repeats
+    ids many times (its gradient rows are sums of several tokens' g), one id the padding row
+    (no gradient). Empty batches never reach the engine (the trainers' step skips them)."""
+    from dp_cost.flash.rules import embedding
+
+    monkeypatch.setattr(embedding, "GRAM_ROUTE_ELEMENTS", route_elements)
+    gen = torch.Generator().manual_seed(B * 100 + T)
+    model = nn.ModuleDict(
+        {"emb": nn.Embedding(4, 6, padding_idx=2), "head": nn.Linear(6, 3, bias=False)}
+    ).double()
+    ids = torch.randint(0, 4, (B, T), generator=gen)
+    targets = torch.randint(0, 3, (B, T), generator=gen)
+
+    def losses(m, x, y):
+        logits = m["head"](m["emb"](x))
+        return F.cross_entropy(logits.flatten(0, 1), y.flatten(), reduction="none")
+
+    reference = []
+    for b in range(B):  # brute force: one sample's own backward at a time
+        m = copy.deepcopy(model)
+        losses(m, ids[b : b + 1], targets[b : b + 1]).sum().backward()
+        reference.append(sum(p.grad.square().sum() for p in m.parameters()))
+    flash = FlashClipping(model)
+    flash.backward(losses(model, ids, targets).sum())
+    norms = flash.per_sample_squared_norms()
+    assert_close(norms, torch.stack(reference), 1e-10)
+    assert (ids == 2).any() or B * T < 10  # the padding row is exercised where it can be

@@ -14,6 +14,17 @@ if TYPE_CHECKING:
     from dp_cost.flash.layer import Layer
 
 
+# Per-sample norms by the Gram route (_gram_squared_norms) where its [B, T, T] products hold at
+# most this many elements (64 MB in fp32: (8, 1024) and (4, 2048) qualify, (2, 4096) sorts).
+GRAM_ROUTE_ELEMENTS = 2**24
+
+
+def _exact_fp32_matmul(G: Tensor) -> bool:
+    """Does an fp32 bmm on G's device multiply in full fp32? Not where the user allowed TF32
+    (about 1e-3 relative): the sort route's sums are exact there."""
+    return not G.is_cuda or not torch.backends.cuda.matmul.allow_tf32
+
+
 @register_norm_rule(nn.Embedding)
 class EmbeddingRule(NormRule):
     def feature_dims(self, module):
@@ -34,6 +45,9 @@ class EmbeddingRule(NormRule):
         return samples.flatten(), ids.flatten(), g
 
     def squared_norms(self, layer, A, G):
+        B, T = A.shape
+        if B * T * T <= GRAM_ROUTE_ELEMENTS and _exact_fp32_matmul(G):
+            return self._gram_squared_norms(layer, A, G)
         samples, ids, g = self._tokens(layer, A, G)
         g = to_accumulation(g)
         # A sample's gradient row for token id v is the sum of g over its tokens with id v:
@@ -50,6 +64,18 @@ class EmbeddingRule(NormRule):
         )  # a run's tokens share their sample; rows past the last run are zero
         norms = rows.new_zeros(A.shape[0])
         return norms.index_add_(0, run_sample, rows.square().sum(1))
+
+    @staticmethod
+    def _gram_squared_norms(layer: Layer, ids: Tensor, G: Tensor) -> Tensor:
+        """||sum_t onehot(id_t) g_t^T||^2 = sum_{s,t} [id_s = id_t] g_s . g_t per sample: one
+        batched Gram of the tokens' g masked by equal ids, five launches where the sort route
+        takes about fifteen (each a few tens of microseconds of host time, on a step bound by
+        it at short sequences)."""
+        g = to_accumulation(G)
+        if layer.module.padding_idx is not None:  # the padding row gets no gradient
+            g = g * (ids != layer.module.padding_idx)[:, :, None].to(g.dtype)
+        same_id = ids[:, :, None] == ids[:, None, :]
+        return (torch.bmm(g, g.mT) * same_id).sum((1, 2))
 
     def clipped_grads(self, layer, A, G, c):
         samples, ids, g = self._tokens(layer, A, G)

@@ -107,7 +107,7 @@ class LinearRule(NormRule):
         # Under autocast the layer multiplies x cast to the autocast dtype (a LayerNorm's fp32
         # output becomes bf16): keep that, half the bytes of x and no cast per use later.
         # Autocast casts floating-point tensors other than fp64, as here.
-        device = x.device.type
+        device = "cuda" if x.is_cuda else x.device.type
         if x.is_floating_point() and x.dtype != torch.float64 and torch.is_autocast_enabled(device):
             return x.to(torch.get_autocast_dtype(device))
         return x
