@@ -190,9 +190,25 @@ class Census:
             result["phase_costs"] = census.phase_costs(s.measured_snapshots, s.step_starts)
 
 
+TIMELINE_STEPS = 3  # traced steps (CUDA activity alone) for a config's host time and GPU busy
+
+
+def median_host_step(timelines: list[dict]) -> dict:
+    """The step_timeline of median host time among several traced steps (the lower middle of an
+    even count; the first where a host time is missing), with every step's host time under
+    ``host_time_ms_of_traced_steps``."""
+    host_times = [t["host_time_ms"] for t in timelines]
+    if None in host_times:
+        chosen = timelines[0]
+    else:
+        chosen = sorted(timelines, key=lambda t: t["host_time_ms"])[(len(timelines) - 1) // 2]
+    return {**chosen, "host_time_ms_of_traced_steps": host_times}
+
+
 class Trace:
     """torch.profiler trace of extra steps; on CUDA, GPU kernel time per category from it, and
-    the host time and GPU-busy fraction of one more step (``kernel_names.step_timeline``)."""
+    the host time and GPU-busy fraction of the median of TIMELINE_STEPS more steps
+    (``kernel_names.step_timeline``)."""
 
     def run(self, s: Session, result: dict) -> None:
         config = s.config
@@ -222,25 +238,38 @@ class Trace:
         # trainer with more ops: on an H100, standard's 1b step at (8, 512) ran 82 ms untraced
         # and showed 111 ms of host time with host ops recorded. Such a trace has no host range:
         # the window is from the step's first CUDA call to its last launch (step_timeline's
-        # docstring). In a staging folder of its own: ranks of one config share the directory,
-        # and an interrupted run's leftovers are removed like the trace's (".trace-*").
+        # docstring). TIMELINE_STEPS such steps, each after a warm-up step: the one of median
+        # host time is reported (one step's host time varies by tens of percent on a shared
+        # host). In a staging folder of its own: ranks of one config share the directory, and
+        # an interrupted run's leftovers are removed like the trace's (".trace-*").
         # (files.staging: a private folder reached by its descriptor, never through a link)
         with files.staging(s.out_dir, os.path.dirname(s.out_dir), ".trace-") as stage:
-            light = os.path.join(stage.path, "timeline.json")
+            lights = []
+
+            def export(prof):
+                lights.append(os.path.join(stage.path, f"timeline{len(lights)}.json"))
+                prof.export_chrome_trace(lights[-1])
+
             with torch.profiler.profile(
                 activities=[torch.profiler.ProfilerActivity.CUDA],
-                schedule=torch.profiler.schedule(wait=0, warmup=1, active=1, repeat=1),
-                on_trace_ready=lambda prof: prof.export_chrome_trace(light),
+                schedule=torch.profiler.schedule(wait=0, warmup=1, active=1, repeat=TIMELINE_STEPS),
+                on_trace_ready=export,
             ) as prof:
-                for _ in range(2):
+                for _ in range(2 * TIMELINE_STEPS):
                     s.reused_batch_step()
                     synchronize(s.device)
                     prof.step()
             try:
-                timeline = kernel_names.step_timeline(kernel_names.load_trace_events(light))
+                timelines = [
+                    kernel_names.step_timeline(kernel_names.load_trace_events(path))
+                    for path in lights
+                ]
+                if not timelines:
+                    raise ValueError("the profiler wrote no trace")
             except ValueError as error:
                 s.env["timeline_note"] = f"host time and GPU-busy fraction not measured: {error}"
                 return
+        timeline = median_host_step(timelines)
         result["host_time_ms"] = timeline["host_time_ms"]
         result["gpu_busy_fraction"] = timeline["gpu_busy_fraction"]
         result["step_timeline"] = timeline

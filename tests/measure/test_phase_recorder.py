@@ -95,3 +95,28 @@ def test_timed_step_phase_time_is_when_the_gpu_got_there():
     assert forward["timestamp"] - (begun - recorder.start) > 0.04
     assert backward["timestamp"] >= forward["timestamp"]
     assert forward["phase_peak_mb"] >= 64  # the allocator counted it without a wait
+
+
+@pytest.mark.gpu
+def test_a_cuda_profile_run_times_phases_by_events_and_traces_several_steps(tmp_path):
+    """End to end on CUDA: every timed step's phases have GPU timestamps, in order within the
+    step, and the host time is the median of the traced steps."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    from cli_helpers import SMALL_MODEL, in_process, results_in
+
+    from dp_cost.measure.steps import TIMELINE_STEPS
+
+    done = in_process("--mode=profile", "--device", "cuda", "--trainers", "standard", "flash",
+                      "--batch_sizes", "2", "--seq_lens", "8", "--steps", "3",
+                      "--output_dir", tmp_path, "--run_name", "r", *SMALL_MODEL)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    results = results_in(tmp_path / "r")
+    assert len(results) == 2
+    for result in results.values():
+        assert all(s["timestamp"] is not None for s in result["snapshots"])
+        stamps = [s["timestamp"] for s in result["snapshots"]]
+        assert stamps == sorted(stamps)
+        traced = result["step_timeline"]["host_time_ms_of_traced_steps"]
+        assert len(traced) == TIMELINE_STEPS
+        assert result["host_time_ms"] == sorted(traced)[(TIMELINE_STEPS - 1) // 2]
