@@ -100,16 +100,17 @@ def test_timed_step_phase_time_is_when_the_gpu_got_there():
 @pytest.mark.gpu
 def test_a_cuda_profile_run_times_phases_by_events_and_traces_several_steps(tmp_path):
     """End to end on CUDA: every timed step's phases have GPU timestamps, in order within the
-    step, and the host time is the median of the traced steps."""
+    step, and the host time is the median of the traced steps. The CLI in a process of its own
+    (cli, not in_process): its workers fork, and this process has used CUDA already."""
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA device")
-    from cli_helpers import SMALL_MODEL, in_process, results_in
+    from cli_helpers import SMALL_MODEL, cli, results_in
 
     from dp_cost.measure.steps import TIMELINE_STEPS
 
-    done = in_process("--mode=profile", "--device", "cuda", "--trainers", "standard", "flash",
+    done = cli("--mode=profile", "--device", "cuda", "--trainers", "standard", "flash",
                       "--batch_sizes", "2", "--seq_lens", "8", "--steps", "3",
-                      "--output_dir", tmp_path, "--run_name", "r", *SMALL_MODEL)  # fmt: skip
+                      "--output_dir", str(tmp_path), "--run_name", "r", *SMALL_MODEL)  # fmt: skip
     assert done.returncode == 0, done.stderr[-2000:]
     results = results_in(tmp_path / "r")
     assert len(results) == 2
