@@ -76,11 +76,12 @@ class PhaseRecorder:
 
     @contextlib.contextmanager
     def timed_step(self):
-        """One timed step on CUDA: the GPU idle when it begins, a CUDA event at each phase (no
-        wait), and each phase's timestamp, when the GPU reached it, once the step is over. CPU:
-        as outside (its ops run as they are called)."""
+        """One timed step, given the time it began (seconds on the snapshots' clock; a phase
+        of it is at that or later). CUDA: the GPU idle when it begins, a CUDA event at each
+        phase (no wait), and each phase's timestamp, when the GPU reached it, once the step is
+        over. CPU: as outside (its ops run as they are called)."""
         if self.device.type != "cuda":
-            yield
+            yield time.perf_counter() - self.start
             return
         torch.cuda.synchronize(self.device)
         began = time.perf_counter() - self.start
@@ -88,7 +89,7 @@ class PhaseRecorder:
         start.record()
         self._timed = []
         try:
-            yield
+            yield began
         finally:
             timed, self._timed = self._timed, None
             torch.cuda.synchronize(self.device)

@@ -83,10 +83,10 @@ class TimedSteps:
                     # measurement of an empty (Poisson) batch would measure the noise alone.
                     s.inputs, s.targets = inputs, targets
                 # The phases' ends are CUDA events: nothing waits for the GPU inside the step
-                with s.recorder.timed_step():
-                    synchronize(s.device)
+                # (timed_step waits before it)
+                with s.recorder.timed_step() as began:
                     start = time.perf_counter()
-                    s.step_starts.append(start - s.recorder.start)
+                    s.step_starts.append(began)
                     out = s.trainer.step(inputs, targets)
                     synchronize(s.device)
                     step_times.append((time.perf_counter() - start) * 1e3)

@@ -41,7 +41,7 @@ def fake_cuda(monkeypatch):
 
 def test_phases_of_a_timed_step_wait_for_nothing_and_take_the_gpu_clock(fake_cuda):
     recorder = phases.PhaseRecorder(torch.device("cuda"))
-    with recorder.timed_step():
+    with recorder.timed_step() as step_began:
         began = len(fake_cuda)
         FakeEvent.clock_ms = 30.0  # the GPU reaches the forward's end 30 ms after the start
         recorder("forward_done")
@@ -52,6 +52,7 @@ def test_phases_of_a_timed_step_wait_for_nothing_and_take_the_gpu_clock(fake_cud
         assert [s["timestamp"] for s in recorder.snapshots] == [None, None]
     assert len(fake_cuda) == began + 1  # one, once the step is over
     first, second = (s["timestamp"] for s in recorder.snapshots)
+    assert first == pytest.approx(step_began + 0.030)  # the step's start on the same clock
     assert second - first == pytest.approx(0.045)
     assert [s["name"] for s in recorder.snapshots] == ["forward_done", "backward_done"]
     assert recorder.snapshots[0]["phase_peak_mb"] == 1.0  # the allocator's counters, read there
@@ -81,7 +82,7 @@ def test_timed_step_phase_time_is_when_the_gpu_got_there():
     device = torch.device("cuda")
     recorder = phases.PhaseRecorder(device)
     torch.cuda.synchronize()
-    with recorder.timed_step():
+    with recorder.timed_step() as step_began:
         begun = time.perf_counter()
         torch.cuda._sleep(200_000_000)  # ~0.1 s of GPU time at ~2 GHz, queued at once
         held = torch.empty(64 * 2**20, dtype=torch.uint8, device=device)
@@ -93,6 +94,7 @@ def test_timed_step_phase_time_is_when_the_gpu_got_there():
     # The host went on at once; the phase's time is the GPU's, past the sleep.
     assert host_s < 0.02
     assert forward["timestamp"] - (begun - recorder.start) > 0.04
+    assert step_began <= begun - recorder.start
     assert backward["timestamp"] >= forward["timestamp"]
     assert forward["phase_peak_mb"] >= 64  # the allocator counted it without a wait
 
