@@ -34,15 +34,19 @@ class EmbeddingRule(NormRule):
         return {"route": "embedding"}
 
     @staticmethod
-    def _tokens(layer: Layer, ids: Tensor, G: Tensor):
-        """Flat (sample index, token id, g) of every token; padding tokens get g = 0 (torch gives
-        the padding row no gradient). Masking by multiplication, not boolean indexing: indexing
-        by a mask waits for the GPU to count it (a host sync mid-step)."""
+    def _unpadded(layer: Layer, ids: Tensor, G: Tensor) -> Tensor:
+        """G [B, T, d] with g = 0 at padding tokens (torch gives the padding row no gradient).
+        Masking by multiplication (exact: by 0 or 1), not boolean indexing: indexing by a mask
+        waits for the GPU to count it (a host sync mid-step)."""
+        if layer.module.padding_idx is None:
+            return G
+        return G * (ids != layer.module.padding_idx)[:, :, None].to(G.dtype)
+
+    @classmethod
+    def _tokens(cls, layer: Layer, ids: Tensor, G: Tensor):
+        """Flat (sample index, token id, g) of every token, padding tokens' g = 0."""
         samples = torch.arange(ids.shape[0], device=ids.device)[:, None].expand_as(ids)
-        g = G.flatten(0, 1)
-        if layer.module.padding_idx is not None:
-            g = g * (ids != layer.module.padding_idx).flatten()[:, None].to(g.dtype)
-        return samples.flatten(), ids.flatten(), g
+        return samples.flatten(), ids.flatten(), cls._unpadded(layer, ids, G).flatten(0, 1)
 
     def squared_norms(self, layer, A, G):
         B, T = A.shape
@@ -65,15 +69,13 @@ class EmbeddingRule(NormRule):
         norms = rows.new_zeros(A.shape[0])
         return norms.index_add_(0, run_sample, rows.square().sum(1))
 
-    @staticmethod
-    def _gram_squared_norms(layer: Layer, ids: Tensor, G: Tensor) -> Tensor:
+    @classmethod
+    def _gram_squared_norms(cls, layer: Layer, ids: Tensor, G: Tensor) -> Tensor:
         """||sum_t onehot(id_t) g_t^T||^2 = sum_{s,t} [id_s = id_t] g_s . g_t per sample: one
         batched Gram of the tokens' g masked by equal ids, five launches where the sort route
         takes about fifteen (each a few tens of microseconds of host time, on a step bound by
         it at short sequences)."""
-        g = to_accumulation(G)
-        if layer.module.padding_idx is not None:  # the padding row gets no gradient
-            g = g * (ids != layer.module.padding_idx)[:, :, None].to(g.dtype)
+        g = to_accumulation(cls._unpadded(layer, ids, G))
         same_id = ids[:, :, None] == ids[:, None, :]
         return (torch.bmm(g, g.mT) * same_id).sum((1, 2))
 
