@@ -24,6 +24,8 @@ import subprocess
 import sys
 import tempfile
 
+from host_work import parse_shapes  # this script's sibling: the same BxT as its child takes
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 STEP_FRAME = "measure.<locals>.step ("  # host_work.py's timed or warm-up step
 HOOK_FRAMES = ("save_grad (",)  # flash's backward hooks, on autograd's thread
@@ -77,8 +79,15 @@ def main(argv=None) -> int:
             "host_samples.py: py-spy not found (pip install py-spy, or --py_spy)", file=sys.stderr
         )
         return 2
-    for shape in args.shapes:
-        batch, seq = shape.split("x")
+    try:
+        shapes = parse_shapes(args.shapes)
+    except ValueError:
+        print(
+            f"host_samples.py: --shapes takes BxT, e.g. 8x512; got {args.shapes}", file=sys.stderr
+        )
+        return 2
+    for batch, seq in shapes:
+        shape = f"{batch}x{seq}"
         for trainer in args.trainers:
             with tempfile.TemporaryDirectory() as folder:
                 raw = os.path.join(folder, "raw.txt")

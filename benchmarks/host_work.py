@@ -56,28 +56,22 @@ def launches_per_step(step, device: torch.device) -> dict | None:
             synchronize(device)
         prof.export_chrome_trace(path)
         events = kernel_names.load_trace_events(path)
-    calls = [
-        e
-        for e in events
-        if e.get("cat") in ("cuda_runtime", "cuda_driver") and e.get("name") in LAUNCH_CALLS
-    ]
-    by_name: dict[str, int] = {}
-    for e in calls:
-        by_name[e["name"]] = by_name.get(e["name"], 0) + 1
-    kernels = [e for e in events if e.get("cat") == "kernel"]
-    # every runtime and driver call the trace records (each costs host time while traced)
+    # every runtime and driver call the trace records (each costs host time while traced):
+    # name -> [calls, ms]; the launch calls are some of them
     api: dict[str, list] = {}
     for e in events:
         if e.get("cat") in ("cuda_runtime", "cuda_driver"):
             entry = api.setdefault(e.get("name"), [0, 0.0])
             entry[0] += 1
             entry[1] += float(e.get("dur", 0)) / 1000
+    launches = {name: api[name] for name in LAUNCH_CALLS if name in api}
+    kernels = [e for e in events if e.get("cat") == "kernel"]
     return {
         "api_calls": sum(n for n, _ in api.values()),
         "api_calls_by_name": dict(sorted(api.items(), key=lambda item: -item[1][0])),
-        "launch_calls": len(calls),
-        "launch_calls_by_api": by_name,
-        "launch_call_ms": sum(float(e.get("dur", 0)) for e in calls) / 1000,
+        "launch_calls": sum(n for n, _ in launches.values()),
+        "launch_calls_by_api": {name: n for name, (n, _) in launches.items()},
+        "launch_call_ms": sum(ms for _, ms in launches.values()),
         "kernels": len(kernels),
         "kernel_ms": sum(float(e.get("dur", 0)) for e in kernels) / 1000,
     }
@@ -219,7 +213,12 @@ def measure(trainer_name: str, batch: int, seq: int, args) -> dict:
 
 
 def parse_shapes(values: list[str]) -> list[tuple[int, int]]:
-    return [tuple(int(v) for v in s.split("x")) for s in values]
+    """["8x512", ...] -> [(8, 512), ...]; ValueError unless each is two integers BxT."""
+    shapes = []
+    for value in values:
+        batch, seq = value.split("x")
+        shapes.append((int(batch), int(seq)))
+    return shapes
 
 
 def main(argv=None) -> int:
