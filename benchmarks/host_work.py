@@ -4,7 +4,9 @@ the GPU is not what it waits for.
 At a tiny shape (1b model, (1, 16)) every kernel is shorter than its launch, so a step's wall
 time is its host work. For each trainer and shape this prints the median step time (synchronised
 before and after each step), the kernel launches per step and every CUDA runtime and driver call
-by name (a CUDA-activity trace: runtime and driver launch calls, Triton's included), the host's
+by name (a CUDA-activity trace: runtime and driver launch calls, Triton's included), the GPU
+time of that traced step by kernel category and name (the top KERNEL_TOP) and its idle time
+(the part spent waiting for the host's launches, and where), the host's
 and the GPU's time at each phase event of a step (where the GPU reaches an event soon after the
 host queued it, it was waiting for the host), Python's garbage collections over the timed steps
 and, with --profile, the Python functions with the most own time over the profiled steps
@@ -42,6 +44,7 @@ from dp_cost.measure.steps import synchronize  # noqa: E402
 from dp_cost.measure.worker import build_trainer  # noqa: E402
 from dp_cost.measure.workload import Workload  # noqa: E402
 
+KERNEL_TOP = 40  # kernels (by name) listed per traced step, by GPU time
 LAUNCH_CALLS = ("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernelEx")
 
 
@@ -67,6 +70,7 @@ def launches_per_step(step, device: torch.device) -> dict | None:
     launches = {name: api[name] for name in LAUNCH_CALLS if name in api}
     kernels = [e for e in events if e.get("cat") == "kernel"]
     return {
+        "gpu_idle": gpu_idle(events),
         "api_calls": sum(n for n, _ in api.values()),
         "api_calls_by_name": dict(sorted(api.items(), key=lambda item: -item[1][0])),
         "launch_calls": sum(n for n, _ in launches.values()),
@@ -74,6 +78,54 @@ def launches_per_step(step, device: torch.device) -> dict | None:
         "launch_call_ms": sum(ms for _, ms in launches.values()),
         "kernels": len(kernels),
         "kernel_ms": sum(float(e.get("dur", 0)) for e in kernels) / 1000,
+        # GPU time by kernel name and category: where one trainer's GPU work exceeds another's
+        "kernel_summary": kernel_names.summarize(
+            ((e.get("name", ""), float(e.get("dur", 0))) for e in kernels), top=KERNEL_TOP
+        ),
+    }
+
+
+def gpu_idle(events: list[dict], top: int = 12) -> dict:
+    """Where the GPU idled inside a traced step: each gap between one kernel's end and the next
+    kernel's start, and the part of it the GPU waited for the host (the next kernel's launch call
+    began after the previous kernel had ended: from that end to the launch call's end, at most
+    the gap). The largest such waits, by the kernel that waited, with its start in ms from the
+    step's first kernel."""
+    starts = {}  # correlation id -> (start, end) of its launch call on the host, µs
+    for e in events:
+        if e.get("cat") in ("cuda_runtime", "cuda_driver"):
+            correlation = (e.get("args") or {}).get("correlation")
+            if correlation is not None:
+                begin = float(e.get("ts", 0))
+                starts[correlation] = (begin, begin + float(e.get("dur", 0)))
+    kernels = sorted(
+        (float(e.get("ts", 0)), float(e.get("ts", 0)) + float(e.get("dur", 0)), e)
+        for e in events
+        if e.get("cat") == "kernel"
+    )
+    if not kernels:
+        return {"idle_ms": 0.0, "waiting_for_host_ms": 0.0, "largest_waits": []}
+    idle = waiting = 0.0
+    waits = []
+    busy_until = kernels[0][1]
+    for start, end, event in kernels[1:]:
+        gap = start - busy_until
+        if gap > 0:
+            idle += gap
+            launch = starts.get((event.get("args") or {}).get("correlation"))
+            if launch is not None and launch[0] > busy_until:
+                wait = min(gap, launch[1] - busy_until)
+                waiting += wait
+                name = kernel_names.short_name(event.get("name", ""))
+                waits.append((wait, (start - kernels[0][0]) / 1000, name))
+        busy_until = max(busy_until, end)
+    waits.sort(reverse=True)
+    return {
+        "idle_ms": idle / 1000,
+        "waiting_for_host_ms": waiting / 1000,
+        "largest_waits": [
+            {"wait_ms": w / 1000, "at_ms": at, "kernel": name} for w, at, name in waits[:top]
+        ],
     }
 
 
@@ -297,6 +349,26 @@ def main(argv=None) -> int:
                     print(
                         f"    CUDA API calls per traced step: {launches['api_calls']}; most: "
                         + ", ".join(f"{api} {n} ({ms:.1f} ms)" for api, (n, ms) in top)
+                    )
+                if launches.get("kernel_summary"):
+                    categories = launches["kernel_summary"]["categories"]
+                    print(
+                        f"    GPU kernel ms per traced step: {launches['kernel_ms']:.1f}; "
+                        + ", ".join(
+                            f"{category} {c['time_ms']:.1f}"
+                            for category, c in categories.items()
+                            if c["count"]
+                        )
+                    )
+                if launches.get("gpu_idle"):
+                    idle = launches["gpu_idle"]
+                    print(
+                        f"    GPU idle in the traced step {idle['idle_ms']:.1f} ms, of which "
+                        f"waiting for the host {idle['waiting_for_host_ms']:.1f} ms; largest: "
+                        + ", ".join(
+                            f"{w['wait_ms']:.2f} at {w['at_ms']:.1f} ({w['kernel'][:40]})"
+                            for w in idle["largest_waits"][:6]
+                        )
                     )
                 if args.profile:
                     print(row["python_profile"])

@@ -298,3 +298,40 @@ def test_graph_replays_lists_each_rank_and_compares_flash_with_standard_of_its_s
     assert len(lines) == 2 + 8  # header, separator, 2 shapes x 2 trainers x 2 ranks
     assert "| flash_bs32_ddp2x | 1 | 3 | 96.0 | 90.0% | 10 | 2 | 0.960 |" in lines
     assert "| flash_bs16_ddp2x | 0 | 3 | 96.0 | 90.0% | 10 | 2 | 2.400 |" in lines
+
+
+def test_host_work_counts_the_gpu_waiting_for_a_late_launch():
+    """benchmarks/host_work.py's gpu_idle: of each gap between kernels, the part from the end of
+    the previous kernel to the end of a launch call that began after it is a wait for the host;
+    a gap whose launch was queued in time is idle but not a wait (hand-made trace, µs)."""
+    import importlib.util
+
+    path = os.path.join(os.path.dirname(os.path.dirname(__file__)), "benchmarks", "host_work.py")
+    spec = importlib.util.spec_from_file_location("host_work", path)
+    host_work = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(host_work)
+
+    def launch(ts, dur, correlation):
+        return {"cat": "cuda_runtime", "name": "cudaLaunchKernel", "ts": ts, "dur": dur,
+                "args": {"correlation": correlation}}  # fmt: skip
+
+    def kernel(ts, dur, correlation, name):
+        return {"cat": "kernel", "name": name, "ts": ts, "dur": dur,
+                "args": {"correlation": correlation}}  # fmt: skip
+
+    events = [
+        launch(0, 5, 1), kernel(10, 100, 1, "a"),  # busy 10..110
+        launch(20, 5, 2), kernel(130, 50, 2, "b"),  # queued early: a 20 µs gap, no wait
+        launch(300, 10, 3), kernel(330, 10, 3, "c"),  # launched late: waited 180..310
+        kernel(335, 2, 4, "d"),  # no launch call in the trace: idle only
+    ]  # fmt: skip
+    idle = host_work.gpu_idle(events)
+    assert idle["idle_ms"] == pytest.approx((20 + 150) / 1000)
+    assert idle["waiting_for_host_ms"] == pytest.approx(130 / 1000)
+    (largest,) = idle["largest_waits"]
+    assert largest == {"wait_ms": pytest.approx(0.13), "at_ms": pytest.approx(0.32), "kernel": "c"}
+    assert host_work.gpu_idle([]) == {
+        "idle_ms": 0.0,
+        "waiting_for_host_ms": 0.0,
+        "largest_waits": [],
+    }

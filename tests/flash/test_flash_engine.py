@@ -825,16 +825,31 @@ def test_grouped_norm_layer_launches_match_brute_force(monkeypatch, budget_calls
     assert_close(flat_grads(model).double(), (clip[:, None] * per_sample).sum(0), 1e-5)
 
 
+def test_embedding_route_by_size_and_work():
+    """The Gram route where its [B, T, T] product is small and its exact fp32 multiply-adds few:
+    (8, 512) at d = 2048 takes it; (8, 1024) there (4x the multiply-adds) and (2, 4096) (a
+    product of 2^25 elements) sort; a narrow embedding takes it up to the product's bound."""
+    from dp_cost.flash.rules.embedding import takes_gram_route
+
+    def route(B, T, d):
+        return takes_gram_route(torch.empty(B, T, d, device="meta"))
+
+    assert route(8, 512, 2048) and route(1, 1, 2048)
+    assert not route(8, 1024, 2048) and not route(2, 4096, 2048)
+    assert route(8, 1024, 64) and route(16, 1024, 64) and not route(32, 1024, 64)
+
+
 @pytest.mark.parametrize("route_elements", [0, 2**40], ids=["sort", "gram"])
 @pytest.mark.parametrize("B,T", [(1, 1), (2, 1), (3, 12), (5, 40)])
 def test_embedding_norms_by_either_route_match_brute_force(monkeypatch, route_elements, B, T):
-    """An embedding's per-sample norms by the Gram route (within GRAM_ROUTE_ELEMENTS) and by the
-    sort route (beyond it) both equal brute force: a vocabulary of 4 ids, so a sample repeats
+    """An embedding's per-sample norms by the Gram route (within its bounds) and by the sort
+    route (beyond them) both equal brute force: a vocabulary of 4 ids, so a sample repeats
     ids many times (its gradient rows are sums of several tokens' g), one id the padding row
     (no gradient). Empty batches never reach the engine (the trainers' step skips them)."""
     from dp_cost.flash.rules import embedding
 
     monkeypatch.setattr(embedding, "GRAM_ROUTE_ELEMENTS", route_elements)
+    monkeypatch.setattr(embedding, "GRAM_ROUTE_MULTIPLY_ADDS", route_elements)
     gen = torch.Generator().manual_seed(B * 100 + T)
     model = nn.ModuleDict(
         {"emb": nn.Embedding(4, 6, padding_idx=2), "head": nn.Linear(6, 3, bias=False)}
