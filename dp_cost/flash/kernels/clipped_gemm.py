@@ -197,6 +197,7 @@ def _fold_kernel(table, c, out, BLOCK: tl.constexpr, DTYPE: tl.constexpr):
 
 
 FOLD_BLOCK = 1024  # elements per program: memory-bound, as the weighted sums (same block)
+FOLD_WARPS = 4
 
 
 def fold_clip_factors(X: torch.Tensor, c: torch.Tensor, tokens: int) -> torch.Tensor:
@@ -231,7 +232,7 @@ def fold_clip_factors_many(
         with torch.cuda.device(out.device) if out.is_cuda else contextlib.nullcontext():
             _fold_kernel[(triton.cdiv(max(sizes), FOLD_BLOCK), len(Xs))](
                 table, c.to(out.device, torch.float32).contiguous(), out,
-                BLOCK=FOLD_BLOCK, DTYPE=TL_DTYPES[out.dtype],
+                BLOCK=FOLD_BLOCK, DTYPE=TL_DTYPES[out.dtype], num_warps=FOLD_WARPS,
             )  # fmt: skip
     return list(folded)
 

@@ -1,0 +1,136 @@
+"""Flash's two memory-bound kernels of the clipped step, on the operands one 1b step gives them:
+the Linear biases' per-sample gradients (token sums of G) and the clip factors folded into each
+Gram-route Linear's narrower operand. For each (B, T), each block configuration's median ms
+(triton.testing.do_bench) and the bandwidth it reached (bytes read and written once).
+
+    python benchmarks/memory_kernels.py --shapes 8x512 8x1024
+
+``--tree DIR`` imports dp_cost from another checkout (e.g. ``git archive <commit> | tar -x -C
+DIR``) to time its kernels on the same operands. The first configuration of each list is the
+code's own; every result is checked against torch before it is timed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import os
+import sys
+
+HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+# (tokens, columns, warps) of the token sums; (elements, warps) of the fold. The code's own
+# configuration is timed first, then these.
+TOKEN_SUM_CONFIGS = [(64, 128, 4), (32, 256, 4), (32, 128, 8), (64, 256, 8), (128, 128, 8)]
+FOLD_CONFIGS = [(512, 4), (1024, 8), (2048, 4), (2048, 8)]
+
+
+def linear_layers(config) -> list[tuple[int, int, bool]]:
+    """(in, out, has bias) of every Linear of the 1b-style model, in forward order."""
+    h, m = config.hidden_dim, config.mlp_dim
+    block = [(h, h, True)] * 4 + [(h, m, True), (m, h, True)]
+    return block * config.num_layers + [(h, config.vocab_size, False)]
+
+
+def fold_groups(clipped_gemm, groups, c, tokens: int) -> list:
+    """One fold launch per group of operands, as the Linear rule launches them."""
+    return [clipped_gemm.fold_clip_factors_many(g, c, [tokens] * len(g)) for g in groups]
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shapes", nargs="+", default=["8x512", "8x1024"], help="BxT")
+    parser.add_argument("--model", default="1b")
+    parser.add_argument("--tree", default=HERE, help="the checkout to import dp_cost from")
+    parser.add_argument("--own_only", action="store_true", help="the code's own configurations")
+    args = parser.parse_args(argv)
+    sys.path.insert(0, os.path.abspath(args.tree))
+    import torch
+    import triton.testing
+
+    from dp_cost.flash.kernels import clipped_gemm, weighted_sums
+    from dp_cost.flash.rules.linear import FOLD_GROUP_BYTES
+    from models import CONFIGS
+
+    if not torch.cuda.is_available():
+        print("memory_kernels.py needs a GPU", file=sys.stderr)
+        return 2
+    try:
+        shapes = [tuple(int(n) for n in s.split("x")) for s in args.shapes]
+        if any(len(s) != 2 for s in shapes):
+            raise ValueError
+    except ValueError:
+        print(
+            f"memory_kernels.py: --shapes takes BxT, e.g. 8x512; got {args.shapes}", file=sys.stderr
+        )
+        return 2
+    print(f"card: {torch.cuda.get_device_name()}; dp_cost from {os.path.abspath(args.tree)}")
+    config = CONFIGS[args.model]
+    dtype, device = torch.bfloat16, torch.device("cuda")
+    generator = torch.Generator(device).manual_seed(0)
+    for B, T in shapes:
+        gram = [(d, p, bias) for d, p, bias in linear_layers(config) if d * p > T * (d + p)]
+        # The token sums: G [B, T, p] of each Gram-route Linear with a bias.
+        sources = [
+            torch.randn(B, T, p, device=device, dtype=dtype, generator=generator)
+            for d, p, bias in gram
+            if bias
+        ]
+        reference = [s.float().sum(1) for s in sources]
+        read = sum(s.numel() * s.element_size() for s in sources)
+        written = sum(r.numel() * 4 for r in reference)
+        own_warps = getattr(weighted_sums, "TOKEN_SUM_WARPS", 4)  # 4: Triton's default
+        own = (weighted_sums.TOKEN_SUM_TOKENS, weighted_sums.TOKEN_SUM_COLUMNS, own_warps)
+        for tokens, columns, warps in [own] + ([] if args.own_only else TOKEN_SUM_CONFIGS):
+            weighted_sums.TOKEN_SUM_TOKENS, weighted_sums.TOKEN_SUM_COLUMNS = tokens, columns
+            weighted_sums.TOKEN_SUM_WARPS = warps
+
+            token_sums = functools.partial(weighted_sums.token_sums_many, sources)
+            for out, ref in zip(token_sums(), reference, strict=True):
+                torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-3)
+            ms = triton.testing.do_bench(token_sums, rep=200)
+            print(
+                f"({B}, {T}) token sums of {len(sources)} G, {read / 2**30:.2f} GiB: tokens "
+                f"{tokens} columns {columns} warps {warps}: {ms:.3f} ms, "
+                f"{(read + written) / ms / 1e6:.0f} GB/s"
+            )
+        weighted_sums.TOKEN_SUM_TOKENS, weighted_sums.TOKEN_SUM_COLUMNS = own[:2]
+        weighted_sums.TOKEN_SUM_WARPS = own[2]
+        del sources, reference
+        # The fold: each Gram-route Linear's narrower operand [B*T, min(d, p)], launched in
+        # groups of FOLD_GROUP_BYTES of operands, as the Linear rule folds them.
+        narrows = [
+            torch.randn(B * T, min(d, p), device=device, dtype=dtype, generator=generator)
+            for d, p, _ in gram
+        ]
+        groups, group, held = [], [], 0
+        for narrow in narrows:
+            group.append(narrow)
+            held += narrow.numel() * narrow.element_size()
+            if held >= FOLD_GROUP_BYTES:
+                groups.append(group)
+                group, held = [], 0
+        groups += [group] if group else []
+        c = torch.rand(B, device=device, generator=generator)
+        moved = 2 * sum(n.numel() * n.element_size() for n in narrows)
+        own = (clipped_gemm.FOLD_BLOCK, getattr(clipped_gemm, "FOLD_WARPS", 4))
+        for block, warps in [own] + ([] if args.own_only else FOLD_CONFIGS):
+            clipped_gemm.FOLD_BLOCK, clipped_gemm.FOLD_WARPS = block, warps
+
+            fold = functools.partial(fold_groups, clipped_gemm, groups, c, T)
+            first = fold()[0][0]
+            expected = groups[0][0].float() * c.repeat_interleave(T)[:, None]
+            torch.testing.assert_close(first.float(), expected, rtol=2**-7, atol=0)
+            ms = triton.testing.do_bench(fold, rep=200)
+            print(
+                f"({B}, {T}) fold of {len(narrows)} operands in {len(groups)} launches: "
+                f"block {block} warps {warps}: {ms:.3f} ms, {moved / ms / 1e6:.0f} GB/s"
+            )
+        clipped_gemm.FOLD_BLOCK, clipped_gemm.FOLD_WARPS = own
+        del narrows, groups
+        torch.cuda.empty_cache()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
