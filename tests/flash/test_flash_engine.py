@@ -722,10 +722,10 @@ def test_norm_layers_formed_after_the_backward_within_a_byte_budget(
     at once (one launch per kind on CUDA): the A and G held for them are formed and dropped as
     soon as they exceed DEFERRED_BYTES (0: at each norm layer, mid-backward), else all together
     right after the backward. Exact against brute force either way."""
-    from dp_cost.flash import engine as flash_clip
+    from dp_cost.flash import capture
     from dp_cost.flash.rules.norm import NormLayerRule
 
-    monkeypatch.setattr(flash_clip, "DEFERRED_BYTES", budget)
+    monkeypatch.setattr(capture, "DEFERRED_BYTES", budget)
     formed = []
     many = NormLayerRule.per_sample_grads_many
 
@@ -750,9 +750,9 @@ def test_a_second_backward_through_the_graph_raises(monkeypatch, budget):
     """One backward per forward: a second one through a retained graph would add every kept
     call's gradients again. Norm layers hold A and G past their hook (formed later), so G
     already kept is the sign, as A dropped is for the rest."""
-    from dp_cost.flash import engine as flash_clip
+    from dp_cost.flash import capture
 
-    monkeypatch.setattr(flash_clip, "DEFERRED_BYTES", budget)
+    monkeypatch.setattr(capture, "DEFERRED_BYTES", budget)
     model = make_model()
     ids, targets = make_batch(3, 6, seed=2)
     flash = FlashClipping(model, route="gram")  # Linears keep A and G too: both signs
@@ -788,13 +788,13 @@ def test_grouped_norm_layer_launches_match_brute_force(monkeypatch, budget_calls
     as the byte budget allows (each call holds A and G of 3 x 5 x 16 fp32: 1920 bytes), each
     result handed to its own call (the reused layer's two summed, the bias-free one's weight
     alone); norms and clipped sums equal brute force."""
-    from dp_cost.flash import engine as flash_clip
+    from dp_cost.flash import capture
 
     kernels = pytest.importorskip("dp_cost.flash.kernels", reason="needs triton")
     if os.environ.get("TRITON_INTERPRET") != "1":
         pytest.skip("the CPU check of the grouped path; CUDA: test_flash_kernels_gpu.py")
     budget = 2**40 if budget_calls is None else budget_calls * 1920
-    monkeypatch.setattr(flash_clip, "DEFERRED_BYTES", budget)
+    monkeypatch.setattr(capture, "DEFERRED_BYTES", budget)
     monkeypatch.setattr(
         kernels, "norm_layer_grads_many_supported", lambda x, g: x.dim() == 3 and x.shape == g.shape
     )

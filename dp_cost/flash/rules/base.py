@@ -21,7 +21,7 @@ class NormRule:
     backward hook, ``kept_per_sample`` names the parameters whose per-sample gradients are formed
     at once (where they are small); ``formed_after_backward`` those formed after the hook, many
     calls' in one go (right after the backward, or earlier where only they hold A and G and the
-    engine's DEFERRED_BYTES is passed); the rest are done after backward from A and G by
+    capture's DEFERRED_BYTES is passed); the rest are done after backward from A and G by
     ``squared_norms`` and ``clipped_grads``, which handle exactly those parameters.
     ``describe`` and ``kept_per_sample`` may depend only on the layer and the shapes of A and G:
     the engine asks once per layer and shapes, not per call.
@@ -56,7 +56,7 @@ class NormRule:
         """Parameters, not kept per sample in the hook, whose per-sample gradients are formed
         after it from the kept A and G, many calls of the rule at once (per_sample_grads_many:
         right after the backward, or mid-backward once the calls held only for these pass the
-        engine's DEFERRED_BYTES); the rest are done by squared_norms and clipped_grads."""
+        capture's DEFERRED_BYTES); the rest are done by squared_norms and clipped_grads."""
         return set()
 
     def per_sample_grads_many(self, calls: list[GradRequest]) -> list[dict[str, Tensor]]:

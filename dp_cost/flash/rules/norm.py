@@ -29,7 +29,7 @@ class NormLayerRule(NormRule):
     def formed_after_backward(self, layer, A, G):
         # [B, d] per parameter: always smaller than A and G ([B, T, d]). Formed after the
         # backward, several layers' in one launch (per_sample_grads_many), not in the backward
-        # hook one launch each: the engine bounds the A and G held for it (DEFERRED_BYTES).
+        # hook one launch each: flash.capture bounds the A and G held for it (DEFERRED_BYTES).
         return set(layer.params)
 
     def per_sample_grads_many(self, calls):
