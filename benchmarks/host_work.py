@@ -5,13 +5,13 @@ At a tiny shape (1b model, (1, 16)) every kernel is shorter than its launch, so 
 time is its host work. For each trainer and shape this prints the median step time (synchronised
 before and after each step), the kernel launches per step and every CUDA runtime and driver call
 by name (a CUDA-activity trace: runtime and driver launch calls, Triton's included), the GPU
-time of that traced step by kernel category and name (the top KERNEL_TOP) and its idle time
-(the part spent waiting for the host's launches, and where), the host's
-and the GPU's time at each phase event of a step (where the GPU reaches an event soon after the
-host queued it, it was waiting for the host), Python's garbage collections over the timed steps
-and, with --profile, the Python functions with the most own time over the profiled steps
-(cProfile). Each trainer is built as the CLI's worker builds it
-(measure.worker.build_trainer on measure.workload.Workload).
+time of that traced step by kernel category and name (the top KERNEL_TOP), its idle time (the
+part spent waiting for the host's launches, and where), the host's and the GPU's time at each
+phase event of a step (where the GPU reaches an event soon after the host queued it, it was
+waiting for the host), Python's garbage collections over the timed steps and, with --profile,
+the Python functions with the most own time over the profiled steps (cProfile). Each trainer
+is built as the CLI's worker builds it (measure.worker.build_trainer on
+measure.workload.Workload).
 
     python benchmarks/host_work.py --shapes 1x16 8x512 --trainers standard flash --profile
 
@@ -86,38 +86,41 @@ def launches_per_step(step, device: torch.device) -> dict | None:
 
 
 def gpu_idle(events: list[dict], top: int = 12) -> dict:
-    """Where the GPU idled inside a traced step: each gap between one kernel's end and the next
-    kernel's start, and the part of it the GPU waited for the host (the next kernel's launch call
-    began after the previous kernel had ended: from that end to the launch call's end, at most
-    the gap). The largest such waits, by the kernel that waited, with its start in ms from the
-    step's first kernel."""
-    starts = {}  # correlation id -> (start, end) of its launch call on the host, µs
+    """Where the GPU idled inside a traced step: each gap in its activity (kernels, copies and
+    memsets) before the next one starts, and the part of it the GPU waited for the host (the
+    next activity's launch call ended after the GPU had gone idle: from then to the call's end,
+    at most the gap). The largest such waits, by the activity that waited, with its start in ms
+    from the step's first activity."""
+    launch_calls = {}  # correlation id -> (start, end) of its launch call on the host, µs
     for e in events:
         if e.get("cat") in ("cuda_runtime", "cuda_driver"):
             correlation = (e.get("args") or {}).get("correlation")
             if correlation is not None:
                 begin = float(e.get("ts", 0))
-                starts[correlation] = (begin, begin + float(e.get("dur", 0)))
-    kernels = sorted(
-        (float(e.get("ts", 0)), float(e.get("ts", 0)) + float(e.get("dur", 0)), e)
-        for e in events
-        if e.get("cat") == "kernel"
+                launch_calls[correlation] = (begin, begin + float(e.get("dur", 0)))
+    activity = sorted(
+        (
+            (float(e.get("ts", 0)), float(e.get("ts", 0)) + float(e.get("dur", 0)), e)
+            for e in events
+            if e.get("cat") in kernel_names.GPU_ACTIVITY_CATEGORIES
+        ),
+        key=lambda item: item[:2],  # by start, then end: never compare two events
     )
-    if not kernels:
+    if not activity:
         return {"idle_ms": 0.0, "waiting_for_host_ms": 0.0, "largest_waits": []}
     idle = waiting = 0.0
     waits = []
-    busy_until = kernels[0][1]
-    for start, end, event in kernels[1:]:
+    busy_until = activity[0][1]
+    for start, end, event in activity[1:]:
         gap = start - busy_until
         if gap > 0:
             idle += gap
-            launch = starts.get((event.get("args") or {}).get("correlation"))
-            if launch is not None and launch[0] > busy_until:
+            launch = launch_calls.get((event.get("args") or {}).get("correlation"))
+            if launch is not None and launch[1] > busy_until:
                 wait = min(gap, launch[1] - busy_until)
                 waiting += wait
                 name = kernel_names.short_name(event.get("name", ""))
-                waits.append((wait, (start - kernels[0][0]) / 1000, name))
+                waits.append((wait, (start - activity[0][0]) / 1000, name))
         busy_until = max(busy_until, end)
     waits.sort(reverse=True)
     return {

@@ -1,12 +1,14 @@
 """Flash's two memory-bound kernels of the clipped step, on the operands one 1b step gives them:
 the Linear biases' per-sample gradients (token sums of G) and the clip factors folded into each
-Gram-route Linear's narrower operand. For each (B, T), each block configuration's median ms
-(triton.testing.do_bench) and the bandwidth it reached (bytes read and written once).
+Gram-route Linear's narrower operand. For each (B, T), each block configuration's ms (the mean
+of triton.testing.do_bench's repetitions) and the bandwidth it reached (bytes read and written
+once).
 
     python benchmarks/memory_kernels.py --shapes 8x512 8x1024
 
 ``--tree DIR`` imports dp_cost from another checkout (e.g. ``git archive <commit> | tar -x -C
-DIR``) to time its kernels on the same operands. The first configuration of each list is the
+DIR``) to time its kernels on the same operands; a tree whose kernels take no warps setting
+times only the configurations of its own warps. The first configuration of each list is the
 code's own; every result is checked against torch before it is timed.
 """
 
@@ -17,7 +19,7 @@ import functools
 import os
 import sys
 
-HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # (tokens, columns, warps) of the token sums; (elements, warps) of the fold. The code's own
 # configuration is timed first, then these.
@@ -41,7 +43,7 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shapes", nargs="+", default=["8x512", "8x1024"], help="BxT")
     parser.add_argument("--model", default="1b")
-    parser.add_argument("--tree", default=HERE, help="the checkout to import dp_cost from")
+    parser.add_argument("--tree", default=REPO_ROOT, help="the checkout to import dp_cost from")
     parser.add_argument("--own_only", action="store_true", help="the code's own configurations")
     args = parser.parse_args(argv)
     sys.path.insert(0, os.path.abspath(args.tree))
@@ -65,7 +67,13 @@ def main(argv=None) -> int:
         )
         return 2
     print(f"card: {torch.cuda.get_device_name()}; dp_cost from {os.path.abspath(args.tree)}")
+    if args.model not in CONFIGS:
+        print(f"memory_kernels.py: --model must be one of {', '.join(CONFIGS)}", file=sys.stderr)
+        return 2
     config = CONFIGS[args.model]
+    # A tree from before the warps settings launches with Triton's default, 4 warps.
+    token_sum_warps = getattr(weighted_sums, "TOKEN_SUM_WARPS", None)
+    fold_warps = getattr(clipped_gemm, "FOLD_WARPS", None)
     dtype, device = torch.bfloat16, torch.device("cuda")
     generator = torch.Generator(device).manual_seed(0)
     for B, T in shapes:
@@ -79,9 +87,15 @@ def main(argv=None) -> int:
         reference = [s.float().sum(1) for s in sources]
         read = sum(s.numel() * s.element_size() for s in sources)
         written = sum(r.numel() * 4 for r in reference)
-        own_warps = getattr(weighted_sums, "TOKEN_SUM_WARPS", 4)  # 4: Triton's default
-        own = (weighted_sums.TOKEN_SUM_TOKENS, weighted_sums.TOKEN_SUM_COLUMNS, own_warps)
-        for tokens, columns, warps in [own] + ([] if args.own_only else TOKEN_SUM_CONFIGS):
+        token_sum_own = (
+            weighted_sums.TOKEN_SUM_TOKENS,
+            weighted_sums.TOKEN_SUM_COLUMNS,
+            token_sum_warps or 4,
+        )
+        token_sum_configs = [token_sum_own] + ([] if args.own_only else TOKEN_SUM_CONFIGS)
+        for tokens, columns, warps in token_sum_configs:
+            if token_sum_warps is None and warps != 4:
+                continue  # this tree's kernel cannot take it
             weighted_sums.TOKEN_SUM_TOKENS, weighted_sums.TOKEN_SUM_COLUMNS = tokens, columns
             weighted_sums.TOKEN_SUM_WARPS = warps
 
@@ -94,8 +108,8 @@ def main(argv=None) -> int:
                 f"{tokens} columns {columns} warps {warps}: {ms:.3f} ms, "
                 f"{(read + written) / ms / 1e6:.0f} GB/s"
             )
-        weighted_sums.TOKEN_SUM_TOKENS, weighted_sums.TOKEN_SUM_COLUMNS = own[:2]
-        weighted_sums.TOKEN_SUM_WARPS = own[2]
+        weighted_sums.TOKEN_SUM_TOKENS, weighted_sums.TOKEN_SUM_COLUMNS = token_sum_own[:2]
+        weighted_sums.TOKEN_SUM_WARPS = token_sum_own[2]
         del sources, reference
         # The fold: each Gram-route Linear's narrower operand [B*T, min(d, p)], launched in
         # groups of FOLD_GROUP_BYTES of operands, as the Linear rule folds them.
@@ -113,20 +127,24 @@ def main(argv=None) -> int:
         groups += [group] if group else []
         c = torch.rand(B, device=device, generator=generator)
         moved = 2 * sum(n.numel() * n.element_size() for n in narrows)
-        own = (clipped_gemm.FOLD_BLOCK, getattr(clipped_gemm, "FOLD_WARPS", 4))
-        for block, warps in [own] + ([] if args.own_only else FOLD_CONFIGS):
+        per_token = c.repeat_interleave(T)[:, None]
+        fold_own = (clipped_gemm.FOLD_BLOCK, fold_warps or 4)
+        for block, warps in [fold_own] + ([] if args.own_only else FOLD_CONFIGS):
+            if fold_warps is None and warps != 4:
+                continue  # this tree's kernel cannot take it
             clipped_gemm.FOLD_BLOCK, clipped_gemm.FOLD_WARPS = block, warps
 
             fold = functools.partial(fold_groups, clipped_gemm, groups, c, T)
-            first = fold()[0][0]
-            expected = groups[0][0].float() * c.repeat_interleave(T)[:, None]
-            torch.testing.assert_close(first.float(), expected, rtol=2**-7, atol=0)
+            for folded, group in zip(fold(), groups, strict=True):
+                for out, narrow in zip(folded, group, strict=True):
+                    expected = narrow.float() * per_token
+                    torch.testing.assert_close(out.float(), expected, rtol=2**-7, atol=0)
             ms = triton.testing.do_bench(fold, rep=200)
             print(
                 f"({B}, {T}) fold of {len(narrows)} operands in {len(groups)} launches: "
                 f"block {block} warps {warps}: {ms:.3f} ms, {moved / ms / 1e6:.0f} GB/s"
             )
-        clipped_gemm.FOLD_BLOCK, clipped_gemm.FOLD_WARPS = own
+        clipped_gemm.FOLD_BLOCK, clipped_gemm.FOLD_WARPS = fold_own
         del narrows, groups
         torch.cuda.empty_cache()
     return 0

@@ -301,9 +301,11 @@ def test_graph_replays_lists_each_rank_and_compares_flash_with_standard_of_its_s
 
 
 def test_host_work_counts_the_gpu_waiting_for_a_late_launch():
-    """benchmarks/host_work.py's gpu_idle: of each gap between kernels, the part from the end of
-    the previous kernel to the end of a launch call that began after it is a wait for the host;
-    a gap whose launch was queued in time is idle but not a wait (hand-made trace, µs)."""
+    """benchmarks/host_work.py's gpu_idle on a hand-made trace (µs): of each gap in the GPU's
+    activity, the part from the GPU going idle to the end of the next activity's launch call is a
+    wait for the host, also where that call began before the GPU went idle; a gap whose launch
+    call ended in time, or that has no launch call in the trace, is idle but not a wait; a
+    kernel inside an earlier, longer one adds no gap; ties and copies are activity too."""
     import importlib.util
 
     path = os.path.join(os.path.dirname(os.path.dirname(__file__)), "benchmarks", "host_work.py")
@@ -321,15 +323,20 @@ def test_host_work_counts_the_gpu_waiting_for_a_late_launch():
 
     events = [
         launch(0, 5, 1), kernel(10, 100, 1, "a"),  # busy 10..110
-        launch(20, 5, 2), kernel(130, 50, 2, "b"),  # queued early: a 20 µs gap, no wait
+        launch(20, 5, 2), kernel(130, 50, 2, "b"),  # queued in time: a 20 µs gap, no wait
         launch(300, 10, 3), kernel(330, 10, 3, "c"),  # launched late: waited 180..310
-        kernel(335, 2, 4, "d"),  # no launch call in the trace: idle only
+        kernel(332, 3, 4, "inside c"),  # within c's busy time: no gap
+        launch(335, 30, 5), kernel(370, 5, 5, "d"),  # call began before idle (340): waited 25
+        kernel(400, 5, 6, "no launch call"),  # idle 25, not a wait
+        {"cat": "kernel", "name": "no args", "ts": 420, "dur": 5},  # idle 15, not a wait
+        {"cat": "gpu_memcpy", "name": "Memcpy DtoH", "ts": 420, "dur": 5},  # a tie: no gap
     ]  # fmt: skip
     idle = host_work.gpu_idle(events)
-    assert idle["idle_ms"] == pytest.approx((20 + 150) / 1000)
-    assert idle["waiting_for_host_ms"] == pytest.approx(130 / 1000)
-    (largest,) = idle["largest_waits"]
-    assert largest == {"wait_ms": pytest.approx(0.13), "at_ms": pytest.approx(0.32), "kernel": "c"}
+    assert idle["idle_ms"] == pytest.approx((20 + 150 + 30 + 25 + 15) / 1000)
+    assert idle["waiting_for_host_ms"] == pytest.approx((130 + 25) / 1000)
+    first, second = idle["largest_waits"]
+    assert first == {"wait_ms": pytest.approx(0.13), "at_ms": pytest.approx(0.32), "kernel": "c"}
+    assert second == {"wait_ms": pytest.approx(0.025), "at_ms": pytest.approx(0.36), "kernel": "d"}
     assert host_work.gpu_idle([]) == {
         "idle_ms": 0.0,
         "waiting_for_host_ms": 0.0,
