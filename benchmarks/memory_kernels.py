@@ -27,13 +27,6 @@ TOKEN_SUM_CONFIGS = [(64, 128, 4), (32, 256, 4), (32, 128, 8), (64, 256, 8), (12
 FOLD_CONFIGS = [(512, 4), (1024, 8), (2048, 4), (2048, 8)]
 
 
-def linear_layers(config) -> list[tuple[int, int, bool]]:
-    """(in, out, has bias) of every Linear of the 1b-style model, in forward order."""
-    h, m = config.hidden_dim, config.mlp_dim
-    block = [(h, h, True)] * 4 + [(h, m, True), (m, h, True)]
-    return block * config.num_layers + [(h, config.vocab_size, False)]
-
-
 def fold_groups(clipped_gemm, groups, c, tokens: int) -> list:
     """One fold launch per group of operands, as the Linear rule launches them."""
     return [clipped_gemm.fold_clip_factors_many(g, c, [tokens] * len(g)) for g in groups]
@@ -52,7 +45,7 @@ def main(argv=None) -> int:
 
     from dp_cost.flash.kernels import clipped_gemm, weighted_sums
     from dp_cost.flash.rules.linear import FOLD_GROUP_BYTES
-    from models import CONFIGS
+    from models import CONFIGS, build_model
 
     if not torch.cuda.is_available():
         print("memory_kernels.py needs a GPU", file=sys.stderr)
@@ -70,14 +63,19 @@ def main(argv=None) -> int:
     if args.model not in CONFIGS:
         print(f"memory_kernels.py: --model must be one of {', '.join(CONFIGS)}", file=sys.stderr)
         return 2
-    config = CONFIGS[args.model]
+    # (in, out, has bias) of every Linear of the model, read off it on the meta device
+    linears = [
+        (m.in_features, m.out_features, m.bias is not None)
+        for m in build_model(args.model, "meta").modules()
+        if isinstance(m, torch.nn.Linear)
+    ]
     # A tree from before the warps settings launches with Triton's default, 4 warps.
     token_sum_warps = getattr(weighted_sums, "TOKEN_SUM_WARPS", None)
     fold_warps = getattr(clipped_gemm, "FOLD_WARPS", None)
     dtype, device = torch.bfloat16, torch.device("cuda")
     generator = torch.Generator(device).manual_seed(0)
     for B, T in shapes:
-        gram = [(d, p, bias) for d, p, bias in linear_layers(config) if d * p > T * (d + p)]
+        gram = [(d, p, bias) for d, p, bias in linears if d * p > T * (d + p)]
         # The token sums: G [B, T, p] of each Gram-route Linear with a bias.
         sources = [
             torch.randn(B, T, p, device=device, dtype=dtype, generator=generator)
