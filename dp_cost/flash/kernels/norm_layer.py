@@ -131,15 +131,24 @@ def norm_layer_grads_supported(x: torch.Tensor, g: torch.Tensor) -> bool:
 def norm_layer_grads_many_supported(x: torch.Tensor, g: torch.Tensor) -> bool:
     """Can norm_layer_per_sample_grads_many take x and g ([B, T, d] of one shape, rows held on
     chip whole, B within the 65535 programs of CUDA's y grid axis)?"""
+    return norm_layer_grads_supported(x, g) and _groupable(x, g) and _fits_one_launch(x)
+
+
+def _groupable(x: torch.Tensor, g: torch.Tensor) -> bool:
+    """x and g as the grouped kernel reads them: [B, T, d] of one shape, features contiguous,
+    and its alignment hints hold for both."""
     return (
-        norm_layer_grads_supported(x, g)
-        and x.dim() == 3
+        x.dim() == 3
         and x.shape == g.shape
-        and triton.next_power_of_2(x.shape[2]) <= ROW_KERNEL_ELEMENTS
-        and x.shape[0] <= 65535
+        and x.stride(2) == g.stride(2) == 1
         and _aligned(x)
         and _aligned(g)
     )
+
+
+def _fits_one_launch(x: torch.Tensor) -> bool:
+    """Rows held on chip whole, and B within the 65535 programs of CUDA's y grid axis."""
+    return triton.next_power_of_2(x.shape[2]) <= ROW_KERNEL_ELEMENTS and x.shape[0] <= 65535
 
 
 def _aligned(x: torch.Tensor) -> bool:
@@ -170,11 +179,8 @@ def norm_layer_per_sample_grads_many(
         x0.dtype not in TL_DTYPES
         or g0.dtype not in TL_DTYPES
         or not all(
-            x.dim() == 3
-            and x.shape == g.shape == x0.shape
-            and x.stride(2) == g.stride(2) == 1
-            and _aligned(x)
-            and _aligned(g)
+            _groupable(x, g)
+            and x.shape == x0.shape
             and (x.dtype, g.dtype, x.device, g.device) == (x0.dtype, g0.dtype, x0.device, x0.device)
             for x, g in pairs
         )
@@ -183,7 +189,7 @@ def norm_layer_per_sample_grads_many(
             "norm_layer_per_sample_grads_many needs (x, g) [B, T, d] of one shape, kernel dtypes "
             "and device, features contiguous, rows 16-byte aligned"
         )
-    if triton.next_power_of_2(x0.shape[2]) > ROW_KERNEL_ELEMENTS or x0.shape[0] > 65535:
+    if not _fits_one_launch(x0):
         raise ValueError(f"rows of {x0.shape[2]} features or {x0.shape[0]} samples: one by one")
     if len(pairs) > MAX_LAYERS_PER_LAUNCH:  # the grid's z axis (layers) holds 65535 programs
         first, rest = pairs[:MAX_LAYERS_PER_LAUNCH], pairs[MAX_LAYERS_PER_LAUNCH:]
