@@ -19,6 +19,7 @@ import torch
 from torch import Tensor
 
 from dp_cost.flash.layer import Call, GradRequest, Layer, flatten_tokens
+from dp_cost.flash.precision import device_type
 from dp_cost.flash.rules import NormRule
 
 # A and G held in the backward only for per-sample gradients a rule forms after it (norm
@@ -72,7 +73,7 @@ class LayerCapture:
         state in between. A new cast the layer would make itself (rule.feeds_saved_input: a
         Linear under autocast) is made with its gradient and handed to the layer, which then
         casts nothing (one cast per call, as the non-private step: none of flash's own)."""
-        device = "cuda" if x.is_cuda else x.device.type  # x.device makes an object: host time
+        device = device_type(x)
         state = (x._version, torch.is_autocast_enabled(device), torch.get_autocast_dtype(device))
         last = self._saved.get(id(x))
         if (
@@ -102,7 +103,7 @@ class LayerCapture:
                     return None
                 if self._after_backward:
                     raise RuntimeError("FlashClipping: call release() before the next forward")
-                x = args[0] if args else next(iter(kwargs.values()))
+                x = _layer_input(args, kwargs)
                 return keep(layer.rule.saved_input(module, x.detach()), output)
 
             return (module.register_forward_hook(after_only, with_kwargs=True),)

@@ -1,10 +1,17 @@
 """The dtypes flash's norms and GEMMs compute in: sums of squares accumulate in fp32 (fp64 for
-fp64 inputs); a Linear's norm GEMMs take its operands in the narrower of their dtypes."""
+fp64 inputs); a Linear's norm GEMMs take its operands in the narrower of their dtypes; the
+device type autocast is asked about."""
 
 from __future__ import annotations
 
 import torch
 from torch import Tensor
+
+
+def device_type(x: Tensor) -> str:
+    """x's device type, as autocast's queries take it: x.device would make a torch.device
+    object, host time on every managed layer's call."""
+    return "cuda" if x.is_cuda else x.device.type
 
 
 def accumulation_dtype(x: Tensor) -> torch.dtype:

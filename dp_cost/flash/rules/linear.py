@@ -9,7 +9,7 @@ from torch import Tensor, nn
 
 from dp_cost.flash.fused import triton_kernels
 from dp_cost.flash.layer import Layer, LayerCall
-from dp_cost.flash.precision import accumulation_dtype, gemm_operands, to_accumulation
+from dp_cost.flash.precision import accumulation_dtype, device_type, gemm_operands, to_accumulation
 from dp_cost.flash.rules.base import NormRule, register_norm_rule
 
 
@@ -107,7 +107,7 @@ class LinearRule(NormRule):
         # Under autocast the layer multiplies x cast to the autocast dtype (a LayerNorm's fp32
         # output becomes bf16): keep that, half the bytes of x and no cast per use later.
         # Autocast casts floating-point tensors other than fp64, as here.
-        device = "cuda" if x.is_cuda else x.device.type
+        device = device_type(x)
         if x.is_floating_point() and x.dtype != torch.float64 and torch.is_autocast_enabled(device):
             return x.to(torch.get_autocast_dtype(device))
         return x
