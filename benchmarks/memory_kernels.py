@@ -39,6 +39,9 @@ def main(argv=None) -> int:
     parser.add_argument("--tree", default=REPO_ROOT, help="the checkout to import dp_cost from")
     parser.add_argument("--own_only", action="store_true", help="the code's own configurations")
     args = parser.parse_args(argv)
+    if not os.path.isfile(os.path.join(args.tree, "dp_cost", "flash", "kernels", "__init__.py")):
+        print(f"memory_kernels.py: --tree {args.tree} holds no dp_cost checkout", file=sys.stderr)
+        return 2
     sys.path.insert(0, os.path.abspath(args.tree))
     import torch
     import triton.testing
