@@ -40,6 +40,7 @@ import torch  # noqa: E402
 
 from dp_cost.core import kernel_names  # noqa: E402
 from dp_cost.core.settings import MODEL_OVERRIDES, ExperimentConfig  # noqa: E402
+from dp_cost.measure.python_gc import GarbageCollections  # noqa: E402
 from dp_cost.measure.steps import synchronize  # noqa: E402
 from dp_cost.measure.worker import build_trainer  # noqa: E402
 from dp_cost.measure.workload import Workload  # noqa: E402
@@ -142,31 +143,6 @@ def python_profile(step, steps: int, top: int, sort: str = "tottime") -> str:
     text = io.StringIO()
     pstats.Stats(profiler, stream=text).sort_stats(sort).print_stats(top)
     return text.getvalue()
-
-
-class GarbageCollections:
-    """Python's cyclic garbage collections while inside: how many per generation, and the host
-    ms they took (gc.callbacks: each collection's start and stop)."""
-
-    def __init__(self):
-        self.counts = [0, 0, 0]
-        self.ms = 0.0
-        self._start = None
-
-    def _callback(self, phase, info):
-        if phase == "start":
-            self._start = time.perf_counter()
-        elif self._start is not None:
-            self.counts[info["generation"]] += 1
-            self.ms += (time.perf_counter() - self._start) * 1e3
-            self._start = None
-
-    def __enter__(self):
-        gc.callbacks.append(self._callback)
-        return self
-
-    def __exit__(self, *exc):
-        gc.callbacks.remove(self._callback)
 
 
 class PhaseClock:

@@ -24,6 +24,7 @@ from dp_cost.core.files import atomic_write
 from dp_cost.core.schema import MB
 from dp_cost.hf import privacy
 from dp_cost.measure import breakdown, census, phases, tracing
+from dp_cost.measure.python_gc import GarbageCollections
 
 
 def synchronize(device: torch.device) -> None:
@@ -196,13 +197,17 @@ TIMELINE_STEPS = 3  # traced steps (CUDA activity alone) for a config's host tim
 def median_host_step(timelines: list[dict]) -> dict:
     """The step_timeline of median host time among several traced steps (the lower middle of an
     even count; the first where a host time is missing), with every step's host time under
-    ``host_time_ms_of_traced_steps``."""
+    ``host_time_ms_of_traced_steps`` and, where recorded, Python's garbage collections inside
+    each step under ``python_gc_of_traced_steps``."""
     host_times = [t["host_time_ms"] for t in timelines]
     if None in host_times:
         chosen = timelines[0]
     else:
         chosen = sorted(timelines, key=lambda t: t["host_time_ms"])[(len(timelines) - 1) // 2]
-    return {**chosen, "host_time_ms_of_traced_steps": host_times}
+    chosen = {**chosen, "host_time_ms_of_traced_steps": host_times}
+    if all("python_gc" in t for t in timelines):
+        chosen["python_gc_of_traced_steps"] = [t["python_gc"] for t in timelines]
+    return chosen
 
 
 class Trace:
@@ -255,14 +260,21 @@ class Trace:
                 schedule=torch.profiler.schedule(wait=0, warmup=1, active=1, repeat=TIMELINE_STEPS),
                 on_trace_ready=export,
             ) as prof:
+                collections = []  # Python's garbage collections inside each step
                 for _ in range(2 * TIMELINE_STEPS):
-                    s.reused_batch_step()
-                    synchronize(s.device)
+                    with GarbageCollections() as inside:
+                        s.reused_batch_step()
+                        synchronize(s.device)
+                    collections.append(inside.result())
                     prof.step()
             try:
+                # the schedule's steps alternate warm-up, active: the active ones were exported
                 timelines = [
-                    kernel_names.step_timeline(kernel_names.load_trace_events(path))
-                    for path in lights
+                    {
+                        **kernel_names.step_timeline(kernel_names.load_trace_events(path)),
+                        "python_gc": collections[2 * i + 1],
+                    }
+                    for i, path in enumerate(lights)
                 ]
                 if not timelines:
                     raise ValueError("the profiler wrote no trace")

@@ -123,3 +123,6 @@ def test_a_cuda_profile_run_times_phases_by_events_and_traces_several_steps(tmp_
         traced = result["step_timeline"]["host_time_ms_of_traced_steps"]
         assert len(traced) == TIMELINE_STEPS
         assert result["host_time_ms"] == sorted(traced)[(TIMELINE_STEPS - 1) // 2]
+        collections = result["step_timeline"]["python_gc_of_traced_steps"]
+        assert len(collections) == TIMELINE_STEPS
+        assert all(len(c["collections"]) == 3 and c["ms"] >= 0 for c in collections)
