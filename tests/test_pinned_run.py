@@ -29,9 +29,9 @@ from cli_helpers import ROOT, in_process, results_in  # noqa: E402
 FIXTURE = os.path.join(ROOT, "tests", "fixtures", "test_grid_pinned.json")
 COMMAND = ["--mode=test", "--run_name", "grid"]  # and --output_dir
 REL = 1e-6
-# Result keys the current code may write beyond the pinned ones: none so far. Add a key here
-# (with the change that adds it) when a new result field is meant.
-KNOWN_ADDITIONS: frozenset[str] = frozenset()
+# Result keys the current code may write beyond the pinned ones. Add a key here (with the change
+# that adds it) when a new result field is meant.
+KNOWN_ADDITIONS: frozenset[str] = frozenset({"python_gc"})  # collections over the timed steps
 # Config keys added since, with the value a measuring run must record for them: the capacity
 # mode's settings (a --mode=test run predicts nothing).
 KNOWN_CONFIG_ADDITIONS = {
@@ -110,6 +110,15 @@ def test_test_mode_grid_behaves_as_pinned(grid_run):
     got = summarise(grid_run)
     assert differences(pinned, got) == []
     assert all(g["config_additions"] == KNOWN_CONFIG_ADDITIONS for g in got.values())
+
+
+def test_measured_configs_record_python_collections_over_their_timed_steps(grid_run):
+    measured = [r for r in results_in(grid_run).values() if r.get("median_time_ms") is not None]
+    assert measured
+    for result in measured:
+        collections = result["python_gc"]
+        assert len(collections["collections"]) == 3 and collections["ms"] >= 0
+        assert all(isinstance(n, int) and n >= 0 for n in collections["collections"])
 
 
 def test_the_comparison_fails_on_each_kind_of_change(tmp_path):

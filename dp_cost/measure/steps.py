@@ -77,23 +77,25 @@ class TimedSteps:
             first_measured = len(s.recorder.snapshots)
             counts_before = s.trainer.graphs.counts()
             step_times, physical_times, losses = [], [], []
-            for _ in range(s.config.steps):
-                inputs, targets = s.workload.batch()  # sampled outside the timed region
-                if len(inputs) or s.inputs is None:
-                    # The extra steps after these reuse the last batch that had samples: a
-                    # measurement of an empty (Poisson) batch would measure the noise alone.
-                    s.inputs, s.targets = inputs, targets
-                # The phases' ends are CUDA events: nothing waits for the GPU inside the step
-                # (timed_step waits before it)
-                with s.recorder.timed_step() as began:
-                    start = time.perf_counter()
-                    s.step_starts.append(began)
-                    out = s.trainer.step(inputs, targets)
-                    synchronize(s.device)
-                    step_times.append((time.perf_counter() - start) * 1e3)
-                physical_times.extend(out["physical_step_times_ms"])
-                losses.append(out["loss"])
+            with GarbageCollections() as collections:  # Python's, over the timed steps
+                for _ in range(s.config.steps):
+                    inputs, targets = s.workload.batch()  # sampled outside the timed region
+                    if len(inputs) or s.inputs is None:
+                        # The extra steps after these reuse the last batch that had samples: a
+                        # measurement of an empty (Poisson) batch would measure the noise alone.
+                        s.inputs, s.targets = inputs, targets
+                    # The phases' ends are CUDA events: nothing waits for the GPU inside the step
+                    # (timed_step waits before it)
+                    with s.recorder.timed_step() as began:
+                        start = time.perf_counter()
+                        s.step_starts.append(began)
+                        out = s.trainer.step(inputs, targets)
+                        synchronize(s.device)
+                        step_times.append((time.perf_counter() - start) * 1e3)
+                    physical_times.extend(out["physical_step_times_ms"])
+                    losses.append(out["loss"])
         s.measured_snapshots = s.recorder.snapshots[first_measured:]
+        result["python_gc"] = collections.result()
         timed = {k: v - counts_before[k] for k, v in s.trainer.graphs.counts().items()}
         s.timed_replays = timed["replays"]
         # Poisson batches vary in size: say which one the measurements after these steps use.
