@@ -8,7 +8,6 @@ batch that had samples and never records phase snapshots (``Session.extra_step``
 from __future__ import annotations
 
 import contextlib
-import gc
 import gzip
 import json
 import os
@@ -265,12 +264,6 @@ class Trace:
             ) as prof:
                 collections = []  # Python's garbage collections inside each step
                 for _ in range(2 * TIMELINE_STEPS):
-                    # Collected before each step, not inside it: the full trace above and
-                    # each ended profiling cycle leave thousands of new Python objects (parsed
-                    # events), which make a full collection due; a step that allocates Python
-                    # objects (flash's hooks: a few collections of the youngest generation per
-                    # step) would run it inside its window, the profiler's cost as the step's.
-                    gc.collect()
                     with GarbageCollections() as inside:
                         s.reused_batch_step()
                         synchronize(s.device)
