@@ -342,3 +342,49 @@ def test_host_work_counts_the_gpu_waiting_for_a_late_launch():
         "waiting_for_host_ms": 0.0,
         "largest_waits": [],
     }
+
+
+def test_trace_host_diff_counts_each_microsecond_once(tmp_path, capsys):
+    """benchmarks/trace_host_diff.py on hand-made traces (µs): an event's self time is its
+    duration less that of the events nested in it on its thread, Python functions and torch ops
+    alike; threads are apart; a bound method's address is dropped from its name."""
+    import importlib.util
+
+    path = os.path.join(os.path.dirname(os.path.dirname(__file__)), "benchmarks",
+                        "trace_host_diff.py")  # fmt: skip
+    spec = importlib.util.spec_from_file_location("trace_host_diff", path)
+    diff = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(diff)
+
+    def event(cat, name, ts, dur, tid=1):
+        return {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur, "pid": 0, "tid": tid}
+
+    events = [
+        event("python_function", "a.py(1): step", 0, 100),
+        event("python_function", "a.py(5): hook", 10, 30),  # inside step
+        event("cpu_op", "aten::mm", 15, 20),  # inside hook
+        event("cpu_op", "aten::mm", 50, 10),  # inside step, after hook
+        event("python_function", "<built-in method stride of Tensor object at 0x1>", 70, 5),
+        event("python_function", "<built-in method stride of Tensor object at 0x2>", 80, 5),
+        event("cpu_op", "aten::mm", 20, 40, tid=2),  # another thread: nests in nothing
+        {"ph": "i", "cat": "cpu_op", "name": "aten::mm", "ts": 0},  # no duration: not counted
+        event("kernel", "gemm", 0, 1000),  # GPU: not host time
+    ]
+    self_us, calls = diff.host_self_times(events)
+    assert self_us == {
+        "a.py(1): step": 100 - 30 - 10 - 5 - 5,
+        "a.py(5): hook": 30 - 20,
+        "op aten::mm": 20 + 10 + 40,
+        "<built-in method stride of Tensor": 10,
+    }
+    assert calls["op aten::mm"] == 3 and calls["<built-in method stride of Tensor"] == 2
+    baseline, other = tmp_path / "base", tmp_path / "other"
+    baseline.mkdir()
+    other.mkdir()
+    (baseline / "trace.1.pt.trace.json").write_text(json.dumps({"traceEvents": events[:1]}))
+    (other / "trace.2.pt.trace.json").write_text(json.dumps({"traceEvents": events}))
+    assert diff.main([str(baseline), str(other), "--top", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "    0.07      0.00      0      0.07      3  op aten::mm" in out
+    assert diff.main([str(tmp_path), str(other)]) == 2  # no trace in it: one error line
+    assert capsys.readouterr().err.count("\n") == 1
