@@ -31,8 +31,7 @@ COMMAND = ["--mode=test", "--run_name", "grid"]  # and --output_dir
 REL = 1e-6
 # Result keys the current code may write beyond the pinned ones. Add a key here (with the change
 # that adds it) when a new result field is meant.
-# python_gc: collections over the timed steps; flash_norms_graph: flash's norms replays.
-KNOWN_ADDITIONS: frozenset[str] = frozenset({"python_gc", "flash_norms_graph"})
+KNOWN_ADDITIONS: frozenset[str] = frozenset({"python_gc"})  # collections over the timed steps
 # Config keys added since, with the value a measuring run must record for them: the capacity
 # mode's settings (a --mode=test run predicts nothing).
 KNOWN_CONFIG_ADDITIONS = {

@@ -28,7 +28,6 @@ import torch
 from torch import Tensor, nn
 from torch._utils import _unflatten_dense_tensors
 
-from dp_cost.flash import norms_graph
 from dp_cost.flash.capture import LayerCapture
 from dp_cost.flash.clip import (
     ClipFactors,
@@ -55,10 +54,6 @@ class UnsupportedLayerError(ValueError):
 
 def _rows(grad: Tensor) -> Tensor:  # [B, n]; biases and norm layers' are: no view op
     return grad if grad.dim() == 2 else grad.view(grad.shape[0], -1)
-
-
-def _where(tensor: Tensor) -> tuple:
-    return tensor.data_ptr(), tensor.shape, tensor.stride(), tensor.dtype
 
 
 def _is_small(per_sample_grad: Tensor) -> bool:
@@ -108,7 +103,6 @@ class FlashClipping(LayerCapture):
         self._small: tuple | None = None  # _per_sample_batches' answer for this chunk
         self._norms: Tensor | None = None
         self._routes: list[dict] = []
-        self.norms_graph = norms_graph.NormsGraph()  # clip_factors' replays
 
     def backward(self, loss: Tensor) -> None:
         """One backward of the SUM of per-sample losses; no .grad is written anywhere."""
@@ -217,59 +211,6 @@ class FlashClipping(LayerCapture):
                 terms += rule.squared_norms_many(list(calls))
             self._norms = torch.stack(terms).sum(0)
         return self._norms
-
-    def norms_inputs(self) -> tuple:
-        """The key of what per_sample_squared_norms reads: every held A, G and per-sample
-        gradient's address, shape, strides and dtype, by layer, and the flag that picks an
-        embedding's route. Equal keys: the same launches on the same memory (a layer's
-        settings, e.g. its route, are the same from chunk to chunk)."""
-        key: list = [torch.backends.cuda.matmul.allow_tf32]
-        for layer in self.layers:
-            key.append(layer.name)
-            for call in layer.calls:
-                key += (_where(call.A), _where(call.G))
-            for name, grad in layer.per_sample.items():
-                key += (name, _where(grad))
-        return tuple(key)
-
-    def clip_factors(
-        self, of_norms: Callable[[Tensor], Tensor], constants: tuple, replay: bool
-    ) -> Tensor:
-        """of_norms(each sample's gradient norm), [B], after backward(). With ``replay``, on
-        CUDA, the norms and of_norms run as one CUDA graph where this chunk's inputs sit where
-        an earlier chunk's did (norms_graph.NormsGraph); ``constants``: the numbers of_norms
-        uses besides the norms (a replay runs it with those it was captured with)."""
-
-        def compute() -> Tensor:
-            return of_norms(self.per_sample_squared_norms().sqrt())
-
-        self._batch_size()  # checks that backward ran and that the batch sizes agree
-        held = (t for layer in self.layers for t in (*layer.per_sample.values(), *layer.calls))
-        first = next(held, None)
-        first = first.A if isinstance(first, Call) else first
-        # plain CUDA tensors: not fake ones (the capacity planner's step), which have no address
-        on_cuda = type(first) is Tensor and first.is_cuda
-        if not (replay and norms_graph.REPLAY_NORMS and on_cuda):
-            return compute()
-        key = (constants, self.norms_inputs())
-        return self.norms_graph.run(key, compute, self._norms_state, self._set_norms_state)
-
-    def _norms_state(self) -> tuple:
-        """What per_sample_squared_norms made (the small gradients' concatenations, the norms),
-        not the large per-sample gradients it read: a replay's state must not keep a chunk's."""
-        return (None if self._small is None else self._small[0]), self._norms
-
-    def _set_norms_state(self, state: tuple) -> None:
-        small, self._norms = state
-        self._small = None if small is None else (small, self._large_per_sample())
-
-    def _large_per_sample(self) -> list:
-        return [
-            (layer.params[name], grad)
-            for layer in self.layers
-            for name, grad in layer.per_sample.items()
-            if not _is_small(grad)
-        ]
 
     def accumulate_clipped_grads(
         self, clip_factors: Tensor, sink: Callable[[nn.Parameter, Tensor], None] | None = None

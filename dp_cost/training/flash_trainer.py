@@ -55,18 +55,12 @@ class FlashClippingTrainer(Trainer):
         # Sum over samples: each sample's G is then exactly the gradient of its own loss.
         self.engine.backward(per_sample.sum())
         self.on_phase("_clip_inputs_saved")  # A, G and per-sample grads all held: name them
-        # Each sample's norm from its own gradient, on its own rank: never reduced. 1/B folded
-        # into the clip factors (and the noise's std): no division pass afterwards. Replayed
-        # as a CUDA graph where the inputs sit where they sat (not inside --cuda_graph's graphs,
-        # nor in a step whose allocations a measurement reads).
-        factors = self.engine.clip_factors(
-            lambda norms: self.clip_factors(norms) / self.batch_size,
-            (self.max_grad_norm, self.batch_size),
-            replay=not (self.graphs.enabled or self.graphs.eager_only),
-        )
+        # Each sample's norm from its own gradient, on its own rank: never reduced.
+        norms = self.engine.per_sample_squared_norms().sqrt()
+        # 1/B folded into the clip factors (and the noise's std): no division pass afterwards.
         # Several ranks: each collective starts once its clipped sum exists (the sink).
         sink = self.distributed_mode.gradient_sink(is_last, self.noise_std(), add_gaussian_noise)
-        self.engine.accumulate_clipped_grads(factors, sink)
+        self.engine.accumulate_clipped_grads(self.clip_factors(norms) / self.batch_size, sink)
         self.engine.release()
         self.on_phase("backward_done")
         return per_sample.detach().sum()
@@ -112,11 +106,7 @@ class FlashClippingTrainer(Trainer):
         self.optimizer.step()
 
     def result_extras(self) -> dict:  # the route each Linear layer's norms took, its sizes
-        # and how often the norms were replayed, captured or run eagerly (norms_graph)
-        return {
-            "flash_routes": self.engine.routes(),
-            "flash_norms_graph": self.engine.norms_graph.counts(),
-        }
+        return {"flash_routes": self.engine.routes()}
 
     def dp_state_tensors(self):
         names = {id(m): n for n, m in self.model.named_modules()}
