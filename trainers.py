@@ -18,7 +18,7 @@ import torch.nn as nn
 
 from dp_cost.core import schema
 from dp_cost.parallel import fsdp
-from dp_cost.parallel.mode import distributed_mode
+from dp_cost.parallel.mode import FSDP_SYNCS, distributed_mode
 from dp_cost.training.base import OPTIMIZERS, Trainer, token_losses
 from dp_cost.training.flash_trainer import FlashClippingTrainer
 from dp_cost.training.opacus_trainers import DPSGDTrainer, GhostClippingTrainer, OpacusTrainer
@@ -86,7 +86,8 @@ def make_trainer(
     steps on its slice of the global batch; ``batch_size`` stays the GLOBAL batch (the divisor)."""
     cls = TRAINERS[canonical_trainer_name(name)]
     checkpointing = getattr(getattr(model, "config", None), "activation_checkpointing", False)
-    if reason := refusal(cls.name, distributed, trainer_options.get("cuda_graph"), checkpointing):
+    cuda_graph, fsdp_sync = trainer_options.get("cuda_graph"), trainer_options.get("fsdp_sync")
+    if reason := refusal(cls.name, distributed, cuda_graph, checkpointing, fsdp_sync or "chunk"):
         raise ValueError(reason)
     world_size = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
     mode = distributed_mode(distributed, world_size)
@@ -97,10 +98,18 @@ def make_trainer(
     return cls(model, **options, **privacy, distributed_mode=mode, **trainer_options)
 
 
-def refusal(name: str, distributed="none", cuda_graph=False, checkpointing=False) -> str | None:
+def refusal(
+    name: str, distributed="none", cuda_graph=False, checkpointing=False, fsdp_sync="chunk"
+) -> str | None:
     """Why trainer ``name`` cannot run so (None: it can): the plan records the config skipped,
     ``make_trainer`` raises it. The one place every such reason is given."""
     cls = TRAINERS[canonical_trainer_name(name)]
+    if fsdp_sync not in FSDP_SYNCS:
+        return f"fsdp_sync must be one of {', '.join(FSDP_SYNCS)}, got {fsdp_sync!r}"
+    if fsdp_sync != "chunk" and not distributed_mode(distributed).shards:
+        return "--fsdp_sync applies to --distributed fsdp (FSDP2's reduce-scatters)"
+    if fsdp_sync != "chunk" and (reason := cls.logical_sync_refusal):
+        return reason
     if checkpointing and not cls.supports_activation_checkpointing:
         return f"trainer {cls.name!r} does not support activation checkpointing: {REHOOKED}"
     if reason := cls.distributed_refusals.get(distributed):

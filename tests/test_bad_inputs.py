@@ -87,6 +87,8 @@ def bad_command_lines(tmp_path):
         (["--output_dir", str(a_file)], "not a directory"),
         (["--output_dir", "/proc/runs"], "system directory"),
         (["--trainers", "nope"], "unknown trainer"),
+        (["--fsdp_sync", "logical"], "--fsdp_sync applies to --distributed fsdp"),
+        (["--fsdp_sync", "never"], "invalid choice"),
         (["--model", "nope"], "unknown model"),
         (["--mode", "nope"], "invalid choice"),
         (["--token_file", str(tmp_path / "no_token")], "--token_file"),

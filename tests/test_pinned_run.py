@@ -36,7 +36,7 @@ KNOWN_ADDITIONS: frozenset[str] = frozenset({"python_gc"})  # collections over t
 # mode's settings (a --mode=test run predicts nothing).
 KNOWN_CONFIG_ADDITIONS = {
     "capacity": False, "gpu_memory": None, "find_max_batch": False, "validate": False,
-    "find_max_seq_len": False,
+    "find_max_seq_len": False, "fsdp_sync": "chunk",
 }  # fmt: skip
 
 

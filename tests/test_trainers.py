@@ -206,3 +206,22 @@ def test_the_built_in_trainers_are_the_schema_s():
 
     built_in = [n for n, c in trainers.TRAINERS.items() if c.__module__.startswith("dp_cost.")]
     assert built_in == list(TRAINER_ORDER)
+
+
+def test_who_can_hold_fsdp2s_sync_to_the_last_chunk():
+    """--fsdp_sync logical: standard (FSDP2's own switch) and flash (its held sums) can; ghost
+    cannot (Opacus' FSDP2 optimizer adds each chunk's gradient shard); it means nothing
+    without FSDP2; the default, chunk, is every trainer's."""
+    assert trainers.refusal("standard", "fsdp", fsdp_sync="logical") is None
+    assert trainers.refusal("flash", "fsdp", fsdp_sync="logical") is None
+    assert "Opacus' FSDP2 optimizer" in trainers.refusal("ghost", "fsdp", fsdp_sync="logical")
+    assert trainers.refusal("ghost", "fsdp", fsdp_sync="chunk") is None
+    for distributed in ("none", "ddp"):
+        reason = trainers.refusal("flash", distributed, fsdp_sync="logical")
+        assert "applies to --distributed fsdp" in reason
+    assert "fsdp_sync must be one of chunk, logical" in trainers.refusal(
+        "standard", "fsdp", fsdp_sync="never"
+    )
+    with pytest.raises(ValueError, match="applies to --distributed fsdp"):
+        trainers.make_trainer("flash", models.build_model(SMALL), lr=0.1, batch_size=2,
+                              fsdp_sync="logical")  # fmt: skip

@@ -15,8 +15,8 @@ from typing import Any
 
 from dp_cost.core.schema import TRAINER_ALIASES, TRAINER_ORDER
 from dp_cost.hf.configs import DATASET_MAX_BYTES, DATASET_MAX_LINE_BYTES, HF_CONFIGS
+from dp_cost.parallel.mode import FSDP_SYNCS, SingleProcess, distributed_mode
 from dp_cost.parallel.mode import MODES as MODES_OF_DISTRIBUTION
-from dp_cost.parallel.mode import SingleProcess, distributed_mode
 
 
 @dataclass(frozen=True)
@@ -273,6 +273,17 @@ SETTINGS: tuple[Setting, ...] = (
         compare=True,
     ),
     Setting(
+        "fsdp_sync",
+        "chunk",
+        "--distributed fsdp: reduce-scatter the gradients after every physical chunk (FSDP2's "
+        "own way), or hold them unsharded and reduce-scatter once per logical batch (logical: "
+        "fewer collectives, the unsharded gradients' memory; ghost only syncs per chunk)",
+        flags=("--fsdp_sync",),
+        choices=FSDP_SYNCS,
+        dir_part=lambda c: "_logicalsync" if c.fsdp_sync == "logical" else None,
+        compare=True,
+    ),
+    Setting(
         "optimizer",
         "sgd",
         "plain SGD or Adam",
@@ -484,6 +495,7 @@ class ExperimentConfig:
     model: str = "tiny"
     distributed: str = "none"
     world_size: int = 1
+    fsdp_sync: str = "chunk"
     optimizer: str = "sgd"
     lr: float = 1e-4
     noise_multiplier: float = 1.0

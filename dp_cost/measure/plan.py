@@ -284,6 +284,8 @@ def check_distributed(values: dict, batch_sizes: list[int]) -> None:
             )
     if values["ncu"] and distributed_mode(values["distributed"]).is_distributed:
         raise UsageError("--ncu profiles one process: run it without --distributed")
+    if values["fsdp_sync"] != "chunk" and not distributed_mode(values["distributed"]).shards:
+        raise UsageError("--fsdp_sync applies to --distributed fsdp (FSDP2's reduce-scatters)")
 
 
 def check(values: dict, axes: dict, args) -> int:

@@ -201,7 +201,11 @@ def skip_reason(config) -> str | None:
             f"({config.batch_size} / {config.world_size} ranks = {per_rank})"
         )
     return trainers.refusal(
-        config.trainer, config.distributed, config.cuda_graph, config.activation_checkpointing
+        config.trainer,
+        config.distributed,
+        config.cuda_graph,
+        config.activation_checkpointing,
+        config.fsdp_sync,
     )
 
 

@@ -158,15 +158,18 @@ class ShardedGradients(GradientBuckets):
     is rank-major (every parameter's piece for rank 0, then for rank 1, ...), as FSDP2 lays out
     its own reduce-scatter."""
 
-    def __init__(self):
+    def __init__(self, held: dict | None = None):
         super().__init__()
         self.world_size = dist.get_world_size()
+        self.held = held  # HeldSums' of the chunks before this (the last), added in and dropped
 
     def __call__(self, param: nn.Parameter, full: torch.Tensor) -> None:
         if not isinstance(param, DTensor):  # a parameter FSDP left unsharded (none today)
             raise TypeError(f"expected an FSDP2-sharded parameter, got {type(param).__name__}")
         # Summed in fp32 at least (a 16-bit parameter's too), a dtype the parameter fixes.
         full = full.to(torch.promote_types(param.dtype, torch.float32))
+        if self.held and id(param) in self.held:
+            full = full + self.held.pop(id(param))[1]
         padding = -full.shape[0] % self.world_size
         if padding:
             full = torch.cat([full, full.new_zeros((padding, *full.shape[1:]))])
@@ -194,8 +197,36 @@ class ShardedGradients(GradientBuckets):
     def finish(self, params: list[nn.Parameter]) -> None:
         """Send the last bucket and wait for every collective (``params``: as
         SummedGradients.finish; an empty batch hands none over, and optimizer_step gives each
-        shard its zeros and noise)."""
+        shard its zeros and noise). Sums still held (none: every chunk hands every parameter
+        over) are sent first, in ``params``' order, the same on every rank."""
+        for param in params:
+            if self.held and id(param) in self.held:
+                self(param, torch.zeros_like(self.held[id(param)][1]))
         self._drain()
+
+
+class HeldSums:
+    """flash's sink under FSDP2 with fsdp_sync "logical", in the chunks of a logical batch
+    before its last: each parameter's full clipped sum is added to the unsharded sum held for
+    it in ``held`` (id -> (parameter, sum)), with no collective; the last chunk's
+    ShardedGradients adds them in and reduce-scatters once. So every managed parameter's
+    unsharded gradient is held, in fp32 at least, from the first chunk to the last (FSDP2 holds
+    standard's alike)."""
+
+    def __init__(self, held: dict):
+        self.held = held
+
+    def __call__(self, param: nn.Parameter, full: torch.Tensor) -> None:
+        full = full.to(torch.promote_types(param.dtype, torch.float32))
+        if id(param) in self.held:
+            self.held[id(param)][1].add_(full)
+        elif full.untyped_storage().nbytes() == full.nbytes:
+            self.held[id(param)] = (param, full)
+        else:  # a view of a larger buffer (the small parameters' sums): its own storage
+            self.held[id(param)] = (param, full.clone())
+
+    def finish(self, params: list[nn.Parameter]) -> None:
+        """Nothing to send before the last chunk."""
 
 
 # Gathered per-sample gradients of more elements than this travel in a 16-bit step's dtype.

@@ -23,6 +23,9 @@ if TYPE_CHECKING:
 # GatheredGradients) at this many ranks: the one count where an all-gather moves no more bytes
 # than an all-reduce.
 GATHER_RANKS = 2
+# FSDP2's gradient sync (--fsdp_sync): reduce-scatter after every physical chunk, or hold the
+# unsharded gradients over the chunks and reduce-scatter once, after the logical batch's last.
+FSDP_SYNCS = ("chunk", "logical")
 
 
 @dataclass(frozen=True)
@@ -50,9 +53,10 @@ class SingleProcess:
         return False
 
     def gradient_sink(
-        self, is_last: bool, noise_std: float, add_noise: Callable
+        self, is_last: bool, noise_std: float, add_noise: Callable, held: dict | None = None
     ) -> Callable | None:
-        """Where flash hands a chunk's clipped sums instead of .grad (None: into .grad)."""
+        """Where flash hands a chunk's clipped sums instead of .grad (None: into .grad).
+        ``held``: FSDP2 with fsdp_sync "logical", the unsharded sums held over the chunks."""
         return None
 
     def sum_over_ranks(self, tensor: torch.Tensor) -> torch.Tensor:
@@ -114,7 +118,7 @@ class DataParallel(OverRanks):
     def gathers_per_sample(self, largest):
         return self.world_size == GATHER_RANKS and largest == 1
 
-    def gradient_sink(self, is_last, noise_std, add_noise):
+    def gradient_sink(self, is_last, noise_std, add_noise, held=None):
         from dp_cost.parallel import buckets
 
         return buckets.SummedGradients(noise_std, add_noise) if is_last else None
@@ -122,7 +126,8 @@ class DataParallel(OverRanks):
 
 @dataclass(frozen=True)
 class FullyShardedDataParallel(OverRanks):
-    """FSDP2: every chunk's clipped sums reduce-scattered into the shards."""
+    """FSDP2: every chunk's clipped sums reduce-scattered into the shards, or (fsdp_sync
+    "logical") held unsharded over the chunks and reduce-scattered after the last."""
 
     name: ClassVar[str] = "fsdp"
     shards: ClassVar[bool] = True
@@ -131,10 +136,12 @@ class FullyShardedDataParallel(OverRanks):
         "to gather and free each unit's parameters (run --distributed fsdp without --cuda_graph)"
     )
 
-    def gradient_sink(self, is_last, noise_std, add_noise):
+    def gradient_sink(self, is_last, noise_std, add_noise, held=None):
         from dp_cost.parallel import buckets
 
-        return buckets.ShardedGradients()
+        if held is None:
+            return buckets.ShardedGradients()
+        return buckets.ShardedGradients(held) if is_last else buckets.HeldSums(held)
 
 
 MODES: dict[str, type[SingleProcess]] = {

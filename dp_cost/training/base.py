@@ -41,6 +41,7 @@ class Trainer:
     supports_activation_checkpointing = False  # trainers.REHOOKED says why not, for most
     distributed_refusals: dict[str, str] = {}  # modes it cannot run, why (recorded "skipped")
     fsdp_units = "blocks"  # FSDP2 units: parallel.fsdp.FSDP_UNITS
+    logical_sync_refusal: str | None = None  # why it cannot hold FSDP2's sync to the last chunk
     capturable = False  # its chunk and optimizer steps make no host sync: a graph captures them
     shared_noise: torch.Generator | None = None  # its own noise generator (a capture tracks it)
 
@@ -59,6 +60,7 @@ class Trainer:
         on_phase: Callable[[str], None] | None = None,
         distributed_mode: SingleProcess | None = None,
         cuda_graph: bool = False,
+        fsdp_sync: str = "chunk",
     ):
         if batch_size <= 0 or (max_physical_batch_size or 1) <= 0:
             raise ValueError(f"batch sizes must be > 0 ({batch_size}, {max_physical_batch_size})")
@@ -78,6 +80,9 @@ class Trainer:
         # One process, DDP or FSDP2: what differs between them is the mode object's.
         self.distributed_mode = distributed_mode or SingleProcess()
         self.world_size = self.distributed_mode.world_size
+        # FSDP2: whether the gradients are reduce-scattered after every chunk or once per
+        # logical batch (mode.FSDP_SYNCS; make_trainer refuses what a trainer cannot do)
+        self.fsdp_sync = fsdp_sync
         if self.distributed_mode.is_distributed:
             self.on_phase("distributed_wrapped")
         params = self.trainable_parameters(model)

@@ -25,6 +25,7 @@ class FlashClippingTrainer(Trainer):
 
     def __init__(self, model, *, flash_route: str = "auto", **kwargs):
         self.engine = FlashClipping(model, route=flash_route)
+        self.held_sums: dict = {}  # FSDP2, fsdp_sync "logical": buckets.HeldSums' sums
         try:
             super().__init__(model, **kwargs)
         except Exception:
@@ -58,8 +59,12 @@ class FlashClippingTrainer(Trainer):
         # Each sample's norm from its own gradient, on its own rank: never reduced.
         norms = self.engine.per_sample_squared_norms().sqrt()
         # 1/B folded into the clip factors (and the noise's std): no division pass afterwards.
-        # Several ranks: each collective starts once its clipped sum exists (the sink).
-        sink = self.distributed_mode.gradient_sink(is_last, self.noise_std(), add_gaussian_noise)
+        # Several ranks: each collective starts once its clipped sum exists (the sink); FSDP2
+        # with fsdp_sync "logical": held unsharded until the last chunk, sent once then.
+        held = self.held_sums if self.fsdp_sync == "logical" else None
+        sink = self.distributed_mode.gradient_sink(
+            is_last, self.noise_std(), add_gaussian_noise, held
+        )
         self.engine.accumulate_clipped_grads(self.clip_factors(norms) / self.batch_size, sink)
         self.engine.release()
         self.on_phase("backward_done")
@@ -82,6 +87,7 @@ class FlashClippingTrainer(Trainer):
     def discard_step_state(self):
         super().discard_step_state()
         self.engine.release()
+        self.held_sums.clear()
 
     def noise_std(self) -> float:  # the gradients hold sum_b c_b g_b / B: N(0, (sigma C)^2) / B
         return self.noise_multiplier * self.max_grad_norm / self.batch_size

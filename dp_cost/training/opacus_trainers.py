@@ -94,6 +94,11 @@ class GhostClippingTrainer(OpacusTrainer):
 
     name = "ghost"
     fsdp_units = "opacus_layers"
+    logical_sync_refusal = (
+        "Opacus' FSDP2 optimizer for ghost clipping adds each chunk's reduce-scattered gradient "
+        "shard (.grad) to its running sum; with FSDP2's sync held to the last chunk there is "
+        "none to add (run ghost with --fsdp_sync chunk)"
+    )
 
     def __init__(self, model, **kwargs):
         super().__init__(model, **kwargs)

@@ -24,9 +24,10 @@ class StandardTrainer(Trainer):
         return not self.distributed_mode.replicates or self.forward_model.captures_after_this()
 
     def chunk_step(self, inputs, targets, is_last):
-        # Gradients are summed over ranks once per logical batch, after its last chunk.
+        # DDP sums the gradients over the ranks once per logical batch, after its last chunk;
+        # FSDP2 reduce-scatters after every chunk, or (fsdp_sync "logical") after the last.
         if self.distributed_mode.shards:
-            self.model.set_requires_gradient_sync(is_last)
+            self.model.set_requires_gradient_sync(is_last or self.fsdp_sync == "chunk")
         no_sync = self.distributed_mode.replicates and not is_last
         with self.forward_model.no_sync() if no_sync else contextlib.nullcontext():
             with self.autocast(inputs.device.type):

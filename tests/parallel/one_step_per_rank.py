@@ -38,7 +38,8 @@ def run_job(job: dict, info, max_grad_norm: float, seq: int) -> dict:
     """One job: each trainer's one step on each case. ``job``: distributed, trainers, cases
     ("global_samples,batch_size,physical" each), and optionally noise_multiplier, bucket_bytes
     (flash's bucket size), in_flight_bytes (FSDP2: bytes behind the newest), padded_step (the
-    step CUDA graphs replay: padded chunks of P samples, every rank as many)."""
+    step CUDA graphs replay: padded chunks of P samples, every rank as many), fsdp_sync (FSDP2:
+    "chunk" or "logical")."""
     defaults = buckets.BUCKET_BYTES, buckets.ShardedGradients.IN_FLIGHT_BYTES
     buckets.BUCKET_BYTES = job.get("bucket_bytes") or defaults[0]
     in_flight = job.get("in_flight_bytes")
@@ -63,6 +64,7 @@ def run_job(job: dict, info, max_grad_norm: float, seq: int) -> dict:
                 max_grad_norm=max_grad_norm,
                 noise_multiplier=job.get("noise_multiplier", 0.0),
                 distributed=job["distributed"],
+                fsdp_sync=job.get("fsdp_sync", "chunk"),
             )
             torch.manual_seed(100 + info.rank)  # each rank its own noise stream
             if job.get("padded_step"):

@@ -20,26 +20,26 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 SEQ, C = 12, 0.05
 
 
-def run_ranks(script, *args, timeout=600):
-    """Run ``script`` (next to this file) under torchrun on 2 ranks; it must succeed."""
+def run_ranks(script, *args, timeout=600, ranks=2):
+    """Run ``script`` (next to this file) under torchrun on ``ranks`` ranks; it must succeed."""
     command = [
-        sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--standalone",
-        os.path.join(HERE, script), *args,
+        sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(ranks),
+        "--standalone", os.path.join(HERE, script), *args,
     ]  # fmt: skip
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     done = subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=env)
     assert done.returncode == 0, done.stderr[-4000:]
 
 
-def torchrun(tmp_path, jobs: dict) -> dict:
-    """{job name: {(case, trainer): {"grad", "loss", ...}}} of one torchrun launch running every
-    job (see one_step_per_rank.run_job): one launch, so the interpreters, imports and process
-    group are paid once for many checks."""
+def torchrun(tmp_path, jobs: dict, ranks=2) -> dict:
+    """{job name: {(case, trainer): {"grad", "loss", ...}}} of one torchrun launch on ``ranks``
+    ranks running every job (see one_step_per_rank.run_job): one launch, so the interpreters,
+    imports and process group are paid once for many checks."""
     jobs_file, out = tmp_path / "jobs.json", tmp_path / "saved.pt"
     jobs_file.write_text(json.dumps(jobs))
     run_ranks(
         "one_step_per_rank.py", "--jobs", str(jobs_file), "--max_grad_norm", str(C),
-        "--seq", str(SEQ), "--out", str(out),
+        "--seq", str(SEQ), "--out", str(out), ranks=ranks,
     )  # fmt: skip
     return torch.load(out)
 
@@ -112,6 +112,11 @@ def every_job() -> dict:
             "distributed": distributed, "trainers": TRAINERS[distributed], "cases": CASES,
             **SMALL_BUCKETS,
         }  # fmt: skip
+        if distributed == "fsdp":  # the gradients reduce-scattered once, after the last chunk
+            jobs["update fsdp logical"] = {
+                "distributed": "fsdp", "trainers": ["standard", "flash"], "cases": CASES,
+                "fsdp_sync": "logical", **SMALL_BUCKETS,
+            }  # fmt: skip
         for noise in (0.0, SIGMA):  # FSDP2: each collective waited for at once
             jobs[f"noise {noise} {distributed}"] = {
                 "distributed": distributed, "trainers": dp_trainers(distributed),
@@ -131,9 +136,11 @@ def every_job() -> dict:
 
 def test_every_trainer_under_ddp_and_fsdp2_steps_as_the_definition(tmp_path):
     """One launch; each check below names its job: (1) the update of every trainer equals the
-    single-process definition, DDP and FSDP2; (2) the step a CUDA graph captures under DDP;
+    single-process definition, DDP and FSDP2 (standard and flash also with FSDP2's sync held to
+    the last chunk); (2) the step a CUDA graph captures under DDP;
     (3) the noise is added once."""
     saved = torchrun(tmp_path, every_job())
+    check_update(saved["update fsdp logical"], "fsdp", ["standard", "flash"])
     for distributed in ("ddp", "fsdp"):
         check_update(saved[f"update {distributed}"], distributed)
         check_noise_added_once(
@@ -146,18 +153,18 @@ def test_every_trainer_under_ddp_and_fsdp2_steps_as_the_definition(tmp_path):
     )  # fmt: skip
 
 
-def check_update(saved, distributed):
-    for case in CASES:
+def check_update(saved, distributed, names=None, cases=CASES):
+    for case in cases:
         samples, batch_size, _ = map(int, case.split(","))
         mean, clipped = references(samples, batch_size)
-        for name in TRAINERS[distributed]:
+        for name in names or TRAINERS[distributed]:
             reference = mean if name == "standard" else clipped
             where = (distributed, case, name)
             assert relative(saved[case, name]["grad"], reference) < 1e-5, where
             assert saved[case, name]["replicas_agree"], where
         assert saved[case, "flash"]["gathered"] == flash_gathers(distributed, samples), case
         # the loss of the global batch, the same for every trainer
-        assert len({saved[case, name]["loss"] for name in TRAINERS[distributed]}) == 1
+        assert len({saved[case, name]["loss"] for name in names or TRAINERS[distributed]}) == 1
 
 
 def check_padded_step(saved):
@@ -273,3 +280,27 @@ def test_replayed_ddp_noise_is_fresh_and_added_once(tmp_path):
         for noise in noises:
             assert abs(noise.std().item() / (sigma * C / samples) - 1) < 0.05, case
         assert relative(noises[1], noises[0]) > 1, case  # independent draws: about sqrt(2)
+
+
+# On 3 ranks: 9 samples in chunks of 2 (3 + 3 + 3: two chunks per rank) and of 1 (three chunks
+# per rank: sums held over two chunks), a Poisson-like 7 of an expected 9 (3 + 2 + 2), 4 in
+# chunks of 1 (2 + 1 + 1: the other ranks run a stand-in chunk).
+THREE_RANK_CASES = ["9,9,2", "9,9,1", "7,9,2", "4,9,1"]
+
+
+def test_fsdp2_sync_per_chunk_and_per_logical_batch_give_the_same_update_on_3_ranks(tmp_path):
+    """FSDP2 on 3 ranks (the sharding pads rows to a multiple of 3), standard and flash, with the
+    gradients reduce-scattered after every chunk and once after the last: each the
+    single-process definition of the global batch, so the same update."""
+    jobs = {
+        sync: {"distributed": "fsdp", "trainers": ["standard", "flash"],
+               "cases": THREE_RANK_CASES, "fsdp_sync": sync, **SMALL_BUCKETS}
+        for sync in ("chunk", "logical")
+    }  # fmt: skip
+    saved = torchrun(tmp_path, jobs, ranks=3)
+    for sync in ("chunk", "logical"):
+        check_update(saved[sync], "fsdp", ["standard", "flash"], THREE_RANK_CASES)
+    for case in THREE_RANK_CASES:
+        for name in ("standard", "flash"):
+            per_chunk = saved["chunk"][case, name]["grad"]
+            assert relative(saved["logical"][case, name]["grad"], per_chunk) < 1e-6, (case, name)
