@@ -61,6 +61,33 @@ def check_torchrun_run(out, distributed, expected):
     assert report.returncode == 0 and "flash" in report.stdout
 
 
+def test_fsdp2_sync_held_to_the_last_chunk_from_the_cli(tmp_path):
+    """--fsdp_sync logical with two chunks per rank: standard and flash step as one process
+    does (the same losses), in directories of their own; ghost is recorded skipped, saying
+    why."""
+    single = cli(*ARGS, "--trainers", "standard", "flash", "--output_dir", str(tmp_path / "one"))
+    assert single.returncode == 0, single.stderr[-3000:]
+    expected = {r["config"]["trainer"]: r for r in results_in(tmp_path / "one" / "r").values()}
+    done = torchrun_cli(
+        *ARGS, "--trainers", "standard", "ghost", "flash", "--distributed", "fsdp",
+        "--fsdp_sync", "logical", "--max_physical_batch_sizes", "1",
+        "--output_dir", str(tmp_path / "held"),
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    results = results_in(tmp_path / "held" / "r")
+    assert all(name.endswith("_fsdp2x_logicalsync") for name in results), sorted(results)
+    by_trainer = {r["config"]["trainer"]: r for r in results.values()}
+    assert by_trainer["ghost"]["status"] == "skipped"
+    assert "Opacus' FSDP2 optimizer" in by_trainer["ghost"]["error"]
+    for name in ("standard", "flash"):
+        result = by_trainer[name]
+        assert result["status"] == "ok", result["error"]
+        assert result["config"]["fsdp_sync"] == "logical"
+        assert result["config"]["physical_batch_size"] == 1  # two chunks per rank
+        for got, want in zip(result["losses"], expected[name]["losses"], strict=True):
+            assert got == pytest.approx(want, rel=1e-5), name
+
+
 def test_distributed_without_torchrun_is_one_line_exit_2(tmp_path, capsys, monkeypatch):
     for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         monkeypatch.delenv(name, raising=False)
