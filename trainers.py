@@ -86,8 +86,10 @@ def make_trainer(
     steps on its slice of the global batch; ``batch_size`` stays the GLOBAL batch (the divisor)."""
     cls = TRAINERS[canonical_trainer_name(name)]
     checkpointing = getattr(getattr(model, "config", None), "activation_checkpointing", False)
-    cuda_graph, fsdp_sync = trainer_options.get("cuda_graph"), trainer_options.get("fsdp_sync")
-    if reason := refusal(cls.name, distributed, cuda_graph, checkpointing, fsdp_sync or "chunk"):
+    if trainer_options.get("fsdp_sync") is None:  # absent or None: FSDP2's own, per chunk
+        trainer_options["fsdp_sync"] = "chunk"
+    cuda_graph, fsdp_sync = trainer_options.get("cuda_graph"), trainer_options["fsdp_sync"]
+    if reason := refusal(cls.name, distributed, cuda_graph, checkpointing, fsdp_sync):
         raise ValueError(reason)
     world_size = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
     mode = distributed_mode(distributed, world_size)

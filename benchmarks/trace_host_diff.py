@@ -3,7 +3,8 @@ function and torch op in two torch.profiler traces taken with Python stacks (the
 ``--mode=profile``'s full traces are), summed by name, and the difference.
 
 Self time is an event's duration less that of the events nested in it on its thread (Python
-functions and torch ops alike), so each microsecond counts once. Tracing with stacks slows the
+functions and torch ops alike), so each microsecond counts once; CUDA runtime and driver calls
+are not host events here, so their time is their caller's. Tracing with stacks slows the
 host several-fold, and more for Python-heavy code: compare names and counts, and take the ms as
 proportions, not as an untraced step's time.
 
@@ -97,7 +98,10 @@ def main(argv=None) -> int:
     names = sorted(set(base) | set(other), key=lambda n: other.get(n, 0) - base.get(n, 0))
     print(f"\nms of self time, other - baseline, the {args.top} largest each way")
     print(f"{'diff':>8} {'baseline':>9} {'calls':>6} {'other':>9} {'calls':>6}  name")
-    shown = names[::-1][: args.top] + ["..."] + names[: args.top][::-1]
+    if len(names) > 2 * args.top:
+        shown = names[::-1][: args.top] + ["..."] + names[: args.top][::-1]
+    else:  # every name once
+        shown = names[::-1]
     for name in shown:
         if name == "...":
             print("     ...")

@@ -1,5 +1,4 @@
-"""Python's cyclic garbage collector around measured steps: what it did inside them, and a
-collection before each traced one so the profiler's own garbage is not collected inside it."""
+"""Python's cyclic garbage collector around measured steps: what it did inside them."""
 
 from __future__ import annotations
 

@@ -118,7 +118,8 @@ class FlashClippingTrainer(Trainer):
         names = {id(m): n for n, m in self.model.named_modules()}
         held = [(role, names.get(id(m), ""), t) for m, role, t in self.engine.kept_tensors()]
         gathered = self.gathered.tensors() if self.gathered else []
-        return held + [("per_sample_gradients", "", t) for t in gathered]
+        sums = [("gradients", "", t) for _, t in self.held_sums.values()]  # FSDP2, "logical"
+        return held + [("per_sample_gradients", "", t) for t in gathered] + sums
 
     def dp_allocation_sites(self):  # ALLOCATION_SITES lists its roles in order of precedence
         sites, gathered = {**ALLOCATION_SITES}, buckets.GatheredGradients

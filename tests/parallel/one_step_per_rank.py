@@ -34,12 +34,28 @@ def full_gradients(model) -> torch.Tensor:
     return torch.cat(grads).double()
 
 
+def synced_after_a_chunk(name, job, batch_size, physical, max_grad_norm, inputs, targets):
+    """Whether a fresh trainer's parameters have a gradient after one chunk that is not the
+    logical batch's last: FSDP2 reduce-scattered it then (fsdp_sync "chunk"), or holds it back
+    for the last (fsdp_sync "logical")."""
+    torch.manual_seed(0)
+    model = models.build_model(SMALL)
+    trainer = trainers.make_trainer(
+        name, model, lr=1.0, batch_size=batch_size, max_physical_batch_size=physical,
+        max_grad_norm=max_grad_norm, noise_multiplier=0.0, distributed=job["distributed"],
+        fsdp_sync=job.get("fsdp_sync", "chunk"),
+    )  # fmt: skip
+    trainer.optimizer.zero_grad(set_to_none=True)
+    trainer.chunk_step(inputs[:physical], targets[:physical], is_last=False)
+    return any(p.grad is not None for p in model.parameters())
+
+
 def run_job(job: dict, info, max_grad_norm: float, seq: int) -> dict:
     """One job: each trainer's one step on each case. ``job``: distributed, trainers, cases
     ("global_samples,batch_size,physical" each), and optionally noise_multiplier, bucket_bytes
     (flash's bucket size), in_flight_bytes (FSDP2: bytes behind the newest), padded_step (the
     step CUDA graphs replay: padded chunks of P samples, every rank as many), fsdp_sync (FSDP2:
-    "chunk" or "logical")."""
+    "chunk" or "logical"), probe_sync (also record synced_after_a_chunk)."""
     defaults = buckets.BUCKET_BYTES, buckets.ShardedGradients.IN_FLIGHT_BYTES
     buckets.BUCKET_BYTES = job.get("bucket_bytes") or defaults[0]
     in_flight = job.get("in_flight_bytes")
@@ -83,6 +99,10 @@ def run_job(job: dict, info, max_grad_norm: float, seq: int) -> dict:
                 "replicas_agree": bool(agree.item()),
                 "gathered": getattr(trainer, "gathering", False),  # flash: per-sample gathered
             }
+            if job.get("probe_sync"):  # every rank holds a sample: the same collectives
+                saved[case, name]["synced_after_a_chunk"] = synced_after_a_chunk(
+                    name, job, batch_size, physical, max_grad_norm, inputs[local], targets[local]
+                )
     buckets.BUCKET_BYTES, buckets.ShardedGradients.IN_FLIGHT_BYTES = defaults
     return saved
 

@@ -291,10 +291,12 @@ THREE_RANK_CASES = ["9,9,2", "9,9,1", "7,9,2", "4,9,1"]
 def test_fsdp2_sync_per_chunk_and_per_logical_batch_give_the_same_update_on_3_ranks(tmp_path):
     """FSDP2 on 3 ranks (the sharding pads rows to a multiple of 3), standard and flash, with the
     gradients reduce-scattered after every chunk and once after the last: each the
-    single-process definition of the global batch, so the same update."""
+    single-process definition of the global batch, so the same update; with "logical" no
+    gradient reaches a shard before the last chunk."""
     jobs = {
         sync: {"distributed": "fsdp", "trainers": ["standard", "flash"],
-               "cases": THREE_RANK_CASES, "fsdp_sync": sync, **SMALL_BUCKETS}
+               "cases": THREE_RANK_CASES, "fsdp_sync": sync, "probe_sync": True,
+               **SMALL_BUCKETS}
         for sync in ("chunk", "logical")
     }  # fmt: skip
     saved = torchrun(tmp_path, jobs, ranks=3)
@@ -304,3 +306,6 @@ def test_fsdp2_sync_per_chunk_and_per_logical_batch_give_the_same_update_on_3_ra
         for name in ("standard", "flash"):
             per_chunk = saved["chunk"][case, name]["grad"]
             assert relative(saved["logical"][case, name]["grad"], per_chunk) < 1e-6, (case, name)
+            # and they do differ in when: a shard's gradient after a chunk that is not the last
+            assert saved["chunk"][case, name]["synced_after_a_chunk"], (case, name)
+            assert not saved["logical"][case, name]["synced_after_a_chunk"], (case, name)
