@@ -18,7 +18,7 @@ import torch.nn as nn
 
 from dp_cost.core import schema
 from dp_cost.parallel import fsdp
-from dp_cost.parallel.mode import FSDP_SYNCS, distributed_mode
+from dp_cost.parallel.mode import distributed_mode, fsdp_sync_refusal
 from dp_cost.training.base import OPTIMIZERS, Trainer, token_losses
 from dp_cost.training.flash_trainer import FlashClippingTrainer
 from dp_cost.training.opacus_trainers import DPSGDTrainer, GhostClippingTrainer, OpacusTrainer
@@ -106,10 +106,8 @@ def refusal(
     """Why trainer ``name`` cannot run so (None: it can): the plan records the config skipped,
     ``make_trainer`` raises it. The one place every such reason is given."""
     cls = TRAINERS[canonical_trainer_name(name)]
-    if fsdp_sync not in FSDP_SYNCS:
-        return f"fsdp_sync must be one of {', '.join(FSDP_SYNCS)}, got {fsdp_sync!r}"
-    if fsdp_sync != "chunk" and not distributed_mode(distributed).shards:
-        return "--fsdp_sync applies to --distributed fsdp (FSDP2's reduce-scatters)"
+    if reason := fsdp_sync_refusal(distributed, fsdp_sync):
+        return reason
     if fsdp_sync != "chunk" and (reason := cls.logical_sync_refusal):
         return reason
     if checkpointing and not cls.supports_activation_checkpointing:

@@ -29,7 +29,7 @@ from dp_cost.hf import snli_file
 from dp_cost.hf.configs import HF_CONFIGS
 from dp_cost.measure.model_facts import bytes_lower_bound, model_max_seq_len, parameter_count
 from dp_cost.parallel import ranks
-from dp_cost.parallel.mode import distributed_mode
+from dp_cost.parallel.mode import distributed_mode, fsdp_sync_refusal
 
 
 @dataclass
@@ -284,8 +284,8 @@ def check_distributed(values: dict, batch_sizes: list[int]) -> None:
             )
     if values["ncu"] and distributed_mode(values["distributed"]).is_distributed:
         raise UsageError("--ncu profiles one process: run it without --distributed")
-    if values["fsdp_sync"] != "chunk" and not distributed_mode(values["distributed"]).shards:
-        raise UsageError("--fsdp_sync applies to --distributed fsdp (FSDP2's reduce-scatters)")
+    if reason := fsdp_sync_refusal(values["distributed"], values["fsdp_sync"]):
+        raise UsageError(reason)
 
 
 def check(values: dict, axes: dict, args) -> int:

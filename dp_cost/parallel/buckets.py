@@ -20,6 +20,12 @@ from torch.distributed.tensor import DTensor
 BUCKET_BYTES = 25 * 2**20  # DDP's default bucket size
 
 
+def _own_storage(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor``, or a copy where it is a view of a larger buffer (the small parameters' sums
+    come as views of one): a gradient kept in its own storage, as autograd gives it."""
+    return tensor if tensor.untyped_storage().nbytes() == tensor.nbytes else tensor.clone()
+
+
 class GradientBuckets:
     """flash's clipped sums (or, gathered, its per-sample gradients) handed over one parameter
     at a time and sent asynchronously, so each collective runs while the next layers' are
@@ -115,8 +121,8 @@ class SummedGradients(GradientBuckets):
 
     def __call__(self, param: nn.Parameter, full: torch.Tensor) -> None:
         full = full.to(param.dtype).view(param.shape)
-        if param.grad is None:  # its own storage, as autograd gives it (not a view of a batch)
-            param.grad = full if full.untyped_storage().nbytes() == full.nbytes else full.clone()
+        if param.grad is None:
+            param.grad = _own_storage(full)
         else:
             param.grad.add_(full)
         self.handed.add(id(param))
@@ -220,10 +226,8 @@ class HeldSums:
         full = full.to(torch.promote_types(param.dtype, torch.float32))
         if id(param) in self.held:
             self.held[id(param)][1].add_(full)
-        elif full.untyped_storage().nbytes() == full.nbytes:
-            self.held[id(param)] = (param, full)
-        else:  # a view of a larger buffer (the small parameters' sums): its own storage
-            self.held[id(param)] = (param, full.clone())
+        else:
+            self.held[id(param)] = (param, _own_storage(full))
 
     def finish(self, params: list[nn.Parameter]) -> None:
         """Nothing to send before the last chunk."""

@@ -28,6 +28,16 @@ GATHER_RANKS = 2
 FSDP_SYNCS = ("chunk", "logical")
 
 
+def fsdp_sync_refusal(distributed: str, fsdp_sync: str) -> str | None:
+    """Why ``fsdp_sync`` cannot go with ``--distributed distributed`` (None: it can), whatever
+    the trainer: the plan's usage error and make_trainer's refusal alike."""
+    if fsdp_sync not in FSDP_SYNCS:
+        return f"fsdp_sync must be one of {', '.join(FSDP_SYNCS)}, got {fsdp_sync!r}"
+    if fsdp_sync != "chunk" and not distributed_mode(distributed).shards:
+        return "--fsdp_sync applies to --distributed fsdp (FSDP2's reduce-scatters)"
+    return None
+
+
 @dataclass(frozen=True)
 class SingleProcess:
     """One process, no process group: sums over ranks are the identity."""
