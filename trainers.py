@@ -20,6 +20,7 @@ from dp_cost.core import schema
 from dp_cost.parallel import fsdp
 from dp_cost.parallel.mode import distributed_mode, fsdp_sync_refusal
 from dp_cost.training.base import OPTIMIZERS, Trainer, token_losses
+from dp_cost.training.clipping import CLIPPINGS
 from dp_cost.training.flash_trainer import FlashClippingTrainer
 from dp_cost.training.opacus_trainers import DPSGDTrainer, GhostClippingTrainer, OpacusTrainer
 from dp_cost.training.standard import StandardTrainer
@@ -89,7 +90,8 @@ def make_trainer(
     if trainer_options.get("fsdp_sync") is None:  # absent or None: FSDP2's own, per chunk
         trainer_options["fsdp_sync"] = "chunk"
     cuda_graph, fsdp_sync = trainer_options.get("cuda_graph"), trainer_options["fsdp_sync"]
-    if reason := refusal(cls.name, distributed, cuda_graph, checkpointing, fsdp_sync):
+    clipping = trainer_options.get("clipping") or "flat"
+    if reason := refusal(cls.name, distributed, cuda_graph, checkpointing, fsdp_sync, clipping):
         raise ValueError(reason)
     world_size = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
     mode = distributed_mode(distributed, world_size)
@@ -101,12 +103,21 @@ def make_trainer(
 
 
 def refusal(
-    name: str, distributed="none", cuda_graph=False, checkpointing=False, fsdp_sync="chunk"
+    name: str,
+    distributed="none",
+    cuda_graph=False,
+    checkpointing=False,
+    fsdp_sync="chunk",
+    clipping="flat",
 ) -> str | None:
     """Why trainer ``name`` cannot run so (None: it can): the plan records the config skipped,
     ``make_trainer`` raises it. The one place every such reason is given."""
     cls = TRAINERS[canonical_trainer_name(name)]
     if reason := fsdp_sync_refusal(distributed, fsdp_sync):
+        return reason
+    if clipping not in CLIPPINGS:
+        return f"clipping must be one of {', '.join(CLIPPINGS)}, got {clipping!r}"
+    if clipping == "per_layer" and (reason := cls.per_layer_refusal):
         return reason
     if fsdp_sync != "chunk" and (reason := cls.logical_sync_refusal):
         return reason

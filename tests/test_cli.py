@@ -304,3 +304,26 @@ def test_ncu_report_mode_from_exported_csvs(tmp_path):
     assert (tmp_path / "ncu_summary.md").exists() and (tmp_path / "ncu_comparison.png").exists()
     missing = in_process("--mode=ncu_report", "--input_dir", str(tmp_path / "nope"))
     assert missing.returncode == 2 and "Traceback" not in missing.stderr
+
+
+def test_per_layer_clipping_from_the_cli(tmp_path):
+    """--clipping per_layer: dpsgd and flash record each parameter's C_l (sum of squares C^2)
+    and clipped fraction, in directories of their own; ghost is skipped with its reason;
+    standard runs as the baseline; the summary names the rule."""
+    args = small_run_args(tmp_path, "standard", "dpsgd", "ghost", "flash")
+    done = in_process(*args, "--clipping", "per_layer", "--max_grad_norm", "0.1", "--no_trace")
+    assert done.returncode == 0, done.stderr[-3000:]
+    results = {r["config"]["trainer"]: r for r in results_in(tmp_path / "r").values()}
+    assert all(r["config_dir"].endswith("_perlayer") for r in results.values())
+    assert results["ghost"]["status"] == "skipped"
+    assert "no per-layer mode" in results["ghost"]["error"]
+    assert results["standard"]["status"] == "ok" and results["standard"]["clipping"] is None
+    for name in ("dpsgd", "flash"):
+        record = results[name]["clipping"]
+        assert results[name]["status"] == "ok" and record["rule"] == "per_layer"
+        bounds = [p["max_grad_norm"] for p in record["parameters"]]
+        assert sum(b * b for b in bounds) == pytest.approx(0.1**2, rel=1e-12)
+        assert sum(b * b for b in bounds) <= 0.1**2
+        assert all(0 <= p["clipped_fraction"] <= 1 for p in record["parameters"])
+    summary = (tmp_path / "r" / "summary.md").read_text()
+    assert summary.count(" per-layer |") == 4  # every row, the baseline's too

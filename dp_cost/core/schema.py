@@ -21,6 +21,9 @@ EXIT_OK, EXIT_CONFIG_ERROR, EXIT_BAD_ARGS, EXIT_INTERRUPTED, EXIT_TERMINATED = 0
 # ---------------------------------------------------------------- trainers, as reports show them
 # Canonical order and titles; a trainer not listed (a new one) sorts last, titled by its name.
 TRAINER_ORDER = ("standard", "dpsgd", "ghost", "flash")
+# The DP trainers' clipping rules (--clipping): one bound on each sample's whole gradient, or
+# Opacus' per-layer rule (dp_cost.training.clipping)
+CLIPPINGS = ("flat", "per_layer")
 TRAINER_TITLES = {
     "standard": "Standard (no DP)",
     "dpsgd": "DP-SGD, per-sample grads (Opacus hooks)",
@@ -136,6 +139,7 @@ def empty_result(config: dict, config_dir: str, status: str, error: str | None =
         "snapshots": [],
         "kernels": None,
         "flash_routes": None,
+        "clipping": None,
     }
 
 

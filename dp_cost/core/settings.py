@@ -13,7 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from dp_cost.core.schema import TRAINER_ALIASES, TRAINER_ORDER
+from dp_cost.core.schema import CLIPPINGS, TRAINER_ALIASES, TRAINER_ORDER
 from dp_cost.hf.configs import DATASET_MAX_BYTES, DATASET_MAX_LINE_BYTES, HF_CONFIGS
 from dp_cost.parallel.mode import FSDP_SYNCS, SingleProcess, distributed_mode
 from dp_cost.parallel.mode import MODES as MODES_OF_DISTRIBUTION
@@ -302,6 +302,19 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("noise_multiplier", 1.0, "sigma", flags=("--noise_multiplier", "--sigma"), type=float),
     Setting("max_grad_norm", 1.0, "clipping norm C", flags=("--max_grad_norm",), type=float),
     Setting(
+        "clipping",
+        "flat",
+        "flat: one bound C on each sample's gradient over all its parameters; per_layer: "
+        "Opacus' per-layer rule, each parameter tensor's per-sample gradient clipped to its own "
+        "C_l = C / sqrt(P) over the P trainable tensors (sum of C_l^2 = C^2: same noise, same "
+        "epsilon, a different clipping rule). dpsgd and flash; ghost has no per-layer mode; "
+        "standard does not clip",
+        flags=("--clipping",),
+        choices=CLIPPINGS,
+        dir_part=lambda c: "_perlayer" if c.clipping == "per_layer" else None,
+        compare=True,
+    ),
+    Setting(
         "steps",
         3,
         "measured steps",
@@ -500,6 +513,7 @@ class ExperimentConfig:
     lr: float = 1e-4
     noise_multiplier: float = 1.0
     max_grad_norm: float = 1.0
+    clipping: str = "flat"
     steps: int = 3
     warmup_steps: int = 1
     seed: int = 0

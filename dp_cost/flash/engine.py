@@ -20,6 +20,7 @@ backward, gradients reaching managed layers only through their outputs, no check
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections import deque
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -31,6 +32,8 @@ from torch._utils import _unflatten_dense_tensors
 from dp_cost.flash.capture import LayerCapture
 from dp_cost.flash.clip import (
     ClipFactors,
+    ClipFactorsByParameter,
+    DeviceIndices,
     accumulate_into_grad,
     accumulate_many,
     accumulate_weighted_sums,
@@ -39,6 +42,7 @@ from dp_cost.flash.clip import (
     weighted_sum,
 )
 from dp_cost.flash.layer import DEFAULT_BLOCK_NUMEL, Call, Layer, LayerCall
+from dp_cost.flash.precision import accumulation_dtype
 from dp_cost.flash.rules import NORM_RULES, NormRule
 
 # Kept per-sample gradients with at most this many elements per sample (biases, norm layers, LoRA
@@ -50,6 +54,26 @@ SMALL_PER_SAMPLE_NUMEL = 2**18
 
 class UnsupportedLayerError(ValueError):
     """A layer owns trainable parameters but no norm rule is registered for its type."""
+
+
+def _one_by_one(rule: NormRule, calls: deque[tuple[LayerCall, ClipFactors]]) -> Iterator[dict]:
+    """rule.clipped_grads_many of each call alone, with its parameter's own clip factors."""
+    while calls:
+        call, c = calls.popleft()
+        yield from rule.clipped_grads_many(deque([call]), c)
+
+
+def _only_parameter(layer: Layer) -> nn.Parameter:
+    """The one parameter a layer's calls left to A and G (per-layer clipping needs its norm
+    alone)."""
+    pending = set().union(*(call.pending for call in layer.calls))
+    if len(pending) != 1:
+        raise UnsupportedLayerError(
+            f"layer {layer.name!r}: its rule computes one norm for the parameters "
+            f"{sorted(pending)}; per-layer clipping needs one per parameter"
+        )
+    (name,) = pending
+    return layer.params[name]
 
 
 def _rows(grad: Tensor) -> Tensor:  # [B, n]; biases and norm layers' are: no view op
@@ -103,6 +127,7 @@ class FlashClipping(LayerCapture):
         self._small: tuple | None = None  # _per_sample_batches' answer for this chunk
         self._norms: Tensor | None = None
         self._routes: list[dict] = []
+        self._indices = DeviceIndices()  # per-layer clipping's index tensors, made once
 
     def backward(self, loss: Tensor) -> None:
         """One backward of the SUM of per-sample losses; no .grad is written anywhere."""
@@ -212,10 +237,43 @@ class FlashClipping(LayerCapture):
             self._norms = torch.stack(terms).sum(0)
         return self._norms
 
+    def per_parameter_squared_norms(self) -> Tensor:
+        """Squared norm of each sample's gradient of each managed parameter on its own, [P, B],
+        rows in self.params' order (per-layer clipping: each parameter clipped to its own C_l).
+        A concatenation of small parameters is split by one index_add; a layer done from A and
+        G has one pending parameter (its rule's squared_norms covers what it left pending)."""
+        batch = self._batch_size()
+        small, large = self._per_sample_batches()
+        row = {id(param): i for i, param in enumerate(self.params)}
+        rows: list[int] = []
+        terms: list[Tensor] = []  # [B] each, in the order of rows
+        for params, grads in small:
+            local = list(range(len(params)))
+            owner = self._indices.columns(params, local, grads.device)  # of each column
+            # fp64 on the CPU, as squared_row_norms: fp32 sums drift on long rows there
+            wide = torch.float64 if grads.device.type == "cpu" else accumulation_dtype(grads)
+            squared = grads.to(wide).square()
+            sums = squared.new_zeros((batch, len(params))).index_add_(1, owner, squared)
+            terms += list(sums.T.to(accumulation_dtype(grads)))
+            rows += [row[id(p)] for p in params]
+        for param, grad in large:
+            terms.append(squared_row_norms(_rows(grad)))
+            rows.append(row[id(param)])
+        for rule, calls in self._calls_by_rule(self.layers).items():
+            for call in calls:
+                terms.append(sum(rule.squared_norms_many([call])))
+                rows.append(row[id(_only_parameter(call.layer))])
+        dtype = functools.reduce(torch.promote_types, [t.dtype for t in terms])
+        norms = terms[0].new_zeros((len(self.params), batch), dtype=dtype)
+        index = self._indices.get(("rows", *rows), lambda: rows, norms.device)
+        return norms.index_copy_(0, index, torch.stack([t.to(dtype) for t in terms]))
+
     def accumulate_clipped_grads(
         self, clip_factors: Tensor, sink: Callable[[nn.Parameter, Tensor], None] | None = None
     ) -> None:
-        """p.grad += sum_b c_b * grad_b(p) for every managed parameter.
+        """p.grad += sum_b c_b * grad_b(p) for every managed parameter. ``clip_factors``: [B],
+        one factor per sample for every parameter (flat clipping), or [P, B], a row per
+        parameter in self.params' order (per_parameter_squared_norms': per-layer clipping).
 
         Consumes the saved A and G: each layer's are dropped as soon as its clipped gradient
         exists, so the weight gradients grow while the saved activations shrink and the peak
@@ -228,9 +286,12 @@ class FlashClipping(LayerCapture):
         then call ``sink.finish(params)`` with every managed parameter. The batched writes into
         .grad are not used then.
         """
-        if clip_factors.shape != (self._batch_size(),):
-            raise ValueError(f"clip_factors must have shape [B], got {tuple(clip_factors.shape)}")
-        c = ClipFactors(clip_factors)
+        expected = (self._batch_size(),)
+        if clip_factors.shape not in (expected, (len(self.params), *expected)):
+            raise ValueError(
+                f"clip_factors must have shape [B] or [P, B], got {tuple(clip_factors.shape)}"
+            )
+        c = ClipFactorsByParameter(clip_factors, self.params, self._indices)
         small, large = self._per_sample_batches()
         self._small = None
         for layer in self.layers:
@@ -241,8 +302,10 @@ class FlashClipping(LayerCapture):
             return
         # Large kept per-sample grads first (no GEMM over T: a weighted sum of each), so they
         # are freed before the clipped GEMMs below allocate their gradients.
-        if large:
-            accumulate_weighted_sums(*zip(*large, strict=True), c)
+        if large and c.shared is not None:
+            accumulate_weighted_sums(*zip(*large, strict=True), c.shared)
+        for param, grad in large if c.shared is None else ():
+            accumulate_weighted_sums([param], [grad], c.of(param))
         del large
         clipped_of = self._calls_by_rule(self.layers, c)
         for layer in self.layers:
@@ -253,9 +316,9 @@ class FlashClipping(LayerCapture):
                     accumulate_into_grad(layer.params[name], grad)
         # The concatenations: one weighted sum per dtype.
         for params, grads in small:
-            accumulate_many(params, weighted_sum(grads, c))
+            accumulate_many(params, c.concatenated_sum(params, grads))
 
-    def _clipped_grads_to(self, sink, c: ClipFactors, small: list, large: list) -> None:
+    def _clipped_grads_to(self, sink, c: ClipFactorsByParameter, small: list, large: list) -> None:
         """accumulate_clipped_grads' sink path: every managed parameter's clipped sum, in
         self.params' reverse order whatever the routes, dict and set orders (hash-seeded) or
         layers reached (zeros where none was), so every rank's collectives pair up. Each kept
@@ -263,7 +326,7 @@ class FlashClipping(LayerCapture):
         ready: dict[int, Tensor] = {}
         while small:  # the small parameters' sums first, one weighted sum per dtype
             params, grads = small.pop()
-            grads = _unflatten_dense_tensors(weighted_sum(grads, c), params)
+            grads = _unflatten_dense_tensors(c.concatenated_sum(params, grads), params)
             ready.update(zip(map(id, params), grads, strict=True))
         kept = {id(param): grad for param, grad in large}
         large.clear()
@@ -280,28 +343,41 @@ class FlashClipping(LayerCapture):
             del calls
             for name, param in reversed(layer.params.items()):
                 if id(param) in kept:
-                    grad = weighted_sum(kept.pop(id(param)).flatten(1), c)
+                    grad = weighted_sum(kept.pop(id(param)).flatten(1), c.of(param))
                 elif name in clipped:
                     grad = clipped.pop(name)
                 elif id(param) in ready:
                     grad = ready.pop(id(param))
                 else:  # no call of this chunk reached the layer
-                    grad = torch.zeros(param.shape, dtype=param.dtype, device=c.c.device)
+                    grad = torch.zeros(param.shape, dtype=param.dtype, device=c.device)
                 sink(param, grad.view(param.shape))
                 del grad  # not held through the next layer's clipped GEMM
 
     @staticmethod
-    def _calls_by_rule(order: list[Layer], c: ClipFactors | None = None) -> dict[NormRule, Any]:
+    def _calls_by_rule(
+        order: list[Layer], c: ClipFactorsByParameter | None = None
+    ) -> dict[NormRule, Any]:
         """A LayerCall of every call still to be done from A and G, by rule, in ``order``.
         Given c, each rule's clipped_grads_many of them instead: their clipped gradients in that
-        order, made as they are asked for (a rule may share launches between its calls)."""
+        order, made as they are asked for (a rule may share launches between its calls, where
+        they share their clip factors: flat clipping)."""
         by_rule: dict[NormRule, deque] = {}
         for layer in order:
             for call in layer.calls:
                 by_rule.setdefault(layer.rule, deque()).append(LayerCall(layer, call.A, call.G))
         if c is None:
             return by_rule
-        return {rule: rule.clipped_grads_many(calls, c) for rule, calls in by_rule.items()}
+        if c.shared is not None:
+            return {
+                rule: rule.clipped_grads_many(calls, c.shared) for rule, calls in by_rule.items()
+            }
+        # each call's parameter named now, while the layers still list their calls
+        return {
+            rule: _one_by_one(
+                rule, deque((call, c.of(_only_parameter(call.layer))) for call in calls)
+            )
+            for rule, calls in by_rule.items()
+        }
 
     def routes(self) -> list[dict]:
         """Per layer of the last backward: name, T, route (Linear layers also d, p)."""

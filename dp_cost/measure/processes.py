@@ -206,6 +206,7 @@ def skip_reason(config) -> str | None:
         config.cuda_graph,
         config.activation_checkpointing,
         config.fsdp_sync,
+        config.clipping,
     )
 
 

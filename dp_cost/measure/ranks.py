@@ -19,6 +19,7 @@ import statistics
 import torch.distributed as dist
 
 from dp_cost.parallel.ranks import RankInfo
+from dp_cost.training.clipping import merged_record
 
 STORE_TIMEOUT = datetime.timedelta(hours=2)  # the longest a rank waits for the others' answer
 
@@ -129,6 +130,9 @@ def aggregate(per_rank: list[dict]) -> dict:
     for key in ("peak_memory_mb", "peak_reserved_mb", "communication_time_ms"):
         values = [r.get(key) for r in per_rank if r.get(key) is not None]
         result[key] = max(values) if values else result.get(key)
+    clipping = [r["clipping"] for r in per_rank if r.get("clipping")]
+    if clipping and len(clipping) == len(per_rank):  # each rank counted its own samples
+        result["clipping"] = merged_record(clipping)
     result["ranks"] = [
         {
             "rank": rank,

@@ -118,6 +118,7 @@ class TimedSteps:
             losses=losses,
             snapshots=s.recorder.snapshots,
             **s.trainer.result_extras(),
+            clipping=s.trainer.clipping_record(),  # counted over every step the trainer took
         )
 
 

@@ -140,6 +140,7 @@ def build_trainer(config, model, loss_fn, on_phase):
         distributed=config.distributed,
         cuda_graph=config.cuda_graph,
         fsdp_sync=config.fsdp_sync,
+        clipping=config.clipping,
         **{option: getattr(config, option) for option in trainers.TRAINERS[config.trainer].options},
     )
 

@@ -76,7 +76,8 @@ def dtype_words(dtype) -> str:
 def shape_parts(config: dict) -> dict[str, str]:
     """Every compared setting of a config in words, by setting ("" for an optional setting that
     is off): model, logical and physical batch, sequence length, dtype, attention, LoRA rank or
-    full fine-tuning, checkpointing, CUDA graph, distribution, optimizer."""
+    full fine-tuning, checkpointing, CUDA graph, distribution, FSDP2's sync, clipping rule,
+    optimizer."""
     physical = config.get("physical_batch_size") or config["batch_size"]
     rank = config.get("lora_rank") if config.get("use_lora") else None
     optimizer = config.get("optimizer")
@@ -93,6 +94,10 @@ def shape_parts(config: dict) -> dict[str, str]:
         ),
         "cuda_graph": "CUDA graph" if config.get("cuda_graph") else "",
         "distributed": distributed_words(config),
+        "fsdp_sync": (
+            "FSDP2 sync once per logical batch" if config.get("fsdp_sync") == "logical" else ""
+        ),
+        "clipping": "per-layer clipping" if config.get("clipping") == "per_layer" else "",
         "optimizer": OPTIMIZER_WORDS.get(optimizer, str(optimizer)) if optimizer else "",
     }
 
@@ -111,6 +116,8 @@ OFF_WORDS = {
     "activation_checkpointing": "no activation checkpointing",
     "cuda_graph": "eager (no CUDA graph)",
     "distributed": "one process",
+    "fsdp_sync": "FSDP2 sync per chunk",
+    "clipping": "flat clipping",
 }
 
 

@@ -76,7 +76,8 @@ def summary_rows(results: list[dict]) -> list[dict]:
                 "model": config["model"]
                 + (f" r{config['lora_rank']}" if config.get("use_lora") else "")
                 + (" ckpt" if config.get("activation_checkpointing") else "")
-                + (" graph" if config.get("cuda_graph") else ""),
+                + (" graph" if config.get("cuda_graph") else "")
+                + (" per-layer" if config.get("clipping") == "per_layer" else ""),
                 "median_ms": result.get("median_time_ms"),
                 **spread,
                 "peak_alloc_mb": result.get("peak_memory_mb"),

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from dp_cost.core.schema import AllocationSite
 from dp_cost.parallel.mode import SingleProcess
 from dp_cost.stepping import graph
+from dp_cost.training.clipping import CLIPPINGS, ClippedCounts, layer_max_grad_norm
 
 OPTIMIZERS = ("sgd", "adam")
 
@@ -42,6 +43,7 @@ class Trainer:
     distributed_refusals: dict[str, str] = {}  # modes it cannot run, why (recorded "skipped")
     fsdp_units = "blocks"  # FSDP2 units: parallel.fsdp.FSDP_UNITS
     logical_sync_refusal: str | None = None  # why it cannot hold FSDP2's sync to the last chunk
+    per_layer_refusal: str | None = None  # why it cannot clip per layer (--clipping per_layer)
     capturable = False  # its chunk and optimizer steps make no host sync: a graph captures them
     shared_noise: torch.Generator | None = None  # its own noise generator (a capture tracks it)
 
@@ -61,6 +63,7 @@ class Trainer:
         distributed_mode: SingleProcess | None = None,
         cuda_graph: bool = False,
         fsdp_sync: str = "chunk",
+        clipping: str = "flat",
     ):
         if batch_size <= 0 or (max_physical_batch_size or 1) <= 0:
             raise ValueError(f"batch sizes must be > 0 ({batch_size}, {max_physical_batch_size})")
@@ -68,6 +71,8 @@ class Trainer:
             raise ValueError("noise_multiplier must be >= 0 and max_grad_norm > 0")
         if optimizer not in OPTIMIZERS:
             raise ValueError(f"optimizer must be one of {OPTIMIZERS}, got {optimizer!r}")
+        if clipping not in CLIPPINGS:
+            raise ValueError(f"clipping must be one of {CLIPPINGS}, got {clipping!r}")
         if dtype not in (torch.float32, torch.bfloat16):
             raise ValueError(f"dtype must be float32 or bfloat16, got {dtype}")
         self.model, self.lr, self.batch_size = model, lr, batch_size
@@ -83,9 +88,17 @@ class Trainer:
         # FSDP2: whether the gradients are reduce-scattered after every chunk or once per
         # logical batch (mode.FSDP_SYNCS; make_trainer refuses what a trainer cannot do)
         self.fsdp_sync = fsdp_sync
+        self.clipping = clipping  # a DP trainer's rule (training.clipping); standard ignores it
         if self.distributed_mode.is_distributed:
             self.on_phase("distributed_wrapped")
         params = self.trainable_parameters(model)
+        # Per-layer clipping: each parameter tensor's bound (an equal split of C) and the count
+        # of the samples each bound clips
+        self.layer_max_grad_norm = layer_max_grad_norm(max_grad_norm, max(len(params), 1))
+        names = {id(p): n for n, p in model.named_parameters()}
+        self.clipped_counts = ClippedCounts(
+            [names.get(id(p), "") for p in params], max_grad_norm, self.layer_max_grad_norm
+        )
         if optimizer == "sgd":  # plain: no momentum, no weight decay
             self.optimizer = torch.optim.SGD(params, lr=lr)
         else:  # torch defaults; a captured step keeps Adam's step count on the device
@@ -193,4 +206,16 @@ class Trainer:
         self.optimizer.step()
 
     def clip_factors(self, per_sample_norms: torch.Tensor) -> torch.Tensor:
-        return (self.max_grad_norm / (per_sample_norms + 1e-6)).clamp(max=1.0)
+        """min(1, C / (norm + 1e-6)) of each sample ([B], flat), or of each parameter's norm
+        against its C_l ([P, B], per-layer: Opacus' formula with C_l)."""
+        bound = self.max_grad_norm if per_sample_norms.dim() == 1 else self.layer_max_grad_norm
+        return (bound / (per_sample_norms + 1e-6)).clamp(max=1.0)
+
+    def clipping_record(self) -> dict | None:
+        """The result's ``clipping``: the rule and its bounds, and per-layer how often each
+        parameter's bound clipped (None: this trainer does not clip)."""
+        if not self.is_private:
+            return None
+        if self.clipping == "per_layer":
+            return self.clipped_counts.record()
+        return {"rule": "flat", "max_grad_norm": self.max_grad_norm}

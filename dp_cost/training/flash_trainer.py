@@ -56,8 +56,14 @@ class FlashClippingTrainer(Trainer):
         # Sum over samples: each sample's G is then exactly the gradient of its own loss.
         self.engine.backward(per_sample.sum())
         self.on_phase("_clip_inputs_saved")  # A, G and per-sample grads all held: name them
-        # Each sample's norm from its own gradient, on its own rank: never reduced.
-        norms = self.engine.per_sample_squared_norms().sqrt()
+        # Each sample's norm from its own gradient, on its own rank: never reduced. Per-layer
+        # clipping: each parameter's norm on its own ([P, B]), against its own C_l.
+        if self.clipping == "per_layer":
+            squared = self.engine.per_parameter_squared_norms()
+            factors = self.clip_factors(squared.sqrt())
+            self.clipped_counts.add(squared, factors)
+        else:
+            factors = self.clip_factors(self.engine.per_sample_squared_norms().sqrt())
         # 1/B folded into the clip factors (and the noise's std): no division pass afterwards.
         # Several ranks: each collective starts once its clipped sum exists (the sink); FSDP2
         # with fsdp_sync "logical": held unsharded until the last chunk, sent once then.
@@ -65,7 +71,7 @@ class FlashClippingTrainer(Trainer):
         sink = self.distributed_mode.gradient_sink(
             is_last, self.noise_std(), add_gaussian_noise, held
         )
-        self.engine.accumulate_clipped_grads(self.clip_factors(norms) / self.batch_size, sink)
+        self.engine.accumulate_clipped_grads(factors / self.batch_size, sink)
         self.engine.release()
         self.on_phase("backward_done")
         return per_sample.detach().sum()
@@ -80,7 +86,11 @@ class FlashClippingTrainer(Trainer):
                 per_sample.sum().backward()
         self.on_phase("_clip_inputs_saved")  # the rank's gradients, sent and received: name them
         grads, self.gathered = self.gathered.land(), None
-        clip_per_sample(self.engine.params, grads, self.clip_factors, self.batch_size)
+        per_layer = self.clipping == "per_layer"
+        # every rank clips the same global batch: its clipped samples are counted once
+        counts = self.clipped_counts if torch.distributed.get_rank() == 0 else None
+        params = self.engine.params
+        clip_per_sample(params, grads, self.clip_factors, self.batch_size, per_layer, counts)
         self.on_phase("backward_done")
         return per_sample.detach().sum()
 

@@ -3,17 +3,26 @@ optimizers and BatchMemoryManager's protocol for physical chunks."""
 
 from __future__ import annotations
 
+import math
+
 import torch
 from opacus import GradSampleModule
 from opacus import grad_sample as opacus_grad_sample
 from opacus import optimizers as opacus_optimizers
 from opacus.distributed import DifferentiallyPrivateDistributedDataParallel as DPDDP
-from opacus.optimizers import DistributedDPOptimizer, DPOptimizer
+from opacus.optimizers import (
+    DistributedDPOptimizer,
+    DPOptimizer,
+    DPPerLayerOptimizer,
+    SimpleDistributedPerLayerOptimizer,
+)
+from opacus.optimizers.optimizer import _check_processed_flag, _mark_as_processed
 from opacus.utils.fast_gradient_clipping_utils import DPTensorFastGradientClipping
 
 from dp_cost.flash import tensors_in
 from dp_cost.samplers import state as opacus_state
 from dp_cost.training.base import Trainer
+from dp_cost.training.clipping import ClippedCounts
 
 
 class OpacusTrainer(Trainer):
@@ -36,11 +45,17 @@ class OpacusTrainer(Trainer):
     def wrap_optimizer(self, dp_optimizer_classes: dict) -> None:
         """Opacus' DP optimizer (``dp_optimizer_classes`` by distributed mode) around the base
         optimizer, with this trainer's settings. Distributed, Opacus divides by the expected
-        batch of ONE rank and then averages over the ranks: B / world_size is that batch."""
+        batch of ONE rank and then averages over the ranks: B / world_size is that batch.
+        Per-layer clipping: Opacus takes a list of bounds, one per parameter."""
+        max_grad_norm = self.max_grad_norm
+        if self.clipping == "per_layer":
+            max_grad_norm = [self.layer_max_grad_norm] * len(
+                self.base_optimizer.param_groups[0]["params"]
+            )
         self.optimizer = dp_optimizer_classes[self.distributed_mode.name](
             self.base_optimizer,
             noise_multiplier=self.noise_multiplier,
-            max_grad_norm=self.max_grad_norm,
+            max_grad_norm=max_grad_norm,
             expected_batch_size=self.batch_size // self.world_size,
             loss_reduction="mean",
         )
@@ -62,6 +77,48 @@ class OpacusTrainer(Trainer):
         return per_sample.detach().sum()
 
 
+class CountedPerLayerClipping:
+    """Opacus' per-layer clip_and_accumulate (DPPerLayerOptimizer's arithmetic, with flat
+    clipping's cast of the per-sample gradients to the parameter's dtype), also counting the
+    samples each parameter's bound clips (ClippedCounts): Opacus forms each parameter's
+    per-sample norms inside it and keeps none, and a second pass over every per-sample
+    gradient to count them would cost about what the clipping does."""
+
+    clipped_counts: ClippedCounts
+
+    def clip_and_accumulate(self):
+        squared, factors = [], []
+        for p, max_grad_norm in zip(self.params, self.max_grad_norms, strict=True):
+            _check_processed_flag(p.grad_sample)
+            # in the parameter's dtype, as Opacus' flat clipping casts it (its per-layer
+            # optimizer does not, and fails under bf16 autocast: a bf16 sum for an fp32 .grad)
+            grad_sample = self._get_flat_grad_sample(p).to(p.dtype)
+            per_sample_norms = grad_sample.norm(2, dim=tuple(range(1, grad_sample.ndim)))
+            factor = (max_grad_norm / (per_sample_norms + 1e-6)).clamp(max=1.0)
+            grad = torch.einsum("i,i...", factor, grad_sample)
+            if p.summed_grad is not None:
+                p.summed_grad += grad
+            else:
+                p.summed_grad = grad
+            _mark_as_processed(p.grad_sample)
+            squared.append(per_sample_norms.square())
+            factors.append(factor)
+        if squared:
+            self.clipped_counts.add(torch.stack(squared), torch.stack(factors))
+
+
+class CountedPerLayerOptimizer(CountedPerLayerClipping, DPPerLayerOptimizer):
+    """One process: Opacus' DPPerLayerOptimizer, counting."""
+
+
+class CountedDistributedPerLayerOptimizer(
+    CountedPerLayerClipping, SimpleDistributedPerLayerOptimizer
+):
+    """DDP: the per-layer optimizer Opacus' make_private picks for hooks mode (clipped sums
+    summed over the ranks in step, rank 0's noise, as its flat DistributedDPOptimizer),
+    counting."""
+
+
 class DPSGDTrainer(OpacusTrainer):
     """Opacus per-sample gradients: GradSampleModule hooks + DPOptimizer."""
 
@@ -75,7 +132,17 @@ class DPSGDTrainer(OpacusTrainer):
         super().__init__(model, **kwargs)
         module = DPDDP(model) if self.distributed_mode.replicates else model
         self.wrapped = GradSampleModule(module, batch_first=True, loss_reduction="mean")
-        self.wrap_optimizer({"none": DPOptimizer, "ddp": DistributedDPOptimizer})
+        if self.clipping == "per_layer":
+            self.wrap_optimizer(
+                {"none": CountedPerLayerOptimizer, "ddp": CountedDistributedPerLayerOptimizer}
+            )
+            self.optimizer.clipped_counts = self.clipped_counts
+            # sqrt(sum C_l^2) as a float: Opacus takes it from a tensor's .item(), which the
+            # capacity prediction's fake tensors cannot give (the noise's std reads it)
+            bounds = self.optimizer.max_grad_norms
+            self.optimizer.max_grad_norm = math.sqrt(math.fsum(b * b for b in bounds))
+        else:
+            self.wrap_optimizer({"none": DPOptimizer, "ddp": DistributedDPOptimizer})
 
     def empty_batch_gradients(self):
         # Zero rows of per-sample gradients: Opacus' clipping takes this as an empty batch.
@@ -94,6 +161,11 @@ class GhostClippingTrainer(OpacusTrainer):
 
     name = "ghost"
     fsdp_units = "opacus_layers"
+    per_layer_refusal = (
+        "Opacus' ghost clipping has no per-layer mode: its norms come from one first backward "
+        "over all layers, and its optimizers take one max_grad_norm (run dpsgd or flash with "
+        "--clipping per_layer)"
+    )
     logical_sync_refusal = (
         "Opacus' FSDP2 optimizer for ghost clipping adds each chunk's reduce-scattered gradient "
         "shard (.grad) to its running sum; with FSDP2's sync held to the last chunk there is "

@@ -23,6 +23,7 @@ import trainers  # noqa: E402
 from dp_cost.parallel import buckets, ranks  # noqa: E402
 from dp_cost.parallel.mode import distributed_mode  # noqa: E402
 from dp_cost.stepping import chunks  # noqa: E402
+from dp_cost.training.clipping import merged_record  # noqa: E402
 from tests.torchrun_exit import leave_without_teardown  # noqa: E402
 
 
@@ -43,7 +44,7 @@ def synced_after_a_chunk(name, job, batch_size, physical, max_grad_norm, inputs,
     trainer = trainers.make_trainer(
         name, model, lr=1.0, batch_size=batch_size, max_physical_batch_size=physical,
         max_grad_norm=max_grad_norm, noise_multiplier=0.0, distributed=job["distributed"],
-        fsdp_sync=job.get("fsdp_sync", "chunk"),
+        fsdp_sync=job.get("fsdp_sync", "chunk"), clipping=job.get("clipping", "flat"),
     )  # fmt: skip
     trainer.optimizer.zero_grad(set_to_none=True)
     trainer.chunk_step(inputs[:physical], targets[:physical], is_last=False)
@@ -55,7 +56,8 @@ def run_job(job: dict, info, max_grad_norm: float, seq: int) -> dict:
     ("global_samples,batch_size,physical" each), and optionally noise_multiplier, bucket_bytes
     (flash's bucket size), in_flight_bytes (FSDP2: bytes behind the newest), padded_step (the
     step CUDA graphs replay: padded chunks of P samples, every rank as many), fsdp_sync (FSDP2:
-    "chunk" or "logical"), probe_sync (also record synced_after_a_chunk)."""
+    "chunk" or "logical"), clipping ("flat" or "per_layer"), probe_sync (also record
+    synced_after_a_chunk)."""
     defaults = buckets.BUCKET_BYTES, buckets.ShardedGradients.IN_FLIGHT_BYTES
     buckets.BUCKET_BYTES = job.get("bucket_bytes") or defaults[0]
     in_flight = job.get("in_flight_bytes")
@@ -81,6 +83,7 @@ def run_job(job: dict, info, max_grad_norm: float, seq: int) -> dict:
                 noise_multiplier=job.get("noise_multiplier", 0.0),
                 distributed=job["distributed"],
                 fsdp_sync=job.get("fsdp_sync", "chunk"),
+                clipping=job.get("clipping", "flat"),
             )
             torch.manual_seed(100 + info.rank)  # each rank its own noise stream
             if job.get("padded_step"):
@@ -93,11 +96,14 @@ def run_job(job: dict, info, max_grad_norm: float, seq: int) -> dict:
             dist.broadcast(rank0, 0)
             agree = torch.tensor([float(torch.equal(grad, rank0))])
             dist.all_reduce(agree, op=dist.ReduceOp.MIN)  # every rank's replica is rank 0's
+            records = [None] * info.world_size  # each rank's count of its clipped samples
+            dist.all_gather_object(records, trainer.clipping_record())
             saved[case, name] = {
                 "grad": grad,
                 "loss": out["loss"],
                 "replicas_agree": bool(agree.item()),
                 "gathered": getattr(trainer, "gathering", False),  # flash: per-sample gathered
+                "clipping": merged_record(records) if records[0] else None,
             }
             if job.get("probe_sync"):  # every rank holds a sample: the same collectives
                 saved[case, name]["synced_after_a_chunk"] = synced_after_a_chunk(

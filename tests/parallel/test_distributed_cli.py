@@ -111,3 +111,35 @@ def test_distributed_mistakes_under_torchrun(tmp_path, capsys, monkeypatch, extr
     err = capsys.readouterr().err
     assert code == 2 and err.count("\n") == 1 and message in err, err
     assert not os.listdir(tmp_path)
+
+
+def test_per_layer_clipping_under_ddp_from_the_cli(tmp_path):
+    """--clipping per_layer under DDP: dpsgd and flash step as one process does (the same
+    losses), their records count the same clipped samples over the global batches (merged over
+    the ranks), in directories of their own; ghost is recorded skipped, saying why."""
+    per_layer = [*ARGS, "--clipping", "per_layer", "--max_grad_norm", "0.05"]
+    single = cli(*per_layer, "--trainers", "dpsgd", "flash", "--output_dir", str(tmp_path / "one"))
+    assert single.returncode == 0, single.stderr[-3000:]
+    expected = {r["config"]["trainer"]: r for r in results_in(tmp_path / "one" / "r").values()}
+    done = torchrun_cli(
+        *per_layer, "--trainers", "standard", "dpsgd", "ghost", "flash", "--distributed", "ddp",
+        "--output_dir", str(tmp_path / "ddp"),
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    results = results_in(tmp_path / "ddp" / "r")
+    assert all(name.endswith("_perlayer") for name in results), sorted(results)
+    by_trainer = {r["config"]["trainer"]: r for r in results.values()}
+    assert by_trainer["ghost"]["status"] == "skipped"
+    assert "no per-layer mode" in by_trainer["ghost"]["error"]
+    assert by_trainer["standard"]["clipping"] is None  # standard does not clip
+    for name in ("dpsgd", "flash"):
+        result, want = by_trainer[name], expected[name]
+        assert result["status"] == "ok", result["error"]
+        for got, loss in zip(result["losses"], want["losses"], strict=True):
+            assert got == pytest.approx(loss, rel=1e-5), name
+        record = result["clipping"]
+        assert record["rule"] == "per_layer" and record["samples"] == want["clipping"]["samples"]
+        assert record["samples"] > 0
+        counts = [p["clipped_samples"] for p in record["parameters"]]
+        assert counts == [p["clipped_samples"] for p in want["clipping"]["parameters"]], name
+        assert 0 < sum(counts) < record["samples"] * len(counts)  # some clipped, not all

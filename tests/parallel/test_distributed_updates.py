@@ -61,6 +61,41 @@ def references(samples, batch_size):
     return grads.sum(0) / batch_size, clipped_mean(grads, batch_size)
 
 
+def per_layer_references(samples, batch_size):
+    """(per-layer clipped mean gradient with noise 0, count of samples each parameter's bound
+    clips) of the global batch: each parameter tensor's per-sample gradient clipped to
+    C_l = C / sqrt(P), from per-sample gradients taken one sample at a time."""
+    torch.manual_seed(0)
+    model = models.build_model(SMALL)
+    inputs, targets = make_batch(samples, SEQ, seed=3)
+    grads = per_sample_grads(copy.deepcopy(model), inputs, targets)
+    sizes = [p.numel() for p in model.parameters()]
+    bound = C / len(sizes) ** 0.5
+    clipped, counts = [], []
+    for grad in grads.split(sizes, dim=1):
+        factors = (bound / (grad.norm(dim=1) + 1e-6)).clamp(max=1.0)
+        clipped.append((factors[:, None] * grad).sum(0) / batch_size)
+        counts.append(int((factors < 1).sum()))
+    return torch.cat(clipped), counts
+
+
+def check_per_layer_update(saved, names, cases=None):
+    """Per-layer clipping's update equals the definition, replicas agree, and the merged record
+    counts each parameter's clipped samples over the global batch."""
+    for case in cases or CASES:
+        samples, batch_size, _ = map(int, case.split(","))
+        reference, counts = per_layer_references(samples, batch_size)
+        _, flat = references(samples, batch_size)
+        for name in names:
+            where = ("per_layer", case, name)
+            assert relative(saved[case, name]["grad"], reference) < 1e-5, where
+            assert relative(saved[case, name]["grad"], flat) > 1e-2, where  # not flat clipping
+            assert saved[case, name]["replicas_agree"], where
+            record = saved[case, name]["clipping"]
+            assert record["samples"] == samples, where
+            assert [p["clipped_samples"] for p in record["parameters"]] == counts, where
+
+
 def relative(x, ref):
     return ((x - ref).norm() / ref.norm()).item()
 
@@ -117,6 +152,16 @@ def every_job() -> dict:
                 "distributed": "fsdp", "trainers": ["standard", "flash"], "cases": CASES,
                 "fsdp_sync": "logical", **SMALL_BUCKETS,
             }  # fmt: skip
+        per_layer = ["dpsgd", "flash"] if distributed == "ddp" else ["flash"]
+        jobs[f"per_layer {distributed}"] = {
+            "distributed": distributed, "trainers": per_layer, "cases": CASES,
+            "clipping": "per_layer", **SMALL_BUCKETS,
+        }  # fmt: skip
+        for noise in (0.0, SIGMA):  # per-layer: noise of C (its sensitivity), added once
+            jobs[f"per_layer noise {noise} {distributed}"] = {
+                "distributed": distributed, "trainers": per_layer, "cases": NOISE_CASES,
+                "noise_multiplier": noise, "clipping": "per_layer",
+            }  # fmt: skip
         for noise in (0.0, SIGMA):  # FSDP2: each collective waited for at once
             jobs[f"noise {noise} {distributed}"] = {
                 "distributed": distributed, "trainers": dp_trainers(distributed),
@@ -143,6 +188,12 @@ def test_every_trainer_under_ddp_and_fsdp2_steps_as_the_definition(tmp_path):
     check_update(saved["update fsdp logical"], "fsdp", ["standard", "flash"])
     for distributed in ("ddp", "fsdp"):
         check_update(saved[f"update {distributed}"], distributed)
+        per_layer = ["dpsgd", "flash"] if distributed == "ddp" else ["flash"]
+        check_per_layer_update(saved[f"per_layer {distributed}"], per_layer)
+        check_noise_added_once(
+            saved[f"per_layer noise 0.0 {distributed}"],
+            saved[f"per_layer noise {SIGMA} {distributed}"], distributed, NOISE_CASES, per_layer,
+        )  # fmt: skip
         check_noise_added_once(
             saved[f"noise 0.0 {distributed}"], saved[f"noise {SIGMA} {distributed}"], distributed
         )
@@ -292,14 +343,28 @@ def test_fsdp2_sync_per_chunk_and_per_logical_batch_give_the_same_update_on_3_ra
     """FSDP2 on 3 ranks (the sharding pads rows to a multiple of 3), standard and flash, with the
     gradients reduce-scattered after every chunk and once after the last: each the
     single-process definition of the global batch, so the same update; with "logical" no
-    gradient reaches a shard before the last chunk."""
+    gradient reaches a shard before the last chunk. Per-layer clipping too (flash under both
+    syncs and DDP, dpsgd under DDP)."""
     jobs = {
         sync: {"distributed": "fsdp", "trainers": ["standard", "flash"],
                "cases": THREE_RANK_CASES, "fsdp_sync": sync, "probe_sync": True,
                **SMALL_BUCKETS}
         for sync in ("chunk", "logical")
     }  # fmt: skip
+    # per-layer clipping on 3 ranks: flash under FSDP2 (both syncs) and DDP, dpsgd under DDP
+    for sync in ("chunk", "logical"):
+        jobs[f"per_layer {sync}"] = {
+            "distributed": "fsdp", "trainers": ["flash"], "cases": THREE_RANK_CASES,
+            "fsdp_sync": sync, "clipping": "per_layer", **SMALL_BUCKETS,
+        }  # fmt: skip
+    jobs["per_layer ddp"] = {
+        "distributed": "ddp", "trainers": ["dpsgd", "flash"], "cases": THREE_RANK_CASES,
+        "clipping": "per_layer", **SMALL_BUCKETS,
+    }  # fmt: skip
     saved = torchrun(tmp_path, jobs, ranks=3)
+    for job in ("per_layer chunk", "per_layer logical"):
+        check_per_layer_update(saved[job], ["flash"], THREE_RANK_CASES)
+    check_per_layer_update(saved["per_layer ddp"], ["dpsgd", "flash"], THREE_RANK_CASES)
     for sync in ("chunk", "logical"):
         check_update(saved[sync], "fsdp", ["standard", "flash"], THREE_RANK_CASES)
     for case in THREE_RANK_CASES:
