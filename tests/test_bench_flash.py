@@ -388,3 +388,40 @@ def test_trace_host_diff_counts_each_microsecond_once(tmp_path, capsys):
     assert "    0.07      0.00      0      0.07      3  op aten::mm" in out
     assert diff.main([str(tmp_path), str(other)]) == 2  # no trace in it: one error line
     assert capsys.readouterr().err.count("\n") == 1
+
+
+def test_scaling_table_ratios_and_efficiencies(tmp_path):
+    """benchmarks/scaling_table.py on hand-made results: flash / standard within a mode, weak
+    scaling t1 / tW at 8 per rank, strong scaling t1 / (W tW) at the 1-GPU global batch, a
+    failed config shown by its status, an unreadable file a warning."""
+    import importlib.util
+
+    path = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "scaling_table.py")
+    spec = importlib.util.spec_from_file_location("scaling_table", path)
+    scaling_table = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(scaling_table)
+
+    def write(name, trainer, ms, batch, distributed="none", ranks=1, status="ok", **config):
+        folder = tmp_path / name
+        folder.mkdir()
+        config = {"trainer": trainer, "batch_size": batch, "seq_len": 1024,
+                  "distributed": distributed, "world_size": ranks, **config}  # fmt: skip
+        result = {"config": config, "status": status, "median_time_ms": ms,
+                  "peak_memory_mb": 10.0}  # fmt: skip
+        (folder / "result.json").write_text(json.dumps(result))
+
+    write("a", "standard", 100.0, 8)
+    write("b", "flash", 110.0, 8)
+    write("c", "standard", 125.0, 32, "ddp", 4)  # weak: 100 / 125 = 80%
+    write("d", "flash", 137.5, 32, "ddp", 4)  # weak: 110 / 137.5 = 80%
+    write("e", "standard", 50.0, 8, "fsdp", 4)  # strong: 100 / (4 * 50) = 50%
+    write("f", "flash", None, 8, "fsdp", 4, status="oom")
+    (tmp_path / "g").mkdir()
+    (tmp_path / "g" / "result.json").write_text("{broken")
+    found = scaling_table.results(str(tmp_path))
+    rows = scaling_table.table(found).splitlines()
+    ddp = next(r for r in rows if r.startswith("| DDP x4 |"))
+    assert "| 1.10 |" in ddp and "80% / 80% / –" in ddp
+    fsdp = next(r for r in rows if r.startswith("| FSDP2 x4 |"))
+    assert "| oom |" in fsdp and "50% / – / –" in fsdp
+    assert len(found) == 6
