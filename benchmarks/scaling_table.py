@@ -15,6 +15,10 @@ import json
 import os
 import sys
 
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from dp_cost.parallel.mode import distributed_mode  # noqa: E402
+
 COLUMNS = [
     ("standard", "flat"),
     ("flash", "flat"),
@@ -38,10 +42,10 @@ def results(root: str) -> list[dict]:
 
 
 def mode_key(config: dict) -> tuple:
-    ranks = config.get("world_size", 1) if config.get("distributed", "none") != "none" else 1
+    mode = distributed_mode(config.get("distributed", "none"), config.get("world_size", 1))
     return (
-        config.get("distributed", "none"),
-        ranks,
+        mode,
+        mode.world_size,
         config["batch_size"],
         config["seq_len"],
         bool(config.get("cuda_graph")),
@@ -69,13 +73,13 @@ def table(found: list[dict]) -> str:
         "flash per-layer / ghost |"
     )
     lines = [header, "|" + "---|" * header.count(" | ") + "---|"]
-    for key in sorted(times, key=lambda k: (k[1], k[0], k[4], k[2])):
+    for key in sorted(times, key=lambda k: (k[1], k[0].shards, k[4], k[2])):
         distributed, ranks, batch, seq, graph, sync = key
         row = times[key]
-        name = "1 GPU" if ranks == 1 else f"{'DDP' if distributed == 'ddp' else 'FSDP2'} x{ranks}"
+        name = f"{'FSDP2' if distributed.shards else 'DDP'} x{ranks}" if ranks > 1 else "1 GPU"
         name += ", graph" if graph else ""
         name += ", logical sync" if sync == "logical" else ""
-        one = times.get(("none", 1, 8, seq, graph, "chunk"), {})
+        one = times.get((distributed_mode("none"), 1, 8, seq, graph, "chunk"), {})
         efficiency = []
         for cell in COLUMNS[:3]:
             t1, tw = one.get(cell), row.get(cell)

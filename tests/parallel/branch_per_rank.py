@@ -45,9 +45,11 @@ def build() -> Branchy:
     return Branchy()
 
 
-def run_variant(distributed: str, one_per_rank: bool, bf16: bool, info) -> torch.Tensor:
+def run_variant(
+    distributed: str, one_per_rank: bool, bf16: bool, info, clipping: str = "flat"
+) -> torch.Tensor:
     """flash's step on the branchy model; every rank returns the full summed gradient.
-    ``bf16``: every per-sample gradient sent in bf16."""
+    ``bf16``: every per-sample gradient sent in bf16; ``clipping``: flat or per_layer."""
     defaults = buckets.SMALL_GRADIENT_NUMEL, buckets.BUCKET_BYTES
     if bf16:
         buckets.SMALL_GRADIENT_NUMEL = 0  # every parameter "large": sent in the step's dtype
@@ -59,7 +61,7 @@ def run_variant(distributed: str, one_per_rank: bool, bf16: bool, info) -> torch
     trainer = trainers.make_trainer(
         "flash", model, lr=1.0, batch_size=len(inputs), max_grad_norm=0.05,
         noise_multiplier=0.0, distributed=distributed,
-        dtype=torch.bfloat16 if bf16 else torch.float32,
+        dtype=torch.bfloat16 if bf16 else torch.float32, clipping=clipping,
     )  # fmt: skip
     trainer.step(inputs[mine.start : mine.stop], targets[mine.start : mine.stop])
     assert trainer.gathering == (distributed == "ddp" and one_per_rank)
@@ -69,8 +71,8 @@ def run_variant(distributed: str, one_per_rank: bool, bf16: bool, info) -> torch
 
 
 def main():
-    """Each ``--variants`` entry ("ddp|fsdp,one_per_rank 0|1,bf16 0|1") in one process group;
-    rank 0 saves {variant: gradient}."""
+    """Each ``--variants`` entry ("ddp|fsdp,one_per_rank 0|1,bf16 0|1[,flat|per_layer]") in one
+    process group; rank 0 saves {variant: gradient}."""
     parser = argparse.ArgumentParser()
     parser.add_argument("--variants", nargs="+", required=True)
     parser.add_argument("--out", required=True)
@@ -79,8 +81,8 @@ def main():
     dist.init_process_group("gloo")
     saved = {}
     for variant in args.variants:
-        distributed, one_per_rank, bf16 = variant.split(",")
-        saved[variant] = run_variant(distributed, one_per_rank == "1", bf16 == "1", info)
+        distributed, one_per_rank, bf16, *clipping = variant.split(",")
+        saved[variant] = run_variant(distributed, one_per_rank == "1", bf16 == "1", info, *clipping)
     if info.rank == 0:
         torch.save(saved, args.out)
     dist.barrier()

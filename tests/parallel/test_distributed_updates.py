@@ -255,6 +255,8 @@ def check_noise_added_once(clean, noisy, distributed, cases=NOISE_CASES, names=N
         assert noisy[case, "flash"]["gathered"] == gathered, (distributed, case)
 
 
+# (distributed, one sample per rank) with per-layer clipping
+PER_LAYER_BRANCH_VARIANTS = [("ddp", False), ("fsdp", False), ("fsdp", True), ("ddp", True)]
 # (distributed, one sample per rank, bf16)
 BRANCH_VARIANTS = [("ddp", False, False), ("fsdp", False, False), ("fsdp", True, False),
                    ("ddp", True, False), ("ddp", True, True)]  # fmt: skip
@@ -271,13 +273,29 @@ def test_a_layer_only_one_rank_reaches(tmp_path):
 
     out = tmp_path / "branch.pt"
     variants = [f"{d},{int(one)},{int(bf16)}" for d, one, bf16 in BRANCH_VARIANTS]
-    run_ranks("branch_per_rank.py", "--variants", *variants, "--out", str(out), timeout=300)
+    # per-layer clipping, clipped in the backward hooks: rank 0's expert layer comes in
+    # autograd's order, rank 1's zeros at the end; the collectives still pair up
+    per_layer = [f"{d},{int(one)},0,per_layer" for d, one in PER_LAYER_BRANCH_VARIANTS]
+    run_ranks("branch_per_rank.py", "--variants", *variants, *per_layer, "--out", str(out),
+              timeout=300)  # fmt: skip
     saved = torch.load(out)
     for variant, (_, one_per_rank, bf16) in zip(variants, BRANCH_VARIANTS):
         rows = ONE_PER_RANK if one_per_rank else slice(None)
         inputs, targets = INPUTS[rows], TARGETS[rows]
         reference = clipped_mean(per_sample_grads(build(), inputs, targets), len(inputs))
         assert relative(saved[variant], reference) < (2e-2 if bf16 else 1e-5), variant
+    for variant, (_, one_per_rank) in zip(per_layer, PER_LAYER_BRANCH_VARIANTS):
+        rows = ONE_PER_RANK if one_per_rank else slice(None)
+        inputs, targets = INPUTS[rows], TARGETS[rows]
+        model = build()
+        grads = per_sample_grads(model, inputs, targets)
+        sizes = [p.numel() for p in model.parameters()]
+        bound = C / len(sizes) ** 0.5
+        reference = torch.cat([
+            ((bound / (g.norm(dim=1) + 1e-6)).clamp(max=1.0)[:, None] * g).sum(0) / len(inputs)
+            for g in grads.split(sizes, dim=1)
+        ])  # fmt: skip
+        assert relative(saved[variant], reference) < 1e-5, variant
 
 
 @pytest.mark.gpu
