@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 import models
 import trainers
-from dp_cost.flash import FlashClipping
+from dp_cost.flash import engine
 from dp_cost.training.clipping import layer_max_grad_norm
 
 SMALL = models.ModelConfig(
@@ -187,39 +187,23 @@ def test_who_clips_per_layer():
     assert standard.clipping_record() is None
 
 
-@pytest.mark.parametrize("route", ["product", "gram"])
-def test_per_layer_clipped_sums_leave_during_the_backward(route):
-    """Per-layer clipping is done in each layer's backward hook: the sink (a rank's
-    collectives) has the last layers' clipped sums before autograd reaches the embedding, gets
-    every parameter once, in the model's reverse order, and then finish()."""
+@pytest.mark.parametrize("route", ["product", "auto"])
+def test_per_layer_with_kept_per_sample_gradients_one_by_one(monkeypatch, route):
+    """Kept per-sample gradients over the engine's small-parameter size are normed and clipped
+    one by one, not in the concatenation: forced here for every parameter."""
+    monkeypatch.setattr(engine, "SMALL_PER_SAMPLE_NUMEL", 8)
     torch.manual_seed(4)
     model = models.build_model(SMALL)
     inputs, targets = make_batch(batch=4, seq=6, seed=4)
-
-    class Recorder:
-        def __init__(self):
-            self.got, self.finished = [], False
-
-        def __call__(self, param, grad):
-            assert grad.shape == param.shape
-            self.got.append(param)
-
-        def finish(self, params):
-            self.finished = True
-
-    engine = FlashClipping(model, route=route)
-    sink, seen_at_embedding = Recorder(), []
-
-    def mark_embedding_gradient(module, args, out):  # returns None: the output stays
-        out.register_hook(lambda grad: seen_at_embedding.append(len(sink.got)))
-
-    model.tok_emb.register_forward_hook(mark_embedding_gradient)
-    engine.clip_in_backward(0.01, 4, sink)
-    per_sample = trainers.token_losses(model(inputs), targets).mean(dim=1)
-    engine.backward(per_sample.sum())
-    assert seen_at_embedding and 0 < seen_at_embedding[0] < len(engine.params)
-    assert sink.finished and [id(p) for p in sink.got] == [id(p) for p in engine.params[::-1]]
-    engine.remove()
+    max_grad_norm = bound_between_norms(model, inputs, targets)
+    ref, _, clipped = per_layer_reference(model, inputs, targets, max_grad_norm, 1.0)
+    trainer = trainers.make_trainer(
+        "flash", model, lr=1.0, batch_size=4, max_grad_norm=max_grad_norm, noise_multiplier=0.0,
+        clipping="per_layer", flash_route=route,
+    )  # fmt: skip
+    assert relative_error(applied_update(trainer, model, inputs, targets, 1.0), ref) < 1e-5
+    record = trainer.clipping_record()
+    assert [p["clipped_samples"] for p in record["parameters"]] == clipped.tolist()
 
 
 def test_per_layer_on_large_layers():

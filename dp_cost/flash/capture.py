@@ -66,9 +66,6 @@ class LayerCapture:
         # DEFERRED_BYTES
         self._deferred: list[tuple[Layer, Call]] = []
         self._deferred_bytes = 0
-        # per-layer clipping in the backward hooks (FlashClipping.clip_in_backward): each layer
-        # is clipped as soon as its last call's G is in, nothing is deferred
-        self._in_hook = None
 
     def _saved_input(self, layer: Layer, x: Tensor) -> tuple[Tensor, Tensor]:
         """(the rule's A for input x, what the layer computes on): layers reading one input (q, k
@@ -181,17 +178,13 @@ class LayerCapture:
                     self._add_per_sample(layer, layer.rule.per_sample_grads(layer, A, G, kept))
                 if not rest:
                     call.A = None  # A and G are not needed any more
-                else:
-                    call.G, call.pending = G, rest  # never changed in place: the plan's set
-                if rest and deferred and self._in_hook is None:
+                    return
+                call.G, call.pending = G, rest  # never changed in place: the plan's set
+                if deferred:
                     self._deferred.append((layer, call))
                     self._deferred_bytes += A.nbytes + G.nbytes
                     if self._deferred_bytes > DEFERRED_BYTES:
                         self._form_deferred()
-                if self._in_hook is not None and all(
-                    c.A is None or c.G is not None for c in layer.calls
-                ):  # the layer's last call: its gradient is final
-                    self._layer_done(layer)
 
             if not output.requires_grad:  # e.g. first layer: make a leaf so G still flows
                 output = output.detach().requires_grad_(True)
@@ -211,9 +204,6 @@ class LayerCapture:
             return None
 
         return keep
-
-    def _layer_done(self, layer: Layer) -> None:
-        """Every call of ``layer`` has its G (per-layer clipping in the hooks): the engine's."""
 
     @staticmethod
     def _plan(layer: Layer, A: Tensor, G: Tensor) -> tuple[dict, set[str], set[str], bool]:

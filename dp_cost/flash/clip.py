@@ -102,6 +102,58 @@ class ClipFactors:
         return self._per_token[key]
 
 
+class DeviceIndices:
+    """Index tensors made once per key on the device and reused by every chunk: a host-to-device
+    copy per chunk costs time and cannot be captured in a CUDA graph."""
+
+    def __init__(self):
+        self._made: dict[tuple, Tensor] = {}
+
+    def get(self, key: tuple, values: Callable[[], list[int]], device) -> Tensor:
+        if key not in self._made:
+            self._made[key] = torch.tensor(values(), dtype=torch.int64).to(device)
+        return self._made[key]
+
+    def columns(self, params: list[nn.Parameter], rows: list[int], device) -> Tensor:
+        """rows[i] repeated for each element of params[i]: the row of each column of their
+        [B, sum of numels] concatenation."""
+        key = ("columns", *map(id, params), *rows)
+        return self.get(key, lambda: [r for p, r in zip(params, rows) for _ in range(p.numel())],
+                        device)  # fmt: skip
+
+
+class ClipFactorsByParameter:
+    """A chunk's clip factors for each parameter: one ClipFactors for all of them (flat
+    clipping, c [B]) or one per parameter (per-layer clipping, c [P, B], a row per parameter in
+    ``params``' order)."""
+
+    def __init__(self, c: Tensor, params: list[nn.Parameter], indices: DeviceIndices | None = None):
+        self.device = c.device
+        self.shared = ClipFactors(c) if c.dim() == 1 else None
+        self.c = c
+        self.indices = indices or DeviceIndices()
+        self._row = {id(param): i for i, param in enumerate(params)}
+        self._of: dict[int, ClipFactors] = {}
+
+    def of(self, param: nn.Parameter) -> ClipFactors:
+        if self.shared is not None:
+            return self.shared
+        if id(param) not in self._of:
+            self._of[id(param)] = ClipFactors(self.c[self._row[id(param)]])
+        return self._of[id(param)]
+
+    def concatenated_sum(self, params: list[nn.Parameter], grads: Tensor) -> Tensor:
+        """sum_b c_b(p) * grads[b] of the [B, N] concatenation of ``params``' per-sample
+        gradients, [N]. Per parameter: each column scaled by its parameter's factors in fp32 or
+        wider (the factors, rounded toward zero, are not rounded again), then summed over B."""
+        if self.shared is not None:
+            return weighted_sum(grads, self.shared)
+        rows = [self._row[id(p)] for p in params]
+        per_column = self.c.index_select(0, self.indices.columns(params, rows, self.device))
+        wide = torch.promote_types(grads.dtype, self.c.dtype)
+        return (grads.to(wide) * per_column.T.to(wide)).sum(0)  # per_column: [N, B]
+
+
 def accumulate_into_grad(param: nn.Parameter, grad: Tensor) -> None:
     """param.grad += grad (param.grad = grad when there is none yet)."""
     if grad.dtype != param.dtype or grad.shape != param.shape:  # no op where none is needed
@@ -180,8 +232,9 @@ def clip_per_sample(
     c = factors(squared.sqrt())
     if counts is not None:
         counts.add(squared, c)
-    for param, grad, row in zip(params, grads, c / divisor, strict=True):
-        accumulate_weighted_sums([param], [grad], ClipFactors(row))
+    by_parameter = ClipFactorsByParameter(c / divisor, params)
+    for param, grad in zip(params, grads, strict=True):
+        accumulate_weighted_sums([param], [grad], by_parameter.of(param))
 
 
 def weighted_sum(grads: Tensor, c: ClipFactors) -> Tensor:

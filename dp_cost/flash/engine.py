@@ -20,9 +20,9 @@ backward, gradients reaching managed layers only through their outputs, no check
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections import deque
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -32,6 +32,8 @@ from torch._utils import _unflatten_dense_tensors
 from dp_cost.flash.capture import LayerCapture
 from dp_cost.flash.clip import (
     ClipFactors,
+    ClipFactorsByParameter,
+    DeviceIndices,
     accumulate_into_grad,
     accumulate_many,
     accumulate_weighted_sums,
@@ -40,6 +42,7 @@ from dp_cost.flash.clip import (
     weighted_sum,
 )
 from dp_cost.flash.layer import DEFAULT_BLOCK_NUMEL, Call, Layer, LayerCall
+from dp_cost.flash.precision import accumulation_dtype
 from dp_cost.flash.rules import NORM_RULES, NormRule
 
 # Kept per-sample gradients with at most this many elements per sample (biases, norm layers, LoRA
@@ -53,6 +56,26 @@ class UnsupportedLayerError(ValueError):
     """A layer owns trainable parameters but no norm rule is registered for its type."""
 
 
+def _one_by_one(rule: NormRule, calls: deque[tuple[LayerCall, ClipFactors]]) -> Iterator[dict]:
+    """rule.clipped_grads_many of each call alone, with its parameter's own clip factors."""
+    while calls:
+        call, c = calls.popleft()
+        yield from rule.clipped_grads_many(deque([call]), c)
+
+
+def _only_parameter(layer: Layer) -> nn.Parameter:
+    """The one parameter a layer's calls left to A and G (per-layer clipping needs its norm
+    alone)."""
+    pending = set().union(*(call.pending for call in layer.calls))
+    if len(pending) != 1:
+        raise UnsupportedLayerError(
+            f"layer {layer.name!r}: its rule computes one norm for the parameters "
+            f"{sorted(pending)}; per-layer clipping needs one per parameter"
+        )
+    (name,) = pending
+    return layer.params[name]
+
+
 def _rows(grad: Tensor) -> Tensor:  # [B, n]; biases and norm layers' are: no view op
     return grad if grad.dim() == 2 else grad.view(grad.shape[0], -1)
 
@@ -63,55 +86,6 @@ def _is_small(per_sample_grad: Tensor) -> bool:
 
 
 ROUTES = ("auto", "gram", "direct", "product")  # how Linear layers get their per-sample norms
-
-
-@dataclass
-class LayerClip:
-    """Per-layer clipping in the backward hooks (FlashClipping.clip_in_backward): the bound
-    C_l, the divisor B, where the clipped sums go, and each clipped parameter's row, squared
-    norms and factors for the counts."""
-
-    bound: float
-    divisor: int
-    sink: OrderedSink | None
-    counts: Any  # training.clipping.ClippedCounts, or None
-    rows: list[int] = field(default_factory=list)
-    squared: list[Tensor] = field(default_factory=list)
-    factors: list[Tensor] = field(default_factory=list)
-
-
-class OrderedSink:
-    """Hands ``sink`` every parameter's clipped sum in ``params``' reverse order whatever order
-    they come in (autograd's, in the hooks): a sum that comes early waits for those before it,
-    and finish() hands the rest (zeros for a parameter no call reached). Every rank's
-    collectives then pair up, as the sinks require, also where one rank's samples reach a layer
-    another's do not."""
-
-    def __init__(self, sink, params: list[nn.Parameter]):
-        self.sink = sink
-        self.order = list(reversed(params))
-        self.next = 0
-        self.waiting: dict[int, Tensor] = {}
-
-    def __call__(self, param: nn.Parameter, grad: Tensor) -> None:
-        self.waiting[id(param)] = grad
-        while self.next < len(self.order) and id(self.order[self.next]) in self.waiting:
-            param = self.order[self.next]
-            self.sink(param, self.waiting.pop(id(param)))
-            self.next += 1
-
-    def finish(self, params: list[nn.Parameter]) -> None:
-        for param in self.order[self.next :]:
-            grad = self.waiting.pop(id(param), None)
-            if grad is None:
-                grad = torch.zeros(param.shape, dtype=param.dtype, device=param.device)
-            self.sink(param, grad)
-        self.next = len(self.order)
-        self.sink.finish(params)
-
-
-def call_of(layer: Layer, call: Call) -> LayerCall:
-    return LayerCall(layer, call.A, call.G)
 
 
 class FlashClipping(LayerCapture):
@@ -153,8 +127,7 @@ class FlashClipping(LayerCapture):
         self._small: tuple | None = None  # _per_sample_batches' answer for this chunk
         self._norms: Tensor | None = None
         self._routes: list[dict] = []
-        self._param_rows: dict[int, int] | None = None  # a parameter's row in self.params
-        self._row_index: dict[tuple, Tensor] = {}  # per-layer clipping's rows, on the device
+        self._indices = DeviceIndices()  # per-layer clipping's index tensors, made once
 
     def backward(self, loss: Tensor) -> None:
         """One backward of the SUM of per-sample losses; no .grad is written anywhere."""
@@ -163,9 +136,6 @@ class FlashClipping(LayerCapture):
         self._saved = {}
         torch.autograd.grad(loss, self._leaves, allow_unused=True)
         self._after_backward = True
-        if self._in_hook is not None:  # per-layer clipping, done in the hooks
-            self._finish_in_hook()
-            return
         # calls still held for after the backward are among layer.calls: formed below, at once
         self._deferred, self._deferred_bytes = [], 0
         for layer in self.layers:
@@ -255,91 +225,6 @@ class FlashClipping(LayerCapture):
             self._small = small, large
         return self._small
 
-    def clip_in_backward(self, bound: float, divisor: int, sink=None, counts=None) -> None:
-        """Per-layer clipping in the next backward's hooks: each layer, once its last call's G
-        is in, gets each parameter's per-sample norms, clip factors min(1, bound / (norm +
-        1e-6)) / divisor and clipped sum at once, handed to ``sink`` (as
-        accumulate_clipped_grads hands them: in self.params' reverse order, every one, then
-        sink.finish) or added to .grad; its A, G and per-sample gradients are dropped there.
-        A collective can then start inside the backward, as standard's do. ``counts`` (a
-        training.clipping.ClippedCounts): the chunk's [P, B] squared norms and factors are
-        added to it after the backward."""
-        ordered = OrderedSink(sink, self.params) if sink is not None else None
-        self._in_hook = LayerClip(bound, divisor, ordered, counts)
-
-    def _layer_done(self, layer: Layer) -> None:
-        clip = self._in_hook
-        hooked, layer.calls = layer.calls, []
-        calls = [Call(c.A, c.G, c.pending) for c in hooked if c.A is not None and c.G is not None]
-        for call in hooked:  # the hook closures outlive this: drop their A and G
-            call.release()
-        # what the rule forms after the backward (a Linear's bias, a norm layer's), now
-        self._form_per_sample(
-            (layer, call, names)
-            for call in calls
-            if (names := layer.rule.formed_after_backward(layer, call.A, call.G) & call.pending)
-        )
-        calls = [call for call in calls if call.pending]
-        if calls:
-            calls = self._join_calls(layer, calls)
-        per_sample, layer.per_sample = layer.per_sample, {}
-        squared: dict[str, Tensor] = {}
-        for name, grad in per_sample.items():
-            squared[name] = squared_row_norms(_rows(grad))
-        for call in calls:
-            (name,) = call.pending
-            squared[name] = sum(layer.rule.squared_norms_many([LayerCall(layer, call.A, call.G)]))
-        row = self._rows_of_params()
-        for name, param in reversed(layer.params.items()):
-            if name not in squared:  # no call reached it: zeros (ordered sinks send them last)
-                continue
-            factors = (clip.bound / (squared[name].sqrt() + 1e-6)).clamp(max=1.0)
-            clip.rows.append(row[id(param)])
-            clip.squared.append(squared[name])
-            clip.factors.append(factors)
-            c = ClipFactors(factors / clip.divisor)
-            if name in per_sample:
-                grad = weighted_sum(per_sample.pop(name).flatten(1), c)
-            else:
-                call = next(call for call in calls if name in call.pending)
-                grad = next(layer.rule.clipped_grads_many(deque([call_of(layer, call)]), c))[name]
-            if clip.sink is not None:
-                clip.sink(param, grad.view(param.shape))
-            else:
-                accumulate_into_grad(param, grad)
-            del grad
-
-    def _finish_in_hook(self) -> None:
-        """After a backward clipped in its hooks: the layers a call of which got no G (clipped
-        now, from the calls that did), the sink's remaining parameters and the counts."""
-        clip = self._in_hook
-        for layer in self.layers:
-            if layer.calls or layer.per_sample:
-                self._layer_done(layer)
-        self._routes = [route for layer in self.layers for route in layer.described]
-        if clip.sink is not None:
-            clip.sink.finish(self.params)
-        if clip.counts is not None and clip.rows:
-            batch, device = clip.squared[0].shape[0], clip.squared[0].device
-            key = (*clip.rows, device)  # made once: no copy to the device per chunk (graphs)
-            if key not in self._row_index:
-                self._row_index[key] = torch.tensor(clip.rows, device=device)
-            index = self._row_index[key]
-            shape = (len(self.params), batch)
-            squared = (
-                clip.squared[0].new_zeros(shape).index_copy_(0, index, torch.stack(clip.squared))
-            )
-            factors = (
-                clip.factors[0].new_ones(shape).index_copy_(0, index, torch.stack(clip.factors))
-            )
-            clip.counts.add(squared, factors)
-        self._in_hook = None
-
-    def _rows_of_params(self) -> dict[int, int]:
-        if self._param_rows is None:
-            self._param_rows = {id(param): i for i, param in enumerate(self.params)}
-        return self._param_rows
-
     def per_sample_squared_norms(self) -> Tensor:
         """Squared norm of each sample's gradient over all managed parameters, [B]."""
         if self._norms is None:
@@ -352,10 +237,43 @@ class FlashClipping(LayerCapture):
             self._norms = torch.stack(terms).sum(0)
         return self._norms
 
+    def per_parameter_squared_norms(self) -> Tensor:
+        """Squared norm of each sample's gradient of each managed parameter on its own, [P, B],
+        rows in self.params' order (per-layer clipping: each parameter clipped to its own C_l).
+        A concatenation of small parameters is split by one index_add; a layer done from A and
+        G has one pending parameter (its rule's squared_norms covers what it left pending)."""
+        batch = self._batch_size()
+        small, large = self._per_sample_batches()
+        row = {id(param): i for i, param in enumerate(self.params)}
+        rows: list[int] = []
+        terms: list[Tensor] = []  # [B] each, in the order of rows
+        for params, grads in small:
+            local = list(range(len(params)))
+            owner = self._indices.columns(params, local, grads.device)  # of each column
+            # fp64 on the CPU, as squared_row_norms: fp32 sums drift on long rows there
+            wide = torch.float64 if grads.device.type == "cpu" else accumulation_dtype(grads)
+            squared = grads.to(wide).square()
+            sums = squared.new_zeros((batch, len(params))).index_add_(1, owner, squared)
+            terms += list(sums.T.to(accumulation_dtype(grads)))
+            rows += [row[id(p)] for p in params]
+        for param, grad in large:
+            terms.append(squared_row_norms(_rows(grad)))
+            rows.append(row[id(param)])
+        for rule, calls in self._calls_by_rule(self.layers).items():
+            for call in calls:
+                terms.append(sum(rule.squared_norms_many([call])))
+                rows.append(row[id(_only_parameter(call.layer))])
+        dtype = functools.reduce(torch.promote_types, [t.dtype for t in terms])
+        norms = terms[0].new_zeros((len(self.params), batch), dtype=dtype)
+        index = self._indices.get(("rows", *rows), lambda: rows, norms.device)
+        return norms.index_copy_(0, index, torch.stack([t.to(dtype) for t in terms]))
+
     def accumulate_clipped_grads(
         self, clip_factors: Tensor, sink: Callable[[nn.Parameter, Tensor], None] | None = None
     ) -> None:
-        """p.grad += sum_b c_b * grad_b(p) for every managed parameter.
+        """p.grad += sum_b c_b * grad_b(p) for every managed parameter. ``clip_factors``: [B],
+        one factor per sample for every parameter (flat clipping), or [P, B], a row per
+        parameter in self.params' order (per_parameter_squared_norms': per-layer clipping).
 
         Consumes the saved A and G: each layer's are dropped as soon as its clipped gradient
         exists, so the weight gradients grow while the saved activations shrink and the peak
@@ -368,9 +286,12 @@ class FlashClipping(LayerCapture):
         then call ``sink.finish(params)`` with every managed parameter. The batched writes into
         .grad are not used then.
         """
-        if clip_factors.shape != (self._batch_size(),):
-            raise ValueError(f"clip_factors must have shape [B], got {tuple(clip_factors.shape)}")
-        c = ClipFactors(clip_factors)
+        expected = (self._batch_size(),)
+        if clip_factors.shape not in (expected, (len(self.params), *expected)):
+            raise ValueError(
+                f"clip_factors must have shape [B] or [P, B], got {tuple(clip_factors.shape)}"
+            )
+        c = ClipFactorsByParameter(clip_factors, self.params, self._indices)
         small, large = self._per_sample_batches()
         self._small = None
         for layer in self.layers:
@@ -381,8 +302,10 @@ class FlashClipping(LayerCapture):
             return
         # Large kept per-sample grads first (no GEMM over T: a weighted sum of each), so they
         # are freed before the clipped GEMMs below allocate their gradients.
-        if large:
-            accumulate_weighted_sums(*zip(*large, strict=True), c)
+        if large and c.shared is not None:
+            accumulate_weighted_sums(*zip(*large, strict=True), c.shared)
+        for param, grad in large if c.shared is None else ():
+            accumulate_weighted_sums([param], [grad], c.of(param))
         del large
         clipped_of = self._calls_by_rule(self.layers, c)
         for layer in self.layers:
@@ -393,9 +316,9 @@ class FlashClipping(LayerCapture):
                     accumulate_into_grad(layer.params[name], grad)
         # The concatenations: one weighted sum per dtype.
         for params, grads in small:
-            accumulate_many(params, weighted_sum(grads, c))
+            accumulate_many(params, c.concatenated_sum(params, grads))
 
-    def _clipped_grads_to(self, sink, c: ClipFactors, small: list, large: list) -> None:
+    def _clipped_grads_to(self, sink, c: ClipFactorsByParameter, small: list, large: list) -> None:
         """accumulate_clipped_grads' sink path: every managed parameter's clipped sum, in
         self.params' reverse order whatever the routes, dict and set orders (hash-seeded) or
         layers reached (zeros where none was), so every rank's collectives pair up. Each kept
@@ -403,7 +326,7 @@ class FlashClipping(LayerCapture):
         ready: dict[int, Tensor] = {}
         while small:  # the small parameters' sums first, one weighted sum per dtype
             params, grads = small.pop()
-            grads = _unflatten_dense_tensors(weighted_sum(grads, c), params)
+            grads = _unflatten_dense_tensors(c.concatenated_sum(params, grads), params)
             ready.update(zip(map(id, params), grads, strict=True))
         kept = {id(param): grad for param, grad in large}
         large.clear()
@@ -420,28 +343,41 @@ class FlashClipping(LayerCapture):
             del calls
             for name, param in reversed(layer.params.items()):
                 if id(param) in kept:
-                    grad = weighted_sum(kept.pop(id(param)).flatten(1), c)
+                    grad = weighted_sum(kept.pop(id(param)).flatten(1), c.of(param))
                 elif name in clipped:
                     grad = clipped.pop(name)
                 elif id(param) in ready:
                     grad = ready.pop(id(param))
                 else:  # no call of this chunk reached the layer
-                    grad = torch.zeros(param.shape, dtype=param.dtype, device=c.c.device)
+                    grad = torch.zeros(param.shape, dtype=param.dtype, device=c.device)
                 sink(param, grad.view(param.shape))
                 del grad  # not held through the next layer's clipped GEMM
 
     @staticmethod
-    def _calls_by_rule(order: list[Layer], c: ClipFactors | None = None) -> dict[NormRule, Any]:
+    def _calls_by_rule(
+        order: list[Layer], c: ClipFactorsByParameter | None = None
+    ) -> dict[NormRule, Any]:
         """A LayerCall of every call still to be done from A and G, by rule, in ``order``.
         Given c, each rule's clipped_grads_many of them instead: their clipped gradients in that
-        order, made as they are asked for (a rule may share launches between its calls)."""
+        order, made as they are asked for (a rule may share launches between its calls, where
+        they share their clip factors: flat clipping)."""
         by_rule: dict[NormRule, deque] = {}
         for layer in order:
             for call in layer.calls:
                 by_rule.setdefault(layer.rule, deque()).append(LayerCall(layer, call.A, call.G))
         if c is None:
             return by_rule
-        return {rule: rule.clipped_grads_many(calls, c) for rule, calls in by_rule.items()}
+        if c.shared is not None:
+            return {
+                rule: rule.clipped_grads_many(calls, c.shared) for rule, calls in by_rule.items()
+            }
+        # each call's parameter named now, while the layers still list their calls
+        return {
+            rule: _one_by_one(
+                rule, deque((call, c.of(_only_parameter(call.layer))) for call in calls)
+            )
+            for rule, calls in by_rule.items()
+        }
 
     def routes(self) -> list[dict]:
         """Per layer of the last backward: name, T, route (Linear layers also d, p)."""
@@ -466,7 +402,6 @@ class FlashClipping(LayerCapture):
         self._leaves, self._norms, self._after_backward = [], None, False
         self._saved, self._small, self._batch = {}, None, None
         self._deferred, self._deferred_bytes = [], 0
-        self._in_hook = None
 
     @contextlib.contextmanager
     def autograd_gradients(self):

@@ -53,6 +53,17 @@ class FlashClippingTrainer(Trainer):
         with self.autocast(inputs.device.type):
             per_sample = self.per_sample_loss(self.model, inputs, targets)
         self.on_phase("forward_done")
+        # Sum over samples: each sample's G is then exactly the gradient of its own loss.
+        self.engine.backward(per_sample.sum())
+        self.on_phase("_clip_inputs_saved")  # A, G and per-sample grads all held: name them
+        # Each sample's norm from its own gradient, on its own rank: never reduced. Per-layer
+        # clipping: each parameter's norm on its own ([P, B]), against its own C_l.
+        if self.clipping == "per_layer":
+            squared = self.engine.per_parameter_squared_norms()
+            factors = self.clip_factors(squared.sqrt())
+            self.clipped_counts.add(squared, factors)
+        else:
+            factors = self.clip_factors(self.engine.per_sample_squared_norms().sqrt())
         # 1/B folded into the clip factors (and the noise's std): no division pass afterwards.
         # Several ranks: each collective starts once its clipped sum exists (the sink); FSDP2
         # with fsdp_sync "logical": held unsharded until the last chunk, sent once then.
@@ -60,17 +71,7 @@ class FlashClippingTrainer(Trainer):
         sink = self.distributed_mode.gradient_sink(
             is_last, self.noise_std(), add_gaussian_noise, held
         )
-        if self.clipping == "per_layer":
-            # each layer clipped in its own backward hook, its collective started there
-            bound, counts = self.layer_max_grad_norm, self.clipped_counts
-            self.engine.clip_in_backward(bound, self.batch_size, sink, counts)
-        # Sum over samples: each sample's G is then exactly the gradient of its own loss.
-        self.engine.backward(per_sample.sum())
-        self.on_phase("_clip_inputs_saved")  # A, G and per-sample grads all held: name them
-        if self.clipping != "per_layer":
-            # Each sample's norm from its own gradient, on its own rank: never reduced.
-            norms = self.engine.per_sample_squared_norms().sqrt()
-            self.engine.accumulate_clipped_grads(self.clip_factors(norms) / self.batch_size, sink)
+        self.engine.accumulate_clipped_grads(factors / self.batch_size, sink)
         self.engine.release()
         self.on_phase("backward_done")
         return per_sample.detach().sum()
