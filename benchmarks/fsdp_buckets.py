@@ -14,6 +14,7 @@ import argparse
 import os
 import sys
 
+UNBOUNDED = "none"  # --in_flight_mb's word for no bound
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
@@ -32,7 +33,8 @@ def main(argv: list[str]) -> int:
     from dp_cost.parallel import buckets
 
     buckets.BUCKET_BYTES = int(args.bucket_mb * 2**20)
-    in_flight = None if args.in_flight_mb == "none" else int(float(args.in_flight_mb) * 2**20)
+    unbounded = args.in_flight_mb.lower() == UNBOUNDED  # the word, not --distributed's "none"
+    in_flight = None if unbounded else int(float(args.in_flight_mb) * 2**20)
     buckets.ShardedGradients.IN_FLIGHT_BYTES = in_flight
     os.chdir(ROOT)
     import profiling_script
