@@ -137,8 +137,8 @@ class DPSGDTrainer(OpacusTrainer):
                 {"none": CountedPerLayerOptimizer, "ddp": CountedDistributedPerLayerOptimizer}
             )
             self.optimizer.clipped_counts = self.clipped_counts
-            # sqrt(sum C_l^2) as a float: Opacus takes it from a tensor's .item(), which the
-            # capacity prediction's fake tensors cannot give (the noise's std reads it)
+            # sqrt(sum C_l^2) as a float: Opacus takes it from a tensor's .item(), a symbolic
+            # value on the capacity prediction's fake tensors, which its noise's std compares
             bounds = self.optimizer.max_grad_norms
             self.optimizer.max_grad_norm = math.sqrt(math.fsum(b * b for b in bounds))
         else:

@@ -157,6 +157,11 @@ def every_job() -> dict:
             "distributed": distributed, "trainers": per_layer, "cases": CASES,
             "clipping": "per_layer", **SMALL_BUCKETS,
         }  # fmt: skip
+        if distributed == "fsdp":  # per-layer sums held to the last chunk
+            jobs["per_layer fsdp logical"] = {
+                "distributed": "fsdp", "trainers": ["flash"], "cases": CASES,
+                "clipping": "per_layer", "fsdp_sync": "logical", **SMALL_BUCKETS,
+            }  # fmt: skip
         for noise in (0.0, SIGMA):  # per-layer: noise of C (its sensitivity), added once
             jobs[f"per_layer noise {noise} {distributed}"] = {
                 "distributed": distributed, "trainers": per_layer, "cases": NOISE_CASES,
@@ -190,6 +195,8 @@ def test_every_trainer_under_ddp_and_fsdp2_steps_as_the_definition(tmp_path):
         check_update(saved[f"update {distributed}"], distributed)
         per_layer = ["dpsgd", "flash"] if distributed == "ddp" else ["flash"]
         check_per_layer_update(saved[f"per_layer {distributed}"], per_layer)
+        if distributed == "fsdp":
+            check_per_layer_update(saved["per_layer fsdp logical"], per_layer)
         check_noise_added_once(
             saved[f"per_layer noise 0.0 {distributed}"],
             saved[f"per_layer noise {SIGMA} {distributed}"], distributed, NOISE_CASES, per_layer,
@@ -273,8 +280,8 @@ def test_a_layer_only_one_rank_reaches(tmp_path):
 
     out = tmp_path / "branch.pt"
     variants = [f"{d},{int(one)},{int(bf16)}" for d, one, bf16 in BRANCH_VARIANTS]
-    # per-layer clipping, clipped in the backward hooks: rank 0's expert layer comes in
-    # autograd's order, rank 1's zeros at the end; the collectives still pair up
+    # per-layer clipping: rank 0 reaches the expert layer, rank 1 hands over its zeros; the
+    # collectives still pair up
     per_layer = [f"{d},{int(one)},0,per_layer" for d, one in PER_LAYER_BRANCH_VARIANTS]
     run_ranks("branch_per_rank.py", "--variants", *variants, *per_layer, "--out", str(out),
               timeout=300)  # fmt: skip
@@ -355,6 +362,8 @@ def test_replayed_ddp_noise_is_fresh_and_added_once(tmp_path):
 # per rank: sums held over two chunks), a Poisson-like 7 of an expected 9 (3 + 2 + 2), 4 in
 # chunks of 1 (2 + 1 + 1: the other ranks run a stand-in chunk).
 THREE_RANK_CASES = ["9,9,2", "9,9,1", "7,9,2", "4,9,1"]
+# per-layer clipping also at one sample per rank
+PER_LAYER_THREE_RANK_CASES = [*THREE_RANK_CASES, "3,3,1"]
 
 
 def test_fsdp2_sync_per_chunk_and_per_logical_batch_give_the_same_update_on_3_ranks(tmp_path):
@@ -372,17 +381,17 @@ def test_fsdp2_sync_per_chunk_and_per_logical_batch_give_the_same_update_on_3_ra
     # per-layer clipping on 3 ranks: flash under FSDP2 (both syncs) and DDP, dpsgd under DDP
     for sync in ("chunk", "logical"):
         jobs[f"per_layer {sync}"] = {
-            "distributed": "fsdp", "trainers": ["flash"], "cases": THREE_RANK_CASES,
+            "distributed": "fsdp", "trainers": ["flash"], "cases": PER_LAYER_THREE_RANK_CASES,
             "fsdp_sync": sync, "clipping": "per_layer", **SMALL_BUCKETS,
         }  # fmt: skip
     jobs["per_layer ddp"] = {
-        "distributed": "ddp", "trainers": ["dpsgd", "flash"], "cases": THREE_RANK_CASES,
+        "distributed": "ddp", "trainers": ["dpsgd", "flash"], "cases": PER_LAYER_THREE_RANK_CASES,
         "clipping": "per_layer", **SMALL_BUCKETS,
     }  # fmt: skip
     saved = torchrun(tmp_path, jobs, ranks=3)
     for job in ("per_layer chunk", "per_layer logical"):
-        check_per_layer_update(saved[job], ["flash"], THREE_RANK_CASES)
-    check_per_layer_update(saved["per_layer ddp"], ["dpsgd", "flash"], THREE_RANK_CASES)
+        check_per_layer_update(saved[job], ["flash"], PER_LAYER_THREE_RANK_CASES)
+    check_per_layer_update(saved["per_layer ddp"], ["dpsgd", "flash"], PER_LAYER_THREE_RANK_CASES)
     for sync in ("chunk", "logical"):
         check_update(saved[sync], "fsdp", ["standard", "flash"], THREE_RANK_CASES)
     for case in THREE_RANK_CASES:
