@@ -20,7 +20,7 @@ from dp_cost.core import schema
 from dp_cost.parallel import fsdp
 from dp_cost.parallel.mode import distributed_mode, fsdp_sync_refusal
 from dp_cost.training.base import OPTIMIZERS, Trainer, token_losses
-from dp_cost.training.clipping import CLIPPINGS
+from dp_cost.training.clipping import clipping_refusal
 from dp_cost.training.flash_trainer import FlashClippingTrainer
 from dp_cost.training.opacus_trainers import DPSGDTrainer, GhostClippingTrainer, OpacusTrainer
 from dp_cost.training.standard import StandardTrainer
@@ -115,8 +115,8 @@ def refusal(
     cls = TRAINERS[canonical_trainer_name(name)]
     if reason := fsdp_sync_refusal(distributed, fsdp_sync):
         return reason
-    if clipping not in CLIPPINGS:
-        return f"clipping must be one of {', '.join(CLIPPINGS)}, got {clipping!r}"
+    if reason := clipping_refusal(clipping):
+        return reason
     if clipping == "per_layer" and (reason := cls.per_layer_refusal):
         return reason
     if fsdp_sync != "chunk" and (reason := cls.logical_sync_refusal):

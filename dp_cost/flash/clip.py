@@ -124,15 +124,15 @@ class DeviceIndices:
 
 class ClipFactorsByParameter:
     """A chunk's clip factors for each parameter: one ClipFactors for all of them (flat
-    clipping, c [B]) or one per parameter (per-layer clipping, c [P, B], a row per parameter in
-    ``params``' order)."""
+    clipping, c [B]) or one per parameter (per-layer clipping, c [P, B], the row of each
+    parameter in ``rows``)."""
 
-    def __init__(self, c: Tensor, params: list[nn.Parameter], indices: DeviceIndices | None = None):
+    def __init__(self, c: Tensor, rows: dict[int, int], indices: DeviceIndices):
         self.device = c.device
         self.shared = ClipFactors(c) if c.dim() == 1 else None
         self.c = c
-        self.indices = indices or DeviceIndices()
-        self._row = {id(param): i for i, param in enumerate(params)}
+        self.indices = indices
+        self._row = rows  # id(parameter) -> its row of c
         self._of: dict[int, ClipFactors] = {}
 
     def of(self, param: nn.Parameter) -> ClipFactors:
@@ -232,9 +232,8 @@ def clip_per_sample(
     c = factors(squared.sqrt())
     if counts is not None:
         counts.add(squared, c)
-    by_parameter = ClipFactorsByParameter(c / divisor, params)
-    for param, grad in zip(params, grads, strict=True):
-        accumulate_weighted_sums([param], [grad], by_parameter.of(param))
+    for param, grad, row in zip(params, grads, c / divisor, strict=True):
+        accumulate_weighted_sums([param], [grad], ClipFactors(row))
 
 
 def weighted_sum(grads: Tensor, c: ClipFactors) -> Tensor:

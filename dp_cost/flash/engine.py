@@ -128,6 +128,7 @@ class FlashClipping(LayerCapture):
         self._norms: Tensor | None = None
         self._routes: list[dict] = []
         self._indices = DeviceIndices()  # per-layer clipping's index tensors, made once
+        self._param_rows = {id(param): i for i, param in enumerate(self.params)}  # rows of [P, B]
 
     def backward(self, loss: Tensor) -> None:
         """One backward of the SUM of per-sample losses; no .grad is written anywhere."""
@@ -244,7 +245,7 @@ class FlashClipping(LayerCapture):
         G has one pending parameter (its rule's squared_norms covers what it left pending)."""
         batch = self._batch_size()
         small, large = self._per_sample_batches()
-        row = {id(param): i for i, param in enumerate(self.params)}
+        row = self._param_rows
         rows: list[int] = []
         terms: list[Tensor] = []  # [B] each, in the order of rows
         for params, grads in small:
@@ -291,7 +292,7 @@ class FlashClipping(LayerCapture):
             raise ValueError(
                 f"clip_factors must have shape [B] or [P, B], got {tuple(clip_factors.shape)}"
             )
-        c = ClipFactorsByParameter(clip_factors, self.params, self._indices)
+        c = ClipFactorsByParameter(clip_factors, self._param_rows, self._indices)
         small, large = self._per_sample_batches()
         self._small = None
         for layer in self.layers:

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from dp_cost.core.schema import AllocationSite
 from dp_cost.parallel.mode import SingleProcess
 from dp_cost.stepping import graph
-from dp_cost.training.clipping import CLIPPINGS, ClippedCounts, layer_max_grad_norm
+from dp_cost.training.clipping import ClippedCounts, clipping_refusal, layer_max_grad_norm
 
 OPTIMIZERS = ("sgd", "adam")
 
@@ -71,8 +71,8 @@ class Trainer:
             raise ValueError("noise_multiplier must be >= 0 and max_grad_norm > 0")
         if optimizer not in OPTIMIZERS:
             raise ValueError(f"optimizer must be one of {OPTIMIZERS}, got {optimizer!r}")
-        if clipping not in CLIPPINGS:
-            raise ValueError(f"clipping must be one of {CLIPPINGS}, got {clipping!r}")
+        if reason := clipping_refusal(clipping):
+            raise ValueError(reason)
         if dtype not in (torch.float32, torch.bfloat16):
             raise ValueError(f"dtype must be float32 or bfloat16, got {dtype}")
         self.model, self.lr, self.batch_size = model, lr, batch_size

@@ -16,7 +16,21 @@ import torch
 
 from dp_cost.core.schema import CLIPPINGS
 
-__all__ = ["CLIPPINGS", "ClippedCounts", "layer_max_grad_norm", "merged_record"]
+__all__ = [
+    "CLIPPINGS",
+    "ClippedCounts",
+    "clipping_refusal",
+    "layer_max_grad_norm",
+    "merged_record",
+]
+
+
+def clipping_refusal(clipping: str) -> str | None:
+    """Why ``clipping`` is no rule (None: it is one): make_trainer's refusal and a trainer built
+    directly alike."""
+    if clipping not in CLIPPINGS:
+        return f"clipping must be one of {', '.join(CLIPPINGS)}, got {clipping!r}"
+    return None
 
 
 def layer_max_grad_norm(max_grad_norm: float, parameter_count: int) -> float:
