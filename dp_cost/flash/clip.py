@@ -254,6 +254,13 @@ def weighted_sum(grads: Tensor, c: ClipFactors) -> Tensor:
 NOISE_GROUP_BYTES = 256 * 2**20
 
 
+def noise_sampler(device: torch.device) -> str:
+    """Which sampler add_gaussian_noise draws from on ``device`` (hf.privacy.NOISE_SAMPLERS)."""
+    if device.type == "cuda" and triton_kernels() is not None:
+        return "flash_triton"
+    return f"torch_{device.type}"
+
+
 def add_gaussian_noise(
     tensors: list[torch.Tensor], std: float, generator: torch.Generator | None = None
 ) -> None:

@@ -3,45 +3,91 @@
 from __future__ import annotations
 
 import math
+from collections import Counter
+from dataclasses import dataclass
 
 import torch
 from opacus.accountants import PRVAccountant, RDPAccountant
 
 
+@dataclass(frozen=True)
+class NoiseSampler:
+    """How a trainer draws its Gaussian noise: Box-Muller from uniforms no smaller than
+    ``smallest_uniform``, so every draw has |z| <= z_max = sqrt(-2 ln smallest_uniform)."""
+
+    description: str
+    smallest_uniform: float
+
+    @property
+    def z_max(self) -> float:
+        return math.sqrt(-2 * math.log(self.smallest_uniform))
+
+
+# The samplers the trainers use (read from their sources: the radius of Box-Muller at the
+# smallest uniform each can produce).
+NOISE_SAMPLERS = {
+    "flash_triton": NoiseSampler(
+        "Flash Clipping's Triton kernel: Philox, a 64-bit uniform (two words) per radius", 2.0**-65
+    ),
+    "torch_cuda": NoiseSampler(
+        "torch.normal on CUDA (curand_normal4: Philox, (x + 1/2) / 2^32 per radius)", 2.0**-33
+    ),
+    "torch_cpu": NoiseSampler(
+        "torch.normal on the CPU (24-bit uniforms; 1 - u per radius, at least 2^-24)", 2.0**-24
+    ),
+}
+
+
+def tail_delta(
+    sampler: str, dimension: int, noise_multiplier: float, sample_rate: float, steps: int
+) -> float:
+    """The delta that the noise's truncated tails add, summed over ``steps``: a neighbour's
+    output lies outside the support of |z| <= z_max with probability at most the density at the
+    edge times its shift, summed over the ``dimension`` noised coordinates: sqrt(d) phi(z_max)
+    / sigma for a shift of norm <= C, paid when the sample is in the batch (probability q)."""
+    z_max = NOISE_SAMPLERS[sampler].z_max
+    density = math.exp(-(z_max**2) / 2) / math.sqrt(2 * math.pi)
+    if noise_multiplier <= 0:
+        per_step = 1.0
+    else:
+        per_step = min(1.0, math.sqrt(dimension) * density / noise_multiplier)
+    return steps * sample_rate * per_step
+
+
 def epsilon(
     noise_multiplier: float,
     sample_rate: float,
-    steps: int,
+    steps_per_draw: list[int],
     delta: float = 1e-5,
     accountant: str = "prv",
-    last_batch_uses: int = 1,
 ) -> float:
-    """The (epsilon, delta) guarantee of ``steps`` Poisson-subsampled Gaussian steps, by
-    Opacus' PRV (default) or RDP accountant. ``inf`` without noise; 0 for no steps.
+    """The (epsilon, delta) guarantee of Poisson-subsampled Gaussian steps, by Opacus' PRV
+    (default) or RDP accountant: ``steps_per_draw[i]`` steps ran on the i-th Poisson draw
+    (steps after the timed ones, for measurements, reuse the last draw). ``inf`` without
+    noise; 0 for no steps.
 
-    ``last_batch_uses``: how many of the ``steps`` ran on one sampled batch (steps after the
-    timed ones, for measurements, reuse one). Those k steps on one Poisson sample are one
-    subsampled mechanism whose inner part is k adaptively composed Gaussian mechanisms of noise
-    multiplier sigma on the same data: exactly a Gaussian mechanism of sigma / sqrt(k) (Gaussian
-    DP composes as sqrt(k) mu), so they enter the accountant as one step at sigma / sqrt(k).
+    k steps on one Poisson draw are one subsampled mechanism whose inner part is k adaptively
+    composed Gaussian mechanisms of noise multiplier sigma on the same data: exactly a Gaussian
+    mechanism of sigma / sqrt(k) (Gaussian DP composes as sqrt(k) mu), so each such draw enters
+    the accountant as one step at sigma / sqrt(k).
     """
     accountants = {"prv": PRVAccountant, "rdp": RDPAccountant}
     if accountant not in accountants:
         raise ValueError(f"accountant must be one of {sorted(accountants)}, got {accountant!r}")
     if not 0 < sample_rate <= 1:
         raise ValueError(f"sample_rate must be in (0, 1], got {sample_rate}")
-    if not 1 <= last_batch_uses <= max(steps, 1):
-        raise ValueError(f"last_batch_uses must be in 1..steps, got {last_batch_uses}")
-    if steps <= 0:
+    if any(uses < 1 for uses in steps_per_draw):
+        raise ValueError(f"every draw takes at least one step, got {steps_per_draw}")
+    if not steps_per_draw:
         return 0.0
     if noise_multiplier <= 0:
         return math.inf
-    fresh_batches = steps - last_batch_uses + 1
-    history = [(noise_multiplier / math.sqrt(last_batch_uses), sample_rate, 1)]
-    if fresh_batches > 1:
-        history.insert(0, (noise_multiplier, sample_rate, fresh_batches - 1))
+    draws_by_uses = Counter(steps_per_draw)
     acc = accountants[accountant]()
-    acc.history = history
+    acc.history = [
+        (noise_multiplier / math.sqrt(uses), sample_rate, draws)
+        for uses, draws in sorted(draws_by_uses.items())
+    ]
     return float(acc.get_epsilon(delta=delta))
 
 

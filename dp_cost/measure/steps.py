@@ -1,8 +1,8 @@
 """The measurements of one config, in order, each with one interface: ``run(session, result)``.
 
 ``measurements(config)`` is the sequence a config asks for. The timed steps come first and
-nothing else runs during them; every later measurement runs extra steps on the last sampled
-batch that had samples and never records phase snapshots (``Session.extra_step``).
+nothing else runs during them; every later measurement runs extra steps on the last timed
+step's batch and never records phase snapshots (``Session.extra_step``).
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ class Session:
     recorder: phases.PhaseRecorder
     out_dir: str
     env: dict
-    inputs: torch.Tensor = None  # the last sampled batch with samples: extra steps reuse it
+    inputs: torch.Tensor = None  # the last timed step's batch (its share): extra steps reuse it
     targets: torch.Tensor = None
     measured_snapshots: list = field(default_factory=list)
     step_starts: list = field(default_factory=list)
@@ -80,10 +80,11 @@ class TimedSteps:
             with GarbageCollections() as collections:  # Python's, over the timed steps
                 for _ in range(s.config.steps):
                     inputs, targets = s.workload.batch()  # sampled outside the timed region
-                    if len(inputs) or s.inputs is None:
-                        # The extra steps after these reuse the last batch that had samples: a
-                        # measurement of an empty (Poisson) batch would measure the noise alone.
-                        s.inputs, s.targets = inputs, targets
+                    # The extra steps after these reuse the last timed draw, whatever it holds:
+                    # a choice by its content ("the last with samples") would include a sample
+                    # more often than the sampling rate says, and under DDP a rank whose share
+                    # is empty would pick an older draw than the others.
+                    s.inputs, s.targets = inputs, targets
                     # The phases' ends are CUDA events: nothing waits for the GPU inside the step
                     # (timed_step waits before it)
                     with s.recorder.timed_step() as began:
@@ -98,12 +99,13 @@ class TimedSteps:
         result["python_gc"] = collections.result()
         timed = {k: v - counts_before[k] for k, v in s.trainer.graphs.counts().items()}
         s.timed_replays = timed["replays"]
-        # Poisson batches vary in size: say which one the measurements after these steps use.
-        result["measurement_batch_size"] = len(s.inputs)
-        if not len(s.inputs):
+        # Poisson batches vary in size: say which one the measurements after these steps use
+        # (the global batch: under DDP and FSDP2 each rank steps on its share of it).
+        result["measurement_batch_size"] = s.workload.draws[-1]
+        if not s.workload.draws[-1]:
             s.env["measurement_batch_note"] = (
-                "every sampled batch was empty: the measurements after the timed steps (CPU "
-                "peak, breakdown, census, trace) ran on an empty batch, a noise-only step"
+                "the last timed batch drawn was empty: the measurements after the timed steps "
+                "(CPU peak, breakdown, census, trace) ran on it, a noise-only step"
             )
         if s.trainer.graphs.enabled:
             result["cuda_graph"] = {
@@ -291,24 +293,36 @@ class Trace:
 
 
 class Privacy:
-    """The epsilon of every DP update the model received (Poisson-sampled workloads)."""
+    """The (epsilon, delta_total) of every DP update the model received (Poisson-sampled
+    workloads), and the draws it covers."""
 
     def run(self, s: Session, result: dict) -> None:
         if s.workload.sample_rate is None or not s.trainer.is_private:
             return
-        config = s.config
-        # Warm-up and timed steps each drew a fresh Poisson batch; the extra steps after them
-        # (CPU peak, breakdown, census, trace) reused one of those: accounted as such.
-        steps, last_batch_uses = s.trainer.steps_taken, 1 + s.extra_steps
-        epsilon = None
-        if config.poisson:
-            epsilon = privacy.epsilon(
-                config.noise_multiplier,
-                s.workload.sample_rate,
-                steps,
-                config.delta,
-                last_batch_uses=last_batch_uses,
+        config, sample_rate = s.config, s.workload.sample_rate
+        # Warm-up and timed steps each drew a fresh Poisson batch (global sizes, alike on every
+        # rank); the extra steps after them (CPU peak, breakdown, census, trace) reused the
+        # last: accounted as such.
+        draws = list(s.workload.draws)
+        steps_per_draw = [1] * len(draws)
+        if draws:
+            steps_per_draw[-1] += s.extra_steps
+        steps = s.trainer.steps_taken
+        if sum(steps_per_draw) != steps:  # a step that neither drew nor reused: not accounted
+            raise RuntimeError(
+                f"the trainer took {steps} steps but the draws account for {sum(steps_per_draw)}"
             )
+        sampler = s.trainer.noise_sampler()
+        dimension = s.trainer.noised_dimension()
+        # A trainer whose clipped samples may reach (1 + margin) C has that sensitivity: the
+        # accountant sees the noise multiplier sigma / (1 + margin)
+        margin = s.trainer.sensitivity_margin()
+        sigma = config.noise_multiplier / (1 + margin)
+        epsilon = delta_total = tail = None
+        if config.poisson:
+            epsilon = privacy.epsilon(sigma, sample_rate, steps_per_draw, config.delta)
+            tail = privacy.tail_delta(sampler, dimension, sigma, sample_rate, steps)
+            delta_total = config.delta + tail
         else:
             s.env["privacy_note"] = (
                 "--no_poisson: fixed-size batches, which the Poisson accountant does not cover; "
@@ -317,9 +331,19 @@ class Privacy:
         result["privacy"] = {
             "epsilon": epsilon,
             "delta": config.delta,
-            "sample_rate": s.workload.sample_rate,
+            "delta_total": delta_total,
+            "tail_delta": tail,
+            "noise_sampler": sampler,
+            "z_max": privacy.NOISE_SAMPLERS[sampler].z_max,
+            "noised_coordinates": dimension,
+            "noise_multiplier": config.noise_multiplier,
+            "sensitivity_margin": margin,
+            "effective_noise_multiplier": sigma,
+            "sample_rate": sample_rate,
             "steps": steps,
-            "last_batch_uses": last_batch_uses,
+            "draw_sizes": draws,
+            "steps_per_draw": steps_per_draw,
+            "last_batch_uses": steps_per_draw[-1] if draws else 0,
             "poisson": config.poisson,
             "accountant": "prv",
         }

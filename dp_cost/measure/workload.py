@@ -24,6 +24,7 @@ class Workload:
         self.config, self.device = config, device
         # Distributed: every rank draws the same global batch and keeps its own share of it.
         self.rank, self.world_size = rank, world_size
+        self.draws: list[int] = []  # the global size of every batch handed out, in order
         generator = torch.Generator().manual_seed(config.seed)
         if config.model in HF_CONFIGS:
             self.model, env["model_info"] = hf_models.build_hf_model(
@@ -75,6 +76,7 @@ class Workload:
     def batch(self):
         """The next logical batch (inputs, targets) on the device: this rank's share of it."""
         inputs, labels = self._global_batch()
+        self.draws.append(len(inputs))
         if self.world_size == 1:
             return inputs, labels
         mine = share(len(inputs), self.rank, self.world_size)

@@ -1,7 +1,7 @@
 """The process group of one config's workers, and the few collectives every trainer's step
 takes outside the gradients: the start from rank 0's parameters, a noise generator seeded alike
-on every rank, and sums over the ranks of a loss or a flag. torch.distributed's collectives,
-no other communication."""
+on every rank (or per rank, from one seed), and sums over the ranks of a loss or a flag.
+torch.distributed's collectives, no other communication."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import datetime
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch._subclasses.fake_tensor import is_fake
 
 from dp_cost.parallel.ranks import RankInfo
 
@@ -42,12 +43,22 @@ def broadcast_parameters(model: nn.Module) -> None:
             dist.broadcast(param.data, 0)
 
 
-def shared_generator(device: torch.device) -> torch.Generator:
-    """A generator seeded alike on every rank (rank 0's draw): the same noise on every replica.
-    Reads the seed on the host: made once, in an eager step (never while a graph captures)."""
+# Mixed into rank 0's seed by each rank (an odd 64-bit constant, the golden ratio's): Philox
+# keyed by distinct seeds gives independent streams.
+RANK_SEED_STRIDE = 0x9E3779B97F4A7C15
+
+
+def shared_generator(device: torch.device, per_rank: bool = False) -> torch.Generator | None:
+    """A noise generator from rank 0's seed: alike on every rank (the same noise on every
+    replica), or, ``per_rank``, that seed mixed with the rank's number (independent noise on
+    each FSDP2 shard, whatever each rank's torch seed). Reads the seed on the host: made once,
+    in an eager step (never while a graph captures)."""
     seed = torch.randint(2**62, (1,), device=device)
     dist.broadcast(seed, 0)
-    return torch.Generator(device).manual_seed(int(seed.item()))
+    if is_fake(seed):  # a step on fake tensors (the capacity prediction) draws nothing real
+        return None
+    mixed = int(seed.item()) + (RANK_SEED_STRIDE * dist.get_rank() if per_rank else 0)
+    return torch.Generator(device).manual_seed(mixed % 2**63)
 
 
 def batch_mean(total: float, count: int, device: torch.device) -> float:

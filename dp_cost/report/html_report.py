@@ -19,7 +19,7 @@ from dp_cost.core.files import open_file, write_text
 from dp_cost.core.fmt import count
 from dp_cost.core.schema import BREAKDOWN_LABELS, trainer_title
 from dp_cost.report import capacity
-from dp_cost.report.results import ordered, shape_label
+from dp_cost.report.results import ordered, privacy_notes, shape_label
 from dp_cost.report.run_info import run_info
 from dp_cost.report.tables import kernel_cells, kernel_rows, summary_cells, summary_rows
 
@@ -198,6 +198,8 @@ def report_html(
         parts += [f"<p>{escape(capacity.NOTES.strip())}</p>"]
     else:
         parts += ["<h2>Summary</h2>", table_html(*summary_cells(summary_rows(results)))]
+        if notes := privacy_notes(results).strip():
+            parts += [f"<pre>{escape(notes)}</pre>"]
     kernels = kernel_rows(results)
     if kernels:
         parts += ["<h2>GPU kernel time per category, ms (extra over standard)</h2>"]

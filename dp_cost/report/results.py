@@ -234,3 +234,52 @@ def longest_series(results: list[dict], param: str) -> list[dict]:
     keys = sorted(series, key=lambda k: [(v is None, v) for v in k])  # None: full FT
     key = max(keys, key=lambda k: len(series[k]))  # ties: the first in that order
     return [series[key][x] for x in sorted(series[key])]
+
+
+# Why a DP config that ran has no epsilon, where its result does not say: the causal LM's
+# workload is one fixed batch, not drawn from a dataset, so there is no sampling rate.
+NO_SAMPLING = (
+    "the causal LM trains on one fixed batch, not Poisson-sampled from a dataset: there is no "
+    "sampling rate to account (--mode=hf runs report epsilon)"
+)
+
+
+def privacy_summary(result: dict) -> dict:
+    """epsilon, delta_total and dp_steps (every DP step the model took: warm-up, timed and
+    measurement steps) of a DP config, and ``why`` where epsilon is null (None for a
+    non-private or failed config: nothing to say)."""
+    record = result.get("privacy")
+    summary = {"epsilon": None, "delta_total": None, "dp_steps": None, "why": None}
+    if record:
+        summary.update(
+            epsilon=record.get("epsilon"),
+            # results before delta_total existed: their delta, without the tails' term
+            delta_total=record.get("delta_total", record.get("delta")),
+            dp_steps=record.get("steps"),
+        )
+        if record.get("epsilon") is None:
+            summary["why"] = result.get("env", {}).get("privacy_note") or "not computed"
+    elif result["status"] == "ok" and result.get("clipping") is not None:  # DP, no sampling
+        summary["why"] = NO_SAMPLING
+    return summary
+
+
+def privacy_notes(results: list[dict]) -> str:
+    """What the privacy columns cover, and one line per DP config whose epsilon is null."""
+    rows = [(r, privacy_summary(r)) for r in ordered(results)]
+    if not any(summary["epsilon"] is not None or summary["why"] for _, summary in rows):
+        return ""
+    lines = [
+        "\nepsilon: (epsilon, delta_total)-DP over dp_steps, every DP step the model took "
+        "(warm-up, timed, and the measurement steps that reuse the last timed draw); "
+        "delta_total = delta + the noise sampler's tail term (docs/privacy.md).\n"
+    ]
+    by_reason: dict[str, list[str]] = {}
+    for r, summary in rows:
+        if summary["why"]:
+            c = r["config"]
+            by_reason.setdefault(summary["why"], []).append(
+                f"{c['trainer']} bs{c['batch_size']} seq{c['seq_len']}"
+            )
+    lines += [f"- epsilon null for {', '.join(names)}: {why}\n" for why, names in by_reason.items()]
+    return "".join(lines)

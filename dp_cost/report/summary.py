@@ -12,7 +12,7 @@ from dp_cost.core.files import UnsafePath, write_text
 from dp_cost.core.fmt import count
 from dp_cost.report import capacity, html_report, plots, sweep, trace_analysis
 from dp_cost.report.figures import draw_each
-from dp_cost.report.results import load_results
+from dp_cost.report.results import load_results, privacy_notes
 from dp_cost.report.tables import (
     COLUMNS,
     csv_text,
@@ -81,8 +81,9 @@ def write_summary(run_dir: str, results: list[dict]) -> str:
         return text + f"Capacity: {os.path.join(run_dir, capacity.CAPACITY_JSON)}\n"
     rows = summary_rows(results)
     write_text(os.path.join(run_dir, "summary.csv"), csv_text(COLUMNS, rows))
-    text = format_table(rows)
-    markdown = format_table(rows, markdown=True)
+    privacy = privacy_notes(results)
+    text = format_table(rows) + privacy
+    markdown = format_table(rows, markdown=True) + privacy
     kernels = kernel_rows(results)
     if kernels:
         text += KERNEL_TITLE + format_kernel_table(kernels)

@@ -8,7 +8,7 @@ import io
 
 from dp_cost.core.fmt import cell, ratio, render_table
 from dp_cost.core.schema import KERNEL_CATEGORIES
-from dp_cost.report.results import baselines, ordered, shape_key
+from dp_cost.report.results import baselines, ordered, privacy_summary, shape_key
 
 COLUMNS = (
     "trainer",
@@ -28,6 +28,9 @@ COLUMNS = (
     "time_vs_standard",
     "time_ratio_noisy",
     "mem_vs_standard",
+    "epsilon",
+    "delta_total",
+    "dp_steps",
     "status",
 )
 # The text and Markdown tables: the steps' range in one cell, the spread and its flag in another;
@@ -65,6 +68,7 @@ def summary_rows(results: list[dict]) -> list[dict]:
         config = result["config"]
         base = standard.get(shape_key(config), {})
         spread = step_spread(result)
+        privacy = privacy_summary(result)
         rows.append(
             {
                 "trainer": config["trainer"],
@@ -89,6 +93,9 @@ def summary_rows(results: list[dict]) -> list[dict]:
                 and base is not result
                 and bool(spread["noisy"] or step_spread(base)["noisy"]),
                 "mem_vs_standard": ratio(result.get("peak_memory_mb"), base.get("peak_memory_mb")),
+                "epsilon": privacy["epsilon"],
+                "delta_total": privacy["delta_total"],
+                "dp_steps": privacy["dp_steps"],
                 "status": result["status"],
             }
         )
@@ -96,6 +103,8 @@ def summary_rows(results: list[dict]) -> list[dict]:
 
 
 def _summary_cell(row: dict, col: str) -> str:
+    if col == "delta_total" and row[col] is not None:
+        return f"{row[col]:.3g}"
     if col == "steps_ms":
         return "-" if row["min_ms"] is None else f"{row['min_ms']:.2f}-{row['max_ms']:.2f}"
     if col == "spread":

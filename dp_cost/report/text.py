@@ -3,7 +3,27 @@
 from __future__ import annotations
 
 from dp_cost.core.schema import BREAKDOWN_LABELS, trainer_title
-from dp_cost.report.results import ordered
+from dp_cost.report.results import ordered, privacy_summary
+
+
+def _privacy_lines(results: list[dict]) -> list[str]:
+    """Each DP config's (epsilon, delta_total) and the steps it covers, or why it has none."""
+    lines = []
+    for r in ordered(results):
+        privacy, c = privacy_summary(r), r["config"]
+        name = f"{trainer_title(c['trainer'])} bs{c['batch_size']} T{c['seq_len']}"
+        if privacy["epsilon"] is not None:
+            lines.append(
+                f"{name:<48}epsilon {privacy['epsilon']:.2f} at delta_total "
+                f"{privacy['delta_total']:.3g} over {privacy['dp_steps']} DP steps"
+            )
+        elif privacy["why"]:
+            lines.append(f"{name:<48}epsilon null: {privacy['why']}")
+    return (
+        ["", "PRIVACY (every DP step the model took: warm-up, timed, measurement)", *lines]
+        if lines
+        else []
+    )
 
 
 def _fixed(value) -> str:
@@ -32,6 +52,7 @@ def summary_text(results: list[dict]) -> str:
         peak, median = r.get("peak_memory_mb"), r.get("median_time_ms")
         # null under --ncu (a replayed step is no measurement): shown as n/a, never as 0
         lines.append(f"{name:<48}{_fixed(peak):>18}{_fixed(median):>18}")
+    lines += _privacy_lines(results)
     lines += [
         rule,
         "",

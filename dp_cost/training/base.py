@@ -211,6 +211,19 @@ class Trainer:
         bound = self.max_grad_norm if per_sample_norms.dim() == 1 else self.layer_max_grad_norm
         return (bound / (per_sample_norms + 1e-6)).clamp(max=1.0)
 
+    def noise_sampler(self) -> str | None:
+        """The sampler of its Gaussian noise (hf.privacy.NOISE_SAMPLERS; None: no noise)."""
+        return None
+
+    def sensitivity_margin(self) -> float:
+        """How far above C, relative to C, one sample's clipped contribution may reach (its
+        norms' rounding): the accountant takes the sensitivity as (1 + margin) C. 0: exact."""
+        return 0.0
+
+    def noised_dimension(self) -> int:
+        """How many coordinates get noise: every trainable parameter's (whole, not a shard)."""
+        return sum(p.numel() for group in self.base_optimizer.param_groups for p in group["params"])
+
     def clipping_record(self) -> dict | None:
         """The result's ``clipping``: the rule and its bounds, and per-layer how often each
         parameter's bound clipped (None: this trainer does not clip)."""

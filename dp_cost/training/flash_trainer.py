@@ -6,7 +6,13 @@ from __future__ import annotations
 import torch
 
 from dp_cost.core.schema import AllocationSite
-from dp_cost.flash import ALLOCATION_SITES, FlashClipping, add_gaussian_noise, clip_per_sample
+from dp_cost.flash import (
+    ALLOCATION_SITES,
+    FlashClipping,
+    add_gaussian_noise,
+    clip_per_sample,
+    noise_sampler,
+)
 from dp_cost.parallel import buckets, collectives
 from dp_cost.training.base import Trainer
 
@@ -114,12 +120,17 @@ class FlashClippingTrainer(Trainer):
             if p.grad is None:  # a layer the batch never reached still gets noise
                 p.grad = torch.zeros_like(p)
         # Noise once per coordinate. DDP: rank 0's, in the sum over ranks (the sink), or, gathering,
-        # one draw on every replica (a generator seeded alike, once); FSDP2: each rank's shard's.
+        # one draw on every replica (a generator seeded alike, once); FSDP2: each rank's shard's,
+        # from a generator of its own (made here, not left to the caller to seed each rank).
         if self.noise_std() > 0 and (not self.distributed_mode.replicates or self.gathering):
-            if self.gathering and self.shared_noise is None:
-                self.shared_noise = collectives.shared_generator(params[0].device)
+            shards = self.distributed_mode.shards
+            if (self.gathering or shards) and self.shared_noise is None:
+                self.shared_noise = collectives.shared_generator(params[0].device, shards)
             add_gaussian_noise(buckets.local_gradients(params), self.noise_std(), self.shared_noise)
         self.optimizer.step()
+
+    def noise_sampler(self):  # the fused kernel where it runs (add_gaussian_noise), else torch's
+        return noise_sampler(self.engine.params[0].device)
 
     def result_extras(self) -> dict:  # the route each Linear layer's norms took, its sizes
         return {"flash_routes": self.engine.routes()}

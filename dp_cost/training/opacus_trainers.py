@@ -19,16 +19,31 @@ from opacus.optimizers import (
 from opacus.optimizers.optimizer import _check_processed_flag, _mark_as_processed
 from opacus.utils.fast_gradient_clipping_utils import DPTensorFastGradientClipping
 
+from dp_cost.core.schema import AllocationSite
 from dp_cost.flash import tensors_in
 from dp_cost.samplers import state as opacus_state
 from dp_cost.training.base import Trainer
 from dp_cost.training.clipping import ClippedCounts
+
+# How far above C a sample's clipped contribution may reach under Opacus' clipping, relative to
+# C, by the dtype of the step: Opacus computes the per-sample norms in the per-sample
+# gradients' dtype (bf16 under autocast: 8 bits, rounded), so min(1, C / norm) can scale a
+# sample past C. Measured on the stress shapes of tests/test_dp_fidelity.py: up to 3.5e-3 in
+# bf16 (ghost), 1e-5 in fp32; the margins are several times those. The accountant takes the
+# sensitivity as (1 + margin) C, i.e. an effective noise multiplier sigma / (1 + margin).
+NORM_MARGINS = {torch.float32: 2.0**-12, torch.bfloat16: 2.0**-5}
 
 
 class OpacusTrainer(Trainer):
     """Opacus' optimizers with BatchMemoryManager's protocol for physical chunks."""
 
     is_private = True
+
+    def noise_sampler(self):  # Opacus draws its noise with torch.normal on the parameter's device
+        return f"torch_{self.base_optimizer.param_groups[0]['params'][0].device.type}"
+
+    def sensitivity_margin(self) -> float:
+        return NORM_MARGINS[self.dtype]
 
     def dp_state_tensors(self):
         owners = {"parameter": self.model.named_parameters, "module": self.model.named_modules}
@@ -40,12 +55,15 @@ class OpacusTrainer(Trainer):
         ]
 
     def dp_allocation_sites(self):
-        return list(opacus_state.OPACUS_SITES)
+        # the clipping below replaces Opacus' own (opacus.optimizers' "^clip" site)
+        ours = (FlatClipping.clip_and_accumulate, CountedPerLayerClipping.clip_and_accumulate)
+        return [AllocationSite.of("per_sample_gradients", *ours), *opacus_state.OPACUS_SITES]
 
     def wrap_optimizer(self, dp_optimizer_classes: dict) -> None:
         """Opacus' DP optimizer (``dp_optimizer_classes`` by distributed mode) around the base
         optimizer, with this trainer's settings. Distributed, Opacus divides by the expected
-        batch of ONE rank and then averages over the ranks: B / world_size is that batch.
+        batch of ONE rank and then averages over the ranks: B / world_size is that batch, a
+        float where B is not a multiple of the ranks (so the divisor is B, not (B // W) W).
         Per-layer clipping: Opacus takes a list of bounds, one per parameter."""
         max_grad_norm = self.max_grad_norm
         if self.clipping == "per_layer":
@@ -56,7 +74,7 @@ class OpacusTrainer(Trainer):
             self.base_optimizer,
             noise_multiplier=self.noise_multiplier,
             max_grad_norm=max_grad_norm,
-            expected_batch_size=self.batch_size // self.world_size,
+            expected_batch_size=self.batch_size / self.world_size,
             loss_reduction="mean",
         )
         self.on_phase("privacy_wrapped")
@@ -77,6 +95,48 @@ class OpacusTrainer(Trainer):
         return per_sample.detach().sum()
 
 
+def per_sample_norms(grad_sample: torch.Tensor) -> torch.Tensor:
+    """Each sample's L2 norm ([B]) of per-sample gradients [B, ...], as Opacus takes it, except
+    on the CPU: there torch's fp32 norm of a long row comes out low (by 1e-5 at 1e6 elements,
+    4.7e-3 at 6e7), so min(1, C / norm) would scale a sample past C; accumulated in fp64 there.
+    On CUDA the reduction's error is far below NORM_MARGINS'."""
+    rows = grad_sample.flatten(1)  # [B, everything else], B = 0 included
+    if rows.is_cpu:
+        wide = torch.promote_types(rows.dtype, torch.float32)
+        return torch.linalg.vector_norm(rows, dim=1, dtype=torch.float64).to(wide)
+    return rows.norm(2, dim=-1)
+
+
+class FlatClipping:
+    """Opacus' flat clip_and_accumulate (DPOptimizer's arithmetic: per-parameter norms, stacked,
+    min(1, C / (norm + 1e-6)), the per-sample gradients cast to the parameter's dtype and summed
+    with those factors), with per_sample_norms' accurate norms on the CPU."""
+
+    def clip_and_accumulate(self):
+        if len(self.grad_samples[0]) == 0:  # an empty batch
+            factors = torch.zeros((0,), device=self.grad_samples[0].device)
+        else:
+            norms = torch.stack([per_sample_norms(g) for g in self.grad_samples], dim=1)
+            factors = (self.max_grad_norm / (norms.norm(2, dim=1) + 1e-6)).clamp(max=1.0)
+        for p in self.params:
+            _check_processed_flag(p.grad_sample)
+            grad_sample = self._get_flat_grad_sample(p).to(p.dtype)
+            grad = torch.einsum("i,i...", factors.to(grad_sample.device, p.dtype), grad_sample)
+            if p.summed_grad is not None:
+                p.summed_grad += grad
+            else:
+                p.summed_grad = grad
+            _mark_as_processed(p.grad_sample)
+
+
+class FlatOptimizer(FlatClipping, DPOptimizer):
+    """One process: Opacus' DPOptimizer."""
+
+
+class DistributedFlatOptimizer(FlatClipping, DistributedDPOptimizer):
+    """DDP: Opacus' DistributedDPOptimizer (clipped sums summed over the ranks, rank 0's noise)."""
+
+
 class CountedPerLayerClipping:
     """Opacus' per-layer clip_and_accumulate (DPPerLayerOptimizer's arithmetic, with flat
     clipping's cast of the per-sample gradients to the parameter's dtype), also counting the
@@ -93,15 +153,15 @@ class CountedPerLayerClipping:
             # in the parameter's dtype, as Opacus' flat clipping casts it (its per-layer
             # optimizer does not, and fails under bf16 autocast: a bf16 sum for an fp32 .grad)
             grad_sample = self._get_flat_grad_sample(p).to(p.dtype)
-            per_sample_norms = grad_sample.norm(2, dim=tuple(range(1, grad_sample.ndim)))
-            factor = (max_grad_norm / (per_sample_norms + 1e-6)).clamp(max=1.0)
+            norms = per_sample_norms(grad_sample)
+            factor = (max_grad_norm / (norms + 1e-6)).clamp(max=1.0)
             grad = torch.einsum("i,i...", factor, grad_sample)
             if p.summed_grad is not None:
                 p.summed_grad += grad
             else:
                 p.summed_grad = grad
             _mark_as_processed(p.grad_sample)
-            squared.append(per_sample_norms.square())
+            squared.append(norms.square())
             factors.append(factor)
         if squared:
             self.clipped_counts.add(torch.stack(squared), torch.stack(factors))
@@ -142,7 +202,7 @@ class DPSGDTrainer(OpacusTrainer):
             bounds = self.optimizer.max_grad_norms
             self.optimizer.max_grad_norm = math.sqrt(math.fsum(b * b for b in bounds))
         else:
-            self.wrap_optimizer({"none": DPOptimizer, "ddp": DistributedDPOptimizer})
+            self.wrap_optimizer({"none": FlatOptimizer, "ddp": DistributedFlatOptimizer})
 
     def empty_batch_gradients(self):
         # Zero rows of per-sample gradients: Opacus' clipping takes this as an empty batch.

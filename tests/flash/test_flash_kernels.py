@@ -2,6 +2,7 @@
 explicit tiles: autotuning needs a GPU driver, so the autotuned path and bf16 (which the
 interpreter cannot represent) are checked compiled, in tests/flash/test_flash_kernels_gpu.py."""
 
+import math
 import os
 
 import pytest
@@ -11,6 +12,9 @@ if os.environ.get("TRITON_INTERPRET") != "1":  # set by conftest.py where there 
     pytest.skip("kernels compile here: test_flash_kernels_gpu.py", allow_module_level=True)
 flash_kernels = pytest.importorskip("dp_cost.flash.kernels", reason="needs triton")
 gram = pytest.importorskip("dp_cost.flash.kernels.gram", reason="needs triton")
+noise_kernels = pytest.importorskip("dp_cost.flash.kernels.noise", reason="needs triton")
+triton = pytest.importorskip("triton")
+tl = triton.language
 
 
 def per_sample_squared_norms(A, G):
@@ -99,6 +103,44 @@ def test_noise_kernel_is_gaussian_independent_and_reproducible():
     again = noise_added(tensors, 0.5, seed=1)
     assert all(torch.equal(a, b) for a, b in zip(again, (big, edge, tiny)))
     assert not torch.equal(noise_added(tensors, 0.5, seed=2)[0], big)
+
+
+@triton.jit
+def _transform_kernel(high, low, angle, out_cos, out_sin, N: tl.constexpr):
+    lanes = tl.arange(0, N)
+    z_cos, z_sin = noise_kernels.uniform64_to_normal(
+        tl.load(high + lanes), tl.load(low + lanes), tl.load(angle + lanes)
+    )
+    tl.store(out_cos + lanes, z_cos)
+    tl.store(out_sin + lanes, z_sin)
+
+
+def test_noise_transform_reaches_the_64_bit_tail_unclamped():
+    """The Box-Muller radius from two Philox words: at the smallest uniform, 2^-65, it is
+    sqrt(130 ln 2) = 9.49 (Triton's randn stops at 5.68, clamping u at 1e-7); every uniform below
+    1e-7 keeps its own radius (none clamped), and each radius equals the fp64 formula's."""
+    words = [
+        (0, 0), (0, 1), (0, 2), (0, 1000), (0, 2**31), (1, 0), (428, 0),  # u below 1e-7
+        (2**20, 7), (2**31, 0), (2**32 - 1, 2**32 - 1),  # middle, and u rounding to 1
+    ]  # fmt: skip
+    n = 16
+    high = torch.tensor([h for h, _ in words] + [0] * (n - len(words)), dtype=torch.int64)
+    low = torch.tensor([lo for _, lo in words] + [0] * (n - len(words)), dtype=torch.int64)
+    as_uint32 = lambda t: t.to(torch.uint32)  # noqa: E731
+    angle = as_uint32(torch.zeros(n, dtype=torch.int64))
+    out_cos, out_sin = torch.empty(n), torch.empty(n)
+    _transform_kernel[(1,)](as_uint32(high), as_uint32(low), angle, out_cos, out_sin, N=n)
+    u = (high.double() * 2.0**32 + low.double() + 0.5) / 2.0**64
+    expected = (-2 * u.log()).sqrt()
+    radius = out_cos[: len(words)].double()
+    assert radius[0].item() == pytest.approx(math.sqrt(130 * math.log(2)), rel=1e-6)
+    assert noise_kernels.Z_MAX == pytest.approx(9.4926, abs=1e-4)
+    assert radius[0].item() == pytest.approx(noise_kernels.Z_MAX, rel=1e-6)
+    assert torch.allclose(radius, expected[: len(words)], rtol=1e-5, atol=1e-6)
+    tail = radius[:7]  # all of these u lie below Triton's clamp: distinct, decreasing radii
+    clamped = math.sqrt(-2 * math.log(1e-7))  # 5.68: the radius where Triton clamps
+    assert (tail > clamped).all() and (tail[1:] < tail[:-1]).all()
+    assert radius[-1].item() == 0.0 and out_sin.isfinite().all()  # u = 1: radius 0, no NaN
 
 
 def test_grouped_layers_sum_to_brute_force():

@@ -96,6 +96,35 @@ def test_noise_kernel_on_cuda(dtype):
     assert (noisy[1] != 0).all()
 
 
+def test_noise_kernel_tail_over_1e11_draws():
+    """The sampler's tail, which DP's guarantee rests on: over >= 1e11 draws, the count of
+    |z| > 6 is within 3 standard deviations of the Gaussian's (197 expected; Triton's randn,
+    which stops at 5.68, gives none), and none exceeds the transform's bound Z_MAX."""
+    import math
+
+    from dp_cost.flash import kernels as flash_kernels
+    from dp_cost.flash.kernels.noise import Z_MAX
+
+    torch.manual_seed(11)
+    buffer = torch.empty(2**30, device="cuda")
+    rounds = math.ceil(1e11 / buffer.numel())
+    beyond_6, beyond_5_7, largest = 0, 0, 0.0
+    for _ in range(rounds):
+        buffer.zero_()
+        flash_kernels.add_gaussian_noise_([buffer], 1.0)
+        magnitude = buffer.abs()
+        beyond_6 += int(torch.count_nonzero(magnitude > 6))
+        beyond_5_7 += int(torch.count_nonzero(magnitude > 5.7))
+        largest = max(largest, magnitude.max().item())
+    draws = rounds * buffer.numel()
+    tail = math.erfc(6 / math.sqrt(2))  # P(|z| > 6) = 1.97e-9
+    expected, spread = draws * tail, math.sqrt(draws * tail * (1 - tail))
+    assert abs(beyond_6 - expected) <= 3 * spread, (beyond_6, expected, spread)
+    tail_5_7 = math.erfc(5.7 / math.sqrt(2))
+    assert abs(beyond_5_7 - draws * tail_5_7) <= 3 * math.sqrt(draws * tail_5_7)
+    assert 6 < largest <= Z_MAX
+
+
 def test_grouped_kernel_on_cuda():
     """All Gram-route layers of a step in one launch: layers of the 1b model's shapes, bf16."""
     from dp_cost.flash import kernels as flash_kernels

@@ -294,12 +294,13 @@ def test_right_padding_does_not_change_the_logits():
 
 @pytest.mark.parametrize("accountant", ["prv", "rdp"])
 def test_epsilon_monotone(accountant):
-    e = lambda sigma, steps: privacy.epsilon(sigma, 0.01, steps, 1e-5, accountant)
+    e = lambda sigma, steps: privacy.epsilon(sigma, 0.01, [1] * steps, 1e-5, accountant)
     assert 0 < e(1.0, 100) < e(1.0, 1000)
     assert e(2.0, 1000) < e(1.0, 1000)
-    assert privacy.epsilon(0.0, 0.01, 10) == float("inf")
+    assert privacy.epsilon(0.0, 0.01, [1] * 10) == float("inf")
+    assert privacy.epsilon(1.0, 0.01, []) == 0.0
     with pytest.raises(ValueError, match="accountant"):
-        privacy.epsilon(1.0, 0.01, 10, accountant="gdp?")
+        privacy.epsilon(1.0, 0.01, [1] * 10, accountant="gdp?")
 
 
 @pytest.mark.parametrize("accountant", ["prv", "rdp"])
@@ -307,13 +308,19 @@ def test_epsilon_of_steps_that_reuse_the_last_batch(accountant):
     """k steps on one Poisson sample are accounted as one step at sigma / sqrt(k). Without
     subsampling (q = 1) every step sees the same data anyway, so reuse changes nothing; with
     q < 1 reusing a batch costs more privacy than drawing fresh ones."""
-    e = lambda q, steps, uses: privacy.epsilon(1.0, q, steps, 1e-5, accountant, uses)
-    assert e(0.01, 50, 1) == privacy.epsilon(1.0, 0.01, 50, 1e-5, accountant)
+
+    def e(q, steps, uses):  # the last of ``steps`` steps' draws taken by ``uses`` of them
+        return privacy.epsilon(1.0, q, [1] * (steps - uses) + [uses], 1e-5, accountant)
+
     assert e(1.0, 50, 4) == pytest.approx(e(1.0, 50, 1), rel=1e-3)
     assert e(0.01, 50, 4) > e(0.01, 50, 1)
     assert e(0.01, 4, 4) > e(0.01, 4, 1)  # every step on one batch
-    with pytest.raises(ValueError, match="last_batch_uses"):
-        e(0.01, 3, 4)
+    # draws reused anywhere, by their counts: two draws of 2 steps each as one history entry
+    assert privacy.epsilon(1.0, 0.01, [2, 1, 2], 1e-5, accountant) == pytest.approx(
+        privacy.epsilon(1.0, 0.01, [1, 2, 2], 1e-5, accountant), rel=1e-9
+    )
+    with pytest.raises(ValueError, match="at least one step"):
+        privacy.epsilon(1.0, 0.01, [1, 0])
 
 
 def test_poisson_batch_is_bernoulli_per_sample():

@@ -35,6 +35,10 @@ def full_gradients(model) -> torch.Tensor:
     return torch.cat(grads).double()
 
 
+def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
 def synced_after_a_chunk(name, job, batch_size, physical, max_grad_norm, inputs, targets):
     """Whether a fresh trainer's parameters have a gradient after one chunk that is not the
     logical batch's last: FSDP2 reduce-scattered it then (fsdp_sync "chunk"), or holds it back
@@ -57,7 +61,8 @@ def run_job(job: dict, info, max_grad_norm: float, seq: int) -> dict:
     (flash's bucket size), in_flight_bytes (FSDP2: bytes behind the newest), padded_step (the
     step CUDA graphs replay: padded chunks of P samples, every rank as many), fsdp_sync (FSDP2:
     "chunk" or "logical"), clipping ("flat" or "per_layer"), probe_sync (also record
-    synced_after_a_chunk)."""
+    synced_after_a_chunk), reseed (false: every rank seeded alike before the step), local_grads
+    (also save every rank's local gradient)."""
     defaults = buckets.BUCKET_BYTES, buckets.ShardedGradients.IN_FLIGHT_BYTES
     buckets.BUCKET_BYTES = job.get("bucket_bytes") or defaults[0]
     in_flight = job.get("in_flight_bytes")
@@ -85,7 +90,9 @@ def run_job(job: dict, info, max_grad_norm: float, seq: int) -> dict:
                 fsdp_sync=job.get("fsdp_sync", "chunk"),
                 clipping=job.get("clipping", "flat"),
             )
-            torch.manual_seed(100 + info.rank)  # each rank its own noise stream
+            # each rank its own torch stream, as the CLI's workers; "reseed" false: every rank
+            # the same one (a trainer must then keep its ranks' noise apart itself)
+            torch.manual_seed(100 + info.rank if job.get("reseed", True) else 100)
             if job.get("padded_step"):
                 size = chunks.physical_size(trainer)
                 out = chunks.padded_step(trainer, inputs[local], targets[local], size)
@@ -98,6 +105,11 @@ def run_job(job: dict, info, max_grad_norm: float, seq: int) -> dict:
             dist.all_reduce(agree, op=dist.ReduceOp.MIN)  # every rank's replica is rank 0's
             records = [None] * info.world_size  # each rank's count of its clipped samples
             dist.all_gather_object(records, trainer.clipping_record())
+            if job.get("local_grads"):  # each rank's own gradient tensors (FSDP2: its shards)
+                own_grad = torch.cat([local_tensor(p.grad).reshape(-1) for p in model.parameters()])
+                every_rank = [None] * info.world_size
+                dist.all_gather_object(every_rank, own_grad)
+                saved[case, name, "local"] = every_rank
             saved[case, name] = {
                 "grad": grad,
                 "loss": out["loss"],

@@ -2,6 +2,7 @@
 results beside each aggregate, the losses of the global batch equal to a single-process run's,
 and the mistakes a user makes with --distributed as one line and exit 2."""
 
+import json
 import os
 import subprocess
 import sys
@@ -143,3 +144,53 @@ def test_per_layer_clipping_under_ddp_from_the_cli(tmp_path):
         counts = [p["clipped_samples"] for p in record["parameters"]]
         assert counts == [p["clipped_samples"] for p in want["clipping"]["parameters"]], name
         assert 0 < sum(counts) < record["samples"] * len(counts)  # some clipped, not all
+
+
+def test_ddp_measurement_steps_reuse_one_draw_and_the_printed_epsilon_covers_it(
+    tmp_path, monkeypatch
+):
+    """DDP on 2 ranks, a Hugging Face run whose last timed global batch holds 1 sample (rank 1's
+    share empty): the measurement steps on both ranks reuse that draw, each rank's result records
+    the same draws (those of the seed's Poisson sampler, drawn here again), and epsilon recomputed
+    from them by Opacus' accountant is the one in the result and the printed table."""
+    import math
+
+    import torch
+    from opacus.accountants import PRVAccountant
+
+    from dp_cost.hf.privacy import poisson_batch
+
+    def draws_of(seed, count=4):  # warm-up and 3 timed steps: the workload's own sampler
+        generator = torch.Generator().manual_seed(seed)
+        return [len(poisson_batch(10, 0.2, generator)) for _ in range(count)]
+
+    seed = next(s for s in range(1000) if draws_of(s)[-1] == 1)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    done = torchrun_cli(
+        "--mode=hf", "--model_name", "tiny-llama", "--seq_length", "8", "--batch_size", "2",
+        "--dataset_size", "10", "--seed", str(seed), "--steps", "3", "--warmup_steps", "1",
+        "--trainers", "dpsgd", "flash", "--distributed", "ddp", "--no_trace",
+        "--output_dir", str(tmp_path), "--run_name", "r",
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    printed = done.stdout
+    for config_dir, result in results_in(tmp_path / "r").items():
+        assert result["status"] == "ok", result["error"]
+        records = [result["privacy"]]
+        for rank in (0, 1):
+            path = tmp_path / "r" / config_dir / f"result.rank{rank}.json"
+            rank_result = json.loads(path.read_text())
+            records.append(rank_result["privacy"])
+            assert rank_result["measurement_batch_size"] == 1
+        for record in records:
+            assert record["draw_sizes"] == draws_of(seed)
+            assert record["steps_per_draw"][:3] == [1, 1, 1] and record["steps_per_draw"][3] > 1
+        record = records[0]
+        sigma = record["noise_multiplier"] / (1 + record["sensitivity_margin"])
+        accountant = PRVAccountant()
+        accountant.history = [
+            (sigma / math.sqrt(uses), 0.2, 1) for uses in record["steps_per_draw"]
+        ]
+        epsilon = accountant.get_epsilon(delta=1e-5)
+        assert record["epsilon"] == pytest.approx(epsilon, rel=1e-6)
+        assert f"{epsilon:.2f}" in printed

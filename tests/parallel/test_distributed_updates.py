@@ -262,6 +262,41 @@ def check_noise_added_once(clean, noisy, distributed, cases=NOISE_CASES, names=N
         assert noisy[case, "flash"]["gathered"] == gathered, (distributed, case)
 
 
+# A global batch of 5 on 2 ranks (3 + 2 samples; 4 + 1 in chunks of 2): the divisor is 5
+ODD_BATCH_CASES = ["5,5,5", "5,5,2"]
+
+
+def test_any_batch_size_and_fsdp2_noise_streams_through_make_trainer(tmp_path):
+    """What make_trainer builds is right however it is called: (1) a batch size that is not a
+    multiple of the ranks divides by B (Opacus' optimizers take B / W as each rank's expected
+    batch), under DDP and FSDP2; (2) under FSDP2 with every rank's torch seed alike, flash's and
+    ghost's noise on the ranks' shards is independent (the trainer seeds each rank's stream),
+    with the std of sigma C / B."""
+    jobs = {
+        f"odd {distributed}": {"distributed": distributed, "trainers": TRAINERS[distributed],
+                               "cases": ODD_BATCH_CASES}
+        for distributed in ("ddp", "fsdp")
+    }  # fmt: skip
+    for noise in (0.0, SIGMA):
+        jobs[f"streams {noise}"] = {
+            "distributed": "fsdp", "trainers": ["ghost", "flash"], "cases": ["8,8,8"],
+            "noise_multiplier": noise, "reseed": False, "local_grads": True,
+        }  # fmt: skip
+    saved = torchrun(tmp_path, jobs)
+    for distributed in ("ddp", "fsdp"):
+        check_update(saved[f"odd {distributed}"], distributed, cases=ODD_BATCH_CASES)
+    clean, noisy = saved["streams 0.0"], saved[f"streams {SIGMA}"]
+    for name in ("ghost", "flash"):
+        shards = [n - c for n, c in zip(noisy["8,8,8", name, "local"],
+                                        clean["8,8,8", name, "local"])]  # fmt: skip
+        size = min(len(shard) for shard in shards)
+        first, second = shards[0][:size], shards[1][:size]
+        assert not torch.allclose(first, second), name
+        assert abs(torch.corrcoef(torch.stack([first, second]))[0, 1].item()) < 0.1, name
+        for shard in shards:
+            assert abs(shard.std().item() / (SIGMA * C / 8) - 1) < 0.05, name
+
+
 # (distributed, one sample per rank) with per-layer clipping
 PER_LAYER_BRANCH_VARIANTS = [("ddp", False), ("fsdp", False), ("fsdp", True), ("ddp", True)]
 # (distributed, one sample per rank, bf16)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import torch
 import triton
 import triton.language as tl
@@ -12,6 +14,28 @@ from dp_cost.flash.kernels.common import TL_DTYPES, block_table, int64_table
 # (1.17G elements), 2048 ran at 3.35 ms, as fast as torch's read-and-write foreach add_ (3.56
 # ms); 4096 took 5.24 ms and 8192 6.34 ms (4 warps; fewer programs keep fewer loads in flight).
 NOISE_BLOCK = 2048
+
+
+# Box-Muller's radius sqrt(-2 ln u) is at most Z_MAX for the smallest uniform u the transform
+# sees, (0 * 2^32 + 0 + 1/2) / 2^64 from two 32-bit Philox words: |z| <= sqrt(130 ln 2) ~ 9.49.
+# Triton's own randn clamps u at 1e-7 (|z| <= 5.68): too short a tail for DP, whose guarantee
+# rests on the Gaussian's tail where a neighbour's shifted output lands (docs/privacy.md).
+SMALLEST_UNIFORM = 2.0**-65
+Z_MAX = math.sqrt(-2 * math.log(SMALLEST_UNIFORM))
+
+
+@triton.jit
+def uniform64_to_normal(high, low, angle):
+    """Two N(0, 1) by Box-Muller from three uint32 Philox words: a 64-bit uniform
+    u = (high * 2^32 + low + 1/2) / 2^64 for the radius, a 32-bit one for the angle. In fp32,
+    ln u = ln x - 32 ln 2 with x = u * 2^32 = high + (low + 1/2) / 2^32: where high is 0, x
+    keeps 24 bits of precision down to 2^-33, so no uniform is clamped."""
+    x = high.to(tl.float32) + (low.to(tl.float32) + 0.5) * 2.3283064365386963e-10  # 2^-32
+    # 22.18070977791825 = 32 ln 2. x rounds up to at most 2^32 (u = 1): radius 0, never the
+    # root of a negative number
+    radius = tl.sqrt(tl.maximum(2.0 * (22.18070977791825 - tl.log(x)), 0.0))
+    theta = angle.to(tl.float32) * 1.4629180792671596e-09  # 2 pi / 2^32
+    return radius * tl.cos(theta), radius * tl.sin(theta)
 
 
 @triton.jit
@@ -32,12 +56,17 @@ def _add_noise_kernel(
     size = tl.load(sizes + i)
     base = tl.load(pointers + i).to(tl.pointer_type(DTYPE))
     QUARTER: tl.constexpr = BLOCK // 4
-    # One Philox draw (keyed by the tensor's seed, counter unique per block and lane) gives four
-    # normals, one for each quarter of the block: a quarter of the Philox rounds and half the
-    # Box-Muller transcendentals of one randn per element (the kernel is ALU-bound otherwise).
+    # Two Philox draws per lane (keyed by the tensor's seed; counter: the lane's unique 64-bit
+    # index, and 0 or 1) give eight words, six of them used: two Box-Muller pairs, four normals,
+    # one for each quarter of the block.
     block_in_tensor = (block - tl.load(first_block + i)).to(tl.int64)
     counter = block_in_tensor * QUARTER + tl.arange(0, QUARTER)
-    n0, n1, n2, n3 = tl.randn4x(tl.load(seeds + i), counter)
+    counter_low, counter_high = counter.to(tl.uint32), (counter >> 32).to(tl.uint32)
+    seed = tl.load(seeds + i)
+    a0, a1, a2, _ = tl.philox(seed, counter_low, counter_high, 0 * counter_low, 0 * counter_low)
+    b0, b1, b2, _ = tl.philox(seed, counter_low, counter_high, 0 * counter_low + 1, 0 * counter_low)
+    n0, n1 = uniform64_to_normal(a0, a1, a2)
+    n2, n3 = uniform64_to_normal(b0, b1, b2)
     start = block_in_tensor * BLOCK + tl.arange(0, QUARTER)
     _noisy_quarter(base, start, size, std, n0, DTYPE)
     _noisy_quarter(base, start + QUARTER, size, std, n1, DTYPE)
