@@ -104,7 +104,7 @@ def summary_rows(results: list[dict]) -> list[dict]:
 
 def _summary_cell(row: dict, col: str) -> str:
     if col == "delta_total" and row[col] is not None:
-        return f"{row[col]:.3g}"
+        return f"{row[col]:.4e}"  # 1.0004e-05: delta, and the tails' term in its digits
     if col == "steps_ms":
         return "-" if row["min_ms"] is None else f"{row['min_ms']:.2f}-{row['max_ms']:.2f}"
     if col == "spread":

@@ -15,7 +15,7 @@ def _privacy_lines(results: list[dict]) -> list[str]:
         if privacy["epsilon"] is not None:
             lines.append(
                 f"{name:<48}epsilon {privacy['epsilon']:.2f} at delta_total "
-                f"{privacy['delta_total']:.3g} over {privacy['dp_steps']} DP steps"
+                f"{privacy['delta_total']:.4e} over {privacy['dp_steps']} DP steps"
             )
         elif privacy["why"]:
             lines.append(f"{name:<48}epsilon null: {privacy['why']}")

@@ -28,9 +28,10 @@ from dp_cost.training.clipping import ClippedCounts
 # How far above C a sample's clipped contribution may reach under Opacus' clipping, relative to
 # C, by the dtype of the step: Opacus computes the per-sample norms in the per-sample
 # gradients' dtype (bf16 under autocast: 8 bits, rounded), so min(1, C / norm) can scale a
-# sample past C. Measured on the stress shapes of tests/test_dp_fidelity.py: up to 3.5e-3 in
-# bf16 (ghost), 1e-5 in fp32; the margins are several times those. The accountant takes the
-# sensitivity as (1 + margin) C, i.e. an effective noise multiplier sigma / (1 + margin).
+# sample past C. Measured on the stress shapes of tests/test_dp_fidelity.py
+# (benchmarks/clip_sensitivity.py): up to 3.5e-3 past C in bf16 (ghost), none in fp32; the
+# margins are several times that. The accountant takes the sensitivity as (1 + margin) C, i.e.
+# an effective noise multiplier sigma / (1 + margin).
 NORM_MARGINS = {torch.float32: 2.0**-12, torch.bfloat16: 2.0**-5}
 
 
