@@ -98,7 +98,8 @@ def measure_experiment(config, out_dir: str, rank_setup=None) -> dict:
     rank, world_size = (info.rank, info.world_size) if rank_setup else (0, 1)
     workload = Workload(config, device, recorder, env, rank=rank, world_size=world_size)
     trainer = build_trainer(config, workload.model, workload.loss_fn, recorder)
-    if rank_setup is not None:  # each rank its own noise stream (FSDP2: noise on its shard)
+    if rank_setup is not None:  # each rank its own torch stream (flash keeps its ranks' noise
+        # apart itself; this keeps whatever else draws from torch's generator apart too)
         torch.manual_seed(config.seed + 1_000_003 * info.rank)
     session = Session(config, device, trainer, workload, recorder, out_dir, env)
     if config.detailed_memory:
