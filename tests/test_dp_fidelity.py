@@ -72,13 +72,13 @@ def check_sensitivity(name, dtype, device):
 
 
 def test_opacus_trainers_norms_on_the_cpu_are_accurate_on_long_rows():
-    """torch's fp32 norm of a 3e7-element row on the CPU is low by ~3e-3 (Opacus' clipping would
-    then scale the sample to 1.003 C); the Opacus trainers' norms equal fp64's there."""
+    """torch's fp32 norm of a 3e7-element row on the CPU came out low by ~3e-3 (torch 2.13:
+    Opacus' clipping would then scale the sample to 1.003 C); the Opacus trainers' norms equal
+    fp64's there, accumulated a block of columns at a time."""
     from dp_cost.training.opacus_trainers import per_sample_norms
 
     torch.manual_seed(0)
     grad_sample = torch.randn(2, 3000, 10_000)
     exact = grad_sample.double().flatten(1).norm(dim=1)
-    assert (grad_sample.flatten(1).norm(dim=1).double() / exact).min() < 1 - 1e-3  # torch's
     assert torch.allclose(per_sample_norms(grad_sample).double(), exact, rtol=1e-6, atol=0)
     assert per_sample_norms(grad_sample[:0]).shape == (0,)  # an empty batch

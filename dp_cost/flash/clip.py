@@ -254,11 +254,18 @@ def weighted_sum(grads: Tensor, c: ClipFactors) -> Tensor:
 NOISE_GROUP_BYTES = 256 * 2**20
 
 
-def noise_sampler(device: torch.device) -> str:
-    """Which sampler add_gaussian_noise draws from on ``device`` (hf.privacy.NOISE_SAMPLERS)."""
-    if device.type == "cuda" and triton_kernels() is not None:
-        return "flash_triton"
-    return f"torch_{device.type}"
+def fused_noise(tensors: list[torch.Tensor]) -> bool:
+    """Whether add_gaussian_noise draws the noise of ``tensors`` with the fused Triton kernel:
+    contiguous CUDA tensors of one device, where Triton is there."""
+    if not tensors or len({t.device for t in tensors}) != 1 or not tensors[0].is_cuda:
+        return False
+    return all(t.is_contiguous() for t in tensors) and triton_kernels() is not None
+
+
+def noise_sampler(tensors: list[torch.Tensor]) -> str:
+    """Which sampler add_gaussian_noise draws the noise of ``tensors`` from
+    (hf.privacy.NOISE_SAMPLERS): the fused kernel's, or torch's on their device."""
+    return "flash_triton" if fused_noise(tensors) else f"torch_{tensors[0].device.type}"
 
 
 def add_gaussian_noise(
@@ -268,14 +275,8 @@ def add_gaussian_noise(
     of the device). CUDA: one fused Triton kernel (noise drawn and added in one pass).
     Elsewhere: noise drawn per tensor, added by one multi-tensor kernel per group of
     <= NOISE_GROUP_BYTES of noise (bounded extra memory)."""
-    fused = (
-        tensors
-        and all(t.is_cuda and t.is_contiguous() for t in tensors)
-        and len({t.device for t in tensors}) == 1
-    )
-    kernels = triton_kernels() if fused else None
-    if kernels is not None:
-        kernels.add_gaussian_noise_(tensors, std, generator)
+    if fused_noise(tensors):
+        triton_kernels().add_gaussian_noise_(tensors, std, generator)
         return
     group: list[torch.Tensor] = []
     group_bytes = 0

@@ -38,19 +38,46 @@ NOISE_SAMPLERS = {
 }
 
 
+def pair_exit(z_max: float, shift: float) -> float:
+    """At most the probability that one Box-Muller pair (a 2-D Gaussian whose radius is cut at
+    z_max, the law conditioned on R <= z_max) moved by ``shift`` (in units of its std) lands
+    outside the disk of radius z_max: it must have had R > z_max - shift."""
+    if shift >= z_max:
+        return 1.0
+    edge = math.exp(-(z_max**2) / 2)
+    return (math.exp(-((z_max - shift) ** 2) / 2) - edge) / (1 - edge)
+
+
+def exit_bound(z_max: float, pairs: int, shift: float) -> float:
+    """An upper bound on sum_p pair_exit(z_max, a_p) over every split of a shift of norm
+    ``shift`` over ``pairs`` pairs (sum a_p^2 <= shift^2): the probability that a neighbour's
+    output leaves the sampler's support. For a threshold t <= min(shift, z_max - 1),
+    pair_exit is convex on [0, t] (so at most a pair_exit(t) / t there) and increasing: the
+    pairs moved by less than t add at most sqrt(pairs) shift pair_exit(t) / t (Cauchy-Schwarz),
+    the at most (shift / t)^2 others pair_exit(shift) each. The least over a grid of t."""
+    top = min(shift, z_max - 1)
+    if top <= 0:
+        return 1.0 if shift > 0 else 0.0
+    concentrated = pair_exit(z_max, shift)
+    best = 1.0
+    for step in range(400):  # t from top down to 1e-8 top
+        t = top * 10 ** (-8 * step / 399)
+        spread = math.sqrt(pairs) * shift * pair_exit(z_max, t) / t
+        best = min(best, spread + min(pairs, (shift / t) ** 2) * concentrated)
+    return best
+
+
 def tail_delta(
     sampler: str, dimension: int, noise_multiplier: float, sample_rate: float, steps: int
 ) -> float:
-    """The delta that the noise's truncated tails add, summed over ``steps``: a neighbour's
-    output lies outside the support of |z| <= z_max with probability at most the density at the
-    edge times its shift, summed over the ``dimension`` noised coordinates: sqrt(d) phi(z_max)
-    / sigma for a shift of norm <= C, paid when the sample is in the batch (probability q)."""
-    z_max = NOISE_SAMPLERS[sampler].z_max
-    density = math.exp(-(z_max**2) / 2) / math.sqrt(2 * math.pi)
+    """The delta the noise's cut tails add over ``steps``: per step, the probability that a
+    neighbour's output (its mean moved by at most C, i.e. 1 / sigma noise stds) leaves the
+    support of the sampler's ``dimension`` coordinates (Box-Muller pairs, radius <= z_max),
+    bounded by exit_bound, paid when the record is sampled (probability q)."""
     if noise_multiplier <= 0:
-        per_step = 1.0
-    else:
-        per_step = min(1.0, math.sqrt(dimension) * density / noise_multiplier)
+        return steps * sample_rate
+    z_max = NOISE_SAMPLERS[sampler].z_max
+    per_step = exit_bound(z_max, math.ceil(dimension / 2), 1 / noise_multiplier)
     return steps * sample_rate * per_step
 
 

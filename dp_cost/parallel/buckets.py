@@ -248,7 +248,7 @@ class GatheredGradients(GradientBuckets):
     two ranks only. Every rank then holds the global batch's per-sample gradients, sample k
     from rank k: its norms (each sample's own, never mixed), clip factors and clipped sum are
     the single process's, computed alike on every rank; the noise is drawn from a generator the
-    ranks seeded alike (shared_generator), so every replica adds the same draw: once per
+    ranks seeded alike (seeded_generator), so every replica adds the same draw: once per
     coordinate.
     Gradients are handed to the buckets in one fixed order, the parameters last registered
     first, each once autograd has accumulated it and every one before it is handed over. That is

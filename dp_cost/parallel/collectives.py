@@ -48,7 +48,7 @@ def broadcast_parameters(model: nn.Module) -> None:
 RANK_SEED_STRIDE = 0x9E3779B97F4A7C15
 
 
-def shared_generator(device: torch.device, per_rank: bool = False) -> torch.Generator | None:
+def seeded_generator(device: torch.device, per_rank: bool = False) -> torch.Generator | None:
     """A noise generator from rank 0's seed: alike on every rank (the same noise on every
     replica), or, ``per_rank``, that seed mixed with the rank's number (independent noise on
     each FSDP2 shard, whatever each rank's torch seed). Reads the seed on the host: made once,

@@ -12,6 +12,7 @@ import glob
 import os
 import sys
 
+from dp_cost.core import settings
 from dp_cost.core.reading import UnreadableFile, read_result
 from dp_cost.core.schema import trainer_rank
 from dp_cost.core.settings import comparison_key
@@ -237,11 +238,17 @@ def longest_series(results: list[dict], param: str) -> list[dict]:
 
 
 # Why a DP config that ran has no epsilon, where its result does not say: the causal LM's
-# workload is one fixed batch, not drawn from a dataset, so there is no sampling rate.
+# workload is one fixed batch, not drawn from a dataset, so there is no sampling rate; a result
+# written before the draws and the tails were accounted (no delta_total) is not shown.
 NO_SAMPLING = (
     "the causal LM trains on one fixed batch, not Poisson-sampled from a dataset: there is no "
     "sampling rate to account (--mode=hf runs report epsilon)"
 )
+OLDER_RECORD = (
+    "the result predates delta_total and the record of its draws (its epsilon took the measurement "
+    "steps' batch by another rule): rerun the config"
+)
+NO_RECORD = "the result has no privacy record"
 
 
 def privacy_summary(result: dict) -> dict:
@@ -250,17 +257,19 @@ def privacy_summary(result: dict) -> dict:
     non-private or failed config: nothing to say)."""
     record = result.get("privacy")
     summary = {"epsilon": None, "delta_total": None, "dp_steps": None, "why": None}
-    if record:
+    if record and "delta_total" not in record:
+        summary["why"] = OLDER_RECORD
+    elif record:
         summary.update(
             epsilon=record.get("epsilon"),
-            # results before delta_total existed: their delta, without the tails' term
-            delta_total=record.get("delta_total", record.get("delta")),
+            delta_total=record.get("delta_total"),
             dp_steps=record.get("steps"),
         )
         if record.get("epsilon") is None:
             summary["why"] = result.get("env", {}).get("privacy_note") or "not computed"
-    elif result["status"] == "ok" and result.get("clipping") is not None:  # DP, no sampling
-        summary["why"] = NO_SAMPLING
+    elif result["status"] == "ok" and result.get("clipping") is not None:  # a DP config
+        hf = result["config"].get("model") in settings.HF_CONFIGS
+        summary["why"] = NO_RECORD if hf else NO_SAMPLING
     return summary
 
 

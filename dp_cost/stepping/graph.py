@@ -79,8 +79,8 @@ class ChunkGraphs:
 
     def _capture(self, trainer: SteppingTrainer, pool, body, *args):
         graph = torch.cuda.CUDAGraph()
-        if trainer.shared_noise is not None:  # each replay advances it, as the default one
-            graph.register_generator_state(trainer.shared_noise)
+        if trainer.noise_generator is not None:  # each replay advances it, as the default one
+            graph.register_generator_state(trainer.noise_generator)
         with trainer.observing_phases(lambda name: None), torch.cuda.graph(graph, pool=pool):
             body(trainer, *args)
         return graph, graph.pool()

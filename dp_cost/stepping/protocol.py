@@ -44,7 +44,7 @@ class SteppingTrainer(Protocol):
     distributed_mode: SingleProcess
     optimizer: torch.optim.Optimizer
     graphs: GraphReplayer  # its CUDA graph, when --cuda_graph (stepping.graph.Replayer)
-    shared_noise: torch.Generator | None  # a noise generator of its own (a graph tracks it)
+    noise_generator: torch.Generator | None  # a noise generator of its own (a graph tracks it)
     steps_taken: int
     # Per-sample losses of a chunk, [n] (a padded or stand-in chunk swaps in a weighted one).
     per_sample_loss: Callable[[nn.Module, torch.Tensor, torch.Tensor], torch.Tensor]

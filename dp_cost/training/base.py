@@ -45,7 +45,7 @@ class Trainer:
     logical_sync_refusal: str | None = None  # why it cannot hold FSDP2's sync to the last chunk
     per_layer_refusal: str | None = None  # why it cannot clip per layer (--clipping per_layer)
     capturable = False  # its chunk and optimizer steps make no host sync: a graph captures them
-    shared_noise: torch.Generator | None = None  # its own noise generator (a capture tracks it)
+    noise_generator: torch.Generator | None = None  # its own noise generator (a capture tracks it)
 
     def __init__(
         self,

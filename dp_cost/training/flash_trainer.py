@@ -124,13 +124,17 @@ class FlashClippingTrainer(Trainer):
         # from a generator of its own (made here, not left to the caller to seed each rank).
         if self.noise_std() > 0 and (not self.distributed_mode.replicates or self.gathering):
             shards = self.distributed_mode.shards
-            if (self.gathering or shards) and self.shared_noise is None:
-                self.shared_noise = collectives.shared_generator(params[0].device, shards)
-            add_gaussian_noise(buckets.local_gradients(params), self.noise_std(), self.shared_noise)
+            if (self.gathering or shards) and self.noise_generator is None:
+                self.noise_generator = collectives.seeded_generator(
+                    params[0].device, per_rank=shards
+                )
+            add_gaussian_noise(
+                buckets.local_gradients(params), self.noise_std(), self.noise_generator
+            )
         self.optimizer.step()
 
-    def noise_sampler(self):  # the fused kernel where it runs (add_gaussian_noise), else torch's
-        return noise_sampler(self.engine.params[0].device)
+    def noise_sampler(self):  # what add_gaussian_noise uses for tensors laid out as these
+        return noise_sampler(self.engine.params)
 
     def result_extras(self) -> dict:  # the route each Linear layer's norms took, its sizes
         return {"flash_routes": self.engine.routes()}

@@ -33,6 +33,7 @@ from dp_cost.training.clipping import ClippedCounts
 # margins are several times that. The accountant takes the sensitivity as (1 + margin) C, i.e.
 # an effective noise multiplier sigma / (1 + margin).
 NORM_MARGINS = {torch.float32: 2.0**-12, torch.bfloat16: 2.0**-5}
+NORM_BLOCK_COLUMNS = 2**16  # per_sample_norms on the CPU: columns converted to fp64 at a time
 
 
 class OpacusTrainer(Trainer):
@@ -102,10 +103,14 @@ def per_sample_norms(grad_sample: torch.Tensor) -> torch.Tensor:
     4.7e-3 at 6e7), so min(1, C / norm) would scale a sample past C; accumulated in fp64 there.
     On CUDA the reduction's error is far below NORM_MARGINS'."""
     rows = grad_sample.flatten(1)  # [B, everything else], B = 0 included
-    if rows.is_cpu:
-        wide = torch.promote_types(rows.dtype, torch.float32)
-        return torch.linalg.vector_norm(rows, dim=1, dtype=torch.float64).to(wide)
-    return rows.norm(2, dim=-1)
+    if not rows.is_cpu:
+        return rows.norm(2, dim=-1)
+    # fp64 a block of columns at a time: an fp64 copy of the whole would add its size again to
+    # the step's peak (the measurement)
+    squares = torch.zeros(len(rows), dtype=torch.float64)
+    for block in rows.split(NORM_BLOCK_COLUMNS, dim=1):
+        squares += torch.linalg.vector_norm(block, dim=1, dtype=torch.float64).square()
+    return squares.sqrt().to(torch.promote_types(rows.dtype, torch.float32))
 
 
 class FlatClipping:

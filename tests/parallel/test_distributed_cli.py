@@ -4,6 +4,7 @@ and the mistakes a user makes with --distributed as one line and exit 2."""
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -146,6 +147,14 @@ def test_per_layer_clipping_under_ddp_from_the_cli(tmp_path):
         assert 0 < sum(counts) < record["samples"] * len(counts)  # some clipped, not all
 
 
+def printed_cell(printed: str, trainer: str, column: str) -> str:
+    """The cell of ``column`` in ``trainer``'s row of the printed summary table."""
+    lines = printed.splitlines()
+    header = next(line for line in lines if line.startswith("trainer "))
+    row = next(line for line in lines if line.startswith(trainer + " "))
+    return re.split(r"\s{2,}", row)[re.split(r"\s{2,}", header).index(column)]
+
+
 def test_ddp_measurement_steps_reuse_one_draw_and_the_printed_epsilon_covers_it(
     tmp_path, monkeypatch
 ):
@@ -193,4 +202,4 @@ def test_ddp_measurement_steps_reuse_one_draw_and_the_printed_epsilon_covers_it(
         ]
         epsilon = accountant.get_epsilon(delta=1e-5)
         assert record["epsilon"] == pytest.approx(epsilon, rel=1e-6)
-        assert f"{epsilon:.2f}" in printed
+        assert printed_cell(printed, result["config"]["trainer"], "epsilon") == f"{epsilon:.2f}"

@@ -269,9 +269,9 @@ ODD_BATCH_CASES = ["5,5,5", "5,5,2"]
 def test_any_batch_size_and_fsdp2_noise_streams_through_make_trainer(tmp_path):
     """What make_trainer builds is right however it is called: (1) a batch size that is not a
     multiple of the ranks divides by B (Opacus' optimizers take B / W as each rank's expected
-    batch), under DDP and FSDP2; (2) under FSDP2 with every rank's torch seed alike, flash's and
-    ghost's noise on the ranks' shards is independent (the trainer seeds each rank's stream),
-    with the std of sigma C / B."""
+    batch), under DDP and FSDP2; (2) under FSDP2 with every rank's torch seed alike, the noise
+    on the ranks' shards is independent, with the std of sigma C / B: flash seeds each rank's
+    stream itself; Opacus (ghost) draws the whole noise on every rank and keeps its shard."""
     jobs = {
         f"odd {distributed}": {"distributed": distributed, "trainers": TRAINERS[distributed],
                                "cases": ODD_BATCH_CASES}
