@@ -80,11 +80,14 @@ def make_trainer(
     optimizer: str = "sgd",
     dtype: torch.dtype = torch.float32,
     distributed: str = "none",
+    materialize=None,
     **trainer_options,
 ) -> Trainer:
     """Build the named trainer around ``model`` (its parameters updated in place). ``distributed``
     ("ddp" or "fsdp", in an initialised default process group): replicated or sharded, each rank
-    steps on its slice of the global batch; ``batch_size`` stays the GLOBAL batch (the divisor)."""
+    steps on its slice of the global batch; ``batch_size`` stays the GLOBAL batch (the divisor).
+    ``materialize(model)``: for a model built with its parameters on the meta device, called
+    once FSDP2 has sharded it (each rank allocates and initializes its shards only)."""
     cls = TRAINERS[canonical_trainer_name(name)]
     checkpointing = getattr(getattr(model, "config", None), "activation_checkpointing", False)
     if trainer_options.get("fsdp_sync") is None:  # absent or None: FSDP2's own, per chunk
@@ -97,6 +100,8 @@ def make_trainer(
     mode = distributed_mode(distributed, world_size)
     if mode.shards:  # before the trainer: its optimizer (and flash) see the shards
         model = fsdp.shard(model, cls.fsdp_units)
+    if materialize is not None:
+        materialize(model)
     privacy = dict(max_grad_norm=max_grad_norm, noise_multiplier=noise_multiplier)
     options = dict(lr=lr, batch_size=batch_size, optimizer=optimizer, dtype=dtype)
     return cls(model, **options, **privacy, distributed_mode=mode, **trainer_options)

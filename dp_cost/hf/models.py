@@ -22,7 +22,10 @@ is cheap and the non-HF modes do not need them.
 from __future__ import annotations
 
 import contextlib
+import math
 import os
+import re
+import zlib
 
 import torch
 import torch.nn as nn
@@ -140,6 +143,73 @@ def check_no_shared_parameters(model: nn.Module) -> None:
         seen[id(p)] = name
 
 
+# The parts of a parameter's name that peft's wrappers add: a weight keeps its initial value with
+# or without LoRA, and the head's trainable copy starts equal to the original head.
+PEFT_NAME_PARTS = re.compile(
+    r"base_model\.model\.|\.base_layer|\.original_module|\.modules_to_save\.\w+"
+)
+
+
+def parameter_seed(seed: int, name: str) -> int:
+    """The seed of one parameter's initial value: from the run's seed and its name alone."""
+    return (seed * 1_000_003 + zlib.crc32(PEFT_NAME_PARTS.sub("", name).encode())) % 2**63
+
+
+def initial_value(module: nn.Module, name: str, whole: torch.Tensor, std: float, generator):
+    """Fill ``whole`` with the initial value of ``module``'s parameter ``name`` (its qualified
+    name), by the rules of HF's Llama (Linear and Embedding weights N(0, initializer_range), the
+    padding row 0; biases 0; norms 1) and peft's LoRA (A: Kaiming uniform, a = sqrt(5); B: 0)."""
+    if name.endswith(".bias") or ".lora_B." in name:
+        return whole.zero_()
+    if ".lora_A." in name:
+        return nn.init.kaiming_uniform_(whole, a=math.sqrt(5), generator=generator)
+    if isinstance(module, (nn.RMSNorm, nn.LayerNorm)):
+        return whole.fill_(1.0)
+    if isinstance(module, (nn.Linear, nn.Embedding)):
+        whole.normal_(0.0, std, generator=generator)
+        if isinstance(module, nn.Embedding) and module.padding_idx is not None:
+            whole[module.padding_idx] = 0
+        return whole
+    raise ValueError(f"no initialization rule for {name} (a {type(module).__name__})")
+
+
+def initialize_weights(model: nn.Module, seed: int) -> None:
+    """Every parameter's random initial value from a generator of its own, seeded by
+    parameter_seed: the values depend on neither the order nor the place of initialization, so
+    a rank that materialized only its FSDP2 shards (materialize_shards) holds the slices of the
+    weights a whole build holds. An FSDP2 parameter (a DTensor) gets its local shard of the
+    whole value, made on its device one parameter at a time."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    std = model.config.initializer_range
+    with torch.no_grad():
+        for module_name, module in model.named_modules():
+            for attribute, param in module.named_parameters(recurse=False):
+                name = f"{module_name}.{attribute}" if module_name else attribute
+                local = param.to_local() if isinstance(param, DTensor) else param
+                generator = torch.Generator(local.device).manual_seed(parameter_seed(seed, name))
+                whole = torch.empty(param.shape, dtype=param.dtype, device=local.device)
+                initial_value(module, name, whole, std, generator)
+                if isinstance(param, DTensor):  # this rank's slice, as FSDP2 splits it
+                    placed = distribute_tensor(
+                        whole, param.device_mesh, param.placements, src_data_rank=None
+                    )
+                    whole = placed.to_local()
+                local.copy_(whole)
+
+
+def materialize_shards(model: nn.Module, device: torch.device, seed: int) -> None:
+    """A model built with its parameters on the meta device (build_hf_model(empty_weights=True))
+    and then sharded by FSDP2: each rank allocates only its shards (to_empty) and initializes
+    them (initialize_weights). The buffers (rotary tables) were built real and are kept."""
+    buffers = {name: buffer.clone() for name, buffer in model.named_buffers()}
+    model.to_empty(device=device)
+    with torch.no_grad():
+        for name, buffer in model.named_buffers():
+            buffer.copy_(buffers[name])
+    initialize_weights(model, seed)
+
+
 def apply_lora(
     model: nn.Module, *, rank: int, alpha: float | None = None, dropout: float = 0.0
 ) -> nn.Module:
@@ -178,11 +248,16 @@ def build_hf_model(
     dtype: torch.dtype = torch.float32,
     attention: str = "sdpa",
     cache_dir: str | None = None,
+    seed: int = 0,
+    empty_weights: bool = False,
 ) -> tuple[nn.Module, dict]:
     """A ``LlamaForSequenceClassification`` for ``name``, in train mode, and its ``info``.
 
     Random weights (default): built from ``HF_CONFIGS[name]`` directly on ``device`` (under a
-    ``torch.device`` context: no CPU init + copy; ``device="meta"`` only counts parameters).
+    ``torch.device`` context: no CPU init + copy; ``device="meta"`` only counts parameters),
+    each parameter initialized from ``seed`` and its name (initialize_weights).
+    ``empty_weights``: the parameters on the meta device (the buffers on ``device``), left for
+    materialize_shards once FSDP2 has sharded them: a model too large for one card.
     ``pretrained=True``: ``from_pretrained(name, token=token or $HF_TOKEN)`` onto ``device``;
     when the Hub or cache cannot provide it, a one-line RuntimeError (the token never appears).
     ``use_lora``: LoRA rank ``lora_rank`` (alpha default 2*rank) on the attention and MLP
@@ -203,8 +278,13 @@ def build_hf_model(
             attention=attention,
         )
     else:
+        from accelerate import init_empty_weights
+
         config = hf_config(name, num_labels=num_labels, attention=attention)
-        with device, _default_dtype(dtype):
+        empty = (
+            init_empty_weights(include_buffers=False) if empty_weights else contextlib.nullcontext()
+        )
+        with device, _default_dtype(dtype), empty:
             model = LlamaForSequenceClassification(config)
     model.config.pad_token_id = PAD_TOKEN_ID
     swap_rms_norms(model)
@@ -215,6 +295,8 @@ def build_hf_model(
         model = apply_lora(model, rank=lora_rank, alpha=lora_alpha, dropout=lora_dropout)
     else:
         model.requires_grad_(True)
+    if not pretrained and not empty_weights and device.type != "meta":
+        initialize_weights(model, seed)
     model.train()
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     total = sum(p.numel() for p in model.parameters())
@@ -223,6 +305,8 @@ def build_hf_model(
         "frozen_params": total - trainable,
         "config": name,
         "lora_rank": lora_rank if use_lora else None,
+        # the parameters left on the meta device for each rank to materialize its FSDP2 shards
+        "empty_weights": empty_weights,
     }
     return model, info
 

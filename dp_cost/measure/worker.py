@@ -97,7 +97,9 @@ def measure_experiment(config, out_dir: str, rank_setup=None) -> dict:
         torch.cuda.reset_peak_memory_stats(device)
     rank, world_size = (info.rank, info.world_size) if rank_setup else (0, 1)
     workload = Workload(config, device, recorder, env, rank=rank, world_size=world_size)
-    trainer = build_trainer(config, workload.model, workload.loss_fn, recorder)
+    trainer = build_trainer(
+        config, workload.model, workload.loss_fn, recorder, workload.materialize
+    )
     if rank_setup is not None:  # each rank its own torch stream (flash keeps its ranks' noise
         # apart itself; this keeps whatever else draws from torch's generator apart too)
         torch.manual_seed(config.seed + 1_000_003 * info.rank)
@@ -123,9 +125,9 @@ def measure_experiment(config, out_dir: str, rank_setup=None) -> dict:
     return result
 
 
-def build_trainer(config, model, loss_fn, on_phase):
+def build_trainer(config, model, loss_fn, on_phase, materialize=None):
     """The config's trainer around ``model`` (the measuring modes and the capacity prediction
-    build it alike)."""
+    build it alike); ``materialize``: see make_trainer."""
     return trainers.make_trainer(
         config.trainer,
         model,
@@ -142,6 +144,7 @@ def build_trainer(config, model, loss_fn, on_phase):
         cuda_graph=config.cuda_graph,
         fsdp_sync=config.fsdp_sync,
         clipping=config.clipping,
+        materialize=materialize,
         **{option: getattr(config, option) for option in trainers.TRAINERS[config.trainer].options},
     )
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 import models
@@ -9,6 +11,7 @@ from dp_cost.hf import data as hf_data
 from dp_cost.hf import models as hf_models
 from dp_cost.hf import privacy
 from dp_cost.hf.configs import HF_CONFIGS
+from dp_cost.parallel.mode import distributed_mode
 from dp_cost.parallel.ranks import share
 
 
@@ -26,7 +29,13 @@ class Workload:
         self.rank, self.world_size = rank, world_size
         self.draws: list[int] = []  # the global size of every batch handed out, in order
         generator = torch.Generator().manual_seed(config.seed)
+        # Set by a model whose FSDP2 shards each rank materializes (make_trainer calls it once
+        # the model is sharded); None: the model is built whole, here.
+        self.materialize = None
         if config.model in HF_CONFIGS:
+            # FSDP2 with random weights: the parameters on the meta device until sharded, so no
+            # rank ever holds the whole model
+            empty = distributed_mode(config.distributed).shards and not config.pretrained
             self.model, env["model_info"] = hf_models.build_hf_model(
                 config.model,
                 device=device,
@@ -34,7 +43,13 @@ class Workload:
                 lora_rank=config.lora_rank,
                 pretrained=config.pretrained,
                 attention="explicit" if config.attention == "explicit" else "sdpa",
+                seed=config.seed,
+                empty_weights=empty,
             )
+            if empty:
+                self.materialize = functools.partial(
+                    hf_models.materialize_shards, device=device, seed=config.seed
+                )
             on_phase("0_model_loaded")
             vocab = self.model.config.vocab_size
             if config.dataset_path:

@@ -36,13 +36,35 @@ def offline(monkeypatch):
 
 def tiny_model(use_lora, seed=0):
     torch.manual_seed(seed)
-    model, info = hf_models.build_hf_model(TINY, use_lora=use_lora, lora_rank=4)
+    model, info = hf_models.build_hf_model(TINY, use_lora=use_lora, lora_rank=4, seed=seed)
     if use_lora:  # peft starts lora_B at 0, which makes lora_A's gradient 0: perturb it
         with torch.no_grad():
             for name, p in model.named_parameters():
                 if "lora_B" in name:
                     p.normal_(0.0, 0.05)
     return model, info
+
+
+def test_initial_weights_come_from_the_seed_and_each_parameters_name():
+    """Random weights depend on the seed and the parameter's name only: two builds agree, another
+    seed differs, LoRA's base weights and the head's trainable copy equal the full build's, by
+    HF's and peft's rules (N(0, 0.02) weights, the padding row 0, norms 1, lora_B 0)."""
+    full = dict(hf_models.build_hf_model(TINY, seed=3)[0].named_parameters())
+    again = dict(hf_models.build_hf_model(TINY, seed=3)[0].named_parameters())
+    other = dict(hf_models.build_hf_model(TINY, seed=4)[0].named_parameters())
+    assert all(torch.equal(full[n], again[n]) for n in full)
+    assert not torch.equal(full["score.weight"], other["score.weight"])
+    embedding = full["model.embed_tokens.weight"]
+    assert (embedding[hf_configs.PAD_TOKEN_ID] == 0).all()
+    assert abs(embedding.std().item() - 0.02) < 0.002
+    assert all((p == 1).all() for n, p in full.items() if "norm" in n)
+    lora = dict(hf_models.build_hf_model(TINY, seed=3, use_lora=True, lora_rank=4)[0]
+                .named_parameters())  # fmt: skip
+    for name, value in lora.items():
+        if "lora_B" in name:
+            assert (value == 0).all()
+        elif "lora_A" not in name:
+            assert torch.equal(value, full[hf_models.PEFT_NAME_PARTS.sub("", name)]), name
 
 
 def trainable(model):

@@ -203,3 +203,30 @@ def test_ddp_measurement_steps_reuse_one_draw_and_the_printed_epsilon_covers_it(
         epsilon = accountant.get_epsilon(delta=1e-5)
         assert record["epsilon"] == pytest.approx(epsilon, rel=1e-6)
         assert printed_cell(printed, result["config"]["trainer"], "epsilon") == f"{epsilon:.2f}"
+
+
+@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
+def test_fsdp2_ranks_materialize_only_their_shards_with_the_whole_builds_losses(
+    tmp_path, monkeypatch, lora
+):
+    """A Hugging Face model under FSDP2 is built with its parameters on the meta device and
+    each rank allocates and initializes only its shards after sharding (no rank holds the whole
+    model): the losses equal one process's, which builds the model whole (noise 0, fixed-size
+    batches), for standard, ghost and flash, full fine-tuning and LoRA."""
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    args = ["--mode=hf", "--model_name", "tiny-llama", "--seq_length", "8", "--batch_size", "4",
+            "--dataset_size", "20", "--steps", "2", "--noise_multiplier", "0", "--no_poisson",
+            "--trainers", "standard", "ghost", "flash", "--no_trace", "--run_name", "r",
+            *(["--use_lora", "--lora_rank", "4"] if lora else [])]  # fmt: skip
+    single = cli(*args, "--output_dir", str(tmp_path / "one"))
+    assert single.returncode == 0, single.stderr[-3000:]
+    expected = {r["config"]["trainer"]: r for r in results_in(tmp_path / "one" / "r").values()}
+    done = torchrun_cli(*args, "--distributed", "fsdp", "--output_dir", str(tmp_path / "fsdp"))
+    assert done.returncode == 0, done.stderr[-3000:]
+    for result in results_in(tmp_path / "fsdp" / "r").values():
+        name = result["config"]["trainer"]
+        assert result["status"] == "ok", result["error"]
+        assert result["env"]["model_info"]["empty_weights"]
+        assert not expected[name]["env"]["model_info"]["empty_weights"]
+        for got, want in zip(result["losses"], expected[name]["losses"], strict=True):
+            assert got == pytest.approx(want, rel=1e-5), name
