@@ -26,6 +26,7 @@ of the CUDA side (context, workspaces, NCCL) ``measure.capacity``'s.
 from __future__ import annotations
 
 import contextlib
+import functools
 import sys
 import warnings
 import weakref
@@ -53,6 +54,7 @@ from dp_cost.measure.breakdown import (
     held_tensors,
     tensor_identities,
 )
+from dp_cost.measure.workload import builds_shards_only
 from dp_cost.parallel.ranks import share
 
 BLOCK_BYTES = 512  # the CUDA caching allocator's block size: every allocation is a multiple
@@ -261,8 +263,12 @@ def predict(config, build_trainer) -> dict:
     record = StorageRecord()
     model, loss_fn = meta_model(config)  # outside the fake mode: peft cannot build under one
     with planned_ranks(config.world_size), fake, FakeCopies(fake), record, _quiet_fake_warnings():
-        model = model.to_empty(device=DEVICE)
-        trainer = build_trainer(config, model, loss_fn, lambda name: None)
+        # as the worker does: FSDP2 over a model of random weights shards it before any storage
+        # exists (Workload.materialize), every other model is made whole first
+        materialize = functools.partial(torch.nn.Module.to_empty, device=DEVICE)
+        if not builds_shards_only(config):
+            model, materialize = model.to_empty(device=DEVICE), None
+        trainer = build_trainer(config, model, loss_fn, lambda name: None, materialize)
         mine = rank_share(config)
         physical = min(config.physical_batch_size, mine)
         warmup_event = len(record.events)

@@ -15,6 +15,14 @@ from dp_cost.parallel.mode import distributed_mode
 from dp_cost.parallel.ranks import share
 
 
+def builds_shards_only(config) -> bool:
+    """Whether the model is built with its parameters on the meta device and each rank
+    materializes only its FSDP2 shards: a Hugging Face model of random weights under FSDP2 (no
+    rank ever holds the whole model; a pretrained one is loaded whole)."""
+    shards = distributed_mode(config.distributed).shards
+    return config.model in HF_CONFIGS and shards and not config.pretrained
+
+
 class Workload:
     """The causal LM trains on one fixed synthetic batch of tokens (inputs and next-token
     targets); a Hugging Face classifier on a synthetic (or local) SNLI-shaped dataset, with
@@ -33,9 +41,7 @@ class Workload:
         # the model is sharded); None: the model is built whole, here.
         self.materialize = None
         if config.model in HF_CONFIGS:
-            # FSDP2 with random weights: the parameters on the meta device until sharded, so no
-            # rank ever holds the whole model
-            empty = distributed_mode(config.distributed).shards and not config.pretrained
+            empty = builds_shards_only(config)
             self.model, env["model_info"] = hf_models.build_hf_model(
                 config.model,
                 device=device,
