@@ -186,16 +186,20 @@ def initialize_weights(model: nn.Module, seed: int) -> None:
         for module_name, module in model.named_modules():
             for attribute, param in module.named_parameters(recurse=False):
                 name = f"{module_name}.{attribute}" if module_name else attribute
-                local = param.to_local() if isinstance(param, DTensor) else param
+                sharded = isinstance(param, DTensor)
+                local = param.to_local() if sharded else param
                 generator = torch.Generator(local.device).manual_seed(parameter_seed(seed, name))
+                if not sharded:  # filled in place
+                    initial_value(module, name, param, std, generator)
+                    continue
                 whole = torch.empty(param.shape, dtype=param.dtype, device=local.device)
                 initial_value(module, name, whole, std, generator)
-                if isinstance(param, DTensor):  # this rank's slice, as FSDP2 splits it
-                    placed = distribute_tensor(
-                        whole, param.device_mesh, param.placements, src_data_rank=None
-                    )
-                    whole = placed.to_local()
-                local.copy_(whole)
+                # this rank's slice, as FSDP2 splits it
+                placed = distribute_tensor(
+                    whole, param.device_mesh, param.placements, src_data_rank=None
+                )
+                local.copy_(placed.to_local())
+                del whole, placed  # one whole parameter at a time
 
 
 def materialize_shards(model: nn.Module, device: torch.device, seed: int) -> None:
@@ -262,7 +266,8 @@ def build_hf_model(
     when the Hub or cache cannot provide it, a one-line RuntimeError (the token never appears).
     ``use_lora``: LoRA rank ``lora_rank`` (alpha default 2*rank) on the attention and MLP
     projections plus a trainable head; otherwise full fine-tuning, every parameter trainable.
-    ``info``: trainable_params, frozen_params, config (name), lora_rank (None without LoRA).
+    ``info``: trainable_params, frozen_params, config (name), lora_rank (None without LoRA),
+    empty_weights.
     """
     from transformers import LlamaForSequenceClassification
 

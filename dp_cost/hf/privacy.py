@@ -49,9 +49,9 @@ def pair_exit(z_max: float, shift: float) -> float:
 
 
 def exit_bound(z_max: float, pairs: int, shift: float) -> float:
-    """An upper bound on sum_p pair_exit(z_max, a_p) over every split of a shift of norm
-    ``shift`` over ``pairs`` pairs (sum a_p^2 <= shift^2): the probability that a neighbour's
-    output leaves the sampler's support. For a threshold t <= min(shift, z_max - 1),
+    """An upper bound on min(1, sum_p pair_exit(z_max, a_p)) over every split of a shift of
+    norm ``shift`` over ``pairs`` pairs (sum a_p^2 <= shift^2): on the probability that a
+    neighbour's output leaves the sampler's support. For a threshold t <= min(shift, z_max - 1),
     pair_exit is convex on [0, t] (so at most a pair_exit(t) / t there) and increasing: the
     pairs moved by less than t add at most sqrt(pairs) shift pair_exit(t) / t (Cauchy-Schwarz),
     the at most (shift / t)^2 others pair_exit(shift) each. The least over a grid of t."""
