@@ -265,8 +265,9 @@ def privacy_summary(result: dict) -> dict:
             delta_total=record.get("delta_total"),
             dp_steps=record.get("steps"),
         )
-        if record.get("epsilon") is None:
-            summary["why"] = result.get("env", {}).get("privacy_note") or "not computed"
+        if record.get("epsilon") is None:  # --no_poisson, or infinite (no noise: not JSON)
+            env = result.get("env", {})
+            summary["why"] = env.get("privacy_note") or env.get("non_finite_note") or "not computed"
     elif result["status"] == "ok" and result.get("clipping") is not None:  # a DP config
         hf = result["config"].get("model") in settings.HF_CONFIGS
         summary["why"] = NO_RECORD if hf else NO_SAMPLING
