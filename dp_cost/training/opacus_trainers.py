@@ -58,7 +58,11 @@ class OpacusTrainer(Trainer):
 
     def dp_allocation_sites(self):
         # the clipping below replaces Opacus' own (opacus.optimizers' "^clip" site)
-        ours = (FlatClipping.clip_and_accumulate, CountedPerLayerClipping.clip_and_accumulate)
+        ours = (
+            accumulate_clipped,
+            FlatClipping.clip_and_accumulate,
+            CountedPerLayerClipping.clip_and_accumulate,
+        )
         return [AllocationSite.of("per_sample_gradients", *ours), *opacus_state.OPACUS_SITES]
 
     def wrap_optimizer(self, dp_optimizer_classes: dict) -> None:
@@ -113,6 +117,18 @@ def per_sample_norms(grad_sample: torch.Tensor) -> torch.Tensor:
     return squares.sqrt().to(torch.promote_types(rows.dtype, torch.float32))
 
 
+def accumulate_clipped(p: torch.Tensor, grad_sample: torch.Tensor, factors: torch.Tensor):
+    """Opacus' last part of clip_and_accumulate for one parameter: its per-sample gradients
+    (already in the parameter's dtype) weighted by ``factors`` [B] and summed into
+    ``p.summed_grad``, marked processed."""
+    grad = torch.einsum("i,i...", factors.to(grad_sample.device, p.dtype), grad_sample)
+    if p.summed_grad is not None:
+        p.summed_grad += grad
+    else:
+        p.summed_grad = grad
+    _mark_as_processed(p.grad_sample)
+
+
 class FlatClipping:
     """Opacus' flat clip_and_accumulate (DPOptimizer's arithmetic: per-parameter norms, stacked,
     min(1, C / (norm + 1e-6)), the per-sample gradients cast to the parameter's dtype and summed
@@ -126,13 +142,7 @@ class FlatClipping:
             factors = (self.max_grad_norm / (norms.norm(2, dim=1) + 1e-6)).clamp(max=1.0)
         for p in self.params:
             _check_processed_flag(p.grad_sample)
-            grad_sample = self._get_flat_grad_sample(p).to(p.dtype)
-            grad = torch.einsum("i,i...", factors.to(grad_sample.device, p.dtype), grad_sample)
-            if p.summed_grad is not None:
-                p.summed_grad += grad
-            else:
-                p.summed_grad = grad
-            _mark_as_processed(p.grad_sample)
+            accumulate_clipped(p, self._get_flat_grad_sample(p).to(p.dtype), factors)
 
 
 class FlatOptimizer(FlatClipping, DPOptimizer):
@@ -161,12 +171,7 @@ class CountedPerLayerClipping:
             grad_sample = self._get_flat_grad_sample(p).to(p.dtype)
             norms = per_sample_norms(grad_sample)
             factor = (max_grad_norm / (norms + 1e-6)).clamp(max=1.0)
-            grad = torch.einsum("i,i...", factor, grad_sample)
-            if p.summed_grad is not None:
-                p.summed_grad += grad
-            else:
-                p.summed_grad = grad
-            _mark_as_processed(p.grad_sample)
+            accumulate_clipped(p, grad_sample, factor)
             squared.append(norms.square())
             factors.append(factor)
         if squared:

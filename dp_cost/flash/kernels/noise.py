@@ -62,9 +62,9 @@ def _add_noise_kernel(
     block_in_tensor = (block - tl.load(first_block + i)).to(tl.int64)
     counter = block_in_tensor * QUARTER + tl.arange(0, QUARTER)
     counter_low, counter_high = counter.to(tl.uint32), (counter >> 32).to(tl.uint32)
-    seed = tl.load(seeds + i)
-    a0, a1, a2, _ = tl.philox(seed, counter_low, counter_high, 0 * counter_low, 0 * counter_low)
-    b0, b1, b2, _ = tl.philox(seed, counter_low, counter_high, 0 * counter_low + 1, 0 * counter_low)
+    seed, zero = tl.load(seeds + i), counter_low * 0
+    a0, a1, a2, _ = tl.philox(seed, counter_low, counter_high, zero, zero)
+    b0, b1, b2, _ = tl.philox(seed, counter_low, counter_high, zero + 1, zero)
     n0, n1 = uniform64_to_normal(a0, a1, a2)
     n2, n3 = uniform64_to_normal(b0, b1, b2)
     start = block_in_tensor * BLOCK + tl.arange(0, QUARTER)
