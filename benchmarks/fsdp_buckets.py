@@ -2,7 +2,7 @@
 size of a bucket of small gradients (a gradient of a quarter of it or more goes alone) and how
 many bytes of collectives may be in flight behind the newest before the compute stream waits
 for the oldest (FSDP2's reduce-scatters; DDP's all-reduces are never waited for before the
-last). For measuring what they cost; the CLI's defaults are dp_cost.parallel.buckets'.
+last). For measuring what they cost; the CLI's defaults are dp_cost.flash.sinks'.
 
 usage: torchrun --nproc_per_node W benchmarks/fsdp_buckets.py --bucket_mb MB --in_flight_mb MB|none
            -- PROFILING_SCRIPT_ARGUMENTS
@@ -30,7 +30,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument("rest", nargs=argparse.REMAINDER, help="-- then profiling_script.py's")
     args = parser.parse_args(argv)
     rest = args.rest[1:] if args.rest[:1] == ["--"] else args.rest
-    from dp_cost.parallel import buckets
+    from dp_cost.flash import sinks as buckets
 
     buckets.BUCKET_BYTES = int(args.bucket_mb * 2**20)
     unbounded = args.in_flight_mb.lower() == UNBOUNDED  # the word, not --distributed's "none"

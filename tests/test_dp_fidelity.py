@@ -39,10 +39,10 @@ def contribution_over_bound(name, config, seq, dtype, seed, device="cpu") -> tup
                  if p.grad is not None]  # fmt: skip
         released["norm"] = torch.cat(grads).norm().item()
 
-    trainer.base_optimizer.register_step_pre_hook(read_gradient)
+    trainer.trainer.base_optimizer.register_step_pre_hook(read_gradient)
     tokens = torch.randint(config.vocab_size, (1, seq + 1), device=device)
     trainer.step(tokens[:, :-1], tokens[:, 1:])
-    return released["norm"] / C, trainer.sensitivity_margin()
+    return released["norm"] / C, trainer.trainer.privacy.sensitivity_margin
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])

@@ -17,8 +17,8 @@ class ScaledSGDTrainer(trainers.StandardTrainer):
     """The example of ARCHITECTURE.md: standard SGD that also keeps, per step, the squared
     gradient norm of every parameter (its own state) in a buffer it allocates itself."""
 
-    def chunk_step(self, inputs, targets, is_last):
-        loss = super().chunk_step(inputs, targets, is_last)
+    def chunk_step(self, chunk):
+        loss = super().chunk_step(chunk)
         self.norms = self.squared_grad_norms()
         return loss
 
@@ -59,11 +59,11 @@ def test_a_new_trainer_state_and_allocations_reach_the_breakdown(registered):
     trainer = trainers.make_trainer(registered, model, lr=0.1, batch_size=2)
     trainer.step(torch.randint(0, 11, (2, 5)), torch.randint(0, 11, (2, 5)))
     identities = breakdown.tensor_identities(trainer, device_type="cpu")
-    assert identities[trainer.norms.untyped_storage().data_ptr()] == "norm_samples"
+    assert identities[trainer.trainer.norms.untyped_storage().data_ptr()] == "norm_samples"
     assert identities[model[1].weight.untyped_storage().data_ptr()] == "model_parameters"
     # A block no identity names: classified by the function on its allocating stack, wherever
     # that function's file is.
     frames = [{"filename": "/anywhere/else.py", "name": "squared_grad_norms"}]
     trace = [{"action": "alloc", "addr": 1, "size": 64, "frames": frames}]
-    out = breakdown.attribute_peak(trace, {}, [{}], trainer.allocation_sites())
+    out = breakdown.attribute_peak(trace, {}, [{}], trainer.trainer.memory().sites)
     assert out["breakdown_bytes"]["norm_samples_mb"] == 64

@@ -104,7 +104,7 @@ def test_per_layer_update_matches_brute_force(name, options, physical, attention
     assert relative_error(update, ref) < 1e-5
     # flat clipping at the same C is a different update: the test tells the rules apart
     assert relative_error(update, reference_flat(model, inputs, targets, max_grad_norm, lr)) > 1e-2
-    record = trainer.clipping_record()
+    record = trainer.trainer.privacy.clipping_record()
     assert record["rule"] == "per_layer" and record["samples"] == 5
     assert [p["clipped_samples"] for p in record["parameters"]] == clipped.tolist()
     names = [n for n, _ in model.named_parameters()]
@@ -159,7 +159,7 @@ def test_per_layer_empty_batch_gets_noise_of_c(name):
     trainer.step(inputs, targets)
     grads = torch.cat([p.grad.reshape(-1) for p in model.parameters()])
     assert grads.std().item() == pytest.approx(1.0 * 2.0 / 4, rel=0.05)
-    record = trainer.clipping_record()
+    record = trainer.trainer.privacy.clipping_record()
     assert record["samples"] == 0
     assert all(p["clipped_fraction"] is None for p in record["parameters"])
 
@@ -187,7 +187,7 @@ def test_who_clips_per_layer():
     standard = trainers.make_trainer(
         "standard", models.build_model(SMALL), lr=0.1, batch_size=2, clipping="per_layer"
     )
-    assert standard.clipping_record() is None
+    assert standard.trainer.privacy is None
 
 
 @pytest.mark.parametrize("route", ["product", "auto"])
@@ -205,7 +205,7 @@ def test_per_layer_with_kept_per_sample_gradients_one_by_one(monkeypatch, route)
         clipping="per_layer", flash_route=route,
     )  # fmt: skip
     assert relative_error(applied_update(trainer, model, inputs, targets, 1.0), ref) < 1e-5
-    record = trainer.clipping_record()
+    record = trainer.trainer.privacy.clipping_record()
     assert [p["clipped_samples"] for p in record["parameters"]] == clipped.tolist()
 
 
@@ -243,7 +243,7 @@ def test_per_layer_steps_in_bf16_with_adam(name):
     trainer.step(inputs, targets)
     moved = [not torch.equal(p, b) for p, b in zip(model.parameters(), before, strict=True)]
     assert all(moved) and all(torch.isfinite(p).all() for p in model.parameters())
-    assert trainer.clipping_record()["samples"] == 4
+    assert trainer.trainer.privacy.clipping_record()["samples"] == 4
 
 
 @pytest.mark.gpu
@@ -276,5 +276,8 @@ def test_per_layer_on_cuda_matches_brute_force(name, route):
         update = applied_update(trainer, fresh, inputs.cuda(), targets.cuda(), 1.0).cpu()
         assert relative_error(update, ref) < tolerance, (name, route, dtype)
         if dtype == torch.float32:
-            counts = [p["clipped_samples"] for p in trainer.clipping_record()["parameters"]]
+            counts = [
+                p["clipped_samples"]
+                for p in trainer.trainer.privacy.clipping_record()["parameters"]
+            ]
             assert counts == clipped.tolist(), (name, route)

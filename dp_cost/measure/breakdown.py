@@ -1,6 +1,6 @@
 """Where the peak goes: the live allocator blocks at the peak of one recorded step, by role.
 
-A block's role comes from the trainer first (``Trainer.state_tensors``: what it holds, by
+A block's role comes from the trainer first (``Trainer.memory``: what it holds, by
 identity, at the phase events around the peak), else from the Python functions on the stack that
 allocated it (``Trainer.allocation_sites``: the first matching site wins). CUDA only: it reads
 the caching allocator's history.
@@ -24,23 +24,23 @@ def _phase_marker(device: torch.device) -> None:
     del marker
 
 
-def tensor_identities(trainer, device_type: str = "cuda", key=None) -> dict[int, str]:
-    """Storage address -> role for every tensor on ``device_type`` the trainer holds; the first
-    role listed wins (a storage can be reachable several ways, e.g. Opacus' saved activations
-    are views of the model's activations). ``key(tensor)``: another number per storage than its
-    address (fake tensors have none)."""
+def tensor_identities(runner, device_type: str = "cuda", key=None) -> dict[int, str]:
+    """Storage address -> role for every tensor on ``device_type`` the runner's trainer holds;
+    the first role listed wins (a storage can be reachable several ways, e.g. Opacus' saved
+    activations are views of the model's activations). ``key(tensor)``: another number per
+    storage than its address (fake tensors have none)."""
     roles: dict[int, str] = {}
-    for role, tensor in held_tensors(trainer):
+    for role, tensor in held_tensors(runner):
         if tensor.device.type == device_type:
             address = key(tensor) if key else tensor.untyped_storage().data_ptr()
             roles.setdefault(address, role)
     return roles
 
 
-def held_tensors(trainer):
-    """(role, tensor) of every tensor the trainer holds, in ``state_tensors``' order (FSDP2:
+def held_tensors(runner):
+    """(role, tensor) of every tensor the runner's trainer holds, in ``memory``'s order (FSDP2:
     the shard this rank holds of a DTensor)."""
-    for role, _, tensor in trainer.state_tensors():
+    for role, _, tensor in runner.trainer.memory().tensors:
         if isinstance(tensor, DTensor):
             tensor = tensor.to_local()
         if isinstance(tensor, torch.Tensor):
@@ -182,7 +182,7 @@ def trim_trace(trace: list[dict]) -> list[dict]:
     ]
 
 
-def record_breakdown(trainer, step, device: torch.device):
+def record_breakdown(runner, step, device: torch.device):
     """Run ``step()`` once under the allocator's history recorder; attribute its peak.
 
     Returns (breakdown in MB keyed by ``core.schema.BREAKDOWN_KEYS``, a check dict, the trimmed
@@ -192,11 +192,11 @@ def record_breakdown(trainer, step, device: torch.device):
     """
     torch.cuda.synchronize(device)
     gc.collect()
-    identities = [tensor_identities(trainer)]
+    identities = [tensor_identities(runner)]
     phases = ["step start"]
 
     def on_phase(name):
-        identities.append(tensor_identities(trainer))
+        identities.append(tensor_identities(runner))
         phases.append(name)
         _phase_marker(device)
 
@@ -204,7 +204,7 @@ def record_breakdown(trainer, step, device: torch.device):
     allocated_at_start = torch.cuda.memory_allocated(device)
     torch.cuda.memory._record_memory_history(max_entries=10_000_000, stacks="python")
     try:
-        with trainer.observing_phases(on_phase):
+        with runner.observing_phases(on_phase):
             step()
         torch.cuda.synchronize(device)
         snapshot = torch.cuda.memory._snapshot(device)
@@ -213,7 +213,7 @@ def record_breakdown(trainer, step, device: torch.device):
     torch_peak = torch.cuda.max_memory_allocated(device)
     trace = trim_trace(snapshot["device_traces"][device.index or 0])
     start = initial_blocks(snapshot, trace)
-    attributed = attribute_peak(trace, start, identities, trainer.allocation_sites())
+    attributed = attribute_peak(trace, start, identities, runner.trainer.memory().sites)
     breakdown = {k: v / MB for k, v in attributed["breakdown_bytes"].items()}
     check = {
         "replayed_peak_mb": attributed["peak_bytes"] / MB,

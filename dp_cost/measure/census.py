@@ -68,10 +68,10 @@ class ModuleCensus:
     backward to its clipping: they are counted at its internal ``_clip_inputs_saved`` event.
     """
 
-    def __init__(self, trainer):
-        self.trainer = trainer
-        model = trainer.model
-        trainable = {id(p) for p in trainer.trainable_parameters(model)}
+    def __init__(self, runner):
+        self.runner = runner
+        model = runner.model
+        trainable = {id(p) for p in runner.trainer.parameters}
         self.params = [(module_group(n) or OTHER, p) for n, p in model.named_parameters()]
         self.param_addresses = {s[0] for _, p in self.params if (s := _storage(p))}
         self.static = {"parameters": Counter(), "trainable_parameters": Counter()}
@@ -100,19 +100,14 @@ class ModuleCensus:
     @contextlib.contextmanager
     def observing(self):
         """Observe the trainer step run inside; phase events still reach the current observer."""
-        observer = self.trainer.on_phase
         handles = []
         for module, group in self.modules:
             handles.append(module.register_forward_pre_hook(lambda *_, g=group: self._enter(g)))
             handles.append(module.register_forward_hook(self._leave, always_call=True))
 
-        def on_phase(name):
-            self._on_phase(name)
-            observer(name)
-
         try:
             with (
-                self.trainer.observing_phases(on_phase),
+                self.runner.observing_phases(self._on_phase, also_current=True),
                 torch.autograd.graph.saved_tensors_hooks(self._pack, lambda tensor: tensor),
             ):
                 yield
@@ -135,7 +130,7 @@ class ModuleCensus:
         seen: dict[str, set] = {kind: set() for kind in counts}
         # Hook-kept tensors that autograd saved anyway cost nothing extra: count the others.
         not_extra = set(self.saved) | self.param_addresses
-        for role, owner, tensor in self.trainer.state_tensors():
+        for role, owner, tensor in self.runner.trainer.memory().tensors:
             kind = KIND_OF_ROLE.get(role)
             storage = _storage(tensor) if kind else None
             if not storage or storage[0] in seen[kind]:

@@ -45,9 +45,9 @@ from torch.fx.experimental.symbolic_shapes import ShapeEnv
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 from torch.utils._pytree import tree_leaves
 
-import models
 from dp_cost.hf import models as hf_models
 from dp_cost.hf.configs import HF_CONFIGS
+from dp_cost.lm import model as models
 from dp_cost.measure.breakdown import (
     MARKER_FUNCTION,
     attribute_peak,
@@ -268,32 +268,31 @@ def predict(config, build_trainer) -> dict:
         materialize = functools.partial(torch.nn.Module.to_empty, device=DEVICE)
         if not builds_shards_only(config):
             model, materialize = model.to_empty(device=DEVICE), None
-        trainer = build_trainer(config, model, loss_fn, lambda name: None, materialize)
+        runner = build_trainer(config, model, loss_fn, lambda name: None, materialize)
         mine = rank_share(config)
         physical = min(config.physical_batch_size, mine)
         warmup_event = len(record.events)
-        trainer.step(*fake_batch(config, physical))
+        runner.step(*fake_batch(config, physical))
         # Three chunks at most: the first (no gradient yet), the second (the first's summed in)
         # and the third (Opacus' running sum beside the chunk's gradient): every later chunk
         # holds what the third does, so a batch of 3P has the peak of any larger one.
         inputs, targets = fake_batch(config, min(mine, 3 * physical))
         start = record.held()
-        identities = [tensor_identities(trainer, "cpu", key=storage_key)]
+        identities = [tensor_identities(runner, "cpu", key=storage_key)]
         first_event = len(record.events)
 
         def on_phase(name):
-            identities.append(tensor_identities(trainer, "cpu", key=storage_key))
+            identities.append(tensor_identities(runner, "cpu", key=storage_key))
             record.marker()
 
-        with trainer.observing_phases(on_phase):
-            trainer.step(inputs, targets)
+        with runner.observing_phases(on_phase):
+            runner.step(inputs, targets)
         events = record.events[first_event:]
-        attributed = attribute_peak(events, start, identities, trainer.allocation_sites())
-        state = _state_bytes(trainer)
-        extras = trainer.result_extras()
+        attributed = attribute_peak(events, start, identities, runner.trainer.memory().sites)
+        state = _state_bytes(runner)
+        extras = runner.trainer.result_extras()
         parameters = sum(p.numel() for p in model.parameters())  # a DTensor's: the whole's
-        groups = trainer.optimizer.param_groups
-        trainable = sum(p.numel() for group in groups for p in group["params"])
+        trainable = sum(p.numel() for p in runner.trainer.parameters)
     return {
         "peak": attributed["peak_bytes"],
         "requests": allocator_requests(record.events[:warmup_event]),
@@ -318,11 +317,11 @@ def allocator_requests(events) -> list[tuple[int, int, int]]:
     ]
 
 
-def _state_bytes(trainer) -> dict[str, int]:
-    """Bytes of what the trainer holds after a step, by role, each storage once."""
+def _state_bytes(runner) -> dict[str, int]:
+    """Bytes of what the runner's trainer holds after a step, by role, each storage once."""
     seen: set[int] = set()
     sizes: dict[str, int] = {}
-    for role, tensor in held_tensors(trainer):
+    for role, tensor in held_tensors(runner):
         if storage_key(tensor) in seen:
             continue
         seen.add(storage_key(tensor))

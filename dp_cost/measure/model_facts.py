@@ -10,7 +10,9 @@ from dp_cost.hf.configs import HF_CONFIGS
 
 def model_shape(model: str, overrides: dict) -> tuple[int, int, int, int]:
     """(vocab, hidden, layers, MLP width) of a named model with its overrides."""
-    import models  # torch and opacus: imported once the checks that need neither have passed
+    from dp_cost.lm import (
+        model as models,
+    )  # torch and opacus: imported once the checks that need neither have passed
 
     if model in HF_CONFIGS:
         c = HF_CONFIGS[model]
@@ -25,7 +27,7 @@ def parameter_count(model: str, overrides: dict) -> int:
     memory): our LMs with the learned position table of max_seq_len rows; a Hugging Face
     architecture as --mode=hf builds it (a sequence classifier: grouped-query attention's
     smaller k and v, tied embeddings once, no vocabulary head)."""
-    import models  # torch: see model_shape
+    from dp_cost.lm import model as models  # torch: see model_shape
 
     if model not in HF_CONFIGS:
         return models.count_parameters(models.build_model(model, device="meta", **overrides))
@@ -47,7 +49,7 @@ def bytes_lower_bound(model, overrides, physical_batch, seq_len, dataset_size) -
 
 def model_max_seq_len(model: str, attention: str, overrides: dict) -> int:
     """The longest sequence the named model takes (UsageError for an unknown name)."""
-    import models  # torch: see model_shape
+    from dp_cost.lm import model as models  # torch: see model_shape
 
     if model in HF_CONFIGS:
         return HF_CONFIGS[model]["max_position_embeddings"]

@@ -112,10 +112,10 @@ def make_plan(args: argparse.Namespace, cuda_available) -> Plan:
 
 
 def trainer_names() -> list[str]:
-    """The registered trainers' names (``trainers.TRAINERS``), read without importing torch
-    where nothing imported the registry yet: it then holds the built-in trainers alone
+    """The registered trainers' names (``training.registry.TRAINERS``), read without importing
+    torch where nothing imported the registry yet: it then holds the built-in trainers alone
     (``TRAINER_ORDER``; a test keeps the two equal), since registering one imports it."""
-    registry = sys.modules.get("trainers")
+    registry = sys.modules.get("dp_cost.training.registry")
     return list(registry.TRAINERS) if registry is not None else list(TRAINER_ORDER)
 
 
@@ -142,7 +142,7 @@ def poisson_graph_note(values: dict, axes: dict, dataset_size: int) -> str | Non
     before the run, how often a draw takes a second chunk then, and what a cap does."""
     if not (values["cuda_graph"] and values["poisson"] and values["model"] in HF_CONFIGS):
         return None
-    import trainers  # torch: imported once the checks that need none have passed
+    from dp_cost.training import registry as trainers  # torch: after the checks needing none
 
     if not any(trainers.TRAINERS[name].capturable for name in axes["trainer"]):
         return None  # every config is skipped, with its reason

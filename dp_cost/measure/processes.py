@@ -19,7 +19,6 @@ import sys
 import torch
 from tqdm import tqdm
 
-import trainers
 from dp_cost.core import files, interrupts
 from dp_cost.core.files import TEMPORARY_NAME, make_folder, write_json
 from dp_cost.core.fmt import count
@@ -29,6 +28,7 @@ from dp_cost.core.schema import FINISHED
 from dp_cost.measure import capacity, quiet, ranks
 from dp_cost.measure.ranks import RankGroup
 from dp_cost.measure.worker import result_skeleton, worker_main
+from dp_cost.training import registry as trainers
 
 # Directories a run makes per config (<trainer>_bs<B>_seq<T>...) and atomic_write's temporary
 # names (files.TEMPORARY_NAME): the only things leftover removal may touch.

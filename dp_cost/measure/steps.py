@@ -38,7 +38,7 @@ class Session:
 
     config: object  # ExperimentConfig
     device: torch.device
-    trainer: object  # trainers.Trainer
+    runner: object  # stepping.runner.Runner: the trainer and its steps
     workload: object  # measure.workload.Workload
     recorder: phases.PhaseRecorder
     out_dir: str
@@ -55,7 +55,7 @@ class Session:
         """One step after the timed ones, on a batch they sampled (counted: a DP step that
         reuses a batch is accounted as such)."""
         self.extra_steps += 1
-        self.trainer.step(self.inputs, self.targets)
+        self.runner.step(self.inputs, self.targets)
 
     def extra_step(self) -> None:
         """A reused-batch step that the module census (if any) observes."""
@@ -68,14 +68,14 @@ class TimedSteps:
     phases), with the phase snapshots they record."""
 
     def run(self, s: Session, result: dict) -> None:
-        with s.trainer.observing_phases(s.recorder):
+        with s.runner.observing_phases(s.recorder):
             for _ in range(s.config.warmup_steps):
-                s.trainer.step(*s.workload.batch())
+                s.runner.step(*s.workload.batch())
             synchronize(s.device)
             if s.device.type == "cuda":
                 torch.cuda.reset_peak_memory_stats(s.device)
             first_measured = len(s.recorder.snapshots)
-            counts_before = s.trainer.graphs.counts()
+            counts_before = s.runner.graphs.counts()
             step_times, physical_times, losses = [], [], []
             with GarbageCollections() as collections:  # Python's, over the timed steps
                 for _ in range(s.config.steps):
@@ -90,14 +90,15 @@ class TimedSteps:
                     with s.recorder.timed_step() as began:
                         start = time.perf_counter()
                         s.step_starts.append(began)
-                        out = s.trainer.step(inputs, targets)
+                        out = s.runner.step(inputs, targets)
                         synchronize(s.device)
                         step_times.append((time.perf_counter() - start) * 1e3)
                     physical_times.extend(out["physical_step_times_ms"])
                     losses.append(out["loss"])
         s.measured_snapshots = s.recorder.snapshots[first_measured:]
+        described = s.runner.trainer.privacy
         result["python_gc"] = collections.result()
-        timed = {k: v - counts_before[k] for k, v in s.trainer.graphs.counts().items()}
+        timed = {k: v - counts_before[k] for k, v in s.runner.graphs.counts().items()}
         s.timed_replays = timed["replays"]
         # Poisson batches vary in size: say which one the measurements after these steps use
         # (the global batch: under DDP and FSDP2 each rank steps on its share of it).
@@ -107,9 +108,9 @@ class TimedSteps:
                 "the last timed batch drawn was empty: the measurements after the timed steps "
                 "(CPU peak, breakdown, census, trace) ran on it, a noise-only step"
             )
-        if s.trainer.graphs.enabled:
+        if s.runner.graphs.enabled:
             result["cuda_graph"] = {
-                **s.trainer.graphs.result(),
+                **s.runner.graphs.result(),
                 **{f"timed_{key}": value for key, value in timed.items()},
             }
         result.update(
@@ -119,8 +120,8 @@ class TimedSteps:
             physical_step_times_ms=physical_times,
             losses=losses,
             snapshots=s.recorder.snapshots,
-            **s.trainer.result_extras(),
-            clipping=s.trainer.clipping_record(),  # counted over every step the trainer took
+            **s.runner.trainer.result_extras(),
+            clipping=described.clipping_record() if described else None,  # over every step
         )
 
 
@@ -134,7 +135,7 @@ class PeakMemory:
         if s.device.type == "cuda":
             peaks = [x["phase_peak_mb"] for x in s.measured_snapshots]
             if s.timed_replays:
-                peaks.append(s.trainer.graphs.capture_peak_bytes / MB)
+                peaks.append(s.runner.graphs.capture_peak_bytes / MB)
             result["peak_memory_mb"] = max(peaks)
             result["peak_reserved_mb"] = max(
                 x["phase_peak_reserved_mb"] for x in s.measured_snapshots
@@ -156,9 +157,9 @@ class Breakdown:
         if s.device.type != "cuda":
             s.env["breakdown_note"] = "the allocator history that attributes the peak is CUDA-only"
             return
-        with s.trainer.graphs.eager():  # the allocator's history of a step: a replay has none
+        with s.runner.eager():  # the allocator's history of a step: a replay has none
             parts, check, recording, snapshot = breakdown.record_breakdown(
-                s.trainer, s.extra_step, s.device
+                s.runner, s.extra_step, s.device
             )
         result["breakdown"], result["breakdown_check"] = parts, check
         if s.config.save_snapshot:
@@ -183,7 +184,7 @@ class Census:
 
     def run(self, s: Session, result: dict) -> None:
         if not s.module_census.steps_observed:  # no extra step ran yet (CUDA without breakdown)
-            with s.trainer.graphs.eager():  # the census reads a step's allocations
+            with s.runner.eager():  # the census reads a step's allocations
                 s.extra_step()
         result["module_memory"] = s.module_census.result()
         if s.timed_replays:
@@ -297,7 +298,8 @@ class Privacy:
     workloads), and the draws it covers."""
 
     def run(self, s: Session, result: dict) -> None:
-        if s.workload.sample_rate is None or not s.trainer.is_private:
+        described = s.runner.trainer.privacy
+        if s.workload.sample_rate is None or described is None:
             return
         config, sample_rate = s.config, s.workload.sample_rate
         # Warm-up and timed steps each drew a fresh Poisson batch (global sizes, alike on every
@@ -307,16 +309,15 @@ class Privacy:
         steps_per_draw = [1] * len(draws)
         if draws:
             steps_per_draw[-1] += s.extra_steps
-        steps = s.trainer.steps_taken
+        steps = s.runner.steps_taken
         if sum(steps_per_draw) != steps:  # a step that neither drew nor reused: not accounted
             raise RuntimeError(
                 f"the trainer took {steps} steps but the draws account for {sum(steps_per_draw)}"
             )
-        sampler = s.trainer.noise_sampler()
-        dimension = s.trainer.noised_dimension()
+        sampler, dimension = described.noise_sampler, described.noised_dimension
         # A trainer whose clipped samples may reach (1 + margin) C has that sensitivity: the
         # accountant sees the noise multiplier sigma / (1 + margin)
-        margin = s.trainer.sensitivity_margin()
+        margin = described.sensitivity_margin
         sigma = config.noise_multiplier / (1 + margin)
         epsilon = delta_total = tail = None
         if config.poisson:
@@ -362,9 +363,9 @@ class NcuRange:
     def run(self, s: Session, result: dict) -> None:
         if s.device.type != "cuda":
             raise ValueError("--ncu needs a CUDA device")
-        with s.trainer.observing_phases(s.recorder):
+        with s.runner.observing_phases(s.recorder):
             for _ in range(s.config.warmup_steps):
-                s.trainer.step(*s.workload.batch())
+                s.runner.step(*s.workload.batch())
         inputs, targets = s.workload.batch()
         nvtx = torch.cuda.nvtx
         next_range = {"forward_done": "backward", "backward_done": "optimizer"}
@@ -379,8 +380,8 @@ class NcuRange:
         nvtx.range_push("step")
         nvtx.range_push("forward")
         try:
-            with s.trainer.observing_phases(on_phase):
-                s.trainer.step(inputs, targets)
+            with s.runner.observing_phases(on_phase):
+                s.runner.step(inputs, targets)
             synchronize(s.device)
         finally:
             nvtx.range_pop()

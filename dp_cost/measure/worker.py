@@ -14,13 +14,13 @@ import traceback
 import opacus
 import torch
 
-import trainers
 from dp_cost.core.files import UnsafePath, non_finite_paths, write_json
 from dp_cost.core.schema import empty_result
 from dp_cost.measure import capacity, census, phases, quiet
 from dp_cost.measure.steps import Session, measurements
 from dp_cost.measure.workload import Workload
 from dp_cost.parallel import collectives
+from dp_cost.training import registry as trainers
 
 
 def environment(device: torch.device) -> dict:
@@ -97,17 +97,15 @@ def measure_experiment(config, out_dir: str, rank_setup=None) -> dict:
         torch.cuda.reset_peak_memory_stats(device)
     rank, world_size = (info.rank, info.world_size) if rank_setup else (0, 1)
     workload = Workload(config, device, recorder, env, rank=rank, world_size=world_size)
-    trainer = build_trainer(
-        config, workload.model, workload.loss_fn, recorder, workload.materialize
-    )
+    runner = build_trainer(config, workload.model, workload.loss_fn, recorder, workload.materialize)
     if rank_setup is not None:  # each rank its own torch stream (flash keeps its ranks' noise
         # apart itself; this keeps whatever else draws from torch's generator apart too)
         torch.manual_seed(config.seed + 1_000_003 * info.rank)
-    session = Session(config, device, trainer, workload, recorder, out_dir, env)
+    session = Session(config, device, runner, workload, recorder, out_dir, env)
     if config.detailed_memory:
-        session.module_census = census.ModuleCensus(trainer)
+        session.module_census = census.ModuleCensus(runner)
     # Only the timed steps record phase snapshots (they observe with the recorder themselves).
-    with trainer.observing_phases(lambda name: None):
+    with runner.observing_phases(lambda name: None):
         for measurement in measurements(config):
             measurement.run(session, result)
     if rank_setup is not None and result.get("communication_time_ms") is None:
@@ -126,8 +124,8 @@ def measure_experiment(config, out_dir: str, rank_setup=None) -> dict:
 
 
 def build_trainer(config, model, loss_fn, on_phase, materialize=None):
-    """The config's trainer around ``model`` (the measuring modes and the capacity prediction
-    build it alike); ``materialize``: see make_trainer."""
+    """The config's trainer around ``model``, in its Runner (the measuring modes and the
+    capacity prediction build it alike); ``materialize``: see make_trainer."""
     return trainers.make_trainer(
         config.trainer,
         model,

@@ -1,6 +1,6 @@
 """The distributed mode of a run as one object: what differs between one process, DDP and FSDP2
-(each rank's share of a batch, sums over the ranks, where flash's clipped gradients go, the
-config directory's suffix, what a CUDA graph cannot capture).
+(each rank's share of a batch, sums over the ranks, the config directory's suffix, what a CUDA
+graph cannot capture).
 
 Built from the mode's name and the number of ranks alone, without a process group, so the plan
 and any planning code use the same object as the trainers. Importing it costs no torch (the
@@ -10,7 +10,6 @@ them, on ranks that already have torch.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, ClassVar
 
@@ -19,10 +18,6 @@ from dp_cost.parallel.ranks import share
 if TYPE_CHECKING:
     import torch
 
-# flash under DDP gathers per-sample gradients instead of summing clipped ones (buckets.
-# GatheredGradients) at this many ranks: the one count where an all-gather moves no more bytes
-# than an all-reduce.
-GATHER_RANKS = 2
 # FSDP2's gradient sync (--fsdp_sync): reduce-scatter after every physical chunk, or hold the
 # unsharded gradients over the chunks and reduce-scatter once, after the logical batch's last.
 FSDP_SYNCS = ("chunk", "logical")
@@ -33,9 +28,15 @@ def fsdp_sync_refusal(distributed: str, fsdp_sync: str) -> str | None:
     the trainer: the plan's usage error and make_trainer's refusal alike."""
     if fsdp_sync not in FSDP_SYNCS:
         return f"fsdp_sync must be one of {', '.join(FSDP_SYNCS)}, got {fsdp_sync!r}"
-    if fsdp_sync != "chunk" and not distributed_mode(distributed).shards:
+    if holds_sync_to_last_chunk(fsdp_sync) and not distributed_mode(distributed).shards:
         return "--fsdp_sync applies to --distributed fsdp (FSDP2's reduce-scatters)"
     return None
+
+
+def holds_sync_to_last_chunk(fsdp_sync: str) -> bool:
+    """Whether FSDP2's gradient sync waits for a logical batch's last chunk (``fsdp_sync``
+    "logical") rather than following every chunk: the one place its value is read."""
+    return fsdp_sync == "logical"
 
 
 @dataclass(frozen=True)
@@ -55,18 +56,6 @@ class SingleProcess:
 
     def dir_part(self) -> str | None:
         """The config directory's suffix (none for one process)."""
-        return None
-
-    def gathers_per_sample(self, largest: int | None) -> bool:
-        """Whether flash's step gathers per-sample gradients (``largest``: the busiest rank's
-        batch, the same on every rank, so every rank decides alike)."""
-        return False
-
-    def gradient_sink(
-        self, is_last: bool, noise_std: float, add_noise: Callable, held: dict | None = None
-    ) -> Callable | None:
-        """Where flash hands a chunk's clipped sums instead of .grad (None: into .grad).
-        ``held``: FSDP2 with fsdp_sync "logical", the unsharded sums held over the chunks."""
         return None
 
     def sum_over_ranks(self, tensor: torch.Tensor) -> torch.Tensor:
@@ -120,24 +109,16 @@ class OverRanks(SingleProcess):
 @dataclass(frozen=True)
 class DataParallel(OverRanks):
     """torch's DDP for standard (Opacus' DPDDP for its trainers); flash keeps no wrapper and
-    sums its clipped gradients itself, in the last chunk, rank 0 adding the noise."""
+    sums its clipped gradients itself."""
 
     name: ClassVar[str] = "ddp"
     replicates: ClassVar[bool] = True
 
-    def gathers_per_sample(self, largest):
-        return self.world_size == GATHER_RANKS and largest == 1
-
-    def gradient_sink(self, is_last, noise_std, add_noise, held=None):
-        from dp_cost.parallel import buckets
-
-        return buckets.SummedGradients(noise_std, add_noise) if is_last else None
-
 
 @dataclass(frozen=True)
 class FullyShardedDataParallel(OverRanks):
-    """FSDP2: every chunk's clipped sums reduce-scattered into the shards, or (fsdp_sync
-    "logical") held unsharded over the chunks and reduce-scattered after the last."""
+    """FSDP2: each rank holds a shard of every parameter; gradients reduce-scattered into the
+    shards after every chunk, or (fsdp_sync "logical") after the last."""
 
     name: ClassVar[str] = "fsdp"
     shards: ClassVar[bool] = True
@@ -145,13 +126,6 @@ class FullyShardedDataParallel(OverRanks):
         "--cuda_graph captures the step of one process or of DDP: FSDP2 decides on the host when "
         "to gather and free each unit's parameters (run --distributed fsdp without --cuda_graph)"
     )
-
-    def gradient_sink(self, is_last, noise_std, add_noise, held=None):
-        from dp_cost.parallel import buckets
-
-        if held is None:
-            return buckets.ShardedGradients()
-        return buckets.ShardedGradients(held) if is_last else buckets.HeldSums(held)
 
 
 MODES: dict[str, type[SingleProcess]] = {

@@ -4,8 +4,8 @@ and replayed for every later batch, whatever size Poisson sampling draws.
 
 Why: a short step's host work (Python, autograd, one launch per kernel) can take as long as its
 GPU work, most for flash's per-layer hooks, and then any jitter of the host lands on the step.
-A replayed chunk is one launch. What it needs from a trainer: chunk steps and an optimizer step
-with no host sync (``Trainer.capturable``) and ``discard_step_state``.
+A replayed chunk is one launch. What it needs from a trainer: chunk steps and a finish with
+no host sync (``Trainer.capture``), and a ``start_step`` that forgets a failed capture.
 
 Under DDP every rank captures and replays the same step, its collectives (DDP's all-reduce,
 flash's sum over the ranks, the loss's sum) inside the graphs: NCCL's captured collectives run
@@ -23,9 +23,10 @@ import torch
 
 from dp_cost.parallel import ddp
 from dp_cost.stepping import chunks
+from dp_cost.stepping.protocol import StepPlan
 
 if TYPE_CHECKING:
-    from dp_cost.stepping.protocol import SteppingTrainer
+    from dp_cost.stepping.runner import Runner
 
 MB = 2**20
 
@@ -46,9 +47,11 @@ class ChunkGraphs:
     an eager step does, so the allocator's peak during it is the step's, and a replay
     allocates nothing."""
 
-    def __init__(self, trainer: SteppingTrainer, inputs: torch.Tensor, targets: torch.Tensor):
+    def __init__(self, runner: Runner, inputs: torch.Tensor, targets: torch.Tensor):
         device = inputs.device
-        self.size = chunks.physical_size(trainer)
+        self.size = runner.physical_size()
+        # the plan every captured chunk and finish runs under: padded, at least one chunk
+        self.plan = StepPlan(busiest_batch=self.size, chunk_count=1, padded=True)
         self.chunk = chunks.new_padded_chunk(inputs, targets, self.size)
         # Real rows: a rank with no sample replays on what the chunk holds, finite then too.
         chunks.fill_chunk(self.chunk, inputs, targets, 0)
@@ -56,7 +59,7 @@ class ChunkGraphs:
         # The step's totals over every rank: outside the graphs' pool, so no graph's
         # temporaries share its memory between the finishing replay and the read after it.
         self.step_totals = torch.zeros(2, device=device)
-        params = [p for group in trainer.optimizer.param_groups for p in group["params"]]
+        params = runner.trainer.parameters
         for p in params:  # the gradients the chunks accumulate into
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
@@ -65,39 +68,38 @@ class ChunkGraphs:
         torch.cuda.reset_peak_memory_stats(device)
         self.chunk_graphs: dict[bool, torch.cuda.CUDAGraph] = {}
         pool = None
-        trainer.prepare_padded_chunks()
         # One process: every chunk is alike. DDP: the last chunk syncs (standard's reducer,
         # flash's sum over the ranks with rank 0's noise), the others do not.
-        self.start_graph, pool = self._capture(trainer, pool, self._start)
-        for is_last in (False, True) if trainer.distributed_mode.is_distributed else (True,):
-            self.chunk_graphs[is_last], pool = self._capture(trainer, pool, self._chunk, is_last)
-        self.finish_graph, _ = self._capture(trainer, pool, self._finish)
+        self.start_graph, pool = self._capture(runner, pool, self._start)
+        for is_last in (False, True) if runner.mode.is_distributed else (True,):
+            self.chunk_graphs[is_last], pool = self._capture(runner, pool, self._chunk, is_last)
+        self.finish_graph, _ = self._capture(runner, pool, self._finish)
         torch.cuda.synchronize(device)
         self.peak_bytes = torch.cuda.max_memory_allocated(device)
         torch.cuda.empty_cache()  # the eager steps' cached blocks: replays use the graphs' pool
         self.replays = self.chunk_replays = self.padding_samples = 0
 
-    def _capture(self, trainer: SteppingTrainer, pool, body, *args):
+    def _capture(self, runner: Runner, pool, body, *args):
         graph = torch.cuda.CUDAGraph()
-        if trainer.noise_generator is not None:  # each replay advances it, as the default one
-            graph.register_generator_state(trainer.noise_generator)
-        with trainer.observing_phases(lambda name: None), torch.cuda.graph(graph, pool=pool):
-            body(trainer, *args)
+        for generator in runner.trainer.capture.generators():  # each replay advances them
+            graph.register_generator_state(generator)
+        with runner.observing_phases(lambda name: None), torch.cuda.graph(graph, pool=pool):
+            body(runner, *args)
         return graph, graph.pool()
 
-    def _start(self, trainer: SteppingTrainer) -> None:
+    def _start(self, runner: Runner) -> None:
         torch._foreach_zero_([grad for _, grad in self.grads])
         self.totals.zero_()
 
-    def _chunk(self, trainer: SteppingTrainer, is_last: bool) -> None:
-        self.totals += chunks.padded_chunk_step(trainer, self.chunk, is_last)
+    def _chunk(self, runner: Runner, is_last: bool) -> None:
+        self.totals += runner.padded_chunk_step(self.chunk, is_last, self.plan)
 
-    def _finish(self, trainer: SteppingTrainer) -> None:
-        trainer.optimizer_step()
+    def _finish(self, runner: Runner) -> None:
+        runner.trainer.finish_step(self.plan)
         self.step_totals.copy_(self.totals)
-        trainer.distributed_mode.sum_over_ranks(self.step_totals)  # in place
+        runner.mode.sum_over_ranks(self.step_totals)  # in place
 
-    def step(self, trainer: SteppingTrainer, inputs: torch.Tensor, targets: torch.Tensor) -> dict:
+    def step(self, runner: Runner, inputs: torch.Tensor, targets: torch.Tensor) -> dict:
         """Replay this batch's chunks and the finishing step; ``{"loss", ...}`` as eager_step's
         (the loss averages the real samples of every rank)."""
         captured = tuple(self.chunk[0].shape[1:]), tuple(self.chunk[1].shape[1:])
@@ -108,7 +110,8 @@ class ChunkGraphs:
             )
         for p, grad in self.grads:  # an eager step between replays rebinds .grad
             p.grad = grad
-        count = chunks.padded_chunk_count(trainer, len(inputs), self.size, inputs.device)
+        busiest = runner.mode.largest_batch(len(inputs), inputs.device)
+        count = runner.padded_chunk_count(busiest, self.size)
         self.start_graph.replay()
         for k in range(count):
             real = chunks.fill_chunk(self.chunk, inputs, targets, k * self.size)
@@ -116,13 +119,13 @@ class ChunkGraphs:
             self.chunk_graphs.get(last, self.chunk_graphs[True]).replay()
             self.padding_samples += self.size - real
         self.chunk_replays += count
-        if count == 0 and not trainer.is_private:
+        if count == 0 and not runner.is_private:
             # Nothing drawn: the non-private step has no gradient, and its optimizer skips.
-            trainer.on_phase("step_done")
+            runner.phases("step_done")
             return {"loss": None, "physical_step_times_ms": []}
         self.finish_graph.replay()  # after no chunk (nothing drawn): a DP trainer's noise alone
         self.replays += 1
-        trainer.on_phase("step_done")  # the chunks ran inside the graphs: no host clock
+        runner.phases("step_done")  # the chunks ran inside the graphs: no host clock
         loss_sum, real = self.step_totals.tolist()
         return {"loss": loss_sum / real if real else None, "physical_step_times_ms": []}
 
@@ -152,29 +155,27 @@ class Replayer:
     def capture_peak_bytes(self) -> int | None:
         return self.graphs.peak_bytes if self.graphs else None
 
-    def step(self, trainer: SteppingTrainer, inputs: torch.Tensor, targets: torch.Tensor) -> dict:
-        """One step of ``trainer``: replayed once captured, else eager (and captured after, if
+    def step(self, runner: Runner, inputs: torch.Tensor, targets: torch.Tensor) -> dict:
+        """One step of ``runner``: replayed once captured, else eager (and captured after, if
         it is the first that may be)."""
         if self.graphs is not None and not self.eager_only:
-            return self.graphs.step(trainer, inputs, targets)
-        if self.captures_after(inputs, trainer):
-            return self.capture_after(trainer, inputs, targets)
-        return chunks.eager_step(trainer, inputs, targets)
+            return self.graphs.step(runner, inputs, targets)
+        if self.captures_after(inputs, runner):
+            return self.capture_after(runner, inputs, targets)
+        return runner.eager_step(inputs, targets)
 
-    def captures_after(self, inputs: torch.Tensor, trainer: SteppingTrainer) -> bool:
+    def captures_after(self, inputs: torch.Tensor, runner: Runner) -> bool:
         """Is this step the eager one a capture follows? The first on CUDA with a sample on some
         rank, once the trainer's eager steps before a capture are taken."""
         waiting = self.enabled and self.graphs is None and self.error is None
         if not (waiting and not self.eager_only and inputs.is_cuda):
             return False
-        if not trainer.distributed_mode.largest_batch(len(inputs), inputs.device):
+        if not runner.mode.largest_batch(len(inputs), inputs.device):
             return False
-        self.waited = not trainer.captures_after_this()  # alike on every rank
+        self.waited = not runner.trainer.capture.ready()  # alike on every rank
         return not self.waited
 
-    def capture_after(
-        self, trainer: SteppingTrainer, inputs: torch.Tensor, targets: torch.Tensor
-    ) -> dict:
+    def capture_after(self, runner: Runner, inputs: torch.Tensor, targets: torch.Tensor) -> dict:
         """Run this step eagerly as padded chunks on a side stream, as capture needs (autograd,
         cuBLAS and Triton set up their state and tune there, at the chunk's shape, not inside
         the capture), then capture the next ones. Returns the eager step's output."""
@@ -184,17 +185,17 @@ class Replayer:
         with torch.cuda.stream(side):
             # Under DDP at least two chunks: the chunk that does not sync runs too before its
             # capture (an all-padding chunk more changes nothing).
-            warm = 2 if trainer.distributed_mode.is_distributed else 1
-            size = chunks.physical_size(trainer)
-            out = chunks.padded_step(trainer, inputs, targets, size, min_chunks=warm)
+            warm = 2 if runner.mode.is_distributed else 1
+            out = runner.padded_step(inputs, targets, runner.physical_size(), min_chunks=warm)
         current.wait_stream(side)
         try:
-            self.graphs = ChunkGraphs(trainer, inputs, targets)
+            self.graphs = ChunkGraphs(runner, inputs, targets)
         except RuntimeError as error:  # e.g. a host sync inside a model's forward
             # torch.cuda.graph's exit raises again for an invalidated capture before it restores
             # the stream, and the first error (the cause) is then the context of the second.
             torch.cuda.set_stream(current)
-            trainer.discard_step_state()
+            size = runner.physical_size()  # forget what the capture left
+            runner.trainer.start_step(StepPlan(size, chunk_count=1, padded=True))
             torch.cuda.synchronize(inputs.device)
             cause = error.__context__ or error
             self.error = (str(cause).strip().splitlines() or ["?"])[0][:300]
@@ -202,7 +203,7 @@ class Replayer:
         # replaying collectives another rank does not would wait for it: under DDP, every
         # rank's config ends with an error.
         captured = self.graphs is not None
-        mode = trainer.distributed_mode
+        mode = runner.mode
         if mode.is_distributed and not mode.on_every_rank(captured, inputs.device):
             raise RuntimeError(
                 f"the CUDA graph capture failed on a rank ({self.error or 'another rank'}): "

@@ -1,79 +1,149 @@
-"""What the stepping code and the measurements ask of a trainer, as a typed Protocol: the
-trainers (``dp_cost.training``) provide it, and nothing outside them reads more of a trainer."""
+"""What a trainer is to the Runner (``stepping.runner``) and to the measurements: a DP algorithm,
+or the non-private baseline, with eight members. The Runner owns everything around it (chunks,
+padding and stand-ins, per-sample weights, CUDA graphs, the decisions the ranks take alike, the
+phase events' observer); a trainer does the forward and backward of one chunk, the finish of a
+logical batch (clip, noise, optimizer), and says what it holds and what it promises.
+
+Both sides import these types; nothing here runs a step."""
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
-from contextlib import AbstractContextManager
-from typing import TYPE_CHECKING, Any, Protocol
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
     import torch
     from torch import nn
 
     from dp_cost.core.schema import AllocationSite
-    from dp_cost.parallel.mode import SingleProcess
 
 
-class GraphReplayer(Protocol):
-    """A trainer's CUDA graph state, as the measurements read it (stepping.graph.Replayer)."""
+@dataclass(frozen=True)
+class StepPlan:
+    """One logical batch's decisions, taken by the Runner alike on every rank.
 
-    enabled: bool
-    capture_peak_bytes: int | None
+    ``busiest_batch``: the largest rank's share of the batch; ``chunk_count``: the chunks every
+    rank runs (0: nothing drawn on any rank, the finish alone, a DP trainer's noise);
+    ``padded``: chunks of one fixed size with per-sample weights, the step a CUDA graph
+    replays for any drawn size."""
 
-    def counts(self) -> dict: ...
+    busiest_batch: int
+    chunk_count: int
+    padded: bool = False
 
-    def step(
-        self, trainer: SteppingTrainer, inputs: torch.Tensor, targets: torch.Tensor
-    ) -> dict: ...
-
-    def eager(self) -> AbstractContextManager: ...
-
-    def result(self) -> dict: ...
+    @property
+    def is_empty(self) -> bool:
+        return self.chunk_count == 0
 
 
-class SteppingTrainer(Protocol):
-    """A trainer as ``stepping/`` runs its step and ``measure/`` observes it."""
+@dataclass(frozen=True)
+class Chunk:
+    """One physical chunk of a logical batch. ``weights`` [n]: each sample's loss is multiplied
+    by its weight (1 real, 0 a padding or stand-in row: no gradient, no norm, no share of the
+    clipped sum), a tensor so a captured graph reads each replay's; None: every row is real."""
 
-    name: str
-    is_private: bool
-    model: nn.Module
-    batch_size: int  # the expected (global) logical batch: the averaging divisor
-    max_physical_batch_size: int  # the chunk cap (the logical batch when not given)
-    world_size: int
-    distributed_mode: SingleProcess
-    optimizer: torch.optim.Optimizer
-    graphs: GraphReplayer  # its CUDA graph, when --cuda_graph (stepping.graph.Replayer)
-    noise_generator: torch.Generator | None  # a noise generator of its own (a graph tracks it)
-    steps_taken: int
-    # Per-sample losses of a chunk, [n] (a padded or stand-in chunk swaps in a weighted one).
-    per_sample_loss: Callable[[nn.Module, torch.Tensor, torch.Tensor], torch.Tensor]
-    on_phase: Callable[[str], None]
+    inputs: torch.Tensor
+    targets: torch.Tensor
+    weights: torch.Tensor | None
+    is_last: bool
+    plan: StepPlan
 
-    # ---- the step, as stepping/ runs it
-    def step(self, inputs: torch.Tensor, targets: torch.Tensor) -> dict: ...
 
-    def chunks(self, batch: int, largest: int | None = None) -> list[torch.Tensor]: ...
+@dataclass(frozen=True)
+class PrivacyDescription:
+    """What a DP trainer promises, as the accountant reads it: the sampler of its Gaussian noise
+    (``hf.privacy.NOISE_SAMPLERS``), how far above C one sample's clipped contribution may reach
+    relative to C (its norms' rounding; the sensitivity is (1 + margin) C), the number of noised
+    coordinates, and the result's ``clipping`` record (read after the steps: device counters)."""
 
-    def prepare_padded_chunks(self) -> None: ...
+    noise_sampler: str
+    sensitivity_margin: float
+    noised_dimension: int
+    clipping_record: Callable[[], dict]
 
-    def chunk_step(self, inputs: torch.Tensor, targets: torch.Tensor, is_last: bool) -> Any: ...
 
-    def empty_batch_gradients(self) -> None: ...
+@dataclass(frozen=True)
+class MemoryRoles:
+    """Where a trainer's state lives now: ``tensors`` as (role, owner, tensor), most specific
+    role first (``core.schema.ROLES``; a storage reachable several ways takes the first), and
+    ``sites``: which functions' allocations have which role, for blocks no identity names."""
 
-    def optimizer_step(self) -> None: ...
+    tensors: list[tuple[str, str, torch.Tensor]]
+    sites: list[AllocationSite]
 
-    def captures_after_this(self) -> bool: ...
 
-    def discard_step_state(self) -> None: ...
+@dataclass(frozen=True)
+class CaptureSupport:
+    """What a CUDA graph capture of a trainer's step needs from it: the generators each replay
+    must advance (read at capture: a trainer may make one in its first eager step) and whether
+    the next eager step may be followed by a capture (torch's DDP times its first iterations)."""
 
-    # ---- what the measurements read
-    def observing_phases(self, callback: Callable[[str], None]) -> AbstractContextManager: ...
+    generators: Callable[[], list[torch.Generator]] = list
+    ready: Callable[[], bool] = lambda: True
 
-    def trainable_parameters(self, model: nn.Module) -> list[nn.Parameter]: ...
 
-    def state_tensors(self) -> list[tuple[str, str, torch.Tensor]]: ...
+class Trainer(Protocol):
+    """A trainer as the Runner steps it and the measurements observe it: eight members."""
 
-    def allocation_sites(self) -> list[AllocationSite]: ...
+    parameters: list[nn.Parameter]  # what the optimizer updates (and a DP trainer noises)
+    capture: CaptureSupport | None  # None: its step makes host syncs, no graph captures it
+    privacy: PrivacyDescription | None  # None: not private
 
-    def result_extras(self) -> dict: ...
+    def start_step(self, plan: StepPlan) -> None:
+        """Forget the last step's gradients and anything a step that did not finish left."""
+
+    def chunk_step(self, chunk: Chunk) -> torch.Tensor:
+        """Forward and backward of one chunk (clipped and accumulated by a DP trainer); returns
+        the sum of its samples' weighted losses, a 0-dim tensor on the device (no host sync)."""
+
+    def finish_step(self, plan: StepPlan) -> None:
+        """The logical batch's end: what clips after the chunks, the noise, the optimizer."""
+
+    def memory(self) -> MemoryRoles: ...
+
+    def result_extras(self) -> dict:
+        """Result keys of its own (flash: the route of each layer)."""
+
+
+class PhaseEvents:
+    """The phase points of a step (``optimizer_created``, ``privacy_wrapped``, per chunk
+    ``forward_done``/``backward_done``, per step ``step_done``; ``_`` names mark state the
+    memory breakdown sees by identity), sent to one observer at a time. A trainer calls it;
+    the Runner lends the observer to one measurement at a time."""
+
+    def __init__(self, observer: Callable[[str], None] | None = None):
+        self._observer = observer or _ignore
+
+    def __call__(self, name: str) -> None:
+        self._observer(name)
+
+    @contextlib.contextmanager
+    def observing(self, callback: Callable[[str], None], *, also_current: bool = False):
+        """``callback`` observes inside (``also_current``: before the current observer, which
+        still sees every event)."""
+        saved = self._observer
+        if also_current:
+            self._observer = lambda name: (callback(name), saved(name))
+        else:
+            self._observer = callback
+        try:
+            yield
+        finally:
+            self._observer = saved
+
+
+def _ignore(name: str) -> None:
+    return None
+
+
+__all__ = [
+    "CaptureSupport",
+    "Chunk",
+    "MemoryRoles",
+    "PhaseEvents",
+    "PrivacyDescription",
+    "StepPlan",
+    "Trainer",
+]

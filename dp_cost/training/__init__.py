@@ -1,3 +1,3 @@
 """The trainers' classes: the machinery they share (base.py), the non-private baseline
 (standard.py), Opacus' DP trainers (opacus_trainers.py) and Flash Clipping's (flash_trainer.py).
-The registry users read is ``trainers.py`` at the top level."""
+Their registry, and make_trainer, is registry.py (re-exported by the top-level ``trainers.py``)."""

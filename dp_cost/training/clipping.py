@@ -9,6 +9,7 @@ Per-layer results record each C_l and how many samples each parameter's bound cl
 
 from __future__ import annotations
 
+import enum
 import math
 from fractions import Fraction
 
@@ -19,6 +20,7 @@ from dp_cost.core.schema import CLIPPINGS
 __all__ = [
     "CLIPPINGS",
     "ClippedCounts",
+    "ClippingRule",
     "clipping_refusal",
     "layer_max_grad_norm",
     "merged_record",
@@ -31,6 +33,24 @@ def clipping_refusal(clipping: str) -> str | None:
     if clipping not in CLIPPINGS:
         return f"clipping must be one of {', '.join(CLIPPINGS)}, got {clipping!r}"
     return None
+
+
+class ClippingRule(enum.Enum):
+    """The clipping rule, parsed once from its name (``parse``): the one place it is read."""
+
+    FLAT = "flat"
+    PER_LAYER = "per_layer"
+
+    @property
+    def per_layer(self) -> bool:
+        return self is ClippingRule.PER_LAYER
+
+    @classmethod
+    def parse(cls, name: str | None) -> ClippingRule:
+        """The rule named ``name`` (None: flat); ValueError with clipping_refusal's reason."""
+        if reason := clipping_refusal(name or cls.FLAT.value):
+            raise ValueError(reason)
+        return cls(name or cls.FLAT.value)
 
 
 def layer_max_grad_norm(max_grad_norm: float, parameter_count: int) -> float:

@@ -13,58 +13,74 @@ from dp_cost.flash import (
     clip_per_sample,
     noise_sampler,
 )
-from dp_cost.parallel import buckets, collectives
-from dp_cost.training.base import Trainer
+from dp_cost.flash import sinks as flash_sinks
+from dp_cost.parallel import collectives
+from dp_cost.stepping.protocol import CaptureSupport
+from dp_cost.training.base import PrivateTrainer
+
+# flash under DDP gathers per-sample gradients instead of summing clipped ones
+# (flash_sinks.GatheredGradients) at this many ranks: the one count where an all-gather moves
+# no more bytes than an all-reduce.
+GATHER_RANKS = 2
 
 
-class FlashClippingTrainer(Trainer):
+class FlashClippingTrainer(PrivateTrainer):
     """Ours: one forward, one backward, exact per-sample norms by the cheaper route per layer
     (book-keeping, Bu et al. 2023: each layer's input A and output gradient G, or its per-sample
     gradients where smaller; then each layer's clipped gradient as one GEMM or weighted sum)."""
 
     name = "flash"
-    is_private = True
-    gathering = False  # this step's (chunks decides): per-sample gradients gathered over 2 ranks
-    gathered: buckets.GatheredGradients | None = None  # its gathers, while they hold memory
+    gathered: flash_sinks.GatheredGradients | None = None  # its gathers, while they hold memory
     options = ("flash_route",)
     capturable = True  # its hooks, kernels and tables make no host sync (tests check it)
+    noise_generator: torch.Generator | None = None  # its own, where it needs one (made once)
 
-    def __init__(self, model, *, flash_route: str = "auto", **kwargs):
+    def __init__(self, model, settings, phases, *, flash_route: str = "auto"):
+        super().__init__(model, settings, phases)
         self.engine = FlashClipping(model, route=flash_route)
-        self.held_sums: dict = {}  # FSDP2, fsdp_sync "logical": buckets.HeldSums' sums
+        self.held_sums: dict = {}  # FSDP2, fsdp_sync "logical": flash_sinks.HeldSums' sums
         try:
-            super().__init__(model, **kwargs)
+            self.optimizer = self.make_optimizer(list(self.engine.params))
         except Exception:
             self.engine.remove()  # leave the model as it was given: no hooks, trainable
             raise
-        if self.distributed_mode.replicates:  # no DDP wrapper: flash sums its clipped gradients
+        if settings.mode.replicates:  # no DDP wrapper: flash sums its clipped gradients
             collectives.broadcast_parameters(model)
-        self.on_phase("privacy_wrapped")
+        self.describe_privacy(noise_sampler(self.parameters), 0.0)
+        self.capture = CaptureSupport(generators=self.generators)
+        self.phases("privacy_wrapped")
 
-    def trainable_parameters(self, model):
-        return list(self.engine.params)
+    def generators(self) -> list[torch.Generator]:
+        return [self.noise_generator] if self.noise_generator is not None else []
 
-    def chunks(self, batch, largest=None):  # largest: every rank's, so all ranks decide alike
-        self.gathering = self.distributed_mode.gathers_per_sample(largest)
-        return super().chunks(batch, largest)
+    def gathers(self, plan) -> bool:
+        """DDP over two ranks with one sample each: each rank's gradient is its per-sample
+        gradient, gathered. Taken from the plan (the busiest rank's batch, alike on every rank);
+        a padded step (any number of chunks, a graph's own .grad) sums clipped gradients."""
+        mode = self.settings.mode
+        return (
+            mode.replicates
+            and not plan.padded
+            and mode.world_size == GATHER_RANKS
+            and plan.busiest_batch == 1
+        )
 
-    def prepare_padded_chunks(self):
-        # Gathering takes the step's one chunk and hands .grad over to the gathers: padded
-        # steps (any number of chunks, a graph's own .grad) sum clipped gradients instead.
-        self.gathering = False
+    def start_step(self, plan):
+        super().start_step(plan)
+        self.engine.release()
+        self.held_sums.clear()
 
-    def chunk_step(self, inputs, targets, is_last):
-        if self.gathering:  # one sample per rank: its gradient is its per-sample gradient
-            return self.gathered_chunk_step(inputs, targets)
-        with self.autocast(inputs.device.type):
-            per_sample = self.per_sample_loss(self.model, inputs, targets)
-        self.on_phase("forward_done")
+    def chunk_step(self, chunk):
+        if self.gathers(chunk.plan):
+            return self.gathered_chunk_step(chunk)
+        per_sample = self.per_sample_losses(self.model, chunk)
+        self.phases("forward_done")
         # Sum over samples: each sample's G is then exactly the gradient of its own loss.
         self.engine.backward(per_sample.sum())
-        self.on_phase("_clip_inputs_saved")  # A, G and per-sample grads all held: name them
+        self.phases("_clip_inputs_saved")  # A, G and per-sample grads all held: name them
         # Each sample's norm from its own gradient, on its own rank: never reduced. Per-layer
         # clipping: each parameter's norm on its own ([P, B]), against its own C_l.
-        if self.clipping == "per_layer":
+        if self.settings.clipping.per_layer:
             squared = self.engine.per_parameter_squared_norms()
             factors = self.clip_factors(squared.sqrt())
             self.clipped_counts.add(squared, factors)
@@ -73,48 +89,60 @@ class FlashClippingTrainer(Trainer):
         # 1/B folded into the clip factors (and the noise's std): no division pass afterwards.
         # Several ranks: each collective starts once its clipped sum exists (the sink); FSDP2
         # with fsdp_sync "logical": held unsharded until the last chunk, sent once then.
-        held = self.held_sums if self.fsdp_sync == "logical" else None
-        sink = self.distributed_mode.gradient_sink(
-            is_last, self.noise_std(), add_gaussian_noise, held
-        )
+        sink = self.gradient_sink(chunk.is_last)
         self.engine.accumulate_clipped_grads(factors / self.batch_size, sink)
         self.engine.release()
-        self.on_phase("backward_done")
+        self.phases("backward_done")
         return per_sample.detach().sum()
 
-    def gathered_chunk_step(self, inputs, targets):
+    def gradient_sink(self, is_last: bool):
+        """Where a chunk's clipped sums go instead of .grad (None: into .grad)."""
+        mode = self.settings.mode
+        if mode.replicates:  # summed over the ranks in the last chunk, rank 0's noise in it
+            if is_last:
+                return flash_sinks.SummedGradients(self.noise_std(), add_gaussian_noise)
+            return None
+        if not mode.shards:
+            return None
+        if self.settings.sync_every_chunk:
+            return flash_sinks.ShardedGradients()
+        held = self.held_sums
+        return flash_sinks.ShardedGradients(held) if is_last else flash_sinks.HeldSums(held)
+
+    def gathered_chunk_step(self, chunk):
         """DDP, one per rank: autograd's gradients, gathered; each rank clips the global batch."""
         with self.engine.autograd_gradients():  # its hooks go with the step, also if it fails
-            with buckets.GatheredGradients(self.engine.params, self.dtype) as self.gathered:
-                with self.autocast(inputs.device.type):
-                    per_sample = self.per_sample_loss(self.model, inputs, targets)
-                self.on_phase("forward_done")
+            with flash_sinks.GatheredGradients(self.engine.params, self.dtype) as self.gathered:
+                per_sample = self.per_sample_losses(self.model, chunk)
+                self.phases("forward_done")
                 per_sample.sum().backward()
-        self.on_phase("_clip_inputs_saved")  # the rank's gradients, sent and received: name them
+        self.phases("_clip_inputs_saved")  # the rank's gradients, sent and received: name them
         grads, self.gathered = self.gathered.land(), None
-        per_layer = self.clipping == "per_layer"
+        per_layer = self.settings.clipping.per_layer
         # every rank clips the same global batch: its clipped samples are counted once
         counts = self.clipped_counts if torch.distributed.get_rank() == 0 else None
         params = self.engine.params
         clip_per_sample(params, grads, self.clip_factors, self.batch_size, per_layer, counts)
-        self.on_phase("backward_done")
+        self.phases("backward_done")
         return per_sample.detach().sum()
-
-    def discard_step_state(self):
-        super().discard_step_state()
-        self.engine.release()
-        self.held_sums.clear()
 
     def noise_std(self) -> float:  # the gradients hold sum_b c_b g_b / B: N(0, (sigma C)^2) / B
         return self.noise_multiplier * self.max_grad_norm / self.batch_size
 
-    def empty_batch_gradients(self):  # DDP: zeros, rank 0's noise, summed over the ranks
-        self.gathering = False  # no chunks this step
-        sink = self.distributed_mode.gradient_sink(True, self.noise_std(), add_gaussian_noise)
-        if sink:
+    def finish_step(self, plan):
+        if plan.is_empty and (sink := self.empty_batch_sink()):
             sink.finish(self.engine.params)
+        self.optimizer_step(self.gathers(plan))
 
-    def optimizer_step(self):
+    def empty_batch_sink(self):
+        """DDP: zeros, rank 0's noise, summed over the ranks; FSDP2: every collective drained
+        (optimizer_step gives each shard its zeros and noise)."""
+        mode = self.settings.mode
+        if mode.replicates:
+            return flash_sinks.SummedGradients(self.noise_std(), add_gaussian_noise)
+        return flash_sinks.ShardedGradients() if mode.shards else None
+
+    def optimizer_step(self, gathering: bool = False):
         params = self.engine.params
         for p in params:
             if p.grad is None:  # a layer the batch never reached still gets noise
@@ -122,19 +150,16 @@ class FlashClippingTrainer(Trainer):
         # Noise once per coordinate. DDP: rank 0's, in the sum over ranks (the sink), or, gathering,
         # one draw on every replica (a generator seeded alike, once); FSDP2: each rank's shard's,
         # from a generator of its own (made here, not left to the caller to seed each rank).
-        if self.noise_std() > 0 and (not self.distributed_mode.replicates or self.gathering):
-            shards = self.distributed_mode.shards
-            if (self.gathering or shards) and self.noise_generator is None:
+        mode = self.settings.mode
+        if self.noise_std() > 0 and (not mode.replicates or gathering):
+            if (gathering or mode.shards) and self.noise_generator is None:
                 self.noise_generator = collectives.seeded_generator(
-                    params[0].device, per_rank=shards
+                    params[0].device, per_rank=mode.shards
                 )
             add_gaussian_noise(
-                buckets.local_gradients(params), self.noise_std(), self.noise_generator
+                flash_sinks.local_gradients(params), self.noise_std(), self.noise_generator
             )
         self.optimizer.step()
-
-    def noise_sampler(self):  # what add_gaussian_noise uses for tensors laid out as these
-        return noise_sampler(self.engine.params)
 
     def result_extras(self) -> dict:  # the route each Linear layer's norms took, its sizes
         return {"flash_routes": self.engine.routes()}
@@ -147,6 +172,6 @@ class FlashClippingTrainer(Trainer):
         return held + [("per_sample_gradients", "", t) for t in gathered] + sums
 
     def dp_allocation_sites(self):  # ALLOCATION_SITES lists its roles in order of precedence
-        sites, gathered = {**ALLOCATION_SITES}, buckets.GatheredGradients
+        sites, gathered = {**ALLOCATION_SITES}, flash_sinks.GatheredGradients
         sites["per_sample_gradients"] += (gathered.start_gather, gathered.land)  # its gathers
         return [AllocationSite.of(role, *fns) for role, fns in sites.items()]

@@ -22,7 +22,7 @@ from opacus.utils.fast_gradient_clipping_utils import DPTensorFastGradientClippi
 from dp_cost.core.schema import AllocationSite
 from dp_cost.flash import tensors_in
 from dp_cost.samplers import state as opacus_state
-from dp_cost.training.base import Trainer
+from dp_cost.training.base import PrivateTrainer
 from dp_cost.training.clipping import ClippedCounts
 
 # How far above C a sample's clipped contribution may reach under Opacus' clipping, relative to
@@ -36,16 +36,15 @@ NORM_MARGINS = {torch.float32: 2.0**-12, torch.bfloat16: 2.0**-5}
 NORM_BLOCK_COLUMNS = 2**16  # per_sample_norms on the CPU: columns converted to fp64 at a time
 
 
-class OpacusTrainer(Trainer):
+class OpacusTrainer(PrivateTrainer):
     """Opacus' optimizers with BatchMemoryManager's protocol for physical chunks."""
 
-    is_private = True
-
-    def noise_sampler(self):  # Opacus draws its noise with torch.normal on the parameter's device
-        return f"torch_{self.base_optimizer.param_groups[0]['params'][0].device.type}"
-
-    def sensitivity_margin(self) -> float:
-        return NORM_MARGINS[self.dtype]
+    def __init__(self, model, settings, phases):
+        super().__init__(model, settings, phases)
+        self.make_optimizer([p for p in model.parameters() if p.requires_grad])
+        # Opacus draws its noise with torch.normal on the parameters' device
+        sampler = f"torch_{self.parameters[0].device.type}" if self.parameters else "torch_cpu"
+        self.describe_privacy(sampler, NORM_MARGINS[self.dtype])
 
     def dp_state_tensors(self):
         owners = {"parameter": self.model.named_parameters, "module": self.model.named_modules}
@@ -65,35 +64,32 @@ class OpacusTrainer(Trainer):
         )
         return [AllocationSite.of("per_sample_gradients", *ours), *opacus_state.OPACUS_SITES]
 
-    def wrap_optimizer(self, dp_optimizer_classes: dict) -> None:
-        """Opacus' DP optimizer (``dp_optimizer_classes`` by distributed mode) around the base
-        optimizer, with this trainer's settings. Distributed, Opacus divides by the expected
+    def wrap_optimizer(self, dp_optimizer_class: type) -> None:
+        """Opacus' DP optimizer of class ``dp_optimizer_class`` around the base optimizer, with
+        this trainer's settings. Distributed, Opacus divides by the expected
         batch of ONE rank and then averages over the ranks: B / world_size is that batch, a
         float where B is not a multiple of the ranks (so the divisor is B, not (B // W) W).
         Per-layer clipping: Opacus takes a list of bounds, one per parameter."""
         max_grad_norm = self.max_grad_norm
-        if self.clipping == "per_layer":
-            max_grad_norm = [self.layer_max_grad_norm] * len(
-                self.base_optimizer.param_groups[0]["params"]
-            )
-        self.optimizer = dp_optimizer_classes[self.distributed_mode.name](
+        if self.settings.clipping.per_layer:
+            max_grad_norm = [self.layer_max_grad_norm] * len(self.parameters)
+        self.optimizer = dp_optimizer_class(
             self.base_optimizer,
             noise_multiplier=self.noise_multiplier,
             max_grad_norm=max_grad_norm,
-            expected_batch_size=self.batch_size / self.world_size,
+            expected_batch_size=self.batch_size / self.settings.mode.world_size,
             loss_reduction="mean",
         )
-        self.on_phase("privacy_wrapped")
+        self.phases("privacy_wrapped")
 
-    def wrapped_forward(self, inputs, targets) -> torch.Tensor:
+    def wrapped_forward(self, chunk) -> torch.Tensor:
         """Per-sample losses of a chunk through the Opacus-wrapped model."""
-        with self.autocast(inputs.device.type):
-            per_sample = self.per_sample_loss(self.wrapped, inputs, targets)
-        self.on_phase("forward_done")
+        per_sample = self.per_sample_losses(self.wrapped, chunk)
+        self.phases("forward_done")
         return per_sample
 
     def end_chunk(self, per_sample: torch.Tensor, is_last: bool) -> torch.Tensor:
-        self.on_phase("backward_done")
+        self.phases("backward_done")
         if not is_last:  # clip and accumulate this chunk; noise and update wait for the last
             self.optimizer.signal_skip_step(do_skip=True)
             self.optimizer.step()
@@ -194,18 +190,20 @@ class DPSGDTrainer(OpacusTrainer):
     """Opacus per-sample gradients: GradSampleModule hooks + DPOptimizer."""
 
     name = "dpsgd"
-    distributed_refusals = {
-        "fsdp": "Opacus 1.6's per-sample gradients (hooks mode) do not run on an FSDP2 model: "
-        "its grad samplers expect whole parameters, and FSDP2 shards them (use ghost or flash)"
-    }
+    sharded_refusal = (
+        "Opacus 1.6's per-sample gradients (hooks mode) do not run on an FSDP2 model: its grad "
+        "samplers expect whole parameters, and FSDP2 shards them (use ghost or flash)"
+    )
 
-    def __init__(self, model, **kwargs):
-        super().__init__(model, **kwargs)
-        module = DPDDP(model) if self.distributed_mode.replicates else model
-        self.wrapped = GradSampleModule(module, batch_first=True, loss_reduction="mean")
-        if self.clipping == "per_layer":
+    def __init__(self, model, settings, phases):
+        super().__init__(model, settings, phases)
+        replicates = settings.mode.replicates
+        self.wrapped = GradSampleModule(
+            DPDDP(model) if replicates else model, batch_first=True, loss_reduction="mean"
+        )
+        if settings.clipping.per_layer:
             self.wrap_optimizer(
-                {"none": CountedPerLayerOptimizer, "ddp": CountedDistributedPerLayerOptimizer}
+                CountedDistributedPerLayerOptimizer if replicates else CountedPerLayerOptimizer
             )
             self.optimizer.clipped_counts = self.clipped_counts
             # sqrt(sum C_l^2) as a float: Opacus takes it from a tensor's .item(), a symbolic
@@ -213,18 +211,18 @@ class DPSGDTrainer(OpacusTrainer):
             bounds = self.optimizer.max_grad_norms
             self.optimizer.max_grad_norm = math.sqrt(math.fsum(b * b for b in bounds))
         else:
-            self.wrap_optimizer({"none": FlatOptimizer, "ddp": DistributedFlatOptimizer})
+            self.wrap_optimizer(DistributedFlatOptimizer if replicates else FlatOptimizer)
 
     def empty_batch_gradients(self):
         # Zero rows of per-sample gradients: Opacus' clipping takes this as an empty batch.
         for p in self.optimizer.params:
             p.grad_sample = p.new_zeros((0, *p.shape))
 
-    def chunk_step(self, inputs, targets, is_last):
-        per_sample = self.wrapped_forward(inputs, targets)
+    def chunk_step(self, chunk):
+        per_sample = self.wrapped_forward(chunk)
         # Mean over the chunk: Opacus rescales grad_sample by the chunk size ("mean" reduction).
         per_sample.mean().backward()
-        return self.end_chunk(per_sample, is_last)
+        return self.end_chunk(per_sample, chunk.is_last)
 
 
 class GhostClippingTrainer(OpacusTrainer):
@@ -243,34 +241,33 @@ class GhostClippingTrainer(OpacusTrainer):
         "none to add (run ghost with --fsdp_sync chunk)"
     )
 
-    def __init__(self, model, **kwargs):
-        super().__init__(model, **kwargs)
+    def __init__(self, model, settings, phases):
+        super().__init__(model, settings, phases)
+        mode = settings.mode
         module_class = opacus_grad_sample.GradSampleModuleFastGradientClipping
-        if self.distributed_mode.shards:
+        optimizer_class = opacus_optimizers.DPOptimizerFastGradientClipping
+        if mode.shards:
             module_class = opacus_grad_sample.GradSampleModuleFastGradientClippingFSDP
+            optimizer_class = opacus_optimizers.FSDPOptimizerFastGradientClipping
+        elif mode.replicates:
+            optimizer_class = opacus_optimizers.DistributedDPOptimizerFastGradientClipping
         self.wrapped = module_class(
-            DPDDP(model) if self.distributed_mode.replicates else model,
+            DPDDP(model) if mode.replicates else model,
             batch_first=True,
             loss_reduction="mean",
             max_grad_norm=self.max_grad_norm,
             use_ghost_clipping=True,
         )
-        self.wrap_optimizer(
-            {
-                "none": opacus_optimizers.DPOptimizerFastGradientClipping,
-                "ddp": opacus_optimizers.DistributedDPOptimizerFastGradientClipping,
-                "fsdp": opacus_optimizers.FSDPOptimizerFastGradientClipping,
-            }
-        )
+        self.wrap_optimizer(optimizer_class)
 
     def empty_batch_gradients(self):
         # The second backward's clipped sum is what this optimizer accumulates: zero here.
         for p in self.optimizer.params:
             p.grad = torch.zeros_like(p)
 
-    def chunk_step(self, inputs, targets, is_last):
-        per_sample = self.wrapped_forward(inputs, targets)
+    def chunk_step(self, chunk):
+        per_sample = self.wrapped_forward(chunk)
         # Opacus' DPLossFastGradientClipping's tensor, from our per-sample loss (HF and LM alike)
         loss = DPTensorFastGradientClipping(self.wrapped, self.optimizer, per_sample, "mean")
         loss.backward()  # first backward (norms), then the clipped second backward
-        return self.end_chunk(per_sample, is_last)
+        return self.end_chunk(per_sample, chunk.is_last)

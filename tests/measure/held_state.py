@@ -36,7 +36,7 @@ def held_state_bytes(config: ExperimentConfig, rank: int = 0, world_size: int = 
     for _ in range(2):
         trainer.step(inputs[mine.start : mine.stop], targets[mine.start : mine.stop])
     seen, sizes = set(), {}
-    for role, _, tensor in trainer.state_tensors():
+    for role, _, tensor in trainer.trainer.memory().tensors:
         if isinstance(tensor, DTensor):
             tensor = tensor.to_local()
         storage = tensor.untyped_storage()

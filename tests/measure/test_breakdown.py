@@ -40,7 +40,7 @@ def mb(nbytes):
 def sites_of(trainer_name: str):
     """The allocation sites a trainer declares, for the tiny model the fixtures recorded."""
     model = models.build_model("tiny", device="cpu")
-    return make_trainer(trainer_name, model, lr=0.1, batch_size=2).allocation_sites()
+    return make_trainer(trainer_name, model, lr=0.1, batch_size=2).trainer.memory().sites
 
 
 SITES = sites_of("ghost")

@@ -153,7 +153,7 @@ def mem_tracker_peak(config: ExperimentConfig) -> int:
     tokens = torch.randint(model.config.vocab_size, (config.batch_size, config.seq_len + 1))
     trainer.step(tokens[:, :-1], tokens[:, 1:])
     tracker = MemTracker()
-    tracker.track_external(model, trainer.optimizer)
+    tracker.track_external(model, trainer.trainer.optimizer)
     with tracker:
         trainer.step(tokens[:, :-1], tokens[:, 1:])
     return tracker.get_tracker_snapshot("peak")[torch.device("cpu")]["Total"]

@@ -138,7 +138,7 @@ def test_census_parameters_gradients_and_per_sample_state_against_direct_counts(
     model, trainer, (total, trainable) = tiny_lora_trainer(name, physical=3)  # chunks of 3, 3
     result = census_of_one_step(trainer)
     if name == "flash":  # seen at its _clip_inputs_saved event: one chunk's kept grads
-        trained = {id(p) for g in trainer.optimizer.param_groups for p in g["params"]}
+        trained = {id(p) for p in trainer.trainer.parameters}
         kept = reference_parameter_bytes(model, only=flash_keeps_per_sample(model, 12, trained))
         kept = kept[0]  # (all bytes of the kept parameters; they are trained ones)
         assert sum(kept.values()) > 0  # the classifier head (d x 3) keeps them at T=12

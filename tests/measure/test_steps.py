@@ -55,10 +55,15 @@ def test_extra_steps_reuse_the_last_timed_draw_even_empty():
 
 
 class RecordingTrainer:
-    """Takes steps and does nothing else: what TimedSteps asks of a trainer."""
+    """Takes steps and does nothing else: what TimedSteps asks of a runner and its trainer."""
 
     graphs = SimpleNamespace(counts=lambda: {"replays": 0}, enabled=False)
     steps_taken = 0
+    privacy = None
+
+    @property
+    def trainer(self):
+        return self
 
     def observing_phases(self, callback):
         return contextlib.nullcontext()
@@ -69,9 +74,6 @@ class RecordingTrainer:
 
     def result_extras(self):
         return {}
-
-    def clipping_record(self):
-        return None
 
 
 def poisson_workload(dataset_size, sample_rate, seed, rank=0, world_size=1):
@@ -174,7 +176,7 @@ def test_delta_total_adds_the_tail_of_each_trainers_sampler(name):
     Privacy().run(s, result)
     record = result["privacy"]
     z_max = math.sqrt(-2 * math.log(2.0**-24))
-    coordinates = sum(p.numel() for p in s.trainer.model.parameters())  # all trained
+    coordinates = sum(p.numel() for p in s.runner.model.parameters())  # all trained
     sigma = 1.0 / (1 + (0.0 if name == "flash" else 2.0**-12))  # fp32
     per_step = privacy.exit_bound(z_max, math.ceil(coordinates / 2), 1 / sigma)
     assert record["noise_sampler"] == "torch_cpu" and record["z_max"] == pytest.approx(z_max)

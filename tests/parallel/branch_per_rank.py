@@ -13,10 +13,11 @@ from torch import nn
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, ROOT)
 
-from one_step_per_rank import full_gradients  # noqa: E402
+from one_step_per_rank import full_gradients, gathering_recorded  # noqa: E402
 
 import trainers  # noqa: E402
-from dp_cost.parallel import buckets, ranks  # noqa: E402
+from dp_cost.flash import sinks as buckets  # noqa: E402
+from dp_cost.parallel import ranks  # noqa: E402
 from tests.torchrun_exit import leave_without_teardown  # noqa: E402
 
 # Rank 0 holds the samples with token 0, which take the branch; rank 1's do not.
@@ -63,8 +64,9 @@ def run_variant(
         noise_multiplier=0.0, distributed=distributed,
         dtype=torch.bfloat16 if bf16 else torch.float32, clipping=clipping,
     )  # fmt: skip
+    gathered = gathering_recorded(trainer)
     trainer.step(inputs[mine.start : mine.stop], targets[mine.start : mine.stop])
-    assert trainer.gathering == (distributed == "ddp" and one_per_rank)
+    assert gathered() == (distributed == "ddp" and one_per_rank)
     grads = full_gradients(model)  # on every rank: FSDP2 gathers the shards collectively
     buckets.SMALL_GRADIENT_NUMEL, buckets.BUCKET_BYTES = defaults
     return grads

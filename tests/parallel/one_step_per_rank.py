@@ -20,9 +20,10 @@ from test_trainers import SMALL, make_batch  # noqa: E402
 
 import models  # noqa: E402
 import trainers  # noqa: E402
-from dp_cost.parallel import buckets, ranks  # noqa: E402
+from dp_cost.flash import sinks as buckets  # noqa: E402
+from dp_cost.parallel import ranks  # noqa: E402
 from dp_cost.parallel.mode import distributed_mode  # noqa: E402
-from dp_cost.stepping import chunks  # noqa: E402
+from dp_cost.stepping.protocol import Chunk, StepPlan  # noqa: E402
 from dp_cost.training.clipping import merged_record  # noqa: E402
 from tests.torchrun_exit import leave_without_teardown  # noqa: E402
 
@@ -33,6 +34,27 @@ def full_gradients(model) -> torch.Tensor:
         grad = p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
         grads.append(grad.reshape(-1))
     return torch.cat(grads).double()
+
+
+def clipping_record(runner) -> dict | None:
+    """The trainer's ``clipping`` record (None: not private)."""
+    privacy = runner.trainer.privacy
+    return privacy.clipping_record() if privacy else None
+
+
+def gathering_recorded(runner):
+    """A function saying whether the runner's last step gathered per-sample gradients (flash's
+    gathered chunk step ran in it); always False for another trainer."""
+    steps = []
+    inner = getattr(runner.trainer, "gathered_chunk_step", None)
+    if inner is not None:
+
+        def recorded(chunk):
+            steps.append(runner.steps_taken)
+            return inner(chunk)
+
+        runner.trainer.gathered_chunk_step = recorded
+    return lambda: bool(steps) and steps[-1] == runner.steps_taken
 
 
 def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
@@ -50,8 +72,9 @@ def synced_after_a_chunk(name, job, batch_size, physical, max_grad_norm, inputs,
         max_grad_norm=max_grad_norm, noise_multiplier=0.0, distributed=job["distributed"],
         fsdp_sync=job.get("fsdp_sync", "chunk"), clipping=job.get("clipping", "flat"),
     )  # fmt: skip
-    trainer.optimizer.zero_grad(set_to_none=True)
-    trainer.chunk_step(inputs[:physical], targets[:physical], is_last=False)
+    plan = StepPlan(busiest_batch=len(inputs), chunk_count=2)
+    trainer.trainer.start_step(plan)
+    trainer.trainer.chunk_step(Chunk(inputs[:physical], targets[:physical], None, False, plan))
     return any(p.grad is not None for p in model.parameters())
 
 
@@ -93,9 +116,10 @@ def run_job(job: dict, info, max_grad_norm: float, seq: int) -> dict:
             # each rank its own torch stream, as the CLI's workers; "reseed" false: every rank
             # the same one (a trainer must then keep its ranks' noise apart itself)
             torch.manual_seed(100 + info.rank if job.get("reseed", True) else 100)
+            gathered = gathering_recorded(trainer)
             if job.get("padded_step"):
-                size = chunks.physical_size(trainer)
-                out = chunks.padded_step(trainer, inputs[local], targets[local], size)
+                size = trainer.physical_size()
+                out = trainer.padded_step(inputs[local], targets[local], size)
             else:
                 out = trainer.step(inputs[local], targets[local])
             grad = full_gradients(model)
@@ -104,7 +128,7 @@ def run_job(job: dict, info, max_grad_norm: float, seq: int) -> dict:
             agree = torch.tensor([float(torch.equal(grad, rank0))])
             dist.all_reduce(agree, op=dist.ReduceOp.MIN)  # every rank's replica is rank 0's
             records = [None] * info.world_size  # each rank's count of its clipped samples
-            dist.all_gather_object(records, trainer.clipping_record())
+            dist.all_gather_object(records, clipping_record(trainer))
             if job.get("local_grads"):  # each rank's own gradient tensors (FSDP2: its shards)
                 own_grad = torch.cat([local_tensor(p.grad).reshape(-1) for p in model.parameters()])
                 every_rank = [None] * info.world_size
@@ -114,7 +138,7 @@ def run_job(job: dict, info, max_grad_norm: float, seq: int) -> dict:
                 "grad": grad,
                 "loss": out["loss"],
                 "replicas_agree": bool(agree.item()),
-                "gathered": getattr(trainer, "gathering", False),  # flash: per-sample gathered
+                "gathered": gathered(),  # flash: per-sample gradients gathered
                 "clipping": merged_record(records) if records[0] else None,
             }
             if job.get("probe_sync"):  # every rank holds a sample: the same collectives

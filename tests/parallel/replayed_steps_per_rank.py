@@ -15,7 +15,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from one_step_per_rank import full_gradients  # noqa: E402
+from one_step_per_rank import full_gradients, gathering_recorded  # noqa: E402
 from test_trainers import SMALL, make_batch  # noqa: E402
 
 import models  # noqa: E402
@@ -56,6 +56,7 @@ def main():
                 distributed="ddp", cuda_graph=True,
             )  # fmt: skip
             print(f"rank {info.rank}: {case} {name}", flush=True)  # where a hang would be
+            gathered = gathering_recorded(trainer)
             grads, losses, sizes, agree = [], [], [], True
             replays = max(2, len(draws))
             while (
@@ -76,7 +77,7 @@ def main():
                 "eager_steps": trainer.steps_taken - trainer.graphs.counts()["replays"],
                 "error": trainer.graphs.error,
                 "replicas_agree": bool(agree),
-                "gathered": trainer.gathering if name == "flash" else None,
+                "gathered": gathered() if name == "flash" else None,
             }
     if info.rank == 0:
         torch.save(saved, args.out)

@@ -226,7 +226,7 @@ def check_update(saved, distributed, names=None, cases=CASES):
 
 
 def check_padded_step(saved):
-    """--cuda_graph under DDP replays stepping.chunks.padded_step's chunks: every rank runs the
+    """--cuda_graph under DDP replays the Runner's padded_step's chunks: every rank runs the
     busiest rank's count of chunks of P samples, stand-ins weighted 0: the same update (flash's
     clipped sums, also at one sample per chunk), and the global batch's loss over its real
     samples. Which ranks agree (capture, chunk counts) is one collective: a flag false on one

@@ -7,8 +7,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from dp_cost.flash import sinks as buckets
 from dp_cost.flash.engine import FlashClipping
-from dp_cost.parallel import buckets
 
 
 @pytest.fixture

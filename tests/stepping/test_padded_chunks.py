@@ -148,7 +148,7 @@ def test_padded_step_is_brute_force_on_the_real_samples(kind, name, drawn):
         if name == "flash" and drawn > 1:  # clipping is exercised, on some samples only
             assert (norms > clip).any() and (norms < clip).any()
     trainer = make(name, model, case, clip)
-    update, out = update_of(params, lambda: chunks.padded_step(trainer, inputs, targets, P))
+    update, out = update_of(params, lambda: trainer.padded_step(inputs, targets, P))
     assert len(out["physical_step_times_ms"]) == math.ceil(drawn / P)
     if drawn == 0:
         assert out["loss"] is None and not update.any()
@@ -168,7 +168,7 @@ def test_all_padding_chunks_added_for_a_warm_up_change_nothing(name):
     grad, _ = case.reference(model, inputs, targets, clip if name == "flash" else math.inf)
     losses = brute_losses(case, model, inputs, targets)
     trainer = make(name, model, case, clip)
-    step = lambda: chunks.padded_step(trainer, inputs, targets, P, min_chunks=3)  # noqa: E731
+    step = lambda: trainer.padded_step(inputs, targets, P, min_chunks=3)  # noqa: E731
     update, out = update_of(case.params(model), step)
     assert len(out["physical_step_times_ms"]) == 3
     assert relative_error(update, -grad * (P + 1) / EXPECTED) < 1e-5
@@ -189,7 +189,8 @@ def test_stand_ins_have_zero_norm_and_loss_in_a_padded_chunk(kind):
     trainer = make("flash", model, case, clip)
     seen = {"norms": [], "factors": [], "passed": [], "losses": []}
 
-    clip_factors = trainer.clip_factors
+    flash = trainer.trainer
+    clip_factors = flash.clip_factors
 
     def recorded_clip_factors(per_sample_norms):
         factors = clip_factors(per_sample_norms)
@@ -197,32 +198,23 @@ def test_stand_ins_have_zero_norm_and_loss_in_a_padded_chunk(kind):
         seen["factors"].append(factors.detach().clone())
         return factors
 
-    accumulate = trainer.engine.accumulate_clipped_grads
+    accumulate = flash.engine.accumulate_clipped_grads
 
     def recorded_accumulate(factors, sink=None):
         seen["passed"].append(factors.detach().clone())
         return accumulate(factors, sink)
 
-    chunk_step = trainer.chunk_step
+    per_sample_losses = flash.per_sample_losses
 
-    def recorded_chunk_step(x, y, is_last):
-        weighted_loss = trainer.per_sample_loss  # padded_chunk_step's: times the chunk's weights
+    def recorded_losses(model, chunk):  # times the chunk's weights
+        out = per_sample_losses(model, chunk)
+        seen["losses"].append(out.detach().clone())
+        return out
 
-        def recorded_loss(m, x, y):
-            out = weighted_loss(m, x, y)
-            seen["losses"].append(out.detach().clone())
-            return out
-
-        trainer.per_sample_loss = recorded_loss
-        try:
-            return chunk_step(x, y, is_last)
-        finally:
-            trainer.per_sample_loss = weighted_loss
-
-    trainer.clip_factors = recorded_clip_factors
-    trainer.engine.accumulate_clipped_grads = recorded_accumulate
-    trainer.chunk_step = recorded_chunk_step
-    chunks.padded_step(trainer, inputs, targets, P)
+    flash.clip_factors = recorded_clip_factors
+    flash.engine.accumulate_clipped_grads = recorded_accumulate
+    flash.per_sample_losses = recorded_losses
+    trainer.padded_step(inputs, targets, P)
 
     for key, values in seen.items():  # two chunks of exactly P rows each
         assert [v.shape for v in values] == [(P,), (P,)], key
@@ -292,9 +284,7 @@ def test_padded_noise_is_drawn_once_per_step():
 
     padded = make("flash", model, LM, clip, sigma)
     torch.manual_seed(7)
-    padded_update, out = update_of(
-        LM.params(model), lambda: chunks.padded_step(padded, inputs, targets, P)
-    )
+    padded_update, out = update_of(LM.params(model), lambda: padded.padded_step(inputs, targets, P))
     assert len(out["physical_step_times_ms"]) == 2
     check_noise(padded_update - ref)
 
@@ -308,7 +298,7 @@ def test_padded_noise_is_drawn_once_per_step():
 
     empty = make("flash", empty_model, LM, clip, sigma)
     noise, out = update_of(
-        LM.params(empty_model), lambda: chunks.padded_step(empty, inputs[:0], targets[:0], P)
+        LM.params(empty_model), lambda: empty.padded_step(inputs[:0], targets[:0], P)
     )
     assert out["loss"] is None and out["physical_step_times_ms"] == []
     check_noise(noise)
@@ -321,4 +311,4 @@ def test_physical_size_is_the_cap_or_the_expected_batch():
         trainer = trainers.make_trainer(
             "standard", model, lr=0.1, batch_size=16, max_physical_batch_size=cap
         )
-        assert chunks.physical_size(trainer) == size
+        assert trainer.physical_size() == size

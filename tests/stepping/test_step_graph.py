@@ -372,9 +372,9 @@ def test_a_capture_waits_for_ddps_11th_iteration_and_a_sample(one_rank):
     for _ in range(9):
         trainer.step(inputs, targets)  # two chunks: the first one's forward does not sync
         with torch.no_grad():
-            trainer.forward_model(inputs)
+            trainer.trainer.forward_model(inputs)
         trainer.step(inputs[:0], targets[:0])  # an empty Poisson draw: no forward
-    assert trainer.forward_model.iterations == 9
+    assert trainer.trainer.forward_model.iterations == 9
     assert not replayer.captures_after(Batch(4), trainer)
     assert "give --warmup_steps 11" in replayer.result()["error"]
     trainer.step(inputs, targets)
@@ -385,7 +385,7 @@ def test_a_capture_waits_for_ddps_11th_iteration_and_a_sample(one_rank):
         assert not replayer.captures_after(Batch(2), trainer)
     assert not graph.Replayer(enabled=False).captures_after(Batch(2), trainer)
     flash = trainers.make_trainer("flash", models.build_model(SMALL), lr=0.1, batch_size=4)
-    assert flash.captures_after_this() and graph.Replayer(True).captures_after(Batch(1), flash)
+    assert flash.trainer.capture.ready() and graph.Replayer(True).captures_after(Batch(1), flash)
 
 
 @pytest.mark.parametrize("warmup, noted", [("1", True), ("11", False)])

@@ -1,0 +1,2 @@
+"""The causal decoder LM the profiler trains (``model.py``): named configs, built with random
+weights."""
