@@ -27,6 +27,7 @@ sys.path.insert(0, os.getcwd())  # the checkout it runs from, not this file's
 
 import models  # noqa: E402
 import trainers  # noqa: E402
+from dp_cost.parallel.mode import distributed_mode  # noqa: E402
 
 SMALL = models.ModelConfig(
     vocab_size=37, hidden_dim=16, num_layers=2, num_heads=2, mlp_dim=24, max_seq_len=32
@@ -65,7 +66,7 @@ def grid(world_size: int):
                 for padded in (False, True):
                     if padded and name not in ("standard", "flash"):
                         continue
-                    if padded and distributed == "fsdp":
+                    if padded and distributed_mode(distributed).shards:
                         continue  # no graph captures FSDP2's step: it runs no padded chunks
                     why = trainers.refusal(name, distributed, padded, False, fsdp_sync, clipping)
                     if why is None:

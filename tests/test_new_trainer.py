@@ -2,15 +2,23 @@
 runs it through the CLI to a result, a summary row, and the memory breakdown's attribution."""
 
 import csv
+import os
+import sys
 
 import pytest
 import torch
 from cli_helpers import results_in, small_run_args
+from test_trainers import SMALL, flat_params, make_batch, reference_update
+from textbook_dpsgd import TextbookDPSGD
 
-import profiling_script
-import trainers
-from dp_cost.core.schema import AllocationSite
-from dp_cost.measure import breakdown
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "parallel"))
+from test_distributed_updates import references, relative, torchrun  # noqa: E402
+
+import models  # noqa: E402
+import profiling_script  # noqa: E402
+import trainers  # noqa: E402
+from dp_cost.core.schema import AllocationSite  # noqa: E402
+from dp_cost.measure import breakdown  # noqa: E402
 
 
 class ScaledSGDTrainer(trainers.StandardTrainer):
@@ -67,3 +75,57 @@ def test_a_new_trainer_state_and_allocations_reach_the_breakdown(registered):
     trace = [{"action": "alloc", "addr": 1, "size": 64, "frames": frames}]
     out = breakdown.attribute_peak(trace, {}, [{}], trainer.trainer.memory().sites)
     assert out["breakdown_bytes"]["norm_samples_mb"] == 64
+
+
+# ---------------------------------------------------------------- a DP algorithm, one file
+@pytest.fixture
+def textbook():
+    trainers.register_trainer("textbook_dpsgd")(TextbookDPSGD)  # the one registry line
+    yield "textbook_dpsgd"
+    del trainers.TRAINERS["textbook_dpsgd"]
+
+
+C = 0.05  # below every sample's norm on these batches: each one clipped
+
+
+def test_the_textbook_trainer_steps_as_brute_force_in_chunks_and_padded(textbook):
+    """tests/textbook_dpsgd.py (DP-SGD by microbatches of one) through the Runner: near-equal
+    chunks (5 by 2: 2, 2, 1), padded chunks of 2 (the last one a stand-in weighted 0) and an
+    empty draw (noise 0: no update), each the brute-force update of the same batch."""
+    inputs, targets = make_batch(5, 8, seed=3)
+    torch.manual_seed(0)
+    model = models.build_model(SMALL)
+    reference, norms = reference_update(model, inputs, targets, C, lr=1.0)
+    assert (norms > C).all()
+    for padded in (False, True):
+        runner = trainers.make_trainer(
+            textbook, model, lr=1.0, batch_size=5, max_physical_batch_size=2,
+            max_grad_norm=C, noise_multiplier=0.0,
+        )  # fmt: skip
+        before = flat_params(model)
+        out = runner.padded_step(inputs, targets, 2) if padded else runner.step(inputs, targets)
+        grads = torch.cat([p.grad.reshape(-1) for p in model.parameters()]).double()
+        assert torch.allclose(-grads, reference, rtol=1e-5, atol=1e-9), padded
+        with torch.no_grad():  # back to where the reference was taken, for the next round
+            torch.nn.utils.vector_to_parameters(before.float(), model.parameters())
+        assert out["loss"] > 0
+    runner.step(inputs[:0], targets[:0])  # nothing drawn: zeros, no noise, a step all the same
+    assert runner.steps_taken == 1 and all((p.grad == 0).all() for p in model.parameters())
+
+
+@pytest.mark.parametrize("ranks", [2, 3])
+def test_the_textbook_trainer_under_ddp_steps_as_the_single_process_definition(tmp_path, ranks):
+    """The same trainer under DDP (gloo), each rank on its share of the global batch, in chunks
+    and padded chunks: the brute-force clipped mean of the global batch, nothing of stepping/,
+    measure/ or parallel/ written for it."""
+    jobs = {
+        "eager": {"distributed": "ddp", "trainers": ["textbook_dpsgd"], "cases": ["7,8,2"]},
+        "padded": {"distributed": "ddp", "trainers": ["textbook_dpsgd"], "cases": ["7,8,2"],
+                   "padded_step": True},
+    }  # fmt: skip
+    saved = torchrun(tmp_path, jobs, ranks=ranks)
+    _, clipped = references(7, 8)
+    for job in jobs:
+        got = saved[job]["7,8,2", "textbook_dpsgd"]
+        assert relative(got["grad"], clipped) < 1e-5, job
+        assert got["replicas_agree"], job

@@ -232,3 +232,16 @@ def test_who_can_hold_fsdp2s_sync_to_the_last_chunk():
     with pytest.raises(ValueError, match="applies to --distributed fsdp"):
         trainers.make_trainer("flash", models.build_model(SMALL), lr=0.1, batch_size=2,
                               fsdp_sync="logical")  # fmt: skip
+
+
+def test_flash_gathers_per_sample_gradients_at_one_sample_a_rank_on_two_ddp_ranks():
+    from dp_cost.parallel.mode import distributed_mode
+    from dp_cost.stepping.protocol import StepPlan
+    from dp_cost.training.flash_trainer import gathers_per_sample
+
+    one_each = StepPlan(busiest_batch=1, chunk_count=1)
+    assert gathers_per_sample(distributed_mode("ddp", 2), one_each)
+    assert not gathers_per_sample(distributed_mode("ddp", 4), one_each)
+    assert not gathers_per_sample(distributed_mode("fsdp", 2), one_each)
+    assert not gathers_per_sample(distributed_mode("ddp", 2), StepPlan(2, 1))
+    assert not gathers_per_sample(distributed_mode("ddp", 2), StepPlan(1, 1, padded=True))

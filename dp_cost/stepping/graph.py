@@ -17,16 +17,12 @@ chunks) is taken by all the ranks together, on every rank's batch.
 from __future__ import annotations
 
 import contextlib
-from typing import TYPE_CHECKING
 
 import torch
 
 from dp_cost.parallel import ddp
 from dp_cost.stepping import chunks
 from dp_cost.stepping.protocol import StepPlan
-
-if TYPE_CHECKING:
-    from dp_cost.stepping.runner import Runner
 
 MB = 2**20
 
@@ -47,7 +43,7 @@ class ChunkGraphs:
     an eager step does, so the allocator's peak during it is the step's, and a replay
     allocates nothing."""
 
-    def __init__(self, runner: Runner, inputs: torch.Tensor, targets: torch.Tensor):
+    def __init__(self, runner, inputs: torch.Tensor, targets: torch.Tensor):
         device = inputs.device
         self.size = runner.physical_size()
         # the plan every captured chunk and finish runs under: padded, at least one chunk
@@ -79,7 +75,7 @@ class ChunkGraphs:
         torch.cuda.empty_cache()  # the eager steps' cached blocks: replays use the graphs' pool
         self.replays = self.chunk_replays = self.padding_samples = 0
 
-    def _capture(self, runner: Runner, pool, body, *args):
+    def _capture(self, runner, pool, body, *args):
         graph = torch.cuda.CUDAGraph()
         for generator in runner.trainer.capture.generators():  # each replay advances them
             graph.register_generator_state(generator)
@@ -87,19 +83,19 @@ class ChunkGraphs:
             body(runner, *args)
         return graph, graph.pool()
 
-    def _start(self, runner: Runner) -> None:
+    def _start(self, runner) -> None:
         torch._foreach_zero_([grad for _, grad in self.grads])
         self.totals.zero_()
 
-    def _chunk(self, runner: Runner, is_last: bool) -> None:
+    def _chunk(self, runner, is_last: bool) -> None:
         self.totals += runner.padded_chunk_step(self.chunk, is_last, self.plan)
 
-    def _finish(self, runner: Runner) -> None:
+    def _finish(self, runner) -> None:
         runner.trainer.finish_step(self.plan)
         self.step_totals.copy_(self.totals)
         runner.mode.sum_over_ranks(self.step_totals)  # in place
 
-    def step(self, runner: Runner, inputs: torch.Tensor, targets: torch.Tensor) -> dict:
+    def step(self, runner, inputs: torch.Tensor, targets: torch.Tensor) -> dict:
         """Replay this batch's chunks and the finishing step; ``{"loss", ...}`` as eager_step's
         (the loss averages the real samples of every rank)."""
         captured = tuple(self.chunk[0].shape[1:]), tuple(self.chunk[1].shape[1:])
@@ -155,16 +151,16 @@ class Replayer:
     def capture_peak_bytes(self) -> int | None:
         return self.graphs.peak_bytes if self.graphs else None
 
-    def step(self, runner: Runner, inputs: torch.Tensor, targets: torch.Tensor) -> dict:
-        """One step of ``runner``: replayed once captured, else eager (and captured after, if
-        it is the first that may be)."""
+    def step(self, runner, inputs: torch.Tensor, targets: torch.Tensor) -> dict:
+        """One step of ``runner`` (stepping.runner.Runner): replayed once captured, else eager
+        (and captured after, if it is the first that may be)."""
         if self.graphs is not None and not self.eager_only:
             return self.graphs.step(runner, inputs, targets)
         if self.captures_after(inputs, runner):
             return self.capture_after(runner, inputs, targets)
         return runner.eager_step(inputs, targets)
 
-    def captures_after(self, inputs: torch.Tensor, runner: Runner) -> bool:
+    def captures_after(self, inputs: torch.Tensor, runner) -> bool:
         """Is this step the eager one a capture follows? The first on CUDA with a sample on some
         rank, once the trainer's eager steps before a capture are taken."""
         waiting = self.enabled and self.graphs is None and self.error is None
@@ -175,7 +171,7 @@ class Replayer:
         self.waited = not runner.trainer.capture.ready()  # alike on every rank
         return not self.waited
 
-    def capture_after(self, runner: Runner, inputs: torch.Tensor, targets: torch.Tensor) -> dict:
+    def capture_after(self, runner, inputs: torch.Tensor, targets: torch.Tensor) -> dict:
         """Run this step eagerly as padded chunks on a side stream, as capture needs (autograd,
         cuBLAS and Triton set up their state and tune there, at the chunk's shape, not inside
         the capture), then capture the next ones. Returns the eager step's output."""

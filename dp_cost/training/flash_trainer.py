@@ -24,6 +24,19 @@ from dp_cost.training.base import PrivateTrainer
 GATHER_RANKS = 2
 
 
+def gathers_per_sample(mode, plan) -> bool:
+    """Whether flash's step gathers per-sample gradients: DDP over two ranks with one sample
+    each, where each rank's gradient is its per-sample gradient. Taken from the plan (the
+    busiest rank's batch, alike on every rank); a padded step (any number of chunks, a graph's
+    own .grad) sums clipped gradients."""
+    return (
+        mode.replicates
+        and not plan.padded
+        and mode.world_size == GATHER_RANKS
+        and plan.busiest_batch == 1
+    )
+
+
 class FlashClippingTrainer(PrivateTrainer):
     """Ours: one forward, one backward, exact per-sample norms by the cheaper route per layer
     (book-keeping, Bu et al. 2023: each layer's input A and output gradient G, or its per-sample
@@ -54,16 +67,7 @@ class FlashClippingTrainer(PrivateTrainer):
         return [self.noise_generator] if self.noise_generator is not None else []
 
     def gathers(self, plan) -> bool:
-        """DDP over two ranks with one sample each: each rank's gradient is its per-sample
-        gradient, gathered. Taken from the plan (the busiest rank's batch, alike on every rank);
-        a padded step (any number of chunks, a graph's own .grad) sums clipped gradients."""
-        mode = self.settings.mode
-        return (
-            mode.replicates
-            and not plan.padded
-            and mode.world_size == GATHER_RANKS
-            and plan.busiest_batch == 1
-        )
+        return gathers_per_sample(self.settings.mode, plan)
 
     def start_step(self, plan):
         super().start_step(plan)

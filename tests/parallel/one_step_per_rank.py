@@ -17,6 +17,7 @@ sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from test_trainers import SMALL, make_batch  # noqa: E402
+from textbook_dpsgd import TextbookDPSGD  # noqa: E402
 
 import models  # noqa: E402
 import trainers  # noqa: E402
@@ -90,6 +91,8 @@ def run_job(job: dict, info, max_grad_norm: float, seq: int) -> dict:
     buckets.BUCKET_BYTES = job.get("bucket_bytes") or defaults[0]
     in_flight = job.get("in_flight_bytes")
     buckets.ShardedGradients.IN_FLIGHT_BYTES = defaults[1] if in_flight is None else in_flight
+    if "textbook_dpsgd" in job["trainers"] and "textbook_dpsgd" not in trainers.TRAINERS:
+        trainers.register_trainer("textbook_dpsgd")(TextbookDPSGD)  # a trainer tests define
     mode = distributed_mode(job["distributed"], info.world_size)
     saved = {"agreed": [mode.on_every_rank(flag, torch.device("cpu"))
                         for flag in (info.rank == 0, True)]}  # fmt: skip
