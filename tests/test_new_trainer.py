@@ -1,9 +1,9 @@
 """Adding a trainer is one new class: this file defines one (and only this file knows it) and
-runs it through the CLI to a result, a summary row, and the memory breakdown's attribution."""
+runs it through the CLI to a result, a summary row, and the memory breakdown's attribution;
+and registers a DP algorithm written in one file (tests/textbook_dpsgd.py) and checks its steps
+against brute force."""
 
 import csv
-import os
-import sys
 
 import pytest
 import torch
@@ -11,14 +11,11 @@ from cli_helpers import results_in, small_run_args
 from test_trainers import SMALL, flat_params, make_batch, reference_update
 from textbook_dpsgd import TextbookDPSGD
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "parallel"))
-from test_distributed_updates import references, relative, torchrun  # noqa: E402
-
-import models  # noqa: E402
-import profiling_script  # noqa: E402
-import trainers  # noqa: E402
-from dp_cost.core.schema import AllocationSite  # noqa: E402
-from dp_cost.measure import breakdown  # noqa: E402
+import models
+import profiling_script
+import trainers
+from dp_cost.core.schema import AllocationSite
+from dp_cost.measure import breakdown
 
 
 class ScaledSGDTrainer(trainers.StandardTrainer):
@@ -91,7 +88,8 @@ C = 0.05  # below every sample's norm on these batches: each one clipped
 def test_the_textbook_trainer_steps_as_brute_force_in_chunks_and_padded(textbook):
     """tests/textbook_dpsgd.py (DP-SGD by microbatches of one) through the Runner: near-equal
     chunks (5 by 2: 2, 2, 1), padded chunks of 2 (the last one a stand-in weighted 0) and an
-    empty draw (noise 0: no update), each the brute-force update of the same batch."""
+    empty draw (noise 0: no update), each the brute-force update of the same batch. Under DDP
+    on 2 and 3 gloo ranks: tests/parallel/test_distributed_updates.py's textbook jobs."""
     inputs, targets = make_batch(5, 8, seed=3)
     torch.manual_seed(0)
     model = models.build_model(SMALL)
@@ -111,21 +109,3 @@ def test_the_textbook_trainer_steps_as_brute_force_in_chunks_and_padded(textbook
         assert out["loss"] > 0
     runner.step(inputs[:0], targets[:0])  # nothing drawn: zeros, no noise, a step all the same
     assert runner.steps_taken == 1 and all((p.grad == 0).all() for p in model.parameters())
-
-
-@pytest.mark.parametrize("ranks", [2, 3])
-def test_the_textbook_trainer_under_ddp_steps_as_the_single_process_definition(tmp_path, ranks):
-    """The same trainer under DDP (gloo), each rank on its share of the global batch, in chunks
-    and padded chunks: the brute-force clipped mean of the global batch, nothing of stepping/,
-    measure/ or parallel/ written for it."""
-    jobs = {
-        "eager": {"distributed": "ddp", "trainers": ["textbook_dpsgd"], "cases": ["7,8,2"]},
-        "padded": {"distributed": "ddp", "trainers": ["textbook_dpsgd"], "cases": ["7,8,2"],
-                   "padded_step": True},
-    }  # fmt: skip
-    saved = torchrun(tmp_path, jobs, ranks=ranks)
-    _, clipped = references(7, 8)
-    for job in jobs:
-        got = saved[job]["7,8,2", "textbook_dpsgd"]
-        assert relative(got["grad"], clipped) < 1e-5, job
-        assert got["replicas_agree"], job
