@@ -23,7 +23,7 @@ from dp_cost.core import files, kernel_names
 from dp_cost.core.files import atomic_write
 from dp_cost.core.schema import MB
 from dp_cost.hf import privacy
-from dp_cost.measure import breakdown, census, phases, tracing
+from dp_cost.measure import breakdown, census, host_work, phases, tracing
 from dp_cost.measure.python_gc import GarbageCollections
 
 
@@ -148,6 +148,18 @@ class PeakMemory:
                 s.env["peak_note"] = f"the CPU peak could not be measured: {error}"
                 return
             result["peak_memory_mb"] = peak / MB
+
+
+class HostWork:
+    """What one extra eager step asks of the host, counted (``measure.host_work``): Python
+    calls, operator dispatches, CUDA kernel launches."""
+
+    def run(self, s: Session, result: dict) -> None:
+        with s.runner.eager():  # a replay has no host work to count
+            counts = host_work.count_step(s.reused_batch_step, s.device)
+        if counts["python_calls_note"]:
+            s.env["python_calls_note"] = counts["python_calls_note"]
+        result["host_work"] = {k: v for k, v in counts.items() if k != "python_calls_note"}
 
 
 class Breakdown:
@@ -397,7 +409,7 @@ def measurements(config) -> list:
     """The measurements ``config`` asks for, in the order they run."""
     if config.ncu:
         return [NcuRange()]
-    sequence = [TimedSteps(), PeakMemory()]
+    sequence = [TimedSteps(), PeakMemory(), HostWork()]
     if config.breakdown:
         sequence.append(Breakdown())
     if config.detailed_memory:

@@ -1,0 +1,95 @@
+"""The host-work counters (measure/host_work.py) against counts known by construction: a
+function called n times, an operator dispatched n times, n kernels launched; and every
+trainer's step counted through the Runner."""
+
+import sys
+import threading
+
+import pytest
+import torch
+
+import models
+import trainers
+from dp_cost.measure import host_work
+
+
+def called(times: int):
+    def leaf():
+        return None
+
+    def step():
+        for _ in range(times):
+            leaf()
+
+    return step
+
+
+def test_python_calls_count_each_function_started():
+    # step itself, then leaf 9 times
+    counts = host_work.count_step(called(9), torch.device("cpu"))
+    assert counts["python_calls"] == 10
+    assert counts["python_counter"].startswith(("sys.monitoring", "sys.setprofile"))
+
+
+@pytest.mark.skipif(sys.version_info < (3, 12), reason="sys.monitoring counts every thread")
+def test_python_calls_on_another_thread_are_counted():
+    def step():
+        worker = threading.Thread(target=called(5))
+        worker.start()
+        worker.join()
+
+    counts = host_work.count_step(step, torch.device("cpu"))
+    assert counts["python_calls"] >= 6  # the thread's target and its 5 calls, beside threading's
+
+
+def test_operator_dispatches_count_each_aten_operator():
+    a, b = torch.ones(3), torch.ones(3)
+
+    def step():
+        for _ in range(7):
+            torch.add(a, b)
+
+    assert host_work.count_step(step, torch.device("cpu"))["operator_dispatches"] == 7
+
+
+def test_no_launches_are_counted_on_the_cpu():
+    counts = host_work.count_step(lambda: torch.ones(2) + 1, torch.device("cpu"))
+    assert counts["kernel_launches"] is None and counts["kernels"] is None
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_kernel_launches_count_each_kernel():
+    device = torch.device("cuda")
+    a = torch.ones(1024, device=device)
+
+    def step():
+        for _ in range(5):
+            a.add_(1)
+
+    host_work.count_step(step, device)  # the first launch loads the module
+    counts = host_work.count_step(step, device)
+    assert counts["kernel_launches"] == 5 and counts["kernels"] == 5
+    assert counts["python_calls"] is not None or sys.version_info < (3, 12)
+
+
+def test_every_trainer_step_is_counted_and_flash_counts_its_own_work():
+    """Through the Runner, one eager step of each trainer: counts exist and are deterministic
+    (the same step counted twice gives the same numbers)."""
+    inputs = torch.randint(0, 37, (4, 8))
+    seen = {}
+    for name in trainers.TRAINERS:
+        torch.manual_seed(0)
+        model = models.build_model(
+            "tiny", vocab_size=37, hidden_dim=16, num_heads=2, mlp_dim=16, num_layers=2
+        )
+        runner = trainers.make_trainer(name, model, lr=0.1, batch_size=4)
+        runner.step(inputs, inputs)
+        first = host_work.count_step(lambda r=runner: r.step(inputs, inputs), torch.device("cpu"))
+        again = host_work.count_step(lambda r=runner: r.step(inputs, inputs), torch.device("cpu"))
+        assert first == again, name
+        assert first["python_calls"] > 0 and first["operator_dispatches"] > 0, name
+        seen[name] = first
+    # the DP trainers do more on the host than the baseline, each by its own machinery
+    for name in ("dpsgd", "ghost", "flash"):
+        assert seen[name]["python_calls"] > seen["standard"]["python_calls"], name
