@@ -3,16 +3,18 @@
 # and on another one (e.g. `git worktree add /tmp/parent HEAD~1`), one after the other on the
 # same card, and compares them:
 #   - bench_flash.py steps, bf16, 20 timed steps, eager at EAGER_SHAPES (default 8x1024) and
-#     as CUDA graphs at GRAPH_SHAPES (default 8x512, standard and flash), each run old, new,
-#     new, old (a drift of the host over the run falls on both alike; PAIRS=n repeats that n
-#     times): each config's median of its runs' medians, new / old (the goal: within 3%);
+#     as CUDA graphs at GRAPH_SHAPES (default 8x512, standard and flash), RUNS times each
+#     (default 3), alternating old, new, new, old, old, new... (a drift of the host over the
+#     run falls on both alike): each config's median of its runs' medians, new / old (the goal:
+#     within 3%);
 #   - --mode=memory, bf16, at MEMORY_SHAPES (default 1x2048 8x512): peak_memory_mb and the
 #     breakdown's keys, per trainer (the goal: equal).
 # TRAINERS (default: all four) picks the eager steps' trainers.
-# usage: [PAIRS=n] [TRAINERS="standard flash"] benchmarks/same_behaviour.sh OLD_CHECKOUT [OUTPUT_DIR]
+# SKIP_STEPS=1 or SKIP_MEMORY=1 leaves that part out.
+# usage: [RUNS=n] [TRAINERS=...] benchmarks/same_behaviour.sh OLD_CHECKOUT [OUTPUT_DIR]
 # (needs CUDA)
 set -euo pipefail
-usage() { sed -n '2,14p' "$0" | sed 's/^# \{0,1\}//'; }
+usage() { sed -n '2,15p' "$0" | sed 's/^# \{0,1\}//'; }
 case "${1:-}" in
     -h | --help) usage; exit 0 ;;
     "") usage >&2; exit 2 ;;
@@ -30,7 +32,10 @@ TRAINERS=${TRAINERS:-standard dpsgd ghost flash}
 tree_of() { if [ "$1" = new ]; then echo "$NEW"; else echo "$OLD"; fi; }
 round=0
 order=""
-for _ in $(seq "${PAIRS:-1}"); do order="$order old new new old"; done
+for i in $(seq "${RUNS:-3}"); do
+    if [ $((i % 2)) = 1 ]; then order="$order old new"; else order="$order new old"; fi
+done
+[ "${SKIP_STEPS:-0}" = 1 ] && order=""
 for tag in $order; do
     round=$((round + 1))
     # shellcheck disable=SC2086
@@ -42,6 +47,7 @@ for tag in $order; do
         --trainers standard flash --cuda_graph --steps 20 --warmup_steps 3 \
         --output_dir "$OUT/$tag" --run_name "graphsteps$round")
 done
+[ "${SKIP_MEMORY:-0}" = 1 ] && MEMORY_SHAPES=""
 for tag in old new; do
     for shape in $MEMORY_SHAPES; do
         (cd "$(tree_of $tag)" && "$PYTHON" profiling_script.py --mode=memory --dtype bfloat16 \
@@ -59,7 +65,8 @@ def results(tag, run):
     return found
 def medians(tag):
     found = {}
-    for run in sorted(os.listdir(os.path.join(out, tag))):
+    folder = os.path.join(out, tag)
+    for run in sorted(os.listdir(folder)) if os.path.isdir(folder) else []:
         if run.startswith(("steps", "graphsteps")):
             for name, result in results(tag, run).items():
                 found.setdefault(name, []).append(result.get("median_time_ms"))
@@ -78,7 +85,7 @@ for name in sorted(old):
     shown = f"{ratio:.3f}, the runs of one code apart by {noise:.1%}" if ratio else "not measured"
     print(f"  {name}: {[round(x, 1) for x in a if x]} -> {[round(x, 1) for x in b if x]} ({shown})")
 print("--mode=memory: peak_memory_mb old -> new, breakdown keys equal")
-for run in sorted(os.listdir(os.path.join(out, "old"))):
+for run in sorted(os.listdir(os.path.join(out, "old")) if os.path.isdir(os.path.join(out, "old")) else []):
     if not run.startswith("memory"):
         continue
     old, new = results("old", run), results("new", run)
