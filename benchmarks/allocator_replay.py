@@ -1,4 +1,4 @@
-"""The capacity planner's model of torch's CUDA caching allocator (dp_cost/measure/allocator.py)
+"""The capacity planner's model of torch's CUDA caching allocator (dp_cost/capacity/allocator.py)
 checked against the real one, on this card, for one config at a time:
 
 1. the real run: the config's model and trainer built on the GPU, one warm-up step and
@@ -28,8 +28,10 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from dp_cost.capacity import allocator, fake_step  # noqa: E402
+from dp_cost.capacity import result as capacity  # noqa: E402
 from dp_cost.core.settings import ExperimentConfig  # noqa: E402
-from dp_cost.measure import allocator, capacity, fake_step, worker  # noqa: E402
+from dp_cost.measure import worker  # noqa: E402
 from dp_cost.measure.workload import Workload  # noqa: E402
 
 LARGE = 100 * 2**20  # requests compared one by one: the ones that move a peak

@@ -20,13 +20,14 @@ import torch
 from tqdm import tqdm
 
 import trainers
+from dp_cost.capacity import result as capacity
 from dp_cost.core import files, interrupts
 from dp_cost.core.files import TEMPORARY_NAME, make_folder, write_json
 from dp_cost.core.fmt import count
 from dp_cost.core.interrupts import INTERRUPTS
 from dp_cost.core.reading import read_json_or_none
 from dp_cost.core.schema import FINISHED
-from dp_cost.measure import capacity, quiet, ranks
+from dp_cost.measure import quiet, ranks
 from dp_cost.measure.ranks import RankGroup
 from dp_cost.measure.worker import result_skeleton, worker_main
 

@@ -15,9 +15,10 @@ import opacus
 import torch
 
 import trainers
+from dp_cost.capacity import result as capacity
 from dp_cost.core.files import UnsafePath, non_finite_paths, write_json
 from dp_cost.core.schema import empty_result
-from dp_cost.measure import capacity, census, phases, quiet
+from dp_cost.measure import census, phases, quiet
 from dp_cost.measure.steps import Session, measurements
 from dp_cost.measure.workload import Workload
 from dp_cost.parallel import collectives
@@ -49,7 +50,7 @@ def run_experiment(config, out_dir: str, rank_setup=None) -> dict:
 
 
 def predict_experiment(config, out_dir: str, rank_setup=None) -> dict:
-    """--mode=capacity: the config's peak predicted on fake tensors (``measure.fake_step``; its
+    """--mode=capacity: the config's peak predicted on fake tensors (``capacity.fake_step``; its
     ranks planned in this process); with --validate, then measured in this process as the
     measuring modes do (a rank of a torchrun job: after the prediction, which needs this
     process outside the job's group), the prediction kept whatever the measurement's outcome

@@ -33,9 +33,20 @@ ALLOWED = {
         "dp_cost.stepping",
     },  # fmt: skip
     "trainers": {"dp_cost.core", "dp_cost.parallel", "dp_cost.training"},
+    "dp_cost.capacity": {
+        "dp_cost.core",
+        "dp_cost.capacity",
+        "dp_cost.measure.breakdown",
+        "dp_cost.measure.workload",
+        "dp_cost.measure.plan",
+        "models",
+        "dp_cost.hf",
+        "dp_cost.parallel",
+    },  # fmt: skip
     "dp_cost.measure": {
         "dp_cost.core",
         "dp_cost.measure",
+        "dp_cost.capacity",
         "trainers",
         "models",
         "dp_cost.flash",

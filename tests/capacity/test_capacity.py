@@ -15,11 +15,13 @@ import torch
 from torch.distributed._tools.mem_tracker import MemTracker
 
 import models
+from dp_cost.capacity import fake_step
+from dp_cost.capacity import result as capacity
 from dp_cost.core.settings import ExperimentConfig
-from dp_cost.measure import capacity, fake_step, plan, worker
+from dp_cost.measure import plan, worker
 from dp_cost.report import capacity as report_capacity
+from tests.capacity.held_state import held_state_bytes
 from tests.cli_helpers import SMALL_MODEL, cli
-from tests.measure.held_state import held_state_bytes
 
 TRAINERS = ("standard", "dpsgd", "ghost", "flash")
 TINY_LM = dict(model="tiny", seq_len=32, batch_size=6, max_physical_batch_size=2)

@@ -19,8 +19,8 @@ this rank's share; torch's DDP, which fake tensors cannot build, is parallel.ddp
 Why not ``torch.distributed._tools.mem_tracker.MemTracker``: it hooks every parameter's
 gradient, which fails on parameters that do not require a gradient (flash's managed layers,
 LoRA's frozen base weights); a storage-level record is all the peak needs. The allocator's
-512-byte blocks are applied here; its segments and pools are ``measure.allocator``'s, the rest
-of the CUDA side (context, workspaces, NCCL) ``measure.capacity``'s.
+512-byte blocks are applied here; its segments and pools are ``capacity.allocator``'s, the rest
+of the CUDA side (context, workspaces, NCCL) ``capacity.result``'s.
 """
 
 from __future__ import annotations
@@ -256,7 +256,7 @@ def predict(config, build_trainer) -> dict:
     ``parameters``, ``trainable_parameters``, ``state`` (role -> bytes the trainer holds after
     the step), the flash routes, if any, and the allocator's requests in order (``requests``:
     the model and trainer built, ``step_requests``: the warm-up and the recorded step), for
-    ``measure.allocator.replay``. Distributed: rank 0's, the rank with the largest
+    ``capacity.allocator.replay``. Distributed: rank 0's, the rank with the largest
     share of a batch, in a fake process group of the config's ranks (``planned_ranks``)."""
     # shape_env: .item() gives a symbol, not an error; non-fake inputs: the meta model's
     fake = FakeTensorMode(shape_env=ShapeEnv(), allow_non_fake_inputs=True)
@@ -307,7 +307,7 @@ def predict(config, build_trainer) -> dict:
 
 
 def allocator_requests(events) -> list[tuple[int, int, int]]:
-    """The record's events as ``measure.allocator.replay`` reads them: (storage key, bytes,
+    """The record's events as ``capacity.allocator.replay`` reads them: (storage key, bytes,
     stream), bytes <= 0 for a free; phase markers left out."""
     return [
         (event["addr"], event["size"], event.get("stream", 0))

@@ -1,11 +1,11 @@
 """--mode=capacity: the largest physical batch that fits a card, from the predicted peak of
-each physical batch (``measure.fake_step``: the config's step on fake tensors, no GPU), and
+each physical batch (``capacity.fake_step``: the config's step on fake tensors, no GPU), and
 --find_max_batch, the largest one that runs, found by runs; --find_max_seq_len, the same for
 the sequence length at the planned physical batch.
 
 What the fake step does not see is the CUDA side: the cuBLAS workspaces, the CUDA context and
 NCCL's buffers (``GPU_OVERHEADS``: measured, with the card and the scripts that measured them),
-and the caching allocator, whose rules ``measure.allocator`` replays over the step's requests:
+and the caching allocator, whose rules ``capacity.allocator`` replays over the step's requests:
 a physical batch fits when every request finds a place on the card.
 """
 
@@ -14,11 +14,11 @@ from __future__ import annotations
 import dataclasses
 import time
 
+from dp_cost.capacity import allocator
+from dp_cost.capacity.fake_step import predict, rank_share
+from dp_cost.capacity.model_facts import model_max_seq_len
 from dp_cost.core.schema import MB
 from dp_cost.hf.configs import HF_CONFIGS
-from dp_cost.measure import allocator
-from dp_cost.measure.fake_step import predict, rank_share
-from dp_cost.measure.model_facts import model_max_seq_len
 from dp_cost.measure.plan import SEQ_LEN_STEP, draw_above_probability
 from dp_cost.parallel.ranks import share
 
@@ -31,7 +31,7 @@ GIB = 2**30
 # (outside torch's counters too: the same script under torchrun, 2 ranks over NVLink with
 # NCCL_NVLS_ENABLE=0, after an all-reduce, an all-gather and a reduce-scatter; NVLink SHARP,
 # NCCL's default on NVSwitch hosts, and more ranks can take more). What the allocator's
-# fragmentation takes is not a margin: ``measure.allocator`` replays the step's requests.
+# fragmentation takes is not a margin: ``capacity.allocator`` replays the step's requests.
 GPU_OVERHEADS = {
     "cublas_workspace_bytes": 64 * MB,  # two of 32 MiB (Hopper): forward and backward thread
     "cuda_context_bytes": 785_186_816,  # about 749 MiB
