@@ -18,9 +18,10 @@ this rank's share; torch's DDP, which fake tensors cannot build, is parallel.ddp
 
 Why not ``torch.distributed._tools.mem_tracker.MemTracker``: it hooks every parameter's
 gradient, which fails on parameters that do not require a gradient (flash's managed layers,
-LoRA's frozen base weights); a storage-level record is all the peak needs. The allocator's
-512-byte blocks are applied here; its segments and pools are ``capacity.allocator``'s, the rest
-of the CUDA side (context, workspaces, NCCL) ``capacity.result``'s.
+LoRA's frozen base weights); a storage-level record is all the peak needs. Each storage is
+counted as the allocator rounds it (``capacity.allocator.request_bytes``); its segments and
+pools are ``capacity.allocator``'s, the rest of the CUDA side (context, workspaces, NCCL)
+``capacity.result``'s.
 """
 
 from __future__ import annotations
@@ -46,6 +47,7 @@ from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_mod
 from torch.utils._pytree import tree_leaves
 
 import models
+from dp_cost.capacity.allocator import request_bytes
 from dp_cost.hf import models as hf_models
 from dp_cost.hf.configs import HF_CONFIGS
 from dp_cost.measure.breakdown import (
@@ -57,13 +59,7 @@ from dp_cost.measure.breakdown import (
 from dp_cost.measure.workload import builds_shards_only
 from dp_cost.parallel.ranks import share
 
-BLOCK_BYTES = 512  # the CUDA caching allocator's block size: every allocation is a multiple
 DEVICE = "cpu"  # the fake tensors' device: CPU code paths (torch's, no Triton), CUDA's memory
-
-
-def allocator_bytes(nbytes: int) -> int:
-    """What the CUDA caching allocator hands out for a request of ``nbytes`` (>= one block)."""
-    return max(BLOCK_BYTES, -(-nbytes // BLOCK_BYTES) * BLOCK_BYTES)
 
 
 def storage_key(tensor: torch.Tensor) -> int:
@@ -172,7 +168,7 @@ class StorageRecord(TorchDispatchMode):
             return
         # An empty storage takes no block (torch's allocator hands out nothing for 0 bytes); it
         # is watched still, as FSDP2 resizes its empty unsharded storages to full and back.
-        size = allocator_bytes(storage.nbytes()) if storage.nbytes() else 0
+        size = request_bytes(storage.nbytes()) if storage.nbytes() else 0
         self.live[key] = size
         if size:
             event = {"action": "alloc", "addr": key, "size": size, "stream": self._stream()}
@@ -188,7 +184,7 @@ class StorageRecord(TorchDispatchMode):
     def _resized(self, key: int, nbytes: int) -> None:
         if self.live[key]:
             self.events.append({"action": "free_completed", "addr": key, "size": self.live[key]})
-        self.live[key] = allocator_bytes(nbytes) if nbytes else 0
+        self.live[key] = request_bytes(nbytes) if nbytes else 0
         if nbytes:
             self.events.append(
                 {"action": "alloc", "addr": key, "size": self.live[key], "stream": self._stream(),
@@ -326,7 +322,7 @@ def _state_bytes(trainer) -> dict[str, int]:
         if storage_key(tensor) in seen:
             continue
         seen.add(storage_key(tensor))
-        sizes[role] = sizes.get(role, 0) + allocator_bytes(tensor.untyped_storage().nbytes())
+        sizes[role] = sizes.get(role, 0) + request_bytes(tensor.untyped_storage().nbytes())
     return sizes
 
 
