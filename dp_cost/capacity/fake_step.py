@@ -11,10 +11,10 @@ by identity, the rest by the functions that allocated them). So each trainer's D
 route per layer) is what that trainer's code allocates, never a formula beside it.
 
 Several ranks are planned in this one process, without torchrun: rank 0 (the largest share of
-a batch) of a fake process group of ``--world_size`` ranks (torch's ``FakeProcessGroup``: every
+a batch) of a fake process group of ``--world_size`` ranks (``capacity.planned_ranks``: every
 collective returns at once, as if the others had sent what it receives). FSDP2 shards, gathers
 and reduce-scatters as on W GPUs; Opacus' DPDDP hooks and flash's own buckets run their code on
-this rank's share; torch's DDP, which fake tensors cannot build, is parallel.ddp's stand-in.
+this rank's share; torch's DDP, which fake tensors cannot build, is planned_ranks' stand-in.
 
 Why not ``torch.distributed._tools.mem_tracker.MemTracker``: it hooks every parameter's
 gradient, which fails on parameters that do not require a gradient (flash's managed layers,
@@ -33,21 +33,15 @@ import warnings
 import weakref
 
 import torch
-import torch.distributed as dist
-from torch._subclasses.fake_tensor import (
-    FakeCopyMode,
-    FakeTensor,
-    FakeTensorMode,
-    unset_fake_temporarily,
-)
-from torch.distributed.device_mesh import DeviceMesh
+from torch._subclasses.fake_tensor import FakeCopyMode, FakeTensor, FakeTensorMode
 from torch.distributed.tensor import DTensor
 from torch.fx.experimental.symbolic_shapes import ShapeEnv
-from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
+from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 import models
 from dp_cost.capacity.allocator import request_bytes
+from dp_cost.capacity.planned_ranks import planned_ranks
 from dp_cost.hf import models as hf_models
 from dp_cost.hf.configs import HF_CONFIGS
 from dp_cost.measure.breakdown import (
@@ -258,7 +252,8 @@ def predict(config, build_trainer) -> dict:
     fake = FakeTensorMode(shape_env=ShapeEnv(), allow_non_fake_inputs=True)
     record = StorageRecord()
     model, loss_fn = meta_model(config)  # outside the fake mode: peft cannot build under one
-    with planned_ranks(config.world_size), fake, FakeCopies(fake), record, _quiet_fake_warnings():
+    ranks = planned_ranks(config.world_size, DEVICE)
+    with ranks, fake, FakeCopies(fake), record, _quiet_fake_warnings():
         # as the worker does: FSDP2 over a model of random weights shards it before any storage
         # exists (Workload.materialize), every other model is made whole first
         materialize = functools.partial(torch.nn.Module.to_empty, device=DEVICE)
@@ -324,50 +319,6 @@ def _state_bytes(trainer) -> dict[str, int]:
         seen.add(storage_key(tensor))
         sizes[role] = sizes.get(role, 0) + request_bytes(tensor.untyped_storage().nbytes())
     return sizes
-
-
-@contextlib.contextmanager
-def planned_ranks(world_size: int):
-    """This process as rank 0 of a fake process group of ``world_size`` ranks (none for one
-    rank): the trainers' collectives run and return at once, moving no data."""
-    if world_size == 1:
-        yield
-        return
-    # torch's own fake backend; importing the module registers it with torch.distributed
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
-    try:
-        with _meshes_outside_fake_mode():
-            yield
-    finally:
-        dist.destroy_process_group()
-
-
-@contextlib.contextmanager
-def _meshes_outside_fake_mode():
-    """FSDP2's DeviceMesh built on real tensors, on the fake tensors' device: it finds this
-    rank's place in its rank map by reading the map's values, which a fake tensor does not have
-    (``init_device_mesh`` passes the identity map, ``arange`` over the ranks: a fake one is
-    remade as that, for real), and FSDP2 would otherwise put the shards on the machine's GPU."""
-    original = DeviceMesh.__init__
-
-    def real(value):
-        if isinstance(value, FakeTensor):
-            return torch.arange(value.numel(), dtype=value.dtype).view(value.shape)
-        return value
-
-    def init(self, device_type, *args, **kwargs):
-        with _disable_current_modes(), unset_fake_temporarily():
-            args = [real(value) for value in args]
-            kwargs = {name: real(value) for name, value in kwargs.items()}
-            original(self, DEVICE, *args, **kwargs)
-
-    DeviceMesh.__init__ = init
-    try:
-        yield
-    finally:
-        DeviceMesh.__init__ = original
 
 
 @contextlib.contextmanager

@@ -198,6 +198,15 @@ def test_module_size_budget(name):
         warnings.warn(f"{name}: {lines} lines, past {MODULE_WARN_LINES}", stacklevel=1)
 
 
+def test_parallel_knows_no_fake_tensors():
+    """What a step on fake tensors needs in parallel/ (DDP's stand-in, no seeded generator) the
+    capacity planner puts into parallel/'s hook points: no module there tells fake tensors."""
+    for name, path in MODULES.items():
+        if name.startswith("dp_cost.parallel"):
+            bases = {base for base, _ in import_nodes(path, name)}
+            assert "torch._subclasses.fake_tensor" not in bases, name
+
+
 # A comparison of a value with one of the distributed modes' names.
 MODE_COMPARISON = re.compile(
     r"""(==|!=|\bin)\s*\(?\s*["'](none|ddp|fsdp)["']|["'](ddp|fsdp)["']\s*(==|!=)"""
