@@ -21,7 +21,7 @@ gradient, which fails on parameters that do not require a gradient (flash's mana
 LoRA's frozen base weights); a storage-level record is all the peak needs. Each storage is
 counted as the allocator rounds it (``capacity.allocator.request_bytes``); its segments and
 pools are ``capacity.allocator``'s, the rest of the CUDA side (context, workspaces, NCCL)
-``capacity.result``'s.
+``capacity.card``'s.
 """
 
 from __future__ import annotations

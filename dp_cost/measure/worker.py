@@ -15,7 +15,8 @@ import opacus
 import torch
 
 import trainers
-from dp_cost.capacity import result as capacity
+from dp_cost.capacity.card import GIB
+from dp_cost.capacity.result import capacity_result
 from dp_cost.core.files import UnsafePath, non_finite_paths, write_json
 from dp_cost.core.schema import empty_result
 from dp_cost.measure import census, phases, quiet
@@ -57,8 +58,8 @@ def predict_experiment(config, out_dir: str, rank_setup=None) -> dict:
     (an out-of-memory included)."""
     card_gib = None
     if config.find_max_batch or config.find_max_seq_len:  # the whole card, as torch reports it
-        card_gib = torch.cuda.mem_get_info(torch.device(config.device))[1] / capacity.GIB
-    prediction = capacity.capacity_result(config, build_trainer, card_gib)
+        card_gib = torch.cuda.mem_get_info(torch.device(config.device))[1] / GIB
+    prediction = capacity_result(config, build_trainer, card_gib)
     if not config.validate:
         result = result_skeleton(config, "ok")
         result["env"] = {
