@@ -80,15 +80,15 @@ def _no_generator(seed: torch.Tensor) -> None:
 
 
 class PlannedDataParallel(nn.Module):
-    """torch's DDP as the fake step runs it (parallel.ddp's stand-in): torch's DDP compares the
-    parameters' values over the ranks when built, and fake tensors have none. It holds what
-    DDP holds beside the model: a flat buffer per bucket (torch's own assignment of the
-    gradients to buckets, 1 MiB first, 25 MiB after), where DDP copies each gradient to sum it
-    over the ranks and back; and DDP's one rebuild of its buckets (in gradient order), at the
-    first forward after its first synced backward, as torch's ``_pre_forward`` does. Measured
-    on H200s, that iteration held both sets on some ranks and runs and not on others: the old
-    set is kept here until the next step's first forward, the most any rank took. Never used
-    to train (the sums are not taken)."""
+    """torch's DDP as the fake step runs it (``parallel.ddp.data_parallel_stand_in``): torch's
+    DDP compares the parameters' values over the ranks when built, and fake tensors have none.
+    It holds what DDP holds beside the model: a flat buffer per bucket (torch's own assignment
+    of the gradients to buckets, 1 MiB first, 25 MiB after), where DDP copies each gradient to
+    sum it over the ranks and back; and DDP's one rebuild of its buckets (in gradient order), at
+    the first forward after its first synced backward, as torch's ``_pre_forward`` does.
+    Measured on H200s, that iteration held both sets on some ranks and runs and not on others:
+    the old set is kept here until the next step's first forward, the most any rank took. Never
+    used to train (the sums are not taken)."""
 
     BUCKET_BYTES = (dist._DEFAULT_FIRST_BUCKET_BYTES, 25 * 2**20)  # DDP's defaults
 
