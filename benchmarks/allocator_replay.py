@@ -1,4 +1,4 @@
-"""The capacity planner's model of torch's CUDA caching allocator (dp_cost/measure/allocator.py)
+"""The capacity planner's model of torch's CUDA caching allocator (dp_cost/capacity/allocator.py)
 checked against the real one, on this card, for one config at a time:
 
 1. the real run: the config's model and trainer built on the GPU, one warm-up step and
@@ -28,8 +28,10 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from dp_cost.capacity import allocator, fake_step  # noqa: E402
+from dp_cost.capacity.card import GPU_OVERHEADS, planned_requests  # noqa: E402
 from dp_cost.core.settings import ExperimentConfig  # noqa: E402
-from dp_cost.measure import allocator, capacity, fake_step, worker  # noqa: E402
+from dp_cost.measure import worker  # noqa: E402
 from dp_cost.measure.workload import Workload  # noqa: E402
 
 LARGE = 100 * 2**20  # requests compared one by one: the ones that move a peak
@@ -75,7 +77,7 @@ def predicted_requests(config) -> list[tuple[int, int]]:
     """The planner's requests: the fake step's (one warm-up, one step), with the cuBLAS
     workspaces."""
     prediction = fake_step.predict(dataclasses.replace(config, device="cpu"), worker.build_trainer)
-    return capacity.planned_requests(prediction)
+    return planned_requests(prediction)
 
 
 def first_difference(real, predicted) -> dict | None:
@@ -138,7 +140,7 @@ def main() -> int:
             torch.cuda.reset_peak_memory_stats(device)
             run = real_requests(config, device, args.steps)
             real, peak_reserved = run["requests"], run["peak_reserved"]
-            card = torch.cuda.mem_get_info(device)[1] - capacity.GPU_OVERHEADS["cuda_context_bytes"]
+            card = torch.cuda.mem_get_info(device)[1] - GPU_OVERHEADS["cuda_context_bytes"]
             predicted = predicted_requests(config)
             released = [event for event in run["segments"] if event[0] == "segment_free"]
             on_card = {

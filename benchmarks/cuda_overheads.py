@@ -1,5 +1,5 @@
 """What a CUDA process holds beside a training step's own tensors, measured on this card: the
-numbers --mode=capacity adds to a fake-tensor prediction (dp_cost/measure/capacity.py,
+numbers --mode=capacity adds to a fake-tensor prediction (dp_cost/capacity/card.py,
 GPU_OVERHEADS).
 
 - cuBLAS workspaces: allocated through torch's caching allocator by the first matmul on a

@@ -13,6 +13,7 @@ import math
 import sys
 from dataclasses import dataclass
 
+from dp_cost.capacity.model_facts import bytes_lower_bound, model_max_seq_len, parameter_count
 from dp_cost.core.schema import TRAINER_ORDER, canonical_trainer_name
 from dp_cost.core.settings import (
     BY_NAME,
@@ -27,7 +28,6 @@ from dp_cost.core.settings import (
 )
 from dp_cost.hf import snli_file
 from dp_cost.hf.configs import HF_CONFIGS
-from dp_cost.measure.model_facts import bytes_lower_bound, model_max_seq_len, parameter_count
 from dp_cost.parallel import ranks
 from dp_cost.parallel.mode import distributed_mode, fsdp_sync_refusal
 

@@ -19,13 +19,14 @@ import sys
 import torch
 from tqdm import tqdm
 
+from dp_cost.capacity.probing import SEARCHES
 from dp_cost.core import files, interrupts
 from dp_cost.core.files import TEMPORARY_NAME, make_folder, write_json
 from dp_cost.core.fmt import count
 from dp_cost.core.interrupts import INTERRUPTS
 from dp_cost.core.reading import read_json_or_none
 from dp_cost.core.schema import FINISHED
-from dp_cost.measure import capacity, quiet, ranks
+from dp_cost.measure import quiet, ranks
 from dp_cost.measure.ranks import RankGroup
 from dp_cost.measure.worker import result_skeleton, worker_main
 from dp_cost.training import registry as trainers
@@ -116,13 +117,13 @@ def _run_configs(configs, run_dir, resume, progress, verbose, group, started) ->
                 log(f"{tag}: running")
                 started.append(config.config_dir)
                 result = run_in_child(context, config, config_path, result_path, verbose)
-                key = next((key for key in capacity.SEARCHES if getattr(config, key)), None)
+                key = next((key for key in SEARCHES if getattr(config, key)), None)
                 if key and (result.get("prediction") or {}).get("card"):
-                    log(f"{tag}: searching the {capacity.SEARCHES[key].goal} by runs")
+                    log(f"{tag}: searching the {SEARCHES[key].goal} by runs")
                     probe = lambda probed, name, path=config_path: run_in_child(  # noqa: E731
                         context, probed, path, os.path.join(path, name), verbose
                     )
-                    result[key] = capacity.SEARCHES[key].run(config, result["prediction"], probe)
+                    result[key] = SEARCHES[key].run(config, result["prediction"], probe)
                     write_json(result_path, result, root=run_dir)
             else:
                 log(f"{tag}: running on {count(group.info.world_size, 'rank')}")
@@ -407,7 +408,7 @@ def describe(result: dict) -> str:
             f", fits {p['gpu_memory_gib']:g} GiB up to physical batch {p['physical_batch_size']}"
             for p in prediction["largest_physical_batch"]
         )
-        for key, search in capacity.SEARCHES.items():
+        for key, search in SEARCHES.items():
             found = result.get(key)
             if found:
                 largest = found.get(search.found)

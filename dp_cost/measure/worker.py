@@ -14,9 +14,11 @@ import traceback
 import opacus
 import torch
 
+from dp_cost.capacity.card import GIB
+from dp_cost.capacity.result import capacity_result
 from dp_cost.core.files import UnsafePath, non_finite_paths, write_json
 from dp_cost.core.schema import empty_result
-from dp_cost.measure import capacity, census, phases, quiet
+from dp_cost.measure import census, phases, quiet
 from dp_cost.measure.steps import Session, measurements
 from dp_cost.measure.workload import Workload
 from dp_cost.parallel import collectives
@@ -49,15 +51,15 @@ def run_experiment(config, out_dir: str, rank_setup=None) -> dict:
 
 
 def predict_experiment(config, out_dir: str, rank_setup=None) -> dict:
-    """--mode=capacity: the config's peak predicted on fake tensors (``measure.fake_step``; its
+    """--mode=capacity: the config's peak predicted on fake tensors (``capacity.fake_step``; its
     ranks planned in this process); with --validate, then measured in this process as the
     measuring modes do (a rank of a torchrun job: after the prediction, which needs this
     process outside the job's group), the prediction kept whatever the measurement's outcome
     (an out-of-memory included)."""
     card_gib = None
     if config.find_max_batch or config.find_max_seq_len:  # the whole card, as torch reports it
-        card_gib = torch.cuda.mem_get_info(torch.device(config.device))[1] / capacity.GIB
-    prediction = capacity.capacity_result(config, build_trainer, card_gib)
+        card_gib = torch.cuda.mem_get_info(torch.device(config.device))[1] / GIB
+    prediction = capacity_result(config, build_trainer, card_gib)
     if not config.validate:
         result = result_skeleton(config, "ok")
         result["env"] = {

@@ -6,11 +6,11 @@ torch.distributed's collectives, no other communication."""
 from __future__ import annotations
 
 import datetime
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch._subclasses.fake_tensor import is_fake
 
 from dp_cost.parallel.ranks import RankInfo
 
@@ -48,6 +48,13 @@ def broadcast_parameters(model: nn.Module) -> None:
 RANK_SEED_STRIDE = 0x9E3779B97F4A7C15
 
 
+# Set, what seeded_generator returns instead of a generator seeded on the host:
+# ``generator_stand_in(seed)``, the seed tensor broadcast from rank 0. A step whose tensors hold
+# no values (the capacity planner's, on fake tensors) has no seed to read and sets its stand-in
+# here for its length. None in every run that trains.
+generator_stand_in: Callable[[torch.Tensor], torch.Generator | None] | None = None
+
+
 def seeded_generator(device: torch.device, per_rank: bool = False) -> torch.Generator | None:
     """A noise generator from rank 0's seed: alike on every rank (the same noise on every
     replica), or, ``per_rank``, that seed mixed with the rank's number (independent noise on
@@ -55,8 +62,8 @@ def seeded_generator(device: torch.device, per_rank: bool = False) -> torch.Gene
     in an eager step (never while a graph captures)."""
     seed = torch.randint(2**62, (1,), device=device)
     dist.broadcast(seed, 0)
-    if is_fake(seed):  # a step on fake tensors (the capacity prediction) draws nothing real
-        return None
+    if generator_stand_in is not None:
+        return generator_stand_in(seed)
     mixed = int(seed.item()) + (RANK_SEED_STRIDE * dist.get_rank() if per_rank else 0)
     return torch.Generator(device).manual_seed(mixed % 2**63)
 

@@ -16,11 +16,11 @@ import torch  # noqa: E402
 pytest.importorskip("transformers")
 pytest.importorskip("peft")
 
+from dp_cost.capacity import model_facts  # noqa: E402
 from dp_cost.hf import configs as hf_configs  # noqa: E402
 from dp_cost.hf import data as hf_data  # noqa: E402
 from dp_cost.hf import models as hf_models  # noqa: E402
 from dp_cost.hf import privacy  # noqa: E402
-from dp_cost.measure import model_facts  # noqa: E402
 from trainers import make_trainer  # noqa: E402
 
 DP_TRAINERS = ["dpsgd", "ghost", "flash"]

@@ -11,16 +11,17 @@ by identity, the rest by the functions that allocated them). So each trainer's D
 route per layer) is what that trainer's code allocates, never a formula beside it.
 
 Several ranks are planned in this one process, without torchrun: rank 0 (the largest share of
-a batch) of a fake process group of ``--world_size`` ranks (torch's ``FakeProcessGroup``: every
+a batch) of a fake process group of ``--world_size`` ranks (``capacity.planned_ranks``: every
 collective returns at once, as if the others had sent what it receives). FSDP2 shards, gathers
 and reduce-scatters as on W GPUs; Opacus' DPDDP hooks and flash's own buckets run their code on
-this rank's share; torch's DDP, which fake tensors cannot build, is parallel.ddp's stand-in.
+this rank's share; torch's DDP, which fake tensors cannot build, is planned_ranks' stand-in.
 
 Why not ``torch.distributed._tools.mem_tracker.MemTracker``: it hooks every parameter's
 gradient, which fails on parameters that do not require a gradient (flash's managed layers,
-LoRA's frozen base weights); a storage-level record is all the peak needs. The allocator's
-512-byte blocks are applied here; its segments and pools are ``measure.allocator``'s, the rest
-of the CUDA side (context, workspaces, NCCL) ``measure.capacity``'s.
+LoRA's frozen base weights); a storage-level record is all the peak needs. Each storage is
+counted as the allocator rounds it (``capacity.allocator.request_bytes``); its segments and
+pools are ``capacity.allocator``'s, the rest of the CUDA side (context, workspaces, NCCL)
+``capacity.card``'s.
 """
 
 from __future__ import annotations
@@ -32,19 +33,14 @@ import warnings
 import weakref
 
 import torch
-import torch.distributed as dist
-from torch._subclasses.fake_tensor import (
-    FakeCopyMode,
-    FakeTensor,
-    FakeTensorMode,
-    unset_fake_temporarily,
-)
-from torch.distributed.device_mesh import DeviceMesh
+from torch._subclasses.fake_tensor import FakeCopyMode, FakeTensor, FakeTensorMode
 from torch.distributed.tensor import DTensor
 from torch.fx.experimental.symbolic_shapes import ShapeEnv
-from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
+from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
+from dp_cost.capacity.allocator import request_bytes
+from dp_cost.capacity.planned_ranks import planned_ranks
 from dp_cost.hf import models as hf_models
 from dp_cost.hf.configs import HF_CONFIGS
 from dp_cost.lm import model as models
@@ -57,13 +53,7 @@ from dp_cost.measure.breakdown import (
 from dp_cost.measure.workload import builds_shards_only
 from dp_cost.parallel.ranks import share
 
-BLOCK_BYTES = 512  # the CUDA caching allocator's block size: every allocation is a multiple
 DEVICE = "cpu"  # the fake tensors' device: CPU code paths (torch's, no Triton), CUDA's memory
-
-
-def allocator_bytes(nbytes: int) -> int:
-    """What the CUDA caching allocator hands out for a request of ``nbytes`` (>= one block)."""
-    return max(BLOCK_BYTES, -(-nbytes // BLOCK_BYTES) * BLOCK_BYTES)
 
 
 def storage_key(tensor: torch.Tensor) -> int:
@@ -172,7 +162,7 @@ class StorageRecord(TorchDispatchMode):
             return
         # An empty storage takes no block (torch's allocator hands out nothing for 0 bytes); it
         # is watched still, as FSDP2 resizes its empty unsharded storages to full and back.
-        size = allocator_bytes(storage.nbytes()) if storage.nbytes() else 0
+        size = request_bytes(storage.nbytes()) if storage.nbytes() else 0
         self.live[key] = size
         if size:
             event = {"action": "alloc", "addr": key, "size": size, "stream": self._stream()}
@@ -188,7 +178,7 @@ class StorageRecord(TorchDispatchMode):
     def _resized(self, key: int, nbytes: int) -> None:
         if self.live[key]:
             self.events.append({"action": "free_completed", "addr": key, "size": self.live[key]})
-        self.live[key] = allocator_bytes(nbytes) if nbytes else 0
+        self.live[key] = request_bytes(nbytes) if nbytes else 0
         if nbytes:
             self.events.append(
                 {"action": "alloc", "addr": key, "size": self.live[key], "stream": self._stream(),
@@ -256,13 +246,14 @@ def predict(config, build_trainer) -> dict:
     ``parameters``, ``trainable_parameters``, ``state`` (role -> bytes the trainer holds after
     the step), the flash routes, if any, and the allocator's requests in order (``requests``:
     the model and trainer built, ``step_requests``: the warm-up and the recorded step), for
-    ``measure.allocator.replay``. Distributed: rank 0's, the rank with the largest
+    ``capacity.allocator.replay``. Distributed: rank 0's, the rank with the largest
     share of a batch, in a fake process group of the config's ranks (``planned_ranks``)."""
     # shape_env: .item() gives a symbol, not an error; non-fake inputs: the meta model's
     fake = FakeTensorMode(shape_env=ShapeEnv(), allow_non_fake_inputs=True)
     record = StorageRecord()
     model, loss_fn = meta_model(config)  # outside the fake mode: peft cannot build under one
-    with planned_ranks(config.world_size), fake, FakeCopies(fake), record, _quiet_fake_warnings():
+    ranks = planned_ranks(config.world_size, DEVICE)
+    with ranks, fake, FakeCopies(fake), record, _quiet_fake_warnings():
         # as the worker does: FSDP2 over a model of random weights shards it before any storage
         # exists (Workload.materialize), every other model is made whole first
         materialize = functools.partial(torch.nn.Module.to_empty, device=DEVICE)
@@ -306,7 +297,7 @@ def predict(config, build_trainer) -> dict:
 
 
 def allocator_requests(events) -> list[tuple[int, int, int]]:
-    """The record's events as ``measure.allocator.replay`` reads them: (storage key, bytes,
+    """The record's events as ``capacity.allocator.replay`` reads them: (storage key, bytes,
     stream), bytes <= 0 for a free; phase markers left out."""
     return [
         (event["addr"], event["size"], event.get("stream", 0))
@@ -325,52 +316,8 @@ def _state_bytes(runner) -> dict[str, int]:
         if storage_key(tensor) in seen:
             continue
         seen.add(storage_key(tensor))
-        sizes[role] = sizes.get(role, 0) + allocator_bytes(tensor.untyped_storage().nbytes())
+        sizes[role] = sizes.get(role, 0) + request_bytes(tensor.untyped_storage().nbytes())
     return sizes
-
-
-@contextlib.contextmanager
-def planned_ranks(world_size: int):
-    """This process as rank 0 of a fake process group of ``world_size`` ranks (none for one
-    rank): the trainers' collectives run and return at once, moving no data."""
-    if world_size == 1:
-        yield
-        return
-    # torch's own fake backend; importing the module registers it with torch.distributed
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
-    try:
-        with _meshes_outside_fake_mode():
-            yield
-    finally:
-        dist.destroy_process_group()
-
-
-@contextlib.contextmanager
-def _meshes_outside_fake_mode():
-    """FSDP2's DeviceMesh built on real tensors, on the fake tensors' device: it finds this
-    rank's place in its rank map by reading the map's values, which a fake tensor does not have
-    (``init_device_mesh`` passes the identity map, ``arange`` over the ranks: a fake one is
-    remade as that, for real), and FSDP2 would otherwise put the shards on the machine's GPU."""
-    original = DeviceMesh.__init__
-
-    def real(value):
-        if isinstance(value, FakeTensor):
-            return torch.arange(value.numel(), dtype=value.dtype).view(value.shape)
-        return value
-
-    def init(self, device_type, *args, **kwargs):
-        with _disable_current_modes(), unset_fake_temporarily():
-            args = [real(value) for value in args]
-            kwargs = {name: real(value) for name, value in kwargs.items()}
-            original(self, DEVICE, *args, **kwargs)
-
-    DeviceMesh.__init__ = init
-    try:
-        yield
-    finally:
-        DeviceMesh.__init__ = original
 
 
 @contextlib.contextmanager

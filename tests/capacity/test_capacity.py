@@ -15,11 +15,13 @@ import torch
 from torch.distributed._tools.mem_tracker import MemTracker
 
 import models
+from dp_cost.capacity import card, fake_step, predictions, probing, searches
+from dp_cost.capacity.result import capacity_result
 from dp_cost.core.settings import ExperimentConfig
-from dp_cost.measure import capacity, fake_step, plan, worker
+from dp_cost.measure import plan, worker
 from dp_cost.report import capacity as report_capacity
+from tests.capacity.held_state import held_state_bytes
 from tests.cli_helpers import SMALL_MODEL, cli
-from tests.measure.held_state import held_state_bytes
 
 TRAINERS = ("standard", "dpsgd", "ghost", "flash")
 TINY_LM = dict(model="tiny", seq_len=32, batch_size=6, max_physical_batch_size=2)
@@ -193,7 +195,7 @@ def test_the_budget_search_finds_the_boundary_from_any_guess(guess, budget):
     def passes(physical):
         return peak(physical) <= budget * 2**30
 
-    found, judged = capacity.largest_passing(passes, guess)
+    found, judged = searches.largest_passing(passes, guess)
     fits = [p for p in range(1, 200) if passes(p)]
     assert found == (max(fits) if fits else 0)
     assert len(judged) <= 2 * math.ceil(math.log2(abs(guess - found) + 1)) + 2
@@ -212,7 +214,7 @@ def test_the_search_sees_the_one_chunk_step_at_the_logical_batch():
     for budget_mb, want in ((9.05, 8), (9.55, 13), (8.5, 0), (10.45, 22), (9.95, 17)):
         for guess in (1, 3, 8, 12, 30):
             fits = lambda p, mb=budget_mb: peak(p) <= mb * 2**20  # noqa: E731
-            found, judged = capacity.largest_physical(fits, guess, batch)
+            found, judged = searches.largest_physical(fits, guess, batch)
             assert found == want, (budget_mb, guess, found, judged)
             if found:
                 assert found in judged and found + 1 in judged
@@ -237,7 +239,7 @@ def test_find_max_batch_probes_from_the_prediction_and_keeps_every_probe():
         status = "ok" if fits else "oom"
         return {"status": status, "peak_memory_mb": 1000.0 if fits else None, "error": None}
 
-    found = capacity.find_max_batch(config, prediction, run_probe)
+    found = probing.find_max_batch(config, prediction, run_probe)
     assert found["largest_physical_batch"] == 37 and found["predicted_largest"] == 40
     assert found["predicted_peak_mb"] == 1234.0 and found["measured_peak_mb"] == 1000.0
     assert [p["physical_batch_size"] for p in found["probes"]] == [a[0] for a in asked]
@@ -249,7 +251,7 @@ def test_find_max_batch_probes_from_the_prediction_and_keeps_every_probe():
 def test_find_max_batch_stops_on_an_error_that_is_not_memory():
     config = ExperimentConfig(trainer="flash", model="tiny", batch_size=8, seq_len=16)
     prediction = {"card": {"physical_batch_size": 4}, "predictions": []}
-    found = capacity.find_max_batch(
+    found = probing.find_max_batch(
         config, prediction, lambda probe, name: {"status": "error", "error": "ValueError: x"}
     )
     assert found["largest_physical_batch"] is None and "ValueError: x" in found["error"]
@@ -276,7 +278,7 @@ def test_find_max_seq_len_probes_multiples_of_64_up_to_the_models_longest(longes
         runs = probe.seq_len <= longest_that_runs
         return {"status": "ok" if runs else "oom", "peak_memory_mb": 1.0 if runs else None}
 
-    searched = capacity.find_max_seq_len(config, prediction, run_probe)
+    searched = probing.find_max_seq_len(config, prediction, run_probe)
     assert searched["longest_seq_len"] == found and searched["predicted_longest"] == 640
     assert [p["seq_len"] for p in searched["probes"]] == asked
     assert all(seq_len % 64 == 0 and 0 < seq_len <= 1024 for seq_len in asked)
@@ -292,13 +294,13 @@ def test_the_predicted_longest_sequence_is_the_last_step_that_fits():
     config = ExperimentConfig(trainer="flash", model="tiny", batch_size=2, seq_len=64,
                               find_max_seq_len=True, capacity=True)  # fmt: skip
     budget = 0.9  # GiB, 173 MiB beside the CUDA context: some hundreds of tokens, not 1024
-    result = capacity.capacity_result(config, worker.build_trainer, budget)
+    result = capacity_result(config, worker.build_trainer, budget)
     longest = result["card"]["seq_len"]
     assert 64 <= longest < 1024 and result["card"]["physical_batch_size"] == 2
 
     def fits_at(seq_len):
-        at = capacity.with_physical_batch(dataclasses.replace(config, seq_len=seq_len), 2)
-        return capacity.fits(fake_step.predict(at, worker.build_trainer), budget)
+        at = predictions.with_physical_batch(dataclasses.replace(config, seq_len=seq_len), 2)
+        return card.fits(fake_step.predict(at, worker.build_trainer), budget)
 
     assert fits_at(longest) and not fits_at(longest + 64)
     judged = {p["seq_len"] for p in result["seq_len_predictions"]}
@@ -310,7 +312,7 @@ def test_the_sequence_search_stays_within_the_models_longest():
     it: no prediction past what the model takes."""
     config = ExperimentConfig(trainer="standard", model="tiny", batch_size=1, seq_len=1024,
                               find_max_seq_len=True, capacity=True)  # fmt: skip
-    result = capacity.capacity_result(config, worker.build_trainer, 80.0)
+    result = capacity_result(config, worker.build_trainer, 80.0)
     assert result["card"]["seq_len"] == 1024
     assert max(p["seq_len"] for p in result["seq_len_predictions"]) == 1024
 
@@ -319,17 +321,14 @@ def test_several_ranks_leave_nccl_its_buffers():
     """The same requests fit a card alone and not beside NCCL's buffers (two ranks): room is
     the card less the CUDA context, and less NCCL's buffers with ranks."""
     card_gib = 2.0
-    one = capacity.allocator_room_bytes(card_gib, 1)
-    assert one == 2 * 2**30 - capacity.GPU_OVERHEADS["cuda_context_bytes"]
-    assert (
-        capacity.allocator_room_bytes(card_gib, 2)
-        == one - capacity.GPU_OVERHEADS["nccl_buffers_bytes"]
-    )
-    workspaces = capacity.GPU_OVERHEADS["cublas_workspace_bytes"]
+    one = card.allocator_room_bytes(card_gib, 1)
+    assert one == 2 * 2**30 - card.GPU_OVERHEADS["cuda_context_bytes"]
+    assert card.allocator_room_bytes(card_gib, 2) == one - card.GPU_OVERHEADS["nccl_buffers_bytes"]
+    workspaces = card.GPU_OVERHEADS["cublas_workspace_bytes"]
     tensor = (one - workspaces) // 2**21 * 2**21  # a 2 MiB multiple: its own segment, whole
     prediction = {"requests": [(1, tensor)], "step_requests": []}
-    assert capacity.fits(prediction, card_gib, 1)
-    assert not capacity.fits(prediction, card_gib, 2)
+    assert card.fits(prediction, card_gib, 1)
+    assert not card.fits(prediction, card_gib, 2)
 
 
 @pytest.mark.parametrize(
@@ -345,7 +344,7 @@ def test_a_search_by_runs_is_told_as_it_ended(search, probes, told):
     of memory (not at the model's longest sequence, where none is probed)."""
     from dp_cost.measure import processes
 
-    chosen = capacity.SEARCHES[search]
+    chosen = probing.SEARCHES[search]
     largest = max((value for value, status in probes if status == "ok"), default=0)
     result = {
         "status": "ok",
@@ -364,12 +363,12 @@ def test_an_uncapped_poisson_batch_is_planned_at_its_rare_quantile():
     config = ExperimentConfig(
         trainer="standard", model="tiny-llama", batch_size=16, seq_len=8, dataset_size=10000
     )
-    planned, note = capacity.planned_physical_batch(config)
-    assert plan.draw_above_probability(planned, 16, 10000) <= capacity.POISSON_QUANTILE
-    assert plan.draw_above_probability(planned - 1, 16, 10000) > capacity.POISSON_QUANTILE
+    planned, note = predictions.planned_physical_batch(config)
+    assert plan.draw_above_probability(planned, 16, 10000) <= predictions.POISSON_QUANTILE
+    assert plan.draw_above_probability(planned - 1, 16, 10000) > predictions.POISSON_QUANTILE
     assert planned > 16 and "Poisson" in note
     capped = ExperimentConfig(**{**config.__dict__, "max_physical_batch_size": 4})
-    assert capacity.planned_physical_batch(capped) == (4, None)
+    assert predictions.planned_physical_batch(capped) == (4, None)
 
 
 def test_capacity_mode_writes_its_report(tmp_path):

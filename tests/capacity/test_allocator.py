@@ -5,7 +5,7 @@ the card is full). On a GPU, benchmarks/allocator_replay.py checks it against to
 
 import pytest
 
-from dp_cost.measure import allocator
+from dp_cost.capacity import allocator
 
 KIB, MIB = 2**10, 2**20
 
@@ -99,7 +99,7 @@ def test_the_fake_step_records_the_stream_an_allocation_is_made_on():
     device (the CPU) those are torch.cpu streams, which the record tells apart."""
     import torch
 
-    from dp_cost.measure import fake_step
+    from dp_cost.capacity import fake_step
 
     side = torch.cpu.Stream()
     with fake_step.StorageRecord() as record:

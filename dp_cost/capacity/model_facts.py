@@ -10,9 +10,8 @@ from dp_cost.hf.configs import HF_CONFIGS
 
 def model_shape(model: str, overrides: dict) -> tuple[int, int, int, int]:
     """(vocab, hidden, layers, MLP width) of a named model with its overrides."""
-    from dp_cost.lm import (
-        model as models,
-    )  # torch and opacus: imported once the checks that need neither have passed
+    # torch and opacus: imported once the checks that need neither have passed
+    from dp_cost.lm import model as models
 
     if model in HF_CONFIGS:
         c = HF_CONFIGS[model]

@@ -1,0 +1,54 @@
+"""What a card holds beside the step's own tensors, and whether a step fits it. The fake step
+does not see the CUDA side: the cuBLAS workspaces, the CUDA context and NCCL's buffers
+(``GPU_OVERHEADS``: measured, with the card and the scripts that measured them), and the
+caching allocator, whose rules ``capacity.allocator`` replays over the step's requests: a step
+fits when every request finds a place on the card."""
+
+from __future__ import annotations
+
+from dp_cost.capacity import allocator
+from dp_cost.core.schema import MB
+
+GIB = 2**30
+
+# What a CUDA process holds beside the step's own tensors, measured on an H200 with torch 2.11
+# (benchmarks/README.md, "Will it fit?"): the cuBLAS workspaces a forward and a backward matmul
+# allocate through the caching allocator (benchmarks/cuda_overheads.py) and the CUDA context and
+# libraries (outside torch's counters; the same script), and with several ranks NCCL's buffers
+# (outside torch's counters too: the same script under torchrun, 2 ranks over NVLink with
+# NCCL_NVLS_ENABLE=0, after an all-reduce, an all-gather and a reduce-scatter; NVLink SHARP,
+# NCCL's default on NVSwitch hosts, and more ranks can take more). What the allocator's
+# fragmentation takes is not a margin: ``capacity.allocator`` replays the step's requests.
+GPU_OVERHEADS = {
+    "cublas_workspace_bytes": 64 * MB,  # two of 32 MiB (Hopper): forward and backward thread
+    "cuda_context_bytes": 785_186_816,  # about 749 MiB
+    "nccl_buffers_bytes": 878_706_688,  # about 838 MiB a rank, 2 x H200 over NVLink
+    "measured_on": "NVIDIA H200, torch 2.11.0+cu130, NCCL 2.28.3, 2026-11-27",
+}
+
+
+def allocator_room_bytes(budget_gib: float, world_size: int = 1) -> int:
+    """What torch's caching allocator can reserve on a card of ``budget_gib`` GiB: the card
+    less the CUDA context, and NCCL's buffers when there are several ranks."""
+    nccl = GPU_OVERHEADS["nccl_buffers_bytes"] if world_size > 1 else 0
+    return int(budget_gib * GIB) - GPU_OVERHEADS["cuda_context_bytes"] - nccl
+
+
+def planned_requests(prediction: dict) -> list[tuple[int, int]]:
+    """The requests the caching allocator gets: the fake step's (the model and trainer built,
+    a warm-up step, the recorded step), with the two cuBLAS workspaces the warm-up's first
+    forward and backward matmul allocate (negative keys: no storage has them)."""
+    workspace = GPU_OVERHEADS["cublas_workspace_bytes"] // 2
+    return [*prediction["requests"], (-1, workspace), (-2, workspace), *prediction["step_requests"]]
+
+
+def reserved_peak(prediction: dict) -> int:
+    """The most the caching allocator would reserve for the step on an unlimited card."""
+    return allocator.replay(planned_requests(prediction)).peak_reserved_bytes
+
+
+def fits(prediction: dict, budget_gib: float, world_size: int = 1) -> bool:
+    """The step runs on the card: the allocator places every request within its room (returning
+    its wholly free segments to the card first where it must, as torch's does)."""
+    room = allocator_room_bytes(budget_gib, world_size)
+    return not allocator.replay(planned_requests(prediction), room).out_of_memory
