@@ -18,6 +18,12 @@ STATUSES = ("ok", "oom", "error", "skipped")
 FINISHED = ("ok", "oom", "skipped")  # statuses --resume does not run again
 EXIT_OK, EXIT_CONFIG_ERROR, EXIT_BAD_ARGS, EXIT_INTERRUPTED, EXIT_TERMINATED = 0, 1, 2, 130, 143
 
+
+def exit_code_of(results: list[dict]) -> int:
+    """A run's exit code from its results: a config that failed with an error fails the run."""
+    return EXIT_CONFIG_ERROR if any(r["status"] == "error" for r in results) else EXIT_OK
+
+
 # ---------------------------------------------------------------- trainers, as reports show them
 # Canonical order and titles; a trainer not listed (a new one) sorts last, titled by its name.
 TRAINER_ORDER = ("standard", "dpsgd", "ghost", "flash")

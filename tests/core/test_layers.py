@@ -41,6 +41,7 @@ ALLOWED = {
         "dp_cost.flash",
         "dp_cost.hf",
         "dp_cost.parallel",
+        "dp_cost.report",
         "dp_cost.stepping",
         "dp_cost.training",
     },  # fmt: skip
