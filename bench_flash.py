@@ -27,11 +27,12 @@ import torch
 
 import models
 from dp_cost.core.files import atomic_write, write_json
-from dp_cost.core.settings import ExperimentConfig, default_attention
+from dp_cost.core.settings import default_attention
 from dp_cost.flash import engine as flash_clip
 from dp_cost.flash.clip import ClipFactors, accumulate_weighted_sums
 from dp_cost.flash.rules.linear import direct_squared_norms, gram_squared_norms, linear_route
 from dp_cost.measure import processes
+from dp_cost.measure.config import ExperimentConfig
 from dp_cost.report import step_goals
 from dp_cost.report import summary as report
 

@@ -23,6 +23,7 @@ import sys
 from dp_cost.core import interrupts, rundir
 from dp_cost.core.fmt import did_you_mean
 from dp_cost.core.interrupts import say
+from dp_cost.core.modes import MODES
 from dp_cost.core.reading import (
     MAX_BYTES,
     MAX_RESULT_BYTES,
@@ -32,7 +33,7 @@ from dp_cost.core.reading import (
     size_words,
 )
 from dp_cost.core.schema import EXIT_BAD_ARGS, EXIT_CONFIG_ERROR, EXIT_OK, exit_code_of
-from dp_cost.core.settings import HF_SETTINGS, MODES, SETTINGS, UsageError
+from dp_cost.core.settings import HF_SETTINGS, SETTINGS, UsageError
 from dp_cost.ncu import summary as ncu_summary
 from dp_cost.report import summary
 

@@ -28,8 +28,8 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from dp_cost.core.settings import ExperimentConfig  # noqa: E402
 from dp_cost.measure import allocator, capacity, fake_step, worker  # noqa: E402
+from dp_cost.measure.config import ExperimentConfig  # noqa: E402
 from dp_cost.measure.workload import Workload  # noqa: E402
 
 LARGE = 100 * 2**20  # requests compared one by one: the ones that move a peak

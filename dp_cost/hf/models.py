@@ -1,7 +1,7 @@
 """Hugging Face Llama sequence classifiers from the configs the project ships, and LoRA.
 
-Architectures come from ``hf.configs.HF_CONFIGS`` and are built with random weights directly on
-the target device; ``pretrained=True`` is the only path that touches the Hub.
+Architectures come from ``core.hf_architectures.HF_CONFIGS`` and are built with random weights
+directly on the target device; ``pretrained=True`` is the only path that touches the Hub.
 
 Decisions (see ``build_hf_model``):
 - HF's ``LlamaRMSNorm`` is a custom module that no Opacus grad sampler and no flash norm rule
@@ -31,9 +31,9 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from dp_cost.core.hf_architectures import HF_CONFIGS
 from dp_cost.hf.configs import (
     ATTENTION_IMPLEMENTATIONS,
-    HF_CONFIGS,
     LORA_TARGET_MODULES,
     NUM_LABELS,
     PAD_TOKEN_ID,

@@ -13,20 +13,20 @@ import math
 import sys
 from dataclasses import dataclass
 
+from dp_cost.core.hf_architectures import HF_CONFIGS
+from dp_cost.core.modes import MODES
 from dp_cost.core.schema import TRAINER_ORDER, canonical_trainer_name
 from dp_cost.core.settings import (
     BY_NAME,
     CONFIG_FIELDS,
     HF_SETTINGS,
     MODEL_OVERRIDES,
-    MODES,
     SETTINGS,
-    ExperimentConfig,
     UsageError,
     default_attention,
 )
 from dp_cost.hf import snli_file
-from dp_cost.hf.configs import HF_CONFIGS
+from dp_cost.measure.config import ExperimentConfig
 from dp_cost.measure.model_facts import bytes_lower_bound, model_max_seq_len, parameter_count
 from dp_cost.parallel import ranks
 from dp_cost.parallel.mode import distributed_mode, fsdp_sync_refusal

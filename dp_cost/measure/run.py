@@ -24,8 +24,9 @@ from dp_cost.core.fmt import count
 from dp_cost.core.interrupts import say
 from dp_cost.core.reading import read_json_or_none
 from dp_cost.core.schema import EXIT_BAD_ARGS, STATUSES, exit_code_of
-from dp_cost.core.settings import UsageError, changed_settings
+from dp_cost.core.settings import UsageError
 from dp_cost.measure import processes
+from dp_cost.measure.config import changed_settings
 from dp_cost.report import run_info, summary
 from dp_cost.report.run_info import RUN_FILE
 

@@ -14,6 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, ClassVar
 
+from dp_cost.core.schema import FSDP_SYNCS
 from dp_cost.parallel.ranks import share
 
 if TYPE_CHECKING:
@@ -23,9 +24,6 @@ if TYPE_CHECKING:
 # GatheredGradients) at this many ranks: the one count where an all-gather moves no more bytes
 # than an all-reduce.
 GATHER_RANKS = 2
-# FSDP2's gradient sync (--fsdp_sync): reduce-scatter after every physical chunk, or hold the
-# unsharded gradients over the chunks and reduce-scatter once, after the logical batch's last.
-FSDP_SYNCS = ("chunk", "logical")
 
 
 def fsdp_sync_refusal(distributed: str, fsdp_sync: str) -> str | None:
@@ -154,6 +152,8 @@ class FullyShardedDataParallel(OverRanks):
         return buckets.ShardedGradients(held) if is_last else buckets.HeldSums(held)
 
 
+# By name, in the order of core.schema.DISTRIBUTED_MODES (the --distributed choices; a test
+# keeps the two equal).
 MODES: dict[str, type[SingleProcess]] = {
     mode.name: mode for mode in (SingleProcess, DataParallel, FullyShardedDataParallel)
 }

@@ -22,8 +22,8 @@ from cli_helpers import ROOT, SMALL_MODEL
 
 import profiling_script
 from dp_cost.core import reading
+from dp_cost.core.reading import DATASET_MAX_BYTES, DATASET_MAX_LINE_BYTES
 from dp_cost.core.schema import FINISHED
-from dp_cost.hf.configs import DATASET_MAX_BYTES, DATASET_MAX_LINE_BYTES
 from dp_cost.measure import plan, processes, run
 from dp_cost.report import summary as report
 

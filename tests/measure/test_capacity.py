@@ -15,8 +15,8 @@ import torch
 from torch.distributed._tools.mem_tracker import MemTracker
 
 import models
-from dp_cost.core.settings import ExperimentConfig
 from dp_cost.measure import capacity, fake_step, plan, worker
+from dp_cost.measure.config import ExperimentConfig
 from dp_cost.report import capacity as report_capacity
 from tests.cli_helpers import SMALL_MODEL, cli
 from tests.measure.held_state import held_state_bytes

@@ -9,8 +9,8 @@ import os
 import pytest
 
 from dp_cost.core.files import write_json
-from dp_cost.core.settings import ExperimentConfig
 from dp_cost.measure import processes
+from dp_cost.measure.config import ExperimentConfig
 from dp_cost.measure.worker import result_skeleton
 
 

@@ -9,8 +9,8 @@ import pytest
 from ncu_testdata import SCRIPT, fake_ncu
 
 from dp_cost.core.files import write_json
-from dp_cost.core.settings import ExperimentConfig
 from dp_cost.measure import processes
+from dp_cost.measure.config import ExperimentConfig
 from dp_cost.measure.worker import result_skeleton
 from dp_cost.ncu.command import NCU_MISSING_MESSAGE
 from dp_cost.report import summary as report
