@@ -46,7 +46,7 @@ ALLOWED = {
         "dp_cost.training",
     },  # fmt: skip
 }
-MODULE_WARN_LINES, MODULE_MAX_LINES = 500, 700  # past the first: look for the seam
+MODULE_WARN_LINES, MODULE_MAX_LINES = 400, 450  # past the first: look for the seam
 
 
 def modules() -> dict[str, str]:
@@ -180,7 +180,8 @@ def test_private_imports_are_found(tmp_path):
 @pytest.mark.parametrize("name", sorted(MODULES))
 def test_module_size_budget(name):
     """Modules are sized by concept: past MODULE_WARN_LINES a warning (look for the seam), past
-    MODULE_MAX_LINES a failure. Nobody deletes a useful line to stay under a cap."""
+    MODULE_MAX_LINES (tests aside) a failure. Nobody deletes a useful line to stay under a
+    cap."""
     with open(MODULES[name], encoding="utf-8") as f:
         lines = sum(1 for _ in f)
     assert lines <= MODULE_MAX_LINES, f"{name}: {lines} lines"

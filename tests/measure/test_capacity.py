@@ -343,7 +343,7 @@ def test_several_ranks_leave_nccl_its_buffers():
 def test_a_search_by_runs_is_told_as_it_ended(search, probes, told):
     """The run's line: what runs, and "the next one does not" only where a larger probe ran out
     of memory (not at the model's longest sequence, where none is probed)."""
-    from dp_cost.measure import processes
+    from dp_cost.measure import progress
 
     chosen = capacity.SEARCHES[search]
     largest = max((value for value, status in probes if status == "ok"), default=0)
@@ -355,7 +355,7 @@ def test_a_search_by_runs_is_told_as_it_ended(search, probes, told):
             "probes": [{chosen.probed: value, "status": status} for value, status in probes],
         },
     }
-    line = processes.describe(result)
+    line = progress.describe(result)
     assert f"found by {len(probes)} runs: " in line and told in line
     assert ("the next one does not" in line) == ("the next one does not" in told)
 
