@@ -27,11 +27,12 @@ import torch
 
 import models
 from dp_cost.core.files import atomic_write, write_json
-from dp_cost.core.settings import ExperimentConfig, default_attention
+from dp_cost.core.settings import default_attention
 from dp_cost.flash import engine as flash_clip
 from dp_cost.flash.clip import ClipFactors, accumulate_weighted_sums
 from dp_cost.flash.rules.linear import direct_squared_norms, gram_squared_norms, linear_route
 from dp_cost.measure import processes
+from dp_cost.measure.config import ExperimentConfig
 from dp_cost.report import step_goals
 from dp_cost.report import summary as report
 
@@ -282,7 +283,7 @@ def step_plan(args, shapes) -> list[ExperimentConfig]:
     return with_graphs(configs) if args.cuda_graph else configs
 
 
-def main(argv=None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("what", choices=("kernels", "steps"))
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="bfloat16")
@@ -308,11 +309,49 @@ def main(argv=None) -> int:
     parser.add_argument("--warmup_steps", type=int, default=2)
     parser.add_argument("--output_dir", default="./runs")
     parser.add_argument("--run_name", default=None)
-    args = parser.parse_args(argv)
+    return parser
+
+
+def parse_shapes(words: list[str] | None) -> list[tuple[int, int]] | None:
+    """--shapes' BxT words as (batch, seq) pairs (None when not given); ValueError if one is
+    not a pair of positive numbers."""
+    shapes = [tuple(int(v) for v in s.lower().split("x")) for s in words or []] or None
+    if shapes and any(len(s) != 2 or min(s) <= 0 for s in shapes):
+        raise ValueError
+    return shapes
+
+
+def kernels_report(dtype_name: str, shapes, card: str) -> tuple[str, str, str, dict]:
+    """(file name, header, table, JSON payload) of the norm routes per Linear shape."""
+    rows, rates = kernel_rows(getattr(torch, dtype_name), shapes)
+    header = (
+        f"# Flash norm routes per Linear shape of 1b, {dtype_name}, {card}\n\n"
+        f"Measured now: GEMM {rates['gemm_flops'] / 1e12:.0f} TFLOP/s, "
+        f"copy {rates['copy_bytes_per_s'] / 1e9:.0f} GB/s (read + write).\n\n"
+    )
+    payload = {"card": card, "dtype": dtype_name, "rates": rates, "rows": rows}
+    return f"bench_kernels_{dtype_name}", header, format_kernel_table(rows), payload
+
+
+def steps_report(configs: list[ExperimentConfig], run_dir: str, card: str):
+    """(file name, header, table, JSON payload) of the step goals, the configs run into
+    ``run_dir`` (and summarised there)."""
+    # Steps run in forked workers: this process must not have touched CUDA beyond the check.
+    results = processes.run_configs(configs, run_dir)
+    rows = step_goals.step_rows(results)
+    header = (
+        f"# Flash Clipping step goals, {card}\n\nHost time and GPU busy: one step after "
+        "the timed ones, traced for CUDA activity alone (host: the step's first CUDA call to "
+        "the end of its last kernel launch).\n\n"
+    )
+    report.write_summary(run_dir, results)
+    return "bench_steps", header, step_goals.format_step_table(rows), {"card": card, "rows": rows}
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
     try:
-        shapes = [tuple(int(v) for v in s.lower().split("x")) for s in args.shapes or []] or None
-        if shapes and any(len(s) != 2 or min(s) <= 0 for s in shapes):
-            raise ValueError
+        shapes = parse_shapes(args.shapes)
     except ValueError:
         print(f"error: --shapes takes BxT pairs like 8x512, got {args.shapes}", file=sys.stderr)
         return 2
@@ -330,28 +369,9 @@ def main(argv=None) -> int:
     run_dir = os.path.join(args.output_dir, run_name)
     os.makedirs(run_dir, exist_ok=True)
     if args.what == "kernels":
-        rows, rates = kernel_rows(getattr(torch, args.dtype), shapes)
-        table = format_kernel_table(rows)
-        header = (
-            f"# Flash norm routes per Linear shape of 1b, {args.dtype}, {card}\n\n"
-            f"Measured now: GEMM {rates['gemm_flops'] / 1e12:.0f} TFLOP/s, "
-            f"copy {rates['copy_bytes_per_s'] / 1e9:.0f} GB/s (read + write).\n\n"
-        )
-        name = f"bench_kernels_{args.dtype}"
-        payload = {"card": card, "dtype": args.dtype, "rates": rates, "rows": rows}
+        name, header, table, payload = kernels_report(args.dtype, shapes, card)
     else:
-        # Steps run in forked workers: this process must not have touched CUDA beyond the check.
-        results = processes.run_configs(configs, run_dir)
-        rows = step_goals.step_rows(results)
-        table = step_goals.format_step_table(rows)
-        header = (
-            f"# Flash Clipping step goals, {card}\n\nHost time and GPU busy: one step after "
-            "the timed ones, traced for CUDA activity alone (host: the step's first CUDA call to "
-            "the end of its last kernel launch).\n\n"
-        )
-        name = "bench_steps"
-        payload = {"card": card, "rows": rows}
-        report.write_summary(run_dir, results)
+        name, header, table, payload = steps_report(configs, run_dir, card)
     with atomic_write(os.path.join(run_dir, name + ".md")) as f:
         f.write(header + table + "\n")
     write_json(os.path.join(run_dir, name + ".json"), payload)

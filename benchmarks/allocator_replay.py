@@ -30,8 +30,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from dp_cost.capacity import allocator, fake_step  # noqa: E402
 from dp_cost.capacity.card import GPU_OVERHEADS, planned_requests  # noqa: E402
-from dp_cost.core.settings import ExperimentConfig  # noqa: E402
 from dp_cost.measure import worker  # noqa: E402
+from dp_cost.measure.config import ExperimentConfig  # noqa: E402
 from dp_cost.measure.workload import Workload  # noqa: E402
 
 LARGE = 100 * 2**20  # requests compared one by one: the ones that move a peak

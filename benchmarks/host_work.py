@@ -39,7 +39,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 
 from dp_cost.core import kernel_names  # noqa: E402
-from dp_cost.core.settings import MODEL_OVERRIDES, ExperimentConfig  # noqa: E402
+from dp_cost.core.settings import MODEL_OVERRIDES  # noqa: E402
+from dp_cost.measure.config import ExperimentConfig  # noqa: E402
 from dp_cost.measure.python_gc import GarbageCollections  # noqa: E402
 from dp_cost.measure.steps import synchronize  # noqa: E402
 from dp_cost.measure.worker import build_trainer  # noqa: E402

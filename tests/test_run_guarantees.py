@@ -100,7 +100,7 @@ def test_a_second_process_on_a_locked_run_directory_stops(tmp_path, capsys):
 
 
 def test_two_runs_in_the_same_second_with_the_default_name_both_run(tmp_path, monkeypatch):
-    monkeypatch.setattr(profiling_script.time, "strftime", lambda fmt: "20260101_000000")
+    monkeypatch.setattr(time, "strftime", lambda fmt: "20260101_000000")
     args = small_run_args(tmp_path, "standard", run_name=None)
     assert profiling_script.main(args) == 0
     assert profiling_script.main(args) == 0

@@ -17,9 +17,8 @@ import pytest
 import torch
 from cli_helpers import ROOT, in_process, results_in, small_run_args
 
-import profiling_script
 from dp_cost.core import interrupts
-from dp_cost.measure import processes, quiet
+from dp_cost.measure import processes, quiet, run
 from dp_cost.report import summary
 
 TOKEN = "hf_NotARealTokenButLooksLikeOne123"
@@ -256,7 +255,7 @@ def test_an_interrupt_before_any_config_removes_the_run_directory_and_says_how_t
     def interrupted_record(run_dir, command):
         signal.raise_signal(signal.SIGHUP)
 
-    monkeypatch.setattr(profiling_script, "record_run", interrupted_record)
+    monkeypatch.setattr(run, "record_run", interrupted_record)
     proc = in_process(*small_run_args(tmp_path, "standard"))
     assert proc.returncode == 143
     assert "Interrupted before any config ran." in proc.stderr

@@ -304,60 +304,14 @@ def step_timeline(events: list[dict], step_range: str = STEP_RANGE) -> dict:
 
     Raises ValueError when the trace has no such range or no GPU activity in it (a CPU trace).
     """
-
-    def interval(e):
-        ts, dur = _number(e.get("ts")), _number(e.get("dur"))
-        return None if ts is None or dur is None else (ts, ts + dur)
-
-    windows = [
-        span
-        for e in events
-        if e.get("name") == step_range
-        and e.get("ph") == "X"
-        and not str(e.get("cat", "")).startswith("gpu_")
-        and (span := interval(e))
-    ]
-    if not windows:
-        windows = [
-            span
-            for e in events
-            if str(e.get("name", "")).startswith("ProfilerStep#")
-            and e.get("ph") == "X"
-            and (span := interval(e))
-        ]
-    if not windows:
-        calls = [
-            (span, bool(_LAUNCH.search(str(e.get("name", "")))))
-            for e in events
-            if e.get("cat") in ("cuda_runtime", "cuda_driver") and (span := interval(e))
-        ]
-        ends = [b for (_, b), launch in calls if launch] or [b for (_, b), _ in calls]
-        if calls:
-            windows = [(min(a for (a, _), _ in calls), max(ends))]
-    if not windows:
-        raise ValueError(f"no {step_range!r} or ProfilerStep range, nor CUDA calls, in the trace")
-    start, end = max(windows)
-    launches, launch_end, wait_us = set(), None, 0.0
-    for e in events:
-        span = interval(e)
-        if e.get("cat") not in ("cuda_runtime", "cuda_driver") or not span:
-            continue
-        if not start <= span[0] <= end:
-            continue
-        name = str(e.get("name", ""))
-        if _LAUNCH.search(name):
-            launch_end = span[1] if launch_end is None else max(launch_end, span[1])
-        if _HOST_WAIT.search(name):
-            wait_us += min(span[1], end) - span[0]
-        correlation = (e.get("args") or {}).get("correlation")
-        if correlation is not None:
-            launches.add(correlation)
+    start, end = step_window(events, step_range)
+    launches, launch_end, wait_us = host_calls_in(events, start, end)
     gpu = [
         span
         for e in events
         if str(e.get("cat", "")).lower() in GPU_ACTIVITY_CATEGORIES
         and (e.get("args") or {}).get("correlation") in launches
-        and (span := interval(e))
+        and (span := event_span(e))
     ]
     if not gpu:
         raise ValueError(f"no GPU activity launched inside the {step_range!r} range")
@@ -372,3 +326,65 @@ def step_timeline(events: list[dict], step_range: str = STEP_RANGE) -> dict:
         "gpu_busy_ms": busy_us / 1000,
         "gpu_busy_fraction": busy_us / wall_us if wall_us > 0 else None,
     }
+
+
+def event_span(event: dict) -> tuple[float, float] | None:
+    """(start, end) of a complete event in microseconds; None without both numbers."""
+    ts, dur = _number(event.get("ts")), _number(event.get("dur"))
+    return None if ts is None or dur is None else (ts, ts + dur)
+
+
+def step_window(events: list[dict], step_range: str) -> tuple[float, float]:
+    """(start, end) of the step: the last host range named ``step_range``, else the last
+    "ProfilerStep#N", else the first CUDA runtime or driver call to the end of the last launch
+    (see ``step_timeline``)."""
+    windows = [
+        span
+        for e in events
+        if e.get("name") == step_range
+        and e.get("ph") == "X"
+        and not str(e.get("cat", "")).startswith("gpu_")
+        and (span := event_span(e))
+    ]
+    if not windows:
+        windows = [
+            span
+            for e in events
+            if str(e.get("name", "")).startswith("ProfilerStep#")
+            and e.get("ph") == "X"
+            and (span := event_span(e))
+        ]
+    if not windows:
+        calls = [
+            (span, bool(_LAUNCH.search(str(e.get("name", "")))))
+            for e in events
+            if e.get("cat") in ("cuda_runtime", "cuda_driver") and (span := event_span(e))
+        ]
+        ends = [b for (_, b), launch in calls if launch] or [b for (_, b), _ in calls]
+        if calls:
+            windows = [(min(a for (a, _), _ in calls), max(ends))]
+    if not windows:
+        raise ValueError(f"no {step_range!r} or ProfilerStep range, nor CUDA calls, in the trace")
+    return max(windows)
+
+
+def host_calls_in(events: list[dict], start: float, end: float) -> tuple[set, float | None, float]:
+    """The CUDA runtime and driver calls that start inside [start, end]: their correlation ids
+    (the GPU work they launch), the end of the last launch call (None without one) and the
+    microseconds spent waiting (synchronisations, memcpy calls) inside the window."""
+    launches, launch_end, wait_us = set(), None, 0.0
+    for e in events:
+        span = event_span(e)
+        if e.get("cat") not in ("cuda_runtime", "cuda_driver") or not span:
+            continue
+        if not start <= span[0] <= end:
+            continue
+        name = str(e.get("name", ""))
+        if _LAUNCH.search(name):
+            launch_end = span[1] if launch_end is None else max(launch_end, span[1])
+        if _HOST_WAIT.search(name):
+            wait_us += min(span[1], end) - span[0]
+        correlation = (e.get("args") or {}).get("correlation")
+        if correlation is not None:
+            launches.add(correlation)
+    return launches, launch_end, wait_us

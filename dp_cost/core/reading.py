@@ -19,6 +19,10 @@ MAX_BYTES = 512 * 2**20  # a trace is tens of MB; a file over this is not ours
 # floats took a minute and 4.6 GB.
 MAX_RESULT_BYTES = 16 * 2**20
 MAX_TOKEN_BYTES = 4096  # --token_file: a Hugging Face token is about 40 characters
+# --dataset_path: SNLI's JSONL with its parse trees is about 470 MB, a line about 2 kB. Over
+# these caps a file is not a dataset of this task (and reading it would exhaust memory).
+DATASET_MAX_BYTES = 2**30
+DATASET_MAX_LINE_BYTES = 2**20
 MAX_DEPTH = 64  # a result nests 5 levels; json itself recurses (and fails) near 1000
 _GZIP_MAGIC = b"\x1f\x8b"
 

@@ -18,6 +18,19 @@ STATUSES = ("ok", "oom", "error", "skipped")
 FINISHED = ("ok", "oom", "skipped")  # statuses --resume does not run again
 EXIT_OK, EXIT_CONFIG_ERROR, EXIT_BAD_ARGS, EXIT_INTERRUPTED, EXIT_TERMINATED = 0, 1, 2, 130, 143
 
+
+def exit_code_of(results: list[dict]) -> int:
+    """A run's exit code from its results: a config that failed with an error fails the run."""
+    return EXIT_CONFIG_ERROR if any(r["status"] == "error" for r in results) else EXIT_OK
+
+
+# ---------------------------------------------------------------- distribution over ranks
+# --distributed: one process, torch's DDP, FSDP2 (each a mode object: dp_cost.parallel.mode)
+DISTRIBUTED_MODES = ("none", "ddp", "fsdp")
+# FSDP2's gradient sync (--fsdp_sync): reduce-scatter after every physical chunk, or hold the
+# unsharded gradients over the chunks and reduce-scatter once, after the logical batch's last.
+FSDP_SYNCS = ("chunk", "logical")
+
 # ---------------------------------------------------------------- trainers, as reports show them
 # Canonical order and titles; a trainer not listed (a new one) sorts last, titled by its name.
 TRAINER_ORDER = ("standard", "dpsgd", "ghost", "flash")

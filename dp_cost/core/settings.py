@@ -1,10 +1,11 @@
-"""The one table of experiment settings, and what each mode means.
+"""The one table of experiment settings.
 
 Each setting of an experiment is declared once, in ``SETTINGS``: its name (the config field and
 the ``result.json`` config key), default, default per mode, command-line flags, help, whether it
 names the config directory and whether reports compare trainers only among configs equal in it.
-The command-line parser, the experiment plan, ``ExperimentConfig``, the config directory name,
-the reports' comparison keys and ``--resume``'s change check all read this table.
+The command-line parser, the experiment plan, ``ExperimentConfig`` (``measure.config``), the
+config directory name, the reports' comparison keys and ``--resume``'s change check all read
+this table. What each mode does beside its defaults is ``core.modes``.
 """
 
 from __future__ import annotations
@@ -13,69 +14,16 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from dp_cost.core.schema import CLIPPINGS, TRAINER_ALIASES, TRAINER_ORDER
-from dp_cost.hf.configs import DATASET_MAX_BYTES, DATASET_MAX_LINE_BYTES, HF_CONFIGS
-from dp_cost.parallel.mode import FSDP_SYNCS, SingleProcess, distributed_mode
-from dp_cost.parallel.mode import MODES as MODES_OF_DISTRIBUTION
-
-
-@dataclass(frozen=True)
-class Mode:
-    """What ``--mode=<name>`` means: its defaults are the ``modes`` column of ``SETTINGS``; these
-    fields say what it does on a machine without CUDA (when the device is not forced to CPU)."""
-
-    name: str
-    help: str
-    runs: bool = True  # measures (False: renders reports from files)
-    cpu_defaults: str | None = None  # whose defaults apply without CUDA
-    cpu_becomes: bool = False  # ... and the run becomes that mode (name, traces, breakdown)
-    cpu_model: str | None = None  # ... or the model it runs without CUDA when none is named
-    cpu_message: str = ""
-    predicts: bool = False  # predicts on fake tensors: any model, any size, on any machine
-
-
-MODES = {
-    m.name: m
-    for m in (
-        Mode("test", "CPU, tiny model, every trainer, seconds"),
-        Mode(
-            "profile",
-            "GPU, ~1B-parameter model, torch.profiler traces",
-            cpu_defaults="test",
-            cpu_becomes=True,
-            cpu_message="No CUDA device found: --mode=profile runs the CPU test defaults instead.",
-        ),
-        Mode(
-            "memory",
-            "where the peak goes: breakdown on, traces off",
-            cpu_defaults="test",
-            cpu_message="No CUDA device found: the memory breakdown needs one; running the CPU "
-            "test defaults (breakdown fields are null).",
-        ),
-        Mode(
-            "hf",
-            "Hugging Face Llama sequence classifier (LoRA, Poisson sampling, epsilon)",
-            cpu_model="tiny-llama",
-            cpu_message="No CUDA device found: --mode=hf runs on the CPU with {model}, "
-            "with the hf mode's defaults.",
-        ),
-        Mode(
-            "hf_sweep",
-            "seq x batch x physical x LoRA rank sweep of a Hugging Face model",
-            cpu_model="tiny-llama",
-            cpu_message="No CUDA device found: --mode=hf_sweep runs on the CPU with {model}.",
-        ),
-        Mode(
-            "capacity",
-            "predict each trainer's peak memory without a GPU and the largest physical batch "
-            "that fits --gpu_memory",
-            predicts=True,
-        ),
-        Mode("report", "re-render the summary of --input_dir from its result files", runs=False),
-        Mode("ncu_report", "summarise the Nsight Compute reports in --input_dir", runs=False),
-    )
-}
-RUN_MODES = tuple(name for name, mode in MODES.items() if mode.runs)
+from dp_cost.core.hf_architectures import HF_CONFIGS
+from dp_cost.core.modes import RUN_MODES
+from dp_cost.core.reading import DATASET_MAX_BYTES, DATASET_MAX_LINE_BYTES
+from dp_cost.core.schema import (
+    CLIPPINGS,
+    DISTRIBUTED_MODES,
+    FSDP_SYNCS,
+    TRAINER_ALIASES,
+    TRAINER_ORDER,
+)
 
 
 class UsageError(Exception):
@@ -258,7 +206,7 @@ SETTINGS: tuple[Setting, ...] = (
         "from --seed (Hugging Face: one global Poisson draw) and takes its own slice "
         "(default: none)",
         flags=("--distributed",),
-        choices=tuple(MODES_OF_DISTRIBUTION),
+        choices=DISTRIBUTED_MODES,
         dir_part=lambda c: c.distributed_mode.dir_part(),
         compare=True,
     ),
@@ -488,94 +436,8 @@ def default_attention(model: str) -> str:
     return "sdpa" if model in HF_CONFIGS else "explicit"
 
 
-AXES_REQUIRED = ("trainer", "batch_size", "seq_len")  # no default: every config names them
-
-
-@dataclass
-class ExperimentConfig:
-    """One measured configuration: one field per row of ``SETTINGS`` (a test keeps the two
-    equal: names, order and defaults)."""
-
-    trainer: str
-    batch_size: int
-    seq_len: int
-    max_physical_batch_size: int | None = None
-    lora_rank: int = 16
-    dtype: str = "float32"
-    attention: str = "explicit"
-    activation_checkpointing: bool = False
-    cuda_graph: bool = False
-    model: str = "tiny"
-    distributed: str = "none"
-    world_size: int = 1
-    fsdp_sync: str = "chunk"
-    optimizer: str = "sgd"
-    lr: float = 1e-4
-    noise_multiplier: float = 1.0
-    max_grad_norm: float = 1.0
-    clipping: str = "flat"
-    steps: int = 3
-    warmup_steps: int = 1
-    seed: int = 0
-    device: str = "cpu"
-    flash_route: str = "auto"
-    trace: bool = True
-    trace_gzip: bool | None = None
-    breakdown: bool = False
-    save_snapshot: bool = False
-    ncu: bool = False
-    detailed_memory: bool = False
-    use_lora: bool = False
-    pretrained: bool = False
-    dataset_path: str | None = None
-    dataset_size: int = 10000
-    poisson: bool = True
-    delta: float = 1e-5
-    capacity: bool = False
-    gpu_memory: list | None = None
-    find_max_batch: bool = False
-    find_max_seq_len: bool = False
-    validate: bool = False
-    model_overrides: dict = field(default_factory=dict)
-    default_model: str = "tiny"
-
-    @property
-    def physical_batch_size(self) -> int:
-        """Per rank: the logical batch's share of one rank unless --max_physical_batch_size."""
-        return self.max_physical_batch_size or self.batch_size // self.world_size
-
-    @property
-    def default_attention(self) -> str:
-        return default_attention(self.model)
-
-    @property
-    def distributed_mode(self) -> SingleProcess:
-        """The distributed mode as an object (what differs between one process, DDP, FSDP2)."""
-        return distributed_mode(self.distributed, self.world_size)
-
-    @property
-    def config_dir(self) -> str:
-        """``<trainer>_bs<B>_seq<T>`` plus the parts of settings that differ from their
-        default."""
-        return "".join(part for s in SETTINGS if s.dir_part and (part := s.dir_part(self)))
-
-    def to_dict(self) -> dict:
-        """The config as ``result.json`` records it."""
-        data = {s.name: getattr(self, s.name) for s in CONFIG_FIELDS if s.recorded}
-        data["model_overrides"] = dict(self.model_overrides or {})
-        data["physical_batch_size"] = self.physical_batch_size
-        return data
-
-
 def comparison_key(config: dict, leave_out: str | None = None) -> tuple:
     """Everything but the trainer that reports compare on: configs with equal keys (from
     ``result.json``'s config) are the same shape, measured by different trainers. ``leave_out``:
     a setting's name, for configs that differ at most in that setting (a sweep's series)."""
     return tuple(s.value_in(config) for s in SETTINGS if s.compare and s.name != leave_out)
-
-
-def changed_settings(old: dict, new: dict) -> list[str]:
-    """Recorded settings whose value differs between two configs' dicts; a setting added after
-    ``old`` was written reads as its default there."""
-    defaults = ExperimentConfig(trainer="", batch_size=0, seq_len=0).to_dict()
-    return sorted(k for k in new if old.get(k, defaults.get(k)) != new[k])

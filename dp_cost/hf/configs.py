@@ -1,99 +1,20 @@
-"""The Hugging Face architectures this project ships, as plain data (no torch, no download).
-
-``HF_CONFIGS`` holds the public ``config.json`` values of Meta's Llama 3.x checkpoints (base and
--Instruct share one), copied here so nothing is fetched: ``hf.models`` builds them with random
-weights. ``tiny-llama`` is the CPU test model on the same code path. Token ids: ``PAD_TOKEN_ID``
-0 and ``SEP_TOKEN_ID`` 1 for every config (Llama 3 ships no pad id); data tokens are drawn from
-[2, vocab).
+"""What the Hugging Face task takes as plain data (no torch): token ids, labels, LoRA's target
+modules, attention implementations. The architectures themselves are
+``core.hf_architectures.HF_CONFIGS``. Token ids: ``PAD_TOKEN_ID`` 0 and ``SEP_TOKEN_ID`` 1 for
+every config (Llama 3 ships no pad id); data tokens are drawn from [2, vocab).
 """
 
 from __future__ import annotations
+
+# Re-exported: measure/'s capacity modules read the architectures from here.
+from dp_cost.core.hf_architectures import HF_CONFIGS as HF_CONFIGS
 
 PAD_TOKEN_ID = 0
 SEP_TOKEN_ID = 1
 FIRST_CONTENT_ID = 2  # data tokens are drawn from [FIRST_CONTENT_ID, vocab_size)
 NUM_LABELS = 3  # SNLI: 0 entailment, 1 neutral, 2 contradiction
 SNLI_LABELS = {"entailment": 0, "neutral": 1, "contradiction": 2}
-# --dataset_path: SNLI's JSONL with its parse trees is about 470 MB, a line about 2 kB. Over
-# these caps a file is not a dataset of this task (and reading it would exhaust memory).
-DATASET_MAX_BYTES = 2**30
-DATASET_MAX_LINE_BYTES = 2**20
 LORA_TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 ATTENTION_IMPLEMENTATIONS = {"sdpa": "sdpa", "eager": "eager", "explicit": "eager"}
 
-# Llama 3's RoPE frequency scaling ("llama3" rope type), as in the public config.json files.
-_LLAMA3_ROPE = {
-    "rope_type": "llama3",
-    "factor": 32.0,
-    "high_freq_factor": 4.0,
-    "low_freq_factor": 1.0,
-    "original_max_position_embeddings": 8192,
-}
-_LLAMA_3_2_1B = {
-    "vocab_size": 128256,
-    "hidden_size": 2048,
-    "intermediate_size": 8192,
-    "num_hidden_layers": 16,
-    "num_attention_heads": 32,
-    "num_key_value_heads": 8,
-    "head_dim": 64,
-    "max_position_embeddings": 131072,
-    "rope_theta": 500000.0,
-    "rope_scaling": _LLAMA3_ROPE,
-    "rms_norm_eps": 1e-5,
-    "tie_word_embeddings": True,
-    "hidden_act": "silu",
-    "attention_bias": False,
-    "mlp_bias": False,
-}
-_LLAMA_3_2_3B = {
-    **_LLAMA_3_2_1B,
-    "hidden_size": 3072,
-    "num_hidden_layers": 28,
-    "num_attention_heads": 24,
-    "head_dim": 128,
-}
-_LLAMA_3_1_8B = {
-    **_LLAMA_3_2_1B,
-    "hidden_size": 4096,
-    "intermediate_size": 14336,
-    "num_hidden_layers": 32,
-    "num_attention_heads": 32,
-    "head_dim": 128,
-    "rope_scaling": {**_LLAMA3_ROPE, "factor": 8.0},
-    "tie_word_embeddings": False,
-}
-# Planned with --mode=capacity (built on the meta device there); measuring it needs a sharded
-# build over several cards.
-_LLAMA_3_1_70B = {
-    **_LLAMA_3_1_8B,
-    "hidden_size": 8192,
-    "intermediate_size": 28672,
-    "num_hidden_layers": 80,
-    "num_attention_heads": 64,
-}
-# CPU test model: the Llama-3.2 code path (GQA, llama3 RoPE, tied config) at ~90k parameters.
-_TINY_LLAMA = {
-    **_LLAMA_3_2_1B,
-    "vocab_size": 256,
-    "hidden_size": 64,
-    "intermediate_size": 128,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "head_dim": 16,
-}
-
-# Architecture configs (LlamaConfig keyword arguments). Base and -Instruct checkpoints share one.
-HF_CONFIGS: dict[str, dict] = {
-    "meta-llama/Llama-3.2-1B-Instruct": _LLAMA_3_2_1B,
-    "meta-llama/Llama-3.2-1B": _LLAMA_3_2_1B,
-    "meta-llama/Llama-3.2-3B-Instruct": _LLAMA_3_2_3B,
-    "meta-llama/Llama-3.2-3B": _LLAMA_3_2_3B,
-    "meta-llama/Llama-3.1-8B-Instruct": _LLAMA_3_1_8B,
-    "meta-llama/Llama-3.1-8B": _LLAMA_3_1_8B,
-    "meta-llama/Llama-3.1-70B-Instruct": _LLAMA_3_1_70B,
-    "meta-llama/Llama-3.1-70B": _LLAMA_3_1_70B,
-    "tiny-llama": _TINY_LLAMA,
-}
 DEFAULT_HF_MODEL = "meta-llama/Llama-3.2-3B-Instruct"

@@ -1,7 +1,7 @@
 """Hugging Face Llama sequence classifiers from the configs the project ships, and LoRA.
 
-Architectures come from ``hf.configs.HF_CONFIGS`` and are built with random weights directly on
-the target device; ``pretrained=True`` is the only path that touches the Hub.
+Architectures come from ``core.hf_architectures.HF_CONFIGS`` and are built with random weights
+directly on the target device; ``pretrained=True`` is the only path that touches the Hub.
 
 Decisions (see ``build_hf_model``):
 - HF's ``LlamaRMSNorm`` is a custom module that no Opacus grad sampler and no flash norm rule
@@ -31,9 +31,9 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from dp_cost.core.hf_architectures import HF_CONFIGS
 from dp_cost.hf.configs import (
     ATTENTION_IMPLEMENTATIONS,
-    HF_CONFIGS,
     LORA_TARGET_MODULES,
     NUM_LABELS,
     PAD_TOKEN_ID,
@@ -269,8 +269,6 @@ def build_hf_model(
     ``info``: trainable_params, frozen_params, config (name), lora_rank (None without LoRA),
     empty_weights.
     """
-    from transformers import LlamaForSequenceClassification
-
     device = torch.device(device)
     if pretrained:
         model = _load_pretrained(
@@ -283,14 +281,7 @@ def build_hf_model(
             attention=attention,
         )
     else:
-        from accelerate import init_empty_weights
-
-        config = hf_config(name, num_labels=num_labels, attention=attention)
-        empty = (
-            init_empty_weights(include_buffers=False) if empty_weights else contextlib.nullcontext()
-        )
-        with device, _default_dtype(dtype), empty:
-            model = LlamaForSequenceClassification(config)
+        model = _build_random(name, num_labels, attention, device, dtype, empty_weights)
     model.config.pad_token_id = PAD_TOKEN_ID
     swap_rms_norms(model)
     # A sequence classifier has no LM head, so tie_word_embeddings ties nothing; make sure.
@@ -303,17 +294,33 @@ def build_hf_model(
     if not pretrained and not empty_weights and device.type != "meta":
         initialize_weights(model, seed)
     model.train()
+    return model, model_info(model, name, lora_rank if use_lora else None, empty_weights)
+
+
+def _build_random(name, num_labels, attention, device, dtype, empty_weights) -> nn.Module:
+    """The architecture of ``name`` built directly on ``device`` in ``dtype`` (its parameters on
+    the meta device with ``empty_weights``), not yet initialized."""
+    from accelerate import init_empty_weights
+    from transformers import LlamaForSequenceClassification
+
+    config = hf_config(name, num_labels=num_labels, attention=attention)
+    empty = init_empty_weights(include_buffers=False) if empty_weights else contextlib.nullcontext()
+    with device, _default_dtype(dtype), empty:
+        return LlamaForSequenceClassification(config)
+
+
+def model_info(model: nn.Module, name: str, lora_rank: int | None, empty_weights: bool) -> dict:
+    """build_hf_model's ``info``: parameter counts, the config's name, the LoRA rank."""
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     total = sum(p.numel() for p in model.parameters())
-    info = {
+    return {
         "trainable_params": trainable,
         "frozen_params": total - trainable,
         "config": name,
-        "lora_rank": lora_rank if use_lora else None,
+        "lora_rank": lora_rank,
         # the parameters left on the meta device for each rank to materialize its FSDP2 shards
         "empty_weights": empty_weights,
     }
-    return model, info
 
 
 def sequence_classification_loss(

@@ -9,8 +9,14 @@ import json
 import os
 from collections.abc import Iterator
 
-from dp_cost.core.reading import UnreadableFile, open_regular, size_words
-from dp_cost.hf.configs import DATASET_MAX_BYTES, DATASET_MAX_LINE_BYTES, SNLI_LABELS
+from dp_cost.core.reading import (
+    DATASET_MAX_BYTES,
+    DATASET_MAX_LINE_BYTES,
+    UnreadableFile,
+    open_regular,
+    size_words,
+)
+from dp_cost.hf.configs import SNLI_LABELS
 
 
 class DatasetError(ValueError):

@@ -75,7 +75,42 @@ def attribute_peak(
     allocating stack.
     Pure function: unit-tested on CPU with recorded fixtures and synthetic cases.
     """
-    # addr -> (size, index of the alloc event or None if alive at the start, markers seen before)
+    peak, freed_before_next_marker = replay_to_peak(trace, initial_blocks)
+    breakdown = {key: 0 for key in BREAKDOWN_KEYS}
+    sources: dict[tuple[str, str], int] = {}
+    before, after = peak["markers"], peak["markers"] + 1
+    for addr, (size, event_index, alloc_markers) in peak["live"].items():
+        role = None
+        if after < len(identities) and (addr, event_index) not in freed_before_next_marker:
+            role = identities[after].get(addr)
+        if role is None and alloc_markers < before and before < len(identities):
+            role = identities[before].get(addr)
+        if role is None and alloc_markers < 0:
+            role = identities[0].get(addr) if identities else None
+        how = "identity"
+        if role is None:
+            frames = trace[event_index].get("frames", []) if event_index is not None else []
+            role = classify_frames(frames, sites) if event_index is not None else "other"
+            how = _signature(frames) if event_index is not None else "(alive before the step)"
+        breakdown[f"{role}_mb"] += size
+        sources[(role, how)] = sources.get((role, how), 0) + size
+    top = sorted(sources.items(), key=lambda item: -item[1])[:15]
+    return {
+        "peak_bytes": peak["total"],
+        "peak_phase": before,
+        "breakdown_bytes": breakdown,
+        # Where each category's bytes came from: "identity" or the allocating frames.
+        "top_sources": [{"role": r, "source": h, "bytes": b} for (r, h), b in top],
+    }
+
+
+def replay_to_peak(
+    trace: list[dict], initial_blocks: dict[int, int]
+) -> tuple[dict, set[tuple[int, int | None]]]:
+    """The live blocks at the trace's peak (``{"total", "live", "markers"}``: bytes, addr ->
+    (size, index of the alloc event or None if alive at the start, markers seen before its
+    alloc), the markers passed by then), and the (addr, alloc index) of the blocks freed between
+    the peak and the next marker. Marker allocations count as markers, not bytes."""
     live: dict[int, tuple[int, int | None, int]] = {
         addr: (size, None, -1) for addr, size in initial_blocks.items()
     }
@@ -108,32 +143,7 @@ def attribute_peak(
             total -= block[0]
             if markers == peak["markers"]:  # between the peak and the next marker
                 freed_before_next_marker.add((addr, block[1]))
-    breakdown = {key: 0 for key in BREAKDOWN_KEYS}
-    sources: dict[tuple[str, str], int] = {}
-    before, after = peak["markers"], peak["markers"] + 1
-    for addr, (size, event_index, alloc_markers) in peak["live"].items():
-        role = None
-        if after < len(identities) and (addr, event_index) not in freed_before_next_marker:
-            role = identities[after].get(addr)
-        if role is None and alloc_markers < before and before < len(identities):
-            role = identities[before].get(addr)
-        if role is None and alloc_markers < 0:
-            role = identities[0].get(addr) if identities else None
-        how = "identity"
-        if role is None:
-            frames = trace[event_index].get("frames", []) if event_index is not None else []
-            role = classify_frames(frames, sites) if event_index is not None else "other"
-            how = _signature(frames) if event_index is not None else "(alive before the step)"
-        breakdown[f"{role}_mb"] += size
-        sources[(role, how)] = sources.get((role, how), 0) + size
-    top = sorted(sources.items(), key=lambda item: -item[1])[:15]
-    return {
-        "peak_bytes": peak["total"],
-        "peak_phase": before,
-        "breakdown_bytes": breakdown,
-        # Where each category's bytes came from: "identity" or the allocating frames.
-        "top_sources": [{"role": r, "source": h, "bytes": b} for (r, h), b in top],
-    }
+    return peak, freed_before_next_marker
 
 
 def _signature(frames: list[dict]) -> str:

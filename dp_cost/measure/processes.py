@@ -17,7 +17,6 @@ import signal
 import sys
 
 import torch
-from tqdm import tqdm
 
 from dp_cost.capacity.probing import SEARCHES
 from dp_cost.core import files, interrupts
@@ -27,6 +26,7 @@ from dp_cost.core.interrupts import INTERRUPTS
 from dp_cost.core.reading import read_json_or_none
 from dp_cost.core.schema import FINISHED
 from dp_cost.measure import quiet, ranks
+from dp_cost.measure.progress import ProgressBar, describe
 from dp_cost.measure.ranks import RankGroup
 from dp_cost.measure.worker import result_skeleton, worker_main
 from dp_cost.training import registry as trainers
@@ -94,10 +94,7 @@ def _run_configs(configs, run_dir, resume, progress, verbose, group, started) ->
     if group is not None:  # the other ranks run the same workers
         group.broadcast("runs", [not (result or reason) for result, reason in zip(kept, skips)])
     if resume:  # what an earlier interrupted or killed run left behind, in config directories
-        for name in os.listdir(run_dir):
-            path = os.path.join(run_dir, name)
-            if CONFIG_DIR_NAME.match(name) and os.path.isdir(path) and not os.path.islink(path):
-                remove_leftovers(path)
+        remove_run_leftovers(run_dir)
     bar = ProgressBar(len(configs), no_worker) if progress else None
     log = bar.write if bar else print
     results = []
@@ -117,24 +114,14 @@ def _run_configs(configs, run_dir, resume, progress, verbose, group, started) ->
                 log(f"{tag}: running")
                 started.append(config.config_dir)
                 result = run_in_child(context, config, config_path, result_path, verbose)
-                key = next((key for key in SEARCHES if getattr(config, key)), None)
-                if key and (result.get("prediction") or {}).get("card"):
-                    log(f"{tag}: searching the {SEARCHES[key].goal} by runs")
-                    probe = lambda probed, name, path=config_path: run_in_child(  # noqa: E731
-                        context, probed, path, os.path.join(path, name), verbose
-                    )
-                    result[key] = SEARCHES[key].run(config, result["prediction"], probe)
-                    write_json(result_path, result, root=run_dir)
+                say = lambda text, tag=tag: log(f"{tag}: {text}")  # noqa: E731
+                search_by_runs(context, config, result, result_path, run_dir, verbose, say)
             else:
                 log(f"{tag}: running on {count(group.info.world_size, 'rank')}")
                 started.append(config.config_dir)
-                per_rank = run_rank_worker(context, config, config_path, verbose, group, index)
-                for rank, rank_result in enumerate(per_rank[1:], 1):  # other nodes' disks too
-                    rank_path = os.path.join(config_path, f"result.rank{rank}.json")
-                    write_json(rank_path, rank_result, root=run_dir)
-                result = ranks.aggregate(per_rank)
-                write_json(result_path, result, root=run_dir)
-                remove_leftovers(config_path)
+                result = run_over_ranks(
+                    context, config, result_path, run_dir, verbose, group, index
+                )
             if bar and not reason:
                 bar.update()
             log(f"{tag}: {describe(result)}")
@@ -144,51 +131,40 @@ def _run_configs(configs, run_dir, resume, progress, verbose, group, started) ->
     return results
 
 
-class ProgressBar(tqdm):
-    """Configs done and left, elapsed time and an estimate of the rest, on stderr: tqdm's bar
-    redrawn in place on a terminal; one plain line per config elsewhere (a pipe, a log file)."""
+def remove_run_leftovers(run_dir: str) -> None:
+    """What an earlier interrupted or killed run left in the run's config directories."""
+    for name in os.listdir(run_dir):
+        path = os.path.join(run_dir, name)
+        if CONFIG_DIR_NAME.match(name) and os.path.isdir(path) and not os.path.islink(path):
+            remove_leftovers(path)
 
-    FORMAT = (
-        "[{bar:24}] {n}/{total} configs done, {left} left, elapsed {elapsed}, "
-        "estimate {remaining} left"
+
+def search_by_runs(context, config, result: dict, result_path, run_dir, verbose, say) -> None:
+    """--find_max_batch or --find_max_seq_len: the search by runs, each probe its own worker,
+    starting from the prediction of a card; its outcome added to ``result`` (and its file)."""
+    key = next((key for key in SEARCHES if getattr(config, key)), None)
+    if not key or not (result.get("prediction") or {}).get("card"):
+        return
+    say(f"searching the {SEARCHES[key].goal} by runs")
+    config_path = os.path.dirname(result_path)
+    probe = lambda probed, name: run_in_child(  # noqa: E731
+        context, probed, config_path, os.path.join(config_path, name), verbose
     )
+    result[key] = SEARCHES[key].run(config, result["prediction"], probe)
+    write_json(result_path, result, root=run_dir)
 
-    def __init__(self, total: int, done_already: int = 0, stream=None):
-        stream = stream or sys.stderr
-        self.lines = None if stream.isatty() else stream
-        super().__init__(
-            total=total,
-            initial=done_already,
-            file=stream if self.lines is None else open(os.devnull, "w"),  # noqa: SIM115
-            ascii="-#",
-            bar_format=self.FORMAT,
-            mininterval=0,
-        )
-        self.print_line()
 
-    @property
-    def format_dict(self):
-        return {**super().format_dict, "left": self.total - self.n}
-
-    def update(self, n: int = 1):
-        super().update(n)
-        self.print_line()
-
-    def print_line(self):
-        if self.lines is not None:
-            self.lines.write(str(self) + "\n")
-            self.lines.flush()
-
-    def write(self, message: str):  # type: ignore[override]
-        """``message`` on stdout, above the bar."""
-        tqdm.write(message, file=sys.stdout)
-        sys.stdout.flush()
-
-    def close(self):
-        file = self.fp
-        super().close()
-        if self.lines is not None:
-            file.close()
+def run_over_ranks(context, config, result_path, run_dir, verbose, group, index: int) -> dict:
+    """Rank 0's run of a config over the ranks: every rank's result beside the aggregate."""
+    config_path = os.path.dirname(result_path)
+    per_rank = run_rank_worker(context, config, config_path, verbose, group, index)
+    for rank, rank_result in enumerate(per_rank[1:], 1):  # other nodes' disks too
+        rank_path = os.path.join(config_path, f"result.rank{rank}.json")
+        write_json(rank_path, rank_result, root=run_dir)
+    result = ranks.aggregate(per_rank)
+    write_json(result_path, result, root=run_dir)
+    remove_leftovers(config_path)
+    return result
 
 
 def skip_reason(config) -> str | None:
@@ -292,12 +268,7 @@ def stop_worker(process) -> None:
 def run_in_child(
     context, config, config_path, result_path, verbose=False, group=None, index=0
 ) -> dict:
-    earlier = os.path.basename(result_path) + ".previous"
-    # An unfinished earlier attempt (--resume reruns it): kept beside, until this attempt's
-    # result is written (in the config directory, entered without following a link).
-    with files.folder(config_path, root=os.path.dirname(config_path)) as fd:
-        with contextlib.suppress(FileNotFoundError):
-            os.replace(os.path.basename(result_path), earlier, src_dir_fd=fd, dst_dir_fd=fd)
+    earlier = set_aside_earlier_result(config_path, result_path)
     errors, child_errors = context.Pipe(duplex=False)
     stderr = None if verbose else quiet.FilteredStderr()
     rank_setup = None if group is None else (group.info, group.worker_prefix(index))
@@ -310,22 +281,13 @@ def run_in_child(
             "result_name": os.path.basename(result_path),
         },
     )
-    stopped_by = None
     try:
         with interrupts_after_fork(), frozen_heap():
             process.start()
         child_errors.close()
         if stderr is not None:
             stderr.started()
-        process.join(None if group is None else 0.5)
-        while process.is_alive():  # distributed: stop it if another rank's worker failed
-            stopped_by = group.ended_badly_elsewhere(index)
-            if stopped_by is not None:
-                process.join(STOP_GRACE_S)
-                if process.is_alive():
-                    stop_worker(process)
-                break
-            process.join(0.5)
+        stopped_by = wait_for_worker(process, group, index)
     except KeyboardInterrupt:  # Ctrl-C, SIGTERM or SIGHUP (the CLI raises them as one)
         # A second signal must not cut the clean-up short (the CLI restores the handlers).
         interrupts.ignore()
@@ -337,18 +299,9 @@ def run_in_child(
     finally:
         if stderr is not None:
             stderr.close()
-    result = read_json_or_none(result_path)
     reported = last_words(errors)
     errors.close()
-    if stopped_by is not None and (result is None or result.get("status") != "ok"):
-        result = ranks.stopped_result(result_skeleton(config, "error"), stopped_by)
-        write_json(result_path, result, root=os.path.dirname(config_path))
-    elif result is None:  # killed or crashed before writing (segfault, OOM killer's SIGKILL)
-        result = died_result(config, process.exitcode, reported)
-        try:
-            write_json(result_path, result, root=os.path.dirname(config_path))
-        except OSError as error:  # the disk is full for this one too: the summary still has it
-            print(f"{config.config_dir}: could not write result.json: {error}", file=sys.stderr)
+    result = result_of_worker(config, result_path, process.exitcode, reported, stopped_by)
     if os.path.exists(result_path):
         with files.folder(config_path, root=os.path.dirname(config_path)) as fd:
             with contextlib.suppress(FileNotFoundError):
@@ -357,6 +310,49 @@ def run_in_child(
         remove_leftovers(config_path)
     else:  # the other ranks stop their workers if this one failed
         group.post(f"ended/{index}/{group.rank}", {k: result.get(k) for k in ("status", "error")})
+    return result
+
+
+def set_aside_earlier_result(config_path: str, result_path: str) -> str:
+    """An unfinished earlier attempt's result (--resume reruns it), renamed to the name returned
+    and kept beside until this attempt's result is written (in the config directory, entered
+    without following a link)."""
+    earlier = os.path.basename(result_path) + ".previous"
+    with files.folder(config_path, root=os.path.dirname(config_path)) as fd:
+        with contextlib.suppress(FileNotFoundError):
+            os.replace(os.path.basename(result_path), earlier, src_dir_fd=fd, dst_dir_fd=fd)
+    return earlier
+
+
+def wait_for_worker(process, group, index: int):
+    """Wait for the worker to end; distributed, stop it if another rank's worker failed first,
+    and return what that rank reported (None otherwise)."""
+    process.join(None if group is None else 0.5)
+    while process.is_alive():
+        stopped_by = group.ended_badly_elsewhere(index)
+        if stopped_by is not None:
+            process.join(STOP_GRACE_S)
+            if process.is_alive():
+                stop_worker(process)
+            return stopped_by
+        process.join(0.5)
+    return None
+
+
+def result_of_worker(config, result_path: str, exitcode, reported, stopped_by) -> dict:
+    """The worker's result file, or the result written for it: stopped because another rank
+    failed, or killed or crashed before writing one."""
+    root = os.path.dirname(os.path.dirname(result_path))
+    result = read_json_or_none(result_path)
+    if stopped_by is not None and (result is None or result.get("status") != "ok"):
+        result = ranks.stopped_result(result_skeleton(config, "error"), stopped_by)
+        write_json(result_path, result, root=root)
+    elif result is None:  # killed or crashed before writing (segfault, OOM killer's SIGKILL)
+        result = died_result(config, exitcode, reported)
+        try:
+            write_json(result_path, result, root=root)
+        except OSError as error:  # the disk is full for this one too: the summary still has it
+            print(f"{config.config_dir}: could not write result.json: {error}", file=sys.stderr)
     return result
 
 
@@ -399,36 +395,6 @@ def remove_leftovers(config_path: str) -> None:
                 os.rmdir(config_dir, dir_fd=run_fd)
     except (FileNotFoundError, files.UnsafePath):  # gone already, or a link: nothing of ours
         return
-
-
-def describe(result: dict) -> str:
-    prediction = result.get("prediction")
-    if prediction:  # --mode=capacity: the prediction, and with --validate the measured peak
-        told = f"predicted peak {prediction['peak_memory_mb']:.1f} MB" + "".join(
-            f", fits {p['gpu_memory_gib']:g} GiB up to physical batch {p['physical_batch_size']}"
-            for p in prediction["largest_physical_batch"]
-        )
-        for key, search in SEARCHES.items():
-            found = result.get(key)
-            if found:
-                largest = found.get(search.found)
-                above = [p for p in found["probes"] if largest and p[search.probed] > largest]
-                told += (
-                    f"; found by {len(found['probes'])} runs: "
-                    + (f"{search.words} {largest} runs" if largest else f"no {search.words} runs")
-                    + (" (the next one does not)" if above else "")
-                    + (f", {found['error']}" if found.get("error") else "")
-                )
-        if result["status"] != "ok":
-            return f"{told}; measured: {result['status']}: {result.get('error')}"
-        measured = result.get("peak_memory_mb")
-        return told + ("" if measured is None else f"; measured {measured:.1f} MB")
-    if result["status"] != "ok":
-        return f"{result['status']}: {result.get('error')}"
-    if result["median_time_ms"] is None:  # an --ncu step: its time under replay is no measurement
-        return "ok (" + result["env"].get("ncu_note", "not timed") + ")"
-    median, peak = result["median_time_ms"], result["peak_memory_mb"]
-    return f"ok, median {median:.1f} ms, peak " + ("n/a" if peak is None else f"{peak:.1f} MB")
 
 
 def probe_device() -> dict:

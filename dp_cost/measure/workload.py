@@ -6,10 +6,10 @@ import functools
 
 import torch
 
+from dp_cost.core.hf_architectures import HF_CONFIGS
 from dp_cost.hf import data as hf_data
 from dp_cost.hf import models as hf_models
 from dp_cost.hf import privacy
-from dp_cost.hf.configs import HF_CONFIGS
 from dp_cost.lm import model as models
 from dp_cost.parallel.mode import distributed_mode
 from dp_cost.parallel.ranks import share

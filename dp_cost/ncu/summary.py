@@ -142,7 +142,6 @@ def plot_comparison(rows: list[dict], path: str) -> str | None:
         return None
     plt = pyplot()
     plotted = [r for group in shapes.values() for r in group]
-    by_category = all(r["replay"] == "kernel" for r in plotted)
     modes = {r["replay"] for r in plotted}
     fig, axes = plt.subplots(
         1,
@@ -151,51 +150,12 @@ def plot_comparison(rows: list[dict], path: str) -> str | None:
         squeeze=False,
         constrained_layout=True,
     )
-
-    def gb(row, category):
-        return (
-            (row[f"{category}_dram_read_bytes"] or 0) + (row[f"{category}_dram_write_bytes"] or 0)
-        ) / GB
-
-    if by_category:
-        colors = dict(zip(KERNEL_CATEGORIES, plt.get_cmap("tab10").colors))
-        shown = [c for c in KERNEL_CATEGORIES if any(gb(r, c) for r in plotted)]
-        segments = [(c, colors[c], lambda r, c=c: gb(r, c)) for c in shown]
-        legend_title = "kernel category"
-        title = "DRAM traffic of one training step (Nsight Compute)"
-    else:
-        read, write = plt.get_cmap("tab10").colors[:2]
-        segments = [
-            ("DRAM read", read, lambda r: r["dram_read_bytes"] / GB),
-            ("DRAM write", write, lambda r: r["dram_write_bytes"] / GB),
-        ]
-        legend_title = "whole step"
-        title = "DRAM traffic of one training step (Nsight Compute)\nwhole-step totals, " + (
-            "range replay" if modes == {"range"} else "replay mode under each bar"
-        )
+    segments, legend_title, title = traffic_segments(plotted, plt.get_cmap("tab10").colors)
     for ax, ((batch, seq), group) in zip(axes[0], sorted(shapes.items())):
-        x = range(len(group))
-        bottom = [0.0] * len(group)
-        for label, color, height in segments:
-            heights = [height(r) for r in group]
-            ax.bar(x, heights, 0.65, bottom=bottom, color=color, label=label)
-            bottom = [b + h for b, h in zip(bottom, heights)]
-        top = max(bottom) or 1.0
-        for i, r in enumerate(group):
-            label = f"{bottom[i]:.2f}"
-            if r["dram_vs_standard"] is not None and r["trainer"] != "standard":
-                label += f"\n×{r['dram_vs_standard']:.2f}"
-            ax.text(i, bottom[i] + 0.02 * top, label, ha="center", va="bottom", fontsize=8)
-        ax.set_ylim(0, top * 1.22)
-        names = [
-            r["trainer"] if len(modes) == 1 else f"{r['trainer']}\n{r['replay']}" for r in group
-        ]
-        ax.set_xticks(list(x), names)
+        draw_traffic_bars(ax, group, segments, modes)
         ax.set_title(f"batch {batch}, seq {seq}", fontsize=10)
-        ax.set_xlabel("trainer")
         if ax is axes[0][0]:
             ax.set_ylabel("DRAM read + write per step (GB = 10⁹ bytes)")
-        ax.grid(axis="y", alpha=0.3)
     handles, labels = axes[0][0].get_legend_handles_labels()
     ncol = max(1, min(len(segments), 3 * len(shapes)))
     fig.legend(
@@ -204,6 +164,55 @@ def plot_comparison(rows: list[dict], path: str) -> str | None:
     )  # fmt: skip
     fig.suptitle(title, fontsize=11)
     return save_figure(fig, path, dpi=110, root=os.path.dirname(path))
+
+
+def category_gb(row: dict, category: str) -> float:
+    """GB read and written by a kernel category's kernels in the row's step."""
+    read, write = row[f"{category}_dram_read_bytes"], row[f"{category}_dram_write_bytes"]
+    return ((read or 0) + (write or 0)) / GB
+
+
+def traffic_segments(plotted: list[dict], colors) -> tuple[list[tuple], str, str]:
+    """(segments of each bar as (label, colour, GB of a row), legend title, figure title): by
+    kernel category when every bar is a kernel replay, else DRAM read and write."""
+    title = "DRAM traffic of one training step (Nsight Compute)"
+    if all(r["replay"] == "kernel" for r in plotted):
+        by_category = dict(zip(KERNEL_CATEGORIES, colors))
+        shown = [c for c in KERNEL_CATEGORIES if any(category_gb(r, c) for r in plotted)]
+        segments = [(c, by_category[c], lambda r, c=c: category_gb(r, c)) for c in shown]
+        return segments, "kernel category", title
+    read, write = colors[:2]
+    segments = [
+        ("DRAM read", read, lambda r: r["dram_read_bytes"] / GB),
+        ("DRAM write", write, lambda r: r["dram_write_bytes"] / GB),
+    ]
+    modes = {r["replay"] for r in plotted}
+    title += "\nwhole-step totals, " + (
+        "range replay" if modes == {"range"} else "replay mode under each bar"
+    )
+    return segments, "whole step", title
+
+
+def draw_traffic_bars(ax, group: list[dict], segments: list[tuple], modes: set) -> None:
+    """One panel: a stacked bar per trainer, its total (and its ratio to standard's) above it,
+    the replay mode under each name when the bars mix modes."""
+    x = range(len(group))
+    bottom = [0.0] * len(group)
+    for label, color, height in segments:
+        heights = [height(r) for r in group]
+        ax.bar(x, heights, 0.65, bottom=bottom, color=color, label=label)
+        bottom = [b + h for b, h in zip(bottom, heights)]
+    top = max(bottom) or 1.0
+    for i, r in enumerate(group):
+        label = f"{bottom[i]:.2f}"
+        if r["dram_vs_standard"] is not None and r["trainer"] != "standard":
+            label += f"\n×{r['dram_vs_standard']:.2f}"
+        ax.text(i, bottom[i] + 0.02 * top, label, ha="center", va="bottom", fontsize=8)
+    ax.set_ylim(0, top * 1.22)
+    names = [r["trainer"] if len(modes) == 1 else f"{r['trainer']}\n{r['replay']}" for r in group]
+    ax.set_xticks(list(x), names)
+    ax.set_xlabel("trainer")
+    ax.grid(axis="y", alpha=0.3)
 
 
 NOTES = """

@@ -13,14 +13,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, ClassVar
 
+from dp_cost.core.schema import FSDP_SYNCS
 from dp_cost.parallel.ranks import share
 
 if TYPE_CHECKING:
     import torch
-
-# FSDP2's gradient sync (--fsdp_sync): reduce-scatter after every physical chunk, or hold the
-# unsharded gradients over the chunks and reduce-scatter once, after the logical batch's last.
-FSDP_SYNCS = ("chunk", "logical")
 
 
 def fsdp_sync_refusal(distributed: str, fsdp_sync: str) -> str | None:
@@ -128,6 +125,8 @@ class FullyShardedDataParallel(OverRanks):
     )
 
 
+# By name, in the order of core.schema.DISTRIBUTED_MODES (the --distributed choices; a test
+# keeps the two equal).
 MODES: dict[str, type[SingleProcess]] = {
     mode.name: mode for mode in (SingleProcess, DataParallel, FullyShardedDataParallel)
 }

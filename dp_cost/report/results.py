@@ -12,7 +12,7 @@ import glob
 import os
 import sys
 
-from dp_cost.core import settings
+from dp_cost.core.hf_architectures import HF_CONFIGS
 from dp_cost.core.reading import UnreadableFile, read_result
 from dp_cost.core.schema import trainer_rank
 from dp_cost.core.settings import comparison_key
@@ -269,7 +269,7 @@ def privacy_summary(result: dict) -> dict:
             env = result.get("env", {})
             summary["why"] = env.get("privacy_note") or env.get("non_finite_note") or "not computed"
     elif result["status"] == "ok" and result.get("clipping") is not None:  # a DP config
-        hf = result["config"].get("model") in settings.HF_CONFIGS
+        hf = result["config"].get("model") in HF_CONFIGS
         summary["why"] = NO_RECORD if hf else NO_SAMPLING
     return summary
 

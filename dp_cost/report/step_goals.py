@@ -5,6 +5,8 @@ lacks is a miss "not measured", never a guess."""
 
 from __future__ import annotations
 
+import functools
+
 from dp_cost.core.fmt import ratio
 
 # (batch, seq) -> flash / standard step-time goal at the 1b model.
@@ -39,6 +41,11 @@ def model_label(config: dict) -> str:
 
 def step_rows(results: list[dict]) -> list[dict]:
     """One row per (dtype, B, T): flash's ratios and whether each goal is met."""
+    return [step_row(*shape, trainers) for shape, trainers in results_by_shape(results).items()]
+
+
+def results_by_shape(results: list[dict]) -> dict[tuple, dict[str, dict]]:
+    """(model, dtype, B, T, physical batch) -> {trainer, "_graph" added when graphed: result}."""
     by_shape: dict[tuple, dict[str, dict]] = {}
     for result in results:
         config = result["config"]
@@ -46,77 +53,84 @@ def step_rows(results: list[dict]) -> list[dict]:
         key = (model_label(config), config["dtype"], config["batch_size"], config["seq_len"])
         name = config["trainer"] + ("_graph" if config.get("cuda_graph") else "")
         by_shape.setdefault(key + (physical,), {})[name] = result
-    rows = []
-    for (model, dtype, batch, seq, physical), trainers in by_shape.items():
-        lora = "LoRA" in model
-        # Poisson draws vary in size: the mean over the same draws (their total) compares them
-        time_key = "avg_time_ms" if lora else "median_time_ms"
+    return by_shape
 
-        def time_of(name, trainers=trainers, key=time_key):
-            result = trainers.get(name)
-            return result[key] if result and result["status"] == "ok" else None
 
-        def peak_of(name, trainers=trainers):
-            result = trainers.get(name)
-            return result["peak_memory_mb"] if result and result["status"] == "ok" else None
+def ok_value(trainers: dict[str, dict], name: str, key: str):
+    """``key`` of trainer ``name``'s result where it ran ok, else None."""
+    result = trainers.get(name)
+    return result[key] if result and result["status"] == "ok" else None
 
-        def timeline(key, trainers=trainers):
-            return {
-                name: r.get(key) if r["status"] == "ok" else None for name, r in trainers.items()
-            }
 
-        # flash's graphed step where it was captured (a failed capture ran eagerly: not it)
-        graphed = trainers.get("flash_graph") or {}
-        flash = "flash_graph" if (graphed.get("cuda_graph") or {}).get("captured") else "flash"
-        flash_time = time_of(flash)
-        host, busy = timeline("host_time_ms"), timeline("gpu_busy_fraction")
-        goals = HOST_GOALS.get((dtype, batch, seq), {}) if not lora else {}
-        both_graphed = lora and flash == "flash_graph"
-        row = {
-            "model": model,
-            "dtype": dtype,
-            "batch": batch,
-            "seq": seq,
-            "physical": physical,
-            "standard_ms": time_of("standard"),
-            "flash_ms": flash_time,
-            "ghost_ms": time_of("ghost"),
-            "dpsgd_ms": time_of("dpsgd"),
-            "flash_graphed": flash == "flash_graph",
-            "time_x": ratio(flash_time, time_of("standard")),
-            "eager_x": ratio(time_of("flash"), time_of("standard")),
-            "graphed_x": ratio(time_of("flash_graph"), time_of("standard_graph")),
-            "time_goal": HF_TIME_GOAL
-            if lora
-            else TIGHTER_GOALS.get((dtype, batch, seq), STEP_GOALS.get((batch, seq))),
-            "graphed_goal": HF_GRAPHED_GOAL if both_graphed else None,
-            "over_eager_x": ratio(time_of("flash_graph"), time_of("standard")),
-            "over_eager_goal": HF_OVER_EAGER_GOALS.get((model, dtype)) if both_graphed else None,
-            "replayed": {name: replayed_share(r) for name, r in trainers.items()},
-            "replayed_goal": HF_REPLAYED_GOAL if both_graphed else None,
-            "peak_x": ratio(peak_of(flash), peak_of("standard")),
-            "peak_goal": None if lora else PEAK_GOAL,
-            "ghost_over_flash": ratio(time_of("ghost"), flash_time),
-            "ghost_goal": None if "ghost" not in trainers else 1.0 if lora else GHOST_SPEEDUP_GOAL,
-            "dpsgd_goal": 1.0 if "dpsgd" in trainers else None,
-            "dpsgd_over_flash": ratio(time_of("dpsgd"), flash_time),
-            "host_ms": host,
-            "gpu_busy": busy,
-            "host_x": ratio(host.get("flash"), host.get("standard")),  # the eager steps' host
-            "host_goal": goals.get("host_x"),
-            "busy_gap": (
-                None
-                if busy.get(flash) is None or busy.get("standard") is None
-                else busy["standard"] - busy[flash]
-            ),
-            "busy_goal": goals.get("busy_gap"),
-            "status": {name: r["status"] for name, r in trainers.items()},
-        }
-        if both_graphed:  # LoRA with --cuda_graph: the goal is flash graphed / standard graphed
-            row["time_goal"] = None
-        row["misses"] = goal_misses(row)
-        rows.append(row)
-    return rows
+def step_row(model, dtype, batch, seq, physical, trainers: dict[str, dict]) -> dict:
+    """The row of one shape: the trainers' times and peaks, flash's ratios, their goals."""
+    lora = "LoRA" in model
+    # Poisson draws vary in size: the mean over the same draws (their total) compares them
+    time_key = "avg_time_ms" if lora else "median_time_ms"
+    time_of = functools.partial(ok_value, trainers, key=time_key)
+    peak_of = functools.partial(ok_value, trainers, key="peak_memory_mb")
+    # flash's graphed step where it was captured (a failed capture ran eagerly: not it)
+    graphed = trainers.get("flash_graph") or {}
+    flash = "flash_graph" if (graphed.get("cuda_graph") or {}).get("captured") else "flash"
+    flash_time = time_of(flash)
+    both_graphed = lora and flash == "flash_graph"
+    row = {
+        "model": model,
+        "dtype": dtype,
+        "batch": batch,
+        "seq": seq,
+        "physical": physical,
+        "standard_ms": time_of("standard"),
+        "flash_ms": flash_time,
+        "ghost_ms": time_of("ghost"),
+        "dpsgd_ms": time_of("dpsgd"),
+        "flash_graphed": flash == "flash_graph",
+        "time_x": ratio(flash_time, time_of("standard")),
+        "eager_x": ratio(time_of("flash"), time_of("standard")),
+        "graphed_x": ratio(time_of("flash_graph"), time_of("standard_graph")),
+        "time_goal": HF_TIME_GOAL
+        if lora
+        else TIGHTER_GOALS.get((dtype, batch, seq), STEP_GOALS.get((batch, seq))),
+        "graphed_goal": HF_GRAPHED_GOAL if both_graphed else None,
+        "over_eager_x": ratio(time_of("flash_graph"), time_of("standard")),
+        "over_eager_goal": HF_OVER_EAGER_GOALS.get((model, dtype)) if both_graphed else None,
+        "replayed": {name: replayed_share(r) for name, r in trainers.items()},
+        "replayed_goal": HF_REPLAYED_GOAL if both_graphed else None,
+        "peak_x": ratio(peak_of(flash), peak_of("standard")),
+        "peak_goal": None if lora else PEAK_GOAL,
+        "ghost_over_flash": ratio(time_of("ghost"), flash_time),
+        "ghost_goal": None if "ghost" not in trainers else 1.0 if lora else GHOST_SPEEDUP_GOAL,
+        "dpsgd_goal": 1.0 if "dpsgd" in trainers else None,
+        "dpsgd_over_flash": ratio(time_of("dpsgd"), flash_time),
+    }
+    host_goals = {} if lora else HOST_GOALS.get((dtype, batch, seq), {})
+    row.update(host_columns(trainers, flash, host_goals))
+    row["status"] = {name: r["status"] for name, r in trainers.items()}
+    if both_graphed:  # LoRA with --cuda_graph: the goal is flash graphed / standard graphed
+        row["time_goal"] = None
+    row["misses"] = goal_misses(row)
+    return row
+
+
+def host_columns(trainers: dict[str, dict], flash: str, goals: dict) -> dict:
+    """Each trainer's host time and GPU-busy fraction (its step timeline), flash's against
+    standard's, and the host goals of the shape (``goals``)."""
+    host, busy = (
+        {name: r.get(key) if r["status"] == "ok" else None for name, r in trainers.items()}
+        for key in ("host_time_ms", "gpu_busy_fraction")
+    )
+    return {
+        "host_ms": host,
+        "gpu_busy": busy,
+        "host_x": ratio(host.get("flash"), host.get("standard")),  # the eager steps' host
+        "host_goal": goals.get("host_x"),
+        "busy_gap": (
+            None
+            if busy.get(flash) is None or busy.get("standard") is None
+            else busy["standard"] - busy[flash]
+        ),
+        "busy_goal": goals.get("busy_gap"),
+    }
 
 
 def replayed_share(result: dict) -> float | None:

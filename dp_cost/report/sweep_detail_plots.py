@@ -208,47 +208,10 @@ def plot_module_groups(run_dir: str, ok: list[dict]) -> str:
     largest = {
         t: max((r for r in census if r["config"]["trainer"] == t), key=ok_peak) for t in trainers
     }
-    ax = axes[0, 0]
     if largest:
-        kinds = {t: _group_kinds(r["module_memory"]["groups"]) for t, r in largest.items()}
-        width, hatches = 0.8 / len(trainers), ("", "//", "..", "xx")
-        for t, trainer in enumerate(trainers):
-            bottom = [0.0] * len(GROUPS)
-            xs = [g + (t - (len(trainers) - 1) / 2) * width for g in range(len(GROUPS))]
-            for kind, color in KIND_COLORS.items():
-                values = [kinds[trainer][group][kind] for group in GROUPS]
-                ax.bar(
-                    xs,
-                    values,
-                    width,
-                    bottom=bottom,
-                    color=color,
-                    hatch=hatches[t % 4],
-                    edgecolor="white",
-                    lw=0.5,
-                )
-                bottom = [b + v for b, v in zip(bottom, values)]
-        # rotated: "classifier head" next to "embedding" overlapped when set horizontally
-        ax.set_xticks(
-            range(len(GROUPS)), [g.replace("_", " ") for g in GROUPS], rotation=30, ha="right"
-        )
-        ax.set_ylabel(MB)
-        handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in KIND_COLORS.values()]
-        labels = list(KIND_COLORS)
-        handles += [
-            plt.Rectangle((0, 0), 1, 1, fc="white", ec="gray", hatch=hatches[t % 4])
-            for t in range(len(trainers))
-        ]
-        labels += [f"{t}: {config_label(largest[t]['config'])}" for t in trainers]
-        ax.legend(handles, labels, fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
-        ax.set_title(
-            "Memory by module group, each trainer's largest ok config\n(each kind at "
-            "the phase where it is largest)",
-            fontsize=10,
-        )
-        ax.grid(axis="y", alpha=0.3)
+        _module_groups_panel(axes[0, 0], plt, largest, trainers)
     else:
-        say(ax, "No ok config with a module census")
+        say(axes[0, 0], "No ok config with a module census")
     _by_group_series(
         axes[0, 1],
         census,
@@ -267,21 +230,66 @@ def plot_module_groups(run_dir: str, ok: list[dict]) -> str:
         per_sample,
         "Per-sample state (grad_sample, norm samples, hook-kept tensors) by group",
     )
-    ax = axes[1, 1]
     attributed = {t: r for t, r in largest.items() if r.get("breakdown")}
     if attributed:
-        bottom = [0.0] * len(attributed)
-        for k, (key, label) in enumerate(BREAKDOWN_LABELS.items()):
-            values = [r["breakdown"][key] for r in attributed.values()]
-            ax.bar(range(len(attributed)), values, bottom=bottom, color=f"C{k}", label=label)
-            bottom = [b + v for b, v in zip(bottom, values)]
-        ax.set_xticks(range(len(attributed)), list(attributed))
-        ax.set_ylabel(MB)
-        ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
-        ax.set_title("Where the peak goes (allocator history), same configs", fontsize=10)
+        _peak_roles_panel(axes[1, 1], attributed)
     else:
-        say(ax, f"Allocator attribution of the peak: {NOT_ON_CPU}")
+        say(axes[1, 1], f"Allocator attribution of the peak: {NOT_ON_CPU}")
     return save_visualization(fig, run_dir, "detailed_memory_analysis.png", dpi=SWEEP_DPI)
+
+
+def _module_groups_panel(ax, plt, largest: dict, trainers: list[str]) -> None:
+    """Bytes by module group and kind, a bar per trainer (hatched by trainer) in each group."""
+    kinds = {t: _group_kinds(r["module_memory"]["groups"]) for t, r in largest.items()}
+    width, hatches = 0.8 / len(trainers), ("", "//", "..", "xx")
+    for t, trainer in enumerate(trainers):
+        bottom = [0.0] * len(GROUPS)
+        xs = [g + (t - (len(trainers) - 1) / 2) * width for g in range(len(GROUPS))]
+        for kind, color in KIND_COLORS.items():
+            values = [kinds[trainer][group][kind] for group in GROUPS]
+            ax.bar(
+                xs,
+                values,
+                width,
+                bottom=bottom,
+                color=color,
+                hatch=hatches[t % 4],
+                edgecolor="white",
+                lw=0.5,
+            )
+            bottom = [b + v for b, v in zip(bottom, values)]
+    # rotated: "classifier head" next to "embedding" overlapped when set horizontally
+    ax.set_xticks(
+        range(len(GROUPS)), [g.replace("_", " ") for g in GROUPS], rotation=30, ha="right"
+    )
+    ax.set_ylabel(MB)
+    handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in KIND_COLORS.values()]
+    labels = list(KIND_COLORS)
+    handles += [
+        plt.Rectangle((0, 0), 1, 1, fc="white", ec="gray", hatch=hatches[t % 4])
+        for t in range(len(trainers))
+    ]
+    labels += [f"{t}: {config_label(largest[t]['config'])}" for t in trainers]
+    ax.legend(handles, labels, fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    ax.set_title(
+        "Memory by module group, each trainer's largest ok config\n(each kind at "
+        "the phase where it is largest)",
+        fontsize=10,
+    )
+    ax.grid(axis="y", alpha=0.3)
+
+
+def _peak_roles_panel(ax, attributed: dict) -> None:
+    """The allocator's peak by role, a stacked bar per trainer."""
+    bottom = [0.0] * len(attributed)
+    for k, (key, label) in enumerate(BREAKDOWN_LABELS.items()):
+        values = [r["breakdown"][key] for r in attributed.values()]
+        ax.bar(range(len(attributed)), values, bottom=bottom, color=f"C{k}", label=label)
+        bottom = [b + v for b, v in zip(bottom, values)]
+    ax.set_xticks(range(len(attributed)), list(attributed))
+    ax.set_ylabel(MB)
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    ax.set_title("Where the peak goes (allocator history), same configs", fontsize=10)
 
 
 def plot_operations(run_dir: str, ok: list[dict]) -> str:

@@ -78,27 +78,16 @@ def plot_heatmap(run_dir: str, results: list[dict]) -> str:
     """memory_heatmap.png: peak over sequence length x logical batch, one panel per trainer,
     LoRA rank and physical batch; cells say OOM / skip / error where there is no peak."""
     plt = pyplot()
-    import numpy as np
-
     seqs = sorted({r["config"]["seq_len"] for r in results})
     batches = sorted({r["config"]["batch_size"] for r in results})
     physicals = sorted({swept_value(r["config"], "physical_batch_size") for r in results})
     # One panel per planned (trainer, LoRA rank, physical batch): combinations no config has are
     # not drawn as empty panels.
-    panels = sorted(
-        {
-            (
-                r["config"]["trainer"],
-                swept_value(r["config"], "lora_rank") or 0,
-                swept_value(r["config"], "physical_batch_size"),
-            )
-            for r in results
-        }
-    )
+    panels = sorted({_heatmap_panel_of(r["config"]) for r in results})
     ncols = min(len(panels), len(physicals))
     nrows = -(-len(panels) // ncols)
     peaks = [p for r in results if (p := ok_peak(r))]
-    vmin, vmax = (min(peaks), max(peaks)) if peaks else (0.0, 1.0)
+    limits = (min(peaks), max(peaks)) if peaks else (0.0, 1.0)
     fig, axes = plt.subplots(
         nrows,
         ncols,
@@ -112,43 +101,57 @@ def plot_heatmap(run_dir: str, results: list[dict]) -> str:
     for ax in axes.flat[len(panels) :]:
         ax.set_visible(False)
     cells = {
-        (
-            r["config"]["trainer"],
-            swept_value(r["config"], "lora_rank") or 0,
-            swept_value(r["config"], "physical_batch_size"),
-            r["config"]["seq_len"],
-            r["config"]["batch_size"],
-        ): r
+        (*_heatmap_panel_of(r["config"]), r["config"]["seq_len"], r["config"]["batch_size"]): r
         for r in results
     }
     # Grey: no peak (out of memory, skipped, failed or not in the plan).
     image, cmap = None, plt.get_cmap("YlOrRd").with_extremes(bad="#e6e6e6")
-    for ax, (trainer, rank, physical) in zip(axes.flat, panels):
-        grid = np.full((len(seqs), len(batches)), np.nan)
-        for a, seq in enumerate(seqs):
-            for b, batch in enumerate(batches):
-                r = cells.get((trainer, rank, physical, seq, batch))
-                if r is None:
-                    text = "-"
-                elif ok_peak(r):
-                    grid[a, b] = ok_peak(r)
-                    text = f"{grid[a, b]:.3g}"
-                else:
-                    text = {"oom": "OOM", "skipped": "skip"}.get(r["status"], r["status"])
-                dark = grid[a, b] > vmin + 0.6 * (vmax - vmin)  # NaN compares False
-                color = "white" if dark else "black"
-                ax.text(b, a, text, ha="center", va="center", fontsize=8, color=color)
-        image = ax.imshow(grid, cmap=cmap, vmin=vmin, vmax=vmax, origin="lower")
-        ax.set_xticks(range(len(batches)), [str(b) for b in batches])
-        ax.set_yticks(range(len(seqs)), [str(s) for s in seqs])
-        ax.set_xlabel("logical batch")
-        ax.set_ylabel("sequence length")
-        ax.set_title(
-            f"{trainer}, {lora_words(rank)}\nphysical batch {physical}",
-            fontsize=9,
-        )
+    for ax, panel in zip(axes.flat, panels):
+        image = _draw_heatmap_panel(ax, panel, cells, seqs, batches, limits, cmap)
     fig.colorbar(image, ax=axes, label=f"peak allocated memory ({MB})", shrink=0.8)
     return save_visualization(fig, run_dir, "memory_heatmap.png", dpi=SWEEP_DPI)
+
+
+def _heatmap_panel_of(config: dict) -> tuple:
+    """The heatmap panel a config is drawn in: (trainer, LoRA rank or 0, physical batch)."""
+    return (
+        config["trainer"],
+        swept_value(config, "lora_rank") or 0,
+        swept_value(config, "physical_batch_size"),
+    )
+
+
+def _draw_heatmap_panel(ax, panel: tuple, cells: dict, seqs, batches, limits, cmap):
+    """One panel: the peaks over sequence length x logical batch, each cell's peak or status
+    written in it (``limits``: the colour scale's (min, max)); the image, for the colour bar."""
+    import numpy as np
+
+    trainer, rank, physical = panel
+    vmin, vmax = limits
+    grid = np.full((len(seqs), len(batches)), np.nan)
+    for a, seq in enumerate(seqs):
+        for b, batch in enumerate(batches):
+            r = cells.get((trainer, rank, physical, seq, batch))
+            if r is None:
+                text = "-"
+            elif ok_peak(r):
+                grid[a, b] = ok_peak(r)
+                text = f"{grid[a, b]:.3g}"
+            else:
+                text = {"oom": "OOM", "skipped": "skip"}.get(r["status"], r["status"])
+            dark = grid[a, b] > vmin + 0.6 * (vmax - vmin)  # NaN compares False
+            color = "white" if dark else "black"
+            ax.text(b, a, text, ha="center", va="center", fontsize=8, color=color)
+    image = ax.imshow(grid, cmap=cmap, vmin=vmin, vmax=vmax, origin="lower")
+    ax.set_xticks(range(len(batches)), [str(b) for b in batches])
+    ax.set_yticks(range(len(seqs)), [str(s) for s in seqs])
+    ax.set_xlabel("logical batch")
+    ax.set_ylabel("sequence length")
+    ax.set_title(
+        f"{trainer}, {lora_words(rank)}\nphysical batch {physical}",
+        fontsize=9,
+    )
+    return image
 
 
 def plot_peak_comparison(run_dir: str, results: list[dict]) -> str:

@@ -8,9 +8,9 @@ import torch
 from torch.distributed.tensor import DTensor
 
 import models
-from dp_cost.core.settings import ExperimentConfig
 from dp_cost.hf import models as hf_models
 from dp_cost.measure import worker
+from dp_cost.measure.config import ExperimentConfig
 from dp_cost.parallel.ranks import share
 
 

@@ -12,7 +12,7 @@ import torch.distributed as dist
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, ROOT)
 
-from dp_cost.core.settings import ExperimentConfig  # noqa: E402
+from dp_cost.measure.config import ExperimentConfig  # noqa: E402
 from dp_cost.parallel import ranks  # noqa: E402
 from tests.capacity.held_state import held_state_bytes  # noqa: E402
 from tests.torchrun_exit import leave_without_teardown  # noqa: E402

@@ -17,8 +17,8 @@ from torch.distributed._tools.mem_tracker import MemTracker
 import models
 from dp_cost.capacity import card, fake_step, predictions, probing, searches
 from dp_cost.capacity.result import capacity_result
-from dp_cost.core.settings import ExperimentConfig
 from dp_cost.measure import plan, worker
+from dp_cost.measure.config import ExperimentConfig
 from dp_cost.report import capacity as report_capacity
 from tests.capacity.held_state import held_state_bytes
 from tests.cli_helpers import SMALL_MODEL, cli
@@ -342,7 +342,7 @@ def test_several_ranks_leave_nccl_its_buffers():
 def test_a_search_by_runs_is_told_as_it_ended(search, probes, told):
     """The run's line: what runs, and "the next one does not" only where a larger probe ran out
     of memory (not at the model's longest sequence, where none is probed)."""
-    from dp_cost.measure import processes
+    from dp_cost.measure import progress
 
     chosen = probing.SEARCHES[search]
     largest = max((value for value, status in probes if status == "ok"), default=0)
@@ -354,7 +354,7 @@ def test_a_search_by_runs_is_told_as_it_ended(search, probes, told):
             "probes": [{chosen.probed: value, "status": status} for value, status in probes],
         },
     }
-    line = processes.describe(result)
+    line = progress.describe(result)
     assert f"found by {len(probes)} runs: " in line and told in line
     assert ("the next one does not" in line) == ("the next one does not" in told)
 

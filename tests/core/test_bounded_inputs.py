@@ -22,9 +22,9 @@ from cli_helpers import ROOT, SMALL_MODEL
 
 import profiling_script
 from dp_cost.core import reading
+from dp_cost.core.reading import DATASET_MAX_BYTES, DATASET_MAX_LINE_BYTES
 from dp_cost.core.schema import FINISHED
-from dp_cost.hf.configs import DATASET_MAX_BYTES, DATASET_MAX_LINE_BYTES
-from dp_cost.measure import plan, processes
+from dp_cost.measure import plan, plan_checks, processes, run
 from dp_cost.report import summary as report
 
 NCU_FIXTURE = os.path.join(ROOT, "tests", "fixtures", "ncu_raw_small.csv")
@@ -397,7 +397,7 @@ def test_fuzzed_files_through_every_reader(tmp_path, capsys, monkeypatch):
         os.replace(run_dir / name / "result.json", resumed / "result.json")
         with deadline():
             try:
-                profiling_script.refuse_changed_settings([config], str(resumed.parent))
+                run.refuse_changed_settings([config], str(resumed.parent))
             except profiling_script.UsageError as error:
                 assert "measured with other settings" in str(error)
             kept = processes.finished_result(str(resumed / "result.json"), resume=True)
@@ -416,7 +416,7 @@ def test_fuzzed_files_through_every_reader(tmp_path, capsys, monkeypatch):
         lines[number - 1] = content
         dataset.write_bytes(b"\n".join(lines) + b"\n")
         try:
-            assert plan.check_dataset_file(str(dataset), 1) in (9, 10)
+            assert plan_checks.check_dataset_file(str(dataset), 1) in (9, 10)
         except plan.UsageError as error:
             message = str(error)
             assert "\n" not in message and message.startswith(f"--dataset_path {dataset} ")

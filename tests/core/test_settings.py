@@ -12,7 +12,8 @@ from cli_helpers import ROOT, TORCHRUN_ENV
 
 import profiling_script
 from dp_cost.core import settings
-from dp_cost.core.settings import ExperimentConfig
+from dp_cost.core.modes import MODES
+from dp_cost.measure.config import ExperimentConfig, changed_settings
 
 
 @pytest.mark.parametrize(
@@ -69,9 +70,9 @@ def test_comparison_key_ignores_the_trainer_and_lora_rank_without_lora():
 def test_changed_settings_names_what_differs():
     old = ExperimentConfig("ghost", 4, 64).to_dict()
     new = ExperimentConfig("ghost", 4, 64, lr=0.5, steps=9).to_dict()
-    assert settings.changed_settings(old, new) == ["lr", "steps"]
+    assert changed_settings(old, new) == ["lr", "steps"]
     del old["delta"]  # written before the setting existed: its default
-    assert settings.changed_settings(old, ExperimentConfig("ghost", 4, 64).to_dict()) == []
+    assert changed_settings(old, ExperimentConfig("ghost", 4, 64).to_dict()) == []
 
 
 def test_every_flag_of_the_table_is_on_the_command_line_with_its_aliases():
@@ -205,7 +206,7 @@ def test_every_readme_command_plans(monkeypatch):
                 args = profiling_script.parse_args(argv)
             except SystemExit:
                 pytest.fail(f"README's command does not parse: {command}")
-            if not settings.MODES[args.mode].runs:  # report modes: read existing files
+            if not MODES[args.mode].runs:  # report modes: read existing files
                 continue
             planned = plan.make_plan(args, cuda_available=lambda: True)
         assert planned.configs, command
@@ -216,7 +217,8 @@ def test_experiment_config_is_the_settings_table_written_out():
     settings table's: the same names in the same order, the same defaults."""
     import dataclasses
 
-    from dp_cost.core.settings import AXES_REQUIRED, CONFIG_FIELDS, ExperimentConfig
+    from dp_cost.core.settings import CONFIG_FIELDS
+    from dp_cost.measure.config import AXES_REQUIRED
 
     fields = dataclasses.fields(ExperimentConfig)
     table = [s.name for s in CONFIG_FIELDS if s.name in AXES_REQUIRED]
@@ -233,7 +235,7 @@ def test_experiment_config_is_the_settings_table_written_out():
 
 
 def test_the_distributed_mode_object_names_the_directory_and_refusals():
-    from dp_cost.core.settings import ExperimentConfig
+    from dp_cost.measure.config import ExperimentConfig
     from dp_cost.parallel.mode import distributed_mode
 
     single = ExperimentConfig(trainer="flash", batch_size=4, seq_len=8)
@@ -252,3 +254,13 @@ def test_the_distributed_mode_object_names_the_directory_and_refusals():
         [0, 1, 2], [3, 4], [5, 6]]  # fmt: skip
     with pytest.raises(ValueError, match="--distributed must be one of"):
         distributed_mode("zero3")
+
+
+def test_the_distributed_choices_are_the_mode_objects_names():
+    """--distributed's choices (core, read by the parser without parallel/) name the mode
+    objects of parallel/mode.py, in their order."""
+    from dp_cost.core.schema import DISTRIBUTED_MODES
+    from dp_cost.parallel import mode
+
+    assert tuple(mode.MODES) == DISTRIBUTED_MODES
+    assert settings.BY_NAME["distributed"].choices == DISTRIBUTED_MODES

@@ -9,7 +9,7 @@ import pytest
 import profiling_script
 from dp_cost.hf import data as hf_data
 from dp_cost.hf import snli_file
-from dp_cost.measure import plan
+from dp_cost.measure import plan, plan_checks
 
 GOOD = json.dumps({"premise": "A man plays.", "hypothesis": "A man sleeps.", "label": 2})
 BAD_LINE = 10_000
@@ -61,7 +61,7 @@ def test_the_worker_reads_through_the_same_checks(tmp_path, kind):
     with pytest.raises(snli_file.DatasetError) as raised:
         hf_data.load_snli(path, seq_len=16, vocab_size=64)
     with pytest.raises(plan.UsageError) as refused:
-        plan.check_dataset_file(str(path), 1)
+        plan_checks.check_dataset_file(str(path), 1)
     assert str(refused.value) == f"--dataset_path {raised.value}"
     assert f"line {BAD_LINE}: {BAD_LINES[kind][1]}" in str(raised.value)
 
@@ -78,13 +78,13 @@ def test_rows_without_a_gold_label_are_not_counted_as_pairs(tmp_path, capsys):
     ]
     path = tmp_path / "snli.jsonl"
     path.write_bytes(b"\xef\xbb\xbf" + b"\r\n\r\n".join(json.dumps(r).encode() for r in rows))
-    assert plan.check_dataset_file(str(path), 3) == 3
+    assert plan_checks.check_dataset_file(str(path), 3) == 3
     assert [label for _, _, label in snli_file.snli_pairs(path)] == [0, 1, 0]
     _, labels = hf_data.load_snli(path, seq_len=8, vocab_size=64)
     assert labels.tolist() == [0, 1, 0]
     with pytest.raises(plan.UsageError, match="has 3 labelled pairs, fewer than the batch size 4"):
-        plan.check_dataset_file(str(path), 4)
+        plan_checks.check_dataset_file(str(path), 4)
     unlabelled = tmp_path / "unlabelled.jsonl"
     unlabelled.write_text(json.dumps(rows[1]) + "\n")
     with pytest.raises(plan.UsageError, match="no labelled premise/hypothesis pairs"):
-        plan.check_dataset_file(str(unlabelled), 1)
+        plan_checks.check_dataset_file(str(unlabelled), 1)

@@ -14,8 +14,8 @@ import torch
 from cli_helpers import ROOT, results_in, small_run_args
 
 import profiling_script
-from dp_cost.core.settings import ExperimentConfig
 from dp_cost.measure import processes, quiet, worker
+from dp_cost.measure.config import ExperimentConfig
 
 
 def test_host_oom_is_recorded_as_oom_rlimit_and_sigkill(tmp_path, monkeypatch):
@@ -59,7 +59,7 @@ def test_a_worker_dies_with_its_parent(tmp_path):
     """A killed CLI never leaves a worker measuring beside the next run."""
     script = (
         "import sys, time\n"
-        "from dp_cost.core.settings import ExperimentConfig\n"
+        "from dp_cost.measure.config import ExperimentConfig\n"
         "from dp_cost.measure import processes, worker\n"
         "worker.run_experiment = lambda config, out: time.sleep(120)\n"
         "config = ExperimentConfig(trainer='standard', batch_size=1, seq_len=4)\n"

@@ -6,8 +6,8 @@ import torch
 pytest.importorskip("transformers")
 
 import trainers  # noqa: E402
-from dp_cost.core.settings import ExperimentConfig  # noqa: E402
 from dp_cost.measure import phases  # noqa: E402
+from dp_cost.measure.config import ExperimentConfig  # noqa: E402
 from dp_cost.measure.workload import Workload  # noqa: E402
 
 

@@ -9,15 +9,15 @@ import os
 import pytest
 
 from dp_cost.core.files import write_json
-from dp_cost.core.settings import ExperimentConfig
-from dp_cost.measure import processes
+from dp_cost.measure import processes, progress
+from dp_cost.measure.config import ExperimentConfig
 from dp_cost.measure.worker import result_skeleton
 
 
 def test_progress_bar_counts_resumed_configs_as_done_and_estimates_from_the_rest():
     clock = iter([0.0, 0.0, 0.0, 10.0, 10.0, 10.0, 10.0, 10.0])
     stream = io.StringIO()
-    bar = processes.ProgressBar(total=5, done_already=2, stream=stream)
+    bar = progress.ProgressBar(total=5, done_already=2, stream=stream)
     bar._time = lambda: next(clock)  # tqdm's clock: the first worker takes 10 s
     bar.start_t = bar.last_print_t = 0.0
     first = stream.getvalue().splitlines()[-1]

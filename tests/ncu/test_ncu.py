@@ -9,8 +9,8 @@ import pytest
 from ncu_testdata import SCRIPT, fake_ncu
 
 from dp_cost.core.files import write_json
-from dp_cost.core.settings import ExperimentConfig
-from dp_cost.measure import processes
+from dp_cost.measure import processes, progress
+from dp_cost.measure.config import ExperimentConfig
 from dp_cost.measure.worker import result_skeleton
 from dp_cost.ncu.command import NCU_MISSING_MESSAGE
 from dp_cost.report import summary as report
@@ -123,7 +123,7 @@ def test_ncu_step_result_is_reported_without_numbers(tmp_path):
     result = result_skeleton(config, "ok")
     result["env"] = {"ncu_note": "one step ran inside cudaProfilerStart/Stop"}
     assert result["median_time_ms"] is None and result["peak_memory_mb"] is None
-    assert "cudaProfilerStart" in processes.describe(result)
+    assert "cudaProfilerStart" in progress.describe(result)
     run_dir = tmp_path / "run"
     (run_dir / config.config_dir).mkdir(parents=True)
     write_json(str(run_dir / config.config_dir / "result.json"), result)

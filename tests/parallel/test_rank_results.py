@@ -4,8 +4,8 @@ stopped because another rank's worker failed (recorded with that rank's status).
 import multiprocessing
 import time
 
-from dp_cost.core.settings import ExperimentConfig
 from dp_cost.measure import processes, ranks
+from dp_cost.measure.config import ExperimentConfig
 from dp_cost.parallel.ranks import RankInfo, share
 
 

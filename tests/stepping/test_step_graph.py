@@ -23,8 +23,9 @@ from test_trainers import (
 import models
 import profiling_script
 import trainers
-from dp_cost.core.settings import ExperimentConfig, UsageError
+from dp_cost.core.settings import UsageError
 from dp_cost.measure import plan
+from dp_cost.measure.config import ExperimentConfig
 from dp_cost.measure.processes import skip_reason
 from dp_cost.stepping import graph
 
