@@ -9,7 +9,7 @@ from dp_cost.capacity.card import reserved_peak
 from dp_cost.capacity.fake_step import predict
 from dp_cost.core.schema import MB
 from dp_cost.hf.configs import HF_CONFIGS
-from dp_cost.measure.plan import draw_above_probability
+from dp_cost.hf.draws import draw_above_probability
 from dp_cost.parallel.ranks import share
 
 POISSON_QUANTILE = 1e-6  # an uncapped Poisson batch is planned at its 1 - 1e-6 quantile

@@ -9,7 +9,7 @@ import dataclasses
 from dp_cost.capacity.fake_step import rank_share
 from dp_cost.capacity.predictions import with_physical_batch
 from dp_cost.capacity.searches import largest_passing, largest_physical, longest_model_seq_len
-from dp_cost.measure.plan import SEQ_LEN_STEP
+from dp_cost.measure.plan_checks import SEQ_LEN_STEP
 
 
 def probe_config(config, physical: int, seq_len: int | None = None):

@@ -13,7 +13,7 @@ from dp_cost.capacity.fake_step import rank_share
 from dp_cost.capacity.model_facts import model_max_seq_len
 from dp_cost.capacity.predictions import Predictions
 from dp_cost.core.schema import MB
-from dp_cost.measure.plan import SEQ_LEN_STEP
+from dp_cost.measure.plan_checks import SEQ_LEN_STEP
 
 MAX_PROBES = 64  # a guard: galloping and bisecting take about 2 log2(|guess - answer|)
 

@@ -24,8 +24,8 @@ from dp_cost.core.settings import (
     UsageError,
     default_attention,
 )
+from dp_cost.hf.draws import draw_above_probability
 from dp_cost.measure.config import ExperimentConfig
-from dp_cost.measure.plan_checks import SEQ_LEN_STEP as SEQ_LEN_STEP  # capacity.py reads it here
 from dp_cost.measure.plan_checks import check, check_cpu_model_size
 from dp_cost.parallel import ranks
 from dp_cost.parallel.mode import distributed_mode
@@ -162,26 +162,6 @@ def poisson_graph_note(values: dict, axes: dict, dataset_size: int) -> str | Non
         f"chunks, the second mostly padding (about {shares}). A smaller "
         "--max_physical_batch_size pads less; every draw replays the graphs either way."
     )
-
-
-def draw_probability(count: int, batch_size: int, dataset_size: int) -> float:
-    """P(a Poisson-sampled batch has exactly ``count`` samples) at rate B/N: binomial over N
-    samples, or its Poisson limit where N >> B (lgamma's differences lose digits there)."""
-    k, b, n = count, batch_size, dataset_size
-    if k > n:
-        return 0.0
-    if n > 10**6 * b:
-        return math.exp(k * math.log(b) - b - math.lgamma(k + 1))
-    if b == n:
-        return float(k == n)
-    log_choose = math.lgamma(n + 1) - math.lgamma(k + 1) - math.lgamma(n - k + 1)
-    return math.exp(log_choose + k * math.log(b / n) + (n - k) * math.log1p(-b / n))
-
-
-def draw_above_probability(limit: int, batch_size: int, dataset_size: int) -> float:
-    """P(a Poisson-sampled batch has more than ``limit`` samples)."""
-    below = math.fsum(draw_probability(k, batch_size, dataset_size) for k in range(limit + 1))
-    return max(0.0, 1.0 - below)
 
 
 def _unique(values) -> list:

@@ -17,7 +17,8 @@ from torch.distributed._tools.mem_tracker import MemTracker
 import models
 from dp_cost.capacity import card, fake_step, predictions, probing, searches
 from dp_cost.capacity.result import capacity_result
-from dp_cost.measure import plan, worker
+from dp_cost.hf import draws
+from dp_cost.measure import worker
 from dp_cost.measure.config import ExperimentConfig
 from dp_cost.report import capacity as report_capacity
 from tests.capacity.held_state import held_state_bytes
@@ -364,8 +365,8 @@ def test_an_uncapped_poisson_batch_is_planned_at_its_rare_quantile():
         trainer="standard", model="tiny-llama", batch_size=16, seq_len=8, dataset_size=10000
     )
     planned, note = predictions.planned_physical_batch(config)
-    assert plan.draw_above_probability(planned, 16, 10000) <= predictions.POISSON_QUANTILE
-    assert plan.draw_above_probability(planned - 1, 16, 10000) > predictions.POISSON_QUANTILE
+    assert draws.draw_above_probability(planned, 16, 10000) <= predictions.POISSON_QUANTILE
+    assert draws.draw_above_probability(planned - 1, 16, 10000) > predictions.POISSON_QUANTILE
     assert planned > 16 and "Poisson" in note
     capped = ExperimentConfig(**{**config.__dict__, "max_physical_batch_size": 4})
     assert predictions.planned_physical_batch(capped) == (4, None)

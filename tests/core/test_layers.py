@@ -39,7 +39,7 @@ ALLOWED = {
         "dp_cost.capacity",
         "dp_cost.measure.breakdown",
         "dp_cost.measure.workload",
-        "dp_cost.measure.plan",
+        "dp_cost.measure.plan_checks",
         "dp_cost.lm",
         "dp_cost.hf",
         "dp_cost.parallel",
