@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import math
 
+from dp_cost.capacity.model_facts import bytes_lower_bound, model_max_seq_len, parameter_count
 from dp_cost.core.hf_architectures import HF_CONFIGS
 from dp_cost.core.modes import MODES
 from dp_cost.core.settings import HF_SETTINGS, SETTINGS, UsageError
 from dp_cost.hf import snli_file
-from dp_cost.measure.model_facts import bytes_lower_bound, model_max_seq_len, parameter_count
 from dp_cost.parallel import ranks
 from dp_cost.parallel.mode import distributed_mode, fsdp_sync_refusal
 

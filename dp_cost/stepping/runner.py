@@ -91,12 +91,17 @@ class Runner:
         for i, index in enumerate(index_sets):
             start = time.perf_counter()
             is_last = i == len(index_sets) - 1
+            # The chunk's rows are built in the call: they are freed once it returns, not held
+            # through the finish (the optimizer step's peak).
             if len(index):
                 index = index.to(inputs.device)
-                chunk = Chunk(inputs[index], targets[index], None, is_last, plan)
+                chunk_loss = self.trainer.chunk_step(
+                    Chunk(inputs[index], targets[index], None, is_last, plan)
+                )
             else:  # this rank has no sample for this chunk: a stand-in weighted 0
-                chunk = Chunk(*chunks.stand_in_chunk(inputs, targets), is_last, plan)
-            loss_sum += self.trainer.chunk_step(chunk).item()  # a sync: the clock is valid
+                stand_in = chunks.stand_in_chunk(inputs, targets)
+                chunk_loss = self.trainer.chunk_step(Chunk(*stand_in, is_last, plan))
+            loss_sum += chunk_loss.item()  # a device sync: the host clock is valid here
             chunk_times_ms.append((time.perf_counter() - start) * 1e3)
         # An empty Poisson sample is still a step: no forward or backward, the clipped sum is
         # zero, and a DP trainer still adds its noise (Opacus does the same).
