@@ -10,7 +10,7 @@
 #   - --mode=memory, bf16, at MEMORY_SHAPES (default 1x2048 8x512): peak_memory_mb and the
 #     breakdown's keys, per trainer (the goal: equal).
 # TRAINERS (default: all four) picks the eager steps' trainers.
-# SKIP_STEPS=1 or SKIP_MEMORY=1 leaves that part out.
+# SKIP_STEPS=1 or SKIP_MEMORY=1 leaves that part out; an empty *_SHAPES leaves that run out.
 # usage: [RUNS=n] [TRAINERS=...] benchmarks/same_behaviour.sh OLD_CHECKOUT [OUTPUT_DIR]
 # (needs CUDA)
 set -euo pipefail
@@ -25,9 +25,9 @@ OUT=${2:-runs/same_behaviour_$(date +%Y%m%d_%H%M%S)}
 mkdir -p "$OUT"
 OUT=$(cd "$OUT" && pwd)
 PYTHON=${PYTHON:-python3}
-EAGER_SHAPES=${EAGER_SHAPES:-8x1024}
-GRAPH_SHAPES=${GRAPH_SHAPES:-8x512}
-MEMORY_SHAPES=${MEMORY_SHAPES:-1x2048 8x512}
+EAGER_SHAPES=${EAGER_SHAPES-8x1024}
+GRAPH_SHAPES=${GRAPH_SHAPES-8x512}
+MEMORY_SHAPES=${MEMORY_SHAPES-1x2048 8x512}
 TRAINERS=${TRAINERS:-standard dpsgd ghost flash}
 tree_of() { if [ "$1" = new ]; then echo "$NEW"; else echo "$OLD"; fi; }
 round=0
@@ -39,13 +39,13 @@ done
 for tag in $order; do
     round=$((round + 1))
     # shellcheck disable=SC2086
-    (cd "$(tree_of $tag)" && "$PYTHON" bench_flash.py steps --dtypes bfloat16 --shapes $EAGER_SHAPES \
-        --trainers $TRAINERS --steps 20 --warmup_steps 3 --output_dir "$OUT/$tag" \
-        --run_name "steps$round")
+    [ -z "$EAGER_SHAPES" ] || (cd "$(tree_of $tag)" && "$PYTHON" bench_flash.py steps \
+        --dtypes bfloat16 --shapes $EAGER_SHAPES --trainers $TRAINERS --steps 20 \
+        --warmup_steps 3 --output_dir "$OUT/$tag" --run_name "steps$round")
     # shellcheck disable=SC2086
-    (cd "$(tree_of $tag)" && "$PYTHON" bench_flash.py steps --dtypes bfloat16 --shapes $GRAPH_SHAPES \
-        --trainers standard flash --cuda_graph --steps 20 --warmup_steps 3 \
-        --output_dir "$OUT/$tag" --run_name "graphsteps$round")
+    [ -z "$GRAPH_SHAPES" ] || (cd "$(tree_of $tag)" && "$PYTHON" bench_flash.py steps \
+        --dtypes bfloat16 --shapes $GRAPH_SHAPES --trainers standard flash --cuda_graph \
+        --steps 20 --warmup_steps 3 --output_dir "$OUT/$tag" --run_name "graphsteps$round")
 done
 [ "${SKIP_MEMORY:-0}" = 1 ] && MEMORY_SHAPES=""
 for tag in old new; do
