@@ -54,7 +54,7 @@ def trainer_title(name: str) -> str:
 
 
 # ---------------------------------------------------------------- memory breakdown at the peak
-# Roles a trainer's tensors can have (``Trainer.state_tensors``), each a breakdown key "<role>_mb".
+# Roles a trainer's tensors can have (``Trainer.memory().tensors``), a breakdown key "<role>_mb".
 ROLES = (
     "model_parameters",
     "optimizer_states",
@@ -164,7 +164,7 @@ class AllocationSite:
     ``functions``: a regex searched in the function's name. ``package``: a dotted third-party
     package whose files the frame must be in (opacus, torch.optim...); None for the project's
     own functions, matched by name wherever they live (renaming a file changes nothing).
-    Trainers declare their sites (``Trainer.allocation_sites``) next to the code that allocates.
+    Trainers declare their sites (``Trainer.memory().sites``) next to the code that allocates.
     """
 
     role: str

@@ -327,6 +327,13 @@ SETTINGS: tuple[Setting, ...] = (
         switch=True,
     ),
     Setting(
+        "host_work",
+        False,
+        "count one more (DP) step's Python calls, operator dispatches, CUDA launches: host_work",
+        flags=("--host_work",),
+        switch=True,
+    ),
+    Setting(
         "ncu",
         False,
         "run one step inside cudaProfilerStart/Stop, the range ncu profiles (`--replay-mode "

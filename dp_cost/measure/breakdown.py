@@ -2,7 +2,7 @@
 
 A block's role comes from the trainer first (``Trainer.memory``: what it holds, by
 identity, at the phase events around the peak), else from the Python functions on the stack that
-allocated it (``Trainer.allocation_sites``: the first matching site wins). CUDA only: it reads
+allocated it (``Trainer.memory().sites``: the first matching site wins). CUDA only: it reads
 the caching allocator's history.
 """
 

@@ -59,9 +59,10 @@ class ModuleCensus:
     """Bytes by module group and kind during one observed training step.
 
     Identity, not estimates: every count is the size of distinct tensor storages the trainer says
-    it holds (``Trainer.state_tensors``: gradients, optimizer states, Opacus' per-sample gradients
-    and norm samples, tensors kept by DP hooks, flash's saved A/G) or handed to autograd's pack hook
-    (``torch.autograd.graph.saved_tensors_hooks``) while a module of that group ran its forward.
+    it holds (``Trainer.memory().tensors``: gradients, optimizer states, Opacus' per-sample
+    gradients and norm samples, tensors kept by DP hooks, flash's saved A/G) or handed to
+    autograd's pack hook (``torch.autograd.graph.saved_tensors_hooks``) while a module of that
+    group ran its forward.
     Parameters are excluded from the saved tensors. The census reads sizes only, allocates no
     device memory and keeps no tensor alive, so the step it observes measures the same.
     Flash's output gradients G and the per-sample gradients it keeps exist from the end of its

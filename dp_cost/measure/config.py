@@ -46,6 +46,7 @@ class ExperimentConfig:
     trace_gzip: bool | None = None
     breakdown: bool = False
     save_snapshot: bool = False
+    host_work: bool = False
     ncu: bool = False
     detailed_memory: bool = False
     use_lora: bool = False

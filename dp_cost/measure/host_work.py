@@ -20,7 +20,13 @@ import sys
 import torch
 from torch.profiler import ProfilerActivity
 
-LAUNCH_CALLS = ("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernelEx")
+LAUNCH_CALLS = (
+    "cudaLaunchKernel",
+    "cuLaunchKernel",
+    "cudaLaunchKernelExC",
+    "cuLaunchKernelEx",
+    "cudaLaunchCooperativeKernel",
+)
 TOOL_NAME = "dp-cost host work"
 
 
@@ -37,7 +43,7 @@ class PythonCalls:
         self._tool: int | None = None
 
     def _started(self, *args) -> None:
-        self.count += 1
+        self.count += 1  # under the GIL: callbacks of several threads do not interleave here
 
     def _profiled(self, frame, event, arg) -> None:
         if event == "call":
@@ -86,8 +92,8 @@ def count_step(step, device: torch.device) -> dict:
     with torch.profiler.profile(activities=activities) as prof:
         with calls:
             step()
-            if cuda:
-                torch.cuda.synchronize(device)
+        if cuda:  # the step's kernels end inside the profile; the wait's own calls not counted
+            torch.cuda.synchronize(device)
     counts: dict[str, int] = {}
     for average in prof.key_averages():
         counts[average.key] = counts.get(average.key, 0) + average.count

@@ -106,7 +106,7 @@ class TimedSteps:
         if not s.workload.draws[-1]:
             s.env["measurement_batch_note"] = (
                 "the last timed batch drawn was empty: the measurements after the timed steps "
-                "(CPU peak, breakdown, census, trace) ran on it, a noise-only step"
+                "(CPU peak, host work, breakdown, census, trace) ran on it, a noise-only step"
             )
         if s.runner.graphs.enabled:
             result["cuda_graph"] = {
@@ -155,8 +155,12 @@ class HostWork:
     calls, operator dispatches, CUDA kernel launches."""
 
     def run(self, s: Session, result: dict) -> None:
-        with s.runner.eager():  # a replay has no host work to count
-            counts = host_work.count_step(s.reused_batch_step, s.device)
+        try:
+            with s.runner.eager():  # a replay has no host work to count
+                counts = host_work.count_step(s.reused_batch_step, s.device)
+        except torch.cuda.OutOfMemoryError as error:  # an eager step beside captured graphs
+            s.env["host_work_note"] = f"the counted step ran out of memory: {error}"[:300]
+            return
         if counts["python_calls_note"]:
             s.env["python_calls_note"] = counts["python_calls_note"]
         result["host_work"] = {k: v for k, v in counts.items() if k != "python_calls_note"}
@@ -315,8 +319,8 @@ class Privacy:
             return
         config, sample_rate = s.config, s.workload.sample_rate
         # Warm-up and timed steps each drew a fresh Poisson batch (global sizes, alike on every
-        # rank); the extra steps after them (CPU peak, breakdown, census, trace) reused the
-        # last: accounted as such.
+        # rank); the extra steps after them (CPU peak, host work, breakdown, census, trace)
+        # reused the last: accounted as such.
         draws = list(s.workload.draws)
         steps_per_draw = [1] * len(draws)
         if draws:
@@ -409,7 +413,9 @@ def measurements(config) -> list:
     """The measurements ``config`` asks for, in the order they run."""
     if config.ncu:
         return [NcuRange()]
-    sequence = [TimedSteps(), PeakMemory(), HostWork()]
+    sequence = [TimedSteps(), PeakMemory()]
+    if config.host_work:
+        sequence.append(HostWork())
     if config.breakdown:
         sequence.append(Breakdown())
     if config.detailed_memory:

@@ -44,6 +44,8 @@ class Runner:
         self.batch_size = batch_size
         self.max_physical_batch_size = max_physical_batch_size or batch_size
         self.is_private = trainer.privacy is not None
+        if cuda_graph and trainer.capture is None:
+            raise ValueError(f"trainer {name!r} has no CaptureSupport: its step cannot be captured")
         self.steps_taken = 0
         self.graphs = graph.Replayer(cuda_graph)  # the step as CUDA graphs, if asked
 

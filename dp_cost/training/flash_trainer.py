@@ -73,6 +73,7 @@ class FlashClippingTrainer(PrivateTrainer):
         super().start_step(plan)
         self.engine.release()
         self.held_sums.clear()
+        self.gathered = None  # a gathered step that failed: its buffers go with it
 
     def chunk_step(self, chunk):
         if self.gathers(chunk.plan):

@@ -93,3 +93,17 @@ def test_every_trainer_step_is_counted_and_flash_counts_its_own_work():
     # the DP trainers do more on the host than the baseline, each by its own machinery
     for name in ("dpsgd", "ghost", "flash"):
         assert seen[name]["python_calls"] > seen["standard"]["python_calls"], name
+
+
+def test_the_cli_counts_a_step_when_asked(tmp_path):
+    """--host_work adds the result key (and one accounted step); without it the key is absent."""
+    from cli_helpers import results_in, small_run_args
+
+    import profiling_script
+
+    argv = [*small_run_args(tmp_path, "standard", "flash", steps=1), "--host_work"]
+    assert profiling_script.main(argv) == 0
+    for name, result in results_in(tmp_path / "r").items():
+        assert result["status"] == "ok", result["error"]
+        assert result["host_work"]["python_calls"] > 0, name
+        assert result["host_work"]["operator_dispatches"] > 0, name

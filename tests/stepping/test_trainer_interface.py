@@ -80,3 +80,14 @@ def test_every_registered_trainer_provides_the_interface():
         for member in interface_members():
             assert hasattr(runner.trainer, member), (name, member)
         assert (runner.trainer.privacy is None) == (name == "standard"), name
+
+
+def test_a_capturable_trainer_says_what_a_capture_needs():
+    """A trainer's class says it can be captured (``capturable``, read before it is built) and
+    its object says what a capture needs (``capture``): one holds where the other does."""
+    for name, cls in trainers.TRAINERS.items():
+        runner = trainers.make_trainer(
+            name, models.build_model("tiny", hidden_dim=16, num_heads=2, mlp_dim=16), lr=0.1,
+            batch_size=2,
+        )  # fmt: skip
+        assert (runner.trainer.capture is not None) == cls.capturable, name
