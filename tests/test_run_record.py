@@ -48,3 +48,27 @@ def test_a_busy_machine_is_named_beside_the_table():
     )
     assert run_info.busy_note(quiet, {"cpus": 2, "load": 2.2}) is not None
     assert run_info.busy_note({"cpus": 2, "load": None}, busy) is None  # not measured: no claim
+
+
+def test_the_commit_is_read_without_writing_the_checkout(tmp_path):
+    """run.json's commit comes from git without a write to the user's checkout: a plain
+    ``git status`` after a file's timestamp changed refreshes the index (taking
+    .git/index.lock and rewriting .git/index)."""
+    import subprocess
+
+    from dp_cost.measure.run import git_commit
+
+    def git(*args):
+        subprocess.run(["git", *args], cwd=tmp_path, check=True, capture_output=True)
+
+    git("init", "-q")
+    (tmp_path / "f.txt").write_text("one\n")
+    git("add", "f.txt")
+    git("-c", "user.name=t", "-c", "user.email=t@t", "commit", "-q", "-m", "one")
+    stamp = os.stat(tmp_path / "f.txt").st_mtime_ns + 5 * 10**9  # the same content, newer
+    os.utime(tmp_path / "f.txt", ns=(stamp, stamp))
+    index = tmp_path / ".git" / "index"
+    before = (index.read_bytes(), os.stat(index).st_mtime_ns)
+    commit = git_commit(str(tmp_path))
+    assert commit is not None and not commit.endswith("+dirty")
+    assert (index.read_bytes(), os.stat(index).st_mtime_ns) == before

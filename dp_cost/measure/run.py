@@ -126,13 +126,16 @@ def record_run(run_dir: str, command: list[str]) -> None:
     write_json(path, record)
 
 
-def git_commit() -> str | None:
-    """The toolkit's commit (``+dirty`` with uncommitted changes), or None outside a checkout."""
-    here = os.path.dirname(os.path.abspath(__file__))
+def git_commit(checkout: str | None = None) -> str | None:
+    """The toolkit's commit (``+dirty`` with uncommitted changes), or None outside a checkout.
+    Read only: ``--no-optional-locks`` keeps ``git status`` from refreshing the checkout's index
+    (it would take ``.git/index.lock`` and rewrite the index: a write outside the run)."""
+    here = checkout or os.path.dirname(os.path.abspath(__file__))
     try:
         run = lambda *cmd: subprocess.run(  # noqa: E731
-            ["git", *cmd], cwd=here, capture_output=True, text=True, timeout=10, check=True
-        ).stdout.strip()
+            ["git", "--no-optional-locks", *cmd],
+            cwd=here, capture_output=True, text=True, timeout=10, check=True,
+        ).stdout.strip()  # fmt: skip
         commit = run("rev-parse", "HEAD")
         return commit + ("+dirty" if run("status", "--porcelain", "--untracked-files=no") else "")
     except (OSError, subprocess.SubprocessError):
