@@ -66,10 +66,10 @@ class OpacusTrainer(PrivateTrainer):
 
     def wrap_optimizer(self, dp_optimizer_class: type) -> None:
         """Opacus' DP optimizer of class ``dp_optimizer_class`` around the base optimizer, with
-        this trainer's settings. Distributed, Opacus divides by the expected
-        batch of ONE rank and then averages over the ranks: B / world_size is that batch, a
-        float where B is not a multiple of the ranks (so the divisor is B, not (B // W) W).
-        Per-layer clipping: Opacus takes a list of bounds, one per parameter."""
+        this trainer's settings. Distributed, Opacus divides by the expected batch of ONE rank
+        and then averages over the ranks: B / world_size is that batch, a float where B is not
+        a multiple of the ranks (so the divisor is B, not (B // W) W). Per-layer clipping:
+        Opacus takes a list of bounds, one per parameter."""
         max_grad_norm = self.max_grad_norm
         if self.settings.clipping.per_layer:
             max_grad_norm = [self.layer_max_grad_norm] * len(self.parameters)
