@@ -66,9 +66,6 @@ class FlashClippingTrainer(PrivateTrainer):
     def generators(self) -> list[torch.Generator]:
         return [self.noise_generator] if self.noise_generator is not None else []
 
-    def gathers(self, plan) -> bool:
-        return gathers_per_sample(self.settings.mode, plan)
-
     def start_step(self, plan):
         super().start_step(plan)
         self.engine.release()
@@ -76,7 +73,7 @@ class FlashClippingTrainer(PrivateTrainer):
         self.gathered = None  # a gathered step that failed: its buffers go with it
 
     def chunk_step(self, chunk):
-        if self.gathers(chunk.plan):
+        if gathers_per_sample(self.settings.mode, chunk.plan):
             return self.gathered_chunk_step(chunk)
         per_sample = self.per_sample_losses(self.model, chunk)
         self.phases("forward_done")
@@ -137,7 +134,7 @@ class FlashClippingTrainer(PrivateTrainer):
     def finish_step(self, plan):
         if plan.is_empty and (sink := self.empty_batch_sink()):
             sink.finish(self.engine.params)
-        self.optimizer_step(self.gathers(plan))
+        self.optimizer_step(gathers_per_sample(self.settings.mode, plan))
 
     def empty_batch_sink(self):
         """DDP: zeros, rank 0's noise, summed over the ranks; FSDP2: every collective drained
