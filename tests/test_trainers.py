@@ -141,6 +141,40 @@ def test_noise_std_is_sigma_c_over_b(name, device):
     assert abs(noise.mean().item()) < 5 * expected / noise.numel() ** 0.5
 
 
+@pytest.mark.parametrize("clipping", ["flat", "per_layer"])
+@pytest.mark.parametrize("name", ["dpsgd", "ghost"])
+def test_noise_sampler_exact64_replaces_opacus_draw(name, clipping, monkeypatch):
+    """--noise_sampler exact64: Opacus' draw (torch.normal) is never called, the noise still has
+    std sigma C / B, and the default draws with Opacus' own function again."""
+    if name == "ghost" and clipping == "per_layer":
+        pytest.skip("ghost has no per-layer mode")
+    from dp_cost.training import opacus_noise
+
+    opacus_calls = []
+    opacus_draw = opacus_noise.OPACUS_GENERATE_NOISE
+    monkeypatch.setattr(
+        opacus_noise,
+        "OPACUS_GENERATE_NOISE",
+        lambda *args: opacus_calls.append(args) or opacus_draw(*args),
+    )
+    torch.manual_seed(123)
+    model = models.build_model(SMALL)
+    inputs, targets = make_batch(batch=4, seq=6)
+    sigma, clip, batch = 0.7, 0.05, inputs.shape[0]
+    ref, _ = reference_update(model, inputs, targets, clip, 1.0)
+    options = dict(lr=1.0, max_grad_norm=clip, noise_multiplier=sigma, clipping=clipping)
+    with monkeypatch.context() as patched:
+        patched.setattr(torch, "normal", lambda *a, **k: pytest.fail("torch.normal drew"))
+        update = run_one_step(
+            name, copy.deepcopy(model), inputs, targets, noise_sampler="exact64", **options
+        )
+    noise = -(update - ref)
+    assert abs(noise.std().item() / (sigma * clip / batch) - 1) < 0.05
+    assert opacus_calls == []
+    run_one_step(name, model, inputs, targets, **options)  # Opacus' own draw, as before
+    assert opacus_calls
+
+
 @pytest.mark.parametrize("name", ["standard", *DP_TRAINERS])
 def test_an_empty_batch_is_a_noise_only_step(name):
     """An empty Poisson sample: no samples, so the clipped sum is 0 and a DP trainer's update is

@@ -296,6 +296,18 @@ SETTINGS: tuple[Setting, ...] = (
         choices=("auto", "gram", "direct", "product"),
     ),
     Setting(
+        "noise_sampler",
+        "opacus",
+        "how dpsgd and ghost draw their noise: opacus, Opacus' own torch.normal (the cost "
+        "users pay; its radius comes from a 24-bit (CPU) or 32-bit (CUDA) uniform, whose top "
+        "atom can add a large tail term to delta_total), or exact64, the 64-bit Box-Muller "
+        "transform flash always uses",
+        flags=("--noise_sampler",),
+        choices=("opacus", "exact64"),
+        dir_part=lambda c: f"_{c.noise_sampler}" if c.noise_sampler != "opacus" else None,
+        compare=True,
+    ),
+    Setting(
         "trace",
         True,
         "numbers only: no torch.profiler trace (memory and hf_sweep never trace)",

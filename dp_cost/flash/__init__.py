@@ -4,7 +4,7 @@ Triton kernels (kernels/).
 
 Its public surface, what the trainers and the measurements use, is imported here."""
 
-from dp_cost.flash.clip import add_gaussian_noise, clip_per_sample, noise_sampler
+from dp_cost.flash.clip import add_gaussian_noise, clip_per_sample
 from dp_cost.flash.engine import FlashClipping, UnsupportedLayerError
 from dp_cost.flash.layer import tensors_in
 from dp_cost.flash.sites import ALLOCATION_SITES
@@ -15,6 +15,5 @@ __all__ = [
     "UnsupportedLayerError",
     "add_gaussian_noise",
     "clip_per_sample",
-    "noise_sampler",
     "tensors_in",
 ]

@@ -11,6 +11,7 @@ from torch._utils import _unflatten_dense_tensors
 
 from dp_cost.flash.fused import triton_kernels
 from dp_cost.flash.precision import accumulation_dtype
+from dp_cost.noise.exact64 import add_exact64_noise_
 
 CPU_ROW_CHUNK = 2**16  # columns per chunk: bounds the temporary of the CPU sum of squares
 
@@ -251,9 +252,6 @@ def weighted_sum(grads: Tensor, c: ClipFactors) -> Tensor:
     return c.to(grads.dtype) @ grads
 
 
-NOISE_GROUP_BYTES = 256 * 2**20
-
-
 def fused_noise(tensors: list[torch.Tensor]) -> bool:
     """Whether add_gaussian_noise draws the noise of ``tensors`` with the fused Triton kernel:
     contiguous CUDA tensors of one device, where Triton is there."""
@@ -262,31 +260,15 @@ def fused_noise(tensors: list[torch.Tensor]) -> bool:
     return all(t.is_contiguous() for t in tensors) and triton_kernels() is not None
 
 
-def noise_sampler(tensors: list[torch.Tensor]) -> str:
-    """Which sampler add_gaussian_noise draws the noise of ``tensors`` from
-    (hf.privacy.NOISE_SAMPLERS): the fused kernel's, or torch's on their device."""
-    return "flash_triton" if fused_noise(tensors) else f"torch_{tensors[0].device.type}"
-
-
 def add_gaussian_noise(
     tensors: list[torch.Tensor], std: float, generator: torch.Generator | None = None
 ) -> None:
     """t += N(0, std^2) elementwise for each tensor, drawn from ``generator`` (default: torch's
-    of the device). CUDA: one fused Triton kernel (noise drawn and added in one pass).
-    Elsewhere: noise drawn per tensor, added by one multi-tensor kernel per group of
-    <= NOISE_GROUP_BYTES of noise (bounded extra memory)."""
+    of the device) by the 64-bit Box-Muller transform (noise.laws' "exact64"). CUDA: one fused
+    Triton kernel (noise drawn and added in one pass); elsewhere the same transform in torch
+    operations (noise.exact64)."""
     if fused_noise(tensors):
         triton_kernels().add_gaussian_noise_(tensors, std, generator)
         return
-    group: list[torch.Tensor] = []
-    group_bytes = 0
-    for i, tensor in enumerate(tensors):
-        group.append(tensor)
-        group_bytes += tensor.numel() * tensor.element_size()
-        if group_bytes >= NOISE_GROUP_BYTES or i == len(tensors) - 1:
-            noise = [
-                torch.randn(t.shape, dtype=t.dtype, device=t.device, generator=generator)
-                for t in group
-            ]
-            torch._foreach_add_(group, noise, alpha=std)
-            group, group_bytes = [], 0
+    for tensor in tensors:
+        add_exact64_noise_(tensor, std, generator)

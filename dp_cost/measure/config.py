@@ -42,6 +42,7 @@ class ExperimentConfig:
     seed: int = 0
     device: str = "cpu"
     flash_route: str = "auto"
+    noise_sampler: str = "opacus"
     trace: bool = True
     trace_gzip: bool | None = None
     breakdown: bool = False

@@ -25,6 +25,7 @@ from dp_cost.core.schema import MB
 from dp_cost.hf import privacy
 from dp_cost.measure import breakdown, census, host_work, phases, tracing
 from dp_cost.measure.python_gc import GarbageCollections
+from dp_cost.noise import laws as noise_laws
 
 
 def synchronize(device: torch.device) -> None:
@@ -338,7 +339,7 @@ class Privacy:
         epsilon = delta_total = tail = None
         if config.poisson:
             epsilon = privacy.epsilon(sigma, sample_rate, steps_per_draw, config.delta)
-            tail = privacy.tail_delta(sampler, dimension, sigma, sample_rate, steps)
+            tail = noise_laws.tail_delta(sampler, dimension, sigma, sample_rate, steps)
             delta_total = config.delta + tail
         else:
             s.env["privacy_note"] = (
@@ -351,7 +352,7 @@ class Privacy:
             "delta_total": delta_total,
             "tail_delta": tail,
             "noise_sampler": sampler,
-            "z_max": privacy.NOISE_SAMPLERS[sampler].z_max,
+            "z_max": noise_laws.NOISE_LAWS[sampler].z_max,
             "noised_coordinates": dimension,
             "noise_multiplier": config.noise_multiplier,
             "sensitivity_margin": margin,

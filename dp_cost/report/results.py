@@ -292,4 +292,26 @@ def privacy_notes(results: list[dict]) -> str:
                 f"{c['trainer']} bs{c['batch_size']} seq{c['seq_len']}"
             )
     lines += [f"- epsilon null for {', '.join(names)}: {why}\n" for why, names in by_reason.items()]
+    lines += tail_over_delta_lines(results)
     return "".join(lines)
+
+
+def tail_over_delta_lines(results: list[dict]) -> list[str]:
+    """One line per noise sampler whose tail term exceeded delta itself in some config: there
+    the guarantee is (epsilon, delta_total) with delta_total far above the delta asked for."""
+    by_sampler: dict[str, list[str]] = {}
+    for r in ordered(results):
+        record = r.get("privacy") or {}
+        tail, delta = record.get("tail_delta"), record.get("delta")
+        if isinstance(tail, (int, float)) and isinstance(delta, (int, float)) and tail > delta:
+            c = r["config"]
+            by_sampler.setdefault(str(record.get("noise_sampler")), []).append(
+                f"{c['trainer']} bs{c['batch_size']} seq{c['seq_len']} ({tail:.2g})"
+            )
+    return [
+        f"- the noise sampler's tail term exceeds delta for {', '.join(names)}: {sampler}'s "
+        "largest radius is an atom a shifted output can leave from, so delta_total, not delta, "
+        "is the guarantee; --noise_sampler exact64 draws dpsgd's and ghost's noise with flash's "
+        "64-bit transform (docs/privacy.md)\n"
+        for sampler, names in by_sampler.items()
+    ]

@@ -54,7 +54,7 @@ class Chunk:
 @dataclass(frozen=True)
 class PrivacyDescription:
     """What a DP trainer promises, as the accountant reads it: the sampler of its Gaussian noise
-    (``hf.privacy.NOISE_SAMPLERS``), how far above C one sample's clipped contribution may reach
+    (``noise.laws.NOISE_LAWS``), how far above C one sample's clipped contribution may reach
     relative to C (its norms' rounding; the sensitivity is (1 + margin) C), the number of noised
     coordinates, and the result's ``clipping`` record (read after the steps: device counters)."""
 

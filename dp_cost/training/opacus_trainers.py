@@ -22,6 +22,7 @@ from opacus.utils.fast_gradient_clipping_utils import DPTensorFastGradientClippi
 from dp_cost.core.schema import AllocationSite
 from dp_cost.flash import tensors_in
 from dp_cost.samplers import state as opacus_state
+from dp_cost.training import opacus_noise
 from dp_cost.training.base import PrivateTrainer
 from dp_cost.training.clipping import ClippedCounts
 
@@ -39,12 +40,12 @@ NORM_BLOCK_COLUMNS = 2**16  # per_sample_norms on the CPU: columns converted to 
 class OpacusTrainer(PrivateTrainer):
     """Opacus' optimizers with BatchMemoryManager's protocol for physical chunks."""
 
-    def __init__(self, model, settings, phases):
+    options = ("noise_sampler",)
+
+    def __init__(self, model, settings, phases, *, noise_sampler: str = "opacus"):
         super().__init__(model, settings, phases)
+        self.noise_sampler = noise_sampler  # opacus_noise.NOISE_SAMPLERS
         self.make_optimizer([p for p in model.parameters() if p.requires_grad])
-        # Opacus draws its noise with torch.normal on the parameters' device
-        sampler = f"torch_{self.parameters[0].device.type}" if self.parameters else "torch_cpu"
-        self.describe_privacy(sampler, NORM_MARGINS[self.dtype])
 
     def dp_state_tensors(self):
         owners = {"parameter": self.model.named_parameters, "module": self.model.named_modules}
@@ -80,6 +81,8 @@ class OpacusTrainer(PrivateTrainer):
             expected_batch_size=self.batch_size / self.settings.mode.world_size,
             loss_reduction="mean",
         )
+        law = opacus_noise.draw_with(self.optimizer, self.noise_sampler)
+        self.describe_privacy(law, NORM_MARGINS[self.dtype])
         self.phases("privacy_wrapped")
 
     def wrapped_forward(self, chunk) -> torch.Tensor:
@@ -195,8 +198,8 @@ class DPSGDTrainer(OpacusTrainer):
         "samplers expect whole parameters, and FSDP2 shards them (use ghost or flash)"
     )
 
-    def __init__(self, model, settings, phases):
-        super().__init__(model, settings, phases)
+    def __init__(self, model, settings, phases, **options):
+        super().__init__(model, settings, phases, **options)
         replicates = settings.mode.replicates
         self.wrapped = GradSampleModule(
             DPDDP(model) if replicates else model, batch_first=True, loss_reduction="mean"
@@ -241,8 +244,8 @@ class GhostClippingTrainer(OpacusTrainer):
         "none to add (run ghost with --fsdp_sync chunk)"
     )
 
-    def __init__(self, model, settings, phases):
-        super().__init__(model, settings, phases)
+    def __init__(self, model, settings, phases, **options):
+        super().__init__(model, settings, phases, **options)
         mode = settings.mode
         module_class = opacus_grad_sample.GradSampleModuleFastGradientClipping
         optimizer_class = opacus_optimizers.DPOptimizerFastGradientClipping

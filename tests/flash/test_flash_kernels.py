@@ -15,6 +15,7 @@ gram = pytest.importorskip("dp_cost.flash.kernels.gram", reason="needs triton")
 noise_kernels = pytest.importorskip("dp_cost.flash.kernels.noise", reason="needs triton")
 triton = pytest.importorskip("triton")
 tl = triton.language
+from dp_cost.noise.exact64 import box_muller64  # noqa: E402
 
 
 def per_sample_squared_norms(A, G):
@@ -137,6 +138,10 @@ def test_noise_transform_reaches_the_64_bit_tail_unclamped():
     assert noise_kernels.Z_MAX == pytest.approx(9.4926, abs=1e-4)
     assert radius[0].item() == pytest.approx(noise_kernels.Z_MAX, rel=1e-6)
     assert torch.allclose(radius, expected[: len(words)], rtol=1e-5, atol=1e-6)
+    # its torch twin (the law flash draws where the kernel does not run) gives the same pairs
+    twin_cos, twin_sin = box_muller64(high, low, torch.zeros(n, dtype=torch.int64))
+    assert torch.allclose(twin_cos.float(), out_cos, rtol=1e-5, atol=1e-6)
+    assert torch.allclose(twin_sin.float(), out_sin, atol=1e-6)
     tail = radius[:7]  # all of these u lie below Triton's clamp: distinct, decreasing radii
     clamped = math.sqrt(-2 * math.log(1e-7))  # 5.68: the radius where Triton clamps
     assert (tail > clamped).all() and (tail[1:] < tail[:-1]).all()

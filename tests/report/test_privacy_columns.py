@@ -49,3 +49,17 @@ def test_the_tables_carry_the_columns_and_the_notes_the_reasons():
     assert "epsilon" in table and "1.0365e-05" in table and "1.92" in table
     notes = privacy_notes(results)
     assert "every DP step" in notes and f"dpsgd bs8 seq16: {NO_SAMPLING}" in notes
+
+
+def test_a_tail_term_over_delta_is_said_once_per_sampler():
+    """Where a sampler's tail term exceeds delta, the notes (summary.md, report.html) say so on
+    one line per sampler naming the configs; a term below delta says nothing."""
+    over = {**RECORD, "delta_total": 0.041, "tail_delta": 0.04099, "noise_sampler": "torch_cuda"}
+    under = {**RECORD, "tail_delta": 3.65e-7, "noise_sampler": "exact64"}
+    results = [result("dpsgd", over), result("ghost", over), result("flash", under)]
+    lines = [line for line in privacy_notes(results).splitlines() if "tail term exceeds" in line]
+    assert len(lines) == 1
+    assert "dpsgd bs8 seq16 (0.041)" in lines[0] and "ghost bs8 seq16" in lines[0]
+    assert "torch_cuda" in lines[0] and "--noise_sampler exact64" in lines[0]
+    assert "flash bs8" not in lines[0]
+    assert "tail term exceeds" not in privacy_notes([result("flash", under)])
