@@ -1,7 +1,9 @@
 """Flash's fused noise kernel (Gaussian noise drawn and added in one pass) on every trainable
-parameter of a model, fp32, against torch's draw-then-add (what Opacus does, per tensor) and
-torch's foreach add of noise drawn beforehand (the read-and-write floor). Prints each one's ms
-(the median of triton.testing.do_bench's repetitions) and its ratio to the fused kernel's.
+parameter of a model, fp32, against torch's draw-then-add, torch's foreach add of noise drawn
+beforehand (the read-and-write floor), and the two draws dpsgd and ghost can take
+(--noise_sampler): Opacus' own (_generate_noise, then summed_grad + noise, per tensor) and the
+64-bit transform through the same call. Prints each one's ms (the median of
+triton.testing.do_bench's repetitions), its ratio to the fused kernel's, and exact64 / opacus.
 
     python benchmarks/noise_kernel.py --model 1b
     python benchmarks/noise_kernel.py --model 1b --tree /tmp/old   # another checkout's kernel
@@ -38,6 +40,7 @@ def main(argv=None) -> int:
     import torch
     import triton
 
+    from dp_cost.training import opacus_noise
     from models import build_model
 
     if not torch.cuda.is_available():
@@ -61,11 +64,18 @@ def main(argv=None) -> int:
         timed[f"fused ({args.tree})"] = lambda: other(grads, 1e-3)
     timed["torch randn + add_ per tensor"] = torch_draw_then_add
     timed["foreach add_ of drawn noise (floor)"] = lambda: torch._foreach_add_(grads, drawn)
+    exact64 = opacus_noise.Exact64Generator(None)
+    for sampler, generator in (("opacus", None), ("exact64", exact64)):
+        timed[f"Opacus' add_noise, --noise_sampler {sampler}"] = lambda generator=generator: [
+            g + opacus_noise.generate_noise(1e-3, g, generator) for g in grads
+        ]
     times = {name: triton.testing.do_bench(fn, rep=300, return_mode="median")
              for name, fn in timed.items()}  # fmt: skip
     reference = times["fused (this tree)"]
     for name, ms in times.items():
-        print(f"{name:40s} {ms:8.3f} ms   {ms / reference:5.2f} x this tree's kernel")
+        print(f"{name:45s} {ms:8.3f} ms   {ms / reference:5.2f} x this tree's kernel")
+    opacus, ours = (times[f"Opacus' add_noise, --noise_sampler {s}"] for s in ("opacus", "exact64"))
+    print(f"--noise_sampler exact64 / opacus: {ours / opacus:.2f}")
     return 0
 
 
