@@ -354,24 +354,26 @@ def test_index_and_dated_history_files():
             assert heading.startswith(f"## {day}"), f"{path.name}: {heading[:60]}"
 
 
-def test_every_current_record_names_a_tracked_script_and_its_exact_command(helps):
+def test_every_current_record_names_a_tracked_script_that_answers_help_and_its_command(helps):
+    """Every record's script is tracked and its command parses by the script's --help; every
+    indexed script answers --help. One test, not one per script: pytest-xdist could give those
+    to both workers, and each would run every script's --help again (tens of seconds)."""
     text = INDEX.read_text()
     records = index_records(text)
     assert len(records) >= 10, "the index's tables were not found"
     texts = help_texts(helps)
     problems = [p for r in records for p in record_problems(r, set(tracked_files()), texts)]
+    for script in index_scripts(INDEX.read_text()):
+        done = helps[script]
+        source = (REPO / script).read_text()
+        if done.returncode != 0:
+            problems.append(f"{script}: exit {done.returncode}\n{done.stderr[-2000:]}")
+        elif script in SHELL_WITHOUT_HELP:
+            if has_help_handler(source):
+                problems.append(f"{script} takes --help now: drop it from the list")
+        elif not done.stdout.strip():
+            problems.append(f"{script} --help printed nothing")
     assert not problems, "\n".join(problems)
-
-
-@pytest.mark.parametrize("script", index_scripts(INDEX.read_text()) if INDEX.exists() else [])
-def test_every_indexed_script_answers_help(script, helps):
-    done = helps[script]
-    assert done.returncode == 0, f"{script}: exit {done.returncode}\n{done.stderr[-2000:]}"
-    source = (REPO / script).read_text()
-    if script in SHELL_WITHOUT_HELP:
-        assert not has_help_handler(source), f"{script} takes --help now: drop it from the list"
-    else:
-        assert done.stdout.strip(), f"{script} --help printed nothing"
 
 
 @pytest.mark.parametrize("path", markdown_files(), ids=lambda p: str(p.relative_to(BENCH)))

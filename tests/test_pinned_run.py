@@ -113,9 +113,9 @@ def test_test_mode_grid_behaves_as_pinned(grid_run):
     got = summarise(grid_run)
     assert differences(pinned, got) == []
     assert all(g["config_additions"] == KNOWN_CONFIG_ADDITIONS for g in got.values())
-
-
-def test_measured_configs_record_python_collections_over_their_timed_steps(grid_run):
+    # The measured configs record Python's collections over their timed steps (asserted here,
+    # not in a test of its own: pytest-xdist could run that on the other worker, which would
+    # make the whole grid run again).
     measured = [r for r in results_in(grid_run).values() if r.get("median_time_ms") is not None]
     assert measured
     for result in measured:
