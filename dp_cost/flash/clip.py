@@ -270,5 +270,4 @@ def add_gaussian_noise(
     if fused_noise(tensors):
         triton_kernels().add_gaussian_noise_(tensors, std, generator)
         return
-    for tensor in tensors:
-        add_exact64_noise_(tensor, std, generator)
+    add_exact64_noise_(tensors, std, generator)

@@ -18,37 +18,49 @@ PAIRS_PER_DRAW = 2**20  # the words and fp64 temporaries of at most this many pa
 def exact64_normal(
     count: int, generator: torch.Generator | None = None, device: torch.device | str = "cpu"
 ) -> torch.Tensor:
-    """``count`` N(0, 1) draws (fp64, flat), in Box-Muller pairs from three uniform 32-bit words
+    """``count`` N(0, 1) draws (fp32, flat), in Box-Muller pairs from three uniform 32-bit words
     a pair: u = (high 2^32 + low + 1/2) / 2^64 for the radius (u >= 2^-65, |z| <= sqrt(130
-    ln 2)), angle 2 pi w / 2^32. In fp64, ln u = ln x - 32 ln 2 with x = high + (low + 1/2) /
-    2^32, exact where high is small (the tail)."""
+    ln 2)), angle 2 pi w / 2^32."""
     pairs = (count + 1) // 2
     # randint over [0, 2^32) takes a 64-bit draw modulo 2^32: uniform 32-bit words
     words = torch.randint(0, 2**32, (3, pairs), generator=generator, device=device)
-    return torch.stack(box_muller64(*words), dim=1).flatten()[:count]
+    # each pair's two normals go to the two halves (any layout keeps the pairs independent)
+    return torch.cat(box_muller64(*words))[:count]
 
 
 def box_muller64(high: torch.Tensor, low: torch.Tensor, angle: torch.Tensor):
-    """The pair of normals (fp64) from three 32-bit words (integer tensors), as the Triton
-    kernel forms them (flash/kernels/noise.py's uniform64_to_normal)."""
-    high, low, angle = (word.to(torch.float64) for word in (high, low, angle))
-    x = high + (low + 0.5) * TWO_POW_MINUS_32
-    radius = (2 * (32 * math.log(2) - x.log())).clamp(min=0).sqrt()
-    theta = angle * (2 * math.pi * TWO_POW_MINUS_32)
+    """The pair of normals (fp32) from three 32-bit words (integer tensors), as the Triton
+    kernel forms them (flash/kernels/noise.py's uniform64_to_normal): the radius from fp64
+    x = high + (low + 1/2) / 2^32 (exact where high is small, the tail), ln u = ln x - 32 ln 2;
+    the angle, whose precision no tail depends on, in fp32 (a third of fp64's time)."""
+    x = high.to(torch.float64) + (low.to(torch.float64) + 0.5) * TWO_POW_MINUS_32
+    radius = (2 * (32 * math.log(2) - x.log())).clamp(min=0).sqrt().to(torch.float32)
+    theta = angle.to(torch.float32) * (2 * math.pi * TWO_POW_MINUS_32)
     return radius * theta.cos(), radius * theta.sin()
 
 
 def add_exact64_noise_(
-    tensor: torch.Tensor, std: float, generator: torch.Generator | None = None
+    tensors: list[torch.Tensor], std: float, generator: torch.Generator | None = None
 ) -> None:
-    """tensor += std * N(0, 1) elementwise, drawn by exact64_normal a bounded piece at a time
-    (a contiguous tensor) so the draw's temporaries stay small beside the model."""
-    if not tensor.is_contiguous():
-        noise = exact64_normal(tensor.numel(), generator, tensor.device)
-        tensor.add_(noise.view(tensor.shape).to(tensor.dtype), alpha=std)
-        return
-    flat = tensor.view(-1)
-    for start in range(0, flat.numel(), 2 * PAIRS_PER_DRAW):
-        piece = flat[start : start + 2 * PAIRS_PER_DRAW]
-        noise = exact64_normal(piece.numel(), generator, tensor.device)
-        piece.add_(noise.to(piece.dtype), alpha=std)
+    """t += std * N(0, 1) elementwise for every tensor (one device), drawn by exact64_normal
+    for several tensors at once, at most 2 PAIRS_PER_DRAW elements a draw (a larger tensor in
+    pieces), so few operations a step and small temporaries beside the model."""
+    piece = 2 * PAIRS_PER_DRAW
+    pending: list[torch.Tensor] = []  # flat views whose noise is drawn together
+    for tensor in tensors:
+        if not tensor.is_contiguous():  # its own draw, added through the view
+            noise = exact64_normal(tensor.numel(), generator, tensor.device)
+            tensor.add_(noise.view(tensor.shape).to(tensor.dtype), alpha=std)
+            continue
+        flat = tensor.view(-1)
+        pending += [flat[start : start + piece] for start in range(0, flat.numel(), piece)]
+    group: list[torch.Tensor] = []
+    for view in pending + [None]:
+        if view is None or (group and sum(v.numel() for v in group) + view.numel() > piece):
+            if group:
+                noise = exact64_normal(sum(v.numel() for v in group), generator, group[0].device)
+                parts = noise.split([v.numel() for v in group])
+                torch._foreach_add_(group, [n.to(v.dtype) for n, v in zip(parts, group)], alpha=std)
+            group = []
+        if view is not None:
+            group.append(view)

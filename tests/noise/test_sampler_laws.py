@@ -127,11 +127,11 @@ def test_exact64_transform_reaches_its_top_and_is_gaussian():
     million draws have the Gaussian's mean, variance and tail beyond 3 (within 5 sigma)."""
     zero = torch.zeros(1, dtype=torch.int64)
     z_cos, z_sin = box_muller64(zero, zero, zero)
-    assert z_cos.item() == pytest.approx(laws.NOISE_LAWS["exact64"].z_max, rel=1e-12)
+    assert z_cos.item() == pytest.approx(laws.NOISE_LAWS["exact64"].z_max, rel=1e-7)  # fp32
     assert z_sin.item() == 0.0
     torch.manual_seed(0)
-    z = exact64_normal(10**6 + 1)  # odd: the last pair's second normal dropped
-    assert z.shape == (10**6 + 1,) and z.dtype == torch.float64
+    z = exact64_normal(10**6 + 1).double()  # odd: the last pair's second normal dropped
+    assert z.shape == (10**6 + 1,)
     n = z.numel()
     assert abs(z.mean().item()) < 5 / math.sqrt(n)
     assert abs(z.var().item() - 1) < 5 * math.sqrt(2 / n)
@@ -141,16 +141,16 @@ def test_exact64_transform_reaches_its_top_and_is_gaussian():
 
 
 def test_exact64_noise_is_added_in_bounded_pieces_to_any_tensor():
-    """add_exact64_noise_ adds std * N(0, 1) to every element of a contiguous tensor longer than
-    one piece, a bf16 one, and a non-contiguous view, leaving the rest of its base alone."""
+    """add_exact64_noise_ adds std * N(0, 1) to every element of every tensor given: one longer
+    than a draw's piece, small ones drawn together, a bf16 one, and a non-contiguous view
+    (leaving the rest of its base alone); the draws of different tensors are independent."""
     torch.manual_seed(1)
-    long = torch.zeros(2**21 + 3)
-    add_exact64_noise_(long, 0.5)
+    long, small, half = torch.zeros(2**21 + 3), torch.zeros(5000), torch.zeros(4096).bfloat16()
+    base = torch.zeros(64, 64)
+    add_exact64_noise_([long, small, half, base.t()[:, :32]], 0.5)
     assert (long != 0).all() and abs(long.std().item() - 0.5) < 0.01
     assert abs(torch.corrcoef(torch.stack([long[: 2**20], long[2**20 : 2**21]]))[0, 1]) < 0.01
-    half = torch.zeros(4096, dtype=torch.bfloat16)
-    add_exact64_noise_(half, 2.0)
-    assert abs(half.float().std().item() - 2.0) < 0.15
-    base = torch.zeros(64, 64)
-    add_exact64_noise_(base.t()[:, :32], 1.0)
+    assert abs(torch.corrcoef(torch.stack([long[:5000], small]))[0, 1]) < 0.06
+    assert (small != 0).all() and abs(small.std().item() - 0.5) < 0.03
+    assert abs(half.float().std().item() - 0.5) < 0.04
     assert (base[:32] != 0).all() and not base[32:].any()
