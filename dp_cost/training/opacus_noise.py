@@ -31,13 +31,13 @@ class Exact64Generator:
 
 
 def generate_noise(std, reference, generator=None, secure_mode=False):
-    """Opacus' _generate_noise, or the exact64 draw for an Exact64Generator: fp32 noise of the
-    reference's (unsharded) shape on its device, as Opacus' torch.normal returns it."""
+    """Opacus' _generate_noise, or the exact64 draw for an Exact64Generator: noise of the
+    reference's (unsharded) shape, dtype and device, as Opacus' torch.normal returns it."""
     if not isinstance(generator, Exact64Generator):
         return OPACUS_GENERATE_NOISE(std, reference, generator, secure_mode)
     if secure_mode:
         raise ValueError("--noise_sampler exact64 does not implement Opacus' secure_mode")
-    noise = torch.zeros(reference.shape, device=reference.device)
+    noise = torch.zeros(reference.shape, device=reference.device, dtype=reference.dtype)
     if std != 0:
         add_gaussian_noise([noise], std, generator.words)
     return noise

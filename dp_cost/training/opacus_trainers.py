@@ -228,6 +228,21 @@ class DPSGDTrainer(OpacusTrainer):
         return self.end_chunk(per_sample, chunk.is_last)
 
 
+class ShardedGhostOptimizer(opacus_optimizers.FSDPOptimizerFastGradientClipping):
+    """FSDP2: Opacus' ghost optimizer, each noised gradient given its parameter's placement.
+    Opacus adds every rank's full-size noise (a plain tensor, taken as replicated) to the
+    gradient's shard; where a parameter has fewer rows than ranks (a 3-row classifier head on 4
+    ranks: an empty shard) DTensor's sum comes out replicated and the optimizer's in-place
+    update of the sharded parameter fails. Back to the shard: each rank keeps its own slice of
+    the sum (its own noise's, as where the shards are even), no communication."""
+
+    def add_noise(self):
+        super().add_noise()
+        for p in self.params:
+            if p.grad is not None and p.grad.placements != p.placements:
+                p.grad = p.grad.redistribute(p.device_mesh, p.placements)
+
+
 class GhostClippingTrainer(OpacusTrainer):
     """Opacus fast gradient / ghost clipping: two backward passes, no per-sample gradients."""
 
@@ -251,7 +266,7 @@ class GhostClippingTrainer(OpacusTrainer):
         optimizer_class = opacus_optimizers.DPOptimizerFastGradientClipping
         if mode.shards:
             module_class = opacus_grad_sample.GradSampleModuleFastGradientClippingFSDP
-            optimizer_class = opacus_optimizers.FSDPOptimizerFastGradientClipping
+            optimizer_class = ShardedGhostOptimizer
         elif mode.replicates:
             optimizer_class = opacus_optimizers.DistributedDPOptimizerFastGradientClipping
         self.wrapped = module_class(

@@ -110,6 +110,18 @@ def test_dpsgd_under_fsdp2_is_skipped_with_the_trainers_reason(tmp_path):
     assert results["standard"]["config"]["world_size"] == 2
 
 
+def test_ghost_plans_under_fsdp2_where_a_parameter_has_fewer_rows_than_ranks():
+    """tiny-llama's classifier head has 3 rows: on 4 ranks one shard is empty and DTensor's
+    sum of Opacus' noise and the shard comes out replicated; the ghost optimizer puts each
+    noised gradient back on its parameter's placement, so the optimizer's step runs (it
+    failed in place, a DTensor error)."""
+    config = ExperimentConfig(
+        trainer="ghost", model="tiny-llama", use_lora=True, lora_rank=4, batch_size=8,
+        seq_len=16, attention="sdpa", capacity=True, distributed="fsdp", world_size=4,
+    )  # fmt: skip
+    assert fake_step.predict(config, worker.build_trainer)["peak"] > 0
+
+
 def test_ghost_keeps_its_running_sum_beside_the_chunks_gradient():
     """Opacus' ghost clipping copies each chunk's clipped gradient into a running sum (a
     deepcopy) and the next chunk's gradient is built beside it: two chunks peak one set of
