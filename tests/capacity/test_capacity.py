@@ -384,10 +384,17 @@ def test_an_uncapped_poisson_batch_is_planned_at_its_rare_quantile():
     assert predictions.planned_physical_batch(capped) == (4, None)
 
 
+# A model whose step grows by ~0.6 MB a sample at seq 128: the search for the largest batch at
+# 0.9 GiB takes a couple of predictions (the smaller SMALL_MODEL fits hundreds of samples there,
+# found by a dozen and more, each a new shape the fake tensors' cache has not seen).
+SEARCHED_MODEL = ["--hidden_dim", "64", "--num_layers", "1", "--num_heads", "2", "--vocab_size",
+                  "4000", "--max_seq_len", "128", "--seq_lens", "128"]  # fmt: skip
+
+
 def test_capacity_mode_writes_its_report(tmp_path):
     run = cli(
-        "--mode=capacity", "--model", "tiny", *SMALL_MODEL, "--seq_lens", "16", "--batch_sizes",
-        "2", "--gpu_memory", "0.9", "0.9", "--output_dir", str(tmp_path), "--run_name", "plan",
+        "--mode=capacity", "--model", "tiny", *SEARCHED_MODEL, "--batch_sizes", "2",
+        "--gpu_memory", "0.9", "0.9", "--output_dir", str(tmp_path), "--run_name", "plan",
     )  # fmt: skip
     assert run.returncode == 0, run.stderr
     with open(os.path.join(tmp_path, "plan", "capacity.json")) as f:
