@@ -15,6 +15,7 @@ or load, so it says whether a trainer's host work grows with the model where a t
 
 from __future__ import annotations
 
+import contextlib
 import sys
 
 import torch
@@ -84,13 +85,37 @@ class PythonCalls:
             sys.setprofile(None)
 
 
-def count_step(step, device: torch.device) -> dict:
-    """Run ``step()`` once, synchronised, under the counters: the result's ``host_work``."""
+class CallsByPhase:
+    """The Python calls of a step split at its phase events (the Runner's PhaseEvents): each
+    phase's count is the calls since the previous event, summed over chunks ("forward_done":
+    the forward with its hooks; "backward_done": the backward and its hooks; then the clipping,
+    noise and optimizer up to "step_done"); what follows the last event is "after_phases"."""
+
+    def __init__(self, calls: PythonCalls):
+        self.calls, self.counts, self._last = calls, {}, 0
+
+    def __call__(self, phase: str) -> None:
+        if self.calls.count is not None:
+            self.counts[phase] = self.counts.get(phase, 0) + self.calls.count - self._last
+            self._last = self.calls.count
+
+    def total(self) -> dict[str, int] | None:
+        if self.calls.count is None:
+            return None
+        return {**self.counts, "after_phases": self.calls.count - self._last}
+
+
+def count_step(step, device: torch.device, observing_phases=None) -> dict:
+    """Run ``step()`` once, synchronised, under the counters: the result's ``host_work``.
+    ``observing_phases(callback)``: a context in which the step's phase events reach
+    ``callback`` (the Runner's), for the Python calls of each phase."""
     cuda = device.type == "cuda"
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     calls = PythonCalls(every_thread_needed=cuda)
+    by_phase = CallsByPhase(calls)
+    observing = observing_phases(by_phase) if observing_phases else contextlib.nullcontext()
     with torch.profiler.profile(activities=activities) as prof:
-        with calls:
+        with observing, calls:
             step()
         if cuda:  # the step's kernels end inside the profile; the wait's own calls not counted
             torch.cuda.synchronize(device)
@@ -100,6 +125,7 @@ def count_step(step, device: torch.device) -> dict:
     launches = sum(counts.get(name, 0) for name in LAUNCH_CALLS) if cuda else None
     return {
         "python_calls": calls.count,
+        "python_calls_by_phase": by_phase.total(),
         "python_counter": calls.counter,
         "python_calls_note": calls.why,
         "operator_dispatches": sum(n for key, n in counts.items() if key.startswith("aten::")),

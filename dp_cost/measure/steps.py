@@ -158,7 +158,9 @@ class HostWork:
     def run(self, s: Session, result: dict) -> None:
         try:
             with s.runner.eager():  # a replay has no host work to count
-                counts = host_work.count_step(s.reused_batch_step, s.device)
+                counts = host_work.count_step(
+                    s.reused_batch_step, s.device, s.runner.observing_phases
+                )
         except torch.cuda.OutOfMemoryError as error:  # an eager step beside captured graphs
             s.env["host_work_note"] = f"the counted step ran out of memory: {error}"[:300]
             return

@@ -2,6 +2,7 @@
 function called n times, an operator dispatched n times, n kernels launched; and every
 trainer's step counted through the Runner."""
 
+import contextlib
 import sys
 import threading
 
@@ -40,6 +41,36 @@ def test_python_calls_on_another_thread_are_counted():
 
     counts = host_work.count_step(step, torch.device("cpu"))
     assert counts["python_calls"] >= 6  # the thread's target and its 5 calls, beside threading's
+
+
+def test_python_calls_are_split_at_the_phase_events():
+    """Each phase's calls are those since the previous event (the observer's own call among
+    them); what follows the last event is after_phases; the phases add up to the step's."""
+    observers = []
+
+    @contextlib.contextmanager
+    def observing(callback):
+        observers.append(callback)
+        yield
+        observers.pop()
+
+    def leaf():
+        return None
+
+    def step():
+        for _ in range(3):
+            leaf()
+        observers[-1]("forward_done")
+        for _ in range(5):
+            leaf()
+        observers[-1]("backward_done")
+        leaf()
+
+    counts = host_work.count_step(step, torch.device("cpu"), observing)
+    by_phase = counts["python_calls_by_phase"]
+    # step and the observer start too: 1 + 3 + 1, then 5 + 1, then 1
+    assert by_phase == {"forward_done": 5, "backward_done": 6, "after_phases": 1}
+    assert sum(by_phase.values()) == counts["python_calls"]
 
 
 def test_operator_dispatches_count_each_aten_operator():
@@ -85,14 +116,26 @@ def test_every_trainer_step_is_counted_and_flash_counts_its_own_work():
         )
         runner = trainers.make_trainer(name, model, lr=0.1, batch_size=4)
         runner.step(inputs, inputs)
-        first = host_work.count_step(lambda r=runner: r.step(inputs, inputs), torch.device("cpu"))
-        again = host_work.count_step(lambda r=runner: r.step(inputs, inputs), torch.device("cpu"))
+        first, again = (
+            host_work.count_step(
+                lambda r=runner: r.step(inputs, inputs),
+                torch.device("cpu"),
+                runner.observing_phases,
+            )
+            for _ in range(2)
+        )
         assert first == again, name
         assert first["python_calls"] > 0 and first["operator_dispatches"] > 0, name
+        by_phase = first["python_calls_by_phase"]
+        assert sum(by_phase.values()) == first["python_calls"], name
+        assert {"forward_done", "backward_done", "step_done"} <= by_phase.keys(), name
         seen[name] = first
     # the DP trainers do more on the host than the baseline, each by its own machinery
     for name in ("dpsgd", "ghost", "flash"):
         assert seen[name]["python_calls"] > seen["standard"]["python_calls"], name
+    # flash's forward hooks: its forward alone makes more calls than standard's
+    flash, standard = (seen[n]["python_calls_by_phase"] for n in ("flash", "standard"))
+    assert flash["forward_done"] > standard["forward_done"]
 
 
 def test_the_cli_counts_a_step_when_asked(tmp_path):
