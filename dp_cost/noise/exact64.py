@@ -46,21 +46,25 @@ def add_exact64_noise_(
     for several tensors at once, at most 2 PAIRS_PER_DRAW elements a draw (a larger tensor in
     pieces), so few operations a step and small temporaries beside the model."""
     piece = 2 * PAIRS_PER_DRAW
-    pending: list[torch.Tensor] = []  # flat views whose noise is drawn together
+    group: list[torch.Tensor] = []  # flat views whose noise is drawn together
+    sizes: list[int] = []
     for tensor in tensors:
         if not tensor.is_contiguous():  # its own draw, added through the view
             noise = exact64_normal(tensor.numel(), generator, tensor.device)
             tensor.add_(noise.view(tensor.shape).to(tensor.dtype), alpha=std)
             continue
         flat = tensor.view(-1)
-        pending += [flat[start : start + piece] for start in range(0, flat.numel(), piece)]
-    group: list[torch.Tensor] = []
-    for view in pending + [None]:
-        if view is None or (group and sum(v.numel() for v in group) + view.numel() > piece):
-            if group:
-                noise = exact64_normal(sum(v.numel() for v in group), generator, group[0].device)
-                parts = noise.split([v.numel() for v in group])
-                torch._foreach_add_(group, [n.to(v.dtype) for n, v in zip(parts, group)], alpha=std)
-            group = []
-        if view is not None:
+        for start in range(0, flat.numel(), piece):
+            view = flat[start : start + piece]
+            if sizes and sum(sizes) + view.numel() > piece:
+                _add_drawn(group, sizes, std, generator)
+                group, sizes = [], []
             group.append(view)
+            sizes.append(view.numel())
+    if group:
+        _add_drawn(group, sizes, std, generator)
+
+
+def _add_drawn(views: list[torch.Tensor], sizes: list[int], std: float, generator) -> None:
+    noise = exact64_normal(sum(sizes), generator, views[0].device).split(sizes)
+    torch._foreach_add_(views, [n.to(v.dtype) for n, v in zip(noise, views)], alpha=std)
