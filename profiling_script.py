@@ -21,7 +21,7 @@ import re
 import sys
 
 from dp_cost.core import interrupts, rundir
-from dp_cost.core.fmt import did_you_mean
+from dp_cost.core.fmt import count, did_you_mean
 from dp_cost.core.interrupts import say
 from dp_cost.core.modes import MODES
 from dp_cost.core.reading import (
@@ -196,6 +196,9 @@ def run_report(args) -> int:
                 f"{args.input_dir} holds run folders, not results: give one of them as "
                 f"--input_dir: {', '.join(runs)}"
             )
+        if results.skipped:  # each named in a warning above
+            unreadable = count(len(results.skipped), "result file")
+            raise UsageError(f"{args.input_dir} has no readable result: {unreadable} skipped")
         raise UsageError(f"no */result.json files under {args.input_dir}")
     print(summary.write_summary(args.input_dir, results))
     if not summary.is_capacity(results):  # a capacity run's report names its own files

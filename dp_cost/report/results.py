@@ -35,7 +35,7 @@ def load_results(run_dir: str, warn=None) -> LoadedResults:
     """Every ``<config_dir>/result.json`` under a run directory. A file that is not a regular
     UTF-8 JSON file of a result's shape, or is over the cap of results (``MAX_RESULT_BYTES``,
     judged by its size before a byte is read), is skipped with one warning line on ``warn``
-    (default: stderr)."""
+    (default: stderr); so is one that is not its folder's config's (copied from another)."""
     results, skipped = [], []
     for path in sorted(glob.glob(os.path.join(glob.escape(run_dir), "*", "result.json"))):
         try:
@@ -43,7 +43,7 @@ def load_results(run_dir: str, warn=None) -> LoadedResults:
         except UnreadableFile as error:
             problem = str(error)
         else:
-            problem = result_problem(result)
+            problem = result_problem(result, os.path.basename(os.path.dirname(path)))
         if problem is None:
             results.append(result)
         else:
