@@ -29,6 +29,7 @@ from dp_cost.measure import quiet, ranks
 from dp_cost.measure.progress import ProgressBar, describe
 from dp_cost.measure.ranks import RankGroup
 from dp_cost.measure.worker import result_skeleton, worker_main
+from dp_cost.report.result_check import result_problem
 from dp_cost.training import registry as trainers
 
 # Directories a run makes per config (<trainer>_bs<B>_seq<T>...) and atomic_write's temporary
@@ -66,15 +67,20 @@ def run_configs(
 
 
 def finished_result(result_path: str, resume: bool) -> dict | None:
-    """The earlier result that ``--resume`` keeps, or None when the config must run."""
+    """The earlier result that ``--resume`` keeps, or None when the config must run. A result
+    the report would leave out (``result_problem``) is measured again, saying so."""
     previous = read_json_or_none(result_path) if resume else None
-    if not isinstance(previous, dict) or not isinstance(previous.get("config"), dict):
+    if not isinstance(previous, dict) or previous.get("status") not in FINISHED:
+        return None
+    problem = result_problem(previous, os.path.basename(os.path.dirname(result_path)))
+    if problem is not None:
+        print(f"warning: {result_path}: {problem}: measured again", file=sys.stderr)
         return None
     if previous["config"].get("ncu"):
         # An ncu config is never done: ncu runs the app to profile it now (again in each metric
         # pass of app-range replay); skipping it would leave an empty report in place of one.
         return None
-    return previous if previous.get("status") in FINISHED else None
+    return previous
 
 
 def _run_configs(configs, run_dir, resume, progress, verbose, group, started) -> list[dict]:

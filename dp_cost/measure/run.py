@@ -23,11 +23,12 @@ from dp_cost.core.files import write_json
 from dp_cost.core.fmt import count
 from dp_cost.core.interrupts import say
 from dp_cost.core.reading import read_json_or_none
-from dp_cost.core.schema import EXIT_BAD_ARGS, STATUSES, exit_code_of
+from dp_cost.core.schema import EXIT_BAD_ARGS, exit_code_of
 from dp_cost.core.settings import UsageError
 from dp_cost.measure import processes
 from dp_cost.measure.config import changed_settings
 from dp_cost.report import run_info, summary
+from dp_cost.report.result_check import result_problem
 from dp_cost.report.run_info import RUN_FILE
 
 
@@ -96,9 +97,7 @@ def refuse_changed_settings(configs: list, run_dir: str) -> None:
     steps, ...: not all are in the directory name) must not pass as this run's result."""
     for config in configs:
         previous = read_json_or_none(os.path.join(run_dir, config.config_dir, "result.json"))
-        if not isinstance(previous, dict) or previous.get("status") not in STATUSES:
-            continue
-        if not isinstance(previous.get("config"), dict):
+        if result_problem(previous, config.config_dir) is not None:
             continue  # not a result this run can have written: --resume measures it again
         changed = changed_settings(previous["config"], config.to_dict())
         if changed:

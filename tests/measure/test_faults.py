@@ -1,6 +1,7 @@
 """Faults inside a worker: host OOM, a full disk, a dead parent, NaNs, leftovers, noise."""
 
 import errno
+import json
 import math
 import os
 import resource
@@ -14,7 +15,7 @@ import torch
 from cli_helpers import ROOT, results_in, small_run_args
 
 import profiling_script
-from dp_cost.measure import processes, quiet, worker
+from dp_cost.measure import plan, processes, quiet, worker
 from dp_cost.measure.config import ExperimentConfig
 
 
@@ -134,6 +135,24 @@ def test_resume_removes_stale_leftovers(tmp_path):
     args = small_run_args(tmp_path, "standard", batch_sizes=(2,))
     assert profiling_script.main([*args, "--resume"]) == 0
     assert not stale.exists() and not (tmp_path / "r" / "standard_bs3_seq8").exists()
+
+
+def test_resume_measures_again_a_result_the_report_would_leave_out(tmp_path, capsys):
+    """A finished result whose time is a string, or 1e999 (infinity once parsed): resume warns
+    once, measures it again, and the summary has its row."""
+    args = small_run_args(tmp_path, "standard", batch_sizes=(1, 2))
+    for config, median in zip(plan.make_plan(profiling_script.parse_args(args), None).configs,
+                              ('"fast"', "1e999"), strict=True):  # fmt: skip
+        result = worker.result_skeleton(config, "ok") | {"median_time_ms": 1234.5}
+        path = tmp_path / "r" / config.config_dir / "result.json"
+        path.parent.mkdir(parents=True)
+        path.write_text(json.dumps(result).replace("1234.5", median))
+    assert profiling_script.main([*args, "--resume"]) == 0
+    out, err = capsys.readouterr()
+    assert "(resumed)" not in out and err.count("measured again") == 2, err
+    assert "'median_time_ms' has the wrong type: measured again" in err
+    assert all(isinstance(r["median_time_ms"], float) for r in results_in(tmp_path / "r").values())
+    assert (tmp_path / "r" / "summary.csv").read_text().count("\nstandard,") == 2
 
 
 def test_known_noise_is_dropped_and_a_crashing_worker_loses_nothing(capfd):
