@@ -19,6 +19,7 @@ import re
 import secrets
 import stat
 
+from dp_cost.core.reading import stat_at
 from dp_cost.core.settings import UsageError
 
 # atomic_write's temporaries, <name>.tmp<random digits>: the only names leftover removal deletes.
@@ -176,8 +177,8 @@ def refuse_links(path: str, root: str) -> None:
     current = root
     for part in _parts_below(path, root):
         current = os.path.join(current, part)
-        try:
-            mode = os.lstat(current).st_mode
+        try:  # relative to root: a path longer than PATH_MAX is checked too
+            mode = stat_at(current, root, follow=False).st_mode
         except FileNotFoundError:
             return
         if stat.S_ISLNK(mode):

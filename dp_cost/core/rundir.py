@@ -166,15 +166,13 @@ class RunDir:
         try:
             # only a directory this run made and locked: a lock that failed means another
             # process holds it (and may be writing into it)
-            if (
-                self.made
-                and self.lock is not None
-                and set(os.listdir(self.path)) <= self.bookkeeping
-            ):
-                for name in self.bookkeeping:
-                    with contextlib.suppress(FileNotFoundError):
-                        os.remove(os.path.join(self.path, name))
-                os.rmdir(self.path)
+            if self.made and self.lock is not None:
+                with files.folder(self.path) as fd:  # its names: below PATH_MAX however deep
+                    if set(os.listdir(fd)) <= self.bookkeeping:
+                        for name in self.bookkeeping:
+                            with contextlib.suppress(FileNotFoundError):
+                                os.unlink(name, dir_fd=fd)
+                        os.rmdir(self.path)
         except OSError:
             pass  # something else is in it now: kept
         finally:

@@ -23,7 +23,7 @@ from dp_cost.core import files, interrupts
 from dp_cost.core.files import TEMPORARY_NAME, make_folder, write_json
 from dp_cost.core.fmt import count
 from dp_cost.core.interrupts import INTERRUPTS
-from dp_cost.core.reading import read_json_or_none
+from dp_cost.core.reading import is_file_at, read_json_or_none
 from dp_cost.core.schema import FINISHED
 from dp_cost.measure import quiet, ranks
 from dp_cost.measure.progress import ProgressBar, describe
@@ -66,10 +66,10 @@ def run_configs(
         raise Interrupted("between configs" if started else "before the first config") from None
 
 
-def finished_result(result_path: str, resume: bool) -> dict | None:
+def finished_result(result_path: str, run_dir: str, resume: bool) -> dict | None:
     """The earlier result that ``--resume`` keeps, or None when the config must run. A result
     the report would leave out (``result_problem``) is measured again, saying so."""
-    previous = read_json_or_none(result_path) if resume else None
+    previous = read_json_or_none(result_path, root=run_dir) if resume else None
     if not isinstance(previous, dict) or previous.get("status") not in FINISHED:
         return None
     problem = result_problem(previous, os.path.basename(os.path.dirname(result_path)))
@@ -94,7 +94,7 @@ def _run_configs(configs, run_dir, resume, progress, verbose, group, started) ->
     paths = [os.path.join(run_dir, c.config_dir, "result.json") for c in configs]
     # Read once: a bad earlier result warns once. Resumed and skipped configs take no time:
     # counted as done from the start, they do not shorten the estimate of the rest.
-    kept = [finished_result(p, resume) for p in paths]
+    kept = [finished_result(p, run_dir, resume) for p in paths]
     skips = [skip_reason(c) for c in configs]
     no_worker = sum(bool(result or reason) for result, reason in zip(kept, skips))
     if group is not None:  # the other ranks run the same workers
@@ -138,11 +138,11 @@ def _run_configs(configs, run_dir, resume, progress, verbose, group, started) ->
 
 
 def remove_run_leftovers(run_dir: str) -> None:
-    """What an earlier interrupted or killed run left in the run's config directories."""
+    """What an earlier interrupted or killed run left in the run's config directories (a link
+    or a file of such a name is left alone by ``remove_leftovers``)."""
     for name in os.listdir(run_dir):
-        path = os.path.join(run_dir, name)
-        if CONFIG_DIR_NAME.match(name) and os.path.isdir(path) and not os.path.islink(path):
-            remove_leftovers(path)
+        if CONFIG_DIR_NAME.match(name):
+            remove_leftovers(os.path.join(run_dir, name))
 
 
 def search_by_runs(context, config, result: dict, result_path, run_dir, verbose, say) -> None:
@@ -308,7 +308,7 @@ def run_in_child(
     reported = last_words(errors)
     errors.close()
     result = result_of_worker(config, result_path, process.exitcode, reported, stopped_by)
-    if os.path.exists(result_path):
+    if is_file_at(result_path, os.path.dirname(config_path)):
         with files.folder(config_path, root=os.path.dirname(config_path)) as fd:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(earlier, dir_fd=fd)
@@ -349,7 +349,7 @@ def result_of_worker(config, result_path: str, exitcode, reported, stopped_by) -
     """The worker's result file, or the result written for it: stopped because another rank
     failed, or killed or crashed before writing one."""
     root = os.path.dirname(os.path.dirname(result_path))
-    result = read_json_or_none(result_path)
+    result = read_json_or_none(result_path, root=root)
     if stopped_by is not None and (result is None or result.get("status") != "ok"):
         result = ranks.stopped_result(result_skeleton(config, "error"), stopped_by)
         write_json(result_path, result, root=root)

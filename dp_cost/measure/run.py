@@ -96,7 +96,8 @@ def refuse_changed_settings(configs: list, run_dir: str) -> None:
     """--resume adds missing configs; a finished one measured with other settings (lr, sigma,
     steps, ...: not all are in the directory name) must not pass as this run's result."""
     for config in configs:
-        previous = read_json_or_none(os.path.join(run_dir, config.config_dir, "result.json"))
+        path = os.path.join(run_dir, config.config_dir, "result.json")
+        previous = read_json_or_none(path, root=run_dir)
         if result_problem(previous, config.config_dir) is not None:
             continue  # not a result this run can have written: --resume measures it again
         changed = changed_settings(previous["config"], config.to_dict())
@@ -112,7 +113,7 @@ def record_run(run_dir: str, command: list[str]) -> None:
     the first command and adds each resume's."""
     now = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
     path = os.path.join(run_dir, RUN_FILE)
-    record = read_json_or_none(path)  # None for a first run (no file yet)
+    record = read_json_or_none(path, root=run_dir)  # None for a first run (no file yet)
     if isinstance(record, dict) and "command" in record:
         resumed = record.get("resumed") if isinstance(record.get("resumed"), list) else []
         record["resumed"] = [*resumed, {"command": command, "date": now}]
@@ -143,7 +144,7 @@ def git_commit(checkout: str | None = None) -> str | None:
 
 def record_load(run_dir: str, at_start: dict, at_end: dict) -> None:
     """The machine's load while the configs ran, into run.json (its latest run or resume)."""
-    record = read_json_or_none(os.path.join(run_dir, RUN_FILE))
+    record = read_json_or_none(os.path.join(run_dir, RUN_FILE), root=run_dir)
     if not isinstance(record, dict):
         return
     resumed = record.get("resumed")

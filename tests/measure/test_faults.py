@@ -15,6 +15,7 @@ import torch
 from cli_helpers import ROOT, results_in, small_run_args
 
 import profiling_script
+from dp_cost.core import reading
 from dp_cost.measure import plan, processes, quiet, worker
 from dp_cost.measure.config import ExperimentConfig
 
@@ -153,6 +154,28 @@ def test_resume_measures_again_a_result_the_report_would_leave_out(tmp_path, cap
     assert "'median_time_ms' has the wrong type: measured again" in err
     assert all(isinstance(r["median_time_ms"], float) for r in results_in(tmp_path / "r").values())
     assert (tmp_path / "r" / "summary.csv").read_text().count("\nstandard,") == 2
+
+
+def test_a_run_whose_files_lie_deeper_than_path_max_is_kept_summarised_and_resumed(
+    tmp_path, capsys
+):
+    """Run directory under PATH_MAX, its result.json over it (4096 bytes): the worker writes it
+    through folder descriptors, and the run, the summary, --resume and the report read it so."""
+    output_dir = str(tmp_path)
+    while len(output_dir) < 4070:  # folder names of at most 255 bytes
+        output_dir = os.path.join(output_dir, "d" * min(200, 4070 - len(output_dir)))
+    os.makedirs(output_dir)
+    run_dir = os.path.join(output_dir, "r")
+    result_path = os.path.join(run_dir, "standard_bs2_seq8", "result.json")
+    assert len(run_dir) < 4096 < len(result_path)
+    args = small_run_args(output_dir, "standard")
+    assert profiling_script.main(args) == 0, capsys.readouterr().err
+    assert reading.read_result(result_path, root=run_dir)["status"] == "ok"
+    assert reading.read_text(os.path.join(run_dir, "summary.csv")).count("\nstandard,") == 1
+    assert profiling_script.main([*args, "--resume"]) == 0
+    assert "standard_bs2_seq8: ok (resumed)" in capsys.readouterr().out
+    assert profiling_script.main(["--mode=report", "--input_dir", run_dir]) == 0
+    assert reading.read_text(os.path.join(run_dir, "summary.csv")).count("\nstandard,") == 1
 
 
 def test_known_noise_is_dropped_and_a_crashing_worker_loses_nothing(capfd):
