@@ -187,6 +187,7 @@ def run_report(args) -> int:
         raise UsageError("--mode=report needs --input_dir RUN_DIR, the run directory to report")
     if not os.path.isdir(args.input_dir):
         raise UsageError(f"--input_dir must be an existing run directory, got {args.input_dir!r}")
+    rundir.remove_stale_temporaries(args.input_dir)  # a killed run's, unless a run is live
     results = summary.load_results(args.input_dir)
     if not results:
         found = glob.glob(os.path.join(glob.escape(args.input_dir), "*", "*", "result.json"))

@@ -22,8 +22,9 @@ import stat
 from dp_cost.core.reading import stat_at
 from dp_cost.core.settings import UsageError
 
-# atomic_write's temporaries, <name>.tmp<random digits>: the only names leftover removal deletes.
-TEMPORARY_NAME = re.compile(r".+\.tmp\d+")
+# atomic_write's temporaries, <name>.tmp<20 random digits>: the only names leftover removal
+# deletes.
+TEMPORARY_NAME = re.compile(r".+\.tmp\d{20}")
 _FOLDER_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 _NEW_FILE_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
 _UTF8 = {"encoding": "utf-8"}

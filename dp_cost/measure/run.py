@@ -61,6 +61,7 @@ def prepare_run_dir(args, experiment) -> rundir.RunDir:
             rundir.check_contained(run_dir, os.path.join(run_dir, config.config_dir, "result.json"))
         if args.resume:
             refuse_changed_settings(experiment.configs, run_dir)
+            rundir.remove_stale_temporaries(run_dir, lock_held=True)  # a killed run's
         record_run(run_dir, args.command_line)
     except BaseException:
         if run is not None:

@@ -15,7 +15,7 @@ import torch
 from cli_helpers import ROOT, results_in, small_run_args
 
 import profiling_script
-from dp_cost.core import reading
+from dp_cost.core import reading, rundir
 from dp_cost.measure import plan, processes, quiet, worker
 from dp_cost.measure.config import ExperimentConfig
 
@@ -118,7 +118,7 @@ def test_leftovers_of_an_interrupted_worker_are_removed(tmp_path):
     config_dir = tmp_path / "standard_bs1_seq8"
     (config_dir / ".trace-abc").mkdir(parents=True)
     (config_dir / ".trace-abc" / "trace.pt.trace.json").write_text("{")
-    (config_dir / "result.json.tmp1234").write_text("{")
+    (config_dir / "result.json.tmp12345678901234567890").write_text("{")
     processes.remove_leftovers(str(config_dir))
     assert not config_dir.exists()  # nothing complete was in it
     kept = tmp_path / "kept"
@@ -128,14 +128,40 @@ def test_leftovers_of_an_interrupted_worker_are_removed(tmp_path):
     assert sorted(os.listdir(kept)) == ["result.json"]
 
 
-def test_resume_removes_stale_leftovers(tmp_path):
+def killed_runs_temporaries(run_dir) -> list:
+    """Plant what a run killed while writing leaves: atomic writes' temporaries."""
+    digits = "12345678901234567890"
+    planted = [run_dir / f"summary.csv.tmp{digits}", run_dir / f"run.json.tmp{digits}",
+               run_dir / "visualizations" / f"memory_curve.png.tmp{digits}"]  # fmt: skip
+    for path in planted:
+        path.write_text("half")
+    return planted
+
+
+def test_resume_and_the_report_remove_what_a_killed_run_left(tmp_path):
+    """--resume and --mode=report remove a killed run's leftovers (only the toolkit's own
+    names); the report leaves them while a live run holds the run's lock."""
     assert profiling_script.main(small_run_args(tmp_path, "standard")) == 0
-    stale = tmp_path / "r" / "standard_bs2_seq8" / ".trace-old"
+    run_dir = tmp_path / "r"
+    stale = run_dir / "standard_bs2_seq8" / ".trace-old"
     stale.mkdir()
-    (tmp_path / "r" / "standard_bs3_seq8").mkdir()  # an interrupted config's empty directory
+    (run_dir / "standard_bs3_seq8").mkdir()  # an interrupted config's empty directory
+    temporaries = killed_runs_temporaries(run_dir)
+    (run_dir / "notes.tmp1").write_text("the user's")
     args = small_run_args(tmp_path, "standard", batch_sizes=(2,))
     assert profiling_script.main([*args, "--resume"]) == 0
-    assert not stale.exists() and not (tmp_path / "r" / "standard_bs3_seq8").exists()
+    assert not stale.exists() and not (run_dir / "standard_bs3_seq8").exists()
+    assert not any(path.exists() for path in temporaries)
+    temporaries = killed_runs_temporaries(run_dir)
+    live = rundir.RunLock(str(run_dir))  # a run measuring there now: its files are in flight
+    try:
+        assert not rundir.remove_stale_temporaries(str(run_dir))  # what the report calls
+        assert all(path.exists() for path in temporaries)
+    finally:
+        live.release()
+    assert profiling_script.main(["--mode=report", "--input_dir", str(run_dir)]) == 0
+    assert not any(path.exists() for path in temporaries)
+    assert (run_dir / "notes.tmp1").read_text() == "the user's"
 
 
 def test_resume_measures_again_a_result_the_report_would_leave_out(tmp_path, capsys):
