@@ -17,6 +17,7 @@ import math
 import os
 import re
 import secrets
+import shutil
 import stat
 
 from dp_cost.core.reading import stat_at
@@ -220,12 +221,18 @@ class Staging:
         return shown
 
     def remove(self) -> None:
-        """Remove the folder and what is left in it (the writer writes plain files only)."""
-        with contextlib.suppress(OSError):
-            for name in os.listdir(self.fd):
-                os.unlink(name, dir_fd=self.fd)
-            os.rmdir(self.name, dir_fd=self.parent_fd)
+        """Remove the folder and everything left in it (a writer's files and folders)."""
+        remove_tree(self.parent_fd, self.parent, self.name)
         os.close(self.fd)
+
+
+def remove_tree(parent_fd: int, parent: str, name: str) -> None:
+    """Remove the folder ``name`` of the folder ``parent_fd`` (``parent``) and all in it, found
+    by the descriptor where /proc has it (no link swapped in for a folder on the way is
+    followed: shutil.rmtree never follows one below its top); an error leaves the rest."""
+    by_descriptor = f"/proc/self/fd/{parent_fd}"
+    where = by_descriptor if os.path.isdir(by_descriptor) else parent
+    shutil.rmtree(os.path.join(where, name), ignore_errors=True)
 
 
 @contextlib.contextmanager

@@ -17,7 +17,7 @@ import re
 import stat
 import tempfile
 
-from dp_cost.core import files
+from dp_cost.core import files, scratch
 from dp_cost.core.settings import UsageError
 
 MAX_RUN_NAME = 100
@@ -144,12 +144,13 @@ class RunLock:
 
 
 def remove_stale_temporaries(run_dir: str, lock_held: bool = False) -> bool:
-    """Remove the temporaries of atomic writes (``files.TEMPORARY_NAME``, regular files only)
-    that a killed run left in the run directory and its folders (config directories,
-    visualizations/), reached through descriptors without following a link, unless a live run
-    may be writing them: ``lock_held``, the caller holds the run's lock (--resume); else it is
-    taken for the removal, and nothing is removed while a run holds it (nor where no run's lock
-    is). Whether they were removed."""
+    """Remove what a killed run left of its temporaries: its scratch folders
+    (``scratch.PREFIX``) and its atomic writes' temporaries (``files.TEMPORARY_NAME``, regular
+    files only) in the run directory and its folders (config directories, visualizations/),
+    reached through descriptors without following a link; unless a live run may be writing
+    them: ``lock_held``, the caller holds the run's lock (--resume); else it is taken for the
+    removal, and nothing is removed while a run holds it (nor where no run's lock is). Whether
+    they were removed."""
     if not lock_held:
         with _lock_unless_held(run_dir) as free:
             return free and remove_stale_temporaries(run_dir, lock_held=True)
@@ -159,6 +160,10 @@ def remove_stale_temporaries(run_dir: str, lock_held: bool = False) -> bool:
             try:
                 below = os.open(name, _FOLDER_FLAGS, dir_fd=fd)
             except OSError:  # a file, or a link: not a folder of the run's
+                continue
+            if name.startswith(scratch.PREFIX):
+                os.close(below)
+                files.remove_tree(fd, run_dir, name)
                 continue
             try:
                 _remove_temporaries(below)

@@ -24,6 +24,7 @@ from dp_cost.core.fmt import count
 from dp_cost.core.interrupts import say
 from dp_cost.core.reading import read_json_or_none
 from dp_cost.core.schema import EXIT_BAD_ARGS, exit_code_of
+from dp_cost.core.scratch import scratch_folder
 from dp_cost.core.settings import UsageError
 from dp_cost.measure import processes
 from dp_cost.measure.config import changed_settings
@@ -41,7 +42,8 @@ def run_plan(args, experiment) -> int:
         return run_distributed(args, experiment)
     run = prepare_run_dir(args, experiment)
     try:
-        return measure_and_summarise(args, experiment, run.path)
+        with scratch_folder(run.path):
+            return measure_and_summarise(args, experiment, run.path)
     finally:
         run.close()
 
@@ -183,12 +185,13 @@ def run_distributed(args, experiment) -> int:
         same = group.broadcast("same_plan", plans is None or all(p == plans[0] for p in plans))
         if not same:
             raise UsageError("the ranks planned different configs: give every rank the same flags")
-        if group.is_first:
-            code = measure_and_summarise(args, experiment, run_dir, group)
-        else:
-            with contextlib.redirect_stdout(open(os.devnull, "w")):  # noqa: SIM115
-                measure_and_summarise(args, experiment, run_dir, group)
-            code = None
+        with scratch_folder(run_dir):  # one a rank
+            if group.is_first:
+                code = measure_and_summarise(args, experiment, run_dir, group)
+            else:
+                with contextlib.redirect_stdout(open(os.devnull, "w")):  # noqa: SIM115
+                    measure_and_summarise(args, experiment, run_dir, group)
+                code = None
         return group.broadcast("exit_code", code)
     finally:
         if run is not None:

@@ -8,6 +8,7 @@ import resource
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 
 import pytest
@@ -37,6 +38,26 @@ def test_host_oom_is_recorded_as_oom_rlimit_and_sigkill(tmp_path, monkeypatch):
     killed, limited = results["standard_bs1_seq8"], results["standard_bs2_seq8"]
     assert killed["status"] == "oom" and "OOM killer" in killed["error"]
     assert limited["status"] == "oom" and "can't allocate memory" in limited["error"]
+
+
+def test_a_worker_killed_mid_measurement_leaves_nothing_outside_the_run(tmp_path, monkeypatch):
+    """The CPU peak's profiler export is a temporary file (tempfile): a worker killed while it
+    lies there leaves it in the run's scratch folder, which the run removes, never in TMPDIR."""
+    system_temporaries = tmp_path / "tmp"
+    system_temporaries.mkdir()
+    monkeypatch.setenv("TMPDIR", str(system_temporaries))
+    monkeypatch.setattr(tempfile, "tempdir", None)  # asked again: TMPDIR
+
+    def killed_while_exporting(config, out_dir, rank_setup=None):
+        with open(os.path.join(tempfile.mkdtemp(), "trace.json"), "w") as trace:
+            trace.write("[")
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    monkeypatch.setattr(worker, "run_experiment", killed_while_exporting)
+    assert profiling_script.main(small_run_args(tmp_path / "out", "standard")) == 0
+    assert results_in(tmp_path / "out" / "r")["standard_bs2_seq8"]["status"] == "oom"
+    assert not os.listdir(system_temporaries)
+    assert not [p for p in (tmp_path / "out" / "r").iterdir() if p.name.startswith(".scratch")]
 
 
 def test_python_memory_error_is_oom():
@@ -129,13 +150,16 @@ def test_leftovers_of_an_interrupted_worker_are_removed(tmp_path):
 
 
 def killed_runs_temporaries(run_dir) -> list:
-    """Plant what a run killed while writing leaves: atomic writes' temporaries."""
+    """Plant what a run killed while writing leaves: atomic writes' temporaries, and its scratch
+    folder with a profiler export in it."""
     digits = "12345678901234567890"
     planted = [run_dir / f"summary.csv.tmp{digits}", run_dir / f"run.json.tmp{digits}",
-               run_dir / "visualizations" / f"memory_curve.png.tmp{digits}"]  # fmt: skip
+               run_dir / "visualizations" / f"memory_curve.png.tmp{digits}",
+               run_dir / ".scratch-0123456789abcdef" / "tmpq1w2e3" / "trace.json"]  # fmt: skip
     for path in planted:
+        path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text("half")
-    return planted
+    return [*planted, run_dir / ".scratch-0123456789abcdef"]
 
 
 def test_resume_and_the_report_remove_what_a_killed_run_left(tmp_path):
@@ -226,11 +250,18 @@ def test_known_noise_is_dropped_and_a_crashing_worker_loses_nothing(capfd):
 
 
 @pytest.mark.parametrize("verbose", [False, True])
-def test_worker_output_is_quiet_unless_verbose(tmp_path, verbose):
+def test_worker_output_is_quiet_unless_verbose_and_no_temporary_lies_outside(tmp_path, verbose):
+    """The libraries' known noise only with --verbose; and a run (a fresh process: torch's
+    inductor cache is made when torch._dynamo is first imported) leaves TMPDIR as it was."""
     from cli_helpers import cli
 
-    args = small_run_args(tmp_path, "standard", run_name=f"v{verbose}")
-    proc = cli(*args, *(["--verbose"] if verbose else []))
+    system_temporaries = tmp_path / "tmp"
+    system_temporaries.mkdir()
+    args = small_run_args(tmp_path / "out", "standard", run_name=f"v{verbose}")
+    env = {**os.environ, "TMPDIR": str(system_temporaries)}
+    env.pop("TORCHINDUCTOR_CACHE_DIR", None)
+    proc = cli(*args, *(["--verbose"] if verbose else []), env=env)
     assert proc.returncode == 0, proc.stderr[-2000:]
     noisy = "profiler_start" in proc.stderr or "Memory block of unknown size" in proc.stderr
     assert noisy == verbose
+    assert not os.listdir(system_temporaries)
