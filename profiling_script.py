@@ -20,7 +20,7 @@ import os
 import re
 import sys
 
-from dp_cost.core import interrupts, rundir
+from dp_cost.core import interrupts, rundir, streams
 from dp_cost.core.fmt import count, did_you_mean
 from dp_cost.core.interrupts import say
 from dp_cost.core.modes import MODES
@@ -257,6 +257,13 @@ def main(argv=None) -> int:
     except SystemExit as stop:  # --help, or a parser error already printed
         return stop.code if isinstance(stop.code, int) else EXIT_BAD_ARGS
     handlers = interrupts.install()
+    with streams.losable_output():  # a lost stdout or stderr stops nothing
+        return run_guarded(args, handlers)
+
+
+def run_guarded(args, handlers) -> int:
+    """``run_mode``, a user mistake, an interrupt or an OSError each turned into its exit code;
+    whatever ends it, the run directory's closing and the handlers' restoring."""
     try:
         return run_mode(args)
     except UsageError as error:

@@ -86,6 +86,30 @@ def test_ctrl_c_during_start_up_exits_130_without_traceback(tmp_path):
     assert "Traceback" not in stderr and "Interrupted" in stderr
 
 
+def test_a_run_whose_stdout_and_stderr_are_lost_goes_on_to_its_end(tmp_path, monkeypatch):
+    """stdout a pipe whose reader ended (`| head -1`), stderr a full disk: lost from the first
+    line on, and the run measures its config, writes its summary and exits 0, silently."""
+    read_end, write_end = os.pipe()
+    os.close(read_end)  # every write: a broken pipe
+    full = os.open("/dev/full", os.O_WRONLY)  # every write: no space left on device
+    saved = os.dup(1), os.dup(2)
+    try:
+        os.dup2(write_end, 1)
+        os.dup2(full, 2)
+        monkeypatch.setattr(sys, "stdout", open(1, "w", buffering=1, closefd=False))  # noqa: SIM115
+        monkeypatch.setattr(sys, "stderr", open(2, "w", buffering=1, closefd=False))  # noqa: SIM115
+        code = profiling_script.main(small_run_args(tmp_path, "standard"))
+    finally:
+        for fd, saved_fd in zip((1, 2), saved, strict=True):
+            os.dup2(saved_fd, fd)
+            os.close(saved_fd)
+        os.close(write_end)
+        os.close(full)
+    assert code == 0
+    assert results_in(tmp_path / "r")["standard_bs2_seq8"]["status"] == "ok"
+    assert (tmp_path / "r" / "summary.csv").read_text().count("\nstandard,") == 1
+
+
 def test_a_second_process_on_a_locked_run_directory_stops(tmp_path, capsys):
     (tmp_path / "r").mkdir()
     lock = rundir.RunLock(str(tmp_path / "r"))  # another run holds it (an open description)

@@ -16,6 +16,7 @@ import shutil
 import signal
 import sys
 
+from dp_cost.core import streams
 from dp_cost.core.schema import EXIT_INTERRUPTED, EXIT_TERMINATED
 
 INTERRUPTS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
@@ -78,15 +79,12 @@ def exit_code() -> int:
 def say(text: str, stream=None) -> None:
     """print, to a terminal that may be gone (a dropped ssh session: EIO): the files are what
     counts, so that stream goes to /dev/null from then on instead of stopping the clean-up (or
-    the interpreter's exit)."""
+    the interpreter's exit; see ``core.streams``)."""
     stream = sys.stdout if stream is None else stream
     try:
         print(text, file=stream, flush=True)
     except OSError:
-        with contextlib.suppress(OSError, ValueError):
-            devnull = os.open(os.devnull, os.O_WRONLY)
-            os.dup2(devnull, stream.fileno())
-            os.close(devnull)
+        streams.drop(stream)
 
 
 def say_continue(command_line: list[str], run_name: str | None) -> None:
