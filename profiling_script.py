@@ -257,13 +257,19 @@ def main(argv=None) -> int:
     except SystemExit as stop:  # --help, or a parser error already printed
         return stop.code if isinstance(stop.code, int) else EXIT_BAD_ARGS
     handlers = interrupts.install()
-    with streams.losable_output():  # a lost stdout or stderr stops nothing
-        return run_guarded(args, handlers)
+    try:
+        with streams.losable_output():  # a lost stdout or stderr stops nothing
+            return run_guarded(args)
+    finally:
+        # A caller in Python gets its handlers back; the program keeps every signal ignored to
+        # its exit (a late Ctrl-C must not end it by the signal once its exit code is set).
+        if argv is not None:
+            interrupts.restore(handlers)
 
 
-def run_guarded(args, handlers) -> int:
+def run_guarded(args) -> int:
     """``run_mode``, a user mistake, an interrupt or an OSError each turned into its exit code;
-    whatever ends it, the run directory's closing and the handlers' restoring."""
+    whatever ends it, the run directory closed."""
     try:
         return run_mode(args)
     except UsageError as error:
@@ -283,7 +289,6 @@ def run_guarded(args, handlers) -> int:
         interrupts.ignore()  # nothing may interrupt the run directory's removal
         for run in list(rundir.RunDir.open_now):
             run.close()
-        interrupts.restore(handlers)
 
 
 def run_mode(args) -> int:

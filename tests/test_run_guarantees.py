@@ -7,6 +7,7 @@ import subprocess
 import sys
 import time
 
+import pytest
 from cli_helpers import ROOT, cli, results_in, small_run_args
 
 import profiling_script
@@ -14,6 +15,7 @@ from dp_cost.core import rundir
 from dp_cost.core.schema import TRAINER_ALIASES, TRAINER_ORDER
 from dp_cost.core.settings import LM_MODELS
 from dp_cost.hf.configs import HF_CONFIGS
+from dp_cost.measure import plan
 
 
 def start_long_run(tmp_path):
@@ -84,6 +86,59 @@ def test_ctrl_c_during_start_up_exits_130_without_traceback(tmp_path):
     _, stderr = proc.communicate(timeout=120)
     assert proc.returncode == 130
     assert "Traceback" not in stderr and "Interrupted" in stderr
+
+
+@pytest.mark.parametrize(
+    ("signals", "code"),
+    [((signal.SIGINT,), 130), ((signal.SIGINT, signal.SIGINT), 130), ((signal.SIGTERM,), 143)],
+)
+def test_an_interrupt_during_a_start_up_import_waits_for_its_end(
+    tmp_path, monkeypatch, capsys, signals, code
+):
+    """Signals that arrive while a module is being imported (torch, opacus, scipy, numpy: the
+    seconds of start-up) interrupt once that import is over: no module is left half imported
+    (numpy's "cannot load module more than once", a RecursionError), one line and the command
+    that continues, the code of the signal."""
+    module = tmp_path / "interrupted_while_imported.py"
+    kills = "".join(f"os.kill(os.getpid(), {int(s)})\n" for s in signals)
+    module.write_text(f"import os\n{kills}import json\nWHOLE = True\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "interrupted_while_imported", raising=False)
+    real_plan = plan.make_plan
+
+    def importing_plan(args, cuda_available):
+        import interrupted_while_imported  # noqa: F401 - the start-up's imports, in small
+
+        return real_plan(args, cuda_available)
+
+    monkeypatch.setattr(plan, "make_plan", importing_plan)
+    assert profiling_script.main(small_run_args(tmp_path, "standard")) == code
+    assert sys.modules["interrupted_while_imported"].WHOLE
+    err = capsys.readouterr().err
+    assert err.startswith("\nInterrupted before any config ran.\nContinue this run with: ")
+    assert err.count("\n") == 3 and "Traceback" not in err
+
+
+def test_ctrl_c_twice_inside_numpys_import_exits_130_without_traceback(tmp_path):
+    """The start-up for real: two SIGINTs from inside numpy's import (numpy.linalg, imported by
+    numpy's own __init__), which a half-done import turned into a RecursionError."""
+    hook = (
+        "import importlib.abc, os, runpy, signal, sys\n"
+        "class Interrupt(importlib.abc.MetaPathFinder):\n"
+        "    def find_spec(self, name, path, target=None):\n"
+        "        if name == 'numpy.linalg':\n"
+        "            sys.meta_path.remove(self)\n"
+        "            os.kill(os.getpid(), signal.SIGINT)\n"
+        "            os.kill(os.getpid(), signal.SIGINT)\n"
+        "sys.meta_path.insert(0, Interrupt())\n"
+        "sys.argv = ['profiling_script.py', *sys.argv[1:]]\n"
+        "runpy.run_path('profiling_script.py', run_name='__main__')\n"
+    )
+    args = small_run_args(tmp_path, "standard")
+    proc = subprocess.run([sys.executable, "-c", hook, *args], cwd=ROOT, capture_output=True,
+                          text=True, timeout=120)  # fmt: skip
+    assert proc.returncode == 130 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert "Interrupted before any config ran." in proc.stderr and not (tmp_path / "r").exists()
 
 
 def test_a_run_whose_stdout_and_stderr_are_lost_goes_on_to_its_end(tmp_path, monkeypatch):

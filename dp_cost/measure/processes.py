@@ -245,7 +245,7 @@ def interrupts_after_fork():
     The child starts with the recording handler, not the CLI's: it sets its own."""
     arrived = []
     replaced = {}
-    for interrupt in INTERRUPTS:
+    for interrupt in (*INTERRUPTS, signal.SIGALRM):  # SIGALRM: an interrupt held over an import
         if callable(signal.getsignal(interrupt)):  # the CLI's handler, or Python's Ctrl-C
             replaced[interrupt] = signal.signal(interrupt, lambda signum, _: arrived.append(signum))
     try:
