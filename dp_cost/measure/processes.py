@@ -163,7 +163,12 @@ def search_by_runs(context, config, result: dict, result_path, run_dir, verbose,
 def run_over_ranks(context, config, result_path, run_dir, verbose, group, index: int) -> dict:
     """Rank 0's run of a config over the ranks: every rank's result beside the aggregate."""
     config_path = os.path.dirname(result_path)
-    per_rank = run_rank_worker(context, config, config_path, verbose, group, index)
+    try:
+        per_rank = run_rank_worker(context, config, config_path, verbose, group, index)
+    except ranks.SilentRank as silent:
+        write_json(result_path, silent.result, root=run_dir)
+        remove_leftovers(config_path)
+        raise
     for rank, rank_result in enumerate(per_rank[1:], 1):  # other nodes' disks too
         rank_path = os.path.join(config_path, f"result.rank{rank}.json")
         write_json(rank_path, rank_result, root=run_dir)
@@ -293,7 +298,7 @@ def run_in_child(
         child_errors.close()
         if stderr is not None:
             stderr.started()
-        stopped_by = wait_for_worker(process, group, index)
+        stopped_by = wait_for_worker(process, group, index, config.rank_timeout)
     except KeyboardInterrupt:  # Ctrl-C, SIGTERM or SIGHUP (the CLI raises them as one)
         # A second signal must not cut the clean-up short (the CLI restores the handlers).
         interrupts.ignore()
@@ -316,6 +321,9 @@ def run_in_child(
         remove_leftovers(config_path)
     else:  # the other ranks stop their workers if this one failed
         group.post(f"ended/{index}/{group.rank}", {k: result.get(k) for k in ("status", "error")})
+    if isinstance(stopped_by, ranks.SilentRank):  # no rank waits for it: the job ends
+        stopped_by.result = result
+        raise stopped_by
     return result
 
 
@@ -330,12 +338,15 @@ def set_aside_earlier_result(config_path: str, result_path: str) -> str:
     return earlier
 
 
-def wait_for_worker(process, group, index: int):
-    """Wait for the worker to end; distributed, stop it if another rank's worker failed first,
-    and return what that rank reported (None otherwise)."""
+def wait_for_worker(process, group, index: int, rank_timeout: float):
+    """Wait for the worker to end; distributed, stop it if a rank fell silent (``SilentRank``)
+    or another rank's worker failed first, and return why (None otherwise)."""
     process.join(None if group is None else 0.5)
     while process.is_alive():
-        stopped_by = group.ended_badly_elsewhere(index)
+        stopped_by = group.why_stop(index, rank_timeout)
+        if isinstance(stopped_by, ranks.SilentRank):  # stopped, hung or cut off: not waited for
+            stop_worker(process)
+            return stopped_by
         if stopped_by is not None:
             process.join(STOP_GRACE_S)
             if process.is_alive():
@@ -350,7 +361,8 @@ def result_of_worker(config, result_path: str, exitcode, reported, stopped_by) -
     failed, or killed or crashed before writing one."""
     root = os.path.dirname(os.path.dirname(result_path))
     result = read_json_or_none(result_path, root=root)
-    if stopped_by is not None and (result is None or result.get("status") != "ok"):
+    ended = isinstance(stopped_by, ranks.SilentRank)  # the job ends: this config is an error
+    if stopped_by is not None and (ended or result is None or result.get("status") != "ok"):
         result = ranks.stopped_result(result_skeleton(config, "error"), stopped_by)
         write_json(result_path, result, root=root)
     elif result is None:  # killed or crashed before writing (segfault, OOM killer's SIGKILL)

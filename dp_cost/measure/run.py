@@ -23,10 +23,10 @@ from dp_cost.core.files import write_json
 from dp_cost.core.fmt import count
 from dp_cost.core.interrupts import say
 from dp_cost.core.reading import read_json_or_none
-from dp_cost.core.schema import EXIT_BAD_ARGS, exit_code_of
+from dp_cost.core.schema import EXIT_BAD_ARGS, EXIT_CONFIG_ERROR, exit_code_of
 from dp_cost.core.scratch import scratch_folder
 from dp_cost.core.settings import UsageError
-from dp_cost.measure import processes
+from dp_cost.measure import processes, ranks
 from dp_cost.measure.config import changed_settings
 from dp_cost.report import run_info, summary
 from dp_cost.report.result_check import result_problem
@@ -161,10 +161,9 @@ def run_distributed(args, experiment) -> int:
     """One run for the ranks of a torchrun job: rank 0 names and locks the run directory and
     tells the others; every rank runs its workers; rank 0 prints and summarises; every rank
     exits with rank 0's code."""
-    from dp_cost.measure.ranks import RankGroup
     from dp_cost.parallel.ranks import from_environment
 
-    group = RankGroup(from_environment())
+    group = ranks.RankGroup(from_environment())
     run = None
     if group.is_first:
         try:
@@ -193,6 +192,8 @@ def run_distributed(args, experiment) -> int:
                     measure_and_summarise(args, experiment, run_dir, group)
                 code = None
         return group.broadcast("exit_code", code)
+    except ranks.SilentRank:  # said by measure_and_summarise; no rank waits for another now
+        return EXIT_CONFIG_ERROR
     finally:
         if run is not None:
             run.close()
@@ -233,6 +234,11 @@ def measure_and_summarise(args, experiment, run_dir: str, group=None) -> int:
             print(f"Summary: {run_dir}/summary.csv, {run_dir}/summary.md")
         interrupts.ignore()  # done: a signal now has nothing left to stop
         return exit_code_of(results)
+    except ranks.SilentRank as silent:  # the job ends: rank 0 says so (another, if it is 0)
+        interrupts.ignore()  # torchrun stops the other ranks once one has ended: say it whole
+        if first or silent.rank == 0:
+            report_ended_job(args, run_dir, silent, summarise=first)
+        raise
     except (processes.Interrupted, KeyboardInterrupt) as interrupted:
         interrupts.ignore()  # a second Ctrl-C while the summary is written: no traceback
         if not first:
@@ -245,6 +251,18 @@ def measure_and_summarise(args, experiment, run_dir: str, group=None) -> int:
                 args, run_dir, when, every_config_ran=True, summarise=reached != "done"
             )
         return interrupts.exit_code()
+
+
+def report_ended_job(args, run_dir, silent, summarise: bool) -> None:
+    """A rank fell silent: the line that names it, the summary of what finished (its config's
+    error included) and the command that continues the run."""
+    say(f"error: {silent}: the job is ended", sys.stderr)
+    try:
+        if summarise:
+            say(summary.write_summary(run_dir, summary.load_results(run_dir)))
+    except Exception as error:  # noqa: BLE001 - a full disk, ...: what finished is complete
+        say(f"The summary could not be written ({type(error).__name__}: {error}).", sys.stderr)
+    interrupts.say_continue(args.command_line, os.path.basename(run_dir))
 
 
 def report_interrupt(args, run_dir, when: str, every_config_ran=False, summarise=True) -> None:
