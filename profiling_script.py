@@ -20,8 +20,8 @@ import os
 import re
 import sys
 
-from dp_cost.core import interrupts, rundir
-from dp_cost.core.fmt import did_you_mean
+from dp_cost.core import interrupts, rundir, streams
+from dp_cost.core.fmt import count, did_you_mean
 from dp_cost.core.interrupts import say
 from dp_cost.core.modes import MODES
 from dp_cost.core.reading import (
@@ -187,6 +187,7 @@ def run_report(args) -> int:
         raise UsageError("--mode=report needs --input_dir RUN_DIR, the run directory to report")
     if not os.path.isdir(args.input_dir):
         raise UsageError(f"--input_dir must be an existing run directory, got {args.input_dir!r}")
+    rundir.remove_stale_temporaries(args.input_dir)  # a killed run's, unless a run is live
     results = summary.load_results(args.input_dir)
     if not results:
         found = glob.glob(os.path.join(glob.escape(args.input_dir), "*", "*", "result.json"))
@@ -196,6 +197,9 @@ def run_report(args) -> int:
                 f"{args.input_dir} holds run folders, not results: give one of them as "
                 f"--input_dir: {', '.join(runs)}"
             )
+        if results.skipped:  # each named in a warning above
+            unreadable = count(len(results.skipped), "result file")
+            raise UsageError(f"{args.input_dir} has no readable result: {unreadable} skipped")
         raise UsageError(f"no */result.json files under {args.input_dir}")
     print(summary.write_summary(args.input_dir, results))
     if not summary.is_capacity(results):  # a capacity run's report names its own files
@@ -254,6 +258,19 @@ def main(argv=None) -> int:
         return stop.code if isinstance(stop.code, int) else EXIT_BAD_ARGS
     handlers = interrupts.install()
     try:
+        with streams.losable_output():  # a lost stdout or stderr stops nothing
+            return run_guarded(args)
+    finally:
+        # A caller in Python gets its handlers back; the program keeps every signal ignored to
+        # its exit (a late Ctrl-C must not end it by the signal once its exit code is set).
+        if argv is not None:
+            interrupts.restore(handlers)
+
+
+def run_guarded(args) -> int:
+    """``run_mode``, a user mistake, an interrupt or an OSError each turned into its exit code;
+    whatever ends it, the run directory closed."""
+    try:
         return run_mode(args)
     except UsageError as error:
         print(f"error: {error}", file=sys.stderr)
@@ -272,7 +289,6 @@ def main(argv=None) -> int:
         interrupts.ignore()  # nothing may interrupt the run directory's removal
         for run in list(rundir.RunDir.open_now):
             run.close()
-        interrupts.restore(handlers)
 
 
 def run_mode(args) -> int:

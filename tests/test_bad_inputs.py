@@ -137,37 +137,73 @@ def test_a_billion_parameter_model_without_cuda_asks_for_device_cpu(tmp_path, ca
     assert not any(tmp_path.iterdir())
 
 
+# A process in which torch, opacus and transformers cannot be imported: an import of them fails
+# (a traceback, exit 1) instead of taking seconds.
+NO_TORCH = """
+import importlib.abc, importlib.machinery, sys
+class Refused(importlib.abc.Loader):
+    def create_module(self, spec):
+        raise ImportError(f"{spec.name} imported before the command line was checked")
+    def exec_module(self, module):
+        pass
+class Refuse(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path, target=None):
+        if name.split(".")[0] in ("torch", "opacus", "transformers"):
+            return importlib.machinery.ModuleSpec(name, Refused())
+sys.meta_path.insert(0, Refuse())
+"""
+
+
 def test_mistakes_that_need_no_torch_are_found_before_it_is_imported(tmp_path):
-    """An unknown trainer, a bad number, a missing or broken dataset file, --distributed
-    outside torchrun: found by the plan before torch (and opacus) are imported, in a process of
-    their own that never imports them (the seconds those imports take)."""
+    """An unknown trainer or model, a bad number, a shape the model cannot take or no process
+    can hold, a missing or broken dataset file, --distributed outside torchrun: found by the
+    plan before torch (and opacus) are imported (the seconds those imports take), in a process
+    where importing them fails."""
     broken = tmp_path / "broken.jsonl"
     broken.write_text('{"premise": "a", "hypothesis": "b", "label": 0}\n[1, 2]\n')
     llama = ["--mode=hf", "--device", "cpu", "--model", "tiny-llama"]
+    capacity = ["--mode=capacity", "--device", "cpu"]
     cases = [
-        ["--trainers", "flsh"],
-        ["--batch_size", "-1"],
-        ["--steps", "0"],
-        ["--distributed", "ddp"],
-        ["--max_physical_batch_size", "9", "--batch_size", "2"],
-        [*llama, "--dataset_path", str(tmp_path / "missing.jsonl")],
-        [*llama, "--dataset_path", str(broken)],
+        (["--trainers", "flsh"], "unknown trainer"),
+        (["--batch_size", "-1"], "batch size must be positive"),
+        (["--steps", "0"], "--steps must be positive"),
+        (["--distributed", "ddp"], "runs under torchrun"),
+        (["--max_physical_batch_size", "9", "--batch_size", "2"], "physical batch 9"),
+        ([*llama, "--dataset_path", str(tmp_path / "missing.jsonl")], "is not a file"),
+        ([*llama, "--dataset_path", str(broken)], "line 2"),
+        # the model's own numbers: read from its config, not from a build
+        (["--seq_len", "0"], "seq_len 0 must be in 1..1024"),
+        (["--seq_len", "-3"], "seq_len -3 must be in"),
+        (["--seq_len", "2000"], "seq_len 2000 must be in 1..1024"),
+        (["--max_seq_len", "10", "--seq_len", "20"], "seq_len 20 must be in 1..10"),
+        (["--model", "nope"], "unknown model 'nope'"),
+        ([*capacity, "--model", "nope"], "unknown model 'nope'"),
+        (["--hidden_dim", "33", "--num_heads", "2"], "not divisible by num_heads"),
+        (["--batch_size", str(10**15), "--seq_len", "8"], "can address"),
+        (["--hidden_dim", str(10**9)], "can address"),
+        (["--num_layers", str(10**9)], "can address"),
+        (["--vocab_size", str(10**13)], "can address"),
+        (["--max_seq_len", str(10**12)], "can address"),
+        (["--mode=test", "--model", "1b"], "add --device cpu"),
+        ([*llama, "--seq_len", str(10**9)], "must be in 1..131072"),
+        ([*capacity, "--find_max_seq_len", "--max_seq_len", "32"], "takes at most 32"),
     ]
-    script = (
-        "import json, sys\n"
+    script = NO_TORCH + (
+        "import json\n"
         "import profiling_script\n"
-        "codes = [profiling_script.main(args) for args in json.loads(sys.argv[1])]\n"
-        "print(json.dumps({'codes': codes, 'torch': 'torch' in sys.modules,\n"
-        "                  'opacus': 'opacus' in sys.modules}))\n"
+        "for args in json.loads(sys.argv[1]):\n"
+        "    print(profiling_script.main(args), flush=True)\n"
     )
-    argv = [[*args, "--output_dir", str(tmp_path / "out")] for args in cases]
+    argv = [[*args, "--output_dir", str(tmp_path / "out")] for args, _ in cases]
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}
     proc = subprocess.run(
         [sys.executable, "-c", script, json.dumps(argv)],
         cwd=ROOT, capture_output=True, text=True, timeout=120, env=env,
     )  # fmt: skip
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    seen = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert seen == {"codes": [2] * len(cases), "torch": False, "opacus": False}, proc.stderr
-    assert len(proc.stderr.strip().splitlines()) == len(cases)  # one line each
+    errors = proc.stderr.strip().splitlines()
+    codes = proc.stdout.split()
+    for index, (args, message) in enumerate(cases):
+        assert index < len(codes), (args, proc.stderr[-2000:])  # it imported torch
+        assert codes[index] == "2" and message in errors[index], (args, errors[index])
+    assert proc.returncode == 0 and len(errors) == len(cases)  # one line each
     assert not (tmp_path / "out").exists()

@@ -5,6 +5,7 @@ import torch
 import torch.nn as nn
 
 import models
+from dp_cost.lm import configs as lm_configs
 
 
 @pytest.mark.parametrize("attention", ["explicit", "sdpa"])
@@ -46,6 +47,19 @@ def test_named_config_sizes():
     positions = models.CONFIGS["1b"].max_seq_len * models.CONFIGS["1b"].hidden_dim
     # 1.14B without the position table, as the issue states.
     assert abs((models.count_parameters(big) - positions) / 1.14e9 - 1) < 0.01
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [{}, {"hidden_dim": 64, "num_heads": 2, "num_layers": 3, "vocab_size": 17, "max_seq_len": 33}],
+)
+def test_the_plans_parameter_count_is_a_builds(overrides):
+    """The plan counts parameters from the config (no torch): the count of a build."""
+    for name in models.CONFIGS:
+        config = models.get_config(name, **overrides)
+        with torch.device("meta"):
+            built = models.count_parameters(models.TransformerLM(config))
+        assert lm_configs.parameter_count(config) == built
 
 
 def test_overrides_and_bad_configs():

@@ -7,6 +7,7 @@ import subprocess
 import sys
 import time
 
+import pytest
 from cli_helpers import ROOT, cli, results_in, small_run_args
 
 import profiling_script
@@ -14,13 +15,14 @@ from dp_cost.core import rundir
 from dp_cost.core.schema import TRAINER_ALIASES, TRAINER_ORDER
 from dp_cost.core.settings import LM_MODELS
 from dp_cost.hf.configs import HF_CONFIGS
+from dp_cost.measure import plan
 
 
 def start_long_run(tmp_path):
-    """A run of two configs of a few seconds each; returns once the first has its result.
-    (A step of this model takes about 1.3 ms on the development machine: 2000 steps keep the
-    second config running well past the half second below.)"""
-    args = small_run_args(tmp_path, "standard", batch_sizes=(1, 2), steps=2000)
+    """A run of a short config, then a long one; returns once the first has its result. (200
+    steps of this model take about 0.3 s at batch 1 and 5 s at batch 256 on the development
+    machine: the second config runs well past the half second below.)"""
+    args = small_run_args(tmp_path, "standard", batch_sizes=(1, 256), steps=200)
     proc = subprocess.Popen(
         [sys.executable, "profiling_script.py", *args],
         cwd=ROOT,
@@ -39,7 +41,7 @@ def start_long_run(tmp_path):
 def assert_only_complete_results(run_dir):
     results = results_in(run_dir)
     assert list(results) == ["standard_bs1_seq8"] and results["standard_bs1_seq8"]["status"] == "ok"
-    assert not (run_dir / "standard_bs2_seq8").exists()  # no empty directory left behind
+    assert not (run_dir / "standard_bs256_seq8").exists()  # no empty directory left behind
     assert not list(run_dir.rglob(".trace-*")) and not list(run_dir.rglob("*.tmp*"))
     assert (run_dir / "summary.csv").exists()
 
@@ -64,26 +66,82 @@ def test_a_second_ctrl_c_while_the_first_is_handled_prints_no_traceback(tmp_path
     assert_only_complete_results(tmp_path / "r")
 
 
+@pytest.mark.parametrize(
+    ("signals", "code"),
+    [((signal.SIGINT,), 130), ((signal.SIGINT, signal.SIGINT), 130), ((signal.SIGTERM,), 143)],
+)
+def test_an_interrupt_during_a_start_up_import_waits_for_its_end(
+    tmp_path, monkeypatch, capsys, signals, code
+):
+    """Signals that arrive while a module is being imported (torch, opacus, scipy, numpy: the
+    seconds of start-up) interrupt once that import is over: no module is left half imported
+    (numpy's "cannot load module more than once", a RecursionError), one line and the command
+    that continues, the code of the signal."""
+    module = tmp_path / "interrupted_while_imported.py"
+    kills = "".join(f"os.kill(os.getpid(), {int(s)})\n" for s in signals)
+    module.write_text(f"import os\n{kills}import json\nWHOLE = True\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "interrupted_while_imported", raising=False)
+    real_plan = plan.make_plan
+
+    def importing_plan(args, cuda_available):
+        import interrupted_while_imported  # noqa: F401 - the start-up's imports, in small
+
+        return real_plan(args, cuda_available)
+
+    monkeypatch.setattr(plan, "make_plan", importing_plan)
+    assert profiling_script.main(small_run_args(tmp_path, "standard")) == code
+    assert sys.modules["interrupted_while_imported"].WHOLE
+    err = capsys.readouterr().err
+    assert err.startswith("\nInterrupted before any config ran.\nContinue this run with: ")
+    assert err.count("\n") == 3 and "Traceback" not in err
+
+
 def test_ctrl_c_during_start_up_exits_130_without_traceback(tmp_path):
-    proc = subprocess.Popen(
-        [sys.executable, "profiling_script.py", *small_run_args(tmp_path, "standard")],
-        cwd=ROOT,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
+    """The start-up for real: two SIGINTs from inside numpy's import (numpy.linalg, imported by
+    numpy's own __init__, while opacus and torch load), which a half-done import turned into a
+    RecursionError."""
+    hook = (
+        "import importlib.abc, os, runpy, signal, sys\n"
+        "class Interrupt(importlib.abc.MetaPathFinder):\n"
+        "    def find_spec(self, name, path, target=None):\n"
+        "        if name == 'numpy.linalg':\n"
+        "            sys.meta_path.remove(self)\n"
+        "            os.kill(os.getpid(), signal.SIGINT)\n"
+        "            os.kill(os.getpid(), signal.SIGINT)\n"
+        "sys.meta_path.insert(0, Interrupt())\n"
+        "sys.argv = ['profiling_script.py', *sys.argv[1:]]\n"
+        "runpy.run_path('profiling_script.py', run_name='__main__')\n"
     )
-    # Start-up: once torch's library is being mapped (the plan's checks passed and it imports
-    # the models), not a fixed sleep: on a loaded machine the interpreter alone can take longer.
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline and proc.poll() is None:
-        with open(f"/proc/{proc.pid}/maps") as maps:
-            if "libtorch" in maps.read():
-                break
-        time.sleep(0.05)
-    proc.send_signal(signal.SIGINT)
-    _, stderr = proc.communicate(timeout=120)
-    assert proc.returncode == 130
-    assert "Traceback" not in stderr and "Interrupted" in stderr
+    args = small_run_args(tmp_path, "standard")
+    proc = subprocess.run([sys.executable, "-c", hook, *args], cwd=ROOT, capture_output=True,
+                          text=True, timeout=120)  # fmt: skip
+    assert proc.returncode == 130 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert "Interrupted before any config ran." in proc.stderr and not (tmp_path / "r").exists()
+
+
+def test_a_run_whose_stdout_and_stderr_are_lost_goes_on_to_its_end(tmp_path, monkeypatch):
+    """stdout a pipe whose reader ended (`| head -1`), stderr a full disk: lost from the first
+    line on, and the run measures its config, writes its summary and exits 0, silently."""
+    read_end, write_end = os.pipe()
+    os.close(read_end)  # every write: a broken pipe
+    full = os.open("/dev/full", os.O_WRONLY)  # every write: no space left on device
+    saved = os.dup(1), os.dup(2)
+    try:
+        os.dup2(write_end, 1)
+        os.dup2(full, 2)
+        monkeypatch.setattr(sys, "stdout", open(1, "w", buffering=1, closefd=False))  # noqa: SIM115
+        monkeypatch.setattr(sys, "stderr", open(2, "w", buffering=1, closefd=False))  # noqa: SIM115
+        code = profiling_script.main(small_run_args(tmp_path, "standard"))
+    finally:
+        for fd, saved_fd in zip((1, 2), saved, strict=True):
+            os.dup2(saved_fd, fd)
+            os.close(saved_fd)
+        os.close(write_end)
+        os.close(full)
+    assert code == 0
+    assert results_in(tmp_path / "r")["standard_bs2_seq8"]["status"] == "ok"
+    assert (tmp_path / "r" / "summary.csv").read_text().count("\nstandard,") == 1
 
 
 def test_a_second_process_on_a_locked_run_directory_stops(tmp_path, capsys):
@@ -161,9 +219,16 @@ def test_lm_model_names_in_help_are_the_models_configs():
     assert LM_MODELS == tuple(models.CONFIGS)
 
 
-def test_one_config_is_one_config(tmp_path):
-    proc = cli(*small_run_args(tmp_path, "standard"), "--no_trace")
+def test_one_config_is_one_config_and_the_system_temporary_folder_stays_as_it_was(tmp_path):
+    """A run of the program (a fresh process: torch's inductor cache is made when torch._dynamo
+    is first imported, by default in the system's temporary folder) leaves TMPDIR as it was."""
+    system_temporaries = tmp_path / "tmp"
+    system_temporaries.mkdir()
+    env = {**os.environ, "TMPDIR": str(system_temporaries)}
+    env.pop("TORCHINDUCTOR_CACHE_DIR", None)
+    proc = cli(*small_run_args(tmp_path / "out", "standard"), env=env)
     assert proc.returncode == 0 and "1 config on cpu" in proc.stdout
+    assert not os.listdir(system_temporaries)
 
 
 def test_readme_lists_the_signal_exit_codes():

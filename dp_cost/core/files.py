@@ -17,12 +17,15 @@ import math
 import os
 import re
 import secrets
+import shutil
 import stat
 
+from dp_cost.core.reading import stat_at
 from dp_cost.core.settings import UsageError
 
-# atomic_write's temporaries, <name>.tmp<random digits>: the only names leftover removal deletes.
-TEMPORARY_NAME = re.compile(r".+\.tmp\d+")
+# atomic_write's temporaries, <name>.tmp<20 random digits>: the only names leftover removal
+# deletes.
+TEMPORARY_NAME = re.compile(r".+\.tmp\d{20}")
 _FOLDER_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 _NEW_FILE_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
 _UTF8 = {"encoding": "utf-8"}
@@ -176,8 +179,8 @@ def refuse_links(path: str, root: str) -> None:
     current = root
     for part in _parts_below(path, root):
         current = os.path.join(current, part)
-        try:
-            mode = os.lstat(current).st_mode
+        try:  # relative to root: a path longer than PATH_MAX is checked too
+            mode = stat_at(current, root, follow=False).st_mode
         except FileNotFoundError:
             return
         if stat.S_ISLNK(mode):
@@ -218,12 +221,18 @@ class Staging:
         return shown
 
     def remove(self) -> None:
-        """Remove the folder and what is left in it (the writer writes plain files only)."""
-        with contextlib.suppress(OSError):
-            for name in os.listdir(self.fd):
-                os.unlink(name, dir_fd=self.fd)
-            os.rmdir(self.name, dir_fd=self.parent_fd)
+        """Remove the folder and everything left in it (a writer's files and folders)."""
+        remove_tree(self.parent_fd, self.parent, self.name)
         os.close(self.fd)
+
+
+def remove_tree(parent_fd: int, parent: str, name: str) -> None:
+    """Remove the folder ``name`` of the folder ``parent_fd`` (``parent``) and all in it, found
+    by the descriptor where /proc has it (no link swapped in for a folder on the way is
+    followed: shutil.rmtree never follows one below its top); an error leaves the rest."""
+    by_descriptor = f"/proc/self/fd/{parent_fd}"
+    where = by_descriptor if os.path.isdir(by_descriptor) else parent
+    shutil.rmtree(os.path.join(where, name), ignore_errors=True)
 
 
 @contextlib.contextmanager

@@ -5,6 +5,13 @@ Ctrl-C is: a KeyboardInterrupt (``Terminated`` for those two) the CLI turns into
 finished", exit 130 for Ctrl-C and 143 for the others. A hangup ignored at the start (nohup)
 stays ignored. Ctrl-C is handled even where it was ignored at the start (a job a shell script
 put in the background), so that ``kill -INT`` still stops the run.
+
+An interrupt is raised where it leaves everything whole: never inside an import (a module left
+half imported breaks the next import of it: numpy's "cannot load module more than once", a
+RecursionError; the start-up imports torch, opacus, scipy and numpy for seconds), but as soon
+as the import under way has ended; never inside a ``held`` block, but at its end; and once: a
+second signal while the first is on its way to its handler is recorded (its exit code counts),
+not raised again.
 """
 
 from __future__ import annotations
@@ -15,14 +22,26 @@ import shlex
 import shutil
 import signal
 import sys
+import time
 
+from dp_cost.core import streams
 from dp_cost.core.schema import EXIT_INTERRUPTED, EXIT_TERMINATED
 
 INTERRUPTS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 CONTINUE = "Continue this run with:"  # the line that gives the command (tests read it)
 
+# An interrupt that arrived during an import is raised by SIGALRM this long after, or again
+# later while the import goes on.
+RETRY_S = 0.05
+# A raised interrupt reaches its handler (which ignores every later signal) well within this: a
+# signal until then is recorded only; one after it is raised again (the first was lost, raised
+# where Python drops exceptions: a finalizer).
+IN_FLIGHT_S = 1.0
+
 _received = []  # the signals that interrupted this run
+_pending = []  # received and not raised yet
 _held = []  # non-empty inside held(): a signal is recorded, and raised once the block ends
+_raised_at = []  # when an interrupt was last raised (time.monotonic)
 
 
 class Terminated(KeyboardInterrupt):
@@ -31,21 +50,56 @@ class Terminated(KeyboardInterrupt):
 
 def _on_interrupt(signum, frame):
     _received.append(signum)
-    if not _held:
-        raise KeyboardInterrupt() if signum == signal.SIGINT else Terminated()
+    _pending.append(signum)
+    _raise_when_whole(frame)
+
+
+def _on_alarm(signum, frame):
+    _raise_when_whole(frame)
+
+
+def _raise_when_whole(frame) -> None:
+    """Raise the interrupt pending, unless a ``held`` block runs (it raises it at its end),
+    ``frame`` is inside an import (raised RETRY_S later, by SIGALRM: this again), or one was
+    raised less than IN_FLIGHT_S ago (it is on its way: this one is recorded only)."""
+    if not _pending or _held:
+        return
+    if _importing(frame):
+        signal.setitimer(signal.ITIMER_REAL, RETRY_S)
+        return
+    signum = _pending[-1]
+    _pending.clear()
+    now = time.monotonic()
+    if _raised_at and now - _raised_at[-1] < IN_FLIGHT_S:
+        return
+    _raised_at.append(now)
+    raise KeyboardInterrupt() if signum == signal.SIGINT else Terminated()
+
+
+def _importing(frame) -> bool:
+    """Whether ``frame`` runs inside an import (importlib's frames are below it)."""
+    while frame is not None:
+        if frame.f_code.co_filename.startswith("<frozen importlib"):
+            return True
+        frame = frame.f_back
+    return False
 
 
 def install() -> dict:
     """Handle every interrupt from now on; returns the handlers replaced, for ``restore``."""
     _received.clear()
-    previous = {signum: signal.getsignal(signum) for signum in INTERRUPTS}
-    for signum, handler in previous.items():
-        if signum != signal.SIGHUP or handler != signal.SIG_IGN:
+    _pending.clear()
+    _raised_at.clear()
+    previous = {signum: signal.getsignal(signum) for signum in (*INTERRUPTS, signal.SIGALRM)}
+    for signum in INTERRUPTS:
+        if signum != signal.SIGHUP or previous[signum] != signal.SIG_IGN:
             signal.signal(signum, _on_interrupt)
+    signal.signal(signal.SIGALRM, _on_alarm)
     return previous
 
 
 def restore(previous: dict) -> None:
+    signal.setitimer(signal.ITIMER_REAL, 0)
     for signum, handler in previous.items():
         if handler is not None:  # None: not set from Python, left as it is
             signal.signal(signum, handler)
@@ -54,18 +108,17 @@ def restore(previous: dict) -> None:
 @contextlib.contextmanager
 def held():
     """Run the block whole: a signal that arrives inside interrupts once it has ended."""
-    arrived = len(_received)
     _held.append(True)
     try:
         yield
     finally:
         _held.pop()
-    if len(_received) > arrived:
-        raise KeyboardInterrupt() if _received[-1] == signal.SIGINT else Terminated()
+    _raise_when_whole(sys._getframe())
 
 
 def ignore() -> None:
     """From now on nothing interrupts: the clean-up after an interrupt runs to its end."""
+    signal.setitimer(signal.ITIMER_REAL, 0)  # an interrupt waiting for an import's end: dropped
     for signum in INTERRUPTS:
         signal.signal(signum, signal.SIG_IGN)
 
@@ -78,15 +131,12 @@ def exit_code() -> int:
 def say(text: str, stream=None) -> None:
     """print, to a terminal that may be gone (a dropped ssh session: EIO): the files are what
     counts, so that stream goes to /dev/null from then on instead of stopping the clean-up (or
-    the interpreter's exit)."""
+    the interpreter's exit; see ``core.streams``)."""
     stream = sys.stdout if stream is None else stream
     try:
         print(text, file=stream, flush=True)
     except OSError:
-        with contextlib.suppress(OSError, ValueError):
-            devnull = os.open(os.devnull, os.O_WRONLY)
-            os.dup2(devnull, stream.fileno())
-            os.close(devnull)
+        streams.drop(stream)
 
 
 def say_continue(command_line: list[str], run_name: str | None) -> None:

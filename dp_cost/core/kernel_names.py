@@ -154,14 +154,16 @@ def category_deltas(summary: dict, baseline: dict) -> dict[str, float]:
     return {c: time_ms(summary, c) - time_ms(baseline, c) for c in CATEGORIES}
 
 
-def load_trace_events(path: str | os.PathLike) -> list[dict]:
-    """The events of a Chrome/Kineto trace, plain or gzipped (by extension or magic bytes).
+def load_trace_events(path: str | os.PathLike, root: str | None = None) -> list[dict]:
+    """The events of a Chrome/Kineto trace, plain or gzipped (by extension or magic bytes);
+    ``root``: see ``core.reading.open_at``.
 
     Raises ``core.reading.UnreadableFile`` (a ValueError) for a file that is not a regular,
     UTF-8, complete JSON trace (a truncated trace is not JSON); entries that are not objects
     are dropped.
     """
-    trace = read_json(path, max_depth=None)  # a trace nests 4 deep but has millions of items
+    # a trace nests 4 deep but has millions of items
+    trace = read_json(path, max_depth=None, root=root)
     # The Chrome trace format allows a bare event list as well as {"traceEvents": [...]}.
     events = trace.get("traceEvents", []) if isinstance(trace, dict) else trace
     if not isinstance(events, list):
@@ -248,7 +250,7 @@ def kernels_from_trace(path: str | os.PathLike) -> list[tuple[str, float, str | 
 
 
 def memory_curve_from_trace(
-    path: str | os.PathLike, device_type: int | None = None
+    path: str | os.PathLike, device_type: int | None = None, root: str | None = None
 ) -> list[tuple[float, float]]:
     """Allocated memory over time from the trace's "[memory]" events (profile_memory=True).
 
@@ -256,7 +258,7 @@ def memory_curve_from_trace(
     (0 = CPU, 1 = CUDA); by default CUDA when the trace has CUDA events, else CPU.
     """
     samples = []  # (device type, ts µs, allocated bytes)
-    for event in load_trace_events(path):
+    for event in load_trace_events(path, root):
         args = event.get("args") if isinstance(event.get("args"), dict) else {}
         ts, allocated = _number(event.get("ts")), _number(args.get("Total Allocated"))
         if event.get("name") == MEMORY_EVENT and None not in (ts, allocated):

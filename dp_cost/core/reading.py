@@ -1,7 +1,11 @@
 """Reading input files that may be anything: only regular files, a size cap, UTF-8, bounded JSON
 nesting. Every reader raises ``UnreadableFile`` with a short reason instead of hanging on a FIFO,
 filling memory, or failing deep inside json with a RecursionError. The caps are by what a file
-holds; each flag's --help states its own."""
+holds; each flag's --help states its own.
+
+A reader given a ``root`` (a run directory) opens the root as given and the rest of the path
+relative to its descriptor, as ``core.files`` writes: a file of a run whose full path is longer
+than the system's limit (PATH_MAX, 4096 bytes on Linux) is read back as it was written."""
 
 from __future__ import annotations
 
@@ -39,8 +43,63 @@ def size_words(size: int) -> str:
     return f"{size} bytes"
 
 
-def open_regular(path: str | os.PathLike, max_bytes: int):
-    """``path`` opened in binary, if it is a regular file of at most ``max_bytes``.
+def open_at(path: str | os.PathLike, flags: int, root: str | None = None) -> int:
+    """``os.open(path, flags)``; with ``root``, ``path`` opened relative to ``root``'s
+    descriptor (only the part below ``root`` is a name the system resolves)."""
+    if root is None:
+        return os.open(path, flags | os.O_CLOEXEC)
+    root_fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        return os.open(os.path.relpath(path, root), flags | os.O_CLOEXEC, dir_fd=root_fd)
+    finally:
+        os.close(root_fd)
+
+
+def stat_at(path: str | os.PathLike, root: str | None = None, follow: bool = True):
+    """``os.stat`` of ``path`` (``follow``: through a final symbolic link), relative to
+    ``root`` as in ``open_at``; OSError when there is nothing there."""
+    if root is None:
+        return os.stat(path, follow_symlinks=follow)
+    root_fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        return os.stat(os.path.relpath(path, root), dir_fd=root_fd, follow_symlinks=follow)
+    finally:
+        os.close(root_fd)
+
+
+def lexists_at(path: str | os.PathLike, root: str | None = None) -> bool:
+    """Whether anything (a dangling link included) is at ``path``, as ``open_at`` reaches it."""
+    try:
+        stat_at(path, root, follow=False)
+        return True
+    except OSError:
+        return False
+
+
+def is_file_at(path: str | os.PathLike, root: str | None = None) -> bool:
+    """Whether ``path`` (relative to ``root`` as in ``open_at``) is a regular file."""
+    try:
+        return stat.S_ISREG(stat_at(path, root).st_mode)
+    except OSError:
+        return False
+
+
+def folder_names(path: str | os.PathLike, root: str | None = None) -> list[str]:
+    """The names in the folder ``path`` (relative to ``root`` as in ``open_at``), sorted; []
+    when it is no folder one can list."""
+    try:
+        fd = open_at(path, os.O_RDONLY | os.O_DIRECTORY, root)
+    except OSError:
+        return []
+    try:
+        return sorted(os.listdir(fd))
+    finally:
+        os.close(fd)
+
+
+def open_regular(path: str | os.PathLike, max_bytes: int, root: str | None = None):
+    """``path`` opened in binary, if it is a regular file of at most ``max_bytes`` (relative
+    to ``root`` as in ``open_at``).
 
     O_NONBLOCK: opening a FIFO for reading would otherwise wait for a writer forever; it is then
     refused by the regular-file check on the open descriptor (no race with a renamed file). The
@@ -48,7 +107,7 @@ def open_regular(path: str | os.PathLike, max_bytes: int):
     regular file may grow while it is read).
     """
     try:
-        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
+        fd = open_at(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0), root)
     except OSError as error:
         raise UnreadableFile(error.strerror or str(error)) from None
     info = os.fstat(fd)
@@ -63,12 +122,15 @@ def open_regular(path: str | os.PathLike, max_bytes: int):
     return os.fdopen(fd, "rb")
 
 
-def read_bytes(path: str | os.PathLike, max_bytes: int | None = None) -> bytes:
+def read_bytes(
+    path: str | os.PathLike, max_bytes: int | None = None, root: str | None = None
+) -> bytes:
     """The bytes of a regular file of at most ``max_bytes`` (default MAX_BYTES); gzip content is
-    decompressed (by extension or magic bytes), to at most ``max_bytes`` as well."""
+    decompressed (by extension or magic bytes), to at most ``max_bytes`` as well. ``root``: see
+    ``open_at``."""
     path = os.fspath(path)
     max_bytes = MAX_BYTES if max_bytes is None else max_bytes
-    with open_regular(path, max_bytes) as f:
+    with open_regular(path, max_bytes, root) as f:
         data = f.read(max_bytes + 1)
     if len(data) > max_bytes:
         raise UnreadableFile(f"larger than the cap of {size_words(max_bytes)}")
@@ -83,10 +145,12 @@ def read_bytes(path: str | os.PathLike, max_bytes: int | None = None) -> bytes:
     return data
 
 
-def read_text(path: str | os.PathLike, max_bytes: int | None = None) -> str:
+def read_text(
+    path: str | os.PathLike, max_bytes: int | None = None, root: str | None = None
+) -> str:
     """The file as UTF-8 text (see ``read_bytes``)."""
     try:
-        return read_bytes(path, max_bytes).decode("utf-8")
+        return read_bytes(path, max_bytes, root).decode("utf-8")
     except UnicodeDecodeError as error:
         raise UnreadableFile(f"not UTF-8 (byte {error.start})") from None
 
@@ -108,12 +172,16 @@ def _no_constant(name: str):
 
 
 def read_json(
-    path: str | os.PathLike, max_depth: int | None = MAX_DEPTH, max_bytes: int | None = None
+    path: str | os.PathLike,
+    max_depth: int | None = MAX_DEPTH,
+    max_bytes: int | None = None,
+    root: str | None = None,
 ):
     """The parsed JSON of a regular UTF-8 file (plain or gzipped) of at most ``max_bytes``
     (default MAX_BYTES), without bare NaN/Infinity, nested at most ``max_depth`` deep (None: no
-    check, for large traces). Raises UnreadableFile with the reason."""
-    text = read_text(path, max_bytes)
+    check, for large traces). Raises UnreadableFile with the reason. ``root``: see
+    ``open_at``."""
+    text = read_text(path, max_bytes, root)
     try:
         value = json.loads(text, parse_constant=_no_constant)
     except RecursionError:
@@ -125,9 +193,9 @@ def read_json(
     return value
 
 
-def read_result(path: str | os.PathLike):
+def read_result(path: str | os.PathLike, root: str | None = None):
     """A result file's (or run.json's) parsed JSON: ``read_json`` under MAX_RESULT_BYTES."""
-    return read_json(path, max_bytes=MAX_RESULT_BYTES)
+    return read_json(path, max_bytes=MAX_RESULT_BYTES, root=root)
 
 
 # The unreadable files already warned about, as (path, device, inode, size, mtime, reason):
@@ -135,18 +203,19 @@ def read_result(path: str | os.PathLike):
 _warned: set[tuple] = set()
 
 
-def read_json_or_none(path: str | os.PathLike, warn=None):
+def read_json_or_none(path: str | os.PathLike, warn=None, root: str | None = None):
     """``read_result``, or None: silently for a missing file, with one warning line on ``warn``
     (default stderr) naming the file and the reason for any other (for --resume's checks and
-    run.json). The same unchanged file with the same problem warns once per process."""
+    run.json). The same unchanged file with the same problem warns once per process. ``root``:
+    see ``open_at``."""
     path = os.fspath(path)
-    if not os.path.lexists(path):
+    if not lexists_at(path, root):  # nothing there (a dangling link is there: warned about)
         return None
     try:
-        return read_result(path)
+        return read_result(path, root)
     except UnreadableFile as error:
         try:
-            info = os.stat(path)
+            info = stat_at(path, root)
             seen = (path, info.st_dev, info.st_ino, info.st_size, info.st_mtime_ns, str(error))
         except OSError:  # a dangling link: nothing to tell one reading from the next
             seen = None

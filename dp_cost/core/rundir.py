@@ -14,9 +14,10 @@ import errno
 import fcntl
 import os
 import re
+import stat
 import tempfile
 
-from dp_cost.core import files
+from dp_cost.core import files, scratch
 from dp_cost.core.settings import UsageError
 
 MAX_RUN_NAME = 100
@@ -24,6 +25,7 @@ LOCK_FILE = ".lock"
 # Kernel pseudo filesystems: writing results there is never what was meant (/dev/shm is fine).
 SYSTEM_DIRS = ("/proc", "/sys")
 _CONTROL = re.compile(r"[\x00-\x1f\x7f]")
+_FOLDER_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 
 
 def check_run_name(name: str) -> None:
@@ -141,6 +143,64 @@ class RunLock:
             self.fd = None
 
 
+def remove_stale_temporaries(run_dir: str, lock_held: bool = False) -> bool:
+    """Remove what a killed run left of its temporaries: its scratch folders
+    (``scratch.PREFIX``) and its atomic writes' temporaries (``files.TEMPORARY_NAME``, regular
+    files only) in the run directory and its folders (config directories, visualizations/),
+    reached through descriptors without following a link; unless a live run may be writing
+    them: ``lock_held``, the caller holds the run's lock (--resume); else it is taken for the
+    removal, and nothing is removed while a run holds it (nor where no run's lock is). Whether
+    they were removed."""
+    if not lock_held:
+        with _lock_unless_held(run_dir) as free:
+            return free and remove_stale_temporaries(run_dir, lock_held=True)
+    with files.folder(run_dir) as fd:
+        _remove_temporaries(fd)
+        for name in os.listdir(fd):
+            try:
+                below = os.open(name, _FOLDER_FLAGS, dir_fd=fd)
+            except OSError:  # a file, or a link: not a folder of the run's
+                continue
+            if name.startswith(scratch.PREFIX):
+                os.close(below)
+                files.remove_tree(fd, run_dir, name)
+                continue
+            try:
+                _remove_temporaries(below)
+            finally:
+                os.close(below)
+    return True
+
+
+def _remove_temporaries(fd: int) -> None:
+    for name in os.listdir(fd):
+        if files.TEMPORARY_NAME.fullmatch(name):
+            with contextlib.suppress(FileNotFoundError):
+                if stat.S_ISREG(os.stat(name, dir_fd=fd, follow_symlinks=False).st_mode):
+                    os.unlink(name, dir_fd=fd)
+
+
+@contextlib.contextmanager
+def _lock_unless_held(run_dir: str):
+    """The lock of ``run_dir`` held inside, unless a live run holds it: yields whether it is
+    (False for a directory without a lock file: no run's, e.g. a folder of runs, whose runs'
+    own locks are not taken here)."""
+    try:
+        fd = files.open_file(os.path.join(run_dir, LOCK_FILE), os.O_RDONLY)
+    except FileNotFoundError:
+        yield False
+        return
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:  # a run is writing there now
+            yield False
+        else:
+            yield True
+    finally:
+        os.close(fd)  # closing drops the flock
+
+
 class RunDir:
     """This run's directory, made (or found, with --resume) and locked. ``close`` releases the
     lock and removes the directory if this run made it and nothing but the lock and
@@ -166,15 +226,13 @@ class RunDir:
         try:
             # only a directory this run made and locked: a lock that failed means another
             # process holds it (and may be writing into it)
-            if (
-                self.made
-                and self.lock is not None
-                and set(os.listdir(self.path)) <= self.bookkeeping
-            ):
-                for name in self.bookkeeping:
-                    with contextlib.suppress(FileNotFoundError):
-                        os.remove(os.path.join(self.path, name))
-                os.rmdir(self.path)
+            if self.made and self.lock is not None:
+                with files.folder(self.path) as fd:  # its names: below PATH_MAX however deep
+                    if set(os.listdir(fd)) <= self.bookkeeping:
+                        for name in self.bookkeeping:
+                            with contextlib.suppress(FileNotFoundError):
+                                os.unlink(name, dir_fd=fd)
+                        os.rmdir(self.path)
         except OSError:
             pass  # something else is in it now: kept
         finally:

@@ -42,13 +42,12 @@ class Setting:
     many: bool = False  # the flag takes several values, all of them in every config
     switch: bool | None = None  # a value-less flag: the value it sets (True, or False for --no_x)
     modes: dict = field(default_factory=dict)  # default per mode, where it differs
-    # This setting's part of the config directory name (None or "" when it adds none).
-    dir_part: Callable[[Any], str | None] | None = None
+    dir_part: Callable[[Any], str | None] | None = None  # its config directory part (or none)
     compare: bool = False  # reports compare trainers among configs equal in every such setting
     # Where a result's config keeps the compared value (default: the setting's own key).
     compared_value: Callable[[dict], Any] | None = None
     into: str | None = None  # collected into this dict field (model overrides) instead
-    recorded: bool = True  # False: plan-internal, not written to result.json
+    recorded: bool = True  # False: not in result.json (plan-internal, or how a run is watched)
     # Its mode default follows the mode that runs, not the defaults a GPU mode borrows on CPU.
     follows_mode: bool = False
 
@@ -73,10 +72,7 @@ def physical_part(config) -> str | None:
 # The causal LM's named configs (``models.CONFIGS``), listed here so --help needs no torch.
 LM_MODELS = ("tiny", "1b")
 MODEL_OVERRIDES = ("vocab_size", "hidden_dim", "num_layers", "num_heads", "max_seq_len")
-HF_MODES = {
-    "hf": "meta-llama/Llama-3.2-3B-Instruct",
-    "hf_sweep": "meta-llama/Llama-3.1-8B-Instruct",
-}
+HF_MODES = dict(hf="meta-llama/Llama-3.2-3B-Instruct", hf_sweep="meta-llama/Llama-3.1-8B-Instruct")
 
 # In the order of the config directory name: <trainer>_bs<B>_seq<T>_pb<P>_r<R>_bf16_<attention>
 # _ckpt_graph_<model>; the settings that name no directory part follow.
@@ -232,6 +228,14 @@ SETTINGS: tuple[Setting, ...] = (
         compare=True,
     ),
     Setting(
+        "rank_timeout",
+        600.0,
+        "under torchrun: seconds a rank's worker may show no sign of life before the job ends",
+        flags=("--rank_timeout",),
+        type=float,
+        recorded=False,
+    ),
+    Setting(
         "optimizer",
         "sgd",
         "plain SGD or Adam",
@@ -380,11 +384,7 @@ SETTINGS: tuple[Setting, ...] = (
         flags=("--dataset_path",),
     ),
     Setting(
-        "dataset_size",
-        10000,
-        "N for the sampling rate B/N",
-        flags=("--dataset_size",),
-        type=int,
+        "dataset_size", 10000, "N for the sampling rate B/N", flags=("--dataset_size",), type=int
     ),
     Setting("poisson", True, "fixed-size batches", flags=("--no_poisson",), switch=False),
     Setting("delta", 1e-5, "delta of the reported epsilon", flags=("--delta",), type=float),

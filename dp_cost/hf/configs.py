@@ -18,3 +18,18 @@ LORA_TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_
 ATTENTION_IMPLEMENTATIONS = {"sdpa": "sdpa", "eager": "eager", "explicit": "eager"}
 
 DEFAULT_HF_MODEL = "meta-llama/Llama-3.2-3B-Instruct"
+
+
+def classifier_parameter_count(name: str, num_labels: int = NUM_LABELS) -> int:
+    """The parameters of ``name``'s sequence classifier as ``hf.models`` builds it, counted from
+    its architecture without building it (a test keeps this equal to a build's count): the
+    token embeddings, per layer the attention's q and o projections and grouped-query
+    attention's smaller k and v (no biases), the gated MLP's three projections and two RMSNorms,
+    the final RMSNorm and the ``num_labels`` score head; no vocabulary head."""
+    c = HF_CONFIGS[name]
+    hidden, heads = c["hidden_size"], c["num_attention_heads"]
+    head_dim = c.get("head_dim") or hidden // heads
+    attention = 2 * hidden * heads * head_dim + 2 * hidden * c["num_key_value_heads"] * head_dim
+    layer = attention + 3 * hidden * c["intermediate_size"] + 2 * hidden
+    body = c["vocab_size"] * hidden + c["num_hidden_layers"] * layer + hidden
+    return body + hidden * num_labels

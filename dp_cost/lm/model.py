@@ -1,4 +1,4 @@
-"""Named model configs and the causal decoder LM the profiler trains.
+"""The causal decoder LM the profiler trains, built from its named configs (``lm.configs``).
 
 gpt-fast style: a dataclass config, a dict of named configs, small modules whose forward
 reads like the math. Attention is built on Opacus' ``DPMultiheadAttention`` so every trainable
@@ -6,9 +6,6 @@ layer is an ``nn.Linear`` / ``nn.Embedding`` / ``nn.LayerNorm`` that Opacus can 
 """
 
 from __future__ import annotations
-
-import dataclasses
-from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
@@ -18,55 +15,11 @@ from torch.utils.checkpoint import checkpoint
 
 from dp_cost.core.kernel_names import ATTENTION_RANGE
 
-ATTENTION_KINDS = ("explicit", "sdpa")
-
-
-@dataclass
-class ModelConfig:
-    vocab_size: int = 32000
-    hidden_dim: int = 2048
-    num_layers: int = 20
-    num_heads: int = 16
-    mlp_dim: int = 8192
-    max_seq_len: int = 16384
-    attention: str = (
-        "explicit"  # "explicit" softmax (as the older profiling scripts' model) or "sdpa"
-    )
-    activation_checkpointing: bool = False  # recompute each block in backward (standard only)
-    dropout: float = 0.0
-
-    def __post_init__(self):
-        if self.hidden_dim % self.num_heads:
-            raise ValueError(
-                f"hidden_dim {self.hidden_dim} is not divisible by num_heads {self.num_heads}"
-            )
-        if self.attention not in ATTENTION_KINDS:
-            raise ValueError(f"attention must be one of {ATTENTION_KINDS}, got {self.attention!r}")
-        for field in ("vocab_size", "hidden_dim", "num_layers", "num_heads", "max_seq_len"):
-            if getattr(self, field) <= 0:
-                raise ValueError(f"{field} must be positive, got {getattr(self, field)}")
-
-
-CONFIGS: dict[str, ModelConfig] = {
-    # ~1M parameters: the CPU test model.
-    "tiny": ModelConfig(
-        vocab_size=2000, hidden_dim=128, num_layers=2, num_heads=4, mlp_dim=512, max_seq_len=1024
-    ),
-    # ~1.14B parameters without the position table (32000·2048·2 + 20·50.3M), +33.5M for
-    # 16384 positions, so T=16384 memory runs need no override.
-    "1b": ModelConfig(),
-}
-
-
-def get_config(name_or_config: str | ModelConfig, **overrides) -> ModelConfig:
-    """A named config (or a config object) with non-None overrides applied."""
-    if isinstance(name_or_config, ModelConfig):
-        base = name_or_config
-    elif name_or_config in CONFIGS:
-        base = CONFIGS[name_or_config]
-    else:
-        raise ValueError(f"unknown model {name_or_config!r}; known: {', '.join(CONFIGS)}")
-    return dataclasses.replace(base, **{k: v for k, v in overrides.items() if v is not None})
+# Re-exported: the configs are plain data (lm/configs.py), read by the plan without torch.
+from dp_cost.lm.configs import ATTENTION_KINDS as ATTENTION_KINDS
+from dp_cost.lm.configs import CONFIGS as CONFIGS
+from dp_cost.lm.configs import ModelConfig as ModelConfig
+from dp_cost.lm.configs import get_config as get_config
 
 
 class CausalSelfAttention(DPMultiheadAttention):

@@ -32,6 +32,7 @@ class ExperimentConfig:
     distributed: str = "none"
     world_size: int = 1
     fsdp_sync: str = "chunk"
+    rank_timeout: float = 600.0
     optimizer: str = "sgd"
     lr: float = 1e-4
     noise_multiplier: float = 1.0

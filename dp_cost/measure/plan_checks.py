@@ -253,9 +253,11 @@ def check_planned_ranks(values: dict) -> None:
 
 def check_numbers(values: dict) -> None:
     """Every float finite; the seed and model overrides in range (sizes: in ``check``)."""
-    for name in ("lr", "noise_multiplier", "max_grad_norm", "delta"):
+    for name in ("lr", "noise_multiplier", "max_grad_norm", "delta", "rank_timeout"):
         if not math.isfinite(values[name]):
             raise UsageError(f"--{name} must be a finite number, got {values[name]}")
+    if values["rank_timeout"] <= 0:
+        raise UsageError(f"--rank_timeout must be positive seconds, got {values['rank_timeout']}")
     if not 0 <= values["seed"] <= MAX_SEED:
         raise UsageError(f"--seed must be in 0..{MAX_SEED}, got {values['seed']}")
     for name, value in values["model_overrides"].items():

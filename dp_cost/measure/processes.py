@@ -23,12 +23,13 @@ from dp_cost.core import files, interrupts
 from dp_cost.core.files import TEMPORARY_NAME, make_folder, write_json
 from dp_cost.core.fmt import count
 from dp_cost.core.interrupts import INTERRUPTS
-from dp_cost.core.reading import read_json_or_none
+from dp_cost.core.reading import is_file_at, read_json_or_none
 from dp_cost.core.schema import FINISHED
 from dp_cost.measure import quiet, ranks
 from dp_cost.measure.progress import ProgressBar, describe
 from dp_cost.measure.ranks import RankGroup
 from dp_cost.measure.worker import result_skeleton, worker_main
+from dp_cost.report.result_check import result_problem
 from dp_cost.training import registry as trainers
 
 # Directories a run makes per config (<trainer>_bs<B>_seq<T>...) and atomic_write's temporary
@@ -65,16 +66,21 @@ def run_configs(
         raise Interrupted("between configs" if started else "before the first config") from None
 
 
-def finished_result(result_path: str, resume: bool) -> dict | None:
-    """The earlier result that ``--resume`` keeps, or None when the config must run."""
-    previous = read_json_or_none(result_path) if resume else None
-    if not isinstance(previous, dict) or not isinstance(previous.get("config"), dict):
+def finished_result(result_path: str, run_dir: str, resume: bool) -> dict | None:
+    """The earlier result that ``--resume`` keeps, or None when the config must run. A result
+    the report would leave out (``result_problem``) is measured again, saying so."""
+    previous = read_json_or_none(result_path, root=run_dir) if resume else None
+    if not isinstance(previous, dict) or previous.get("status") not in FINISHED:
+        return None
+    problem = result_problem(previous, os.path.basename(os.path.dirname(result_path)))
+    if problem is not None:
+        print(f"warning: {result_path}: {problem}: measured again", file=sys.stderr)
         return None
     if previous["config"].get("ncu"):
         # An ncu config is never done: ncu runs the app to profile it now (again in each metric
         # pass of app-range replay); skipping it would leave an empty report in place of one.
         return None
-    return previous if previous.get("status") in FINISHED else None
+    return previous
 
 
 def _run_configs(configs, run_dir, resume, progress, verbose, group, started) -> list[dict]:
@@ -88,7 +94,7 @@ def _run_configs(configs, run_dir, resume, progress, verbose, group, started) ->
     paths = [os.path.join(run_dir, c.config_dir, "result.json") for c in configs]
     # Read once: a bad earlier result warns once. Resumed and skipped configs take no time:
     # counted as done from the start, they do not shorten the estimate of the rest.
-    kept = [finished_result(p, resume) for p in paths]
+    kept = [finished_result(p, run_dir, resume) for p in paths]
     skips = [skip_reason(c) for c in configs]
     no_worker = sum(bool(result or reason) for result, reason in zip(kept, skips))
     if group is not None:  # the other ranks run the same workers
@@ -132,11 +138,11 @@ def _run_configs(configs, run_dir, resume, progress, verbose, group, started) ->
 
 
 def remove_run_leftovers(run_dir: str) -> None:
-    """What an earlier interrupted or killed run left in the run's config directories."""
+    """What an earlier interrupted or killed run left in the run's config directories (a link
+    or a file of such a name is left alone by ``remove_leftovers``)."""
     for name in os.listdir(run_dir):
-        path = os.path.join(run_dir, name)
-        if CONFIG_DIR_NAME.match(name) and os.path.isdir(path) and not os.path.islink(path):
-            remove_leftovers(path)
+        if CONFIG_DIR_NAME.match(name):
+            remove_leftovers(os.path.join(run_dir, name))
 
 
 def search_by_runs(context, config, result: dict, result_path, run_dir, verbose, say) -> None:
@@ -157,7 +163,12 @@ def search_by_runs(context, config, result: dict, result_path, run_dir, verbose,
 def run_over_ranks(context, config, result_path, run_dir, verbose, group, index: int) -> dict:
     """Rank 0's run of a config over the ranks: every rank's result beside the aggregate."""
     config_path = os.path.dirname(result_path)
-    per_rank = run_rank_worker(context, config, config_path, verbose, group, index)
+    try:
+        per_rank = run_rank_worker(context, config, config_path, verbose, group, index)
+    except ranks.SilentRank as silent:
+        write_json(result_path, silent.result, root=run_dir)
+        remove_leftovers(config_path)
+        raise
     for rank, rank_result in enumerate(per_rank[1:], 1):  # other nodes' disks too
         rank_path = os.path.join(config_path, f"result.rank{rank}.json")
         write_json(rank_path, rank_result, root=run_dir)
@@ -239,7 +250,7 @@ def interrupts_after_fork():
     The child starts with the recording handler, not the CLI's: it sets its own."""
     arrived = []
     replaced = {}
-    for interrupt in INTERRUPTS:
+    for interrupt in (*INTERRUPTS, signal.SIGALRM):  # SIGALRM: an interrupt held over an import
         if callable(signal.getsignal(interrupt)):  # the CLI's handler, or Python's Ctrl-C
             replaced[interrupt] = signal.signal(interrupt, lambda signum, _: arrived.append(signum))
     try:
@@ -287,7 +298,7 @@ def run_in_child(
         child_errors.close()
         if stderr is not None:
             stderr.started()
-        stopped_by = wait_for_worker(process, group, index)
+        stopped_by = wait_for_worker(process, group, index, config.rank_timeout)
     except KeyboardInterrupt:  # Ctrl-C, SIGTERM or SIGHUP (the CLI raises them as one)
         # A second signal must not cut the clean-up short (the CLI restores the handlers).
         interrupts.ignore()
@@ -302,7 +313,7 @@ def run_in_child(
     reported = last_words(errors)
     errors.close()
     result = result_of_worker(config, result_path, process.exitcode, reported, stopped_by)
-    if os.path.exists(result_path):
+    if is_file_at(result_path, os.path.dirname(config_path)):
         with files.folder(config_path, root=os.path.dirname(config_path)) as fd:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(earlier, dir_fd=fd)
@@ -310,6 +321,9 @@ def run_in_child(
         remove_leftovers(config_path)
     else:  # the other ranks stop their workers if this one failed
         group.post(f"ended/{index}/{group.rank}", {k: result.get(k) for k in ("status", "error")})
+    if isinstance(stopped_by, ranks.SilentRank):  # no rank waits for it: the job ends
+        stopped_by.result = result
+        raise stopped_by
     return result
 
 
@@ -324,12 +338,15 @@ def set_aside_earlier_result(config_path: str, result_path: str) -> str:
     return earlier
 
 
-def wait_for_worker(process, group, index: int):
-    """Wait for the worker to end; distributed, stop it if another rank's worker failed first,
-    and return what that rank reported (None otherwise)."""
+def wait_for_worker(process, group, index: int, rank_timeout: float):
+    """Wait for the worker to end; distributed, stop it if a rank fell silent (``SilentRank``)
+    or another rank's worker failed first, and return why (None otherwise)."""
     process.join(None if group is None else 0.5)
     while process.is_alive():
-        stopped_by = group.ended_badly_elsewhere(index)
+        stopped_by = group.why_stop(index, rank_timeout)
+        if isinstance(stopped_by, ranks.SilentRank):  # stopped, hung or cut off: not waited for
+            stop_worker(process)
+            return stopped_by
         if stopped_by is not None:
             process.join(STOP_GRACE_S)
             if process.is_alive():
@@ -343,8 +360,9 @@ def result_of_worker(config, result_path: str, exitcode, reported, stopped_by) -
     """The worker's result file, or the result written for it: stopped because another rank
     failed, or killed or crashed before writing one."""
     root = os.path.dirname(os.path.dirname(result_path))
-    result = read_json_or_none(result_path)
-    if stopped_by is not None and (result is None or result.get("status") != "ok"):
+    result = read_json_or_none(result_path, root=root)
+    ended = isinstance(stopped_by, ranks.SilentRank)  # the job ends: this config is an error
+    if stopped_by is not None and (ended or result is None or result.get("status") != "ok"):
         result = ranks.stopped_result(result_skeleton(config, "error"), stopped_by)
         write_json(result_path, result, root=root)
     elif result is None:  # killed or crashed before writing (segfault, OOM killer's SIGKILL)

@@ -6,6 +6,12 @@ The CLI processes never touch torch.distributed's process groups (their workers 
 them); they talk through the job's key-value store (torch's TCPStore at MASTER_ADDR:MASTER_PORT,
 torchrun's own), and each config's workers form their own process group under a fresh prefix
 of that store.
+
+A rank's worker shows it is alive by a count it raises in the store (``start_heartbeat``: a
+thread, so a worker busy in a long step still does); every rank's CLI watches every rank's
+count while a config runs (``RankGroup.silent_rank``). A count that stays still for
+--rank_timeout seconds is a rank stopped, hung or cut off: the job cannot go on, and ends
+(``SilentRank``) instead of waiting on it.
 """
 
 from __future__ import annotations
@@ -15,6 +21,8 @@ import json
 import os
 import re
 import statistics
+import threading
+import time
 
 import torch.distributed as dist
 
@@ -22,6 +30,19 @@ from dp_cost.parallel.ranks import RankInfo
 from dp_cost.training.clipping import merged_record
 
 STORE_TIMEOUT = datetime.timedelta(hours=2)  # the longest a rank waits for the others' answer
+BEAT_S = 1.0  # how often a worker raises its count (a quarter of --rank_timeout when shorter)
+
+
+class SilentRank(Exception):
+    """A rank's worker showed no sign of life for --rank_timeout seconds: the job ends.
+    ``result``: this rank's result of the config (an error naming the silent rank)."""
+
+    def __init__(self, rank: int, timeout_s: float, result: dict | None = None):
+        super().__init__(
+            f"rank {rank}'s worker showed no sign of life for {timeout_s:g} s (stopped, hung or "
+            "cut off; --rank_timeout)"
+        )
+        self.rank, self.timeout_s, self.result = rank, timeout_s, result
 
 
 class RankGroup:
@@ -38,6 +59,7 @@ class RankGroup:
         )
         # A restarted torchrun job (--max_restarts) reuses the store: keys per attempt.
         self.prefix = f"dp_cost/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/"
+        self.beats: dict[tuple[int, int], tuple[int, float]] = {}  # (config, rank): count, seen
 
     @property
     def rank(self) -> int:
@@ -77,6 +99,30 @@ class RankGroup:
         """Where config ``index``'s workers meet: a fresh process group per config."""
         return f"{self.prefix}config{index}/"
 
+    def silent_rank(self, index: int, timeout_s: float) -> int | None:
+        """A rank whose worker of config ``index`` has not raised its count for ``timeout_s``
+        seconds of this process's clock (the clocks of other nodes are never compared), or
+        None."""
+        now = time.monotonic()
+        for rank in self.ranks():
+            count = self.store.add(f"{self.worker_prefix(index)}{BEAT_KEY}/{rank}", 0)
+            seen = self.beats.get((index, rank))
+            if seen is None or seen[0] != count:
+                self.beats[index, rank] = (count, now)
+            elif now - seen[1] > timeout_s:
+                return rank
+        return None
+
+    def why_stop(self, index: int, timeout_s: float) -> SilentRank | dict | None:
+        """Why this rank's worker of config ``index`` must stop: a rank fell silent, or another
+        rank's worker ended badly (what it reported); None while neither."""
+        silent = self.silent_rank(index, timeout_s)
+        return (
+            SilentRank(silent, timeout_s)
+            if silent is not None
+            else self.ended_badly_elsewhere(index)
+        )
+
     def ended_badly_elsewhere(self, index: int) -> dict | None:
         """The status another rank's worker of config ``index`` ended with, if not ok: this
         rank's worker is then waiting in a collective that will never complete."""
@@ -88,8 +134,33 @@ class RankGroup:
         return None
 
 
-def stopped_result(skeleton: dict, ended: dict) -> dict:
-    """This rank's result when another rank's worker failed first: the same status."""
+BEAT_KEY = "alive"
+
+
+def start_heartbeat(info: RankInfo, prefix: str, timeout_s: float) -> None:
+    """In a rank's worker of a config (its store prefix): a thread that raises the worker's
+    count in the job's store for as long as the process runs. It stops with the process:
+    stopped (SIGSTOP), frozen, or gone with its node."""
+    every_s = min(BEAT_S, timeout_s / 4)
+
+    def beat():
+        try:
+            store = dist.TCPStore(info.master_addr, info.master_port, is_master=False)
+            while True:
+                store.add(f"{prefix}{BEAT_KEY}/{info.rank}", 1)
+                time.sleep(every_s)
+        except Exception:  # noqa: BLE001 - the store is gone: the job is ending anyway
+            return
+
+    threading.Thread(target=beat, name="heartbeat", daemon=True).start()
+
+
+def stopped_result(skeleton: dict, ended: dict | SilentRank) -> dict:
+    """This rank's result when another rank's worker failed first: the same status; when a
+    rank fell silent, an error naming it."""
+    if isinstance(ended, SilentRank):
+        skeleton["status"], skeleton["error"] = "error", f"{ended}: the job was ended"
+        return skeleton
     skeleton["status"] = ended["status"]
     skeleton["error"] = (
         f"stopped: rank {ended['rank']} ended in {ended['status']}: {ended['error']}"

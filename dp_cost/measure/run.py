@@ -23,11 +23,13 @@ from dp_cost.core.files import write_json
 from dp_cost.core.fmt import count
 from dp_cost.core.interrupts import say
 from dp_cost.core.reading import read_json_or_none
-from dp_cost.core.schema import EXIT_BAD_ARGS, STATUSES, exit_code_of
+from dp_cost.core.schema import EXIT_BAD_ARGS, EXIT_CONFIG_ERROR, exit_code_of
+from dp_cost.core.scratch import scratch_folder
 from dp_cost.core.settings import UsageError
-from dp_cost.measure import processes
+from dp_cost.measure import processes, ranks
 from dp_cost.measure.config import changed_settings
 from dp_cost.report import run_info, summary
+from dp_cost.report.result_check import result_problem
 from dp_cost.report.run_info import RUN_FILE
 
 
@@ -40,7 +42,8 @@ def run_plan(args, experiment) -> int:
         return run_distributed(args, experiment)
     run = prepare_run_dir(args, experiment)
     try:
-        return measure_and_summarise(args, experiment, run.path)
+        with scratch_folder(run.path):
+            return measure_and_summarise(args, experiment, run.path)
     finally:
         run.close()
 
@@ -60,6 +63,7 @@ def prepare_run_dir(args, experiment) -> rundir.RunDir:
             rundir.check_contained(run_dir, os.path.join(run_dir, config.config_dir, "result.json"))
         if args.resume:
             refuse_changed_settings(experiment.configs, run_dir)
+            rundir.remove_stale_temporaries(run_dir, lock_held=True)  # a killed run's
         record_run(run_dir, args.command_line)
     except BaseException:
         if run is not None:
@@ -95,10 +99,9 @@ def refuse_changed_settings(configs: list, run_dir: str) -> None:
     """--resume adds missing configs; a finished one measured with other settings (lr, sigma,
     steps, ...: not all are in the directory name) must not pass as this run's result."""
     for config in configs:
-        previous = read_json_or_none(os.path.join(run_dir, config.config_dir, "result.json"))
-        if not isinstance(previous, dict) or previous.get("status") not in STATUSES:
-            continue
-        if not isinstance(previous.get("config"), dict):
+        path = os.path.join(run_dir, config.config_dir, "result.json")
+        previous = read_json_or_none(path, root=run_dir)
+        if result_problem(previous, config.config_dir) is not None:
             continue  # not a result this run can have written: --resume measures it again
         changed = changed_settings(previous["config"], config.to_dict())
         if changed:
@@ -113,7 +116,7 @@ def record_run(run_dir: str, command: list[str]) -> None:
     the first command and adds each resume's."""
     now = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
     path = os.path.join(run_dir, RUN_FILE)
-    record = read_json_or_none(path)  # None for a first run (no file yet)
+    record = read_json_or_none(path, root=run_dir)  # None for a first run (no file yet)
     if isinstance(record, dict) and "command" in record:
         resumed = record.get("resumed") if isinstance(record.get("resumed"), list) else []
         record["resumed"] = [*resumed, {"command": command, "date": now}]
@@ -144,7 +147,7 @@ def git_commit(checkout: str | None = None) -> str | None:
 
 def record_load(run_dir: str, at_start: dict, at_end: dict) -> None:
     """The machine's load while the configs ran, into run.json (its latest run or resume)."""
-    record = read_json_or_none(os.path.join(run_dir, RUN_FILE))
+    record = read_json_or_none(os.path.join(run_dir, RUN_FILE), root=run_dir)
     if not isinstance(record, dict):
         return
     resumed = record.get("resumed")
@@ -158,10 +161,9 @@ def run_distributed(args, experiment) -> int:
     """One run for the ranks of a torchrun job: rank 0 names and locks the run directory and
     tells the others; every rank runs its workers; rank 0 prints and summarises; every rank
     exits with rank 0's code."""
-    from dp_cost.measure.ranks import RankGroup
     from dp_cost.parallel.ranks import from_environment
 
-    group = RankGroup(from_environment())
+    group = ranks.RankGroup(from_environment())
     run = None
     if group.is_first:
         try:
@@ -182,13 +184,16 @@ def run_distributed(args, experiment) -> int:
         same = group.broadcast("same_plan", plans is None or all(p == plans[0] for p in plans))
         if not same:
             raise UsageError("the ranks planned different configs: give every rank the same flags")
-        if group.is_first:
-            code = measure_and_summarise(args, experiment, run_dir, group)
-        else:
-            with contextlib.redirect_stdout(open(os.devnull, "w")):  # noqa: SIM115
-                measure_and_summarise(args, experiment, run_dir, group)
-            code = None
+        with scratch_folder(run_dir):  # one a rank
+            if group.is_first:
+                code = measure_and_summarise(args, experiment, run_dir, group)
+            else:
+                with contextlib.redirect_stdout(open(os.devnull, "w")):  # noqa: SIM115
+                    measure_and_summarise(args, experiment, run_dir, group)
+                code = None
         return group.broadcast("exit_code", code)
+    except ranks.SilentRank:  # said by measure_and_summarise; no rank waits for another now
+        return EXIT_CONFIG_ERROR
     finally:
         if run is not None:
             run.close()
@@ -229,6 +234,11 @@ def measure_and_summarise(args, experiment, run_dir: str, group=None) -> int:
             print(f"Summary: {run_dir}/summary.csv, {run_dir}/summary.md")
         interrupts.ignore()  # done: a signal now has nothing left to stop
         return exit_code_of(results)
+    except ranks.SilentRank as silent:  # the job ends: rank 0 says so (another, if it is 0)
+        interrupts.ignore()  # torchrun stops the other ranks once one has ended: say it whole
+        if first or silent.rank == 0:
+            report_ended_job(args, run_dir, silent, summarise=first)
+        raise
     except (processes.Interrupted, KeyboardInterrupt) as interrupted:
         interrupts.ignore()  # a second Ctrl-C while the summary is written: no traceback
         if not first:
@@ -241,6 +251,18 @@ def measure_and_summarise(args, experiment, run_dir: str, group=None) -> int:
                 args, run_dir, when, every_config_ran=True, summarise=reached != "done"
             )
         return interrupts.exit_code()
+
+
+def report_ended_job(args, run_dir, silent, summarise: bool) -> None:
+    """A rank fell silent: the line that names it, the summary of what finished (its config's
+    error included) and the command that continues the run."""
+    say(f"error: {silent}: the job is ended", sys.stderr)
+    try:
+        if summarise:
+            say(summary.write_summary(run_dir, summary.load_results(run_dir)))
+    except Exception as error:  # noqa: BLE001 - a full disk, ...: what finished is complete
+        say(f"The summary could not be written ({type(error).__name__}: {error}).", sys.stderr)
+    interrupts.say_continue(args.command_line, os.path.basename(run_dir))
 
 
 def report_interrupt(args, run_dir, when: str, every_config_ran=False, summarise=True) -> None:

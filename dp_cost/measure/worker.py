@@ -18,7 +18,7 @@ from dp_cost.capacity.card import GIB
 from dp_cost.capacity.result import capacity_result
 from dp_cost.core.files import UnsafePath, non_finite_paths, write_json
 from dp_cost.core.schema import empty_result
-from dp_cost.measure import census, phases, quiet
+from dp_cost.measure import census, phases, quiet, ranks
 from dp_cost.measure.steps import Session, measurements
 from dp_cost.measure.workload import Workload
 from dp_cost.parallel import collectives
@@ -162,6 +162,8 @@ def worker_main(
     if stderr is not None:
         stderr.attach()
         quiet.filter_warnings()
+    if rank_setup is not None:  # every rank's CLI watches that this worker is alive
+        ranks.start_heartbeat(*rank_setup, config.rank_timeout)
     # A distributed worker leaves its process group to the process's end (multiprocessing ends
     # the child with os._exit): tearing gloo down explicitly can abort, losing the result.
     result = classified_run(config, config_path, rank_setup)

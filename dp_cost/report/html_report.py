@@ -17,6 +17,7 @@ from html import escape
 
 from dp_cost.core.files import open_file, write_text
 from dp_cost.core.fmt import count
+from dp_cost.core.reading import is_file_at
 from dp_cost.core.schema import BREAKDOWN_LABELS, trainer_title
 from dp_cost.report import capacity
 from dp_cost.report.results import ordered, privacy_notes, shape_label
@@ -62,7 +63,7 @@ def image_html(path: str, root: str | None = None) -> str:
 
 def _link(run_dir: str, config_dir: str, name: str | None, what: str) -> str | None:
     """A relative link to a file of the config's directory, when the file is there."""
-    if not name or not os.path.isfile(os.path.join(run_dir, config_dir, name)):
+    if not name or not is_file_at(os.path.join(run_dir, config_dir, name), run_dir):
         return None
     href = escape(f"{config_dir}/{name}", quote=True)
     return f'<li>{escape(what)}: <a href="{href}">{escape(name)}</a></li>'

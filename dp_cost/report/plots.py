@@ -8,7 +8,7 @@ import sys
 import textwrap
 
 from dp_cost.core.kernel_names import memory_curve_from_trace
-from dp_cost.core.reading import UnreadableFile
+from dp_cost.core.reading import UnreadableFile, is_file_at
 from dp_cost.core.schema import BREAKDOWN_LABELS, trainer_title
 from dp_cost.report.figures import (
     MB,
@@ -58,10 +58,10 @@ def _curve(run_dir: str, result: dict) -> list:
     trace file is unreadable."""
     trace = result.get("trace_file")
     path = os.path.join(run_dir, result.get("config_dir") or "", trace) if trace else None
-    if not path or not os.path.exists(path):
+    if not path or not is_file_at(path, run_dir):
         return []
     try:
-        return memory_curve_from_trace(path)
+        return memory_curve_from_trace(path, root=run_dir)
     except UnreadableFile as error:
         print(f"warning: skipped trace {path}: {error}", file=sys.stderr)
         return []

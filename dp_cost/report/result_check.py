@@ -125,8 +125,10 @@ def _prediction(value) -> bool:
     )
 
 
-def result_problem(result) -> str | None:
-    """What makes ``result`` unusable for a report (one short phrase), or None if it is fine."""
+def result_problem(result, folder: str | None = None) -> str | None:
+    """What makes ``result`` unusable for a report (one short phrase), or None if it is fine.
+    ``folder``: the name of the config directory it was read from, which it must be the
+    result of."""
     if not isinstance(result, dict):
         return f"not a JSON object but {type(result).__name__}"
     if result.get("status") not in STATUSES:
@@ -145,4 +147,15 @@ def result_problem(result) -> str | None:
     for key, check in RESULT_CHECKS.items():
         if result.get(key) is not None and not check(result[key]):
             return f"{key!r} has the wrong type"
-    return None
+    return None if folder is None else placement_problem(result, folder)
+
+
+def placement_problem(result: dict, folder: str) -> str | None:
+    """Why a result is not the one of the config directory ``folder`` (a result.json copied
+    from another config's directory would be a second row of that config), or None."""
+    config = result["config"]
+    own = f"{config['trainer']}_bs{config['batch_size']}_seq{config['seq_len']}"
+    named = result.get("config_dir")
+    if (named is None or named == folder) and (folder == own or folder.startswith(own + "_")):
+        return None
+    return f"it is the result of {str(named or own)[:80]!r}, not of its folder: copied there?"

@@ -8,12 +8,11 @@ trainer equal in every other compared setting (``series_key``).
 
 from __future__ import annotations
 
-import glob
 import os
 import sys
 
 from dp_cost.core.hf_architectures import HF_CONFIGS
-from dp_cost.core.reading import UnreadableFile, read_result
+from dp_cost.core.reading import UnreadableFile, folder_names, lexists_at, read_result
 from dp_cost.core.schema import trainer_rank
 from dp_cost.core.settings import comparison_key
 from dp_cost.parallel.mode import MODES
@@ -35,15 +34,18 @@ def load_results(run_dir: str, warn=None) -> LoadedResults:
     """Every ``<config_dir>/result.json`` under a run directory. A file that is not a regular
     UTF-8 JSON file of a result's shape, or is over the cap of results (``MAX_RESULT_BYTES``,
     judged by its size before a byte is read), is skipped with one warning line on ``warn``
-    (default: stderr)."""
+    (default: stderr); so is one that is not its folder's config's (copied from another)."""
     results, skipped = [], []
-    for path in sorted(glob.glob(os.path.join(glob.escape(run_dir), "*", "result.json"))):
+    for name in folder_names(run_dir):
+        path = os.path.join(run_dir, name, "result.json")
+        if name.startswith(".") or not lexists_at(path, run_dir):
+            continue
         try:
-            result = read_result(path)
+            result = read_result(path, root=run_dir)
         except UnreadableFile as error:
             problem = str(error)
         else:
-            problem = result_problem(result)
+            problem = result_problem(result, name)
         if problem is None:
             results.append(result)
         else:

@@ -19,7 +19,7 @@ import datetime
 import os
 import shlex
 
-from dp_cost.core.reading import read_json_or_none
+from dp_cost.core.reading import is_file_at, read_json_or_none, stat_at
 
 RUN_FILE = "run.json"
 NOT_RECORDED = "not recorded"
@@ -51,8 +51,8 @@ def _newest_result_time(run_dir: str, results: list[dict]) -> str | None:
     times = []
     for r in results:
         path = os.path.join(run_dir, r.get("config_dir") or "", "result.json")
-        if r.get("config_dir") and os.path.isfile(path):
-            times.append(os.path.getmtime(path))
+        if r.get("config_dir") and is_file_at(path, run_dir):
+            times.append(stat_at(path, run_dir).st_mtime)
     if not times:
         return None
     when = datetime.datetime.fromtimestamp(max(times), tz=datetime.timezone.utc)
@@ -62,7 +62,7 @@ def _newest_result_time(run_dir: str, results: list[dict]) -> str | None:
 def run_info(run_dir: str, results: list[dict], warn=None) -> list[tuple[str, str]]:
     """(label, text) pairs: command line, date, then ``FIELDS``; "not recorded" where no file
     says. A value that differs between configs lists each one."""
-    run = read_json_or_none(os.path.join(run_dir, RUN_FILE), warn=warn)
+    run = read_json_or_none(os.path.join(run_dir, RUN_FILE), warn=warn, root=run_dir)
     run = run if isinstance(run, dict) else {}
     versions = run.get("versions") if isinstance(run.get("versions"), dict) else {}
     date = _text(run.get("date"))

@@ -20,7 +20,6 @@ traces, and a report without it writes everything else and says what to install.
 
 from __future__ import annotations
 
-import glob
 import importlib.util
 import logging
 import math
@@ -29,10 +28,12 @@ import re
 import warnings
 
 from dp_cost.core.files import write_text
+from dp_cost.core.reading import folder_names, is_file_at, stat_at
 from dp_cost.report.results import ordered
 from dp_cost.report.tables import csv_text
 
 TRACE_CSV = "trace_analysis.csv"
+TRACE_SUFFIXES = (".pt.trace.json", ".pt.trace.json.gz")
 INSTALL_HINT = (
     "trace analysis (trace_analysis.csv) skipped: it needs `pip install holistictraceanalysis`"
 )
@@ -72,12 +73,14 @@ def _on_cpu(result: dict) -> bool:
 def config_traces(run_dir: str, result: dict) -> dict[int, str]:
     """rank -> path of the config's trace (the newest of each rank); {} without any."""
     directory = os.path.join(run_dir, result.get("config_dir") or "")
-    if not result.get("config_dir") or not os.path.isdir(directory):
+    if not result.get("config_dir"):
         return {}
-    pattern = os.path.join(glob.escape(directory), "*.pt.trace.json")
-    paths = [p for p in glob.glob(pattern) + glob.glob(pattern + ".gz") if os.path.isfile(p)]
+    names = [n for n in folder_names(directory, run_dir) if n.endswith(TRACE_SUFFIXES)]
+    paths = [os.path.join(directory, n) for n in names if not n.startswith(".")]
+    paths = [p for p in paths if is_file_at(p, run_dir)]
     traces: dict[int, str] = {}
-    for path in sorted(paths, key=os.path.getmtime):  # the newest of a rank wins
+    mtime = lambda path: stat_at(path, run_dir).st_mtime  # noqa: E731
+    for path in sorted(paths, key=mtime):  # the newest of a rank wins
         match = _RANK_FILE.match(os.path.basename(path))
         traces[int(match.group(1)) if match else 0] = path
     return dict(sorted(traces.items()))
@@ -134,9 +137,9 @@ def analyse_trace(path: str, rank: int = 0) -> dict:
     return row
 
 
-def _analysed(path: str, rank: int) -> dict:
+def _analysed(path: str, rank: int, run_dir: str) -> dict:
     """``analyse_trace``, or a note saying why not (HTA's logging and warnings kept quiet)."""
-    if os.path.getsize(path) > MAX_TRACE_BYTES:
+    if stat_at(path, run_dir).st_size > MAX_TRACE_BYTES:
         return {"note": f"not analysed: larger than {MAX_TRACE_BYTES // 2**20} MiB"}
     logger = logging.getLogger("hta")
     level = logger.level
@@ -169,7 +172,8 @@ def trace_rows(run_dir: str, results: list[dict]) -> tuple[list[dict], str | Non
                 "rank": rank,
                 "trace_file": os.path.relpath(path, run_dir),
             }
-            rows.append(row | ({"note": NO_GPU_NOTE} if _on_cpu(result) else _analysed(path, rank)))
+            analysed = {"note": NO_GPU_NOTE} if _on_cpu(result) else _analysed(path, rank, run_dir)
+            rows.append(row | analysed)
     return rows, None
 
 

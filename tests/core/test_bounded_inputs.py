@@ -400,7 +400,8 @@ def test_fuzzed_files_through_every_reader(tmp_path, capsys, monkeypatch):
                 run.refuse_changed_settings([config], str(resumed.parent))
             except profiling_script.UsageError as error:
                 assert "measured with other settings" in str(error)
-            kept = processes.finished_result(str(resumed / "result.json"), resume=True)
+            path = str(resumed / "result.json")
+            kept = processes.finished_result(path, str(resumed.parent), resume=True)
         assert kept is None or kept["status"] in FINISHED
         err = capsys.readouterr().err
         assert err.count("\n") <= 1 and "Traceback" not in err, (name, err)

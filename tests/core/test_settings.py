@@ -51,7 +51,7 @@ def test_result_config_records_every_setting_but_plan_internals():
     assert "default_model" not in data
     assert data["physical_batch_size"] == 2
     flags = {s.name for s in settings.SETTINGS if s.flags and s.into is None}
-    assert flags <= set(data)
+    assert flags - set(data) == {"rank_timeout"}  # how a run is watched, not what it measures
 
 
 def test_comparison_key_ignores_the_trainer_and_lora_rank_without_lora():

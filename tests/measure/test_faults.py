@@ -1,20 +1,23 @@
 """Faults inside a worker: host OOM, a full disk, a dead parent, NaNs, leftovers, noise."""
 
 import errno
+import json
 import math
 import os
 import resource
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 
 import pytest
 import torch
-from cli_helpers import ROOT, results_in, small_run_args
+from cli_helpers import ROOT, in_process, results_in, small_run_args
 
 import profiling_script
-from dp_cost.measure import processes, quiet, worker
+from dp_cost.core import reading, rundir
+from dp_cost.measure import plan, processes, quiet, worker
 from dp_cost.measure.config import ExperimentConfig
 
 
@@ -35,6 +38,26 @@ def test_host_oom_is_recorded_as_oom_rlimit_and_sigkill(tmp_path, monkeypatch):
     killed, limited = results["standard_bs1_seq8"], results["standard_bs2_seq8"]
     assert killed["status"] == "oom" and "OOM killer" in killed["error"]
     assert limited["status"] == "oom" and "can't allocate memory" in limited["error"]
+
+
+def test_a_worker_killed_mid_measurement_leaves_nothing_outside_the_run(tmp_path, monkeypatch):
+    """The CPU peak's profiler export is a temporary file (tempfile): a worker killed while it
+    lies there leaves it in the run's scratch folder, which the run removes, never in TMPDIR."""
+    system_temporaries = tmp_path / "tmp"
+    system_temporaries.mkdir()
+    monkeypatch.setenv("TMPDIR", str(system_temporaries))
+    monkeypatch.setattr(tempfile, "tempdir", None)  # asked again: TMPDIR
+
+    def killed_while_exporting(config, out_dir, rank_setup=None):
+        with open(os.path.join(tempfile.mkdtemp(), "trace.json"), "w") as trace:
+            trace.write("[")
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    monkeypatch.setattr(worker, "run_experiment", killed_while_exporting)
+    assert profiling_script.main(small_run_args(tmp_path / "out", "standard")) == 0
+    assert results_in(tmp_path / "out" / "r")["standard_bs2_seq8"]["status"] == "oom"
+    assert not os.listdir(system_temporaries)
+    assert not [p for p in (tmp_path / "out" / "r").iterdir() if p.name.startswith(".scratch")]
 
 
 def test_python_memory_error_is_oom():
@@ -116,7 +139,7 @@ def test_leftovers_of_an_interrupted_worker_are_removed(tmp_path):
     config_dir = tmp_path / "standard_bs1_seq8"
     (config_dir / ".trace-abc").mkdir(parents=True)
     (config_dir / ".trace-abc" / "trace.pt.trace.json").write_text("{")
-    (config_dir / "result.json.tmp1234").write_text("{")
+    (config_dir / "result.json.tmp12345678901234567890").write_text("{")
     processes.remove_leftovers(str(config_dir))
     assert not config_dir.exists()  # nothing complete was in it
     kept = tmp_path / "kept"
@@ -126,14 +149,83 @@ def test_leftovers_of_an_interrupted_worker_are_removed(tmp_path):
     assert sorted(os.listdir(kept)) == ["result.json"]
 
 
-def test_resume_removes_stale_leftovers(tmp_path):
+def killed_runs_temporaries(run_dir) -> list:
+    """Plant what a run killed while writing leaves: atomic writes' temporaries, and its scratch
+    folder with a profiler export in it."""
+    digits = "12345678901234567890"
+    planted = [run_dir / f"summary.csv.tmp{digits}", run_dir / f"run.json.tmp{digits}",
+               run_dir / "visualizations" / f"memory_curve.png.tmp{digits}",
+               run_dir / ".scratch-0123456789abcdef" / "tmpq1w2e3" / "trace.json"]  # fmt: skip
+    for path in planted:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text("half")
+    return [*planted, run_dir / ".scratch-0123456789abcdef"]
+
+
+def test_resume_and_the_report_remove_what_a_killed_run_left(tmp_path):
+    """--resume and --mode=report remove a killed run's leftovers (only the toolkit's own
+    names); the report leaves them while a live run holds the run's lock."""
     assert profiling_script.main(small_run_args(tmp_path, "standard")) == 0
-    stale = tmp_path / "r" / "standard_bs2_seq8" / ".trace-old"
+    run_dir = tmp_path / "r"
+    stale = run_dir / "standard_bs2_seq8" / ".trace-old"
     stale.mkdir()
-    (tmp_path / "r" / "standard_bs3_seq8").mkdir()  # an interrupted config's empty directory
+    (run_dir / "standard_bs3_seq8").mkdir()  # an interrupted config's empty directory
+    temporaries = killed_runs_temporaries(run_dir)
+    (run_dir / "notes.tmp1").write_text("the user's")
     args = small_run_args(tmp_path, "standard", batch_sizes=(2,))
     assert profiling_script.main([*args, "--resume"]) == 0
-    assert not stale.exists() and not (tmp_path / "r" / "standard_bs3_seq8").exists()
+    assert not stale.exists() and not (run_dir / "standard_bs3_seq8").exists()
+    assert not any(path.exists() for path in temporaries)
+    temporaries = killed_runs_temporaries(run_dir)
+    live = rundir.RunLock(str(run_dir))  # a run measuring there now: its files are in flight
+    try:
+        assert not rundir.remove_stale_temporaries(str(run_dir))  # what the report calls
+        assert all(path.exists() for path in temporaries)
+    finally:
+        live.release()
+    assert profiling_script.main(["--mode=report", "--input_dir", str(run_dir)]) == 0
+    assert not any(path.exists() for path in temporaries)
+    assert (run_dir / "notes.tmp1").read_text() == "the user's"
+
+
+def test_resume_measures_again_a_result_the_report_would_leave_out(tmp_path, capsys):
+    """A finished result whose time is a string, or 1e999 (infinity once parsed): resume warns
+    once, measures it again, and the summary has its row."""
+    args = small_run_args(tmp_path, "standard", batch_sizes=(1, 2))
+    for config, median in zip(plan.make_plan(profiling_script.parse_args(args), None).configs,
+                              ('"fast"', "1e999"), strict=True):  # fmt: skip
+        result = worker.result_skeleton(config, "ok") | {"median_time_ms": 1234.5}
+        path = tmp_path / "r" / config.config_dir / "result.json"
+        path.parent.mkdir(parents=True)
+        path.write_text(json.dumps(result).replace("1234.5", median))
+    assert profiling_script.main([*args, "--resume"]) == 0
+    out, err = capsys.readouterr()
+    assert "(resumed)" not in out and err.count("measured again") == 2, err
+    assert "'median_time_ms' has the wrong type: measured again" in err
+    assert all(isinstance(r["median_time_ms"], float) for r in results_in(tmp_path / "r").values())
+    assert (tmp_path / "r" / "summary.csv").read_text().count("\nstandard,") == 2
+
+
+def test_a_run_whose_files_lie_deeper_than_path_max_is_kept_summarised_and_resumed(
+    tmp_path, capsys
+):
+    """Run directory under PATH_MAX, its result.json over it (4096 bytes): the worker writes it
+    through folder descriptors, and the run, the summary, --resume and the report read it so."""
+    output_dir = str(tmp_path)
+    while len(output_dir) < 4070:  # folder names of at most 255 bytes
+        output_dir = os.path.join(output_dir, "d" * min(200, 4070 - len(output_dir)))
+    os.makedirs(output_dir)
+    run_dir = os.path.join(output_dir, "r")
+    result_path = os.path.join(run_dir, "standard_bs2_seq8", "result.json")
+    assert len(run_dir) < 4096 < len(result_path)
+    args = small_run_args(output_dir, "standard")
+    assert profiling_script.main(args) == 0, capsys.readouterr().err
+    assert reading.read_result(result_path, root=run_dir)["status"] == "ok"
+    assert reading.read_text(os.path.join(run_dir, "summary.csv")).count("\nstandard,") == 1
+    assert profiling_script.main([*args, "--resume"]) == 0
+    assert "standard_bs2_seq8: ok (resumed)" in capsys.readouterr().out
+    assert profiling_script.main(["--mode=report", "--input_dir", run_dir]) == 0
+    assert reading.read_text(os.path.join(run_dir, "summary.csv")).count("\nstandard,") == 1
 
 
 def test_known_noise_is_dropped_and_a_crashing_worker_loses_nothing(capfd):
@@ -159,10 +251,10 @@ def test_known_noise_is_dropped_and_a_crashing_worker_loses_nothing(capfd):
 
 @pytest.mark.parametrize("verbose", [False, True])
 def test_worker_output_is_quiet_unless_verbose(tmp_path, verbose):
-    from cli_helpers import cli
-
+    """The libraries' known noise, which the workers write below Python (file descriptor 2),
+    only with --verbose (in this process: the workers' output is captured at that level)."""
     args = small_run_args(tmp_path, "standard", run_name=f"v{verbose}")
-    proc = cli(*args, *(["--verbose"] if verbose else []))
+    proc = in_process(*args, *(["--verbose"] if verbose else []))
     assert proc.returncode == 0, proc.stderr[-2000:]
     noisy = "profiler_start" in proc.stderr or "Memory block of unknown size" in proc.stderr
     assert noisy == verbose

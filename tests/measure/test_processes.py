@@ -36,16 +36,20 @@ def test_resume_keeps_finished_results_except_ncu_configs(tmp_path):
 
     def write(name, status, ncu=False):
         config = ExperimentConfig(trainer="standard", batch_size=1, seq_len=4, ncu=ncu)
-        write_json(str(tmp_path / name), result_skeleton(config, status))
-        return str(tmp_path / name)
+        path = str(tmp_path / config.config_dir / name)
+        write_json(path, result_skeleton(config, status), root=str(tmp_path))
+        return path
 
-    assert processes.finished_result(write("ok.json", "ok"), resume=True)["status"] == "ok"
-    assert processes.finished_result(write("oom.json", "oom"), resume=True)["status"] == "oom"
-    assert processes.finished_result(write("error.json", "error"), resume=True) is None
-    assert processes.finished_result(write("ok.json", "ok"), resume=False) is None
-    assert processes.finished_result(write("ncu.json", "ok", ncu=True), resume=True) is None
+    def finished(path, resume=True):
+        return processes.finished_result(path, str(tmp_path), resume)
+
+    assert finished(write("ok.json", "ok"))["status"] == "ok"
+    assert finished(write("oom.json", "oom"))["status"] == "oom"
+    assert finished(write("error.json", "error")) is None
+    assert finished(write("ok.json", "ok"), resume=False) is None
+    assert finished(write("ncu.json", "ok", ncu=True)) is None
     (tmp_path / "list.json").write_text("[1, 2]")
-    assert processes.finished_result(str(tmp_path / "list.json"), resume=True) is None
+    assert finished(str(tmp_path / "list.json")) is None
 
 
 class _Inherited:

@@ -7,6 +7,7 @@ import os
 import re
 import subprocess
 import sys
+import time
 
 import pytest
 from cli_helpers import ROOT, SMALL_MODEL, TORCHRUN_ENV, cli, results_in
@@ -88,6 +89,37 @@ def test_fsdp2_sync_held_to_the_last_chunk_from_the_cli(tmp_path):
         assert result["config"]["physical_batch_size"] == 1  # two chunks per rank
         for got, want in zip(result["losses"], expected[name]["losses"], strict=True):
             assert got == pytest.approx(want, rel=1e-5), name
+
+
+def test_a_silent_rank_ends_the_job_with_its_config_an_error_naming_it(tmp_path):
+    """Rank 1's worker stopped (SIGSTOP), rank 0's waiting for it: after --rank_timeout the job
+    ends, its config recorded as an error naming rank 1, one line and the command that
+    continues, exit 1, and no process of the job left behind."""
+    args = [*ARGS, "--trainers", "standard", "--distributed", "ddp", "--rank_timeout", "2"]
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+               "--standalone", "tests/parallel/silent_rank.py", *args, "--output_dir",
+               str(tmp_path)]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    start = time.monotonic()
+    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300, env=env)
+    assert time.monotonic() - start < 120
+    assert done.returncode == 1, done.stderr[-3000:]
+    silent = "rank 1's worker showed no sign of life for 2 s (stopped, hung or cut off"
+    assert f"error: {silent}" in done.stderr and "the job is ended" in done.stderr
+    assert "Continue this run with: " in done.stderr and "--resume --run_name r" in done.stderr
+    result = results_in(tmp_path / "r")["standard_bs4_seq8_ddp2x"]
+    assert result["status"] == "error" and silent in result["error"]
+    left = [pid for pid in os.listdir("/proc") if pid.isdigit() and job_process(pid, tmp_path)]
+    assert not left
+
+
+def job_process(pid: str, tmp_path) -> bool:
+    """Whether process ``pid`` is one of the job's (its command line names the run's folder)."""
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return str(tmp_path).encode() in f.read()
+    except OSError:
+        return False
 
 
 def test_distributed_without_torchrun_is_one_line_exit_2(tmp_path, capsys, monkeypatch):

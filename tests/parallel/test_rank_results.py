@@ -65,8 +65,9 @@ def test_a_batch_is_shared_like_tensor_split():
     assert [len(share(1, r, 2)) for r in range(2)] == [1, 0]
 
 
-class OtherRankFailed:
-    """A rank group where rank 1's worker has ended out of memory after ``after_s``."""
+class OtherRankFailed(ranks.RankGroup):
+    """A rank group where rank 1's worker has ended out of memory after ``after_s`` (every
+    rank alive)."""
 
     info = RankInfo(rank=0, world_size=2, local_rank=0, master_addr="127.0.0.1", master_port=9)
     rank = 0
@@ -77,6 +78,9 @@ class OtherRankFailed:
 
     def worker_prefix(self, index):
         return f"config{index}/"
+
+    def silent_rank(self, index, timeout_s):
+        return None
 
     def ended_badly_elsewhere(self, index):
         if time.monotonic() < self.deadline:
@@ -104,3 +108,29 @@ def test_a_worker_waiting_on_a_failed_rank_is_stopped_and_takes_its_status(tmp_p
     assert result["error"] == "stopped: rank 1 ended in oom: CUDA out of memory"
     assert group.posted["ended/3/0"]["status"] == "oom"
     assert not multiprocessing.active_children()
+
+
+def test_a_rank_whose_worker_count_stands_still_is_found_silent(monkeypatch):
+    """A rank group on a store of its own, on a clock of the test's: rank 0's worker beats,
+    rank 1's beat once and stopped: rank 1 is silent once the timeout has passed since."""
+    import socket
+    import types
+
+    with socket.socket() as free:
+        free.bind(("127.0.0.1", 0))
+        port = free.getsockname()[1]
+    monkeypatch.delenv("TORCHELASTIC_USE_AGENT_STORE", raising=False)
+    now = [100.0]
+    monkeypatch.setattr(ranks, "time", types.SimpleNamespace(monotonic=lambda: now[0]))
+    group = ranks.RankGroup(RankInfo(0, 2, 0, "127.0.0.1", port))
+    beat = lambda rank: group.store.add(f"{group.worker_prefix(3)}alive/{rank}", 1)  # noqa: E731
+    beat(1)
+    for _ in range(5):  # 10 s, rank 0 beating
+        assert group.silent_rank(3, timeout_s=10) is None
+        now[0] += 2
+        beat(0)
+    now[0] += 0.5
+    assert group.silent_rank(3, timeout_s=10) == 1
+    stop = group.why_stop(3, timeout_s=10)
+    assert isinstance(stop, ranks.SilentRank) and stop.rank == 1
+    assert str(stop).startswith("rank 1's worker showed no sign of life for 10 s")

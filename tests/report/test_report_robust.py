@@ -8,6 +8,7 @@ import os
 import pytest
 from test_report_summary import RESULTS, run_result, write_run
 
+import profiling_script
 from dp_cost.report import figures, tables
 from dp_cost.report import summary as report
 from dp_cost.report.result_check import result_problem
@@ -58,6 +59,30 @@ def test_bad_result_files_are_skipped_with_one_warning_each(tmp_path, capsys):
     markdown = (tmp_path / "summary.md").read_text()
     assert f"{len(bad)} result files skipped" in markdown and "/fifo/result.json: not a" in markdown
     assert (tmp_path / "report.html").exists()
+
+
+def test_a_result_copied_into_another_configs_folder_is_left_out(tmp_path, capsys):
+    """A dpsgd result copied into a flash folder would be a second dpsgd row: one warning."""
+    write_run(tmp_path, RESULTS)
+    copied = tmp_path / "flash_bs2_seq16"
+    copied.mkdir()
+    (copied / "result.json").write_bytes(
+        (tmp_path / "dpsgd_bs2_seq16" / "result.json").read_bytes()
+    )
+    results = report.load_results(str(tmp_path))
+    assert sorted(r["config_dir"] for r in results) == sorted(r["config_dir"] for r in RESULTS)
+    warnings = capsys.readouterr().err.splitlines()
+    assert len(warnings) == 1 and "/flash_bs2_seq16/result.json: " in warnings[0]
+    assert "'dpsgd_bs2_seq16', not of its folder" in warnings[0]
+
+
+def test_a_run_whose_only_result_is_unreadable_says_so(tmp_path, capsys):
+    (tmp_path / "standard_bs2_seq16").mkdir()
+    (tmp_path / "standard_bs2_seq16" / "result.json").write_text("{")
+    assert profiling_script.main(["--mode=report", "--input_dir", str(tmp_path)]) == 2
+    warning, error = capsys.readouterr().err.splitlines()
+    assert warning.startswith("warning: skipped ") and "not JSON" in warning
+    assert error == f"error: {tmp_path} has no readable result: 1 result file skipped"
 
 
 @pytest.mark.parametrize(
