@@ -137,12 +137,14 @@ def test_a_finished_ncu_config_is_profiled_again_on_resume(tmp_path):
     still run each time ncu launches it (again in every metric pass of app-range replay), or
     ncu would overwrite a good report with an empty one. Other finished configs are skipped."""
 
-    def write(name, ncu_flag):
+    def write(ncu_flag):
         config = ExperimentConfig(trainer="standard", batch_size=1, seq_len=4, ncu=ncu_flag)
-        result = result_skeleton(config, "ok")
-        path = tmp_path / name
-        write_json(str(path), result)
-        return str(path)
+        path = str(tmp_path / config.config_dir / "result.json")
+        write_json(path, result_skeleton(config, "ok"), root=str(tmp_path))
+        return path
 
-    assert processes.finished_result(write("ncu.json", True), resume=True) is None
-    assert processes.finished_result(write("plain.json", False), resume=True)["status"] == "ok"
+    def finished(path):
+        return processes.finished_result(path, str(tmp_path), resume=True)
+
+    assert finished(write(True)) is None
+    assert finished(write(False))["status"] == "ok"
