@@ -15,7 +15,9 @@ class Mode:
     name: str
     help: str
     runs: bool = True  # measures (False: renders reports from files)
-    cpu_defaults: str | None = None  # whose defaults apply without CUDA
+    # whose defaults apply without CUDA: its shape (model, batches, sequence lengths) replaces
+    # the GPU-sized one, given or not (--device cpu keeps a given shape)
+    cpu_defaults: str | None = None
     cpu_becomes: bool = False  # ... and the run becomes that mode (name, traces, breakdown)
     cpu_model: str | None = None  # ... or the model it runs without CUDA when none is named
     cpu_message: str = ""
@@ -31,14 +33,14 @@ MODES = {
             "GPU, ~1B-parameter model, torch.profiler traces",
             cpu_defaults="test",
             cpu_becomes=True,
-            cpu_message="No CUDA device found: --mode=profile runs the CPU test defaults instead.",
+            cpu_message="No CUDA device found: --mode=profile runs the CPU test defaults instead",
         ),
         Mode(
             "memory",
             "where the peak goes: breakdown on, traces off",
             cpu_defaults="test",
             cpu_message="No CUDA device found: the memory breakdown needs one; running the CPU "
-            "test defaults (breakdown fields are null).",
+            "test defaults instead (breakdown fields are null)",
         ),
         Mode(
             "hf",

@@ -2,17 +2,11 @@
 and the command line and the plan both reading the one table."""
 
 import argparse
-import glob
-import os
-import re
-import shlex
 
 import pytest
-from cli_helpers import ROOT, TORCHRUN_ENV
 
 import profiling_script
 from dp_cost.core import settings
-from dp_cost.core.modes import MODES
 from dp_cost.measure.config import ExperimentConfig, changed_settings
 
 
@@ -115,31 +109,49 @@ def test_mode_defaults_reach_the_plan_and_flags_override_them():
     assert {(c.trainer, c.steps, c.trace) for c in given.configs} == {("standard", 7, False)}
 
 
-def test_without_cuda_a_gpu_mode_runs_what_its_mode_row_says():
+def test_without_cuda_a_gpu_mode_runs_what_its_mode_row_says(capsys):
     from dp_cost.measure import plan
 
     def planned(*argv):
         return plan.make_plan(profiling_script.parse_args(list(argv)), cuda_available=lambda: False)
 
     profile = planned("--mode=profile")
-    assert profile.mode == "test" and profile.device == "cpu" and "test defaults" in profile.note
+    assert profile.mode == "test" and profile.device == "cpu"
+    assert "test defaults" in profile.device_note and profile.note is None
     assert profile.configs[0].model == "tiny"
     memory = planned("--mode=memory")
     assert memory.mode == "memory" and memory.configs[0].breakdown  # null on CPU, still asked
     assert memory.configs[0].seq_len == 256
+    # A GPU-sized shape given is not run on the CPU: the CPU defaults' shape runs, said first.
+    capsys.readouterr()
+    given = planned("--mode=memory", "--seq_len", "16384", "--batch_size", "1", "--model", "1b",
+                    "--hidden_dim", "64", "--trainers", "flash")  # fmt: skip
+    shapes = {(c.model, c.batch_size, c.seq_len) for c in given.configs}
+    assert shapes == {("tiny", b, t) for b in (2, 4) for t in (256, 512)}
+    assert all(c.model_overrides == {} for c in given.configs)
+    assert capsys.readouterr().out == given.device_note + "\n"
+    assert given.device_note.splitlines()[1] == (
+        "Not used: --batch_sizes 1 --seq_lens 16384 --model 1b --hidden_dim 64 (--device cpu "
+        "runs them on the CPU)."
+    )
+    forced = planned("--mode=memory", "--seq_len", "64", "--batch_size", "1", "--device", "cpu")
+    assert [(c.batch_size, c.seq_len) for c in forced.configs[:1]] == [(1, 64)]
+    assert forced.device_note is None
     sweep = planned("--mode=hf_sweep")
-    assert sweep.configs[0].model == "tiny-llama" and "tiny-llama" in sweep.note
+    assert sweep.configs[0].model == "tiny-llama" and "tiny-llama" in sweep.device_note
     hf = planned("--mode=hf")  # keeps its own defaults on the CPU, with the CPU's model
-    assert hf.mode == "hf" and "tiny-llama" in hf.note and "test defaults" not in hf.note
+    assert hf.mode == "hf" and "tiny-llama" in hf.device_note
+    assert "test defaults" not in hf.device_note
     first = hf.configs[0]
     assert (first.model, first.lr, first.steps, first.batch_size) == ("tiny-llama", 1e-5, 5, 32)
     with pytest.raises(settings.UsageError, match="add --device cpu"):
         planned("--mode=hf", "--model", "meta-llama/Llama-3.2-3B")  # billions of parameters
     forced = planned("--mode=hf", "--model", "meta-llama/Llama-3.2-3B", "--device", "cpu")
-    assert forced.configs[0].model == "meta-llama/Llama-3.2-3B" and forced.note is None
+    assert forced.configs[0].model == "meta-llama/Llama-3.2-3B" and forced.device_note is None
 
     forced = planned("--mode=hf_sweep", "--device", "cpu")
-    assert forced.note is None and forced.configs[0].model == "meta-llama/Llama-3.1-8B-Instruct"
+    assert forced.device_note is None
+    assert forced.configs[0].model == "meta-llama/Llama-3.1-8B-Instruct"
     with pytest.raises(settings.UsageError):
         planned("--device", "cuda")
 
@@ -166,50 +178,6 @@ def test_a_setting_the_model_would_ignore_is_an_error(argv):
     args = profiling_script.parse_args(["--device", "cpu", *argv])
     with pytest.raises(settings.UsageError, match="applies only to"):
         plan.make_plan(args, cuda_available=lambda: False)
-
-
-README_COMMAND = re.compile(r"^(?:torchrun\s.*?\s|python3?\s+)profiling_script\.py\s+(.*)$")
-
-
-def readme_commands() -> list[str]:
-    """The profiling_script.py command lines of the bash blocks of README and the topic pages
-    under docs/, continuations joined, comments dropped; one with a placeholder (runs/<run>,
-    ...) is not a command to plan."""
-    pages = [
-        os.path.join(ROOT, "README.md"),
-        *sorted(glob.glob(os.path.join(ROOT, "docs", "*.md"))),
-    ]
-    blocks = []
-    for page in pages:
-        with open(page, encoding="utf-8") as f:
-            blocks += re.findall(r"```bash\n(.*?)```", f.read(), re.S)
-    lines = [
-        line.split("  #")[0].strip() for b in blocks for line in b.replace("\\\n", " ").splitlines()
-    ]
-    commands = [line for line in lines if README_COMMAND.match(line)]
-    return [line for line in commands if "<" not in line and "..." not in line]
-
-
-def test_every_readme_command_plans(monkeypatch):
-    """What README tells users to type parses and plans (CUDA stubbed; torchrun's environment
-    for the torchrun lines): a renamed flag or a changed default fails here, not for a user."""
-    from dp_cost.measure import plan
-
-    commands = readme_commands()
-    assert len(commands) >= 10 and any(c.startswith("torchrun") for c in commands)
-    for command in commands:
-        argv = shlex.split(README_COMMAND.match(command).group(1))
-        with monkeypatch.context() as env:
-            for name, value in (TORCHRUN_ENV if command.startswith("torchrun") else {}).items():
-                env.setenv(name, value)
-            try:
-                args = profiling_script.parse_args(argv)
-            except SystemExit:
-                pytest.fail(f"README's command does not parse: {command}")
-            if not MODES[args.mode].runs:  # report modes: read existing files
-                continue
-            planned = plan.make_plan(args, cuda_available=lambda: True)
-        assert planned.configs, command
 
 
 def test_experiment_config_is_the_settings_table_written_out():
