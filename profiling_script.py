@@ -33,7 +33,8 @@ from dp_cost.core.reading import (
     size_words,
 )
 from dp_cost.core.schema import EXIT_BAD_ARGS, EXIT_CONFIG_ERROR, EXIT_OK, exit_code_of
-from dp_cost.core.settings import HF_SETTINGS, SETTINGS, UsageError
+from dp_cost.core.scopes import HF_ONLY
+from dp_cost.core.settings import SETTINGS, UsageError
 from dp_cost.ncu import summary as ncu_summary
 from dp_cost.report import summary
 
@@ -105,7 +106,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     for setting in SETTINGS:
         if setting.flags:
-            group = hf if setting.name in HF_SETTINGS else p
+            group = hf if setting.scope in HF_ONLY else p
             group.add_argument(*setting.flags, **_argument(setting))
     hf.add_argument(
         "--token",
@@ -287,6 +288,8 @@ def run_mode(args) -> int:
     if args.run_name is not None:
         rundir.check_run_name(args.run_name)
     rundir.check_output_dir(args.output_dir)
+    if args.resume and os.environ.get("GROUP_RANK", "0") == "0":  # rank 0's node: its disk
+        rundir.check_resumable(args.output_dir, args.run_name)
     if importlib.util.find_spec("opacus") is None:  # found, not imported: the plan comes first
         raise UsageError("opacus is not installed: pip install -r requirements.txt")
     return run_experiments(args)

@@ -75,6 +75,9 @@ def bad_command_lines(tmp_path):
         ([*llama, "--dataset_path", str(array)], "is not JSON lines"),
         ([*llama, "--dataset_path", str(one_row), "--batch_size", "4"], "fewer than the batch"),
         (["--use_lora"], "applies only to Hugging Face models"),
+        ([*llama, "--lora_rank", "8"], "--lora_ranks applies only to LoRA runs"),
+        (["--resume", "--run_name", "nosuchrun"], "no run directory"),
+        (["--resume"], "--resume continues a run: name it with --run_name"),
         ([*llama, "--hidden_dim", "64"], "applies only to the named LM configs"),
         ([*llama, "--dataset_path", str(tmp_path / "missing.jsonl")], "is not a file"),
         (["--run_name", ".."], "--run_name"),
@@ -118,7 +121,7 @@ def test_at_least_40_bad_command_lines_in_process(tmp_path, monkeypatch, capsys)
     assert sorted(os.listdir(tmp_path)) == before_tmp
 
 
-@pytest.mark.parametrize("index", [0, 5, 36, 43, 49])
+@pytest.mark.parametrize("index", [0, 5, 36, 46, 52])
 def test_bad_command_lines_as_subprocesses(tmp_path, index):
     args, message = bad_command_lines(tmp_path)[index]
     argv = [*args] if "--output_dir" in args else [*args, "--output_dir", str(tmp_path / "out")]
@@ -139,8 +142,9 @@ def test_a_billion_parameter_model_without_cuda_asks_for_device_cpu(tmp_path, ca
 
 def test_mistakes_that_need_no_torch_are_found_before_it_is_imported(tmp_path):
     """An unknown trainer, a bad number, a missing or broken dataset file, --distributed
-    outside torchrun: found by the plan before torch (and opacus) are imported, in a process of
-    their own that never imports them (the seconds those imports take)."""
+    outside torchrun, a setting outside its scope, --resume of no run: found by the plan before
+    torch (and opacus) are imported, in a process of their own that never imports them (the
+    seconds those imports take)."""
     broken = tmp_path / "broken.jsonl"
     broken.write_text('{"premise": "a", "hypothesis": "b", "label": 0}\n[1, 2]\n')
     llama = ["--mode=hf", "--device", "cpu", "--model", "tiny-llama"]
@@ -152,6 +156,8 @@ def test_mistakes_that_need_no_torch_are_found_before_it_is_imported(tmp_path):
         ["--max_physical_batch_size", "9", "--batch_size", "2"],
         [*llama, "--dataset_path", str(tmp_path / "missing.jsonl")],
         [*llama, "--dataset_path", str(broken)],
+        [*llama, "--lora_rank", "8"],  # without --use_lora
+        ["--resume", "--run_name", "nosuchrun"],
     ]
     script = (
         "import json, sys\n"

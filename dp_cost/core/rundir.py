@@ -83,6 +83,19 @@ def check_not_broken_link(output_dir: str) -> None:
         )
 
 
+def check_resumable(output_dir: str, run_name: str | None) -> str:
+    """The run directory --resume continues; UsageError unless --run_name names one that exists
+    (a mistyped name would otherwise start a new run, measuring every config again)."""
+    if run_name is None:
+        raise UsageError("--resume continues a run: name it with --run_name")
+    path = os.path.join(output_dir, run_name)
+    if not os.path.isdir(path):
+        raise UsageError(
+            f"--resume: no run directory {path} to continue (drop --resume to start a new run)"
+        )
+    return path
+
+
 def contained(root: str, path: str) -> bool:
     """Whether ``path`` resolves (symlinks followed) to ``root`` or below it."""
     root, path = os.path.realpath(root), os.path.realpath(path)

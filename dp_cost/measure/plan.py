@@ -15,7 +15,7 @@ import os
 import sys
 from dataclasses import dataclass
 
-from dp_cost.core.hf_architectures import HF_CONFIGS
+from dp_cost.core.hf_architectures import HF_CONFIGS, default_attention
 from dp_cost.core.modes import MODES
 from dp_cost.core.schema import TRAINER_ORDER, canonical_trainer_name
 from dp_cost.core.settings import (
@@ -24,7 +24,6 @@ from dp_cost.core.settings import (
     MODEL_OVERRIDES,
     SETTINGS,
     UsageError,
-    default_attention,
 )
 from dp_cost.hf.draws import draw_above_probability
 from dp_cost.measure.config import ExperimentConfig
@@ -210,12 +209,9 @@ def _unique(values) -> list:
 
 
 def _lora_ranks(args, ranks) -> list[int]:
-    ranks = _unique(ranks)
-    if args.lora_ranks and len(ranks) > 1 and not args.use_lora:
-        raise UsageError("several --lora_ranks need --use_lora (without it there is no LoRA)")
-    if not args.use_lora:  # one rank, recorded in the config and not used
-        ranks = [args.lora_ranks[0] if args.lora_ranks else BY_NAME["lora_rank"].default]
-    return ranks
+    """The LoRA ranks to run; without --use_lora one, recorded in the config and not used (a
+    rank given without it is refused by its scope)."""
+    return _unique(ranks) if args.use_lora else [BY_NAME["lora_rank"].default]
 
 
 def world_size(distributed: str, planned: int | None, mode) -> int:

@@ -69,20 +69,14 @@ def prepare_run_dir(args, experiment) -> rundir.RunDir:
 
 
 def make_run_dir(args, mode: str) -> tuple[str, bool]:
-    """The run directory, created (or found, with --resume) inside --output_dir, and whether
+    """The run directory, created (or, with --resume, found) inside --output_dir, and whether
     this run created it."""
     run_name = args.run_name or f"{mode}_{time.strftime('%Y%m%d_%H%M%S')}"
     made = True
     try:
         os.makedirs(args.output_dir, exist_ok=True)
         if args.resume:
-            run_dir = os.path.join(args.output_dir, run_name)
-            try:
-                os.mkdir(run_dir)
-            except FileExistsError:
-                if not os.path.isdir(run_dir):
-                    raise
-                made = False
+            run_dir, made = rundir.check_resumable(args.output_dir, args.run_name), False
         else:
             run_dir = rundir.new_run_dir(args.output_dir, run_name, numbered=not args.run_name)
     except OSError as error:

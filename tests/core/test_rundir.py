@@ -54,6 +54,19 @@ def test_read_only_output_dir_is_refused_even_for_root(tmp_path):
         subprocess.run(["chattr", "-i", str(locked)], check=True)
 
 
+def test_resume_needs_an_existing_run_directory_named(tmp_path):
+    with pytest.raises(UsageError, match=f"no run directory {tmp_path}/nosuchrun to continue"):
+        rundir.check_resumable(str(tmp_path), "nosuchrun")
+    with pytest.raises(UsageError, match="name it with --run_name"):
+        rundir.check_resumable(str(tmp_path), None)  # a default name is a new one
+    (tmp_path / "a_file").write_text("")
+    with pytest.raises(UsageError, match="no run directory"):
+        rundir.check_resumable(str(tmp_path), "a_file")
+    (tmp_path / "r").mkdir()
+    assert rundir.check_resumable(str(tmp_path), "r") == str(tmp_path / "r")
+    assert sorted(os.listdir(tmp_path)) == ["a_file", "r"]  # nothing created
+
+
 def test_paths_are_contained_after_resolving_symlinks(tmp_path):
     (tmp_path / "run").mkdir()
     (tmp_path / "outside").mkdir()

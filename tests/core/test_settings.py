@@ -8,6 +8,7 @@ import pytest
 import profiling_script
 from dp_cost.core import settings
 from dp_cost.measure.config import ExperimentConfig, changed_settings
+from dp_cost.report.results import comparison_key
 
 
 @pytest.mark.parametrize(
@@ -51,14 +52,14 @@ def test_result_config_records_every_setting_but_plan_internals():
 def test_comparison_key_ignores_the_trainer_and_lora_rank_without_lora():
     base = ExperimentConfig("standard", 4, 64).to_dict()
     other = ExperimentConfig("ghost", 4, 64, lora_rank=32).to_dict()
-    assert settings.comparison_key(base) == settings.comparison_key(other)
+    assert comparison_key(base) == comparison_key(other)
     for change in ({"dtype": "bfloat16"}, {"max_physical_batch_size": 2}, {"optimizer": "adam"}):
         changed = ExperimentConfig("ghost", 4, 64, **change).to_dict()
-        assert settings.comparison_key(changed) != settings.comparison_key(base), change
+        assert comparison_key(changed) != comparison_key(base), change
     # An older result without the newer keys reads as their defaults.
     old_keys = ("model", "batch_size", "seq_len", "physical_batch_size", "dtype", "attention")
     old = {k: base[k] for k in old_keys}
-    assert settings.comparison_key(old) == settings.comparison_key(base)
+    assert comparison_key(old) == comparison_key(base)
 
 
 def test_changed_settings_names_what_differs():
@@ -162,22 +163,70 @@ def test_switches_set_their_value_and_stay_unset_otherwise():
     assert args.no_poisson is False and args.use_lora is True and args.no_trace is None
 
 
-@pytest.mark.parametrize(
-    "argv",
-    [
-        ["--use_lora"],  # the LM has no LoRA
-        ["--lora_rank", "4"],
-        ["--no_poisson"],  # nor Poisson sampling, a dataset or epsilon
-        ["--delta", "0.1"],
-        ["--mode=hf", "--model", "tiny-llama", "--hidden_dim", "64"],  # HF configs are shipped
-    ],
-)
-def test_a_setting_the_model_would_ignore_is_an_error(argv):
+LLAMA = ["--mode=hf", "--model", "tiny-llama"]
+# Each setting with a scope, given outside it (the first flag named in the error).
+OUTSIDE_SCOPE = {
+    "lora_rank": [*LLAMA, "--lora_rank", "8"],  # without --use_lora: full fine-tuning
+    "use_lora": ["--use_lora"],  # the LM has no LoRA
+    "pretrained": ["--pretrained"],
+    "dataset_path": ["--dataset_path", "snli.jsonl"],  # refused before the file is read
+    "dataset_size": [*LLAMA, "--dataset_path", "snli.jsonl", "--dataset_size", "50"],
+    "poisson": ["--no_poisson"],
+    "delta": [*LLAMA, "--no_poisson", "--delta", "0.1"],  # no epsilon to be the delta of
+    **{name: [*LLAMA, f"--{name}", "64"] for name in settings.MODEL_OVERRIDES},
+    "gpu_memory": ["--gpu_memory", "80"],
+    "find_max_batch": ["--find_max_batch"],
+    "find_max_seq_len": ["--find_max_seq_len"],
+    "validate": ["--validate"],
+    "noise_multiplier": ["--trainers", "standard", "--sigma", "2"],
+    "max_grad_norm": ["--trainers", "standard", "--max_grad_norm", "2"],
+    "clipping": ["--trainers", "standard", "--clipping", "per_layer"],
+    "steps": ["--mode=capacity", "--steps", "4"],  # a prediction takes no step
+    "warmup_steps": ["--mode=capacity", "--warmup_steps", "4"],
+    "host_work": ["--mode=capacity", "--host_work"],
+    "flash_route": ["--trainers", "dpsgd", "--flash_route", "gram"],
+    "trace": ["--mode=memory", "--no_trace"],  # memory never traces
+    "trace_gzip": ["--no_trace", "--trace_gzip"],
+    "save_snapshot": ["--save_snapshot"],  # no breakdown in test mode
+}
+
+
+def test_every_setting_given_outside_its_scope_is_one_error_naming_it():
+    """One check (plan_checks.check_scopes) for every setting whose row has a scope."""
     from dp_cost.measure import plan
 
-    args = profiling_script.parse_args(["--device", "cpu", *argv])
-    with pytest.raises(settings.UsageError, match="applies only to"):
-        plan.make_plan(args, cuda_available=lambda: False)
+    scoped = {s.name for s in settings.SETTINGS if s.scope is not None}
+    assert scoped == set(OUTSIDE_SCOPE)
+    for name, argv in OUTSIDE_SCOPE.items():
+        args = profiling_script.parse_args(["--device", "cpu", *argv])
+        with pytest.raises(settings.UsageError) as refused:
+            plan.make_plan(args, cuda_available=lambda: False)
+        flag = settings.BY_NAME[name].flags[0]
+        assert str(refused.value).startswith(f"{flag} applies only to "), (name, refused.value)
+        assert "\n" not in str(refused.value)
+
+
+def test_a_scope_refusal_names_what_the_run_is_instead():
+    from dp_cost.measure import plan
+
+    def refusal(*argv) -> str:
+        args = profiling_script.parse_args(["--device", "cpu", *argv])
+        with pytest.raises(settings.UsageError) as refused:
+            plan.make_plan(args, cuda_available=lambda: False)
+        return str(refused.value)
+
+    assert refusal("--use_lora", "--no_poisson") == (
+        "--use_lora, --no_poisson apply only to Hugging Face models (--model tiny-llama or a "
+        "Llama name); model is 'tiny'"
+    )  # the first scope broken, with every flag given outside it
+    assert refusal(*LLAMA, "--lora_rank", "8").endswith(
+        "applies only to LoRA runs of a Hugging Face model (--use_lora); without --use_lora every "
+        "weight is trained"
+    )
+    assert refusal("--mode=memory", "--no_trace").endswith("(test, profile, hf); mode is memory")
+    assert refusal("--trainers", "standard", "ghost", "--flash_route", "gram").endswith(
+        "runs of the flash trainer; trainers: standard, ghost"
+    )
 
 
 def test_experiment_config_is_the_settings_table_written_out():
