@@ -137,14 +137,17 @@ def git_commit(checkout: str | None = None) -> str | None:
 
 
 def record_load(run_dir: str, at_start: dict, at_end: dict) -> None:
-    """The machine's load while the configs ran, into run.json (its latest run or resume)."""
+    """The machine's load while the configs ran, into run.json (its latest run or resume), with
+    the run's own processes the readings count: one worker at a time, one per rank on this
+    node under torchrun."""
     record = read_json_or_none(os.path.join(run_dir, RUN_FILE))
     if not isinstance(record, dict):
         return
     resumed = record.get("resumed")
     latest = resumed[-1] if isinstance(resumed, list) and resumed else record
     if isinstance(latest, dict):
-        latest["machine_load"] = {"at_start": at_start, "at_end": at_end}
+        own = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+        latest["machine_load"] = {"at_start": at_start, "at_end": at_end, "own_processes": own}
         write_json(os.path.join(run_dir, RUN_FILE), record)
 
 
@@ -217,9 +220,7 @@ def measure_and_summarise(args, experiment, run_dir: str, group=None) -> int:
         text = summary.write_summary(run_dir, loaded)
         reached = "done"
         print(text)
-        if not summary.is_capacity(loaded):  # a capacity run times nothing, names its files
-            if note := run_info.busy_note(load_at_start, load_at_end):
-                print(note)
+        if not summary.is_capacity(loaded):  # a capacity run names its files
             print(f"Summary: {run_dir}/summary.csv, {run_dir}/summary.md")
         interrupts.ignore()  # done: a signal now has nothing left to stop
         return exit_code_of(results)

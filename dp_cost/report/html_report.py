@@ -20,7 +20,7 @@ from dp_cost.core.fmt import count
 from dp_cost.core.schema import BREAKDOWN_LABELS, trainer_title
 from dp_cost.report import capacity
 from dp_cost.report.results import ordered, privacy_notes, shape_label
-from dp_cost.report.run_info import run_info
+from dp_cost.report.run_info import run_busy_note, run_info
 from dp_cost.report.tables import kernel_cells, kernel_rows, summary_cells, summary_rows
 
 STYLE = """
@@ -28,7 +28,7 @@ body { font-family: sans-serif; margin: 1.5em; color: #222; }
 table { border-collapse: collapse; margin: 0.5em 0 1em; font-size: 0.85em; }
 th, td { border: 1px solid #ccc; padding: 2px 6px; text-align: left; }
 th { background: #f0f0f0; }
-td.noisy { background: #fff0c0; }
+td.noisy, p.busy { background: #fff0c0; }
 .error { color: #b00000; white-space: pre-wrap; }
 img { max-width: 100%; border: 1px solid #ddd; margin: 0.5em 0; }
 section.config { border-top: 2px solid #ddd; margin-top: 1em; }
@@ -184,15 +184,21 @@ def report_html(
         f"<title>{escape(name)}: report</title><style>{STYLE}</style></head><body>",
         f"<h1>{escape(name)}</h1>",
         header_html(run_dir, results),
-        f"<p>{count(len(results), 'config')}. Times: median of the measured steps; steps_ms: "
-        "their range; spread: (max - min) / median, NOISY over 10%. Memory in MB (2^20 "
-        "bytes); ratios against standard at the same shape.</p>",
     ]
+    predicted = capacity.is_capacity(results)  # predictions: the capacity table, no step timed
+    if predicted:
+        parts.append(f"<p>{count(len(results), 'config')}, predicted without a step.</p>")
+    else:
+        parts.append(
+            f"<p>{count(len(results), 'config')}. Times: median of the measured steps; "
+            "steps_ms: their range; spread: (max - min) / median, NOISY over 10%. Memory in MB "
+            "(2^20 bytes); ratios against standard at the same shape.</p>"
+        )
     skipped = getattr(results, "skipped", [])
     if skipped:
         items = "".join(f"<li>{escape(path)}: {escape(why)}</li>" for path, why in skipped)
         parts.append(f"<p>{count(len(skipped), 'result file')} skipped:</p><ul>{items}</ul>")
-    if capacity.is_capacity(results):  # predictions: the capacity table, not measured times
+    if predicted:
         parts += ["<h2>Will it fit? Predicted peak memory</h2>"]
         parts += [table_html(*capacity.table_cells(capacity.entries_of(results)))]
         parts += [f"<p>{escape(capacity.NOTES.strip())}</p>"]
@@ -200,6 +206,8 @@ def report_html(
         parts += ["<h2>Summary</h2>", table_html(*summary_cells(summary_rows(results)))]
         if notes := privacy_notes(results).strip():
             parts += [f"<pre>{escape(notes)}</pre>"]
+        if busy := run_busy_note(run_dir):
+            parts += [f'<p class="busy">{escape(busy)}</p>']
     kernels = kernel_rows(results)
     if kernels:
         parts += ["<h2>GPU kernel time per category, ms (extra over standard)</h2>"]

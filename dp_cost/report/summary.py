@@ -10,7 +10,7 @@ import sys
 
 from dp_cost.core.files import UnsafePath, write_text
 from dp_cost.core.fmt import count
-from dp_cost.report import capacity, html_report, plots, sweep, trace_analysis
+from dp_cost.report import capacity, html_report, plots, run_info, sweep, trace_analysis
 from dp_cost.report.figures import draw_each
 from dp_cost.report.results import load_results, privacy_notes
 from dp_cost.report.tables import (
@@ -81,9 +81,11 @@ def write_summary(run_dir: str, results: list[dict]) -> str:
         return text + f"Capacity: {os.path.join(run_dir, capacity.CAPACITY_JSON)}\n"
     rows = summary_rows(results)
     write_text(os.path.join(run_dir, "summary.csv"), csv_text(COLUMNS, rows))
-    privacy = privacy_notes(results)
-    text = format_table(rows) + privacy
-    markdown = format_table(rows, markdown=True) + privacy
+    # under the table: what its epsilons cover, and whether the machine was busy (run.json)
+    busy = run_info.run_busy_note(run_dir)
+    notes_below = privacy_notes(results) + (f"\n{busy}\n" if busy else "")
+    text = format_table(rows) + notes_below
+    markdown = format_table(rows, markdown=True) + notes_below
     kernels = kernel_rows(results)
     if kernels:
         text += KERNEL_TITLE + format_kernel_table(kernels)

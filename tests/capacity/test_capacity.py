@@ -392,6 +392,7 @@ def test_capacity_mode_writes_its_report(tmp_path):
         page = f.read()
     assert "Will it fit?" in page and "largest physical at 0.9 GiB" in page
     assert "capacity.png" in page and "<h2>Summary</h2>" not in page
+    assert "NOISY" not in page and "spread" not in page  # no step was timed
 
 
 @pytest.mark.parametrize(
