@@ -23,8 +23,11 @@ from dp_cost.report.results import ordered, privacy_notes, shape_label
 from dp_cost.report.run_info import run_busy_note, run_info
 from dp_cost.report.tables import kernel_cells, kernel_rows, summary_cells, summary_rows
 
+# Nothing runs off the page: long notes wrap, a table wider than the page scrolls in its own box.
 STYLE = """
 body { font-family: sans-serif; margin: 1.5em; color: #222; }
+pre { white-space: pre-wrap; overflow-wrap: anywhere; }
+div.wide { overflow-x: auto; }
 table { border-collapse: collapse; margin: 0.5em 0 1em; font-size: 0.85em; }
 th, td { border: 1px solid #ccc; padding: 2px 6px; text-align: left; }
 th { background: #f0f0f0; }
@@ -39,16 +42,17 @@ SNAPSHOT_HTML = "memory_timeline.html"  # the CUDA memory snapshot's timeline (-
 
 
 def table_html(header: list[str], body: list[list[str]]) -> str:
-    """An HTML table of already formatted cells; a cell flagged NOISY is highlighted."""
+    """An HTML table of already formatted cells, in a box that scrolls when it is wider than the
+    page; a cell flagged NOISY is highlighted."""
     head = "".join(f"<th>{escape(h)}</th>" for h in header)
-    lines = [f"<table><tr>{head}</tr>"]
+    lines = [f'<div class="wide"><table><tr>{head}</tr>']
     for cells in body:
         tds = "".join(
             f'<td class="noisy">{escape(c)}</td>' if "NOISY" in c else f"<td>{escape(c)}</td>"
             for c in cells
         )
         lines.append(f"<tr>{tds}</tr>")
-    return "\n".join(lines) + "</table>"
+    return "\n".join(lines) + "</table></div>"
 
 
 def image_html(path: str, root: str | None = None) -> str:

@@ -66,6 +66,23 @@ def _run_plot_jobs(run_dir: str, results: list[dict], crowded: bool) -> list:
     return jobs
 
 
+# Up to this many plots are named one by one; more (a sweep's two dozen) are counted by folder.
+PLOTS_NAMED = 4
+
+
+def plots_line(made: list[str]) -> str:
+    """The plots written: their paths when few, else each folder with its count."""
+    if not made:
+        return ""
+    if len(made) <= PLOTS_NAMED:
+        return "\nPlots: " + ", ".join(made) + "\n"
+    folders: dict[str, int] = {}
+    for path in made:
+        folders[os.path.dirname(path)] = folders.get(os.path.dirname(path), 0) + 1
+    counted = ", ".join(f"{n} in {folder}{os.sep}" for folder, n in folders.items())
+    return f"\nPlots: {counted} (report.html shows every one)\n"
+
+
 def write_summary(run_dir: str, results: list[dict]) -> str:
     """Write the tables (summary.csv, .md, .txt) first, then the plots and report.html; return
     the text of the tables, the plots written and any that failed. A --mode=capacity run's
@@ -116,8 +133,7 @@ def write_summary(run_dir: str, results: list[dict]) -> str:
         print(f"warning: {line}", file=sys.stderr)
     page = lambda: html_report.write_html_report(run_dir, results, made, findings, traces)
     html, html_failed = draw_each([("report.html", page)])
-    if made:
-        text += "\nPlots: " + ", ".join(made) + "\n"
+    text += plots_line(made)
     text += "".join(f"{line}\n" for line in failed + html_failed)
     if traces[0]:
         text += f"Trace analysis: {os.path.join(run_dir, trace_analysis.TRACE_CSV)}\n"
