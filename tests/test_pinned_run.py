@@ -122,6 +122,20 @@ def test_measured_configs_record_python_collections_over_their_timed_steps(grid_
         assert all(isinstance(n, int) and n >= 0 for n in collections["collections"])
 
 
+def test_readmes_test_and_report_lines_are_this_run(grid_run):
+    """README's --mode=test line is the pinned run's command (its run shared here), and its
+    report line, given this run, renders it again."""
+    from test_readme_commands import page_commands
+
+    readme = page_commands("README.md")
+    assert f"python profiling_script.py {COMMAND[0]}" in readme
+    (report_line,) = [c for c in readme if "--mode=report" in c]
+    assert report_line == "python profiling_script.py --mode=report --input_dir runs/<run>"
+    proc = in_process("--mode=report", "--input_dir", grid_run)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert f"Summary written to {grid_run}/summary.csv" in proc.stdout
+
+
 def test_the_comparison_fails_on_each_kind_of_change(tmp_path):
     """The comparison of the test above, fed perturbed copies of the fixture."""
     pinned = load_pinned()
