@@ -23,7 +23,7 @@ import sys
 from dp_cost.core import interrupts, rundir
 from dp_cost.core.fmt import did_you_mean
 from dp_cost.core.interrupts import say
-from dp_cost.core.modes import MODES
+from dp_cost.core.modes import MODES, RUN_MODES
 from dp_cost.core.reading import (
     MAX_BYTES,
     MAX_RESULT_BYTES,
@@ -276,7 +276,25 @@ def main(argv=None) -> int:
         interrupts.restore(handlers)
 
 
+# The CLI's own flags (the settings table's have their scopes) and the modes they take effect
+# in: given in another mode, one error line rather than a flag silently ignored.
+FLAG_MODES = {
+    "input_dir": tuple(name for name, mode in MODES.items() if not mode.runs),
+    "run_name": RUN_MODES,
+    "resume": RUN_MODES,
+}
+
+
+def check_flag_modes(args) -> None:
+    for dest, modes in FLAG_MODES.items():
+        if getattr(args, dest) not in (None, False) and args.mode not in modes:
+            raise UsageError(
+                f"--{dest} applies only to --mode {', '.join(modes)}; mode is {args.mode}"
+            )
+
+
 def run_mode(args) -> int:
+    check_flag_modes(args)
     token = hf_token(args)
     if token:  # only the forked workers read it, from the environment; never written
         os.environ["HF_TOKEN"] = token
@@ -288,7 +306,8 @@ def run_mode(args) -> int:
     if args.run_name is not None:
         rundir.check_run_name(args.run_name)
     rundir.check_output_dir(args.output_dir)
-    if args.resume and os.environ.get("GROUP_RANK", "0") == "0":  # rank 0's node: its disk
+    # Under torchrun, on rank 0's node (other nodes' ranks take rank 0's run directory).
+    if args.resume and os.environ.get("GROUP_RANK", "0") == "0":
         rundir.check_resumable(args.output_dir, args.run_name)
     if importlib.util.find_spec("opacus") is None:  # found, not imported: the plan comes first
         raise UsageError("opacus is not installed: pip install -r requirements.txt")

@@ -78,6 +78,8 @@ def bad_command_lines(tmp_path):
         ([*llama, "--lora_rank", "8"], "--lora_ranks applies only to LoRA runs"),
         (["--resume", "--run_name", "nosuchrun"], "no run directory"),
         (["--resume"], "--resume continues a run: name it with --run_name"),
+        (["--input_dir", str(directory)], "--input_dir applies only to --mode report, ncu_report"),
+        (["--mode=report", "--input_dir", str(directory), "--resume"], "--resume applies only to"),
         ([*llama, "--hidden_dim", "64"], "applies only to the named LM configs"),
         ([*llama, "--dataset_path", str(tmp_path / "missing.jsonl")], "is not a file"),
         (["--run_name", ".."], "--run_name"),
@@ -121,7 +123,7 @@ def test_at_least_40_bad_command_lines_in_process(tmp_path, monkeypatch, capsys)
     assert sorted(os.listdir(tmp_path)) == before_tmp
 
 
-@pytest.mark.parametrize("index", [0, 5, 36, 46, 52])
+@pytest.mark.parametrize("index", [0, 5, 36, 48, 54])
 def test_bad_command_lines_as_subprocesses(tmp_path, index):
     args, message = bad_command_lines(tmp_path)[index]
     argv = [*args] if "--output_dir" in args else [*args, "--output_dir", str(tmp_path / "out")]

@@ -176,9 +176,9 @@ def capacity_searches(values: dict) -> tuple[tuple[str, bool], ...]:
 
 
 def check_capacity(values: dict, axes: dict, args) -> None:
-    """--gpu_memory, --validate, --find_max_batch and --find_max_seq_len belong to
-    --mode=capacity; budgets are finite positive GiB; the last three measure, so they need
-    CUDA."""
+    """--mode=capacity's flags (given in another mode, refused by their scope): budgets are
+    finite positive GiB; --validate, --find_max_batch and --find_max_seq_len measure, so they
+    need CUDA, and one search a run."""
     if not MODES[args.mode].predicts:  # its flags are refused elsewhere (their scope)
         return
     check_searches(values)
