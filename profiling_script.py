@@ -264,7 +264,11 @@ def main(argv=None) -> int:
         measuring = args.mode not in ("report", "ncu_report")  # a report is just run again
         say("\nInterrupted" + (" before any config ran." if measuring else "."), sys.stderr)
         if os.environ.get("RANK", "0") == "0":  # under torchrun: rank 0 speaks for the job
-            interrupts.say_continue(args.command_line, args.run_name if measuring else None)
+            run_name = args.run_name if measuring else None
+            resumable = run_name is not None and rundir.kept_after_close(
+                os.path.join(args.output_dir, run_name)
+            )
+            interrupts.say_continue(args.command_line, run_name, resumable)
         return interrupts.exit_code()
     except OSError as error:  # the disk filled up while writing the summary, ...
         print(f"error: {error}", file=sys.stderr)

@@ -130,6 +130,15 @@ def new_run_dir(output_dir: str, run_name: str, numbered: bool) -> str:
             candidate = f"{base}_{n}"
 
 
+def kept_after_close(path: str) -> bool:
+    """Whether the run directory ``path`` is there once the runs open now are closed: what
+    --resume, in the command that continues an interrupted run, needs."""
+    for run in RunDir.open_now:
+        if run.path == path:
+            return run.kept()
+    return os.path.isdir(path)
+
+
 class RunLock:
     """An exclusive ``flock`` on ``<run_dir>/.lock``, held until ``release`` (or the process
     ends: the kernel drops it, so a killed run never leaves a stale lock)."""
@@ -172,18 +181,22 @@ class RunDir:
             self.close()
             raise
 
+    def kept(self) -> bool:
+        """Whether ``close`` keeps the directory: only one this run made and locked (a lock
+        that failed means another process holds it, and may be writing into it) holding
+        nothing but the bookkeeping is removed."""
+        try:
+            removed = self.made and self.lock is not None
+            return not (removed and set(os.listdir(self.path)) <= self.bookkeeping)
+        except OSError:
+            return False
+
     def close(self) -> None:
         if self not in RunDir.open_now:
             return
         RunDir.open_now.remove(self)
         try:
-            # only a directory this run made and locked: a lock that failed means another
-            # process holds it (and may be writing into it)
-            if (
-                self.made
-                and self.lock is not None
-                and set(os.listdir(self.path)) <= self.bookkeeping
-            ):
+            if not self.kept():
                 for name in self.bookkeeping:
                     with contextlib.suppress(FileNotFoundError):
                         os.remove(os.path.join(self.path, name))

@@ -258,4 +258,5 @@ def report_interrupt(args, run_dir, when: str, every_config_ran=False, summarise
         report = [*interrupts.launcher_words(), "--mode=report", "--input_dir", run_dir]
         say(f"The summary could not be written ({type(error).__name__}: {error}).", sys.stderr)
         say(f"Write it once the cause is fixed: {shlex.join(report)}", sys.stderr)
-    interrupts.say_continue(args.command_line, os.path.basename(run_dir))
+    resumable = rundir.kept_after_close(run_dir)
+    interrupts.say_continue(args.command_line, os.path.basename(run_dir), resumable)

@@ -113,3 +113,26 @@ def test_a_second_process_on_a_locked_run_stops_naming_the_holder(tmp_path):
         holder.wait()
     lock = rundir.RunLock(str(tmp_path))  # the kernel dropped the dead holder's lock
     lock.release()
+
+
+def test_the_command_that_continues_a_run_resumes_only_a_run_directory_that_stays(tmp_path):
+    """After an interrupt: --resume where the run directory stays, the same name without it
+    where the directory this run made held nothing and goes (--resume refuses a missing run)."""
+    from dp_cost.core import interrupts
+
+    os.mkdir(tmp_path / "r")
+    run = rundir.RunDir(str(tmp_path / "r"), made=True, kept_names=("run.json",))
+    try:
+        (tmp_path / "r" / "run.json").write_text("{}")
+        assert not rundir.kept_after_close(run.path)  # only bookkeeping: removed on close
+        (tmp_path / "r" / "flash_bs2_seq8").mkdir()
+        assert rundir.kept_after_close(run.path)
+    finally:
+        run.close()
+    assert rundir.kept_after_close(str(tmp_path / "r"))  # closed, still there
+    assert not rundir.kept_after_close(str(tmp_path / "gone"))
+    words = ["profiling_script.py", "--mode=test", "--resume", "--run_name", "old", "--steps", "2"]
+    resumed = interrupts.continue_command(words, "r", resume=True).split()
+    assert resumed[-5:] == ["--steps", "2", "--resume", "--run_name", "r"]
+    again = interrupts.continue_command(words, "r", resume=False).split()
+    assert again[-4:] == ["--steps", "2", "--run_name", "r"] and "--resume" not in again
