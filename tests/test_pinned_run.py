@@ -106,14 +106,18 @@ def grid_run(tmp_path_factory):
 
 
 def test_test_mode_grid_behaves_as_pinned(grid_run):
+    """The grid against the fixture; then what else its one run shows (a run of the grid costs
+    most of a minute on 2 cores: one test, so pytest-xdist never runs it twice)."""
     pinned = load_pinned()
     assert threads_of(grid_run) == pinned["threads"]
     got = summarise(grid_run)
     assert differences(pinned, got) == []
     assert all(g["config_additions"] == KNOWN_CONFIG_ADDITIONS for g in got.values())
+    measured_configs_record_python_collections_over_their_timed_steps(grid_run)
+    readmes_test_and_report_lines_are_this_run(grid_run)
 
 
-def test_measured_configs_record_python_collections_over_their_timed_steps(grid_run):
+def measured_configs_record_python_collections_over_their_timed_steps(grid_run):
     measured = [r for r in results_in(grid_run).values() if r.get("median_time_ms") is not None]
     assert measured
     for result in measured:
@@ -122,9 +126,9 @@ def test_measured_configs_record_python_collections_over_their_timed_steps(grid_
         assert all(isinstance(n, int) and n >= 0 for n in collections["collections"])
 
 
-def test_readmes_test_and_report_lines_are_this_run(grid_run):
-    """README's --mode=test line is the pinned run's command (its run shared here), and its
-    report line, given this run, renders it again."""
+def readmes_test_and_report_lines_are_this_run(grid_run):
+    """README's --mode=test line is the pinned run's command, and its report line, given this
+    run, renders it again."""
     from test_readme_commands import page_commands
 
     readme = page_commands("README.md")

@@ -25,7 +25,9 @@ def test_readmes_table_is_the_summary_codes_table_of_the_stored_run():
     with open(script.STORED) as f:
         stored = json.load(f)
     with open(script.README, encoding="utf-8") as f:
-        readme = script.readme_block(f.read())
+        text = f.read()
+    assert script.START in text and script.END in text, "README has no table the script wrote"
+    readme = script.readme_block(text)
     assert readme == script.block(stored), "stale: run python benchmarks/readme_table.py"
     header = next(line for line in readme.splitlines() if line.startswith("| trainer |"))
     assert [cell.strip() for cell in header.strip("|").split("|")] == list(tables.SHOWN)

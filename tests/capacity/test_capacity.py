@@ -7,6 +7,7 @@ import json
 import math
 import multiprocessing
 import os
+import shutil
 import subprocess
 import sys
 
@@ -22,7 +23,7 @@ from dp_cost.measure import worker
 from dp_cost.measure.config import ExperimentConfig
 from dp_cost.report import capacity as report_capacity
 from tests.capacity.held_state import held_state_bytes
-from tests.cli_helpers import SMALL_MODEL, cli
+from tests.cli_helpers import SMALL_MODEL, cli, in_process
 
 TRAINERS = ("standard", "dpsgd", "ghost", "flash")
 TINY_LM = dict(model="tiny", seq_len=32, batch_size=6, max_physical_batch_size=2)
@@ -372,8 +373,20 @@ def test_an_uncapped_poisson_batch_is_planned_at_its_rare_quantile():
     assert predictions.planned_physical_batch(capped) == (4, None)
 
 
-def test_capacity_mode_writes_its_report(tmp_path):
-    run = cli(
+# Broken predictions a report must skip with one warning (a result.json edited by hand, or
+# written by another version).
+BROKEN_PREDICTIONS = [
+    "abc",
+    {"peak_memory_mb": 1.0, "largest_physical_batch": [1]},
+    {"peak_memory_mb": 1.0, "physical_batch_size": 2, "predictions": [], "overheads": {},
+     "largest_physical_batch": [{"gpu_memory_gib": "80", "physical_batch_size": 3}]},
+]  # fmt: skip
+
+
+def test_capacity_mode_writes_its_report_and_skips_a_broken_prediction(tmp_path):
+    """One capacity run (its report read here), then its report again after each broken
+    prediction in turn, in a copy of the run."""
+    run = in_process(
         "--mode=capacity", "--model", "tiny", *SMALL_MODEL, "--seq_lens", "16", "--batch_sizes",
         "2", "--gpu_memory", "0.9", "0.9", "--output_dir", str(tmp_path), "--run_name", "plan",
     )  # fmt: skip
@@ -393,6 +406,21 @@ def test_capacity_mode_writes_its_report(tmp_path):
     assert "Will it fit?" in page and "largest physical at 0.9 GiB" in page
     assert "capacity.png" in page and "<h2>Summary</h2>" not in page
     assert "NOISY" not in page and "spread" not in page  # no step was timed
+    for n, prediction in enumerate(BROKEN_PREDICTIONS):
+        broken = tmp_path / f"broken{n}"
+        shutil.copytree(tmp_path / "plan", broken)
+        (path,) = glob.glob(os.path.join(broken, "flash_*", "result.json"))
+        with open(path) as f:
+            result = json.load(f)
+        result["prediction"] = prediction
+        with open(path, "w") as f:
+            json.dump(result, f)
+        report = in_process("--mode=report", "--input_dir", broken)
+        assert report.returncode == 0, report.stderr
+        assert "Traceback" not in report.stderr
+        assert "'prediction' has the wrong type" in report.stderr, prediction
+        with open(broken / "capacity.json") as f:
+            assert [e["trainer"] for e in json.load(f)["configs"]] == ["standard", "dpsgd", "ghost"]
 
 
 @pytest.mark.parametrize(
@@ -468,7 +496,7 @@ def test_validate_keeps_the_prediction_whatever_the_measurement(monkeypatch, tmp
 
 
 def test_a_capacity_run_whose_configs_were_all_skipped_still_reports(tmp_path):
-    run = cli(
+    run = in_process(
         "--mode=capacity", "--model", "tiny", *SMALL_MODEL, "--seq_lens", "16", "--batch_sizes",
         "2", "--trainers", "dpsgd", "--activation_checkpointing", "--output_dir", str(tmp_path),
         "--run_name", "plan",
@@ -478,28 +506,3 @@ def test_a_capacity_run_whose_configs_were_all_skipped_still_reports(tmp_path):
         written = json.load(f)
     assert written["configs"] == [] and written["not_predicted"][0]["status"] == "skipped"
     assert "Summary:" not in run.stdout and "Not predicted" in run.stdout
-
-
-@pytest.mark.parametrize(
-    "prediction",
-    ["abc", {"peak_memory_mb": 1.0, "largest_physical_batch": [1]},
-     {"peak_memory_mb": 1.0, "physical_batch_size": 2, "largest_physical_batch": [
-         {"gpu_memory_gib": "80", "physical_batch_size": 3}], "predictions": [], "overheads": {}}],
-)  # fmt: skip
-def test_a_broken_prediction_is_skipped_with_a_warning(prediction, tmp_path):
-    run = cli(
-        "--mode=capacity", "--model", "tiny", *SMALL_MODEL, "--seq_lens", "16", "--batch_sizes",
-        "2", "--trainers", "standard", "flash", "--output_dir", str(tmp_path), "--run_name", "p",
-    )  # fmt: skip
-    assert run.returncode == 0, run.stderr
-    (path,) = glob.glob(os.path.join(tmp_path, "p", "flash_*", "result.json"))
-    with open(path) as f:
-        result = json.load(f)
-    result["prediction"] = prediction
-    with open(path, "w") as f:
-        json.dump(result, f)
-    report = cli("--mode=report", "--input_dir", os.path.join(tmp_path, "p"))
-    assert report.returncode == 0, report.stderr
-    assert "Traceback" not in report.stderr and "'prediction' has the wrong type" in report.stderr
-    with open(os.path.join(tmp_path, "p", "capacity.json")) as f:
-        assert [e["trainer"] for e in json.load(f)["configs"]] == ["standard"]
