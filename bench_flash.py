@@ -27,7 +27,7 @@ import torch
 
 import models
 from dp_cost.core.files import atomic_write, write_json
-from dp_cost.core.settings import default_attention
+from dp_cost.core.hf_architectures import default_attention
 from dp_cost.flash import engine as flash_clip
 from dp_cost.flash.clip import ClipFactors, accumulate_weighted_sums
 from dp_cost.flash.rules.linear import direct_squared_norms, gram_squared_norms, linear_route

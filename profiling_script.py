@@ -23,7 +23,7 @@ import sys
 from dp_cost.core import interrupts, rundir, streams
 from dp_cost.core.fmt import count, did_you_mean
 from dp_cost.core.interrupts import say
-from dp_cost.core.modes import MODES
+from dp_cost.core.modes import MODES, RUN_MODES
 from dp_cost.core.reading import (
     MAX_BYTES,
     MAX_RESULT_BYTES,
@@ -33,7 +33,8 @@ from dp_cost.core.reading import (
     size_words,
 )
 from dp_cost.core.schema import EXIT_BAD_ARGS, EXIT_CONFIG_ERROR, EXIT_OK, exit_code_of
-from dp_cost.core.settings import HF_SETTINGS, SETTINGS, UsageError
+from dp_cost.core.scopes import HF_ONLY
+from dp_cost.core.settings import SETTINGS, UsageError
 from dp_cost.ncu import summary as ncu_summary
 from dp_cost.report import summary
 
@@ -105,7 +106,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     for setting in SETTINGS:
         if setting.flags:
-            group = hf if setting.name in HF_SETTINGS else p
+            group = hf if setting.scope in HF_ONLY else p
             group.add_argument(*setting.flags, **_argument(setting))
     hf.add_argument(
         "--token",
@@ -280,7 +281,11 @@ def run_guarded(args) -> int:
         measuring = args.mode not in ("report", "ncu_report")  # a report is just run again
         say("\nInterrupted" + (" before any config ran." if measuring else "."), sys.stderr)
         if os.environ.get("RANK", "0") == "0":  # under torchrun: rank 0 speaks for the job
-            interrupts.say_continue(args.command_line, args.run_name if measuring else None)
+            run_name = args.run_name if measuring else None
+            resumable = run_name is not None and rundir.kept_after_close(
+                os.path.join(args.output_dir, run_name)
+            )
+            interrupts.say_continue(args.command_line, run_name, resumable)
         return interrupts.exit_code()
     except OSError as error:  # the disk filled up while writing the summary, ...
         print(f"error: {error}", file=sys.stderr)
@@ -291,7 +296,25 @@ def run_guarded(args) -> int:
             run.close()
 
 
+# The CLI's own flags (the settings table's have their scopes) and the modes they take effect
+# in: given in another mode, one error line rather than a flag silently ignored.
+FLAG_MODES = {
+    "input_dir": tuple(name for name, mode in MODES.items() if not mode.runs),
+    "run_name": RUN_MODES,
+    "resume": RUN_MODES,
+}
+
+
+def check_flag_modes(args) -> None:
+    for dest, modes in FLAG_MODES.items():
+        if getattr(args, dest) not in (None, False) and args.mode not in modes:
+            raise UsageError(
+                f"--{dest} applies only to --mode {', '.join(modes)}; mode is {args.mode}"
+            )
+
+
 def run_mode(args) -> int:
+    check_flag_modes(args)
     token = hf_token(args)
     if token:  # only the forked workers read it, from the environment; never written
         os.environ["HF_TOKEN"] = token
@@ -303,6 +326,9 @@ def run_mode(args) -> int:
     if args.run_name is not None:
         rundir.check_run_name(args.run_name)
     rundir.check_output_dir(args.output_dir)
+    # Under torchrun, on rank 0's node (other nodes' ranks take rank 0's run directory).
+    if args.resume and os.environ.get("GROUP_RANK", "0") == "0":
+        rundir.check_resumable(args.output_dir, args.run_name)
     if importlib.util.find_spec("opacus") is None:  # found, not imported: the plan comes first
         raise UsageError("opacus is not installed: pip install -r requirements.txt")
     return run_experiments(args)

@@ -99,7 +99,8 @@ MODEL_ARGS=${MODEL_ARGS:-"--hidden_dim 1024 --num_layers 1 --num_heads 16 --voca
 read -r -a model_args <<<"$MODEL_ARGS"
 PYTHON_BIN=$(command -v "$PYTHON")
 
-if [[ $DRY_RUN == 0 ]]; then mkdir -p "$OUTPUT_DIR"; fi
+# Every config --resumes one run directory, made here: --resume refuses a missing one.
+if [[ $DRY_RUN == 0 ]]; then mkdir -p "$OUTPUT_DIR/runs/$RUN_NAME"; fi
 failed=()
 for batch in $BATCH_SIZES; do
     for seq in $SEQ_LENS; do

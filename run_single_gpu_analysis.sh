@@ -6,8 +6,8 @@
 #   3. logical batch 8 / 16 / 32 at seq 128
 #   4. LoRA rank 16 / 32 against full fine-tuning (seq 128, batch 8)
 #   5. physical batch 1 / 2 / 4 (seq 128, batch 8)
-# Every config runs in its own process; the parts share one run directory (each later part
-# --resumes it), so a config common to several parts runs once, and the last part's report
+# Every config runs in its own process; the parts share one run directory (made first, and
+# --resumed by every part), so a config common to several parts runs once, and the last part's report
 # covers all of them: memory_profile_results.json, memory_profile_summary.csv,
 # peak_memory_comparison.png, memory_usage_timeline.png, ... and summary.md with the findings.
 #
@@ -57,6 +57,7 @@ if [[ $DEVICE == cuda ]] &&
     exit 1
 fi
 
+mkdir -p "$OUTPUT_DIR/$RUN_NAME"  # --resume continues a run directory, never makes one
 status=0
 part() {  # part <title> <sweep arguments...>: one hf_sweep invocation into the shared run
     local title=$1 code=0

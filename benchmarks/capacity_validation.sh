@@ -21,28 +21,34 @@ mkdir -p "$out"
 if [[ "$grid" != ranks ]]; then
     python benchmarks/cuda_overheads.py > "$out/cuda_overheads.json"
 fi
-run() { python profiling_script.py --mode=capacity --validate --output_dir "$out" --resume "$@"; }
+# run NAME ARGS...: one more part of run NAME (made here: --resume refuses a missing run)
+run() {
+    mkdir -p "$out/$1"
+    python profiling_script.py --mode=capacity --validate --output_dir "$out" --run_name "$1" \
+        --resume "${@:2}"
+}
 if [[ "$grid" == all || "$grid" == 1b ]]; then
     for precision in "bf16 --dtype bfloat16 --attention sdpa" "fp32 --dtype float32 --attention explicit"; do
         read -r name flags <<< "$precision"
         # shellcheck disable=SC2086
-        run --run_name "$name" $flags --batch_sizes 8 --seq_lens 512 1024
+        run "$name" $flags --batch_sizes 8 --seq_lens 512 1024
         # shellcheck disable=SC2086
-        run --run_name "$name" $flags --batch_sizes 2 --seq_lens 4096
+        run "$name" $flags --batch_sizes 2 --seq_lens 4096
         # shellcheck disable=SC2086
-        run --run_name "$name" $flags --batch_sizes 1 --seq_lens 16384
+        run "$name" $flags --batch_sizes 1 --seq_lens 16384
     done
 fi
 if [[ "$grid" == all || "$grid" == lora ]]; then
     for dtype in bfloat16 float32; do
-        run --run_name "lora_$dtype" --model meta-llama/Llama-3.2-3B-Instruct --use_lora \
+        run "lora_$dtype" --model meta-llama/Llama-3.2-3B-Instruct --use_lora \
             --lora_rank 32 --seq_lens 256 --batch_sizes 16 --max_physical_batch_size 2 --dtype "$dtype"
     done
-    run --run_name lora8b_bf16 --model meta-llama/Llama-3.1-8B-Instruct --use_lora --lora_rank 16 \
+    run lora8b_bf16 --model meta-llama/Llama-3.1-8B-Instruct --use_lora --lora_rank 16 \
         --seq_lens 512 --batch_sizes 16 --max_physical_batch_size 4 --dtype bfloat16
 fi
 if [[ "$grid" == all || "$grid" == ranks ]]; then
     for ranks in ${RANKS:-2 4}; do
+        mkdir -p "$out/fsdp8b_${ranks}" "$out/ddp1b_${ranks}"
         torchrun --nproc_per_node "$ranks" --standalone profiling_script.py --mode=capacity \
             --validate --output_dir "$out" --resume --run_name "fsdp8b_${ranks}" \
             --model meta-llama/Llama-3.1-8B-Instruct --seq_lens 512 --batch_sizes 16 \

@@ -21,6 +21,7 @@ if not torch.cuda.is_available():
 torch.set_num_threads(1)
 os.environ["OMP_NUM_THREADS"] = "1"
 
+from figure_checks import kept_figures  # noqa: E402, F401 (a fixture of every folder's tests)
 
 # The longest tests (CLI runs of many configs, torchrun jobs, interpreted kernels at large shapes)
 # start first, longest first: pytest-xdist hands the tests out in this order one at a time

@@ -75,6 +75,11 @@ def bad_command_lines(tmp_path):
         ([*llama, "--dataset_path", str(array)], "is not JSON lines"),
         ([*llama, "--dataset_path", str(one_row), "--batch_size", "4"], "fewer than the batch"),
         (["--use_lora"], "applies only to Hugging Face models"),
+        ([*llama, "--lora_rank", "8"], "--lora_ranks applies only to LoRA runs"),
+        (["--resume", "--run_name", "nosuchrun"], "no run directory"),
+        (["--resume"], "--resume continues a run: name it with --run_name"),
+        (["--input_dir", str(directory)], "--input_dir applies only to --mode report, ncu_report"),
+        (["--mode=report", "--input_dir", str(directory), "--resume"], "--resume applies only to"),
         ([*llama, "--hidden_dim", "64"], "applies only to the named LM configs"),
         ([*llama, "--dataset_path", str(tmp_path / "missing.jsonl")], "is not a file"),
         (["--run_name", ".."], "--run_name"),
@@ -118,7 +123,7 @@ def test_at_least_40_bad_command_lines_in_process(tmp_path, monkeypatch, capsys)
     assert sorted(os.listdir(tmp_path)) == before_tmp
 
 
-@pytest.mark.parametrize("index", [0, 5, 36, 43, 49])
+@pytest.mark.parametrize("index", [0, 5, 36, 48, 54])
 def test_bad_command_lines_as_subprocesses(tmp_path, index):
     args, message = bad_command_lines(tmp_path)[index]
     argv = [*args] if "--output_dir" in args else [*args, "--output_dir", str(tmp_path / "out")]
@@ -156,9 +161,9 @@ sys.meta_path.insert(0, Refuse())
 
 def test_mistakes_that_need_no_torch_are_found_before_it_is_imported(tmp_path):
     """An unknown trainer or model, a bad number, a shape the model cannot take or no process
-    can hold, a missing or broken dataset file, --distributed outside torchrun: found by the
-    plan before torch (and opacus) are imported (the seconds those imports take), in a process
-    where importing them fails."""
+    can hold, a missing or broken dataset file, --distributed outside torchrun, a setting
+    outside its scope, --resume of no run: found by the plan before torch (and opacus) are
+    imported (the seconds those imports take), in a process where importing them fails."""
     broken = tmp_path / "broken.jsonl"
     broken.write_text('{"premise": "a", "hypothesis": "b", "label": 0}\n[1, 2]\n')
     llama = ["--mode=hf", "--device", "cpu", "--model", "tiny-llama"]
@@ -187,6 +192,8 @@ def test_mistakes_that_need_no_torch_are_found_before_it_is_imported(tmp_path):
         (["--mode=test", "--model", "1b"], "add --device cpu"),
         ([*llama, "--seq_len", str(10**9)], "must be in 1..131072"),
         ([*capacity, "--find_max_seq_len", "--max_seq_len", "32"], "takes at most 32"),
+        ([*llama, "--lora_rank", "8"], "applies only to LoRA"),  # without --use_lora
+        (["--resume", "--run_name", "nosuchrun"], "no run directory"),
     ]
     script = NO_TORCH + (
         "import json\n"

@@ -97,34 +97,15 @@ def test_bad_input_is_one_clear_line_and_exit_2(args, message, tmp_path, capsys)
     assert not any(tmp_path.iterdir())  # nothing was started
 
 
-def test_profile_mode_without_cuda_falls_back_or_refuses(tmp_path):
+def test_profile_mode_with_device_cuda_and_no_cuda_refuses(tmp_path):
+    """Without --device cuda it falls back to the CPU defaults: tests/test_readme_commands.py
+    and test_settings.py's plans."""
     import torch
 
     if torch.cuda.is_available():
         pytest.skip("a CUDA device is present")
     refused = in_process("--mode=profile", "--device", "cuda", "--output_dir", str(tmp_path))
     assert refused.returncode == 2 and "no CUDA device" in refused.stderr
-    fallback = in_process(
-        "--mode=profile",
-        "--trainers",
-        "standard",
-        "--batch_sizes",
-        "2",
-        "--seq_lens",
-        "8",
-        "--steps",
-        "1",
-        "--no_trace",
-        "--output_dir",
-        str(tmp_path),
-        "--run_name",
-        "r",
-        *SMALL_MODEL,
-    )
-    assert fallback.returncode == 0, fallback.stderr[-2000:]
-    assert "runs the CPU test defaults" in fallback.stdout
-    result = results_in(tmp_path / "r")["standard_bs2_seq8"]  # test mode: tiny is the default
-    assert result["config"]["model"] == "tiny" and result["config"]["device"] == "cpu"
 
 
 def test_failed_config_is_recorded_others_finish_and_exit_1(tmp_path, monkeypatch, capsys):

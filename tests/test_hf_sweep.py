@@ -99,7 +99,7 @@ def test_hf_sweep_cli_writes_every_file_and_resume_skips_finished_configs(tmp_pa
     "args, message",
     [
         (["--model", "tiny"], "--mode=hf_sweep needs a Hugging Face model"),
-        (["--model", "tiny-llama", "--lora_ranks", "4", "8"], "need --use_lora"),
+        (["--model", "tiny-llama", "--lora_ranks", "4", "8"], "applies only to LoRA runs"),
         (["--model", "tiny-llama", "--use_lora", "--lora_ranks", "0"], "must be positive"),
     ],
 )
@@ -141,6 +141,7 @@ def run_suite(tmp_path, fake_python, *args, fail_on="never", fail_code=1):
         "FAIL_CODE": str(fail_code),
         "DEVICE": "cpu",
         "RUN_NAME": "suite",
+        "OUTPUT_DIR": str(tmp_path / "out"),
     }
     env.pop("HF_TOKEN", None)
     proc = subprocess.run(
@@ -160,6 +161,7 @@ def test_single_gpu_suite_commands_and_token_through_the_environment_only(tmp_pa
     for call in calls:
         assert "--mode=hf_sweep --device cpu --model_name meta-llama/Llama-3.2-3B-Instruct" in call
         assert "--run_name suite --resume" in call and call.endswith("--dtype bfloat16")
+    assert (tmp_path / "out" / "suite").is_dir()  # made first: every part resumes it
     assert "--seq_length 128 --batch_size 8 --max_physical_batch_size 1" in calls[0]
     assert "--seq_lengths 64 128 256 --batch_size 8" in calls[1]
     assert "--batch_sizes 8 16 32" in calls[2]

@@ -108,20 +108,40 @@ def grid_run(tmp_path_factory):
 
 
 def test_test_mode_grid_behaves_as_pinned(grid_run):
+    """The grid against the fixture; then what else its one run shows (a run of the grid costs
+    most of a minute on 2 cores: one test, so pytest-xdist never runs it twice)."""
     pinned = load_pinned()
     assert threads_of(grid_run) == pinned["threads"]
     got = summarise(grid_run)
     assert differences(pinned, got) == []
     assert all(g["config_additions"] == KNOWN_CONFIG_ADDITIONS for g in got.values())
-    # The measured configs record Python's collections over their timed steps (asserted here,
-    # not in a test of its own: pytest-xdist could run that on the other worker, which would
-    # make the whole grid run again).
+    # in this test, not tests of their own: pytest-xdist could run those on the other worker,
+    # which would make the whole grid run again
+    measured_configs_record_python_collections_over_their_timed_steps(grid_run)
+    readmes_test_and_report_lines_are_this_run(grid_run)
+
+
+def measured_configs_record_python_collections_over_their_timed_steps(grid_run):
     measured = [r for r in results_in(grid_run).values() if r.get("median_time_ms") is not None]
     assert measured
     for result in measured:
         collections = result["python_gc"]
         assert len(collections["collections"]) == 3 and collections["ms"] >= 0
         assert all(isinstance(n, int) and n >= 0 for n in collections["collections"])
+
+
+def readmes_test_and_report_lines_are_this_run(grid_run):
+    """README's --mode=test line is the pinned run's command, and its report line, given this
+    run, renders it again."""
+    from test_readme_commands import page_commands
+
+    readme = page_commands("README.md")
+    assert f"python profiling_script.py {COMMAND[0]}" in readme
+    (report_line,) = [c for c in readme if "--mode=report" in c]
+    assert report_line == "python profiling_script.py --mode=report --input_dir runs/<run>"
+    proc = in_process("--mode=report", "--input_dir", grid_run)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert f"Summary written to {grid_run}/summary.csv" in proc.stdout
 
 
 def test_the_comparison_fails_on_each_kind_of_change(tmp_path):

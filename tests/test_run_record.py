@@ -38,6 +38,7 @@ def test_run_json_records_the_command_date_and_versions(tmp_path):
         for moment in ("at_start", "at_end"):
             assert load[moment]["cpus"] == os.cpu_count()
             assert 0 <= load[moment]["load"] <= 100 * os.cpu_count()
+        assert load["own_processes"] == 1  # one worker at a time
 
 
 def test_a_busy_machine_is_named_beside_the_table():
@@ -48,6 +49,28 @@ def test_a_busy_machine_is_named_beside_the_table():
     )
     assert run_info.busy_note(quiet, {"cpus": 2, "load": 2.2}) is not None
     assert run_info.busy_note({"cpus": 2, "load": None}, busy) is None  # not measured: no claim
+    # the load beyond the run's own processes must exceed half the CPUs
+    assert run_info.busy_note({"cpus": 2, "load": 1.19}, {"cpus": 2, "load": 1.19}) is None
+    assert run_info.busy_note({"cpus": 2, "load": 2.01}, {"cpus": 2, "load": 1.0}) is not None
+    assert run_info.busy_note({"cpus": 8, "load": 5.5}, {"cpus": 8, "load": 5.5}, own=2) is None
+
+
+def test_the_busy_note_of_a_run_is_its_latest_measuring(tmp_path):
+    """run.json's machine_load: the run's, or its last resume's; a file without one (or a
+    broken one) makes no claim."""
+    busy = {"at_start": {"cpus": 2, "load": 3.5}, "at_end": {"cpus": 2, "load": 3.0}}
+    quiet = {"at_start": {"cpus": 2, "load": 0.2}, "at_end": {"cpus": 2, "load": 1.1}}
+    record = {"command": ["x"], "machine_load": busy}
+    (tmp_path / "run.json").write_text(json.dumps(record))
+    assert "on 2 CPUs, about 1 of it this run's own" in run_info.run_busy_note(str(tmp_path))
+    record["resumed"] = [{"command": ["x"], "machine_load": quiet}]
+    (tmp_path / "run.json").write_text(json.dumps(record))
+    assert run_info.run_busy_note(str(tmp_path)) is None
+    record["resumed"][0]["machine_load"] = {**busy, "own_processes": 4}  # 4 ranks' workers
+    (tmp_path / "run.json").write_text(json.dumps(record))
+    assert run_info.run_busy_note(str(tmp_path)) is None
+    (tmp_path / "run.json").write_text(json.dumps({"machine_load": {"at_start": "high"}}))
+    assert run_info.run_busy_note(str(tmp_path)) is None
 
 
 def test_the_commit_is_read_without_writing_the_checkout(tmp_path):

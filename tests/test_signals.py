@@ -127,7 +127,8 @@ def test_sigterm_ends_a_stopped_worker_and_leaves_no_process(tmp_path):
     assert proc.returncode == 143, stderr[-2000:]
     assert gone(worker)
     assert not (tmp_path / "r").exists()  # nothing was written: the directory it made is gone
-    assert continue_args(stderr)[-3:] == ["--resume", "--run_name", "r"]
+    rest = continue_args(stderr)  # ... so the same name starts again: --resume needs a run
+    assert rest[-2:] == ["--run_name", "r"] and "--resume" not in rest
 
 
 def test_ctrl_c_stops_a_run_started_with_sigint_ignored(tmp_path):
@@ -149,7 +150,8 @@ def test_ctrl_c_stops_a_run_started_with_sigint_ignored(tmp_path):
         proc.kill()
     assert proc.returncode == 130, stderr[-2000:]
     assert gone(worker) and "Traceback" not in stderr
-    assert continue_args(stderr)[-3:] == ["--resume", "--run_name", "r"]
+    rest = continue_args(stderr)  # nothing finished, the run directory removed: no --resume
+    assert rest[-2:] == ["--run_name", "r"] and "--resume" not in rest
 
 
 def interrupting_summary(monkeypatch, *then):
@@ -232,8 +234,8 @@ def test_an_interrupt_during_a_config_prints_the_command_that_continues_the_run(
     assert proc.returncode == code, proc.stderr[-2000:]
     assert "Interrupted during standard_bs2_seq8; 0 finished configs kept." in proc.stdout
     assert os.listdir(tmp_path) == []  # the run directory held nothing: removed
-    rest = continue_args(proc.stderr)
-    assert rest[-3] == "--resume" and rest[-2] == "--run_name" and rest[-1].startswith("test_")
+    rest = continue_args(proc.stderr)  # the same name again, not --resume of a missing run
+    assert rest[-2] == "--run_name" and rest[-1].startswith("test_") and "--resume" not in rest
     monkeypatch.undo()
     again = in_process(*rest)
     assert again.returncode == 0, again.stderr[-2000:]
@@ -260,6 +262,7 @@ def test_an_interrupt_before_any_config_removes_the_run_directory_and_says_how_t
     assert proc.returncode == 143
     assert "Interrupted before any config ran." in proc.stderr
     assert os.listdir(tmp_path) == []
+    assert "--resume" not in continue_args(proc.stderr)  # no run to resume: the same name again
     monkeypatch.undo()
     assert in_process(*continue_args(proc.stderr)).returncode == 0
     assert list(results_in(tmp_path / "r")) == ["standard_bs2_seq8"]

@@ -83,3 +83,8 @@ HF_CONFIGS: dict[str, dict] = {
     "meta-llama/Llama-3.1-70B": _LLAMA_3_1_70B,
     "tiny-llama": _TINY_LLAMA,
 }
+
+
+def default_attention(model: str) -> str:
+    """Hugging Face models default to SDPA, the DPMultiheadAttention LM to explicit softmax."""
+    return "sdpa" if model in HF_CONFIGS else "explicit"

@@ -139,18 +139,20 @@ def say(text: str, stream=None) -> None:
         streams.drop(stream)
 
 
-def say_continue(command_line: list[str], run_name: str | None) -> None:
+def say_continue(command_line: list[str], run_name: str | None, resume: bool = True) -> None:
     """On stderr: the command that continues the run (see ``continue_command``)."""
-    command = continue_command(command_line, run_name)
+    command = continue_command(command_line, run_name, resume)
     say(f"{CONTINUE} {command}", sys.stderr)
     if "<hidden>" in command:
         say("(<hidden>: the token given on the command line, not shown)", sys.stderr)
 
 
-def continue_command(command_line: list[str], run_name: str | None) -> str:
+def continue_command(command_line: list[str], run_name: str | None, resume: bool = True) -> str:
     """``command_line`` (the CLI's words as run.json records them, a token hidden) with
-    ``--resume --run_name RUN_NAME``: what continues the run. Without a run name yet (the
-    default one is chosen with the run directory), the command as given."""
+    ``--resume --run_name RUN_NAME``: what continues the run; without ``--resume`` where the
+    run directory is gone (nothing was written into it: --resume refuses a missing one), the
+    same name run again. Without a run name yet (the default one is chosen with the run
+    directory), the command as given."""
     words = command_line[1:]
     if run_name is not None:
         kept, value_of_run_name = [], False
@@ -158,7 +160,7 @@ def continue_command(command_line: list[str], run_name: str | None) -> str:
             if not value_of_run_name and word != "--resume" and not word.startswith("--run_name"):
                 kept.append(word)
             value_of_run_name = word == "--run_name"
-        words = [*kept, "--resume", "--run_name", run_name]
+        words = [*kept, *(["--resume"] if resume else []), "--run_name", run_name]
     return shlex.join([*launcher_words(), *words])
 
 

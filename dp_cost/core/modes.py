@@ -15,11 +15,14 @@ class Mode:
     name: str
     help: str
     runs: bool = True  # measures (False: renders reports from files)
-    cpu_defaults: str | None = None  # whose defaults apply without CUDA
+    # whose defaults apply without CUDA: its shape (model, batches, sequence lengths) replaces
+    # the GPU-sized one, given or not (--device cpu keeps a given shape)
+    cpu_defaults: str | None = None
     cpu_becomes: bool = False  # ... and the run becomes that mode (name, traces, breakdown)
     cpu_model: str | None = None  # ... or the model it runs without CUDA when none is named
     cpu_message: str = ""
     predicts: bool = False  # predicts on fake tensors: any model, any size, on any machine
+    traces: bool = True  # its configs take a torch.profiler trace (unless --no_trace)
 
 
 MODES = {
@@ -31,14 +34,15 @@ MODES = {
             "GPU, ~1B-parameter model, torch.profiler traces",
             cpu_defaults="test",
             cpu_becomes=True,
-            cpu_message="No CUDA device found: --mode=profile runs the CPU test defaults instead.",
+            cpu_message="No CUDA device found: --mode=profile runs the CPU test defaults instead",
         ),
         Mode(
             "memory",
             "where the peak goes: breakdown on, traces off",
             cpu_defaults="test",
             cpu_message="No CUDA device found: the memory breakdown needs one; running the CPU "
-            "test defaults (breakdown fields are null).",
+            "test defaults instead (breakdown fields are null)",
+            traces=False,
         ),
         Mode(
             "hf",
@@ -52,15 +56,27 @@ MODES = {
             "seq x batch x physical x LoRA rank sweep of a Hugging Face model",
             cpu_model="tiny-llama",
             cpu_message="No CUDA device found: --mode=hf_sweep runs on the CPU with {model}.",
+            traces=False,
         ),
         Mode(
             "capacity",
             "predict each trainer's peak memory without a GPU and the largest physical batch "
             "that fits --gpu_memory",
             predicts=True,
+            traces=False,
         ),
-        Mode("report", "re-render the summary of --input_dir from its result files", runs=False),
-        Mode("ncu_report", "summarise the Nsight Compute reports in --input_dir", runs=False),
+        Mode(
+            "report",
+            "re-render the summary of --input_dir from its result files",
+            runs=False,
+            traces=False,
+        ),  # fmt: skip
+        Mode(
+            "ncu_report",
+            "summarise the Nsight Compute reports in --input_dir",
+            runs=False,
+            traces=False,
+        ),  # fmt: skip
     )
 }
 RUN_MODES = tuple(name for name, mode in MODES.items() if mode.runs)

@@ -85,6 +85,19 @@ def check_not_broken_link(output_dir: str) -> None:
         )
 
 
+def check_resumable(output_dir: str, run_name: str | None) -> str:
+    """The run directory --resume continues; UsageError unless --run_name names one that exists
+    (a mistyped name would otherwise start a new run, measuring every config again)."""
+    if run_name is None:
+        raise UsageError("--resume continues a run: name it with --run_name")
+    path = os.path.join(output_dir, run_name)
+    if not os.path.isdir(path):
+        raise UsageError(
+            f"--resume: no run directory {path} to continue (drop --resume to start a new run)"
+        )
+    return path
+
+
 def contained(root: str, path: str) -> bool:
     """Whether ``path`` resolves (symlinks followed) to ``root`` or below it."""
     root, path = os.path.realpath(root), os.path.realpath(path)
@@ -117,6 +130,15 @@ def new_run_dir(output_dir: str, run_name: str, numbered: bool) -> str:
                 ) from None
             n += 1
             candidate = f"{base}_{n}"
+
+
+def kept_after_close(path: str) -> bool:
+    """Whether the run directory ``path`` is there once the runs open now are closed: what
+    --resume, in the command that continues an interrupted run, needs."""
+    for run in RunDir.open_now:
+        if run.path == path:
+            return run.kept()
+    return os.path.isdir(path)
 
 
 class RunLock:
@@ -219,20 +241,29 @@ class RunDir:
             self.close()
             raise
 
+    def kept(self) -> bool:
+        """Whether ``close`` keeps the directory: only one this run made and locked (a lock
+        that failed means another process holds it, and may be writing into it) holding
+        nothing but the bookkeeping is removed."""
+        try:
+            if not (self.made and self.lock is not None):
+                return True
+            with files.folder(self.path) as fd:  # its names: below PATH_MAX however deep
+                return not set(os.listdir(fd)) <= self.bookkeeping
+        except OSError:
+            return False
+
     def close(self) -> None:
         if self not in RunDir.open_now:
             return
         RunDir.open_now.remove(self)
         try:
-            # only a directory this run made and locked: a lock that failed means another
-            # process holds it (and may be writing into it)
-            if self.made and self.lock is not None:
+            if not self.kept():
                 with files.folder(self.path) as fd:  # its names: below PATH_MAX however deep
-                    if set(os.listdir(fd)) <= self.bookkeeping:
-                        for name in self.bookkeeping:
-                            with contextlib.suppress(FileNotFoundError):
-                                os.unlink(name, dir_fd=fd)
-                        os.rmdir(self.path)
+                    for name in self.bookkeeping:
+                        with contextlib.suppress(FileNotFoundError):
+                            os.unlink(name, dir_fd=fd)
+                os.rmdir(self.path)
         except OSError:
             pass  # something else is in it now: kept
         finally:

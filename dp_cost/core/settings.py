@@ -1,8 +1,10 @@
 """The one table of experiment settings.
 
-Each setting of an experiment is declared once, in ``SETTINGS``: its name (the config field and
-the ``result.json`` config key), default, default per mode, command-line flags, help, whether it
-names the config directory and whether reports compare trainers only among configs equal in it.
+Each setting of an experiment is declared once, in ``SETTINGS`` (a row: ``core.setting``): its
+name (the config field and the ``result.json`` config key), default, default per mode,
+command-line flags, help, whether it names the config directory, whether reports compare
+trainers only among configs equal in it, and where it takes effect (its scope: given anywhere
+else, it is refused).
 The command-line parser, the experiment plan, ``ExperimentConfig`` (``measure.config``), the
 config directory name, the reports' comparison keys and ``--resume``'s change check all read
 this table. What each mode does beside its defaults is ``core.modes``.
@@ -10,12 +12,10 @@ this table. What each mode does beside its defaults is ``core.modes``.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass, field
-from typing import Any
-
+from dp_cost.core import scopes
+from dp_cost.core.capacity_settings import CAPACITY_SETTINGS
 from dp_cost.core.hf_architectures import HF_CONFIGS
-from dp_cost.core.modes import RUN_MODES
+from dp_cost.core.modes import MODES, RUN_MODES
 from dp_cost.core.reading import DATASET_MAX_BYTES, DATASET_MAX_LINE_BYTES
 from dp_cost.core.schema import (
     CLIPPINGS,
@@ -24,44 +24,11 @@ from dp_cost.core.schema import (
     TRAINER_ALIASES,
     TRAINER_ORDER,
 )
+from dp_cost.core.setting import Setting
 
 
 class UsageError(Exception):
     """A user mistake: reported as one line with exit code 2."""
-
-
-@dataclass(frozen=True)
-class Setting:
-    name: str  # ExperimentConfig field and result["config"] key
-    default: Any
-    help: str = ""
-    flags: tuple[str, ...] = ()  # CLI spellings, canonical first; none: set by the plan only
-    type: Callable | None = None
-    choices: tuple | None = None
-    axis: bool = False  # the flag takes several values: one config per value
-    many: bool = False  # the flag takes several values, all of them in every config
-    switch: bool | None = None  # a value-less flag: the value it sets (True, or False for --no_x)
-    modes: dict = field(default_factory=dict)  # default per mode, where it differs
-    dir_part: Callable[[Any], str | None] | None = None  # its config directory part (or none)
-    compare: bool = False  # reports compare trainers among configs equal in every such setting
-    # Where a result's config keeps the compared value (default: the setting's own key).
-    compared_value: Callable[[dict], Any] | None = None
-    into: str | None = None  # collected into this dict field (model overrides) instead
-    recorded: bool = True  # False: not in result.json (plan-internal, or how a run is watched)
-    # Its mode default follows the mode that runs, not the defaults a GPU mode borrows on CPU.
-    follows_mode: bool = False
-
-    @property
-    def dest(self) -> str:
-        return self.flags[0].lstrip("-").replace("-", "_") if self.flags else self.name
-
-    def default_for(self, mode: str | None) -> Any:
-        return self.modes.get(mode, self.default)
-
-    def value_in(self, config: dict) -> Any:
-        if self.compared_value is not None:
-            return self.compared_value(config)
-        return config.get(self.name, self.default)
 
 
 def physical_part(config) -> str | None:
@@ -142,6 +109,7 @@ SETTINGS: tuple[Setting, ...] = (
         dir_part=lambda c: f"_r{c.lora_rank}" if c.use_lora else None,
         compare=True,
         compared_value=lambda c: c.get("lora_rank") if c.get("use_lora") else None,
+        scope=scopes.LORA,
     ),
     Setting(
         "dtype",
@@ -251,8 +219,22 @@ SETTINGS: tuple[Setting, ...] = (
         type=float,
         modes={"hf": 1e-5, "hf_sweep": 1e-5},
     ),
-    Setting("noise_multiplier", 1.0, "sigma", flags=("--noise_multiplier", "--sigma"), type=float),
-    Setting("max_grad_norm", 1.0, "clipping norm C", flags=("--max_grad_norm",), type=float),
+    Setting(
+        "noise_multiplier",
+        1.0,
+        "sigma",
+        flags=("--noise_multiplier", "--sigma"),
+        type=float,
+        scope=scopes.PRIVATE,
+    ),
+    Setting(
+        "max_grad_norm",
+        1.0,
+        "clipping norm C",
+        flags=("--max_grad_norm",),
+        type=float,
+        scope=scopes.PRIVATE,
+    ),
     Setting(
         "clipping",
         "flat",
@@ -265,6 +247,7 @@ SETTINGS: tuple[Setting, ...] = (
         choices=CLIPPINGS,
         dir_part=lambda c: "_perlayer" if c.clipping == "per_layer" else None,
         compare=True,
+        scope=scopes.PRIVATE,
     ),
     Setting(
         "steps",
@@ -274,6 +257,7 @@ SETTINGS: tuple[Setting, ...] = (
         type=int,
         # GPU modes: >= 5; capacity's --validate: the peak of two steps after one warm-up
         modes={"profile": 5, "memory": 5, "hf": 5, "hf_sweep": 5, "capacity": 2},
+        scope=scopes.MEASURED_STEPS,
     ),
     Setting(
         "warmup_steps",
@@ -282,6 +266,7 @@ SETTINGS: tuple[Setting, ...] = (
         flags=("--warmup_steps", "--warmup_iter"),
         type=int,
         modes={"profile": 2, "memory": 2},
+        scope=scopes.MEASURED_STEPS,
     ),
     Setting("seed", 0, "seed of the data and the model", flags=("--seed",), type=int),
     Setting(
@@ -298,18 +283,18 @@ SETTINGS: tuple[Setting, ...] = (
         "how flash gets Linear layers' per-sample norms",
         flags=("--flash_route",),
         choices=("auto", "gram", "direct", "product"),
+        scope=scopes.FLASH,
     ),
     Setting(
         "noise_sampler",
         "opacus",
-        "how dpsgd and ghost draw their noise: opacus, Opacus' own torch.normal (the cost "
-        "users pay; its radius comes from a 24-bit (CPU) or 32-bit (CUDA) uniform, whose top "
-        "atom can add a large tail term to delta_total), or exact64, the 64-bit Box-Muller "
-        "transform flash always uses",
+        "dpsgd's and ghost's noise: opacus (Opacus' own torch.normal, the cost users pay; its "
+        "24- or 32-bit radius can add a large tail term to delta_total) or exact64 (flash's)",
         flags=("--noise_sampler",),
         choices=("opacus", "exact64"),
         dir_part=lambda c: f"_{c.noise_sampler}" if c.noise_sampler != "opacus" else None,
         compare=True,
+        scope=scopes.OPACUS,
     ),
     Setting(
         "trace",
@@ -317,8 +302,9 @@ SETTINGS: tuple[Setting, ...] = (
         "numbers only: no torch.profiler trace (memory and hf_sweep never trace)",
         flags=("--no_trace",),
         switch=False,
-        modes={"memory": False, "hf_sweep": False, "capacity": False},
+        modes={name: False for name, mode in MODES.items() if mode.runs and not mode.traces},
         follows_mode=True,
+        scope=scopes.TRACING_MODE,
     ),
     Setting(
         "trace_gzip",
@@ -326,6 +312,7 @@ SETTINGS: tuple[Setting, ...] = (
         "gzip the trace files (default: on for GPU runs)",
         flags=("--trace_gzip",),
         switch=None,  # --trace_gzip / --no-trace_gzip
+        scope=scopes.TRACED,
     ),
     Setting(
         "breakdown",
@@ -341,6 +328,7 @@ SETTINGS: tuple[Setting, ...] = (
         "timeline per config",
         flags=("--save_snapshot",),
         switch=True,
+        scope=scopes.BREAKDOWN_HISTORY,
     ),
     Setting(
         "host_work",
@@ -348,6 +336,7 @@ SETTINGS: tuple[Setting, ...] = (
         "count one more (DP) step's Python calls, operator dispatches, CUDA launches: host_work",
         flags=("--host_work",),
         switch=True,
+        scope=scopes.MEASURED_STEPS,
     ),
     Setting(
         "ncu",
@@ -366,14 +355,20 @@ SETTINGS: tuple[Setting, ...] = (
         follows_mode=True,
     ),
     Setting(
-        "use_lora", False, "LoRA (peft) on attention and MLP", flags=("--use_lora",), switch=True
-    ),  # fmt: skip
+        "use_lora",
+        False,
+        "LoRA (peft) on attention and MLP",
+        flags=("--use_lora",),
+        switch=True,
+        scope=scopes.HF_MODEL,
+    ),
     Setting(
         "pretrained",
         False,
         "load the real weights (needs the hub or a local cache; default: random weights)",
         flags=("--pretrained",),
         switch=True,
+        scope=scopes.HF_MODEL,
     ),
     Setting(
         "dataset_path",
@@ -382,52 +377,33 @@ SETTINGS: tuple[Setting, ...] = (
         f"{DATASET_MAX_BYTES // 2**20} MiB, lines of at most {DATASET_MAX_LINE_BYTES // 2**20} "
         "MiB (default: synthetic)",
         flags=("--dataset_path",),
+        scope=scopes.HF_MODEL,
     ),
     Setting(
-        "dataset_size", 10000, "N for the sampling rate B/N", flags=("--dataset_size",), type=int
-    ),
-    Setting("poisson", True, "fixed-size batches", flags=("--no_poisson",), switch=False),
-    Setting("delta", 1e-5, "delta of the reported epsilon", flags=("--delta",), type=float),
-    Setting(
-        "capacity",
-        False,
-        "predict the peak on fake tensors instead of measuring it",
-        modes={"capacity": True},
-        follows_mode=True,
+        "dataset_size",
+        10000,
+        "N for the sampling rate B/N",
+        flags=("--dataset_size",),
+        type=int,
+        scope=scopes.SYNTHETIC_DATA,
     ),
     Setting(
-        "gpu_memory",
-        None,
-        "capacity: GiB of each card to plan for, its total as torch reports it (H100 80GB: "
-        "about 79, H200: about 140); the largest physical batch that fits each is searched",
-        flags=("--gpu_memory",),
+        "poisson",
+        True,
+        "fixed-size batches",
+        flags=("--no_poisson",),
+        switch=False,
+        scope=scopes.HF_MODEL,
+    ),
+    Setting(
+        "delta",
+        1e-5,
+        "delta of the reported epsilon",
+        flags=("--delta",),
         type=float,
-        many=True,
+        scope=scopes.POISSON_EPSILON,
     ),
-    Setting(
-        "find_max_batch",
-        False,
-        "capacity, CUDA: find the largest physical batch that runs on this card by runs (each "
-        "probe its own worker; an out-of-memory stays there), starting from the prediction",
-        flags=("--find_max_batch",),
-        switch=True,
-    ),
-    Setting(
-        "find_max_seq_len",
-        False,
-        "capacity, CUDA: find the longest sequence (a multiple of 64 tokens) that runs on this "
-        "card at the config's physical batch by runs, starting from the prediction",
-        flags=("--find_max_seq_len",),
-        switch=True,
-    ),
-    Setting(
-        "validate",
-        False,
-        "capacity, CUDA: also run each config (its --steps after --warmup_steps, no trace, "
-        "the memory breakdown) and record the measured peak beside the prediction",
-        flags=("--validate",),
-        switch=True,
-    ),
+    *CAPACITY_SETTINGS,
     *(
         Setting(
             name,
@@ -436,6 +412,7 @@ SETTINGS: tuple[Setting, ...] = (
             flags=(f"--{name}",),
             type=int,
             into="model_overrides",
+            scope=scopes.NAMED_LM,
         )  # fmt: skip
         for name in MODEL_OVERRIDES
     ),
@@ -444,19 +421,4 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("default_model", "tiny", recorded=False),
 )
 BY_NAME = {s.name: s for s in SETTINGS}
-# Settings of the Hugging Face models (shown in their own --help group).
-HF_SETTINGS = ("use_lora", "lora_rank", "pretrained", "dataset_path", "dataset_size", "poisson",
-               "delta")  # fmt: skip
 CONFIG_FIELDS = tuple(s for s in SETTINGS if s.into is None)
-
-
-def default_attention(model: str) -> str:
-    """Hugging Face models default to SDPA, the DPMultiheadAttention LM to explicit softmax."""
-    return "sdpa" if model in HF_CONFIGS else "explicit"
-
-
-def comparison_key(config: dict, leave_out: str | None = None) -> tuple:
-    """Everything but the trainer that reports compare on: configs with equal keys (from
-    ``result.json``'s config) are the same shape, measured by different trainers. ``leave_out``:
-    a setting's name, for configs that differ at most in that setting (a sweep's series)."""
-    return tuple(s.value_in(config) for s in SETTINGS if s.compare and s.name != leave_out)

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from dp_cost.core.settings import CONFIG_FIELDS, SETTINGS, default_attention
+from dp_cost.core.hf_architectures import default_attention
+from dp_cost.core.settings import CONFIG_FIELDS, SETTINGS
 from dp_cost.parallel.mode import SingleProcess, distributed_mode
 
 AXES_REQUIRED = ("trainer", "batch_size", "seq_len")  # no default: every config names them

@@ -11,18 +11,19 @@ from __future__ import annotations
 import argparse
 import itertools
 import math
+import os
 import sys
 from dataclasses import dataclass
 
-from dp_cost.core.hf_architectures import HF_CONFIGS
+from dp_cost.core.hf_architectures import HF_CONFIGS, default_attention
 from dp_cost.core.modes import MODES
 from dp_cost.core.schema import TRAINER_ORDER, canonical_trainer_name
 from dp_cost.core.settings import (
     BY_NAME,
     CONFIG_FIELDS,
     MODEL_OVERRIDES,
+    SETTINGS,
     UsageError,
-    default_attention,
 )
 from dp_cost.hf.draws import draw_above_probability
 from dp_cost.measure.config import ExperimentConfig
@@ -36,44 +37,81 @@ class Plan:
     mode: str  # the mode that runs: a GPU mode without CUDA may run as another
     device: str  # "cuda" or "cpu"
     configs: list  # list[ExperimentConfig]
-    note: str | None = None  # printed first: what changed without CUDA; what a graph will replay
+    note: str | None = None  # printed before the run: what a graph will replay
+    device_note: str | None = None  # what changed without CUDA (printed before the checks)
 
 
-def resolve_device(args: argparse.Namespace, cuda_available) -> tuple[str, str, str, str | None]:
-    """(device, mode that runs, mode whose defaults apply, note). ``cuda_available()`` is asked
-    only when the device is not forced to CPU."""
+# What a GPU mode sizes for a GPU: without CUDA its CPU defaults' replace them, given or not.
+CPU_SHAPE = ("model", "batch_size", "seq_len", "max_physical_batch_size")
+
+
+@dataclass(frozen=True)
+class DeviceChoice:
+    device: str  # "cuda" or "cpu"
+    running: str  # the mode that runs
+    defaults: str  # the mode whose defaults apply
+    note: str | None = None  # what changed without CUDA
+    cpu_shape: bool = False  # the CPU defaults' shape replaces the GPU-sized one (CPU_SHAPE)
+
+
+def resolve_device(args: argparse.Namespace, cuda_available) -> DeviceChoice:
+    """Where the plan runs and whose defaults it takes. ``cuda_available()`` is asked only when
+    the device is not forced to CPU."""
     mode = MODES[args.mode]
     requested = args.device or BY_NAME["device"].default_for(mode.name)
     if requested == "cpu":
-        return "cpu", mode.name, mode.name, None
+        return DeviceChoice("cpu", mode.name, mode.name)
     if cuda_available():
-        return "cuda", mode.name, mode.name, None
+        return DeviceChoice("cuda", mode.name, mode.name)
     if requested == "cuda":
         raise UsageError("--device cuda was given but no CUDA device is available")
+    if mode.cpu_defaults is None:  # its own defaults on the CPU, with the CPU's model
+        note = mode.cpu_message.format(model=args.model or mode.cpu_model)
+        return DeviceChoice("cpu", mode.name, mode.name, note)
     running = mode.cpu_defaults if mode.cpu_becomes else mode.name
-    defaults = mode.cpu_defaults or mode.name
-    model = args.model or mode.cpu_model
-    return "cpu", running, defaults, mode.cpu_message.format(model=model)
+    return DeviceChoice("cpu", running, mode.cpu_defaults, cpu_shape_note(args, mode), True)
+
+
+def cpu_shape_note(args: argparse.Namespace, mode) -> str:
+    """The line a GPU mode without CUDA starts with: the CPU defaults' shape it runs, and the
+    shape flags given that it does not use."""
+    shape = [f"model {BY_NAME['model'].default_for(mode.cpu_defaults)}"] + [
+        f"{words} {' '.join(map(str, BY_NAME[name].default_for(mode.cpu_defaults)))}"
+        for name, words in (("batch_size", "batch sizes"), ("seq_len", "sequence lengths"))
+    ]
+    given = [
+        f"{s.flags[0]} {' '.join(map(str, value)) if isinstance(value, list) else value}"
+        for s in SETTINGS
+        if (s.name in CPU_SHAPE or s.into == "model_overrides")
+        and (value := getattr(args, s.dest, None)) is not None
+    ]
+    unused = f"\nNot used: {' '.join(given)} (--device cpu runs them on the CPU)." if given else ""
+    return f"{mode.cpu_message}: {', '.join(shape)}.{unused}"
 
 
 def make_plan(args: argparse.Namespace, cuda_available) -> Plan:
-    device, running, defaults, note = resolve_device(args, cuda_available)
+    """The plan of ``args``: a device note (no CUDA) is printed first, before any check."""
+    choice = resolve_device(args, cuda_available)
+    if choice.note and os.environ.get("RANK", "0") == "0":  # under torchrun rank 0 speaks
+        print(choice.note, flush=True)
     mode = MODES[args.mode]
 
     def value(setting):
         given = getattr(args, setting.dest, None) if setting.flags else None
-        if given is not None:
+        if given is not None and not (choice.cpu_shape and setting.name in CPU_SHAPE):
             return given
-        if setting.name == "model" and note and mode.cpu_model:  # no CUDA: the CPU model
+        if setting.name == "model" and choice.note and mode.cpu_model:  # no CUDA: its model
             return mode.cpu_model
-        return setting.default_for(running if setting.follows_mode else defaults)
+        return setting.default_for(choice.running if setting.follows_mode else choice.defaults)
 
     values = {s.name: value(s) for s in CONFIG_FIELDS}
     values["model_overrides"] = {
-        name: getattr(args, name) for name in MODEL_OVERRIDES if getattr(args, name) is not None
+        name: getattr(args, name)
+        for name in MODEL_OVERRIDES
+        if getattr(args, name) is not None and not choice.cpu_shape
     }
-    values["default_model"] = BY_NAME["model"].default_for(defaults)
-    values["device"] = device
+    values["default_model"] = BY_NAME["model"].default_for(choice.defaults)
+    values["device"] = choice.device
     if args.attention is None:
         values["attention"] = default_attention(values["model"])
     if values["ncu"]:  # one replayed step: no trace, no breakdown
@@ -92,16 +130,17 @@ def make_plan(args: argparse.Namespace, cuda_available) -> Plan:
     dataset_size = check(values, axes, args)
     # --gpu_memory: a card named twice is searched once
     values["gpu_memory"] = _unique(values["gpu_memory"] or []) or None
-    if device == "cpu" and args.device != "cpu" and args.model and not mode.predicts:
-        check_cpu_model_size(args.model, values["model_overrides"], no_cuda=bool(note))
-    notes = [note, poisson_graph_note(values, axes, dataset_size), ddp_graph_note(values, axes)]
-    note = "\n".join(filter(None, notes)) or None
+    forced_cpu = choice.device == "cpu" and args.device != "cpu" and not choice.cpu_shape
+    if forced_cpu and args.model and not mode.predicts:
+        check_cpu_model_size(args.model, values["model_overrides"], no_cuda=bool(choice.note))
+    notes = [poisson_graph_note(values, axes, dataset_size), ddp_graph_note(values, axes)]
     order = ("batch_size", "max_physical_batch_size", "seq_len", "lora_rank", "trainer")
     configs = [
         ExperimentConfig(**values, **dict(zip(order, combination)))
         for combination in itertools.product(*(axes[name] for name in order))
     ]
-    return Plan(running, device, configs, note)
+    note = "\n".join(filter(None, notes)) or None
+    return Plan(choice.running, choice.device, configs, note, choice.note)
 
 
 def trainer_names() -> list[str]:
@@ -170,12 +209,9 @@ def _unique(values) -> list:
 
 
 def _lora_ranks(args, ranks) -> list[int]:
-    ranks = _unique(ranks)
-    if args.lora_ranks and len(ranks) > 1 and not args.use_lora:
-        raise UsageError("several --lora_ranks need --use_lora (without it there is no LoRA)")
-    if not args.use_lora:  # one rank, recorded in the config and not used
-        ranks = [args.lora_ranks[0] if args.lora_ranks else BY_NAME["lora_rank"].default]
-    return ranks
+    """The LoRA ranks to run; without --use_lora one, recorded in the config and not used (a
+    rank given without it is refused by its scope)."""
+    return _unique(ranks) if args.use_lora else [BY_NAME["lora_rank"].default]
 
 
 def world_size(distributed: str, planned: int | None, mode) -> int:

@@ -13,7 +13,8 @@ import math
 from dp_cost.capacity.model_facts import bytes_lower_bound, model_max_seq_len, parameter_count
 from dp_cost.core.hf_architectures import HF_CONFIGS
 from dp_cost.core.modes import MODES
-from dp_cost.core.settings import HF_SETTINGS, SETTINGS, UsageError
+from dp_cost.core.scopes import PlannedRun
+from dp_cost.core.settings import SETTINGS, UsageError
 from dp_cost.hf import snli_file
 from dp_cost.parallel import ranks
 from dp_cost.parallel.mode import distributed_mode, fsdp_sync_refusal
@@ -35,13 +36,13 @@ def check(values: dict, axes: dict, args) -> int:
     model = values["model"]
     check_numbers(values)
     check_distributed(values, axes["batch_size"])
-    dataset_size = values["dataset_size"]
-    if values["dataset_path"]:
-        dataset_size = check_dataset_file(values["dataset_path"], max(axes["batch_size"]))
     if args.mode == "hf_sweep" and model not in HF_CONFIGS:
         known = ", ".join(HF_CONFIGS)
         raise UsageError(f"--mode=hf_sweep needs a Hugging Face model ({known}), got {model!r}")
-    check_applies(model, args)
+    check_scopes(values, axes, args)
+    dataset_size = values["dataset_size"]
+    if values["dataset_path"]:
+        dataset_size = check_dataset_file(values["dataset_path"], max(axes["batch_size"]))
     check_capacity(values, axes, args)
     check_training_values(values, axes)
     check_batch_shapes(values, axes)
@@ -51,11 +52,8 @@ def check(values: dict, axes: dict, args) -> int:
 
 
 def check_training_values(values: dict, axes: dict) -> None:
-    """The snapshot's need of a breakdown; LoRA ranks, the dataset's size, the noise, the
-    clipping bound, the learning rate, delta and the step counts in range."""
-    if values["save_snapshot"] and not values["breakdown"]:
-        raise UsageError("--save_snapshot keeps the breakdown's allocator history: it needs "
-                         "--mode=memory or --mode=hf_sweep")  # fmt: skip
+    """LoRA ranks, the dataset's size, the noise, the clipping bound, the learning rate and
+    delta in range."""
     if min(axes["lora_rank"]) <= 0 or values["dataset_size"] <= 0:
         raise UsageError("--lora_ranks and --dataset_size must be positive")
     if values["noise_multiplier"] < 0 or values["max_grad_norm"] <= 0 or values["lr"] <= 0:
@@ -140,17 +138,18 @@ def check_cpu_model_size(model: str, overrides: dict, no_cuda: bool) -> None:
         )
 
 
-def check_applies(model: str, args) -> None:
-    """A setting the model would ignore is an error, not a silent no-op recorded as if used."""
+def check_scopes(values: dict, axes: dict, args) -> None:
+    """A setting given where it takes no effect (outside its scope in the settings table) is an
+    error, not a silent no-op recorded as if used. The first scope broken is named, with every
+    flag given outside it."""
+    run = PlannedRun(MODES[args.mode], values, axes)
     given = [s for s in SETTINGS if s.flags and getattr(args, s.dest, None) is not None]
-    if model not in HF_CONFIGS:
-        ignored = [s.flags[0] for s in given if s.name in HF_SETTINGS]
-        what = "Hugging Face models (--model tiny-llama or a Llama name)"
-    else:
-        ignored = [s.flags[0] for s in given if s.into == "model_overrides"]
-        what = "the named LM configs (tiny, 1b); a Hugging Face model keeps its shipped config"
-    if ignored:
-        raise UsageError(f"{', '.join(ignored)} applies only to {what}; model is {model!r}")
+    broken = [s for s in given if s.scope is not None and not s.scope.holds(run)]
+    if broken:
+        scope = broken[0].scope
+        flags = [s.flags[0] for s in broken if s.scope is scope]
+        verb = "applies" if len(flags) == 1 else "apply"
+        raise UsageError(f"{', '.join(flags)} {verb} only to {scope.where}; {scope.instead(run)}")
 
 
 def check_distributed(values: dict, batch_sizes: list[int]) -> None:
@@ -177,37 +176,27 @@ def capacity_searches(values: dict) -> tuple[tuple[str, bool], ...]:
 
 
 def check_capacity(values: dict, axes: dict, args) -> None:
-    """--gpu_memory, --validate, --find_max_batch and --find_max_seq_len belong to
-    --mode=capacity; budgets are finite positive GiB; the last three measure, so they need
-    CUDA."""
-    budgets = values["gpu_memory"] or []
-    measuring = capacity_searches(values)
-    if not MODES[args.mode].predicts:
-        for flag, given in (("--gpu_memory", budgets), *measuring):
-            if given:
-                raise UsageError(f"{flag} plans memory: it needs --mode=capacity")
+    """--mode=capacity's flags (given in another mode, refused by their scope): budgets are
+    finite positive GiB; --validate, --find_max_batch and --find_max_seq_len measure, so they
+    need CUDA, and one search a run."""
+    if not MODES[args.mode].predicts:  # its flags are refused elsewhere (their scope)
         return
     check_searches(values)
     if distributed_mode(values["distributed"]).is_distributed:
         check_planned_ranks(values)
-    for budget in budgets:
+    for budget in values["gpu_memory"] or []:
         if not (math.isfinite(budget) and 0 < budget <= MAX_GPU_MEMORY_GIB):
             raise UsageError(
                 f"--gpu_memory must be a finite positive number of GiB (at most "
                 f"{MAX_GPU_MEMORY_GIB}), got {budget}"
             )
-    if values["save_snapshot"] and not values["validate"]:
-        raise UsageError(
-            "--save_snapshot keeps a measured step's allocator history: with --mode=capacity "
-            "it needs --validate"
-        )
     if values["validate"] and values["model"] in HF_CONFIGS and values["poisson"]:
         if None in axes["max_physical_batch_size"]:
             raise UsageError(
                 "--validate with Poisson sampling needs --max_physical_batch_size: without a cap "
                 "the prediction plans the rare largest draw, not the draws a run measures"
             )
-    for flag, given in measuring:
+    for flag, given in capacity_searches(values):
         if given and values["device"] != "cuda":
             raise UsageError(f"{flag} measures on a GPU: it needs a CUDA device")
 

@@ -73,20 +73,14 @@ def prepare_run_dir(args, experiment) -> rundir.RunDir:
 
 
 def make_run_dir(args, mode: str) -> tuple[str, bool]:
-    """The run directory, created (or found, with --resume) inside --output_dir, and whether
+    """The run directory, created (or, with --resume, found) inside --output_dir, and whether
     this run created it."""
     run_name = args.run_name or f"{mode}_{time.strftime('%Y%m%d_%H%M%S')}"
     made = True
     try:
         os.makedirs(args.output_dir, exist_ok=True)
         if args.resume:
-            run_dir = os.path.join(args.output_dir, run_name)
-            try:
-                os.mkdir(run_dir)
-            except FileExistsError:
-                if not os.path.isdir(run_dir):
-                    raise
-                made = False
+            run_dir, made = rundir.check_resumable(args.output_dir, args.run_name), False
         else:
             run_dir = rundir.new_run_dir(args.output_dir, run_name, numbered=not args.run_name)
     except OSError as error:
@@ -146,14 +140,17 @@ def git_commit(checkout: str | None = None) -> str | None:
 
 
 def record_load(run_dir: str, at_start: dict, at_end: dict) -> None:
-    """The machine's load while the configs ran, into run.json (its latest run or resume)."""
+    """The machine's load while the configs ran, into run.json (its latest run or resume), with
+    the run's own processes the readings count: one worker at a time, one per rank on this
+    node under torchrun."""
     record = read_json_or_none(os.path.join(run_dir, RUN_FILE), root=run_dir)
     if not isinstance(record, dict):
         return
     resumed = record.get("resumed")
     latest = resumed[-1] if isinstance(resumed, list) and resumed else record
     if isinstance(latest, dict):
-        latest["machine_load"] = {"at_start": at_start, "at_end": at_end}
+        own = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+        latest["machine_load"] = {"at_start": at_start, "at_end": at_end, "own_processes": own}
         write_json(os.path.join(run_dir, RUN_FILE), record)
 
 
@@ -228,9 +225,7 @@ def measure_and_summarise(args, experiment, run_dir: str, group=None) -> int:
         text = summary.write_summary(run_dir, loaded)
         reached = "done"
         print(text)
-        if not summary.is_capacity(loaded):  # a capacity run times nothing, names its files
-            if note := run_info.busy_note(load_at_start, load_at_end):
-                print(note)
+        if not summary.is_capacity(loaded):  # a capacity run names its files
             print(f"Summary: {run_dir}/summary.csv, {run_dir}/summary.md")
         interrupts.ignore()  # done: a signal now has nothing left to stop
         return exit_code_of(results)
@@ -285,4 +280,5 @@ def report_interrupt(args, run_dir, when: str, every_config_ran=False, summarise
         report = [*interrupts.launcher_words(), "--mode=report", "--input_dir", run_dir]
         say(f"The summary could not be written ({type(error).__name__}: {error}).", sys.stderr)
         say(f"Write it once the cause is fixed: {shlex.join(report)}", sys.stderr)
-    interrupts.say_continue(args.command_line, os.path.basename(run_dir))
+    resumable = rundir.kept_after_close(run_dir)
+    interrupts.say_continue(args.command_line, os.path.basename(run_dir), resumable)

@@ -11,7 +11,13 @@ import os
 from dp_cost.core.files import write_json, write_text
 from dp_cost.core.fmt import cell, render_table
 from dp_cost.report.figures import MB as MB_UNIT
-from dp_cost.report.figures import TRAINER_COLORS, pyplot, save_visualization
+from dp_cost.report.figures import (
+    TRAINER_COLORS,
+    pyplot,
+    save_visualization,
+    whole_number_ticks,
+    wrapped,
+)
 from dp_cost.report.results import (
     OFF_WORDS,
     distributed_words,
@@ -203,8 +209,9 @@ def plot_capacity(run_dir: str, results: list[dict]) -> str | None:
             ax.axhline(usable, ls="--", lw=0.8, color="gray")
             ax.annotate(f"{budget['gpu_memory_gib']:g} GiB card", (0, usable), fontsize=7,
                         xycoords=("axes fraction", "data"), va="bottom")  # fmt: skip
-        ax.set_title(title, fontsize=9)
+        ax.set_title(wrapped(title, 120), fontsize=9)
         ax.set_xlabel("physical batch")
+        whole_number_ticks(ax.xaxis)
         ax.set_ylabel(f"predicted peak reserved ({MB_UNIT})")
         ax.set_ylim(bottom=0)
         ax.grid(alpha=0.3)

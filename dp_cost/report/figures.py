@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import sys
+import textwrap
 
 from dp_cost.core.files import UnsafePath, atomic_write
 
@@ -113,6 +114,18 @@ def log2_axis(ax, values) -> None:
         ax.set_xscale("log", base=2)
     ax.set_xticks(values, [str(v) for v in values])
     ax.minorticks_off()
+
+
+def wrapped(text: str, width: int = 32) -> str:
+    """A long label in lines of at most ``width`` characters (tick labels, legends, titles)."""
+    return "\n".join(textwrap.wrap(text, width, break_long_words=False, break_on_hyphens=False))
+
+
+def whole_number_ticks(axis) -> None:
+    """An axis of counts (a batch, in samples) ticked at whole numbers only: no batch of 1.5."""
+    from matplotlib.ticker import MaxNLocator
+
+    axis.set_major_locator(MaxNLocator(integer=True))
 
 
 def memory_axis_from_zero(ax) -> None:

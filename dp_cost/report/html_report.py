@@ -21,15 +21,18 @@ from dp_cost.core.reading import is_file_at
 from dp_cost.core.schema import BREAKDOWN_LABELS, trainer_title
 from dp_cost.report import capacity
 from dp_cost.report.results import ordered, privacy_notes, shape_label
-from dp_cost.report.run_info import run_info
+from dp_cost.report.run_info import run_busy_note, run_info
 from dp_cost.report.tables import kernel_cells, kernel_rows, summary_cells, summary_rows
 
+# Nothing runs off the page: long notes wrap, a table wider than the page scrolls in its own box.
 STYLE = """
 body { font-family: sans-serif; margin: 1.5em; color: #222; }
+pre { white-space: pre-wrap; overflow-wrap: anywhere; }
+div.wide { overflow-x: auto; }
 table { border-collapse: collapse; margin: 0.5em 0 1em; font-size: 0.85em; }
 th, td { border: 1px solid #ccc; padding: 2px 6px; text-align: left; }
 th { background: #f0f0f0; }
-td.noisy { background: #fff0c0; }
+td.noisy, p.busy { background: #fff0c0; }
 .error { color: #b00000; white-space: pre-wrap; }
 img { max-width: 100%; border: 1px solid #ddd; margin: 0.5em 0; }
 section.config { border-top: 2px solid #ddd; margin-top: 1em; }
@@ -40,16 +43,17 @@ SNAPSHOT_HTML = "memory_timeline.html"  # the CUDA memory snapshot's timeline (-
 
 
 def table_html(header: list[str], body: list[list[str]]) -> str:
-    """An HTML table of already formatted cells; a cell flagged NOISY is highlighted."""
+    """An HTML table of already formatted cells, in a box that scrolls when it is wider than the
+    page; a cell flagged NOISY is highlighted."""
     head = "".join(f"<th>{escape(h)}</th>" for h in header)
-    lines = [f"<table><tr>{head}</tr>"]
+    lines = [f'<div class="wide"><table><tr>{head}</tr>']
     for cells in body:
         tds = "".join(
             f'<td class="noisy">{escape(c)}</td>' if "NOISY" in c else f"<td>{escape(c)}</td>"
             for c in cells
         )
         lines.append(f"<tr>{tds}</tr>")
-    return "\n".join(lines) + "</table>"
+    return "\n".join(lines) + "</table></div>"
 
 
 def image_html(path: str, root: str | None = None) -> str:
@@ -185,15 +189,21 @@ def report_html(
         f"<title>{escape(name)}: report</title><style>{STYLE}</style></head><body>",
         f"<h1>{escape(name)}</h1>",
         header_html(run_dir, results),
-        f"<p>{count(len(results), 'config')}. Times: median of the measured steps; steps_ms: "
-        "their range; spread: (max - min) / median, NOISY over 10%. Memory in MB (2^20 "
-        "bytes); ratios against standard at the same shape.</p>",
     ]
+    predicted = capacity.is_capacity(results)  # predictions: the capacity table, no step timed
+    if predicted:
+        parts.append(f"<p>{count(len(results), 'config')}, predicted without a step.</p>")
+    else:
+        parts.append(
+            f"<p>{count(len(results), 'config')}. Times: median of the measured steps; "
+            "steps_ms: their range; spread: (max - min) / median, NOISY over 10%. Memory in MB "
+            "(2^20 bytes); ratios against standard at the same shape.</p>"
+        )
     skipped = getattr(results, "skipped", [])
     if skipped:
         items = "".join(f"<li>{escape(path)}: {escape(why)}</li>" for path, why in skipped)
         parts.append(f"<p>{count(len(skipped), 'result file')} skipped:</p><ul>{items}</ul>")
-    if capacity.is_capacity(results):  # predictions: the capacity table, not measured times
+    if predicted:
         parts += ["<h2>Will it fit? Predicted peak memory</h2>"]
         parts += [table_html(*capacity.table_cells(capacity.entries_of(results)))]
         parts += [f"<p>{escape(capacity.NOTES.strip())}</p>"]
@@ -201,6 +211,8 @@ def report_html(
         parts += ["<h2>Summary</h2>", table_html(*summary_cells(summary_rows(results)))]
         if notes := privacy_notes(results).strip():
             parts += [f"<pre>{escape(notes)}</pre>"]
+        if busy := run_busy_note(run_dir):
+            parts += [f'<p class="busy">{escape(busy)}</p>']
     kernels = kernel_rows(results)
     if kernels:
         parts += ["<h2>GPU kernel time per category, ms (extra over standard)</h2>"]

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import os
 import sys
-import textwrap
 
 from dp_cost.core.kernel_names import memory_curve_from_trace
 from dp_cost.core.reading import UnreadableFile, is_file_at
@@ -20,6 +19,7 @@ from dp_cost.report.figures import (
     pyplot,
     save_visualization,
     shade_phases,
+    wrapped,
 )
 from dp_cost.report.results import (
     BASELINE,
@@ -37,17 +37,12 @@ from dp_cost.report.results import (
 CPU_CURVE_NOTE = "CPU: curve from 0 at the step's start;\nthe table's peak adds what was live then"
 
 
-def _wrapped(text: str, width: int = 32) -> str:
-    """A long label in lines of at most ``width`` characters (tick labels, legends, titles)."""
-    return "\n".join(textwrap.wrap(text, width, break_long_words=False, break_on_hyphens=False))
-
-
 def _labels(rows: list[dict], sep: str = "\n") -> tuple[str, list[str]]:
     """What the rows' configs share (for the title), and each row's trainer with the settings
     that tell its shape from the others (tick labels: wrapped under the trainer)."""
     common, differ = shape_labels([r["config"] for r in rows])
     labels = [
-        r["config"]["trainer"] + (sep + (_wrapped(d) if sep == "\n" else d) if d else "")
+        r["config"]["trainer"] + (sep + (wrapped(d) if sep == "\n" else d) if d else "")
         for r, d in zip(rows, differ)
     ]
     return common, labels
@@ -100,7 +95,8 @@ def plot_memory_curves(run_dir: str, results: list[dict]) -> str | None:
             label, differs = _curve_label(result, curve)
             offsets |= differs
             ax.plot(t, mb, label=label, lw=1.2, color=TRAINER_COLORS.get(trainer))
-        ax.set_title(shape_label(lines[0][0]["config"]), fontsize=10)
+        # wrapped: a panel's width is the figure's less the legend beside it
+        ax.set_title(wrapped(shape_label(lines[0][0]["config"]), 72), fontsize=10)
         ax.set_xlabel("time in the traced step (ms)")
         ax.set_ylabel(f"allocated ({MB})")
         memory_axis_from_zero(ax)
@@ -125,7 +121,7 @@ def plot_breakdown(run_dir: str, results: list[dict]) -> str | None:
     common, labels = _labels(rows)
     fig, (left, right) = plt.subplots(1, 2, figsize=(15, 6.5), constrained_layout=True)
     if common:
-        fig.suptitle(_wrapped(f"Every config: {common}", 160), fontsize=10)
+        fig.suptitle(wrapped(f"Every config: {common}", 160), fontsize=10)
     colors = plt.get_cmap("tab10").colors
     x = range(len(rows))
     bottom = [0.0] * len(rows)
@@ -222,12 +218,12 @@ def plot_tradeoff(run_dir: str, results: list[dict]) -> str | None:
         ax.scatter([], [], color=TRAINER_COLORS.get(trainer, "gray"), label=trainer)
     common, differ = shape_labels(list(shapes.values()))
     for i, label in enumerate(differ if len(shapes) > 1 else []):
-        ax.scatter([], [], color="gray", marker=marker(i), label=_wrapped(label, 44))
+        ax.scatter([], [], color="gray", marker=marker(i), label=wrapped(label, 44))
     ax.set_xlabel("median step time (ms)")
     ax.set_ylabel(f"peak allocated memory ({MB})")
     memory_axis_from_zero(ax)
     title = "Memory vs time per trainer (lower left is better)"
-    ax.set_title(title + (f"\n{_wrapped(common, 80)}" if common else ""), fontsize=10)
+    ax.set_title(title + (f"\n{wrapped(common, 80)}" if common else ""), fontsize=10)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.02, 1))  # beside, never on a point
     return save_visualization(fig, run_dir, "performance_tradeoff.png")

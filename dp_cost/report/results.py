@@ -1,7 +1,7 @@
 """Result files read back, put in order, and matched up: which configs a report compares.
 
-Two comparisons, both keyed by the settings table (``core.settings.comparison_key``: the
-settings marked ``compare``): a run compares every trainer with ``standard`` at the same shape
+Two comparisons, both keyed by the settings table (``comparison_key``: the settings marked
+``compare``): a run compares every trainer with ``standard`` at the same shape
 (``shape_key``), and a sweep fits how the peak grows along one swept setting among configs of one
 trainer equal in every other compared setting (``series_key``).
 """
@@ -14,7 +14,7 @@ import sys
 from dp_cost.core.hf_architectures import HF_CONFIGS
 from dp_cost.core.reading import UnreadableFile, folder_names, lexists_at, read_result
 from dp_cost.core.schema import trainer_rank
-from dp_cost.core.settings import comparison_key
+from dp_cost.core.settings import SETTINGS
 from dp_cost.parallel.mode import MODES
 from dp_cost.report.result_check import result_problem
 
@@ -55,6 +55,13 @@ def load_results(run_dir: str, warn=None) -> LoadedResults:
 
 
 # ---------------------------------------------------------------- a run: same-shape comparisons
+def comparison_key(config: dict, leave_out: str | None = None) -> tuple:
+    """Everything but the trainer that reports compare on: configs with equal keys (from
+    ``result.json``'s config) are the same shape, measured by different trainers. ``leave_out``:
+    a setting's name, for configs that differ at most in that setting (a sweep's series)."""
+    return tuple(s.value_in(config) for s in SETTINGS if s.compare and s.name != leave_out)
+
+
 def shape_key(config: dict) -> tuple:
     """Everything but the trainer: configs with the same key are compared with each other."""
     return comparison_key(config)

@@ -87,8 +87,8 @@ def run_info(run_dir: str, results: list[dict], warn=None) -> list[tuple[str, st
     return rows
 
 
-# A 1-minute load average over this many runnable processes per CPU, beside the run's own
-# worker, makes step times noisy (the timed steps share the cores).
+# A 1-minute load average beyond the run's own processes over this many runnable processes per
+# CPU makes step times noisy: the timed steps share the cores with the rest.
 BUSY_LOAD_PER_CPU = 0.5
 
 
@@ -102,17 +102,39 @@ def machine_load() -> dict:
     return {"cpus": os.cpu_count(), "load": load}
 
 
-def busy_note(at_start: dict, at_end: dict) -> str | None:
-    """One line saying the machine was busy while the run measured, or None. At the start the
-    load is other processes'; at the end it includes the run's own worker (about 1)."""
+def busy_note(at_start: dict, at_end: dict, own: int = 1) -> str | None:
+    """One line saying the machine was busy while the run measured, or None. Both readings
+    count the run's own ``own`` processes (its workers at the end; the CLI, and a run just
+    before it, at the start): the note fires when the load beyond them exceeds half the CPUs."""
     cpus = at_start.get("cpus") or at_end.get("cpus")
     start, end = at_start.get("load"), at_end.get("load")
     if not cpus or start is None or end is None:
         return None
-    if start <= BUSY_LOAD_PER_CPU * cpus and end - 1 <= BUSY_LOAD_PER_CPU * cpus:
+    if max(start, end) - own <= BUSY_LOAD_PER_CPU * cpus:
         return None
     return (
         f"note: the machine was busy while this run measured (1-minute load average {start:g} "
-        f"at the start, {end:g} at the end, on {cpus} CPUs; this run's worker counts about 1): "
+        f"at the start, {end:g} at the end, on {cpus} CPUs, about {own} of it this run's own): "
         "step times may be noisy, ratios of NOISY rows most of all"
     )
+
+
+def _number(value) -> float | None:
+    return value if isinstance(value, (int, float)) and not isinstance(value, bool) else None
+
+
+def run_busy_note(run_dir: str, warn=None) -> str | None:
+    """``busy_note`` of the run's latest measuring, from run.json's ``machine_load`` (the run's,
+    or its last resume's); None where none is recorded."""
+    run = read_json_or_none(os.path.join(run_dir, RUN_FILE), warn=warn)
+    resumed = run.get("resumed") if isinstance(run, dict) else None
+    latest = resumed[-1] if isinstance(resumed, list) and resumed else run
+    load = latest.get("machine_load") if isinstance(latest, dict) else None
+    if not isinstance(load, dict):
+        return None
+    readings = [load.get(moment) for moment in ("at_start", "at_end")]
+    readings = [
+        {key: _number(r.get(key)) for key in ("cpus", "load")} if isinstance(r, dict) else {}
+        for r in readings
+    ]
+    return busy_note(*readings, own=int(_number(load.get("own_processes")) or 1))

@@ -10,7 +10,7 @@ import sys
 
 from dp_cost.core.files import UnsafePath, write_text
 from dp_cost.core.fmt import count
-from dp_cost.report import capacity, html_report, plots, sweep, trace_analysis
+from dp_cost.report import capacity, html_report, plots, run_info, sweep, trace_analysis
 from dp_cost.report.figures import draw_each
 from dp_cost.report.results import load_results, privacy_notes
 from dp_cost.report.tables import (
@@ -66,6 +66,23 @@ def _run_plot_jobs(run_dir: str, results: list[dict], crowded: bool) -> list:
     return jobs
 
 
+# Up to this many plots are named one by one; more (a sweep's two dozen) are counted by folder.
+PLOTS_NAMED = 4
+
+
+def plots_line(made: list[str]) -> str:
+    """The plots written: their paths when few, else each folder with its count."""
+    if not made:
+        return ""
+    if len(made) <= PLOTS_NAMED:
+        return "\nPlots: " + ", ".join(made) + "\n"
+    folders: dict[str, int] = {}
+    for path in made:
+        folders[os.path.dirname(path)] = folders.get(os.path.dirname(path), 0) + 1
+    counted = ", ".join(f"{n} in {folder}{os.sep}" for folder, n in folders.items())
+    return f"\nPlots: {counted} (report.html shows every one)\n"
+
+
 def write_summary(run_dir: str, results: list[dict]) -> str:
     """Write the tables (summary.csv, .md, .txt) first, then the plots and report.html; return
     the text of the tables, the plots written and any that failed. A --mode=capacity run's
@@ -81,9 +98,11 @@ def write_summary(run_dir: str, results: list[dict]) -> str:
         return text + f"Capacity: {os.path.join(run_dir, capacity.CAPACITY_JSON)}\n"
     rows = summary_rows(results)
     write_text(os.path.join(run_dir, "summary.csv"), csv_text(COLUMNS, rows))
-    privacy = privacy_notes(results)
-    text = format_table(rows) + privacy
-    markdown = format_table(rows, markdown=True) + privacy
+    # under the table: what its epsilons cover, and whether the machine was busy (run.json)
+    busy = run_info.run_busy_note(run_dir)
+    notes_below = privacy_notes(results) + (f"\n{busy}\n" if busy else "")
+    text = format_table(rows) + notes_below
+    markdown = format_table(rows, markdown=True) + notes_below
     kernels = kernel_rows(results)
     if kernels:
         text += KERNEL_TITLE + format_kernel_table(kernels)
@@ -114,8 +133,7 @@ def write_summary(run_dir: str, results: list[dict]) -> str:
         print(f"warning: {line}", file=sys.stderr)
     page = lambda: html_report.write_html_report(run_dir, results, made, findings, traces)
     html, html_failed = draw_each([("report.html", page)])
-    if made:
-        text += "\nPlots: " + ", ".join(made) + "\n"
+    text += plots_line(made)
     text += "".join(f"{line}\n" for line in failed + html_failed)
     if traces[0]:
         text += f"Trace analysis: {os.path.join(run_dir, trace_analysis.TRACE_CSV)}\n"

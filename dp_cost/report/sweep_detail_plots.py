@@ -16,6 +16,7 @@ from dp_cost.report.figures import (
     save_visualization,
     say,
     shade_phases,
+    wrapped,
 )
 from dp_cost.report.results import (
     SWEPT,
@@ -193,7 +194,7 @@ def _by_group_series(ax, ok, param, value_of, title) -> None:
     ax.set_xlabel(dict(SWEPT)[param])
     ax.set_ylabel(MB)
     memory_axis_from_zero(ax)
-    ax.set_title(title, fontsize=10)
+    ax.set_title(wrapped(title, 48), fontsize=10)  # a quarter of the figure
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7, ncol=2)
 

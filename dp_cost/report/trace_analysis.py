@@ -15,7 +15,8 @@ HTA has no differential-privacy categories: those stay in the kernel table (``re
 ``kernels``, from ``core.kernel_names``). A CPU trace has no GPU kernels, so nothing to analyse:
 its row says so (without reading it when the result's ``env`` says the device was the CPU).
 HTA imports pandas, plotly and networkx (not torch): it is imported here only when a run has GPU
-traces, and a report without it writes everything else and says what to install.
+traces. Without it no trace_analysis.csv is written, for a CPU run too: the report writes
+everything else and says, once, what to install.
 """
 
 from __future__ import annotations
@@ -161,7 +162,7 @@ def trace_rows(run_dir: str, results: list[dict]) -> tuple[list[dict], str | Non
     traced = [(r, traces) for r, traces in traced if traces]
     if not traced:
         return [], None
-    if not all(_on_cpu(r) for r, _ in traced) and not hta_installed():
+    if not hta_installed():
         return [], INSTALL_HINT
     rows = []
     for result, traces in traced:

@@ -54,6 +54,19 @@ def test_read_only_output_dir_is_refused_even_for_root(tmp_path):
         subprocess.run(["chattr", "-i", str(locked)], check=True)
 
 
+def test_resume_needs_an_existing_run_directory_named(tmp_path):
+    with pytest.raises(UsageError, match=f"no run directory {tmp_path}/nosuchrun to continue"):
+        rundir.check_resumable(str(tmp_path), "nosuchrun")
+    with pytest.raises(UsageError, match="name it with --run_name"):
+        rundir.check_resumable(str(tmp_path), None)  # a default name is a new one
+    (tmp_path / "a_file").write_text("")
+    with pytest.raises(UsageError, match="no run directory"):
+        rundir.check_resumable(str(tmp_path), "a_file")
+    (tmp_path / "r").mkdir()
+    assert rundir.check_resumable(str(tmp_path), "r") == str(tmp_path / "r")
+    assert sorted(os.listdir(tmp_path)) == ["a_file", "r"]  # nothing created
+
+
 def test_paths_are_contained_after_resolving_symlinks(tmp_path):
     (tmp_path / "run").mkdir()
     (tmp_path / "outside").mkdir()
@@ -100,3 +113,26 @@ def test_a_second_process_on_a_locked_run_stops_naming_the_holder(tmp_path):
         holder.wait()
     lock = rundir.RunLock(str(tmp_path))  # the kernel dropped the dead holder's lock
     lock.release()
+
+
+def test_the_command_that_continues_a_run_resumes_only_a_run_directory_that_stays(tmp_path):
+    """After an interrupt: --resume where the run directory stays, the same name without it
+    where the directory this run made held nothing and goes (--resume refuses a missing run)."""
+    from dp_cost.core import interrupts
+
+    os.mkdir(tmp_path / "r")
+    run = rundir.RunDir(str(tmp_path / "r"), made=True, kept_names=("run.json",))
+    try:
+        (tmp_path / "r" / "run.json").write_text("{}")
+        assert not rundir.kept_after_close(run.path)  # only bookkeeping: removed on close
+        (tmp_path / "r" / "flash_bs2_seq8").mkdir()
+        assert rundir.kept_after_close(run.path)
+    finally:
+        run.close()
+    assert rundir.kept_after_close(str(tmp_path / "r"))  # closed, still there
+    assert not rundir.kept_after_close(str(tmp_path / "gone"))
+    words = ["profiling_script.py", "--mode=test", "--resume", "--run_name", "old", "--steps", "2"]
+    resumed = interrupts.continue_command(words, "r", resume=True).split()
+    assert resumed[-5:] == ["--steps", "2", "--resume", "--run_name", "r"]
+    again = interrupts.continue_command(words, "r", resume=False).split()
+    assert again[-4:] == ["--steps", "2", "--run_name", "r"] and "--resume" not in again

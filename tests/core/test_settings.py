@@ -2,18 +2,13 @@
 and the command line and the plan both reading the one table."""
 
 import argparse
-import glob
-import os
-import re
-import shlex
 
 import pytest
-from cli_helpers import ROOT, TORCHRUN_ENV
 
 import profiling_script
 from dp_cost.core import settings
-from dp_cost.core.modes import MODES
 from dp_cost.measure.config import ExperimentConfig, changed_settings
+from dp_cost.report.results import comparison_key
 
 
 @pytest.mark.parametrize(
@@ -57,14 +52,14 @@ def test_result_config_records_every_setting_but_plan_internals():
 def test_comparison_key_ignores_the_trainer_and_lora_rank_without_lora():
     base = ExperimentConfig("standard", 4, 64).to_dict()
     other = ExperimentConfig("ghost", 4, 64, lora_rank=32).to_dict()
-    assert settings.comparison_key(base) == settings.comparison_key(other)
+    assert comparison_key(base) == comparison_key(other)
     for change in ({"dtype": "bfloat16"}, {"max_physical_batch_size": 2}, {"optimizer": "adam"}):
         changed = ExperimentConfig("ghost", 4, 64, **change).to_dict()
-        assert settings.comparison_key(changed) != settings.comparison_key(base), change
+        assert comparison_key(changed) != comparison_key(base), change
     # An older result without the newer keys reads as their defaults.
     old_keys = ("model", "batch_size", "seq_len", "physical_batch_size", "dtype", "attention")
     old = {k: base[k] for k in old_keys}
-    assert settings.comparison_key(old) == settings.comparison_key(base)
+    assert comparison_key(old) == comparison_key(base)
 
 
 def test_changed_settings_names_what_differs():
@@ -115,31 +110,49 @@ def test_mode_defaults_reach_the_plan_and_flags_override_them():
     assert {(c.trainer, c.steps, c.trace) for c in given.configs} == {("standard", 7, False)}
 
 
-def test_without_cuda_a_gpu_mode_runs_what_its_mode_row_says():
+def test_without_cuda_a_gpu_mode_runs_what_its_mode_row_says(capsys):
     from dp_cost.measure import plan
 
     def planned(*argv):
         return plan.make_plan(profiling_script.parse_args(list(argv)), cuda_available=lambda: False)
 
     profile = planned("--mode=profile")
-    assert profile.mode == "test" and profile.device == "cpu" and "test defaults" in profile.note
+    assert profile.mode == "test" and profile.device == "cpu"
+    assert "test defaults" in profile.device_note and profile.note is None
     assert profile.configs[0].model == "tiny"
     memory = planned("--mode=memory")
     assert memory.mode == "memory" and memory.configs[0].breakdown  # null on CPU, still asked
     assert memory.configs[0].seq_len == 256
+    # A GPU-sized shape given is not run on the CPU: the CPU defaults' shape runs, said first.
+    capsys.readouterr()
+    given = planned("--mode=memory", "--seq_len", "16384", "--batch_size", "1", "--model", "1b",
+                    "--hidden_dim", "64", "--trainers", "flash")  # fmt: skip
+    shapes = {(c.model, c.batch_size, c.seq_len) for c in given.configs}
+    assert shapes == {("tiny", b, t) for b in (2, 4) for t in (256, 512)}
+    assert all(c.model_overrides == {} for c in given.configs)
+    assert capsys.readouterr().out == given.device_note + "\n"
+    assert given.device_note.splitlines()[1] == (
+        "Not used: --batch_sizes 1 --seq_lens 16384 --model 1b --hidden_dim 64 (--device cpu "
+        "runs them on the CPU)."
+    )
+    forced = planned("--mode=memory", "--seq_len", "64", "--batch_size", "1", "--device", "cpu")
+    assert [(c.batch_size, c.seq_len) for c in forced.configs[:1]] == [(1, 64)]
+    assert forced.device_note is None
     sweep = planned("--mode=hf_sweep")
-    assert sweep.configs[0].model == "tiny-llama" and "tiny-llama" in sweep.note
+    assert sweep.configs[0].model == "tiny-llama" and "tiny-llama" in sweep.device_note
     hf = planned("--mode=hf")  # keeps its own defaults on the CPU, with the CPU's model
-    assert hf.mode == "hf" and "tiny-llama" in hf.note and "test defaults" not in hf.note
+    assert hf.mode == "hf" and "tiny-llama" in hf.device_note
+    assert "test defaults" not in hf.device_note
     first = hf.configs[0]
     assert (first.model, first.lr, first.steps, first.batch_size) == ("tiny-llama", 1e-5, 5, 32)
     with pytest.raises(settings.UsageError, match="add --device cpu"):
         planned("--mode=hf", "--model", "meta-llama/Llama-3.2-3B")  # billions of parameters
     forced = planned("--mode=hf", "--model", "meta-llama/Llama-3.2-3B", "--device", "cpu")
-    assert forced.configs[0].model == "meta-llama/Llama-3.2-3B" and forced.note is None
+    assert forced.configs[0].model == "meta-llama/Llama-3.2-3B" and forced.device_note is None
 
     forced = planned("--mode=hf_sweep", "--device", "cpu")
-    assert forced.note is None and forced.configs[0].model == "meta-llama/Llama-3.1-8B-Instruct"
+    assert forced.device_note is None
+    assert forced.configs[0].model == "meta-llama/Llama-3.1-8B-Instruct"
     with pytest.raises(settings.UsageError):
         planned("--device", "cuda")
 
@@ -150,66 +163,71 @@ def test_switches_set_their_value_and_stay_unset_otherwise():
     assert args.no_poisson is False and args.use_lora is True and args.no_trace is None
 
 
-@pytest.mark.parametrize(
-    "argv",
-    [
-        ["--use_lora"],  # the LM has no LoRA
-        ["--lora_rank", "4"],
-        ["--no_poisson"],  # nor Poisson sampling, a dataset or epsilon
-        ["--delta", "0.1"],
-        ["--mode=hf", "--model", "tiny-llama", "--hidden_dim", "64"],  # HF configs are shipped
-    ],
-)
-def test_a_setting_the_model_would_ignore_is_an_error(argv):
+LLAMA = ["--mode=hf", "--model", "tiny-llama"]
+# Each setting with a scope, given outside it (the first flag named in the error).
+OUTSIDE_SCOPE = {
+    "lora_rank": [*LLAMA, "--lora_rank", "8"],  # without --use_lora: full fine-tuning
+    "use_lora": ["--use_lora"],  # the LM has no LoRA
+    "pretrained": ["--pretrained"],
+    "dataset_path": ["--dataset_path", "snli.jsonl"],  # refused before the file is read
+    "dataset_size": [*LLAMA, "--dataset_path", "snli.jsonl", "--dataset_size", "50"],
+    "poisson": ["--no_poisson"],
+    "delta": [*LLAMA, "--no_poisson", "--delta", "0.1"],  # no epsilon to be the delta of
+    **{name: [*LLAMA, f"--{name}", "64"] for name in settings.MODEL_OVERRIDES},
+    "gpu_memory": ["--gpu_memory", "80"],
+    "find_max_batch": ["--find_max_batch"],
+    "find_max_seq_len": ["--find_max_seq_len"],
+    "validate": ["--validate"],
+    "noise_multiplier": ["--trainers", "standard", "--sigma", "2"],
+    "max_grad_norm": ["--trainers", "standard", "--max_grad_norm", "2"],
+    "clipping": ["--trainers", "standard", "--clipping", "per_layer"],
+    "steps": ["--mode=capacity", "--steps", "4"],  # a prediction takes no step
+    "warmup_steps": ["--mode=capacity", "--warmup_steps", "4"],
+    "host_work": ["--mode=capacity", "--host_work"],
+    "flash_route": ["--trainers", "dpsgd", "--flash_route", "gram"],
+    "noise_sampler": ["--trainers", "standard", "flash", "--noise_sampler", "exact64"],
+    "trace": ["--mode=memory", "--no_trace"],  # memory never traces
+    "trace_gzip": ["--no_trace", "--trace_gzip"],
+    "save_snapshot": ["--save_snapshot"],  # no breakdown in test mode
+}
+
+
+def test_every_setting_given_outside_its_scope_is_one_error_naming_it():
+    """One check (plan_checks.check_scopes) for every setting whose row has a scope."""
     from dp_cost.measure import plan
 
-    args = profiling_script.parse_args(["--device", "cpu", *argv])
-    with pytest.raises(settings.UsageError, match="applies only to"):
-        plan.make_plan(args, cuda_available=lambda: False)
+    scoped = {s.name for s in settings.SETTINGS if s.scope is not None}
+    assert scoped == set(OUTSIDE_SCOPE)
+    for name, argv in OUTSIDE_SCOPE.items():
+        args = profiling_script.parse_args(["--device", "cpu", *argv])
+        with pytest.raises(settings.UsageError) as refused:
+            plan.make_plan(args, cuda_available=lambda: False)
+        flag = settings.BY_NAME[name].flags[0]
+        assert str(refused.value).startswith(f"{flag} applies only to "), (name, refused.value)
+        assert "\n" not in str(refused.value)
 
 
-README_COMMAND = re.compile(r"^(?:torchrun\s.*?\s|python3?\s+)profiling_script\.py\s+(.*)$")
-
-
-def readme_commands() -> list[str]:
-    """The profiling_script.py command lines of the bash blocks of README and the topic pages
-    under docs/, continuations joined, comments dropped; one with a placeholder (runs/<run>,
-    ...) is not a command to plan."""
-    pages = [
-        os.path.join(ROOT, "README.md"),
-        *sorted(glob.glob(os.path.join(ROOT, "docs", "*.md"))),
-    ]
-    blocks = []
-    for page in pages:
-        with open(page, encoding="utf-8") as f:
-            blocks += re.findall(r"```bash\n(.*?)```", f.read(), re.S)
-    lines = [
-        line.split("  #")[0].strip() for b in blocks for line in b.replace("\\\n", " ").splitlines()
-    ]
-    commands = [line for line in lines if README_COMMAND.match(line)]
-    return [line for line in commands if "<" not in line and "..." not in line]
-
-
-def test_every_readme_command_plans(monkeypatch):
-    """What README tells users to type parses and plans (CUDA stubbed; torchrun's environment
-    for the torchrun lines): a renamed flag or a changed default fails here, not for a user."""
+def test_a_scope_refusal_names_what_the_run_is_instead():
     from dp_cost.measure import plan
 
-    commands = readme_commands()
-    assert len(commands) >= 10 and any(c.startswith("torchrun") for c in commands)
-    for command in commands:
-        argv = shlex.split(README_COMMAND.match(command).group(1))
-        with monkeypatch.context() as env:
-            for name, value in (TORCHRUN_ENV if command.startswith("torchrun") else {}).items():
-                env.setenv(name, value)
-            try:
-                args = profiling_script.parse_args(argv)
-            except SystemExit:
-                pytest.fail(f"README's command does not parse: {command}")
-            if not MODES[args.mode].runs:  # report modes: read existing files
-                continue
-            planned = plan.make_plan(args, cuda_available=lambda: True)
-        assert planned.configs, command
+    def refusal(*argv) -> str:
+        args = profiling_script.parse_args(["--device", "cpu", *argv])
+        with pytest.raises(settings.UsageError) as refused:
+            plan.make_plan(args, cuda_available=lambda: False)
+        return str(refused.value)
+
+    assert refusal("--use_lora", "--no_poisson") == (
+        "--use_lora, --no_poisson apply only to Hugging Face models (--model tiny-llama or a "
+        "Llama name); model is 'tiny'"
+    )  # the first scope broken, with every flag given outside it
+    assert refusal(*LLAMA, "--lora_rank", "8").endswith(
+        "applies only to LoRA runs of a Hugging Face model (--use_lora); without --use_lora every "
+        "weight is trained"
+    )
+    assert refusal("--mode=memory", "--no_trace").endswith("(test, profile, hf); mode is memory")
+    assert refusal("--trainers", "standard", "ghost", "--flash_route", "gram").endswith(
+        "runs of the flash trainer; trainers: standard, ghost"
+    )
 
 
 def test_experiment_config_is_the_settings_table_written_out():

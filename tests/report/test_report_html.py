@@ -7,7 +7,10 @@ import html
 import html.parser
 import json
 import re
+import shutil
+import subprocess
 
+import pytest
 from test_report_summary import RESULTS, write_run
 
 from dp_cost.report import summary as report
@@ -120,3 +123,67 @@ def test_report_html_header_from_run_json(tmp_path):
     assert rows["torch"] == "2.13.0+cpu / 2.12.0" and rows["device"] == "cpu"
     assert rows["CUDA"] == "none (a CPU run)"
     assert (rows["Python"], rows["toolkit git commit"]) == ("3.11.7", "0123abc (dirty)")
+
+
+def long_noted_page(tmp_path) -> str:
+    """report.html of a run whose notes are long lines: epsilon's, a busy machine's."""
+    results = [dict(r) for r in RESULTS]
+    results[0]["clipping"] = {"rule": "flat"}  # a DP config of the causal LM: epsilon null, why
+    write_run(tmp_path, results)
+    load = {"at_start": {"cpus": 2, "load": 3.5}, "at_end": {"cpus": 2, "load": 3.0}}
+    (tmp_path / "run.json").write_text(json.dumps({"command": ["x"], "machine_load": load}))
+    report.write_summary(str(tmp_path), report.load_results(str(tmp_path)))
+    return (tmp_path / "report.html").read_text()
+
+
+def test_report_html_wraps_its_notes_and_scrolls_wide_tables_in_their_box(tmp_path):
+    text = long_noted_page(tmp_path)
+    notes = re.findall(r"<pre>(.*?)</pre>", text, re.DOTALL)
+    assert any(len(line) > 150 for note in notes for line in note.splitlines())  # a long line
+    style = text.split("<style>", 1)[1].split("</style>", 1)[0]
+    assert re.search(r"pre \{[^}]*white-space: pre-wrap", style)  # ... wraps
+    assert re.search(r"div\.wide \{[^}]*overflow-x: auto", style)
+    assert text.count("<table>") == text.count('<div class="wide"><table>') > 0
+
+
+# Each browser that may be installed: how it takes a headless screenshot of a page.
+WINDOW = (1000, 700)
+CHROME = lambda exe, png, url: [exe, "--headless", "--no-sandbox", "--disable-gpu",
+                                f"--window-size={WINDOW[0]},{WINDOW[1]}", f"--screenshot={png}",
+                                url]  # fmt: skip
+FIREFOX = lambda exe, png, url: [exe, "--headless", "--window-size", f"{WINDOW[0]},{WINDOW[1]}",
+                                 "--screenshot", png, url]  # fmt: skip
+BROWSERS = {
+    **dict.fromkeys(("chromium-headless-shell", "chromium", "chromium-browser", "google-chrome",
+                     "google-chrome-stable", "chrome"), CHROME),
+    **dict.fromkeys(("firefox", "firefox-esr"), FIREFOX),
+}  # fmt: skip
+INSTALLED = next(((shutil.which(b), how) for b, how in BROWSERS.items() if shutil.which(b)), None)
+# Marks the page's top left corner once it has loaded: green when nothing runs off the page to
+# the right, red when something does.
+PROBE = """<script>
+window.addEventListener("load", () => {
+  const root = document.documentElement;
+  const mark = document.createElement("div");
+  mark.style.cssText = "position:fixed;left:0;top:0;width:40px;height:40px;z-index:99999;"
+    + "background:" + (root.scrollWidth > root.clientWidth + 1 ? "#ff0000" : "#00ff00");
+  document.body.appendChild(mark);
+});
+</script>"""
+
+
+@pytest.mark.skipif(INSTALLED is None, reason="no chromium, chrome or firefox installed")
+def test_nothing_runs_off_report_html_in_a_browser(tmp_path):
+    """The page with its long notes, shown by a headless browser in a 1000-pixel window."""
+    import matplotlib.image
+
+    text = long_noted_page(tmp_path)
+    probed = tmp_path / "probed.html"
+    probed.write_text(text.replace("</body>", PROBE + "</body>"))
+    exe, how = INSTALLED
+    screenshot = tmp_path / "page.png"
+    shown = subprocess.run(how(exe, str(screenshot), probed.as_uri()), capture_output=True,
+                           text=True, timeout=120, cwd=tmp_path)  # fmt: skip
+    assert screenshot.exists(), shown.stderr[-2000:]
+    red, green, _ = matplotlib.image.imread(screenshot)[10, 10][:3]
+    assert (round(red), round(green)) == (0, 1), "something runs off the page to the right"

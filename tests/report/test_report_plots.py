@@ -6,6 +6,7 @@ offset from the table's peak said in the legend."""
 import json
 
 import pytest
+from figure_checks import check_figures
 from test_report_summary import run_result
 from test_report_sweep import synthetic_result
 
@@ -105,3 +106,76 @@ def test_sweep_titles_read_as_words(tmp_path, drawn):
         "dpsgd, sequence length 256, batch 8, physical batch 2, full fine-tuning, "
         "model meta-llama/Llama-3.1-8B-Instruct, bf16"
     )
+
+
+def long_run_results(tmp_path) -> list[dict]:
+    """A run's results whose shapes take long titles (the tiny LM's words, one shape each), with
+    a CPU trace (memory curve), phase snapshots (timeline) and breakdowns."""
+    results = []
+    for trainer, batch in (("standard", 8), ("dpsgd", 8), ("standard", 4)):
+        result = run_result(trainer, batch, 40.0 + batch, 10.0 + batch)
+        result["config"] |= {
+            "model": "tiny",
+            "dtype": "float32",
+            "attention": "explicit",
+            "optimizer": "sgd",
+            "physical_batch_size": batch,
+            "seq_len": 256,
+        }
+        result |= {"env": {"memory_source": "cpu-profiler"}, "trace_file": "t.pt.trace.json"}
+        phases = ["forward_done", "backward_done", "step_done"] * 2
+        result["snapshots"] = [
+            {"name": n, "timestamp": 0.1 * i, "allocated_mb": 20.0 + i, "phase_peak_mb": 30.0 + i}
+            for i, n in enumerate(["start", *phases])
+        ]
+        events = [{"ph": "i", "name": "[memory]", "ts": ts,
+                   "args": {"Device Type": 0, "Total Allocated": b * 2**20}}
+                  for ts, b in ((0, 1), (10, 20 + batch), (20, 4))]  # fmt: skip
+        (tmp_path / result["config_dir"]).mkdir()
+        (tmp_path / result["config_dir"] / "t.pt.trace.json").write_text(json.dumps(events))
+        results.append(result)
+    return results
+
+
+def test_a_runs_figures_keep_their_texts_inside(tmp_path, kept_figures):
+    from dp_cost.report import summary
+
+    summary.write_summary(str(tmp_path), long_run_results(tmp_path))
+    assert {"memory_curve.png", "memory_breakdown_comparison.png", "memory_timeline.png",
+            "performance_tradeoff.png"} <= set(kept_figures)  # fmt: skip
+    check_figures(kept_figures)
+
+
+def capacity_result(trainer: str, points: list[tuple[int, float]]) -> dict:
+    """A --mode=capacity result predicted at the given (physical batch, MB) points."""
+    config = {"trainer": trainer, "model": "tiny", "batch_size": 3, "seq_len": 16,
+              "physical_batch_size": 3, "dtype": "float32", "attention": "explicit",
+              "optimizer": "sgd", "capacity": True, "gpu_memory": [0.9]}  # fmt: skip
+    predictions = [
+        {"physical_batch_size": b, "peak_memory_mb": mb, "peak_reserved_mb": mb + 2}
+        for b, mb in points
+    ]
+    budget = {"gpu_memory_gib": 0.9, "allocator_room_mb": 400.0, "physical_batch_size": 3}
+    return {
+        "config_dir": f"{trainer}_bs3_seq16",
+        "status": "ok",
+        "config": config,
+        "prediction": {"predictions": predictions, "largest_physical_batch": [budget],
+                       "peak_memory_mb": points[-1][1], "physical_batch_size": 3},
+    }  # fmt: skip
+
+
+def test_the_capacity_figure_ticks_whole_physical_batches(tmp_path, kept_figures):
+    from dp_cost.report import capacity
+
+    results = [
+        capacity_result("standard", [(1, 10.0), (2, 20.0), (3, 30.0)]),
+        capacity_result("flash", [(1, 11.0), (2, 22.0), (3, 33.0)]),
+    ]
+    planned = capacity_result("flash", [(1, 500.0), (2, 900.0)])  # a panel of a long title
+    planned["config"] |= {"model": "meta-llama/Llama-3.1-8B-Instruct", "use_lora": True,
+                          "lora_rank": 16, "distributed": "fsdp", "world_size": 8,
+                          "dtype": "bfloat16", "attention": "sdpa", "fsdp_sync": "logical",
+                          "activation_checkpointing": True, "clipping": "per_layer"}  # fmt: skip
+    assert capacity.plot_capacity(str(tmp_path), [*results, planned])
+    check_figures(kept_figures)

@@ -128,14 +128,23 @@ def test_tables_share_one_renderer_with_a_rule_under_the_header():
     assert markdown.startswith("| trainer | batch | seq | gemm |")
 
 
+BUSY = {"at_start": {"cpus": 2, "load": 3.5}, "at_end": {"cpus": 2, "load": 1.9}}
+
+
 def test_write_summary_writes_every_file_from_the_result_files(tmp_path):
     write_run(tmp_path, RESULTS)
     (tmp_path / "broken").mkdir()
     (tmp_path / "broken" / "result.json").write_text("{not json")
+    (tmp_path / "run.json").write_text(json.dumps({"command": ["x"], "machine_load": BUSY}))
     results = report.load_results(str(tmp_path))
     assert len(results) == len(RESULTS)  # the unreadable file is skipped
     text = report.write_summary(str(tmp_path), results)
     assert "time_vs_standard" in text and "GPU kernel time per category" in text
+    # the busy machine said where the table goes: the console, summary.md and report.html
+    busy = "note: the machine was busy while this run measured (1-minute load average 3.5 at"
+    assert busy in text.split("GPU kernel time")[0]
+    assert busy in (tmp_path / "summary.md").read_text()
+    assert busy in (tmp_path / "report.html").read_text()
     with open(tmp_path / "summary.csv") as f:
         reader = csv.DictReader(f)
         assert tuple(reader.fieldnames) == tables.COLUMNS and len(list(reader)) == len(RESULTS)

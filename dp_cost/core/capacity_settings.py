@@ -1,0 +1,54 @@
+"""The settings of --mode=capacity: a section of the settings table (``core.settings``), in its
+place there."""
+
+from __future__ import annotations
+
+from dp_cost.core import scopes
+from dp_cost.core.setting import Setting
+
+CAPACITY_SETTINGS: tuple[Setting, ...] = (
+    Setting(
+        "capacity",
+        False,
+        "predict the peak on fake tensors instead of measuring it",
+        modes={"capacity": True},
+        follows_mode=True,
+    ),
+    Setting(
+        "gpu_memory",
+        None,
+        "capacity: GiB of each card to plan for, its total as torch reports it (H100 80GB: "
+        "about 79, H200: about 140); the largest physical batch that fits each is searched",
+        flags=("--gpu_memory",),
+        type=float,
+        many=True,
+        scope=scopes.CAPACITY,
+    ),
+    Setting(
+        "find_max_batch",
+        False,
+        "capacity, CUDA: find the largest physical batch that runs on this card by runs (each "
+        "probe its own worker; an out-of-memory stays there), starting from the prediction",
+        flags=("--find_max_batch",),
+        switch=True,
+        scope=scopes.CAPACITY,
+    ),
+    Setting(
+        "find_max_seq_len",
+        False,
+        "capacity, CUDA: find the longest sequence (a multiple of 64 tokens) that runs on this "
+        "card at the config's physical batch by runs, starting from the prediction",
+        flags=("--find_max_seq_len",),
+        switch=True,
+        scope=scopes.CAPACITY,
+    ),
+    Setting(
+        "validate",
+        False,
+        "capacity, CUDA: also run each config (its --steps after --warmup_steps, no trace, "
+        "the memory breakdown) and record the measured peak beside the prediction",
+        flags=("--validate",),
+        switch=True,
+        scope=scopes.CAPACITY,
+    ),
+)
