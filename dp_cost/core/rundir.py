@@ -244,12 +244,14 @@ class RunDir:
     def kept(self) -> bool:
         """Whether ``close`` keeps the directory: only one this run made and locked (a lock
         that failed means another process holds it, and may be writing into it) holding
-        nothing but the bookkeeping is removed."""
+        nothing but the bookkeeping (and its scratch folder, gone when the run ends) is
+        removed."""
         try:
             if not (self.made and self.lock is not None):
                 return True
             with files.folder(self.path) as fd:  # its names: below PATH_MAX however deep
-                return not set(os.listdir(fd)) <= self.bookkeeping
+                names = {n for n in os.listdir(fd) if not n.startswith(scratch.PREFIX)}
+            return not names <= self.bookkeeping
         except OSError:
             return False
 
