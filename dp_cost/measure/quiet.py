@@ -94,6 +94,9 @@ class FilteredStderr:
             os.close(self.write_end)
             os.close(self.read_end)
             return
+        if self.reader.ident is None:  # an interrupt between started()'s close and its start
+            os.close(self.read_end)
+            return
         # A grandchild still holding the write end would keep the pipe open: do not wait forever.
         self.reader.join(timeout)
 

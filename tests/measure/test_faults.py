@@ -228,6 +228,18 @@ def test_a_run_whose_files_lie_deeper_than_path_max_is_kept_summarised_and_resum
     assert reading.read_text(os.path.join(run_dir, "summary.csv")).count("\nstandard,") == 1
 
 
+def test_a_worker_pipe_closed_between_its_two_halves_of_start_raises_nothing():
+    """An interrupt can land inside ``started()``, after the write end is closed and before the
+    reader starts: ``close()`` then closes the read end and returns (joining a thread never
+    started raised, a traceback in place of exit 143)."""
+    stderr = quiet.FilteredStderr()
+    os.close(stderr.write_end)  # started()'s first half
+    stderr.write_end = None
+    stderr.close()
+    with pytest.raises(OSError):  # closed: not left open
+        os.fstat(stderr.read_end)
+
+
 def test_known_noise_is_dropped_and_a_crashing_worker_loses_nothing(capfd):
     """The worker writes through the pipe and dies hard (os._exit after an abort-like fatal
     line): the parent still forwards every line but the known noise."""
