@@ -23,7 +23,7 @@ from dp_cost.measure import worker
 from dp_cost.measure.config import ExperimentConfig
 from dp_cost.report import capacity as report_capacity
 from tests.capacity.held_state import held_state_bytes
-from tests.cli_helpers import SMALL_MODEL, cli, in_process
+from tests.cli_helpers import SMALL_MODEL, in_process
 
 TRAINERS = ("standard", "dpsgd", "ghost", "flash")
 TINY_LM = dict(model="tiny", seq_len=32, batch_size=6, max_physical_batch_size=2)
@@ -95,7 +95,7 @@ def test_predicted_state_per_rank_equals_the_real_ranks(tmp_path):
 
 
 def test_dpsgd_under_fsdp2_is_skipped_with_the_trainers_reason(tmp_path):
-    run = cli(
+    run = in_process(
         "--mode=capacity", "--model", "tiny", *SMALL_MODEL, "--seq_lens", "16", "--batch_sizes",
         "4", "--trainers", "dpsgd", "standard", "--distributed", "fsdp", "--world_size", "2",
         "--output_dir", str(tmp_path), "--run_name", "r",

@@ -10,7 +10,7 @@ import sys
 import time
 
 import pytest
-from cli_helpers import ROOT, SMALL_MODEL, TORCHRUN_ENV, cli, results_in
+from cli_helpers import ROOT, SMALL_MODEL, TORCHRUN_ENV, in_process, results_in
 
 import profiling_script
 
@@ -28,7 +28,7 @@ def torchrun_cli(*args):
 
 def test_a_torchrun_job_is_one_run_with_the_single_process_losses(tmp_path):
     """One single-process run, then the same run under torchrun with DDP and with FSDP2."""
-    single = cli(*ARGS, "--trainers", *TRAINERS, "--output_dir", str(tmp_path / "single"))
+    single = in_process(*ARGS, "--trainers", *TRAINERS, "--output_dir", str(tmp_path / "single"))
     assert single.returncode == 0, single.stderr[-3000:]
     expected = results_in(tmp_path / "single" / "r")
     for distributed in ("ddp", "fsdp"):
@@ -60,7 +60,7 @@ def check_torchrun_run(out, distributed, expected):
             assert got == pytest.approx(want, rel=1e-5), (distributed, name)
         assert result["communication_time_ms"] is None  # no CUDA trace: null, with the reason
         assert "communication" in result["env"]["communication_note"]
-    report = cli("--mode=report", "--input_dir", str(out / "r"))
+    report = in_process("--mode=report", "--input_dir", str(out / "r"))
     assert report.returncode == 0 and "flash" in report.stdout
 
 
@@ -68,7 +68,9 @@ def test_fsdp2_sync_held_to_the_last_chunk_from_the_cli(tmp_path):
     """--fsdp_sync logical with two chunks per rank: standard and flash step as one process
     does (the same losses), in directories of their own; ghost is recorded skipped, saying
     why."""
-    single = cli(*ARGS, "--trainers", "standard", "flash", "--output_dir", str(tmp_path / "one"))
+    single = in_process(
+        *ARGS, "--trainers", "standard", "flash", "--output_dir", str(tmp_path / "one")
+    )
     assert single.returncode == 0, single.stderr[-3000:]
     expected = {r["config"]["trainer"]: r for r in results_in(tmp_path / "one" / "r").values()}
     done = torchrun_cli(
@@ -153,7 +155,9 @@ def test_per_layer_clipping_under_ddp_from_the_cli(tmp_path):
     losses), their records count the same clipped samples over the global batches (merged over
     the ranks), in directories of their own; ghost is recorded skipped, saying why."""
     per_layer = [*ARGS, "--clipping", "per_layer", "--max_grad_norm", "0.05"]
-    single = cli(*per_layer, "--trainers", "dpsgd", "flash", "--output_dir", str(tmp_path / "one"))
+    single = in_process(
+        *per_layer, "--trainers", "dpsgd", "flash", "--output_dir", str(tmp_path / "one")
+    )
     assert single.returncode == 0, single.stderr[-3000:]
     expected = {r["config"]["trainer"]: r for r in results_in(tmp_path / "one" / "r").values()}
     done = torchrun_cli(
@@ -251,7 +255,7 @@ def test_fsdp2_ranks_materialize_only_their_shards_with_the_whole_builds_losses(
             "--dataset_size", "20", "--steps", "2", "--noise_multiplier", "0", "--no_poisson",
             "--trainers", "standard", "ghost", "flash", "--no_trace", "--run_name", "r",
             *(["--use_lora", "--lora_rank", "4"] if lora else [])]  # fmt: skip
-    single = cli(*args, "--output_dir", str(tmp_path / "one"))
+    single = in_process(*args, "--output_dir", str(tmp_path / "one"))
     assert single.returncode == 0, single.stderr[-3000:]
     expected = {r["config"]["trainer"]: r for r in results_in(tmp_path / "one" / "r").values()}
     done = torchrun_cli(*args, "--distributed", "fsdp", "--output_dir", str(tmp_path / "fsdp"))
