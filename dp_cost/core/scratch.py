@@ -18,6 +18,7 @@ import tempfile
 from dp_cost.core import files
 
 PREFIX = ".scratch-"
+PATH_MAX = os.pathconf("/", "PC_PATH_MAX") - 64  # room for the names tempfile makes inside
 # What the folder is named to: the temporary folder, and torch's inductor cache if not set.
 TEMPORARY_FOLDER, INDUCTOR_CACHE = "TMPDIR", "TORCHINDUCTOR_CACHE_DIR"
 
@@ -32,7 +33,10 @@ def scratch_folder(run_dir: str):
         path = os.path.join(run_dir, stage.name)
         os.environ[TEMPORARY_FOLDER] = path  # programs started from here
         os.environ.setdefault(INDUCTOR_CACHE, os.path.join(path, "torchinductor"))
-        tempfile.tempdir = stage.path  # this process and its forked workers: by descriptor
+        # By name, as TMPDIR: libraries hand tempfile's paths to programs of their own (Triton
+        # gives ptxas its PTX file), where this process's /proc/self/fd/N is not this folder.
+        # Only a run directory past PATH_MAX, which no name reaches, falls back to that.
+        tempfile.tempdir = path if len(os.fsencode(path)) < PATH_MAX else stage.path
         try:
             yield path
         finally:
