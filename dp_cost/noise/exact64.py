@@ -12,7 +12,7 @@ import math
 import torch
 
 TWO_POW_MINUS_32 = 2.0**-32
-PAIRS_PER_DRAW = 2**20  # the words and fp64 temporaries of at most this many pairs at a time
+PAIRS_PER_DRAW = 2**14  # a draw's words and fp64 temporaries stay near 1 MB beside the model
 
 
 def exact64_normal(
