@@ -15,7 +15,7 @@ ones gives each trainer's host time and GPU-busy fraction. Misses say by how muc
 ``<output_dir>/<run>/bench_*.md`` and ``.json``, beside the configs' result files.
 """
 
-from __future__ import annotations
+from __future__ import annotations  # noqa: I001
 
 import argparse
 import dataclasses
@@ -23,31 +23,67 @@ import os
 import sys
 import time
 
-import torch
 
-import models
-from dp_cost.core.files import atomic_write, write_json
-from dp_cost.core.hf_architectures import default_attention
-from dp_cost.flash import engine as flash_clip
-from dp_cost.flash.clip import ClipFactors, accumulate_weighted_sums
-from dp_cost.flash.rules.linear import direct_squared_norms, gram_squared_norms, linear_route
-from dp_cost.measure import processes
-from dp_cost.measure.config import ExperimentConfig
-from dp_cost.report import step_goals
-from dp_cost.report import summary as report
+TRAINERS = ("standard", "flash", "ghost", "dpsgd")
+HF_DRAWS = 30  # timed Poisson draws per LoRA config (--hf_steps)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("what", choices=("kernels", "steps"))
+    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="bfloat16")
+    dtypes = ("float32", "bfloat16")
+    parser.add_argument("--dtypes", nargs="+", choices=dtypes, default=list(dtypes))
+    shapes_help = "(batch, seq) pairs, e.g. 8x512 2x4096 (default: the goals' shapes)"
+    parser.add_argument("--shapes", nargs="+", metavar="BxT", help=shapes_help)
+    parser.add_argument(
+        "--hf",
+        nargs="*",
+        default=None,
+        metavar="NAME",
+        help="steps: add the Hugging Face LoRA configs (HF_STEPS; with NAMEs, those whose model "
+        "name contains one, e.g. --hf 3B)",
+    )
+    parser.add_argument("--hf_only", action="store_true", help="steps: the LoRA configs alone")
+    graph_help = "steps: standard and flash also as CUDA graphs (the goals take flash's graph)"
+    parser.add_argument("--cuda_graph", action="store_true", help=graph_help)
+    parser.add_argument("--trainers", nargs="+", choices=TRAINERS, default=list(TRAINERS))
+    parser.add_argument("--steps", type=int, default=3)
+    hf_steps_help = "steps: timed Poisson draws per LoRA config, the same for every trainer"
+    parser.add_argument("--hf_steps", type=int, default=HF_DRAWS, help=hf_steps_help)
+    parser.add_argument("--warmup_steps", type=int, default=2)
+    parser.add_argument("--output_dir", default="./runs")
+    parser.add_argument("--run_name", default=None)
+    return parser
+
+
+if __name__ == "__main__":
+    build_parser().parse_args()  # --help and argument mistakes answer before torch is imported
+
+
+import torch  # noqa: E402
+
+import models  # noqa: E402
+from dp_cost.core.files import atomic_write, write_json  # noqa: E402
+from dp_cost.core.hf_architectures import default_attention  # noqa: E402
+from dp_cost.flash import engine as flash_clip  # noqa: E402
+from dp_cost.flash.clip import ClipFactors, accumulate_weighted_sums  # noqa: E402
+from dp_cost.flash.rules.linear import direct_squared_norms, gram_squared_norms, linear_route  # noqa: E402
+from dp_cost.measure import processes  # noqa: E402
+from dp_cost.measure.config import ExperimentConfig  # noqa: E402
+from dp_cost.report import step_goals  # noqa: E402
+from dp_cost.report import summary as report  # noqa: E402
 
 # The 1b shapes the step goals are set for (report.step_goals); the attention each dtype is
 # benchmarked with.
 STEP_SHAPES = tuple(step_goals.STEP_GOALS)
 ATTENTION = {"float32": "explicit", "bfloat16": "sdpa"}
 BF16_ONLY = {(1, 16384)}  # explicit fp32 attention cannot hold B*H*T^2 probabilities there
-TRAINERS = ("standard", "flash", "ghost", "dpsgd")
 # Hugging Face LoRA configs: (model, LoRA rank, seq, batch, physical batch, dtypes).
 HF_STEPS = (
     ("meta-llama/Llama-3.2-3B-Instruct", 32, 256, 16, 2, ("float32", "bfloat16")),
     ("meta-llama/Llama-3.1-8B-Instruct", 16, 512, 16, 4, ("bfloat16",)),
 )
-HF_DRAWS = 30  # timed Poisson draws per LoRA config (--hf_steps)
 # The routes flash runs (gram and direct: the fused Triton kernels on CUDA in 16-bit), and the
 # torch paths they replaced, measured beside them.
 ROUTES_MEASURED = ("gram", "gram_torch", "direct", "direct_torch", "product")
@@ -281,35 +317,6 @@ def step_plan(args, shapes) -> list[ExperimentConfig]:
         hf_counts = (args.hf_steps, args.warmup_steps)
         configs += hf_step_configs(*hf_counts, specs, dtypes=args.dtypes, trainers=args.trainers)
     return with_graphs(configs) if args.cuda_graph else configs
-
-
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("what", choices=("kernels", "steps"))
-    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="bfloat16")
-    dtypes = ("float32", "bfloat16")
-    parser.add_argument("--dtypes", nargs="+", choices=dtypes, default=list(dtypes))
-    shapes_help = "(batch, seq) pairs, e.g. 8x512 2x4096 (default: the goals' shapes)"
-    parser.add_argument("--shapes", nargs="+", metavar="BxT", help=shapes_help)
-    parser.add_argument(
-        "--hf",
-        nargs="*",
-        default=None,
-        metavar="NAME",
-        help="steps: add the Hugging Face LoRA configs (HF_STEPS; with NAMEs, those whose model "
-        "name contains one, e.g. --hf 3B)",
-    )
-    parser.add_argument("--hf_only", action="store_true", help="steps: the LoRA configs alone")
-    graph_help = "steps: standard and flash also as CUDA graphs (the goals take flash's graph)"
-    parser.add_argument("--cuda_graph", action="store_true", help=graph_help)
-    parser.add_argument("--trainers", nargs="+", choices=TRAINERS, default=list(TRAINERS))
-    parser.add_argument("--steps", type=int, default=3)
-    hf_steps_help = "steps: timed Poisson draws per LoRA config, the same for every trainer"
-    parser.add_argument("--hf_steps", type=int, default=HF_DRAWS, help=hf_steps_help)
-    parser.add_argument("--warmup_steps", type=int, default=2)
-    parser.add_argument("--output_dir", default="./runs")
-    parser.add_argument("--run_name", default=None)
-    return parser
 
 
 def parse_shapes(words: list[str] | None) -> list[tuple[int, int]] | None:

@@ -15,7 +15,7 @@ Usage: python benchmarks/allocator_replay.py --model 1b --seq_len 1024 --batch_s
     --dtype bfloat16 --attention sdpa --trainers standard flash [--out DIR]
 """
 
-from __future__ import annotations
+from __future__ import annotations  # noqa: I001
 
 import argparse
 import dataclasses
@@ -24,7 +24,30 @@ import json
 import os
 import sys
 
-import torch
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default="1b")
+    parser.add_argument("--seq_len", type=int, default=1024)
+    parser.add_argument("--batch_sizes", type=int, nargs="+", default=[4])
+    parser.add_argument("--max_physical_batch_size", type=int, default=None)
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--attention", default="sdpa")
+    parser.add_argument("--trainers", nargs="+", default=["standard"])
+    parser.add_argument("--use_lora", action="store_true")
+    parser.add_argument("--lora_rank", type=int, default=16)
+    parser.add_argument(
+        "--steps", type=int, default=1, help="after the warm-up (the fake step has 1)"
+    )
+    parser.add_argument("--out", default=None)
+    return parser
+
+
+if __name__ == "__main__":
+    build_parser().parse_args()  # --help and argument mistakes answer before torch is imported
+
+
+import torch  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -105,21 +128,7 @@ def first_difference(real, predicted) -> dict | None:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", default="1b")
-    parser.add_argument("--seq_len", type=int, default=1024)
-    parser.add_argument("--batch_sizes", type=int, nargs="+", default=[4])
-    parser.add_argument("--max_physical_batch_size", type=int, default=None)
-    parser.add_argument("--dtype", default="bfloat16")
-    parser.add_argument("--attention", default="sdpa")
-    parser.add_argument("--trainers", nargs="+", default=["standard"])
-    parser.add_argument("--use_lora", action="store_true")
-    parser.add_argument("--lora_rank", type=int, default=16)
-    parser.add_argument(
-        "--steps", type=int, default=1, help="after the warm-up (the fake step has 1)"
-    )
-    parser.add_argument("--out", default=None)
-    args = parser.parse_args()
+    args = build_parser().parse_args()
     if not torch.cuda.is_available():
         print(
             "error: this compares with a CUDA card's allocator; none is available", file=sys.stderr

@@ -22,6 +22,9 @@ import json
 import os
 import sys
 
+if __name__ == "__main__":  # --help answers before torch is imported
+    argparse.ArgumentParser(description=__doc__.split("\n\n")[0]).parse_args()
+
 import torch
 import torch.distributed as dist
 

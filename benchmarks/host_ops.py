@@ -5,16 +5,29 @@ rounds so a slow spell of the host falls on all of them.
     python benchmarks/host_ops.py --rounds 5
 """
 
-from __future__ import annotations
+from __future__ import annotations  # noqa: I001
 
 import argparse
 import statistics
 import sys
 import time
 
-import torch
-import torch.nn.functional as F
-from torch import nn
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--tokens", type=int, default=16)
+    parser.add_argument("--features", type=int, default=2048)
+    return parser
+
+
+if __name__ == "__main__":
+    build_parser().parse_args()  # --help and argument mistakes answer before torch is imported
+
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+from torch import nn  # noqa: E402
 
 CALLS = 200  # calls per timing
 
@@ -29,11 +42,7 @@ def per_call_us(fn) -> float:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--tokens", type=int, default=16)
-    parser.add_argument("--features", type=int, default=2048)
-    args = parser.parse_args()
+    args = build_parser().parse_args()
     if not torch.cuda.is_available():
         print("host_ops.py needs a GPU", file=sys.stderr)
         return 2

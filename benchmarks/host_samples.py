@@ -14,7 +14,7 @@ loss). The backward hooks flash runs on autograd's thread are sampled.
 Needs py-spy on PATH (or --py_spy); on CUDA the host_work.py child runs the usual way.
 """
 
-from __future__ import annotations
+from __future__ import annotations  # noqa: I001
 
 import argparse
 import collections
@@ -24,7 +24,25 @@ import subprocess
 import sys
 import tempfile
 
-from host_work import parse_shapes  # this script's sibling: the same BxT as its child takes
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shapes", nargs="+", default=["8x512"], help="BxT")
+    parser.add_argument("--trainers", nargs="+", default=["standard", "flash"])
+    parser.add_argument("--steps", type=int, default=100)
+    parser.add_argument("--warmup_steps", type=int, default=5)
+    parser.add_argument("--rate", type=int, default=200, help="samples per second")
+    parser.add_argument("--top", type=int, default=40)
+    parser.add_argument("--py_spy", default=shutil.which("py-spy"))
+    parser.add_argument("--device", default="cuda")
+    return parser
+
+
+if __name__ == "__main__":
+    build_parser().parse_args()  # --help and argument mistakes answer before torch is imported
+
+
+from host_work import parse_shapes  # this script's sibling: the same BxT as its child takes  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 STEP_FRAME = "measure.<locals>.step ("  # host_work.py's timed or warm-up step
@@ -64,16 +82,7 @@ def summarize(raw_lines, steps: int, rate: int) -> tuple[dict, dict, int]:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--shapes", nargs="+", default=["8x512"], help="BxT")
-    parser.add_argument("--trainers", nargs="+", default=["standard", "flash"])
-    parser.add_argument("--steps", type=int, default=100)
-    parser.add_argument("--warmup_steps", type=int, default=5)
-    parser.add_argument("--rate", type=int, default=200, help="samples per second")
-    parser.add_argument("--top", type=int, default=40)
-    parser.add_argument("--py_spy", default=shutil.which("py-spy"))
-    parser.add_argument("--device", default="cuda")
-    args = parser.parse_args(argv)
+    args = build_parser().parse_args(argv)
     if not args.py_spy:
         print(
             "host_samples.py: py-spy not found (pip install py-spy, or --py_spy)", file=sys.stderr

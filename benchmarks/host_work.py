@@ -36,10 +36,45 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from dp_cost.core.settings import MODEL_OVERRIDES  # noqa: E402  (torch-free)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="1b")
+    parser.add_argument("--dtype", default="bfloat16", choices=("float32", "bfloat16"))
+    parser.add_argument("--attention", default="sdpa", choices=("sdpa", "explicit"))
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--shapes", nargs="+", default=["1x16", "8x512"], help="BxT")
+    parser.add_argument("--trainers", nargs="+", default=["standard", "flash"])
+    parser.add_argument("--repeats", type=int, default=3, help="processes per trainer and shape")
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--warmup_steps", type=int, default=5)
+    parser.add_argument("--profile", action="store_true", help="cProfile some more steps")
+    parser.add_argument("--profile_steps", type=int, default=5)
+    parser.add_argument("--profile_top", type=int, default=30)
+    parser.add_argument("--profile_sort", default="tottime", choices=("tottime", "cumtime"))
+    parser.add_argument(
+        "--gc",
+        default="default",
+        choices=("default", "freeze", "off"),
+        help="Python's garbage collector over the timed steps: as is, gc.freeze() after the "
+        "warm-up steps, or disabled",
+    )
+    parser.add_argument("--json", help="also write the rows here")
+    parser.add_argument("--one", help=argparse.SUPPRESS)  # trainer,B,T: a child's own config
+    for name in MODEL_OVERRIDES:
+        parser.add_argument(f"--{name}", type=int)
+    return parser
+
+
+if __name__ == "__main__":
+    build_parser().parse_args()  # --help and argument mistakes answer before torch is imported
+
+
 import torch  # noqa: E402
 
 from dp_cost.core import kernel_names  # noqa: E402
-from dp_cost.core.settings import MODEL_OVERRIDES  # noqa: E402
 from dp_cost.measure.config import ExperimentConfig  # noqa: E402
 from dp_cost.measure.python_gc import GarbageCollections  # noqa: E402
 from dp_cost.measure.steps import synchronize  # noqa: E402
@@ -254,32 +289,7 @@ def parse_shapes(values: list[str]) -> list[tuple[int, int]]:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default="1b")
-    parser.add_argument("--dtype", default="bfloat16", choices=("float32", "bfloat16"))
-    parser.add_argument("--attention", default="sdpa", choices=("sdpa", "explicit"))
-    parser.add_argument("--device", default="cuda")
-    parser.add_argument("--shapes", nargs="+", default=["1x16", "8x512"], help="BxT")
-    parser.add_argument("--trainers", nargs="+", default=["standard", "flash"])
-    parser.add_argument("--repeats", type=int, default=3, help="processes per trainer and shape")
-    parser.add_argument("--steps", type=int, default=20)
-    parser.add_argument("--warmup_steps", type=int, default=5)
-    parser.add_argument("--profile", action="store_true", help="cProfile some more steps")
-    parser.add_argument("--profile_steps", type=int, default=5)
-    parser.add_argument("--profile_top", type=int, default=30)
-    parser.add_argument("--profile_sort", default="tottime", choices=("tottime", "cumtime"))
-    parser.add_argument(
-        "--gc",
-        default="default",
-        choices=("default", "freeze", "off"),
-        help="Python's garbage collector over the timed steps: as is, gc.freeze() after the "
-        "warm-up steps, or disabled",
-    )
-    parser.add_argument("--json", help="also write the rows here")
-    parser.add_argument("--one", help=argparse.SUPPRESS)  # trainer,B,T: a child's own config
-    for name in MODEL_OVERRIDES:
-        parser.add_argument(f"--{name}", type=int)
-    args = parser.parse_args(argv)
+    args = build_parser().parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
         print("host_work.py: --device cuda needs a GPU (use --device cpu)", file=sys.stderr)
         return 2

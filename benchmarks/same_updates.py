@@ -13,7 +13,7 @@ Only the public surface is used (``make_trainer(...).step``), plus the padded st
 checkout names its own way.
 """
 
-from __future__ import annotations
+from __future__ import annotations  # noqa: I001
 
 import argparse
 import hashlib
@@ -21,7 +21,19 @@ import json
 import os
 import sys
 
-import torch
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", help="JSON file for this checkout's numbers")
+    parser.add_argument("--compare", nargs=2, metavar=("OLD", "NEW"))
+    return parser
+
+
+if __name__ == "__main__":
+    build_parser().parse_args()  # --help and argument mistakes answer before torch is imported
+
+
+import torch  # noqa: E402
 
 sys.path.insert(0, os.getcwd())  # the checkout it runs from, not this file's
 
@@ -114,10 +126,7 @@ def compare(old_path: str, new_path: str) -> int:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", help="JSON file for this checkout's numbers")
-    parser.add_argument("--compare", nargs=2, metavar=("OLD", "NEW"))
-    args = parser.parse_args()
+    args = build_parser().parse_args()
     if args.compare:
         return compare(*args.compare)
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
