@@ -48,6 +48,7 @@ def add_exact64_noise_(
     piece = 2 * PAIRS_PER_DRAW
     group: list[torch.Tensor] = []  # flat views whose noise is drawn together
     sizes: list[int] = []
+    drawn = 0  # sum(sizes)
     for tensor in tensors:
         if not tensor.is_contiguous():  # its own draw, added through the view
             noise = exact64_normal(tensor.numel(), generator, tensor.device)
@@ -56,11 +57,12 @@ def add_exact64_noise_(
         flat = tensor.view(-1)
         for start in range(0, flat.numel(), piece):
             view = flat[start : start + piece]
-            if sizes and sum(sizes) + view.numel() > piece:
+            if sizes and drawn + view.numel() > piece:
                 _add_drawn(group, sizes, std, generator)
-                group, sizes = [], []
+                group, sizes, drawn = [], [], 0
             group.append(view)
             sizes.append(view.numel())
+            drawn += view.numel()
     if group:
         _add_drawn(group, sizes, std, generator)
 

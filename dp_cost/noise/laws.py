@@ -20,7 +20,7 @@ import numpy as np
 # Radii are computed in fp32 by the samplers (a few operations, each within half an ulp of a
 # value below 10, ulp 1e-6): a radius this close to the edge is counted as on it.
 RADIUS_SLACK = 1e-5
-EXACT_TERMS = 2**20  # grid values summed one by one; beyond, by blocks of 0.1% (an upper bound)
+EXACT_TERMS = 2**20  # grid values summed one by one; beyond, geometric blocks, each at its first
 
 
 @dataclass(frozen=True)
