@@ -14,8 +14,10 @@ from cli_helpers import ROOT, SMALL_MODEL, TORCHRUN_ENV, in_process, results_in
 
 import profiling_script
 
-ARGS = ["--mode=test", "--batch_sizes", "4", "--seq_lens", "8", "--steps", "2",
-        "--noise_multiplier", "0", "--no_trace", "--run_name", "r", *SMALL_MODEL]  # fmt: skip
+# standard alone takes no noise flag (refused outside the DP trainers' scope)
+PLAIN_ARGS = ["--mode=test", "--batch_sizes", "4", "--seq_lens", "8", "--steps", "2",
+              "--no_trace", "--run_name", "r", *SMALL_MODEL]  # fmt: skip
+ARGS = [*PLAIN_ARGS, "--noise_multiplier", "0"]
 TRAINERS = ["standard", "dpsgd", "ghost", "flash"]
 
 
@@ -97,8 +99,7 @@ def test_a_silent_rank_ends_the_job_with_its_config_an_error_naming_it(tmp_path)
     """Rank 1's worker stopped (SIGSTOP), rank 0's waiting for it: after --rank_timeout the job
     ends, its config recorded as an error naming rank 1, one line and the command that
     continues, exit 1, and no process of the job left behind."""
-    plain = [a for a in ARGS if a not in ("--noise_multiplier", "0")]  # standard: no noise
-    args = [*plain, "--trainers", "standard", "--distributed", "ddp", "--rank_timeout", "2"]
+    args = [*PLAIN_ARGS, "--trainers", "standard", "--distributed", "ddp", "--rank_timeout", "2"]
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
                "--standalone", "tests/parallel/silent_rank.py", *args, "--output_dir",
                str(tmp_path)]  # fmt: skip
