@@ -30,6 +30,7 @@ from figure_checks import kept_figures  # noqa: E402, F401 (a fixture of every f
 # took on 2 cores; whatever is not listed keeps pytest's order after them.
 LONGEST_FIRST = (
     "tests/test_pinned_run.py::test_test_mode_grid_behaves_as_pinned",
+    "tests/capacity/test_capacity.py::test_predicted_state_per_rank_equals_the_real_ranks",
     "tests/parallel/test_distributed_cli.py::test_a_torchrun_job_is_one_run",
     "tests/parallel/test_distributed_updates.py",
     "tests/test_hf_sweep.py::test_hf_sweep_cli_writes_every_file",

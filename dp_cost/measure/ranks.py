@@ -30,6 +30,7 @@ from dp_cost.parallel.ranks import RankInfo
 from dp_cost.training.clipping import merged_record
 
 STORE_TIMEOUT = datetime.timedelta(hours=2)  # the longest a rank waits for the others' answer
+LAST_WORD_S = 60.0  # how long rank 0 keeps the store up for the others' last read
 BEAT_S = 1.0  # how often a worker raises its count (a quarter of --rank_timeout when shorter)
 
 
@@ -82,6 +83,22 @@ class RankGroup:
         if not self.is_first:
             return None
         return [json.loads(self.store.get(f"{self.prefix}{key}/{r}")) for r in self.ranks()]
+
+    def last_broadcast(self, key: str, value=None):
+        """``broadcast`` as the job's last word: where rank 0 hosts the store (no launcher's
+        agent holds it), rank 0 leaves only once every other rank has read it (or LAST_WORD_S
+        has passed), since the store ends with rank 0's process."""
+        value = self.broadcast(key, value)
+        read_key = f"{self.prefix}{key}/read"
+        if not self.is_first:
+            self.store.add(read_key, 1)
+        elif not self.info.agent_hosts_store:
+            deadline = time.monotonic() + LAST_WORD_S
+            while self.store.add(read_key, 0) < self.info.world_size - 1:
+                if time.monotonic() > deadline:
+                    break
+                time.sleep(0.01)
+        return value
 
     def post(self, key: str, value) -> None:
         self.store.set(self.prefix + key, json.dumps(value))

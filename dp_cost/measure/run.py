@@ -166,12 +166,12 @@ def run_distributed(args, experiment) -> int:
         try:
             run = prepare_run_dir(args, experiment)
         except UsageError as error:
-            group.broadcast("run_dir", {"error": str(error)})
+            group.last_broadcast("run_dir", {"error": str(error)})
             raise
         run_dir = run.path
         group.broadcast("run_dir", {"run_dir": run_dir})
     else:
-        answer = group.broadcast("run_dir")
+        answer = group.last_broadcast("run_dir")  # read: rank 0 may leave on an error
         if "error" in answer:  # rank 0 reports it
             return EXIT_BAD_ARGS
         run_dir = answer["run_dir"]
@@ -188,7 +188,7 @@ def run_distributed(args, experiment) -> int:
                 with contextlib.redirect_stdout(open(os.devnull, "w")):  # noqa: SIM115
                     measure_and_summarise(args, experiment, run_dir, group)
                 code = None
-        return group.broadcast("exit_code", code)
+        return group.last_broadcast("exit_code", code)
     except ranks.SilentRank:  # said by measure_and_summarise; no rank waits for another now
         return EXIT_CONFIG_ERROR
     finally:

@@ -8,8 +8,6 @@ import math
 import multiprocessing
 import os
 import shutil
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -24,6 +22,7 @@ from dp_cost.measure.config import ExperimentConfig
 from dp_cost.report import capacity as report_capacity
 from tests.capacity.held_state import held_state_bytes
 from tests.cli_helpers import SMALL_MODEL, in_process
+from tests.forked_ranks import forked_ranks
 
 TRAINERS = ("standard", "dpsgd", "ghost", "flash")
 TINY_LM = dict(model="tiny", seq_len=32, batch_size=6, max_physical_batch_size=2)
@@ -50,15 +49,14 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 
 
 def held_by_rank(tmp_path, configs: list[dict]) -> list[list[dict]]:
-    """Per config, each rank's ``held_state_bytes`` from one torchrun job of RANKS ranks."""
+    """Per config, each rank's ``held_state_bytes`` from one job of RANKS ranks (forked as
+    torchrun would start them: tests/forked_ranks.py)."""
     configs_file, out = tmp_path / "configs.json", tmp_path / "held.json"
     configs_file.write_text(json.dumps(configs))
-    command = [
-        sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(RANKS),
-        "--standalone", os.path.join(HERE, "state_per_rank.py"), "--configs", str(configs_file),
-        "--out", str(out),
-    ]  # fmt: skip
-    done = subprocess.run(command, capture_output=True, text=True, timeout=600)
+    done = forked_ranks(
+        os.path.join(HERE, "state_per_rank.py"), "--configs", configs_file, "--out", out,
+        ranks=RANKS,
+    )  # fmt: skip
     assert done.returncode == 0, done.stderr[-4000:]
     return json.loads(out.read_text())
 

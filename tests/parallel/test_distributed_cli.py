@@ -11,6 +11,7 @@ import time
 
 import pytest
 from cli_helpers import ROOT, SMALL_MODEL, TORCHRUN_ENV, in_process, results_in
+from forked_ranks import forked_ranks
 
 import profiling_script
 
@@ -21,7 +22,12 @@ ARGS = [*PLAIN_ARGS, "--noise_multiplier", "0"]
 TRAINERS = ["standard", "dpsgd", "ghost", "flash"]
 
 
-def torchrun_cli(*args):
+def torchrun_cli(*args, launcher="forked"):
+    """The CLI on 2 ranks: started by torchrun itself (``launcher="torchrun"``), or forked from
+    this process as torchrun would start them (tests/forked_ranks.py: no launcher or interpreters
+    to start, about 7 s of CPU less a job)."""
+    if launcher == "forked":
+        return forked_ranks("profiling_script.py", *args, ranks=2)
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
                "--standalone", "profiling_script.py", *args]  # fmt: skip
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
@@ -29,17 +35,25 @@ def torchrun_cli(*args):
 
 
 def test_a_torchrun_job_is_one_run_with_the_single_process_losses(tmp_path):
-    """One single-process run, then the same run under torchrun with DDP and with FSDP2."""
+    """One single-process run, then the same run under torchrun with DDP (torchrun itself) and
+    with FSDP2 (ranks forked as torchrun starts them)."""
     single = in_process(*ARGS, "--trainers", *TRAINERS, "--output_dir", str(tmp_path / "single"))
     assert single.returncode == 0, single.stderr[-3000:]
     expected = results_in(tmp_path / "single" / "r")
-    for distributed in ("ddp", "fsdp"):
-        check_torchrun_run(tmp_path / distributed, distributed, expected)
+    for distributed, launcher in (("ddp", "torchrun"), ("fsdp", "forked")):
+        check_torchrun_run(tmp_path / distributed, distributed, expected, launcher)
 
 
-def check_torchrun_run(out, distributed, expected):
+def check_torchrun_run(out, distributed, expected, launcher):
     done = torchrun_cli(
-        *ARGS, "--trainers", *TRAINERS, "--distributed", distributed, "--output_dir", str(out)
+        *ARGS,
+        "--trainers",
+        *TRAINERS,
+        "--distributed",
+        distributed,
+        "--output_dir",
+        str(out),
+        launcher=launcher,
     )
     assert done.returncode == 0, done.stderr[-3000:]
     assert os.listdir(out) == ["r"]  # rank 0 named the run for both ranks

@@ -6,11 +6,10 @@ be added once (std sigma*C/B of the global batch)."""
 import copy
 import json
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
+from forked_ranks import forked_ranks
 from test_trainers import SMALL, make_batch, per_sample_grads
 
 import models
@@ -21,13 +20,9 @@ SEQ, C = 12, 0.05
 
 
 def run_ranks(script, *args, timeout=600, ranks=2):
-    """Run ``script`` (next to this file) under torchrun on ``ranks`` ranks; it must succeed."""
-    command = [
-        sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(ranks),
-        "--standalone", os.path.join(HERE, script), *args,
-    ]  # fmt: skip
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    done = subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=env)
+    """Run ``script`` (next to this file) on ``ranks`` ranks as torchrun would (forked from this
+    process: tests/forked_ranks.py); it must succeed."""
+    done = forked_ranks(os.path.join(HERE, script), *args, ranks=ranks, timeout=timeout)
     assert done.returncode == 0, done.stderr[-4000:]
 
 

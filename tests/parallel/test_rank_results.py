@@ -134,3 +134,26 @@ def test_a_rank_whose_worker_count_stands_still_is_found_silent(monkeypatch):
     stop = group.why_stop(3, timeout_s=10)
     assert isinstance(stop, ranks.SilentRank) and stop.rank == 1
     assert str(stop).startswith("rank 1's worker showed no sign of life for 10 s")
+
+
+def test_rank_0_hosting_the_store_leaves_only_once_the_others_read_its_last_word(monkeypatch):
+    """Without a launcher's agent to hold the job's store, rank 0's process holds it: its last
+    broadcast (the job's exit code) returns only once every other rank has read it, or the
+    others' read would find the store gone with rank 0 ("Failed to recv")."""
+    import threading
+
+    from forked_ranks import free_port
+
+    monkeypatch.delenv("TORCHELASTIC_USE_AGENT_STORE", raising=False)
+    port = free_port()
+    first = ranks.RankGroup(RankInfo(0, 3, 0, "127.0.0.1", port))
+    others = [ranks.RankGroup(RankInfo(r, 3, r, "127.0.0.1", port)) for r in (1, 2)]
+    said = []
+    leaving = threading.Thread(target=lambda: said.append(first.last_broadcast("exit_code", 3)))
+    leaving.start()
+    assert others[0].last_broadcast("exit_code") == 3
+    leaving.join(0.5)
+    assert leaving.is_alive() and not said  # rank 2 has not read it yet
+    assert others[1].last_broadcast("exit_code") == 3
+    leaving.join(10)
+    assert said == [3]
