@@ -1,15 +1,20 @@
-"""A torchrun stand-in for tests: the ranks of a job forked from the test process.
+"""A torchrun stand-in for tests: the ranks of a job forked from a process that has imported
+what a rank imports.
 
 torchrun starts a launcher and one interpreter per rank, and each imports torch and opacus
-(about 7 s of CPU a two-rank job on CI's cores, before any work). Here each rank is a child
-forked from this process, which has imported them already, given the environment torchrun gives
-its ranks (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT and the TORCHELASTIC
-variables; no agent store, so rank 0 hosts the job's store, as our ranks do when torchrun's agent
-does not), its output captured, and the script run as ``python script args`` would run it. As
-torchrun does, a rank that fails ends the others (SIGTERM, then SIGKILL) and the job's exit
-status is 1. What only a real launcher shows (its agent, a stopped rank left behind, its exit
-codes) is tested under torchrun itself (test_distributed_cli.py)."""
+(about 7 s of CPU a two-rank job on CI's cores, before any work). Here each rank is a child of
+multiprocessing's fork server, started once per test process with torch, opacus, transformers,
+peft and the CLI imported (never any test's state: a child of the test process itself would
+inherit what earlier tests left, e.g. a device mesh made for another rank). Each rank gets the
+environment torchrun gives its ranks (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT and
+the TORCHELASTIC variables; no agent store, so rank 0 hosts the job's store, as our ranks do when
+torchrun's agent does not) over the test's own environment, its output captured, and the script
+run as ``python script args`` would run it. As torchrun does, a rank that fails ends the others
+(SIGTERM, then SIGKILL) and the job's exit status is 1. What only a real launcher shows (its
+agent, a stopped rank left behind) is tested under torchrun itself (test_distributed_cli.py)."""
 
+import contextlib
+import multiprocessing
 import os
 import runpy
 import signal
@@ -20,10 +25,18 @@ import tempfile
 import time
 import traceback
 
-import torch.distributed as dist
-
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 GRACE_S = 10.0  # between SIGTERM and SIGKILL when a rank failed or the job timed out
+PRELOAD = ["torch", "opacus", "transformers", "peft", "profiling_script", "dp_cost.measure.run"]
+_context = None
+
+
+def fork_server():
+    global _context
+    if _context is None:
+        _context = multiprocessing.get_context("forkserver")
+        _context.set_forkserver_preload(PRELOAD)
+    return _context
 
 
 def free_port() -> int:
@@ -34,32 +47,26 @@ def free_port() -> int:
 
 def forked_ranks(script, *args, ranks=2, timeout=600, cwd=ROOT) -> subprocess.CompletedProcess:
     """What ``subprocess.run([python, -m, torch.distributed.run, --nproc_per_node, ranks,
-    --standalone, script, *args])`` returns (its output: each rank's, in rank order), from ranks
-    forked from this process."""
-    if dist.is_available() and dist.is_initialized():
-        raise RuntimeError("forked ranks would inherit this process's process group")
+    --standalone, script, *args])`` returns (its output: each rank's, in rank order, then a
+    line for each rank that failed), from ranks forked by the fork server."""
     script = os.path.join(cwd, script)
     port = free_port()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    outputs = [(tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")) for _ in range(ranks)]
-    pids = []
-    try:
-        for rank, (out, err) in enumerate(outputs):
-            pid = os.fork()
-            if pid == 0:  # the rank: never returns
-                run_rank(script, args, rank, ranks, port, cwd, out, err)
-            pids.append(pid)
-        codes = wait_for_ranks(pids, timeout, script)
-        texts = []
-        for out, err in outputs:
-            out.seek(0)
-            err.seek(0)
-            texts.append((out.read(), err.read()))
-    finally:
-        for out, err in outputs:
-            out.close()
-            err.close()
+    environ = dict(os.environ)
+    with tempfile.TemporaryDirectory() as folder:
+        paths = [
+            (os.path.join(folder, f"{rank}.out"), os.path.join(folder, f"{rank}.err"))
+            for rank in range(ranks)
+        ]
+        processes = []
+        for rank, (out, err) in enumerate(paths):
+            process = fork_server().Process(
+                target=run_rank,
+                args=(script, [str(a) for a in args], rank, ranks, port, cwd, out, err, environ),
+            )
+            process.start()
+            processes.append(process)
+        codes = wait_for_ranks(processes, timeout, script)
+        texts = [(read(out), read(err)) for out, err in paths]
     # as torchrun's agent does, name each rank that failed and how
     failures = "".join(
         f"forked_ranks: rank {r} exited with {c}\n" for r, c in enumerate(codes) if c
@@ -71,20 +78,30 @@ def forked_ranks(script, *args, ranks=2, timeout=600, cwd=ROOT) -> subprocess.Co
     )  # fmt: skip
 
 
-def run_rank(script, args, rank, ranks, port, cwd, out, err) -> None:
-    """In the forked child: torchrun's environment, output to ``out``/``err``, the script as
-    ``__main__``; leaves with the script's exit status, without the parent's exit handlers."""
+def read(path: str) -> str:
+    try:
+        with open(path, errors="replace") as f:
+            return f.read()
+    except FileNotFoundError:  # the rank died before it opened it
+        return ""
+
+
+def run_rank(script, args, rank, ranks, port, cwd, out, err, environ) -> None:
+    """In the forked child: the test's environment and torchrun's variables, output to the
+    files ``out`` and ``err``, the script as ``__main__``; leaves with the script's exit
+    status, without exit handlers."""
     code = 1
     try:
-        os.setpgid(0, 0)  # its own group: a signal to the test process's group misses it
-        devnull = os.open(os.devnull, os.O_RDONLY)
-        os.dup2(devnull, 0)  # never the test process's stdin (pytest-xdist's channel)
-        os.dup2(out.fileno(), 1)
-        os.dup2(err.fileno(), 2)
-        sys.stdin = open(0, closefd=False)
+        os.setpgid(0, 0)  # its own group: the rank and the workers it forks are ended as one
+        for fd, path in ((1, out), (2, err)):
+            opened = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            os.dup2(opened, fd)
+            os.close(opened)
         sys.stdout = open(1, "w", buffering=1, closefd=False)
         sys.stderr = open(2, "w", buffering=1, closefd=False)
         os.chdir(cwd)
+        os.environ.clear()
+        os.environ.update(environ)
         os.environ.update(
             RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(ranks),
             LOCAL_WORLD_SIZE=str(ranks), GROUP_RANK="0", ROLE_RANK=str(rank),
@@ -95,7 +112,7 @@ def run_rank(script, args, rank, ranks, port, cwd, out, err) -> None:
         )  # fmt: skip
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
         signal.signal(signal.SIGINT, signal.SIG_DFL)
-        sys.argv = [script, *map(str, args)]
+        sys.argv = [script, *args]
         try:
             runpy.run_path(script, run_name="__main__")
             code = 0
@@ -114,34 +131,29 @@ def run_rank(script, args, rank, ranks, port, cwd, out, err) -> None:
             os._exit(code)
 
 
-def wait_for_ranks(pids, timeout, script) -> list[int]:
+def wait_for_ranks(processes, timeout, script) -> list[int]:
     """Each rank's exit status (-N: ended by signal N); once one fails, the others are ended as
     torchrun ends them."""
     deadline = time.monotonic() + timeout
-    codes: dict[int, int] = {}
     stopping_since, timed_out = None, False
-    while len(codes) < len(pids):
-        for pid in pids:
-            if pid not in codes:
-                done, status = os.waitpid(pid, os.WNOHANG)
-                if done:
-                    codes[pid] = os.waitstatus_to_exitcode(status)
-        failed = any(code != 0 for code in codes.values())
+    while any(p.exitcode is None for p in processes):
+        failed = any(p.exitcode not in (None, 0) for p in processes)
         if stopping_since is None and (failed or time.monotonic() > deadline):
             stopping_since, timed_out = time.monotonic(), not failed
-            signal_ranks(pids, codes, signal.SIGTERM)
+            signal_ranks(processes, signal.SIGTERM)
         if stopping_since is not None and time.monotonic() - stopping_since > GRACE_S:
-            signal_ranks(pids, codes, signal.SIGKILL)
+            signal_ranks(processes, signal.SIGKILL)
         time.sleep(0.02)
     if timed_out:
         raise subprocess.TimeoutExpired(script, timeout)
-    return [codes[pid] for pid in pids]
+    return [p.exitcode for p in processes]
 
 
-def signal_ranks(pids, codes, signum) -> None:
-    for pid in pids:
-        if pid not in codes:
+def signal_ranks(processes, signum) -> None:
+    for process in processes:
+        if process.exitcode is None:
             try:
-                os.killpg(pid, signum)  # the rank and the workers it forked
-            except ProcessLookupError:
-                pass
+                os.killpg(process.pid, signum)  # the rank and the workers it forked
+            except ProcessLookupError:  # not yet in a group of its own
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(process.pid, signum)

@@ -372,3 +372,39 @@ def test_a_workers_output_never_fails_when_the_terminal_is_gone():
         stderr.close()
         os.close(write_end)
     assert os.waitstatus_to_exitcode(ended[-1][1]) == 0
+
+
+def interrupt_in_a_long_finalizer():
+    os.kill(os.getpid(), signal.SIGINT)
+    deadline = time.monotonic() + 0.3  # longer than RETRY_S: the alarm comes while it runs
+    while time.monotonic() < deadline:
+        pass
+
+
+@pytest.mark.parametrize("where", ["__del__", "collection"])
+def test_an_interrupt_that_arrives_in_a_finalizer_is_raised_after_it(where):
+    """Python drops what a finalizer raises ("Exception ignored in ..."): an interrupt raised
+    in a ``__del__``, or in a weakref callback the garbage collector runs, would be lost and the
+    run would go on. It is raised once the finalizer is over."""
+    import gc
+    import weakref
+
+    class Dying:
+        def __del__(self):
+            interrupt_in_a_long_finalizer()
+
+    class Cycle:
+        def __init__(self):
+            self.me = self  # freed only by the garbage collector
+
+    previous = interrupts.install()
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            if where == "__del__":
+                Dying()  # no reference kept: __del__ at once
+            else:
+                weakref.finalize(Cycle(), interrupt_in_a_long_finalizer)
+                gc.collect()
+            time.sleep(2)  # the interrupt arrives here, not later, and not never
+    finally:
+        interrupts.restore(previous)

@@ -8,8 +8,9 @@ put in the background), so that ``kill -INT`` still stops the run.
 
 An interrupt is raised where it leaves everything whole: never inside an import (a module left
 half imported breaks the next import of it: numpy's "cannot load module more than once", a
-RecursionError; the start-up imports torch, opacus, scipy and numpy for seconds), but as soon
-as the import under way has ended; never inside a ``held`` block, but at its end; and once: a
+RecursionError; the start-up imports torch, opacus, scipy and numpy for seconds), nor inside a
+finalizer (Python drops what one raises: the interrupt would be lost), but as soon as the import
+or finalizer under way has ended; never inside a ``held`` block, but at its end; and once: a
 second signal while the first is on its way to its handler is recorded (its exit code counts),
 not raised again.
 """
@@ -17,6 +18,7 @@ not raised again.
 from __future__ import annotations
 
 import contextlib
+import gc
 import os
 import shlex
 import shutil
@@ -42,6 +44,7 @@ _received = []  # the signals that interrupted this run
 _pending = []  # received and not raised yet
 _held = []  # non-empty inside held(): a signal is recorded, and raised once the block ends
 _raised_at = []  # when an interrupt was last raised (time.monotonic)
+_collecting = []  # non-empty while the garbage collector runs (and with it finalizers)
 
 
 class Terminated(KeyboardInterrupt):
@@ -60,14 +63,18 @@ def _on_alarm(signum, frame):
 
 def _raise_when_whole(frame) -> None:
     """Raise the interrupt pending, unless a ``held`` block runs (it raises it at its end),
-    ``frame`` is inside an import (raised RETRY_S later, by SIGALRM: this again), or one was
-    raised less than IN_FLIGHT_S ago (it is on its way: this one is recorded only)."""
+    ``frame`` is inside an import or a finalizer (raised RETRY_S later, by SIGALRM: this
+    again), or one was raised less than IN_FLIGHT_S ago (it is on its way: this one is recorded
+    only)."""
     if not _pending or _held:
         return
-    if _importing(frame):
+    if _must_wait(frame):
         signal.setitimer(signal.ITIMER_REAL, RETRY_S)
         return
-    signum = _pending[-1]
+    try:  # one call: a handler that ran since the check above may have taken it already
+        signum = _pending.pop()
+    except IndexError:
+        return
     _pending.clear()
     now = time.monotonic()
     if _raised_at and now - _raised_at[-1] < IN_FLIGHT_S:
@@ -76,13 +83,22 @@ def _raise_when_whole(frame) -> None:
     raise KeyboardInterrupt() if signum == signal.SIGINT else Terminated()
 
 
-def _importing(frame) -> bool:
-    """Whether ``frame`` runs inside an import (importlib's frames are below it)."""
+def _must_wait(frame) -> bool:
+    """Whether ``frame`` runs inside an import (importlib's frames are below it), or where
+    Python drops a raised exception ("Exception ignored in ..."): a finalizer (``__del__``, or
+    anything the garbage collector runs while it collects), where the interrupt would be lost."""
+    if _collecting:
+        return True
     while frame is not None:
-        if frame.f_code.co_filename.startswith("<frozen importlib"):
+        code = frame.f_code
+        if code.co_filename.startswith("<frozen importlib") or code.co_name == "__del__":
             return True
         frame = frame.f_back
     return False
+
+
+def _on_collection(phase: str, info: dict) -> None:
+    _collecting[:] = [True] if phase == "start" else []
 
 
 def install() -> dict:
@@ -95,11 +111,15 @@ def install() -> dict:
         if signum != signal.SIGHUP or previous[signum] != signal.SIG_IGN:
             signal.signal(signum, _on_interrupt)
     signal.signal(signal.SIGALRM, _on_alarm)
+    if _on_collection not in gc.callbacks:
+        gc.callbacks.append(_on_collection)
     return previous
 
 
 def restore(previous: dict) -> None:
     signal.setitimer(signal.ITIMER_REAL, 0)
+    with contextlib.suppress(ValueError):
+        gc.callbacks.remove(_on_collection)
     for signum, handler in previous.items():
         if handler is not None:  # None: not set from Python, left as it is
             signal.signal(signum, handler)

@@ -55,7 +55,7 @@ def check_torchrun_run(out, distributed, expected, launcher):
         str(out),
         launcher=launcher,
     )
-    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert os.listdir(out) == ["r"]  # rank 0 named the run for both ranks
     results = results_in(out / "r")
     assert sorted(results) == sorted(f"{name}_{distributed}2x" for name in expected)
@@ -94,7 +94,7 @@ def test_fsdp2_sync_held_to_the_last_chunk_from_the_cli(tmp_path):
         "--fsdp_sync", "logical", "--max_physical_batch_sizes", "1",
         "--output_dir", str(tmp_path / "held"),
     )  # fmt: skip
-    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     results = results_in(tmp_path / "held" / "r")
     assert all(name.endswith("_fsdp2x_logicalsync") for name in results), sorted(results)
     by_trainer = {r["config"]["trainer"]: r for r in results.values()}
@@ -179,7 +179,7 @@ def test_per_layer_clipping_under_ddp_from_the_cli(tmp_path):
         *per_layer, "--trainers", "standard", "dpsgd", "ghost", "flash", "--distributed", "ddp",
         "--output_dir", str(tmp_path / "ddp"),
     )  # fmt: skip
-    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     results = results_in(tmp_path / "ddp" / "r")
     assert all(name.endswith("_perlayer") for name in results), sorted(results)
     by_trainer = {r["config"]["trainer"]: r for r in results.values()}
@@ -233,7 +233,7 @@ def test_ddp_measurement_steps_reuse_one_draw_and_the_printed_epsilon_covers_it(
         "--trainers", "dpsgd", "flash", "--distributed", "ddp", "--no_trace",
         "--output_dir", str(tmp_path), "--run_name", "r",
     )  # fmt: skip
-    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     printed = done.stdout
     for config_dir, result in results_in(tmp_path / "r").items():
         assert result["status"] == "ok", result["error"]
@@ -274,7 +274,7 @@ def test_fsdp2_ranks_materialize_only_their_shards_with_the_whole_builds_losses(
     assert single.returncode == 0, single.stderr[-3000:]
     expected = {r["config"]["trainer"]: r for r in results_in(tmp_path / "one" / "r").values()}
     done = torchrun_cli(*args, "--distributed", "fsdp", "--output_dir", str(tmp_path / "fsdp"))
-    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     for result in results_in(tmp_path / "fsdp" / "r").values():
         name = result["config"]["trainer"]
         assert result["status"] == "ok", result["error"]
