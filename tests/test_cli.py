@@ -242,6 +242,7 @@ def test_memory_mode_on_cpu_and_activation_checkpointing(tmp_path):
         "--trainers",
         "standard",
         "dpsgd",
+        "flash",
         "--batch_sizes",
         "2",
         "--seq_lens",
@@ -260,7 +261,8 @@ def test_memory_mode_on_cpu_and_activation_checkpointing(tmp_path):
     standard = results["standard_bs2_seq16_ckpt_tiny"]
     assert standard["status"] == "ok"
     assert standard["breakdown"] is None and "CUDA" in standard["env"]["breakdown_note"]
-    skipped = results["dpsgd_bs2_seq16_ckpt_tiny"]
+    assert results["dpsgd_bs2_seq16_ckpt_tiny"]["status"] == "ok"
+    skipped = results["flash_bs2_seq16_ckpt_tiny"]
     assert skipped["status"] == "skipped" and "checkpointing" in skipped["error"]
     assert "SUMMARY" in (tmp_path / "r" / "summary.txt").read_text()
 

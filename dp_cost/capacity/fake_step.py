@@ -212,6 +212,7 @@ def meta_model(config) -> tuple[torch.nn.Module, object]:
             use_lora=config.use_lora,
             lora_rank=config.lora_rank,
             attention="explicit" if config.attention == "explicit" else "sdpa",
+            activation_checkpointing=config.activation_checkpointing,
         )
         return model, hf_models.sequence_classification_loss
     model = models.build_model(

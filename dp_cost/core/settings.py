@@ -132,7 +132,8 @@ SETTINGS: tuple[Setting, ...] = (
     Setting(
         "activation_checkpointing",
         False,
-        "recompute each transformer block in backward (standard trainer only)",
+        "recompute each transformer block in the backward (the LM's blocks, Hugging Face's decoder "
+        "layers; standard, dpsgd and ghost: flash refuses it)",
         flags=("--activation_checkpointing",),
         switch=True,
         dir_part=lambda c: "_ckpt" if c.activation_checkpointing else None,

@@ -31,6 +31,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from dp_cost.core import recompute
 from dp_cost.core.hf_architectures import HF_CONFIGS
 from dp_cost.hf.configs import (
     ATTENTION_IMPLEMENTATIONS,
@@ -254,6 +255,7 @@ def build_hf_model(
     cache_dir: str | None = None,
     seed: int = 0,
     empty_weights: bool = False,
+    activation_checkpointing: bool = False,
 ) -> tuple[nn.Module, dict]:
     """A ``LlamaForSequenceClassification`` for ``name``, in train mode, and its ``info``.
 
@@ -266,9 +268,8 @@ def build_hf_model(
     when the Hub or cache cannot provide it, a one-line RuntimeError (the token never appears).
     ``use_lora``: LoRA rank ``lora_rank`` (alpha default 2*rank) on the attention and MLP
     projections plus a trainable head; otherwise full fine-tuning, every parameter trainable.
-    ``info``: trainable_params, frozen_params, config (name), lora_rank (None without LoRA),
-    empty_weights.
-    """
+    ``activation_checkpointing``: each decoder layer recomputed in the backward (checkpointed).
+    ``info``: trainable_params, frozen_params, config (name), lora_rank, empty_weights."""
     device = torch.device(device)
     if pretrained:
         model = _load_pretrained(
@@ -286,6 +287,8 @@ def build_hf_model(
     swap_rms_norms(model)
     # A sequence classifier has no LM head, so tie_word_embeddings ties nothing; make sure.
     check_no_shared_parameters(model)
+    if activation_checkpointing:
+        checkpointed(model)
     if use_lora:
         model.requires_grad_(False)
         model = apply_lora(model, rank=lora_rank, alpha=lora_alpha, dropout=lora_dropout)
@@ -295,6 +298,13 @@ def build_hf_model(
         initialize_weights(model, seed)
     model.train()
     return model, model_info(model, name, lora_rank if use_lora else None, empty_weights)
+
+
+def checkpointed(model: nn.Module) -> None:
+    """Each decoder layer recomputed in the backward: transformers' non-reentrant checkpointing,
+    with the contexts a trainer sets (dp_cost.core.recompute)."""
+    contexts = recompute.attach(model)
+    model.activation_checkpointing_enable({"use_reentrant": False, "context_fn": contexts})
 
 
 def _build_random(name, num_labels, attention, device, dtype, empty_weights) -> nn.Module:

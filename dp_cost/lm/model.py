@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from opacus.layers import DPMultiheadAttention
 from torch.utils.checkpoint import checkpoint
 
+from dp_cost.core import recompute
 from dp_cost.core.kernel_names import ATTENTION_RANGE
 
 # Re-exported: the configs are plain data (lm/configs.py), read by the plan without torch.
@@ -99,6 +100,8 @@ class TransformerLM(nn.Module):
         self.blocks = nn.ModuleList(Block(config) for _ in range(config.num_layers))
         self.ln_f = nn.LayerNorm(config.hidden_dim)
         self.lm_head = nn.Linear(config.hidden_dim, config.vocab_size, bias=False)
+        if config.activation_checkpointing:
+            recompute.attach(self)  # what a trainer does in a block's forward and recomputation
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         batch, seq = tokens.shape
@@ -110,7 +113,7 @@ class TransformerLM(nn.Module):
         x = self.tok_emb(tokens) + self.pos_emb(positions)
         for block in self.blocks:
             if self.config.activation_checkpointing and torch.is_grad_enabled():
-                x = checkpoint(block, x, use_reentrant=False)
+                x = checkpoint(block, x, use_reentrant=False, context_fn=self.recompute_contexts)
             else:
                 x = block(x)
         return self.lm_head(self.ln_f(x))

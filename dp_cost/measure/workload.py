@@ -51,6 +51,7 @@ class Workload:
                 attention="explicit" if config.attention == "explicit" else "sdpa",
                 seed=config.seed,
                 empty_weights=empty,
+                activation_checkpointing=config.activation_checkpointing,
             )
             if empty:
                 self.materialize = functools.partial(

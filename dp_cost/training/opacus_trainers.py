@@ -3,6 +3,7 @@ optimizers and BatchMemoryManager's protocol for physical chunks."""
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import torch
@@ -18,7 +19,9 @@ from opacus.optimizers import (
 )
 from opacus.optimizers.optimizer import _check_processed_flag, _mark_as_processed
 from opacus.utils.fast_gradient_clipping_utils import DPTensorFastGradientClipping
+from torch.utils.checkpoint import set_checkpoint_early_stop
 
+from dp_cost.core import recompute
 from dp_cost.core.schema import AllocationSite
 from dp_cost.flash import tensors_in
 from dp_cost.samplers import state as opacus_state
@@ -85,9 +88,30 @@ class OpacusTrainer(PrivateTrainer):
         self.describe_privacy(law, NORM_MARGINS[self.dtype])
         self.phases("privacy_wrapped")
 
+    def capture_once_in_recomputed_blocks(self) -> None:
+        """With activation checkpointing, a checkpointed block's forward runs twice: first, its
+        layers' inputs are not kept; then, in the backward, it is recomputed and they are. Opacus'
+        forward hooks would capture each input both times, and its backward hooks pop one
+        (a stale entry would be left behind every step): capture is off in the first forward,
+        so each layer's input is captured once, from the recomputation, before its backward."""
+        contexts = recompute.recompute_contexts(self.model)
+        if contexts is not None:
+            contexts.make = lambda: (self.capture_off(), contextlib.nullcontext())
+
+    @contextlib.contextmanager
+    def capture_off(self):
+        enabled, self.wrapped.hooks_enabled = self.wrapped.hooks_enabled, False
+        try:
+            yield
+        finally:
+            self.wrapped.hooks_enabled = enabled
+
     def wrapped_forward(self, chunk) -> torch.Tensor:
-        """Per-sample losses of a chunk through the Opacus-wrapped model."""
-        per_sample = self.per_sample_losses(self.wrapped, chunk)
+        """Per-sample losses of a chunk through the Opacus-wrapped model. The recomputation of
+        a checkpointed block runs whole (no early stop after its last saved tensor), so that
+        every layer's forward hook runs in it."""
+        with set_checkpoint_early_stop(False):
+            per_sample = self.per_sample_losses(self.wrapped, chunk)
         self.phases("forward_done")
         return per_sample
 
@@ -193,6 +217,7 @@ class DPSGDTrainer(OpacusTrainer):
     """Opacus per-sample gradients: GradSampleModule hooks + DPOptimizer."""
 
     name = "dpsgd"
+    supports_activation_checkpointing = True
     sharded_refusal = (
         "Opacus 1.6's per-sample gradients (hooks mode) do not run on an FSDP2 model: its grad "
         "samplers expect whole parameters, and FSDP2 shards them (use ghost or flash)"
@@ -204,6 +229,7 @@ class DPSGDTrainer(OpacusTrainer):
         self.wrapped = GradSampleModule(
             DPDDP(model) if replicates else model, batch_first=True, loss_reduction="mean"
         )
+        self.capture_once_in_recomputed_blocks()
         if settings.clipping.per_layer:
             self.wrap_optimizer(
                 CountedDistributedPerLayerOptimizer if replicates else CountedPerLayerOptimizer
@@ -247,6 +273,7 @@ class GhostClippingTrainer(OpacusTrainer):
     """Opacus fast gradient / ghost clipping: two backward passes, no per-sample gradients."""
 
     name = "ghost"
+    supports_activation_checkpointing = True
     fsdp_units = "opacus_layers"
     per_layer_refusal = (
         "Opacus' ghost clipping has no per-layer mode: its norms come from one first backward "
@@ -276,6 +303,7 @@ class GhostClippingTrainer(OpacusTrainer):
             max_grad_norm=self.max_grad_norm,
             use_ghost_clipping=True,
         )
+        self.capture_once_in_recomputed_blocks()
         self.wrap_optimizer(optimizer_class)
 
     def empty_batch_gradients(self):

@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from dp_cost.core import schema
+from dp_cost.core import recompute, schema
 from dp_cost.parallel import fsdp
 from dp_cost.parallel.mode import distributed_mode, fsdp_sync_refusal, holds_sync_to_last_chunk
 from dp_cost.stepping.protocol import PhaseEvents
@@ -35,7 +35,10 @@ TRAINERS: dict[str, type[Trainer]] = {
 }
 # Opacus' hooks and flash's book-keeping save each layer's input in forward (and per-sample
 # gradients computed from it): recomputing a checkpointed block in backward saves it again.
-REHOOKED = "its per-layer hooks would save every recomputed layer input a second time"
+REHOOKED = (
+    "its hooks would keep every recomputed layer's input a second time (standard, dpsgd and ghost "
+    "take it)"
+)
 
 
 def register_trainer(name: str):
@@ -82,7 +85,7 @@ def make_trainer(
     once FSDP2 has sharded it (each rank allocates and initializes its shards only). Every
     string setting is parsed here, once."""
     cls = TRAINERS[canonical_trainer_name(name)]
-    checkpointing = getattr(getattr(model, "config", None), "activation_checkpointing", False)
+    checkpointing = recompute.recompute_contexts(model) is not None
     fsdp_sync = fsdp_sync or "chunk"  # absent or None: FSDP2's own, per chunk
     clipping = clipping or ClippingRule.FLAT.value
     if reason := refusal(cls.name, distributed, cuda_graph, checkpointing, fsdp_sync, clipping):

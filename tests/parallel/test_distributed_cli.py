@@ -282,3 +282,28 @@ def test_fsdp2_ranks_materialize_only_their_shards_with_the_whole_builds_losses(
         assert not expected[name]["env"]["model_info"]["empty_weights"]
         for got, want in zip(result["losses"], expected[name]["losses"], strict=True):
             assert got == pytest.approx(want, rel=1e-5), name
+
+
+def test_opacus_trainers_under_activation_checkpointing_on_ranks_step_as_one_process(tmp_path):
+    """--activation_checkpointing under DDP (dpsgd, ghost) and FSDP2 (ghost), chunks of one
+    sample a rank: the losses of one process without checkpointing (noise 0): each rank's
+    hooks capture each recomputed layer once."""
+    args = [*ARGS, "--max_physical_batch_sizes", "1"]
+    single = in_process(*args, "--trainers", "dpsgd", "ghost", "--output_dir", tmp_path / "one")
+    assert single.returncode == 0, single.stderr[-3000:]
+    expected = {
+        r["config"]["trainer"]: r["losses"] for r in results_in(tmp_path / "one" / "r").values()
+    }
+    for distributed, names in (("ddp", ["dpsgd", "ghost"]), ("fsdp", ["ghost"])):
+        out = tmp_path / distributed
+        done = torchrun_cli(
+            *args, "--activation_checkpointing", "--trainers", *names, "--distributed",
+            distributed, "--output_dir", out,
+        )  # fmt: skip
+        assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+        results = results_in(out / "r")
+        assert sorted(r["config"]["trainer"] for r in results.values()) == sorted(names)
+        for name, result in results.items():
+            assert "_ckpt" in name and result["status"] == "ok", (name, result["error"])
+            want = expected[result["config"]["trainer"]]
+            assert result["losses"] == pytest.approx(want, rel=1e-5), name
