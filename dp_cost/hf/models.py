@@ -304,7 +304,11 @@ def checkpointed(model: nn.Module) -> None:
     """Each decoder layer recomputed in the backward: transformers' non-reentrant checkpointing,
     with the contexts a trainer sets (dp_cost.core.recompute)."""
     contexts = recompute.attach(model)
-    model.activation_checkpointing_enable({"use_reentrant": False, "context_fn": contexts})
+    # transformers 5 renamed gradient_checkpointing_enable (kept, deprecated); older ones lack
+    # the new name
+    enable = getattr(model, "activation_checkpointing_enable", None)
+    enable = enable or model.gradient_checkpointing_enable
+    enable({"use_reentrant": False, "context_fn": contexts})
 
 
 def _build_random(name, num_labels, attention, device, dtype, empty_weights) -> nn.Module:
