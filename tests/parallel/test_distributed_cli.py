@@ -307,3 +307,27 @@ def test_opacus_trainers_under_activation_checkpointing_on_ranks_step_as_one_pro
             assert "_ckpt" in name and result["status"] == "ok", (name, result["error"])
             want = expected[result["config"]["trainer"]]
             assert result["losses"] == pytest.approx(want, rel=1e-5), name
+
+
+def test_ghost_under_fsdp2_on_4_ranks_where_the_head_has_fewer_rows_than_ranks(
+    tmp_path, monkeypatch
+):
+    """tiny-llama's classifier head has 3 rows: on 4 ranks one rank's shard of it is empty.
+    Ghost under FSDP2 runs there, with the losses of one process (noise 0, LoRA and the head
+    trainable)."""
+    args = ["--mode=hf", "--model_name", "tiny-llama", "--use_lora", "--lora_rank", "4",
+            "--seq_length", "8", "--batch_size", "4", "--dataset_size", "8", "--steps", "1",
+            "--noise_multiplier", "0", "--no_poisson", "--trainers", "ghost", "--no_trace",
+            "--run_name", "r"]  # fmt: skip
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    single = in_process(*args, "--output_dir", tmp_path / "one")
+    assert single.returncode == 0, single.stderr[-3000:]
+    (expected,) = results_in(tmp_path / "one" / "r").values()
+    done = forked_ranks(
+        "profiling_script.py", *args, "--distributed", "fsdp", "--output_dir", tmp_path / "fsdp",
+        ranks=4,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    (result,) = results_in(tmp_path / "fsdp" / "r").values()
+    assert result["status"] == "ok" and result["config"]["world_size"] == 4, result["error"]
+    assert result["losses"] == pytest.approx(expected["losses"], rel=1e-5)
