@@ -238,6 +238,10 @@ def flag_known(flag: str, text: str) -> bool:
     return re.search(rf"(?<![\w-]){re.escape(flag)}(?![\w-])", text) is not None
 
 
+# Python scripts that pass the configs' flags on to profiling_script.py, as the shell suites do.
+PASSES_CLI_FLAGS = {"benchmarks/checkpointing.py"}
+
+
 def command_problems(command: str, tracked: set[str], helps: dict[str, str]) -> list[str]:
     """(a) and (b): the command runs a tracked script with flags that script (or, for a shell
     suite, profiling_script.py) knows, and holds no placeholder."""
@@ -250,7 +254,7 @@ def command_problems(command: str, tracked: set[str], helps: dict[str, str]) -> 
     if script not in tracked:
         return [*problems, f"`{command}`: {script} is not tracked by git"]
     known = helps.get(script, "")
-    if script.endswith(".sh"):
+    if script.endswith(".sh") or script in PASSES_CLI_FLAGS:
         known += (REPO / script).read_text() + helps.get("profiling_script.py", "")
     choices = re.search(r"positional arguments:\s*\n\s*\{([\w,-]+)\}", known)
     positional = [a for a in args if not a.startswith("-")]
