@@ -317,6 +317,7 @@ def test_ghost_under_fsdp2_on_4_ranks_where_the_head_has_fewer_rows_than_ranks(
     trainable)."""
     args = ["--mode=hf", "--model_name", "tiny-llama", "--use_lora", "--lora_rank", "4",
             "--seq_length", "8", "--batch_size", "4", "--dataset_size", "8", "--steps", "1",
+            "--warmup_steps", "0",
             "--noise_multiplier", "0", "--no_poisson", "--trainers", "ghost", "--no_trace",
             "--run_name", "r"]  # fmt: skip
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
