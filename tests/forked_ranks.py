@@ -4,8 +4,8 @@ what a rank imports.
 torchrun starts a launcher and one interpreter per rank, and each imports torch and opacus
 (about 7 s of CPU a two-rank job on CI's cores, before any work). Here each rank is a child of
 multiprocessing's fork server, started once per test process with torch, opacus, transformers,
-peft and the CLI imported (never any test's state: a child of the test process itself would
-inherit what earlier tests left, e.g. a device mesh made for another rank). Each rank gets the
+peft and the CLI imported (none of the tests' Python state: a child of the test process itself
+would inherit what earlier tests left, e.g. a device mesh made for another rank). Each rank gets the
 environment torchrun gives its ranks (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT and
 the TORCHELASTIC variables; no agent store, so rank 0 hosts the job's store, as our ranks do when
 torchrun's agent does not) over the test's own environment, its output captured, and the script
@@ -58,14 +58,21 @@ def forked_ranks(script, *args, ranks=2, timeout=600, cwd=ROOT) -> subprocess.Co
             for rank in range(ranks)
         ]
         processes = []
-        for rank, (out, err) in enumerate(paths):
-            process = fork_server().Process(
-                target=run_rank,
-                args=(script, [str(a) for a in args], rank, ranks, port, cwd, out, err, environ),
-            )
-            process.start()
-            processes.append(process)
-        codes = wait_for_ranks(processes, timeout, script)
+        try:
+            for rank, (out, err) in enumerate(paths):
+                process = fork_server().Process(
+                    target=run_rank,
+                    args=(script, [str(a) for a in args], rank, ranks, port, cwd, out, err,
+                          environ),
+                )  # fmt: skip
+                process.start()
+                processes.append(process)
+            codes = wait_for_ranks(processes, timeout, script)
+        finally:  # a rank's group (its workers too) ends with the job, however the job ended
+            for process in processes:
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.killpg(process.pid, signal.SIGKILL)
+                process.join(GRACE_S)
         texts = [(read(out), read(err)) for out, err in paths]
     # as torchrun's agent does, name each rank that failed and how
     failures = "".join(

@@ -381,7 +381,7 @@ def interrupt_in_a_long_finalizer():
         pass
 
 
-@pytest.mark.parametrize("where", ["__del__", "collection"])
+@pytest.mark.parametrize("where", ["__del__", "collection", "weakref callback"])
 def test_an_interrupt_that_arrives_in_a_finalizer_is_raised_after_it(where):
     """Python drops what a finalizer raises ("Exception ignored in ..."): an interrupt raised
     in a ``__del__``, or in a weakref callback the garbage collector runs, would be lost and the
@@ -402,6 +402,11 @@ def test_an_interrupt_that_arrives_in_a_finalizer_is_raised_after_it(where):
         with pytest.raises(KeyboardInterrupt):
             if where == "__del__":
                 Dying()  # no reference kept: __del__ at once
+            elif where == "weakref callback":  # run where the last reference goes: dropped
+                dying = Cycle()
+                weakref.finalize(dying, interrupt_in_a_long_finalizer)
+                dying.me = None
+                del dying
             else:
                 weakref.finalize(Cycle(), interrupt_in_a_long_finalizer)
                 gc.collect()

@@ -45,6 +45,7 @@ _pending = []  # received and not raised yet
 _held = []  # non-empty inside held(): a signal is recorded, and raised once the block ends
 _raised_at = []  # when an interrupt was last raised (time.monotonic)
 _collecting = []  # non-empty while the garbage collector runs (and with it finalizers)
+_hooks_before = [sys.unraisablehook]  # sys.unraisablehook before install()
 
 
 class Terminated(KeyboardInterrupt):
@@ -97,6 +98,18 @@ def _must_wait(frame) -> bool:
     return False
 
 
+def _on_unraisable(unraisable) -> None:
+    """Python dropped an exception it could not raise (a weakref callback, a finalizer the checks
+    above did not see): an interrupt of ours is pending again, raised RETRY_S later."""
+    error = unraisable.exc_value
+    if not isinstance(error, KeyboardInterrupt) or not _raised_at:
+        _hooks_before[0](unraisable)
+        return
+    _raised_at.pop()  # it never reached its handler
+    _pending.append(_received[-1] if isinstance(error, Terminated) else signal.SIGINT)
+    signal.setitimer(signal.ITIMER_REAL, RETRY_S)
+
+
 def _on_collection(phase: str, info: dict) -> None:
     _collecting[:] = [True] if phase == "start" else []
 
@@ -106,6 +119,7 @@ def install() -> dict:
     _received.clear()
     _pending.clear()
     _raised_at.clear()
+    _collecting.clear()
     previous = {signum: signal.getsignal(signum) for signum in (*INTERRUPTS, signal.SIGALRM)}
     for signum in INTERRUPTS:
         if signum != signal.SIGHUP or previous[signum] != signal.SIG_IGN:
@@ -113,6 +127,8 @@ def install() -> dict:
     signal.signal(signal.SIGALRM, _on_alarm)
     if _on_collection not in gc.callbacks:
         gc.callbacks.append(_on_collection)
+    if sys.unraisablehook is not _on_unraisable:
+        _hooks_before[0], sys.unraisablehook = sys.unraisablehook, _on_unraisable
     return previous
 
 
@@ -120,6 +136,8 @@ def restore(previous: dict) -> None:
     signal.setitimer(signal.ITIMER_REAL, 0)
     with contextlib.suppress(ValueError):
         gc.callbacks.remove(_on_collection)
+    if sys.unraisablehook is _on_unraisable:
+        sys.unraisablehook = _hooks_before[0]
     for signum, handler in previous.items():
         if handler is not None:  # None: not set from Python, left as it is
             signal.signal(signum, handler)

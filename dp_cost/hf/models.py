@@ -304,8 +304,8 @@ def checkpointed(model: nn.Module) -> None:
     """Each decoder layer recomputed in the backward: transformers' non-reentrant checkpointing,
     with the contexts a trainer sets (dp_cost.core.recompute)."""
     contexts = recompute.attach(model)
-    # transformers 5 renamed gradient_checkpointing_enable (kept, deprecated); older ones lack
-    # the new name
+    # a later transformers 5 release renamed gradient_checkpointing_enable (kept, deprecated);
+    # earlier ones (5.17) lack the new name
     enable = getattr(model, "activation_checkpointing_enable", None)
     enable = enable or model.gradient_checkpointing_enable
     enable({"use_reentrant": False, "context_fn": contexts})

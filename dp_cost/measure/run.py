@@ -180,6 +180,7 @@ def run_distributed(args, experiment) -> int:
         plans = group.gather("plan", [c.config_dir for c in experiment.configs])
         same = group.broadcast("same_plan", plans is None or all(p == plans[0] for p in plans))
         if not same:
+            group.last_broadcast("same_plan")  # read by every rank before rank 0 leaves
             raise UsageError("the ranks planned different configs: give every rank the same flags")
         with scratch_folder(run_dir):  # one a rank
             if group.is_first:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import weakref
 
 import torch
 from opacus import GradSampleModule
@@ -89,22 +90,17 @@ class OpacusTrainer(PrivateTrainer):
         self.phases("privacy_wrapped")
 
     def capture_once_in_recomputed_blocks(self) -> None:
-        """With activation checkpointing, a checkpointed block's forward runs twice: first, its
-        layers' inputs are not kept; then, in the backward, it is recomputed and they are. Opacus'
-        forward hooks would capture each input both times, and its backward hooks pop one
-        (a stale entry would be left behind every step): capture is off in the first forward,
-        so each layer's input is captured once, from the recomputation, before its backward."""
+        """With activation checkpointing, a checkpointed block's forward runs first without
+        keeping its layers' inputs, then again in each backward (ghost's two backwards: twice),
+        where they are recomputed. Opacus' forward hooks would capture each input in the first
+        forward too, and its backward hooks pop one (a stale entry would be left behind every
+        step): capture is off in the first forward, so each layer's input is captured once per
+        backward whose hooks run, from the recomputation before it (ghost's second backward
+        runs with Opacus' hooks off)."""
         contexts = recompute.recompute_contexts(self.model)
-        if contexts is not None:
-            contexts.make = lambda: (self.capture_off(), contextlib.nullcontext())
-
-    @contextlib.contextmanager
-    def capture_off(self):
-        enabled, self.wrapped.hooks_enabled = self.wrapped.hooks_enabled, False
-        try:
-            yield
-        finally:
-            self.wrapped.hooks_enabled = enabled
+        if contexts is not None:  # the model holds the wrapper weakly: not this trainer
+            wrapped = weakref.ref(self.wrapped)
+            contexts.make = lambda: (capture_off(wrapped()), contextlib.nullcontext())
 
     def wrapped_forward(self, chunk) -> torch.Tensor:
         """Per-sample losses of a chunk through the Opacus-wrapped model. The recomputation of
@@ -122,6 +118,19 @@ class OpacusTrainer(PrivateTrainer):
             self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
         return per_sample.detach().sum()
+
+
+@contextlib.contextmanager
+def capture_off(wrapped):
+    """Opacus' forward hooks capture nothing in the block (a trainer gone: nothing to switch)."""
+    if wrapped is None:
+        yield
+        return
+    enabled, wrapped.hooks_enabled = wrapped.hooks_enabled, False
+    try:
+        yield
+    finally:
+        wrapped.hooks_enabled = enabled
 
 
 def per_sample_norms(grad_sample: torch.Tensor) -> torch.Tensor:

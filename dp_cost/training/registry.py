@@ -33,8 +33,8 @@ TRAINERS: dict[str, type[Trainer]] = {
     "ghost": GhostClippingTrainer,  # Opacus ghost clipping: two backward passes
     "flash": FlashClippingTrainer,  # ours: one backward, exact norms, clipped GEMMs
 }
-# Opacus' hooks and flash's book-keeping save each layer's input in forward (and per-sample
-# gradients computed from it): recomputing a checkpointed block in backward saves it again.
+# Flash's capture keeps each layer's input in forward: recomputing a checkpointed block in the
+# backward would keep it again (Opacus' trainers capture only in the recomputation).
 REHOOKED = (
     "its hooks would keep every recomputed layer's input a second time (standard, dpsgd and ghost "
     "take it)"

@@ -50,6 +50,12 @@ def test_hugging_face_llama_checkpointed_matches_brute_force(name, use_lora, mon
     max_grad_norm = norms.median().item() if name != "standard" else 1e9  # standard: no clip
     want, _ = reference_update(plain, inputs, labels, max_grad_norm)
     params = trainable(model)
+    contexts = recompute.recompute_contexts(model)
+    checkpoints = []  # one call a checkpointed layer's forward: transformers did checkpoint
+    real = contexts.__class__.__call__
+    contexts.__class__ = type("Counted", (recompute.RecomputeContexts,), {
+        "__call__": lambda self: (checkpoints.append(1), real(self))[1]
+    })  # fmt: skip
     trainer = trainers.make_trainer(
         name, model, lr=0.1, max_grad_norm=max_grad_norm, noise_multiplier=0.0, batch_size=5,
         max_physical_batch_size=2, loss_fn=hf_models.sequence_classification_loss,
@@ -57,4 +63,6 @@ def test_hugging_face_llama_checkpointed_matches_brute_force(name, use_lora, mon
     trainer.step(inputs, labels)
     got = torch.cat([p.grad.reshape(-1) for p in params]).double()
     assert ((got - want).norm() / want.norm()).item() < 1e-5
+    layers = hf_configs.HF_CONFIGS["tiny-llama"]["num_hidden_layers"]
+    assert len(checkpoints) == 3 * layers  # each decoder layer of each of the 3 chunks
     assert not any(getattr(m, "activations", None) for m in model.modules())
