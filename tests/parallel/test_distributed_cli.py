@@ -285,16 +285,18 @@ def test_fsdp2_ranks_materialize_only_their_shards_with_the_whole_builds_losses(
 
 
 def test_opacus_trainers_under_activation_checkpointing_on_ranks_step_as_one_process(tmp_path):
-    """--activation_checkpointing under DDP (dpsgd, ghost) and FSDP2 (ghost), chunks of one
-    sample a rank: the losses of one process without checkpointing (noise 0): each rank's
-    hooks capture each recomputed layer once."""
+    """--activation_checkpointing under DDP (dpsgd, ghost) and FSDP2 (standard, ghost), chunks
+    of one sample a rank: the losses of one process without checkpointing (noise 0): each
+    rank's hooks capture each recomputed layer once."""
     args = [*ARGS, "--max_physical_batch_sizes", "1"]
-    single = in_process(*args, "--trainers", "dpsgd", "ghost", "--output_dir", tmp_path / "one")
+    single = in_process(
+        *args, "--trainers", "standard", "dpsgd", "ghost", "--output_dir", tmp_path / "one"
+    )
     assert single.returncode == 0, single.stderr[-3000:]
     expected = {
         r["config"]["trainer"]: r["losses"] for r in results_in(tmp_path / "one" / "r").values()
     }
-    for distributed, names in (("ddp", ["dpsgd", "ghost"]), ("fsdp", ["ghost"])):
+    for distributed, names in (("ddp", ["dpsgd", "ghost"]), ("fsdp", ["standard", "ghost"])):
         out = tmp_path / distributed
         done = torchrun_cli(
             *args, "--activation_checkpointing", "--trainers", *names, "--distributed",
