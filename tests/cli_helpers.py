@@ -3,6 +3,7 @@
 import contextlib
 import json
 import os
+import socket
 import subprocess
 import sys
 import tempfile
@@ -25,6 +26,13 @@ SWEEP_FILES = (
 )
 # A one-layer model small enough that a CPU test-mode config takes about a second.
 SMALL_MODEL = ["--hidden_dim", "32", "--num_layers", "1", "--num_heads", "2", "--vocab_size", "50"]
+
+
+def free_port() -> int:
+    """A TCP port nothing listens on now (the OS's choice), for a store or a server."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
 
 
 def cli(*args, timeout=300, **options):

@@ -18,14 +18,14 @@ import multiprocessing
 import os
 import runpy
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
 import time
 import traceback
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from cli_helpers import ROOT, free_port
+
 GRACE_S = 10.0  # between SIGTERM and SIGKILL when a rank failed or the job timed out
 PRELOAD = ["torch", "opacus", "transformers", "peft", "profiling_script", "dp_cost.measure.run"]
 _context = None
@@ -37,12 +37,6 @@ def fork_server():
         _context = multiprocessing.get_context("forkserver")
         _context.set_forkserver_preload(PRELOAD)
     return _context
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 def forked_ranks(script, *args, ranks=2, timeout=600, cwd=ROOT) -> subprocess.CompletedProcess:

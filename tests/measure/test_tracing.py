@@ -2,14 +2,13 @@
 
 import gzip
 import json
-import socket
 import subprocess
 import sys
 import time
 import urllib.request
 
 import pytest
-from cli_helpers import in_process, small_run_args
+from cli_helpers import free_port, in_process, small_run_args
 
 from dp_cost.core import kernel_names as kernels
 
@@ -40,12 +39,6 @@ def test_one_trace_per_config_and_gzip_flag(tmp_path):
             assert json.load(f)["traceEvents"]
         assert not list((tmp_path / "none" / config).glob("*.pt.trace*"))
     assert (tmp_path / "plain" / "visualizations" / "memory_curve.png").stat().st_size > 10_000
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_tensorboard_plugin_lists_one_run_per_config(tmp_path):

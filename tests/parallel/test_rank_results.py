@@ -4,6 +4,8 @@ stopped because another rank's worker failed (recorded with that rank's status).
 import multiprocessing
 import time
 
+from cli_helpers import free_port
+
 from dp_cost.measure import processes, ranks
 from dp_cost.measure.config import ExperimentConfig
 from dp_cost.parallel.ranks import RankInfo, share
@@ -113,12 +115,9 @@ def test_a_worker_waiting_on_a_failed_rank_is_stopped_and_takes_its_status(tmp_p
 def test_a_rank_whose_worker_count_stands_still_is_found_silent(monkeypatch):
     """A rank group on a store of its own, on a clock of the test's: rank 0's worker beats,
     rank 1's beat once and stopped: rank 1 is silent once the timeout has passed since."""
-    import socket
     import types
 
-    with socket.socket() as free:
-        free.bind(("127.0.0.1", 0))
-        port = free.getsockname()[1]
+    port = free_port()
     monkeypatch.delenv("TORCHELASTIC_USE_AGENT_STORE", raising=False)
     now = [100.0]
     monkeypatch.setattr(ranks, "time", types.SimpleNamespace(monotonic=lambda: now[0]))
@@ -141,8 +140,6 @@ def test_rank_0_hosting_the_store_leaves_only_once_the_others_read_its_last_word
     broadcast (the job's exit code) returns only once every other rank has read it, or the
     others' read would find the store gone with rank 0 ("Failed to recv")."""
     import threading
-
-    from forked_ranks import free_port
 
     monkeypatch.delenv("TORCHELASTIC_USE_AGENT_STORE", raising=False)
     port = free_port()
