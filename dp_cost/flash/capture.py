@@ -1,251 +1,263 @@
-"""What flash's hooks keep of each managed layer between its forward and release(): its input A
-(a forward hook, and a forward pre-hook where the rule hands the layer the cast it keeps) and its
-output gradient G (a pre-hook on the output's autograd node), and the per-sample gradients a rule
-forms from them in the backward hook or once enough are held (norm layers).
+"""What flash keeps of each managed layer between its forward and release(), recorded without
+per-layer Python beyond the layer's own forward.
 
-Under autocast a Linear's A is kept in the autocast dtype (the cast the layer multiplies, handed
-to it so it makes none of its own). Layers reading one input (q, k, v) share it. Norm layers'
-per-sample gradients ([B, d]) are formed after their backward hook, several layers in one launch,
-once their held A and G pass DEFERRED_BYTES or right after the backward. Where a Linear's
-per-sample gradients are no larger than its A and G (d*p <= T*(d+p)), the hook forms them at once
-(one batched GEMM, the FLOPs of the weight gradient it replaces) and drops A and G."""
+Each managed module's forward is replaced (an instance attribute, removed by remove()) by
+``taped_forward``: it computes the layer's output by its rule's ``compute`` (torch's op, called
+directly) and appends one record to the tape: the layer, its input A and the autograd edge its
+output gradient G will arrive on. No hook runs, so ``nn.Module.__call__`` stays on its fast path,
+and nothing in the forward or the backward starts a Python function per layer: the backward is
+one ``torch.autograd.grad`` asked for every recorded edge at once (autograd hands back each G;
+the managed parameters are frozen, so it forms no weight gradient). The rules then turn the
+records into per-sample gradients, norms and clipped sums by group (flash.engine).
+
+Under autocast a Linear's A is kept in the autocast dtype (the cast the layer multiplies, which
+the layer then does not make again); layers reading one input (q, k, v) share that cast."""
 
 from __future__ import annotations
 
+import functools
+import operator
 import weakref
-from typing import NamedTuple
+from collections.abc import Callable
 
 import torch
 from torch import Tensor
+from torch.autograd.graph import GradientEdge
 
 from dp_cost.flash.layer import Call, GradRequest, Layer, flatten_tokens
-from dp_cost.flash.precision import device_type
-from dp_cost.flash.rules import NormRule
 
-# A and G held in the backward only for per-sample gradients a rule forms after it (norm
-# layers: NormRule.formed_after_backward) are formed as soon as they exceed this many bytes,
-# several layers' in one launch: fewer launches than one per layer in its hook (the 1b model has
-# 41 LayerNorms, a host-bound step at short sequences), for about this much memory more (plus
-# the call that crosses it; bytes of the views held, not of storages they keep alive).
+# A record's fields (a plain tuple: made in every managed forward, where a class's __init__ would
+# be a Python call per layer)
+LAYER, INPUT, EDGE, OUTPUT_SHAPE, INPUT_VERSION = range(5)
+_new_tuple = tuple.__new__  # GradientEdge / GradRequest without their Python __new__
+
+# A and G held for hooked records (norm layers) whose per-sample gradients wait to be formed
+# several at once: formed as soon as they pass this many bytes, mid-backward (fewer launches than
+# one per layer: the 1b model has 49 LayerNorms, a host-bound step at short sequences, for about
+# this much memory more; bytes of the views held, not of the storages they keep alive).
 DEFERRED_BYTES = 512 * 2**20
+_has_pending = operator.attrgetter("pending")
 
 
-def _layer_input(args: tuple, kwargs: dict) -> Tensor:
-    """A managed layer's input: its first argument, positional or by keyword."""
-    return args[0] if args else next(iter(kwargs.values()))
+class Tape:
+    """One chunk's records, in forward order; ``casts``: the autocast casts made this forward, by
+    id(input); ``idle``: record nothing (FlashClipping.autograd_gradients); ``backward_done``:
+    the records' gradients were taken (a forward now is an error until release())."""
+
+    __slots__ = ("records", "casts", "idle", "backward_done", "hooked", "arrived", "bytes", "full")
+
+    def __init__(self, full: Callable[[], None]):
+        self.records: list[tuple] = []  # records whose G the backward's autograd call returns
+        self.casts: dict[int, tuple] = {}
+        self.idle = False
+        self.backward_done = False
+        # Records whose G a hook takes in the backward (layers whose rule forms their per-sample
+        # gradients there: norm layers), by index; those whose G arrived, with it; the bytes
+        # of A and G these hold; ``full()``: called when they pass DEFERRED_BYTES.
+        self.hooked: list[tuple | None] = []
+        self.arrived: list[tuple] = []
+        self.bytes = 0
+        self.full = full
+
+    def clear(self) -> None:
+        self.records, self.casts, self.hooked, self.arrived, self.bytes = [], {}, [], [], 0
+        self.backward_done = False
 
 
-class SavedInput(NamedTuple):
-    """A layer input's A, as the first layer reading it made it: the next layer reading the
-    same input (q after k) takes it while the input and autocast are unchanged."""
+def taped_forward(module, tape: Tape, layer: Layer, *args, **kwargs):
+    """A managed module's forward: its rule's compute, and a record of A and G's edge. Only
+    builtins are called here (a Python call per layer is what this design removes)."""
+    x = args[0] if args else next(iter(kwargs.values()))
+    if tape.idle or not torch.is_grad_enabled():
+        return layer.compute(module, x)
+    if tape.backward_done:
+        raise RuntimeError("FlashClipping: call release() before the next forward")
+    A = x  # what the record keeps: the input, or its autocast cast
+    if layer.casts_input and x.is_floating_point() and x.dtype != torch.float64:
+        device = "cuda" if x.is_cuda else x.device.type
+        if torch.is_autocast_enabled(device):
+            # The cast autocast would make for this layer's op: made here and handed to the op
+            # (which then makes none), kept as A once per input and autocast dtype. q, k and v
+            # share that A while x is unchanged; k and v compute on x, cast by autocast as
+            # without flash, so the gradient reaching x is summed as it would be (in fp32).
+            dtype = torch.get_autocast_dtype(device)
+            cached = tape.casts.get(id(x))
+            if cached is None or cached[0]() is not x or cached[1:3] != (x._version, dtype):
+                cast = x.to(dtype)
+                tape.casts[id(x)] = (weakref.ref(x), x._version, dtype, cast)
+                A, x = cast, cast
+            else:
+                A = cached[3]
+    y = layer.compute(module, x)
+    base = y._base
+    if (
+        base is not None
+        and base.grad_fn is not None
+        and base.numel() == y.numel()
+        and y.is_contiguous()
+        and base.is_contiguous()
+    ):
+        # A Linear on [B, T, d] returns a view of its 2-D product; an op in place on the view
+        # (ReLU(inplace=True), y += x) takes the view's node out of the graph, the product's
+        # stays: G is taken there.
+        edge = _new_tuple(GradientEdge, (base.grad_fn, base.output_nr))
+        shape = y.shape
+    elif y.grad_fn is not None:
+        edge, shape = _new_tuple(GradientEdge, (y.grad_fn, y.output_nr)), None
+    else:  # nothing before it needs a gradient (e.g. the first layer): a leaf carries G
+        y = y.detach().requires_grad_(True)
+        edge, shape = y, None
+    # A detached: the record holds the input's values, not the autograd graph through it
+    record = (layer, A.detach(), edge, shape, A._version)
+    if layer.formed_in_backward and y is not edge and tape.records:
+        # G by a hook on the output's node: its per-sample gradients are formed in the
+        # backward (a few layers' at once), not held to its end. Not for the first record of
+        # a forward: a node no recorded edge lies beyond is not run by the autograd call.
+        hook = functools.partial(_hooked_gradient, tape, len(tape.hooked))
+        tape.hooked.append(record)
+        edge[0].register_prehook(hook)
+    else:
+        tape.records.append(record)
+    return y
 
-    rule: NormRule  # the rule that made it (another rule's A is not this one's)
-    input: weakref.ref  # the input it was made from
-    state: tuple  # (the input's version, autocast on, autocast dtype) then
-    saved: Tensor
+
+def _hooked_gradient(tape: Tape, index: int, grads: tuple) -> None:
+    """A hooked record's G: kept with it; the held ones formed once they pass DEFERRED_BYTES."""
+    record = tape.hooked[index]
+    if record is None:  # a second backward through the graph
+        raise RuntimeError("FlashClipping: one backward per forward (release() first)")
+    G = grads[record[EDGE][1]]
+    if G is None:
+        return
+    tape.hooked[index] = None  # the tape's list is cleared with the rest; the hook's index stays
+    tape.arrived.append((record, G))
+    tape.bytes += record[INPUT].nbytes + G.nbytes
+    if tape.bytes > DEFERRED_BYTES:
+        tape.full()
 
 
 class LayerCapture:
-    """The hooks' half of FlashClipping (dp_cost.flash.engine): registers them on ``layers`` and
-    keeps, per layer, each call's A and G (Layer.calls) and the per-sample gradients formed so
-    far (Layer.per_sample)."""
+    """The tape's half of FlashClipping (dp_cost.flash.engine): replaces the forward of
+    ``layers``' modules and, after the backward, gives each layer its calls (Layer.calls: A and
+    G) and the per-sample gradients formed from them at once (Layer.per_sample)."""
 
     def __init__(self, layers: list[Layer]):
         self.layers = layers
-        # Hooks, not a wrapped forward: they run for copies and replicas of a module too
-        # (DataParallel, copy.copy), and whatever wraps its forward later.
-        self._handles = [handle for layer in layers for handle in self._hook(layer)]
-        self._leaves: list[Tensor] = []
-        # id(input) -> its SavedInput, this forward's: q, k and v (LoRA: their lora_A) read one
-        # input but other managed calls come in between.
-        self._saved: dict[int, SavedInput] = {}
+        self.tape = Tape(self._form_arrived)
+        self._forwards = {}  # id(module) -> the forward set on it (remove() takes only that)
+        for layer in layers:
+            forward = functools.partial(taped_forward, layer.module, self.tape, layer)
+            layer.module.forward = forward
+            self._forwards[id(layer.module)] = (layer.module, forward)
         self._after_backward = False
-        self._idle = False  # inside FlashClipping.autograd_gradients(): hooks keep nothing
-        # (layer, call) whose A and G are held only for per-sample gradients formed after the
-        # backward (NormRule.formed_after_backward), and their bytes: formed once over
-        # DEFERRED_BYTES
-        self._deferred: list[tuple[Layer, Call]] = []
-        self._deferred_bytes = 0
 
-    def _saved_input(self, layer: Layer, x: Tensor) -> tuple[Tensor, Tensor]:
-        """(the rule's A for input x, what the layer computes on): layers reading one input (q, k
-        and v) share one cast, as long as x was not modified in place and autocast is in the same
-        state in between. A new cast the layer would make itself (rule.feeds_saved_input: a
-        Linear under autocast) is made with its gradient and handed to the layer, which then
-        casts nothing (one cast per call, as the non-private step: none of flash's own)."""
-        device = device_type(x)
-        state = (x._version, torch.is_autocast_enabled(device), torch.get_autocast_dtype(device))
-        last = self._saved.get(id(x))
-        if (
-            last is not None
-            and last.rule is layer.rule
-            and last.input() is x
-            and last.state == state
-        ):
-            return last.saved, x
-        feeds = layer.rule.feeds_saved_input
-        fed = layer.rule.saved_input(layer.module, x if feeds else x.detach())
-        saved = fed.detach() if feeds else fed
-        self._saved[id(x)] = SavedInput(layer.rule, weakref.ref(x), state, saved)
-        return saved, (fed if feeds else x)
+    @property
+    def _idle(self) -> bool:
+        return self.tape.idle
 
-    def _hook(self, layer: Layer) -> tuple:
-        """A forward pre-hook that keeps A (and hands the layer the cast flash keeps, where
-        _saved_input made one) and a forward hook that hooks the output's node for G. A rule
-        that keeps the input as given (norm layers, embeddings) needs no pre-hook: A is taken
-        in the forward hook (each hook costs host time on every call: 43 layers of a 1b step)."""
-        keep = self._make_hook(layer)
-        module = layer.module
-        if not layer.rule.feeds_saved_input:
+    @_idle.setter
+    def _idle(self, value: bool) -> None:
+        self.tape.idle = value
 
-            def after_only(module, args, kwargs, output):
-                if self._idle or not torch.is_grad_enabled():
-                    return None
-                if self._after_backward:
-                    raise RuntimeError("FlashClipping: call release() before the next forward")
-                x = _layer_input(args, kwargs)
-                return keep(layer.rule.saved_input(module, x.detach()), output)
+    def _take_gradients(self, loss: Tensor) -> None:
+        """The backward: every record's G in one autograd call (hooked records' by their hooks,
+        formed on the way), then each call's A and G handed to its layer (Layer.calls), with
+        what its rule does with them (Call.pending, .after)."""
+        tape = self.tape
+        records = tape.records
+        if tape.backward_done:
+            raise RuntimeError("FlashClipping: one backward per forward (release() first)")
+        if not records:
+            raise RuntimeError("no managed layer was called with grad enabled since release()")
+        tape.casts = {}
+        tape.backward_done = True
+        grads = _gradients(loss, [r[EDGE] for r in records])
+        tape.records = []
+        self._add_calls(records, grads)
+        arrived, tape.arrived, tape.bytes = tape.arrived, [], 0
+        self._add_calls([record for record, _ in arrived], [G for _, G in arrived])
+        missing = [record[LAYER].name for record in tape.hooked if record is not None]
+        tape.hooked = []
+        if missing:  # its node did not run: no recorded edge lies beyond it
+            raise RuntimeError(
+                f"FlashClipping: no gradient reached the output of {missing[0]!r}; its input "
+                "must come from another managed layer"
+            )
 
-            return (module.register_forward_hook(after_only, with_kwargs=True),)
-        pending = None  # (A, the input the layer was given) from the pre-hook of this call
+    def _form_arrived(self) -> None:
+        """The per-sample gradients of the hooked records whose G arrived, now, mid-backward
+        (several layers' in one launch per rule); their A and G are dropped."""
+        arrived, self.tape.arrived, self.tape.bytes = self.tape.arrived, [], 0
+        added = self._add_calls([record for record, _ in arrived], [G for _, G in arrived])
+        self._form_per_sample([(layer, call, call.after) for layer, call in added])
 
-        def before(module, args, kwargs):
-            nonlocal pending
-            pending = None
-            if self._idle or not torch.is_grad_enabled():
-                return None
-            if self._after_backward:
-                raise RuntimeError("FlashClipping: call release() before the next forward")
-            x = _layer_input(args, kwargs)
-            saved, fed = self._saved_input(layer, x)
-            pending = saved, fed
-            if fed is x:
-                return None
-            if args:
-                return (fed, *args[1:]), kwargs
-            return args, {**kwargs, next(iter(kwargs)): fed}
-
-        def after(module, args, kwargs, output):
-            nonlocal pending
-            if pending is None:
-                return None
-            (saved, fed), pending = pending, None
-            x = _layer_input(args, kwargs)
-            if x is not fed:  # a pre-hook registered after flash's replaced the input
-                saved = layer.rule.saved_input(module, x.detach())
-            return keep(saved, output)
-
-        return (
-            module.register_forward_pre_hook(before, with_kwargs=True),
-            module.register_forward_hook(after, with_kwargs=True),
-        )
-
-    def _make_hook(self, layer: Layer):
-        k_in, k_out = layer.rule.feature_dims(layer.module)
-
-        def keep(saved: Tensor, output: Tensor) -> Tensor | None:
-            """After the layer's forward: keep A, hook the output's node for G; returns a leaf
-            to use as the output instead, or None."""
-            call = Call(flatten_tokens(saved, k_in))
+    def _add_calls(self, records: list[tuple], grads) -> list[tuple[Layer, Call]]:
+        """Each record with its G as a Call of its layer; the (layer, call) added. Builtins only
+        in the loop (a Python call per layer is what the tape avoids)."""
+        added = []
+        for record, G in zip(records, grads, strict=True):
+            if G is None:  # the output's gradient never came (an unused output): adds nothing
+                continue
+            layer, A = record[LAYER], record[INPUT]
+            if A._version != record[INPUT_VERSION]:  # autograd refuses a saved input so changed
+                raise RuntimeError(
+                    f"FlashClipping: the input of {layer.name!r} was modified in place "
+                    "after its forward; its per-sample gradients need it unchanged"
+                )
+            if record[OUTPUT_SHAPE] is not None:  # the gradient of the view's base
+                G = G.view(record[OUTPUT_SHAPE])
+            k_in, k_out = layer.feature_dims
+            if A.dim() != k_in + 2:  # [B, T, features] (most calls already are)
+                A = flatten_tokens(A, k_in)
+            if G.dim() != k_out + 2:
+                G = flatten_tokens(G, k_out)
+            plan = layer.plans.get((A.shape, G.shape))
+            if plan is None:  # once per layer and shapes
+                plan = self._plan(layer, A, G)
+            layer.described.append(plan[0])
+            call = Call()  # no Python __init__: see Call
+            call.A, call.G, call.pending, call.after = A, G, plan[1], plan[2]
             layer.calls.append(call)
-            version = call.A._version
-
-            # A pre-hook of the output's autograd node (or its base's, below): the gradient
-            # Tensor.register_hook would see, for less host time per call (LoRA: hundreds of
-            # layers per chunk, a host-bound step).
-            def save_grad(grads):
-                grad = grads[output_nr]
-                if grad is None:  # the node ran for its other outputs only
-                    return
-                if shape is not None:  # the gradient of the view's base
-                    grad = grad.reshape(shape)
-                A = call.A
-                # A second backward through the same graph: A dropped, or G already kept (a
-                # layer whose A and G wait for after the backward)
-                if A is None or call.G is not None:
-                    raise RuntimeError("FlashClipping: one backward per forward (release() first)")
-                if A._version != version:  # autograd would refuse a saved input changed so
-                    raise RuntimeError(
-                        f"FlashClipping: the input of {layer.name!r} was modified in place "
-                        "after its forward; its per-sample gradients need it unchanged"
-                    )
-                if grad.requires_grad:  # only under create_graph: no detach op per hook else
-                    grad = grad.detach()
-                G = flatten_tokens(grad, k_out)
-                description, kept, rest, deferred = self._plan(layer, A, G)
-                layer.described.append(description)
-                if kept:
-                    self._add_per_sample(layer, layer.rule.per_sample_grads(layer, A, G, kept))
-                if not rest:
-                    call.A = None  # A and G are not needed any more
-                    return
-                call.G, call.pending = G, rest  # never changed in place: the plan's set
-                if deferred:
-                    self._deferred.append((layer, call))
-                    self._deferred_bytes += A.nbytes + G.nbytes
-                    if self._deferred_bytes > DEFERRED_BYTES:
-                        self._form_deferred()
-
-            if not output.requires_grad:  # e.g. first layer: make a leaf so G still flows
-                output = output.detach().requires_grad_(True)
-                self._leaves.append(output)
-                output_nr, shape = 0, None
-                output.register_hook(lambda grad: save_grad((grad,)))
-                return output
-            node, output_nr, shape = output.grad_fn, output.output_nr, None
-            base = output._base
-            if base is not None and base.grad_fn is not None and base.numel() == output.numel():
-                # A Linear on [B, T, d] returns a view of its 2-D product; an op in place on the
-                # view (ReLU(inplace=True), y += x) takes the view's node out of the graph, the
-                # product's stays: hook that one.
-                if output.is_contiguous() and base.is_contiguous():
-                    node, output_nr, shape = base.grad_fn, base.output_nr, output.shape
-            node.register_prehook(save_grad)
-            return None
-
-        return keep
+            added.append((layer, call))
+        return added
 
     @staticmethod
-    def _plan(layer: Layer, A: Tensor, G: Tensor) -> tuple[dict, set[str], set[str], bool]:
-        """(route description, parameters kept per sample, the rest, whether the rest are all
-        formed after the backward) of a call, decided once per layer and shapes, not per chunk
-        (LoRA: hundreds of layers, each hook's Python counts)."""
-        key = (A.shape, G.shape)
-        plan = layer.plans.get(key)
-        if plan is None:
-            rule = layer.rule
-            description = {"layer": layer.name, "T": A.shape[1], **rule.describe(layer, A, G)}
-            kept = rule.kept_per_sample(layer, A, G)
-            rest = layer.params.keys() - kept
-            deferred = bool(rest) and rest <= rule.formed_after_backward(layer, A, G)
-            plan = layer.plans[key] = (description, kept, rest, deferred)
+    def _plan(layer: Layer, A: Tensor, G: Tensor) -> tuple[dict, frozenset, frozenset]:
+        """(route description, the parameters to do, those of them formed per sample right
+        after the backward) of a call: the rule's kept_per_sample (formed at once, where they
+        are small) and formed_after_backward; the rest wait for the norms and clipped sums.
+        Decided once per layer and shapes, not per chunk (LoRA: hundreds of layers)."""
+        rule = layer.rule
+        description = {"layer": layer.name, "T": A.shape[1], **rule.describe(layer, A, G)}
+        kept = rule.kept_per_sample(layer, A, G)
+        after = kept | (rule.formed_after_backward(layer, A, G) & (layer.params.keys() - kept))
+        plan = (description, frozenset(layer.params), frozenset(after))
+        layer.plans[(A.shape, G.shape)] = plan
         return plan
-
-    def _form_deferred(self) -> None:
-        """The per-sample gradients of the calls held for after the backward (_deferred), now,
-        several in one launch per rule; their A and G are dropped."""
-        deferred, self._deferred, self._deferred_bytes = self._deferred, [], 0
-        self._form_per_sample((layer, call, call.pending) for layer, call in deferred)
-        for _, call in deferred:  # nothing pending any more
-            call.A = call.G = None
 
     def _form_per_sample(self, asked) -> None:
         """The per-sample gradients of ``asked`` (layer, call, names) from each call's A and G,
         one per_sample_grads_many per rule (a rule may share launches between its calls); the
         names leave each call's pending."""
-        by_rule: dict[NormRule, list] = {}
+        by_rule: dict = {}
         for entry in asked:
             by_rule.setdefault(entry[0].rule, []).append(entry)
         for rule, entries in by_rule.items():
-            requests = [GradRequest(layer, c.A, c.G, names) for layer, c, names in entries]
+            requests = [_new_tuple(GradRequest, (ly, c.A, c.G, names)) for ly, c, names in entries]
             grads = rule.per_sample_grads_many(requests)
             for (layer, call, names), formed in zip(entries, grads, strict=True):
-                self._add_per_sample(layer, formed)
+                if layer.per_sample:
+                    self._add_per_sample(layer, formed)
+                else:  # a layer's first call (most layers have one): the dict itself
+                    layer.per_sample = formed
                 call.pending = call.pending - names
+                if not call.pending:  # nothing left to do from A and G: drop the call
+                    layer.calls = list(filter(_has_pending, layer.calls))
 
     @staticmethod
     def _add_per_sample(layer: Layer, grads: dict[str, Tensor]) -> None:
-        if not layer.per_sample:  # a layer's first call (most layers have one): the dict itself
+        """Sum a further call's per-sample gradients into the layer's."""
+        if not layer.per_sample:
             layer.per_sample = grads
             return
         for name, grad in grads.items():
@@ -259,3 +271,31 @@ class LayerCapture:
                 )
             else:
                 held.add_(grad.to(held.dtype))  # in place: no third B x d x p buffer
+
+    def _recorded_inputs(self):
+        """(module, A) of every call recorded this forward and not yet taken by a backward, in
+        the layers' order (hooked records are listed apart from the others)."""
+        tape = self.tape
+        records = tape.records + [r for r in tape.hooked if r is not None]
+        order = {id(layer): i for i, layer in enumerate(self.layers)}
+        records.sort(key=lambda record: order[id(record[LAYER])])
+        return [(record[LAYER].module, record[INPUT]) for record in records]
+
+    def _remove_forwards(self) -> None:
+        """Take off the forwards set here (one another library set on a module later stays)."""
+        for module, forward in self._forwards.values():
+            if module.__dict__.get("forward") is forward:
+                del module.forward
+        self._forwards = {}
+
+
+def _gradients(loss: Tensor, edges: list) -> tuple:
+    """torch.autograd.grad(loss, edges, allow_unused=True) by the engine call autograd.grad
+    makes itself, where loss is a plain tensor: autograd.grad first checks each input for a
+    tensor subclass, two Python calls per input (per layer call), and the tape's edges and
+    leaves are plain. Anything else goes through autograd.grad."""
+    run_backward = getattr(torch.autograd.graph, "_engine_run_backward", None)
+    if run_backward is None or type(loss) is not torch.Tensor:
+        return torch.autograd.grad(loss, edges, allow_unused=True)
+    seed = torch.ones_like(loss, memory_format=torch.preserve_format)
+    return run_backward((loss,), (seed,), False, False, tuple(edges), True, accumulate_grad=False)

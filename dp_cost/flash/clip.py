@@ -70,7 +70,8 @@ class ClipFactors:
     def __init__(self, c: Tensor):
         self.c = c
         self._cast: dict[torch.dtype, Tensor] = {}
-        self._per_token: dict[tuple, Tensor] = {}
+        # per_token's, by (dtype, tokens): looked up by a loop over layers with no call
+        self.cached_per_token: dict[tuple, Tensor] = {}
         self._schedule: tuple[Tensor, ...] | None = None
 
     def to(self, dtype: torch.dtype) -> Tensor:
@@ -98,9 +99,9 @@ class ClipFactors:
     def per_token(self, dtype: torch.dtype, tokens: int) -> Tensor:
         """c repeated for each of a sample's ``tokens`` rows of a flattened [B*T, n], [B*T, 1]."""
         key = (dtype, tokens)
-        if key not in self._per_token:
-            self._per_token[key] = self.to(dtype).repeat_interleave(tokens)[:, None]
-        return self._per_token[key]
+        if key not in self.cached_per_token:
+            self.cached_per_token[key] = self.to(dtype).repeat_interleave(tokens)[:, None]
+        return self.cached_per_token[key]
 
 
 class DeviceIndices:
@@ -176,7 +177,7 @@ def accumulate_many(params: list[nn.Parameter], sums: Tensor) -> None:
         torch._foreach_add_([params[i].grad for i in held], [grads[i] for i in held])
     if not fresh:
         return
-    if all(params[i].dtype == sums.dtype for i in fresh):
+    if {params[i].dtype for i in fresh} == {sums.dtype}:  # not all(genexpr): a call each
         # x * 1 is x exactly: one call makes every copy in its own storage (a torch.empty_like
         # per parameter costs host time: 200 small parameters at the 1b model)
         new = torch._foreach_mul([grads[i] for i in fresh], 1.0)

@@ -80,11 +80,6 @@ def _rows(grad: Tensor) -> Tensor:  # [B, n]; biases and norm layers' are: no vi
     return grad if grad.dim() == 2 else grad.view(grad.shape[0], -1)
 
 
-def _is_small(per_sample_grad: Tensor) -> bool:
-    # numel // B, not grad[0].numel(): indexing is an op (and flash is launch/CPU-bound here)
-    return per_sample_grad.numel() <= SMALL_PER_SAMPLE_NUMEL * per_sample_grad.shape[0]
-
-
 ROUTES = ("auto", "gram", "direct", "product")  # how Linear layers get their per-sample norms
 
 
@@ -118,7 +113,11 @@ class FlashClipping(LayerCapture):
                 )
             if getattr(module, "scale_grad_by_freq", False):  # grad depends on the whole batch
                 raise UnsupportedLayerError(f"{name!r}: Embedding(scale_grad_by_freq=True)")
-            layers.append(Layer(name, module, rule, params, route, tile_size, block_numel))
+            layer = Layer(name, module, rule, params, route, tile_size, block_numel)
+            layer.compute, layer.casts_input = rule.compute_for(module), rule.casts_input
+            layer.formed_in_backward = rule.formed_in_backward
+            layer.feature_dims = rule.feature_dims(module)
+            layers.append(layer)
         self.params = [p for p in model.parameters() if id(p) in owner]
         for p in self.params:
             p.requires_grad_(False)  # autograd then computes no weight gradient at all
@@ -132,51 +131,34 @@ class FlashClipping(LayerCapture):
 
     def backward(self, loss: Tensor) -> None:
         """One backward of the SUM of per-sample losses; no .grad is written anywhere."""
-        if not self._leaves:
-            raise RuntimeError("no managed layer was called with grad enabled since release()")
-        self._saved = {}
-        torch.autograd.grad(loss, self._leaves, allow_unused=True)
+        self._take_gradients(loss)
         self._after_backward = True
-        # calls still held for after the backward are among layer.calls: formed below, at once
-        self._deferred, self._deferred_bytes = [], 0
-        for layer in self.layers:
-            hooked = layer.calls
-            # Calls whose G never came (unused outputs) add nothing; parameters kept per sample
-            # already hold theirs.
-            calls = [
-                Call(c.A, c.G, c.pending) for c in hooked if c.A is not None and c.G is not None
-            ]
-            if calls:  # most layers (all of LoRA's) kept per-sample grads: nothing to join
-                calls = self._join_calls(layer, calls)
-            layer.calls = calls
-            # The hook closures hold the original records and live as long as the autograd graph
-            # (the caller's loss keeps it): release them so layer.calls is the only reference
-            # and dropping it frees A and G.
-            for call in hooked:
-                call.release()
         self._form_after_backward()
+        for layer in self.layers:
+            calls = layer.calls
+            # A reused module: its gradient is the sum over its calls (builtins only here)
+            if len(calls) > 1 or (calls and not calls[0].pending.isdisjoint(layer.per_sample)):
+                layer.calls = self._join_calls(layer, calls)
         self._routes = [route for layer in self.layers for route in layer.described]
 
     def _form_after_backward(self) -> None:
         """The per-sample gradients the rules form right after the backward from the kept A and
-        G (Linear biases: one launch for all, not one reduction per layer in its hook); a call
-        left with nothing to do drops its A and G."""
+        G: where they are small (kept_per_sample: the product route, LoRA) and Linear biases and
+        norm layers (formed_after_backward), one per_sample_grads_many per rule (one launch per
+        kind on CUDA, not one per layer); a call left with nothing to do drops its A and G."""
         self._form_per_sample(
-            (layer, call, names)
-            for layer in self.layers
-            for call in layer.calls
-            if (names := layer.rule.formed_after_backward(layer, call.A, call.G) & call.pending)
+            [
+                (layer, call, call.after)
+                for layer in self.layers
+                for call in layer.calls
+                if call.after
+            ]
         )
-        for layer in self.layers:
-            if any(not call.pending for call in layer.calls):
-                layer.calls = [call for call in layer.calls if call.pending]
 
     def _join_calls(self, layer: Layer, calls: list[Call]) -> list[Call]:
         """A layer's calls still to be done from A and G, joined: a reused module's gradient is
         the sum over its calls."""
         pending = set().union(*(call.pending for call in calls))
-        if pending <= layer.rule.formed_after_backward(layer, calls[0].A, calls[0].G):
-            return calls  # each formed after the backward, summed into layer.per_sample
         if pending & layer.per_sample.keys():  # other calls formed these per sample: join
             for call in calls:
                 grads = layer.rule.per_sample_grads(layer, call.A, call.G, call.pending)
@@ -194,7 +176,12 @@ class FlashClipping(LayerCapture):
         kept = layer.rule.kept_per_sample(layer, A, G) & pending
         if kept:
             self._add_per_sample(layer, layer.rule.per_sample_grads(layer, A, G, kept))
-        return [Call(A, G, pending - kept)] if pending - kept else []
+        if not pending - kept:
+            return []
+        call = Call()
+        call.A, call.G, call.pending = A, G, pending - kept
+        call.after = frozenset()  # what the rule forms after the backward was formed per call
+        return [call]
 
     def _batch_size(self) -> int:
         if self._batch is not None:  # asked by the norms and the clipped sums of each chunk
@@ -215,14 +202,16 @@ class FlashClipping(LayerCapture):
         if self._small is None:
             by_dtype: dict[torch.dtype, list] = {}
             large = []
-            for layer in self.layers:
+            for layer in self.layers:  # per parameter: builtins only (no Python call)
                 for name, grad in layer.per_sample.items():
-                    if _is_small(grad):
-                        by_dtype.setdefault(grad.dtype, []).append((layer.params[name], grad))
+                    # numel // B, not grad[0].numel(): indexing is an op
+                    if grad.numel() <= SMALL_PER_SAMPLE_NUMEL * grad.shape[0]:
+                        rows = grad if grad.dim() == 2 else grad.view(grad.shape[0], -1)
+                        by_dtype.setdefault(grad.dtype, []).append((layer.params[name], rows))
                     else:
                         large.append((layer.params[name], grad))
             groups = by_dtype.values()
-            small = [([p for p, _ in m], torch.cat([_rows(g) for _, g in m], 1)) for m in groups]
+            small = [([p for p, _ in m], torch.cat([g for _, g in m], 1)) for m in groups]
             self._small = small, large
         return self._small
 
@@ -308,8 +297,17 @@ class FlashClipping(LayerCapture):
         for param, grad in large if c.shared is None else ():
             accumulate_weighted_sums([param], [grad], c.of(param))
         del large
+        if c.shared is not None:  # each rule's calls in one go, each dropped once used
+            calls_of = self._calls_by_rule(self.layers)
+            for layer in self.layers:
+                layer.calls = []
+            for rule, calls in calls_of.items():
+                rule.accumulate_clipped_grads(calls, c.shared)
+            del calls_of
         clipped_of = self._calls_by_rule(self.layers, c)
         for layer in self.layers:
+            if not layer.calls:  # done per sample (above and below), or not reached
+                continue
             clipped = [next(clipped_of[layer.rule]) for _ in layer.calls]
             layer.calls = []
             for grads in clipped:
@@ -364,8 +362,9 @@ class FlashClipping(LayerCapture):
         they share their clip factors: flat clipping)."""
         by_rule: dict[NormRule, deque] = {}
         for layer in order:
-            for call in layer.calls:
-                by_rule.setdefault(layer.rule, deque()).append(LayerCall(layer, call.A, call.G))
+            for call in layer.calls:  # tuple.__new__: no Python __new__ per call
+                entry = tuple.__new__(LayerCall, (layer, call.A, call.G))
+                by_rule.setdefault(layer.rule, deque()).append(entry)
         if c is None:
             return by_rule
         if c.shared is not None:
@@ -389,6 +388,8 @@ class FlashClipping(LayerCapture):
         its forward and release(): the saved inputs A and output gradients G ("activation_hooks")
         and the per-sample gradients formed in the backward hook or after it
         ("per_sample_gradients")."""
+        for module, A in self._recorded_inputs():  # between the forward and the backward
+            yield module, "activation_hooks", A
         for layer in self.layers:
             for call in layer.calls:
                 for tensor in call.tensors():
@@ -400,9 +401,9 @@ class FlashClipping(LayerCapture):
         """Drop saved activations, output gradients and leaves (call after each chunk)."""
         for layer in self.layers:
             layer.calls, layer.per_sample, layer.described = [], {}, []
-        self._leaves, self._norms, self._after_backward = [], None, False
-        self._saved, self._small, self._batch = {}, None, None
-        self._deferred, self._deferred_bytes = [], 0
+        self.tape.clear()
+        self._norms, self._after_backward = None, False
+        self._small, self._batch = None, None
 
     @contextlib.contextmanager
     def autograd_gradients(self):
@@ -422,7 +423,6 @@ class FlashClipping(LayerCapture):
     def remove(self) -> None:
         """Remove hooks and make the managed parameters trainable again."""
         self.release()
-        for handle in self._handles:
-            handle.remove()
+        self._remove_forwards()
         for p in self.params:
             p.requires_grad_(True)

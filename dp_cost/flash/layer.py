@@ -13,23 +13,20 @@ from torch import Tensor, nn
 DEFAULT_BLOCK_NUMEL = 64 * 2**20  # largest intermediate of the direct route, in elements
 
 
-@dataclass(eq=False)
 class Call:
-    """One forward call of a managed layer, as the hooks keep it: A, its input ([B, T, d]); G,
-    its output gradient, once the backward reached it; and the names of the parameters still to
-    be done from A and G (the others were formed per sample in the backward hook). A is None
-    once nothing more is needed of the call (released, or every parameter formed); G is set
-    once, by the backward."""
+    """One forward call of a managed layer still to be done from A, its input ([B, T, d]), and
+    G, its output gradient; ``pending``: the names of the parameters still to be done from them;
+    ``after``: those of pending formed per sample right after the backward (the rule's
+    formed_after_backward). Made with no arguments and filled in (no Python __init__: one is
+    made for every layer call of a step, and a Python call per layer is what the engine avoids)."""
 
-    A: Tensor | None
-    G: Tensor | None = None
-    pending: set[str] = field(default_factory=set)
+    __slots__ = ("A", "G", "pending", "after")
 
     def tensors(self) -> list[Tensor]:
         return [t for t in (self.A, self.G) if t is not None]
 
     def release(self) -> None:
-        """Drop A and G (the hook closures keep the record as long as the autograd graph)."""
+        """Drop A and G."""
         self.A = self.G = None
         self.pending = set()
 
@@ -47,6 +44,13 @@ class Layer:
     route: str = "auto"
     tile_size: int = 512
     block_numel: int = DEFAULT_BLOCK_NUMEL
+    # From the rule, once (the taped forward reads them on every call): the layer's op, called
+    # as compute(module, x); whether A is the autocast cast the op multiplies (made once, handed
+    # to the op); the trailing feature dims of (input, output).
+    compute: Any = None
+    casts_input: bool = False
+    formed_in_backward: bool = False  # the rule's: G by a hook, formed mid-backward
+    feature_dims: tuple[int, int] = (1, 1)
     calls: list[Call] = field(default_factory=list)  # one per forward call, in order
     # Per-sample gradients [B, ...] by parameter name, formed in the backward hook or after it
     # (formed_after_backward) instead of keeping A and G for the rest of the step (summed over

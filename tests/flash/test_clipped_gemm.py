@@ -228,6 +228,10 @@ def test_flash_step_folds_many_layers_per_launch_interpreted(monkeypatch, use_si
     from dp_cost.flash.rules import linear as linear_rule
 
     monkeypatch.setattr(kernels, "clipped_weight_grad_supported", lambda A, G: True)
+    monkeypatch.setattr(
+        kernels, "clipped_weight_grad_supported_each", lambda pairs: [True] * len(pairs)
+    )
+    monkeypatch.setattr(linear_rule, "KERNELS_ON_CPU", True)
     launches = []
     fold_many = kernels.fold_clip_factors_many
     monkeypatch.setattr(
@@ -326,6 +330,7 @@ def test_flash_step_takes_the_kernel_interpreted(monkeypatch):
     from dp_cost.flash.rules import linear as linear_rule
 
     monkeypatch.setattr(linear_rule, "EXACT_CLIPPED_GEMM", True)
+    monkeypatch.setattr(linear_rule, "KERNELS_ON_CPU", True)
     calls = []
     check = kernels.clipped_weight_grad_supported
     monkeypatch.setattr(  # the check asks for CUDA

@@ -29,6 +29,7 @@ from dp_cost.flash.kernels.clipped_gemm import (
     clip_schedule,
     clipped_weight_grad,
     clipped_weight_grad_supported,
+    clipped_weight_grad_supported_each,
     fold_clip_factors,
     fold_clip_factors_many,
 )
@@ -37,6 +38,7 @@ from dp_cost.flash.kernels.gram import gram_squared_norms, gram_squared_norms_gr
 from dp_cost.flash.kernels.noise import NOISE_BLOCK, add_gaussian_noise_
 from dp_cost.flash.kernels.norm_layer import (
     norm_layer_grads_many_supported,
+    norm_layer_grads_many_supported_each,
     norm_layer_grads_supported,
     norm_layer_per_sample_grads,
     norm_layer_per_sample_grads_many,
@@ -47,6 +49,7 @@ from dp_cost.flash.kernels.weighted_sums import (
     squared_row_norms_many,
     token_sums_many,
     token_sums_supported,
+    token_sums_supported_many,
     weighted_sums_,
     weighted_sums_supported,
 )
@@ -59,18 +62,21 @@ __all__ = [
     "clip_schedule",
     "clipped_weight_grad",
     "clipped_weight_grad_supported",
+    "clipped_weight_grad_supported_each",
     "direct_squared_norms",
     "fold_clip_factors",
     "fold_clip_factors_many",
     "gram_squared_norms",
     "gram_squared_norms_grouped",
     "norm_layer_grads_many_supported",
+    "norm_layer_grads_many_supported_each",
     "norm_layer_grads_supported",
     "norm_layer_per_sample_grads",
     "norm_layer_per_sample_grads_many",
     "squared_row_norms_many",
     "token_sums_many",
     "token_sums_supported",
+    "token_sums_supported_many",
     "weighted_sums_",
     "weighted_sums_supported",
 ]

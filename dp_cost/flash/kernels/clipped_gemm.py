@@ -21,7 +21,7 @@ import triton
 import triton.language as tl
 from torch._utils import _unflatten_dense_tensors
 
-from dp_cost.flash.kernels.common import TL_DTYPES, int64_table, on_cuda_in_kernel_dtypes
+from dp_cost.flash.kernels.common import TL_DTYPES, int64_table
 
 
 @triton.jit
@@ -239,12 +239,17 @@ def fold_clip_factors_many(
 
 def clipped_weight_grad_supported(A: torch.Tensor, G: torch.Tensor) -> bool:
     """Can clipped_weight_grad run on these (CUDA, one kernel dtype, [B, T, d] and [B, T, p])?"""
-    return (
-        on_cuda_in_kernel_dtypes(A, G)
-        and A.dtype == G.dtype
-        and A.dim() == G.dim() == 3
-        and A.shape[:2] == G.shape[:2]
-    )
+    return clipped_weight_grad_supported_each([(A, G)])[0]
+
+
+def clipped_weight_grad_supported_each(pairs: list[tuple]) -> list[bool]:
+    """clipped_weight_grad_supported of each (A, G), in one call (the folds of a step's Linear
+    layers ask it of every one: a Python call per layer is host time)."""
+    return [
+        A.is_cuda and G.get_device() == A.get_device() and A.dtype in TL_DTYPES
+        and A.dtype == G.dtype and A.dim() == G.dim() == 3 and A.shape[:2] == G.shape[:2]
+        for A, G in pairs
+    ]  # fmt: skip
 
 
 def clipped_weight_grad(

@@ -131,29 +131,33 @@ def norm_layer_grads_supported(x: torch.Tensor, g: torch.Tensor) -> bool:
 def norm_layer_grads_many_supported(x: torch.Tensor, g: torch.Tensor) -> bool:
     """Can norm_layer_per_sample_grads_many take x and g ([B, T, d] of one shape, rows held on
     chip whole, B within the 65535 programs of CUDA's y grid axis)?"""
-    return norm_layer_grads_supported(x, g) and _groupable(x, g) and _fits_one_launch(x)
+    return norm_layer_grads_many_supported_each([(x, g)])[0]
 
 
-def _groupable(x: torch.Tensor, g: torch.Tensor) -> bool:
-    """x and g as the grouped kernel reads them: [B, T, d] of one shape, features contiguous,
-    and its alignment hints hold for both."""
-    return (
-        x.dim() == 3
-        and x.shape == g.shape
-        and x.stride(2) == g.stride(2) == 1
-        and _aligned(x)
-        and _aligned(g)
-    )
+def norm_layer_grads_many_supported_each(pairs: list[tuple]) -> list[bool]:
+    """norm_layer_grads_many_supported of each (x, g), in one call (a Python call per layer is
+    host time; the 1b model has 41 LayerNorms)."""
+    return [x.is_cuda and ok for (x, _), ok in zip(pairs, _groupable_each(pairs), strict=True)]
+
+
+def _groupable_each(pairs: list[tuple]) -> list[bool]:
+    """Can the grouped kernel read each (x, g): on one device, kernel dtypes, [B, T, d] of one
+    shape, features contiguous, its alignment hints (16-byte aligned starts, strides multiples
+    of 8 elements), rows held on chip whole and B within CUDA's y grid axis? Builtins only in the
+    loop: _fits_one_launch's test inline."""
+    return [
+        x.get_device() == g.get_device() and x.dtype in TL_DTYPES and g.dtype in TL_DTYPES
+        and x.dim() == 3 and x.shape == g.shape and x.stride(2) == 1 and g.stride(2) == 1
+        and x.data_ptr() % 16 == 0 and x.stride(0) % 8 == 0 and x.stride(1) % 8 == 0
+        and g.data_ptr() % 16 == 0 and g.stride(0) % 8 == 0 and g.stride(1) % 8 == 0
+        and (1 << (x.shape[2] - 1).bit_length()) <= ROW_KERNEL_ELEMENTS and x.shape[0] <= 65535
+        for x, g in pairs
+    ]  # fmt: skip
 
 
 def _fits_one_launch(x: torch.Tensor) -> bool:
     """Rows held on chip whole, and B within the 65535 programs of CUDA's y grid axis."""
     return triton.next_power_of_2(x.shape[2]) <= ROW_KERNEL_ELEMENTS and x.shape[0] <= 65535
-
-
-def _aligned(x: torch.Tensor) -> bool:
-    """The grouped kernel's hints: 16-byte aligned start, strides multiples of 8 elements."""
-    return x.data_ptr() % 16 == 0 and x.stride(0) % 8 == 0 and x.stride(1) % 8 == 0
 
 
 def _whole_row_tiles(B: int, T: int, D: int) -> tuple[int, int, int]:
@@ -175,22 +179,16 @@ def norm_layer_per_sample_grads_many(
     sequences (the 1b model has 41 LayerNorms). Each (weight, bias) [B, d] is a view into one
     buffer of them all."""
     x0, g0 = pairs[0]
-    if (
-        x0.dtype not in TL_DTYPES
-        or g0.dtype not in TL_DTYPES
-        or not all(
-            _groupable(x, g)
-            and x.shape == x0.shape
-            and (x.dtype, g.dtype, x.device, g.device) == (x0.dtype, g0.dtype, x0.device, x0.device)
-            for x, g in pairs
-        )
-    ):
+    if x0.dim() == 3 and not _fits_one_launch(x0):
+        raise ValueError(f"rows of {x0.shape[2]} features or {x0.shape[0]} samples: one by one")
+    kinds = (x0.shape, x0.dtype, g0.dtype, x0.get_device(), x0.get_device())
+    if not all(_groupable_each(pairs)) or not all([
+        (x.shape, x.dtype, g.dtype, x.get_device(), g.get_device()) == kinds for x, g in pairs
+    ]):  # fmt: skip
         raise ValueError(
             "norm_layer_per_sample_grads_many needs (x, g) [B, T, d] of one shape, kernel dtypes "
             "and device, features contiguous, rows 16-byte aligned"
         )
-    if not _fits_one_launch(x0):
-        raise ValueError(f"rows of {x0.shape[2]} features or {x0.shape[0]} samples: one by one")
     if len(pairs) > MAX_LAYERS_PER_LAUNCH:  # the grid's z axis (layers) holds 65535 programs
         first, rest = pairs[:MAX_LAYERS_PER_LAUNCH], pairs[MAX_LAYERS_PER_LAUNCH:]
         return [

@@ -191,12 +191,16 @@ def _token_sums_kernel(
 def token_sums_supported(source: torch.Tensor) -> bool:
     """Can token_sums_many take this [B, T, p] (CUDA, a kernel dtype, unit column stride, B
     within the 65535 programs of CUDA's y grid axis, where the kernel puts the samples)?"""
-    return (
-        on_cuda_in_kernel_dtypes(source, source)
-        and source.dim() == 3
-        and source.stride(2) == 1
-        and source.shape[0] <= 65535
-    )
+    return token_sums_supported_many([source])[0]
+
+
+def token_sums_supported_many(sources: list[torch.Tensor]) -> list[bool]:
+    """token_sums_supported of each source, in one call (one per layer is host time)."""
+    return [
+        s.is_cuda and s.dtype in TL_DTYPES and s.dim() == 3 and s.stride(2) == 1
+        and s.shape[0] <= 65535
+        for s in sources
+    ]  # fmt: skip
 
 
 def token_sums_many(sources: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -208,11 +212,17 @@ def token_sums_many(sources: list[torch.Tensor]) -> list[torch.Tensor]:
         return []
     first = sources[0]
     B, T = first.shape[:2]
+    device = first.get_device()
     if first.dtype not in TL_DTYPES or not all(
-        s.dim() == 3 and s.shape[:2] == (B, T) and s.stride(2) == 1 and s.dtype == first.dtype
-        and s.device == first.device
-        for s in sources
-    ):  # fmt: skip
+        [
+            s.dim() == 3
+            and s.shape[:2] == (B, T)
+            and s.stride(2) == 1
+            and s.dtype == first.dtype
+            and s.get_device() == device
+            for s in sources
+        ]
+    ):  # fmt: skip  (a list, not a generator: a generator's every step is a Python call)
         raise ValueError(
             "token_sums_many needs [B, T, p] sources of one B, T, kernel dtype and device, "
             "columns contiguous"
@@ -221,7 +231,7 @@ def token_sums_many(sources: list[torch.Tensor]) -> list[torch.Tensor]:
     outs = [torch.empty(B, s.shape[2], device=device, dtype=torch.float32) for s in sources]
     if B == 0 or T == 0:
         return [out.zero_() for out in outs]
-    sizes = tuple(s.shape[2] for s in sources)
+    sizes = tuple([s.shape[2] for s in sources])
     tensor_of_block, first_block, _ = block_table(device, sizes, TOKEN_SUM_COLUMNS)
     table = int64_table(
         [[s.data_ptr(), s.stride(0), s.stride(1), s.shape[2], out.data_ptr()]

@@ -9,6 +9,8 @@ from typing import TYPE_CHECKING
 
 from torch import Tensor, nn
 
+from dp_cost.flash.clip import accumulate_into_grad
+
 if TYPE_CHECKING:
     from dp_cost.flash.clip import ClipFactors
     from dp_cost.flash.layer import GradRequest, Layer, LayerCall
@@ -31,13 +33,21 @@ class NormRule:
         """Trailing feature dims of (input, output); the rest is flattened into [B, T]."""
         return 1, 1
 
-    # saved_input returns the very tensor the layer would compute on (a cast it would make
-    # itself): the engine then makes it with its gradient and hands it to the layer in x's place.
-    feeds_saved_input = False
+    # True: every parameter's per-sample gradient is formed from A and G alone, small beside
+    # them ([B, features]): flash takes G by a hook in the backward and forms them there, a few
+    # layers' at once, instead of holding A and G to the backward's end.
+    formed_in_backward = False
 
-    def saved_input(self, module: nn.Module, x: Tensor) -> Tensor:
-        """What to keep as A, from the layer's input x (detached unless feeds_saved_input)."""
-        return x
+    # True: A is the input cast to the autocast dtype where autocast is on (what the layer's op
+    # multiplies; the engine makes the cast and hands it to the op, which then makes none).
+    casts_input = False
+
+    def compute_for(self, module: nn.Module):
+        """The function ``compute(module, x)`` that gives the module's output for input x in its
+        taped forward (flash.capture): by default the module's own class forward. A rule may
+        give torch's op called directly (no Python call in it: the taped forward of every
+        managed layer runs it)."""
+        return type(module).forward
 
     def describe(self, layer: Layer, A: Tensor, G: Tensor) -> dict:
         return {"route": type(self).__name__}
@@ -76,6 +86,13 @@ class NormRule:
     def clipped_grads(self, layer: Layer, A: Tensor, G: Tensor, c: ClipFactors) -> dict:
         """sum_b c_b * grad_b for each parameter not kept per sample, by name."""
         raise NotImplementedError
+
+    def accumulate_clipped_grads(self, calls: deque[LayerCall], c: ClipFactors) -> None:
+        """param.grad += clipped_grads of each call (flat clipping, no sink): by default each
+        of clipped_grads_many's in turn (a rule may do it with no Python call per layer)."""
+        for layer, grads in zip([call.layer for call in calls], self.clipped_grads_many(calls, c)):
+            for name, grad in grads.items():
+                accumulate_into_grad(layer.params[name], grad)
 
     def clipped_grads_many(self, calls: deque[LayerCall], c: ClipFactors) -> Iterator[dict]:
         """clipped_grads of each call of ``calls`` in order, one at a time (a rule may do some

@@ -40,6 +40,14 @@ def _exact_fp32_matmul(G: Tensor) -> bool:
     return not G.is_cuda or not torch.backends.cuda.matmul.allow_tf32
 
 
+def _embedding(module: nn.Embedding, ids: Tensor) -> Tensor:
+    """nn.Embedding's forward (without max_norm) with torch's op called directly (F.embedding
+    and Module.__getattr__ are Python calls); nn.Embedding keeps padding_idx non-negative."""
+    padding_idx = -1 if module.padding_idx is None else module.padding_idx
+    weight = module._parameters["weight"]
+    return torch.embedding(weight, ids, padding_idx, module.scale_grad_by_freq, module.sparse)
+
+
 @register_norm_rule(nn.Embedding)
 class EmbeddingRule(NormRule):
     def feature_dims(self, module):
@@ -47,6 +55,11 @@ class EmbeddingRule(NormRule):
 
     def describe(self, layer, A, G):
         return {"route": "embedding"}
+
+    def compute_for(self, module):
+        if module.max_norm is not None or "weight" not in module._parameters:
+            return super().compute_for(module)  # F.embedding renormalises rows in place
+        return _embedding
 
     @staticmethod
     def _unpadded(layer: Layer, ids: Tensor, G: Tensor) -> Tensor:

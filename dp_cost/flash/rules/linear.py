@@ -3,14 +3,19 @@
 from __future__ import annotations
 
 from collections import deque
+from typing import TYPE_CHECKING
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 from dp_cost.flash.fused import triton_kernels
-from dp_cost.flash.layer import Layer, LayerCall
-from dp_cost.flash.precision import accumulation_dtype, device_type, gemm_operands, to_accumulation
+from dp_cost.flash.layer import GradRequest, Layer, LayerCall
+from dp_cost.flash.precision import accumulation_dtype, gemm_operands, to_accumulation
 from dp_cost.flash.rules.base import NormRule, register_norm_rule
+
+if TYPE_CHECKING:
+    from dp_cost.flash.clip import ClipFactors
 
 
 def gram_squared_norms(A: Tensor, G: Tensor, tile: int, fused: bool | None = None) -> Tensor:
@@ -70,6 +75,11 @@ def fused_norms_available(A: Tensor) -> bool:
 # product in fp32, weighted by fp32 c: 1e-6 from fp64), 1.4-2.1x the GEMM's time at the 1b
 # shapes on an H200 (Triton at 300-600 TFLOP/s against cuBLAS' 570-680), so not the default.
 EXACT_CLIPPED_GEMM = False
+# The clipped GEMM's kernel checks are asked only about CUDA tensors (they pass nowhere else, and
+# asking is a Python call per layer); True asks them about CPU tensors too (tests of the wiring,
+# with the checks patched and the kernels interpreted).
+KERNELS_ON_CPU = False
+_FP32 = torch.float32
 # Folded operands made by one launch of flash.kernels.fold_clip_factors_many, held until their
 # layers' GEMMs ran (the 1b model at (8, 512): 16 MB each, 16 per launch instead of one each).
 FOLD_GROUP_BYTES = 256 * 2**20
@@ -101,16 +111,14 @@ def linear_route(layer: Layer, T: int) -> str:
 
 @register_norm_rule(nn.Linear)
 class LinearRule(NormRule):
-    feeds_saved_input = True  # the cast below is autocast's own for F.linear
+    # Under autocast the layer multiplies x cast to the autocast dtype (a LayerNorm's fp32
+    # output becomes bf16): keep that, half the bytes of x and no cast per use later.
+    casts_input = True
 
-    def saved_input(self, module, x):
-        # Under autocast the layer multiplies x cast to the autocast dtype (a LayerNorm's fp32
-        # output becomes bf16): keep that, half the bytes of x and no cast per use later.
-        # Autocast casts floating-point tensors other than fp64, as here.
-        device = device_type(x)
-        if x.is_floating_point() and x.dtype != torch.float64 and torch.is_autocast_enabled(device):
-            return x.to(torch.get_autocast_dtype(device))
-        return x
+    def compute_for(self, module):
+        if {"weight", "bias"} <= module._parameters.keys():  # not a parametrization's property
+            return _linear
+        return super().compute_for(module)
 
     def describe(self, layer, A, G):
         d, p = layer.module.in_features, layer.module.out_features
@@ -129,36 +137,38 @@ class LinearRule(NormRule):
         return {"bias"} & layer.params.keys()
 
     def per_sample_grads_many(self, calls):
-        """The biases' per-sample gradients (G summed over tokens) of every call that asks for
-        them alone, one launch per (B, T, dtype) on CUDA (flash.kernels.token_sums_many: the 1b
-        model has 120 biases, each reduction's host time more than its GPU time); the rest one
-        by one."""
-        grads: list = [None] * len(calls)
+        """Per-sample gradients of every call, in order: the product route's weights (one
+        batched GEMM each, accumulating in fp32, in the operands' dtype: bf16 under autocast, as
+        the non-private weight gradient) and biases (G summed over tokens). Biases asked alone
+        go one launch per (B, T, dtype) on CUDA (flash.kernels.token_sums_many: the 1b model has
+        120 biases, each reduction's host time more than its GPU time). The loop calls builtins
+        only: a Python call per layer is host time (LoRA: hundreds of layers per chunk)."""
+        grads: list = []
         groups: dict[tuple, list[int]] = {}
         kernels = triton_kernels()
-        for i, (layer, A, G, names) in enumerate(calls):
-            if names == {"bias"} and kernels is not None and kernels.token_sums_supported(G):
-                groups.setdefault((G.shape[:2], G.dtype, G.device), []).append(i)
-            else:
-                grads[i] = self.per_sample_grads(layer, A, G, names)
+        summable = kernels.token_sums_supported_many([G for _, _, G, _ in calls]) if kernels else ()
+        for i, (_, A, G, names) in enumerate(calls):
+            if summable and summable[i] and len(names) == 1 and "bias" in names:
+                groups.setdefault((G.shape[0], G.shape[1], G.dtype, G.get_device()), []).append(i)
+                grads.append(None)
+                continue
+            formed = {}
+            if "weight" in names:
+                A_op, G_op = (A, G) if A.dtype == G.dtype else gemm_operands(A, G)
+                # torch.bmm, not @: A and G are [B, T, features], and matmul's broadcasting
+                # dispatch costs host time per call
+                formed["weight"] = torch.bmm(G_op.mT, A_op)
+            if "bias" in names:
+                formed["bias"] = G.sum(1, dtype=torch.promote_types(G.dtype, torch.float32))
+            grads.append(formed)
         for members in groups.values():
-            sums = kernels.token_sums_many([calls[i].G for i in members])
+            sums = kernels.token_sums_many([calls[i][2] for i in members])
             for i, bias in zip(members, sums, strict=True):
                 grads[i] = {"bias": bias}
         return grads
 
     def per_sample_grads(self, layer, A, G, names):
-        grads = {}
-        if "weight" in names:
-            A_op, G_op = gemm_operands(A, G)
-            # [B, p, d], one batched GEMM accumulating in fp32; in the operands' dtype (bf16 under
-            # autocast, as the non-private weight gradient), rounded once. torch.bmm, not @: the
-            # engine flattened A and G to [B, T, features], and matmul's broadcasting dispatch
-            # costs host time per call (LoRA: hundreds of layers per chunk, a host-bound step).
-            grads["weight"] = torch.bmm(G_op.mT, A_op)
-        if "bias" in names:
-            grads["bias"] = G.sum(1, dtype=accumulation_dtype(G))
-        return grads
+        return self.per_sample_grads_many([GradRequest(layer, A, G, names)])[0]
 
     def squared_norms(self, layer, A, G):
         # the weight alone: the bias is formed per sample (in the hook or right after backward)
@@ -168,14 +178,26 @@ class LinearRule(NormRule):
 
     def squared_norms_many(self, calls):
         """Gram-route layers with 16-bit inputs on CUDA: one fused launch per (B, T, dtype) for
-        all of them (flash.kernels.gram_squared_norms_grouped); the rest one by one."""
+        all of them (flash.kernels.gram_squared_norms_grouped); on the torch path a Gram route
+        of one tile is formed here (builtins only: no Python call per layer); the rest one by
+        one."""
         terms, groups = [], {}
+        fused = triton_kernels() is not None
         for layer, A, G in calls:
-            A_op, G_op = gemm_operands(A, G)
-            if fused_norms_available(A_op) and linear_route(layer, A.shape[1]) == "gram":
-                groups.setdefault((A_op.shape[:2], A_op.dtype), []).append((A_op, G_op))
-            else:
+            A_op, G_op = (A, G) if A.dtype == G.dtype else gemm_operands(A, G)
+            T, route = A.shape[1], layer.route
+            if route == "auto":  # linear_route, inline
+                d, p = A.shape[2], G.shape[2]
+                route = "product" if d * p <= T * (d + p) else "gram"
+            if route != "gram":
                 terms.append(self.squared_norms(layer, A, G))
+            elif fused and A_op.is_cuda and A_op.element_size() == 2:
+                groups.setdefault((A_op.shape[0], T, A_op.dtype), []).append((A_op, G_op))
+            elif T <= layer.tile_size:  # gram_squared_norms of one tile
+                products = torch.bmm(A_op, A_op.mT) * torch.bmm(G_op, G_op.mT)
+                terms.append(products.sum((1, 2), dtype=torch.promote_types(A_op.dtype, _FP32)))
+            else:
+                terms.append(gram_squared_norms(A, G, layer.tile_size))
         terms += [triton_kernels().gram_squared_norms_grouped(pairs) for pairs in groups.values()]
         return terms
 
@@ -193,30 +215,84 @@ class LinearRule(NormRule):
             # no local holds a call's tensors or gradients while suspended
             yield self._clipped_grads(c, *ready.popleft())
 
+    def accumulate_clipped_grads(self, calls: deque[LayerCall], c: ClipFactors) -> None:
+        """weight.grad += the clipped sum of every call (flat clipping, no sink), in order, each
+        call's A and G dropped once its GEMM ran. Builtins only per call on the torch path and
+        where a shared fold served the call (a Python call per layer is host time); a call a
+        kernel serves alone (EXACT_CLIPPED_GEMM) goes through _clipped_grads."""
+        per_token = c.cached_per_token
+        while calls:
+            ready = deque(self._fold_next(calls, c))
+            while ready:
+                (layer, A, G), folded = ready.popleft()
+                weight = layer.params["weight"]
+                if folded is None and (A.is_cuda or KERNELS_ON_CPU):
+                    grad = self._clipped_grads(c, LayerCall(layer, A, G), None)["weight"]
+                else:  # _clipped_grads' torch path, inline
+                    A_op, G_op = (A, G) if A.dtype == G.dtype else gemm_operands(A, G)
+                    into_G = G_op.shape[-1] <= A_op.shape[-1]  # _folds_into_G
+                    wide = (A_op if into_G else G_op).flatten(0, 1)
+                    if folded is None:
+                        narrow = (G_op if into_G else A_op).flatten(0, 1)
+                        scale = per_token.get((narrow.dtype, A_op.shape[1]))
+                        if scale is None:
+                            scale = c.per_token(narrow.dtype, A_op.shape[1])
+                        folded = narrow * scale
+                    G2, A2 = (folded, wide) if into_G else (wide, folded)
+                    if A2.is_cuda and A2.element_size() == 2 and weight.dtype == _FP32:
+                        grad = torch.mm(G2.T, A2, out_dtype=_FP32)
+                    else:
+                        grad = G2.T @ A2
+                    del A_op, G_op, wide, folded, G2, A2
+                del A, G
+                if grad.dtype != weight.dtype:
+                    grad = grad.to(weight.dtype)
+                if weight.grad is None:  # accumulate_into_grad, inline
+                    weight.grad = grad
+                else:
+                    weight.grad.add_(grad)
+                del grad
+
     def _fold_next(self, calls, c) -> list[tuple[LayerCall, Tensor | None]]:
         """The next calls off ``calls``, each with its operand folded by one shared launch (None
         where its clipped GEMM takes another path): up to FOLD_GROUP_BYTES of folded operands,
         at least one call."""
+        kernels = triton_kernels()
+        operands = [(A, G) if A.dtype == G.dtype else gemm_operands(A, G) for _, A, G in calls]
+        # the kernels' check asked once for every call left (not once per layer), and only
+        # where it can pass
+        foldable = (
+            kernels.clipped_weight_grad_supported_each(operands)
+            if kernels is not None and not EXACT_CLIPPED_GEMM
+            else ()
+        )
         group, narrows, held = [], [], 0
         folds = []  # the narrow operands to fold, in order
+        i = 0
         while calls and (held < FOLD_GROUP_BYTES or not folds):
             layer, A, G = calls[0]
-            A_op, G_op = gemm_operands(A, G)
+            A_op, G_op = operands[i]
             narrow = None
-            if not EXACT_CLIPPED_GEMM and fused_clipped_gemm_available(
-                A_op, G_op, layer.params["weight"]
-            ):
-                narrow = (G_op if _folds_into_G(A_op, G_op) else A_op).flatten(0, 1)
+            if (
+                foldable
+                and foldable[i]
+                and (A_op.is_cuda or KERNELS_ON_CPU)
+                and A_op.element_size() == 2
+                and layer.params["weight"].dtype == _FP32
+            ):  # fused_clipped_gemm_available, inline
+                narrow = (G_op if G_op.shape[-1] <= A_op.shape[-1] else A_op).flatten(0, 1)
                 if folds and (narrow.dtype, narrow.device) != (folds[0].dtype, folds[0].device):
                     break  # one dtype and device per launch
                 folds.append(narrow)
                 held += narrow.numel() * narrow.element_size()
             group.append(calls.popleft())
             narrows.append(narrow)
+            i += 1
+        del operands, A_op, G_op, A, G
         if not folds:
             return list(zip(group, narrows))
         tokens = [call.A.shape[1] for call, n in zip(group, narrows) if n is not None]
-        folded = iter(triton_kernels().fold_clip_factors_many(folds, c.c, tokens))
+        folded = iter(kernels.fold_clip_factors_many(folds, c.c, tokens))
         return [(call, None if n is None else next(folded)) for call, n in zip(group, narrows)]
 
     def _clipped_grads(self, c, call: LayerCall, folded):
@@ -246,6 +322,13 @@ class LinearRule(NormRule):
         if A2.is_cuda and A2.element_size() == 2 and weight.dtype == torch.float32:
             return {"weight": torch.mm(G2.T, A2, out_dtype=torch.float32)}
         return {"weight": G2.T @ A2}
+
+
+def _linear(module: nn.Linear, x: Tensor) -> Tensor:
+    """nn.Linear's forward with its parameters read from _parameters (Module.__getattr__ is a
+    Python call per parameter)."""
+    parameters = module._parameters
+    return F.linear(x, parameters["weight"], parameters["bias"])
 
 
 def _folds_into_G(A: Tensor, G: Tensor) -> bool:
