@@ -32,10 +32,14 @@ LAYER, INPUT, EDGE, OUTPUT_SHAPE, INPUT_VERSION = range(5)
 _new_tuple = tuple.__new__  # GradientEdge / GradRequest without their Python __new__
 
 # A and G held for hooked records (norm layers) whose per-sample gradients wait to be formed
-# several at once: formed as soon as they pass this many bytes, mid-backward (fewer launches than
-# one per layer: the 1b model has 49 LayerNorms, a host-bound step at short sequences, for about
-# this much memory more; bytes of the views held, not of the storages they keep alive).
+# several at once: formed as soon as they pass a budget, mid-backward (fewer launches than one per
+# layer: the 1b model has 49 LayerNorms, a host-bound step at short sequences). The budget is
+# DEFERRED_BYTES, or 1 / DEFERRED_PARTS of all hooked records' A and G where that is more: a
+# step forms them in at most about DEFERRED_PARTS launches however deep the model, holding at
+# most that share of them at once (bytes of the views held, not of the storages they keep alive;
+# G counted as the output's bytes in the forward).
 DEFERRED_BYTES = 512 * 2**20
+DEFERRED_PARTS = 4
 _has_pending = operator.attrgetter("pending")
 
 
@@ -44,7 +48,10 @@ class Tape:
     id(input); ``idle``: record nothing (FlashClipping.autograd_gradients); ``backward_done``:
     the records' gradients were taken (a forward now is an error until release())."""
 
-    __slots__ = ("records", "casts", "idle", "backward_done", "hooked", "arrived", "bytes", "full")
+    __slots__ = (
+        "records", "casts", "idle", "backward_done", "hooked", "hooked_bytes", "arrived", "bytes",
+        "budget", "full",
+    )  # fmt: skip
 
     def __init__(self, full: Callable[[], None]):
         self.records: list[tuple] = []  # records whose G the backward's autograd call returns
@@ -55,12 +62,15 @@ class Tape:
         # gradients there: norm layers), by index; those whose G arrived, with it; the bytes
         # of A and G these hold; ``full()``: called when they pass DEFERRED_BYTES.
         self.hooked: list[tuple | None] = []
+        self.hooked_bytes = 0  # of all hooked records' A and G, counted in the forward
         self.arrived: list[tuple] = []
         self.bytes = 0
+        self.budget = DEFERRED_BYTES  # set at the backward's start
         self.full = full
 
     def clear(self) -> None:
-        self.records, self.casts, self.hooked, self.arrived, self.bytes = [], {}, [], [], 0
+        self.records, self.casts, self.hooked, self.arrived = [], {}, [], []
+        self.hooked_bytes = self.bytes = 0
         self.backward_done = False
 
 
@@ -115,6 +125,7 @@ def taped_forward(module, tape: Tape, layer: Layer, *args, **kwargs):
         # a forward: a node no recorded edge lies beyond is not run by the autograd call.
         hook = functools.partial(_hooked_gradient, tape, len(tape.hooked))
         tape.hooked.append(record)
+        tape.hooked_bytes += A.nbytes + y.nbytes
         edge[0].register_prehook(hook)
     else:
         tape.records.append(record)
@@ -132,7 +143,7 @@ def _hooked_gradient(tape: Tape, index: int, grads: tuple) -> None:
     tape.hooked[index] = None  # the tape's list is cleared with the rest; the hook's index stays
     tape.arrived.append((record, G))
     tape.bytes += record[INPUT].nbytes + G.nbytes
-    if tape.bytes > DEFERRED_BYTES:
+    if tape.bytes > tape.budget:
         tape.full()
 
 
@@ -144,6 +155,7 @@ class LayerCapture:
     def __init__(self, layers: list[Layer]):
         self.layers = layers
         self.tape = Tape(self._form_arrived)
+        self._gradient_owners: set[int] = set()  # data_ptr of each call's G this backward
         self._forwards = {}  # id(module) -> the forward set on it (remove() takes only that)
         for layer in layers:
             forward = functools.partial(taped_forward, layer.module, self.tape, layer)
@@ -171,6 +183,8 @@ class LayerCapture:
             raise RuntimeError("no managed layer was called with grad enabled since release()")
         tape.casts = {}
         tape.backward_done = True
+        tape.budget = max(DEFERRED_BYTES, tape.hooked_bytes // DEFERRED_PARTS)
+        self._gradient_owners = set()
         grads = _gradients(loss, [r[EDGE] for r in records])
         tape.records = []
         self._add_calls(records, grads)
@@ -206,6 +220,9 @@ class LayerCapture:
                 )
             if record[OUTPUT_SHAPE] is not None:  # the gradient of the view's base
                 G = G.view(record[OUTPUT_SHAPE])
+            if G.data_ptr() in self._gradient_owners:  # one gradient, two outputs (y = a + b):
+                G = G.clone()  # each call's G its own (the clipped GEMM folds c into it)
+            self._gradient_owners.add(G.data_ptr())
             k_in, k_out = layer.feature_dims
             if A.dim() != k_in + 2:  # [B, T, features] (most calls already are)
                 A = flatten_tokens(A, k_in)

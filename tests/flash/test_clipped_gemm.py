@@ -237,7 +237,7 @@ def test_flash_step_folds_many_layers_per_launch_interpreted(monkeypatch, use_si
     monkeypatch.setattr(
         kernels,
         "fold_clip_factors_many",
-        lambda Xs, c, tokens: launches.append(len(Xs)) or fold_many(Xs, c, tokens),
+        lambda Xs, c, tokens, *rest: launches.append(len(Xs)) or fold_many(Xs, c, tokens, *rest),
     )
     B, T = 3, 6
     widths = [(16, 40), (40, 8), (8, 8)]  # fold into G, into A, into G (d == p)
@@ -245,7 +245,8 @@ def test_flash_step_folds_many_layers_per_launch_interpreted(monkeypatch, use_si
 
     def record(module, args, out):  # the fp16 A flash keeps, and G
         inputs[module] = args[0].half()
-        out.register_hook(lambda g: output_grads.setdefault(module, g))
+        # a copy: flash folds c into its G in place
+        out.register_hook(lambda g: output_grads.setdefault(module, g.clone()))
 
     for bound in (2**30, 0):
         monkeypatch.setattr(linear_rule, "FOLD_GROUP_BYTES", bound)
@@ -275,6 +276,52 @@ def test_flash_step_folds_many_layers_per_launch_interpreted(monkeypatch, use_si
         flash.release()
     for grouped, alone in zip(*results, strict=True):
         assert torch.equal(grouped, alone)
+
+
+@interpreted
+def test_fold_in_place_overwrites_the_operand_it_owns():
+    """in_place: the operand itself is folded and returned (no new memory); a non-contiguous
+    one is copied first and the copy folded; the others land in a new buffer, their operands
+    untouched. Every result equals the out-of-place fold bit for bit."""
+    torch.manual_seed(0)
+    B, T = 3, 4
+    c = torch.rand(B)
+    owned, kept = torch.randn(B * T, 8).half(), torch.randn(B * T, 16).half()
+    strided = torch.randn(8, B * T).half().T  # [B*T, 8], not contiguous
+    expected = [kernels.fold_clip_factors(X, c, T) for X in (owned, kept, strided)]
+    before = kept.clone()
+    folded = kernels.fold_clip_factors_many([owned, kept, strided], c, [T] * 3, [True, False, True])
+    assert folded[0] is owned and torch.equal(kept, before)
+    assert folded[2].data_ptr() != strided.data_ptr()
+    for result, reference in zip(folded, expected, strict=True):
+        assert torch.equal(result, reference)
+
+
+@interpreted
+def test_two_layers_given_one_gradient_fold_their_own_copies(monkeypatch):
+    """y = a(x) + b(x): autograd hands both layers the same gradient tensor. Folding c into
+    one G in place must not fold it into the other's: each call's G is its own (flash.capture
+    copies an aliased one). Both clipped sums within fp16 rounding of fp64 brute force."""
+    from dp_cost.flash.rules import linear as linear_rule
+
+    monkeypatch.setattr(
+        kernels, "clipped_weight_grad_supported_each", lambda pairs: [True] * len(pairs)
+    )
+    monkeypatch.setattr(linear_rule, "KERNELS_ON_CPU", True)
+    torch.manual_seed(0)
+    B, T = 3, 5
+    model = nn.ModuleDict({"a": nn.Linear(12, 6, bias=False), "b": nn.Linear(12, 6, bias=False)})
+    x = torch.randn(B, T, 12)
+    flash = FlashClipping(model, route="gram", tile_size=4)
+    with torch.autocast("cpu", dtype=torch.float16):
+        out = model["a"](x) + model["b"](x)
+    G = (out.float() * 0 + torch.randn(B, T, 6)).half()  # the gradient both layers get
+    flash.backward((out.float() * G.float()).sum())
+    c = torch.tensor([0.5, 1.0, 0.25])
+    flash.accumulate_clipped_grads(c)
+    expected = clipped_sum(x.half(), G, c)
+    for name in ("a", "b"):
+        assert relative_error(model[name].weight.grad, expected) < 4e-3, name
 
 
 @interpreted

@@ -733,6 +733,7 @@ def test_norm_layers_formed_in_the_backward_within_a_byte_budget(monkeypatch, bu
     from dp_cost.flash.rules.norm import NormLayerRule
 
     monkeypatch.setattr(capture, "DEFERRED_BYTES", budget)
+    monkeypatch.setattr(capture, "DEFERRED_PARTS", 2**40)  # the budget: DEFERRED_BYTES alone
     formed = []
     many = NormLayerRule.per_sample_grads_many
 
@@ -750,6 +751,37 @@ def test_norm_layers_formed_in_the_backward_within_a_byte_budget(monkeypatch, bu
     assert_close(norms, ref_norms, 1e-9)
     assert_close(flat_grads(model), ref_sum, 1e-9)
     assert {r["route"] for r in routes if r["layer"] in ("ln", "rms")} == {"norm"}
+
+
+def test_norm_layers_formed_in_about_deferred_parts_launches_however_deep(monkeypatch):
+    """The budget for held norm-layer A and G is at least 1 / DEFERRED_PARTS of them all: 16
+    LayerNorms of one size between Linears are formed in DEFERRED_PARTS launches, and one for
+    the rest (not one per layer); the norms and clipped sums stay exact."""
+    from dp_cost.flash import capture
+    from dp_cost.flash.rules.norm import NormLayerRule
+
+    monkeypatch.setattr(capture, "DEFERRED_BYTES", 0)
+    sizes = []
+    many = NormLayerRule.per_sample_grads_many
+    monkeypatch.setattr(
+        NormLayerRule,
+        "per_sample_grads_many",
+        lambda rule, calls: sizes.append(len(calls)) or many(rule, calls),
+    )
+    torch.manual_seed(0)
+    layers = []
+    for _ in range(16):
+        layers += [nn.Linear(6, 6), nn.LayerNorm(6)]
+    model = nn.Sequential(*layers, nn.Linear(6, 2)).double()
+    reference = copy.deepcopy(model)
+    x = torch.randn(3, 4, 6, dtype=torch.float64)
+    per_sample = per_sample_grads_of(lambda m, xb: m(xb).square().sum((1, 2)), reference, x)
+    flash = FlashClipping(model)
+    flash.backward(model(x).square().sum())
+    assert sizes == [5, 5, 5, 1]  # each: past a quarter (4 layers) by the 5th; the last after
+    assert_close(flash.per_sample_squared_norms(), per_sample.square().sum(1), 1e-9)
+    flash.accumulate_clipped_grads(torch.ones(3, dtype=torch.float64))
+    assert_close(flat_grads(model), per_sample.sum(0), 1e-9)
 
 
 def test_a_second_backward_of_one_forward_raises():

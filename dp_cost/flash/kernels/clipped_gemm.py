@@ -14,7 +14,6 @@ to a running total (two accumulators: at most 128 x 128 tiles fit the register f
 from __future__ import annotations
 
 import contextlib
-import itertools
 
 import torch
 import triton
@@ -166,14 +165,15 @@ def split_count(B: int, T: int, D: int, P: int, device: torch.device) -> int:
 
 
 @triton.jit
-def _fold_kernel(table, c, out, BLOCK: tl.constexpr, DTYPE: tl.constexpr):
+def _fold_kernel(table, c, BLOCK: tl.constexpr, DTYPE: tl.constexpr):
     """out_i = X_i * c[sample] for a list of contiguous X_i [B*T_i, n_i] in one launch (program
     (j, i): block j of X_i), each product formed in fp32 and rounded toward zero to 16 bits:
-    never above c * x in magnitude. ``table`` rows: X_i's pointer, where out_i starts in
-    ``out``, elements per sample (T_i n_i), elements."""
+    never above c * x in magnitude. ``table`` rows: X_i's pointer, out_i's (X_i's own, in place:
+    each element is read before it is written, by the same program), elements per sample
+    (T_i n_i), elements."""
     i = tl.program_id(1)
     source = tl.load(table + 4 * i).to(tl.pointer_type(DTYPE))
-    start = tl.load(table + 4 * i + 1)
+    out = tl.load(table + 4 * i + 1).to(tl.pointer_type(DTYPE))
     per_sample = tl.load(table + 4 * i + 2)
     first = tl.program_id(0).to(tl.int64) * BLOCK
     offsets = first + tl.arange(0, BLOCK)
@@ -193,7 +193,7 @@ def _fold_kernel(table, c, out, BLOCK: tl.constexpr, DTYPE: tl.constexpr):
     y = x.to(DTYPE)  # to nearest; one step toward zero (sign-magnitude) where it rounded up
     up = tl.abs(y.to(tl.float32)) > tl.abs(x)
     y = tl.where(up, (y.to(tl.int16, bitcast=True) - 1).to(DTYPE, bitcast=True), y)
-    tl.store(out + start + offsets, y, mask=keep)
+    tl.store(out + offsets, y, mask=keep)
 
 
 FOLD_BLOCK = 1024  # elements per program: memory-bound, as the weighted sums (same block)
@@ -208,33 +208,42 @@ def fold_clip_factors(X: torch.Tensor, c: torch.Tensor, tokens: int) -> torch.Te
 
 
 def fold_clip_factors_many(
-    Xs: list[torch.Tensor], c: torch.Tensor, tokens: list[int]
+    Xs: list[torch.Tensor],
+    c: torch.Tensor,
+    tokens: list[int],
+    in_place: list[bool] | None = None,
 ) -> list[torch.Tensor]:
     """fold_clip_factors of several 2-D operands of one dtype and device, ``tokens`` rows per
     sample each, in one launch: a Python launch of Triton costs tens of microseconds of host
-    time, and a step folds c into every Gram- and direct-route Linear's operand. The results
-    are views into one buffer (it is freed with the last of them)."""
+    time, and a step folds c into every Gram- and direct-route Linear's operand. Where
+    ``in_place[i]`` (and X_i is contiguous) X_i itself is overwritten and returned; the other
+    results are views into one new buffer (it is freed with the last of them)."""
     if len({(X.dtype, X.device) for X in Xs}) != 1 or Xs[0].element_size() != 2:
         raise ValueError("fold_clip_factors_many needs operands of one 16-bit dtype and device")
+    in_place = in_place or [False] * len(Xs)
+    # a non-contiguous X is copied first: that copy is folded in place (it is the caller's)
+    overwrite = [own or not X.is_contiguous() for X, own in zip(Xs, in_place, strict=True)]
     Xs = [X.contiguous() for X in Xs]
+    fresh = [X for X, own in zip(Xs, overwrite) if not own]
+    outs = iter(_unflatten_dense_tensors(Xs[0].new_empty(sum([X.numel() for X in fresh])), fresh))
+    folded = [X if own else next(outs) for X, own in zip(Xs, overwrite)]
     sizes = [X.numel() for X in Xs]
-    out = Xs[0].new_empty(sum(sizes))
-    folded = _unflatten_dense_tensors(out, Xs)
     if max(sizes, default=0):
         # A table of this launch's operands only (their sizes change with B and T: a cached
         # per-block table, as the weighted sums keep for parameters, would grow with them).
-        starts = itertools.accumulate(sizes[:-1], initial=0)
-        rows = zip(Xs, starts, tokens, strict=True)
+        rows = zip(Xs, folded, tokens, strict=True)
         table = int64_table(
-            [[X.data_ptr(), start, max(1, T * X.shape[1]), X.numel()] for X, start, T in rows],
-            out.device,
-        )
-        with torch.cuda.device(out.device) if out.is_cuda else contextlib.nullcontext():
+            [[X.data_ptr(), out.data_ptr(), max(1, T * X.shape[1]), X.numel()]
+             for X, out, T in rows],
+            Xs[0].device,
+        )  # fmt: skip
+        device = Xs[0].device
+        with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
             _fold_kernel[(triton.cdiv(max(sizes), FOLD_BLOCK), len(Xs))](
-                table, c.to(out.device, torch.float32).contiguous(), out,
-                BLOCK=FOLD_BLOCK, DTYPE=TL_DTYPES[out.dtype], num_warps=FOLD_WARPS,
+                table, c.to(device, torch.float32).contiguous(),
+                BLOCK=FOLD_BLOCK, DTYPE=TL_DTYPES[Xs[0].dtype], num_warps=FOLD_WARPS,
             )  # fmt: skip
-    return list(folded)
+    return folded
 
 
 def clipped_weight_grad_supported(A: torch.Tensor, G: torch.Tensor) -> bool:

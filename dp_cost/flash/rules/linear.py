@@ -267,7 +267,7 @@ class LinearRule(NormRule):
             else ()
         )
         group, narrows, held = [], [], 0
-        folds = []  # the narrow operands to fold, in order
+        folds, in_place = [], []  # the narrow operands to fold, in order; whether in place
         i = 0
         while calls and (held < FOLD_GROUP_BYTES or not folds):
             layer, A, G = calls[0]
@@ -280,11 +280,17 @@ class LinearRule(NormRule):
                 and A_op.element_size() == 2
                 and layer.params["weight"].dtype == _FP32
             ):  # fused_clipped_gemm_available, inline
-                narrow = (G_op if G_op.shape[-1] <= A_op.shape[-1] else A_op).flatten(0, 1)
+                into_G = G_op.shape[-1] <= A_op.shape[-1]
+                narrow = (G_op if into_G else A_op).flatten(0, 1)
                 if folds and (narrow.dtype, narrow.device) != (folds[0].dtype, folds[0].device):
                     break  # one dtype and device per launch
                 folds.append(narrow)
-                held += narrow.numel() * narrow.element_size()
+                # G is this call's alone (flash.capture makes each call's G its own storage)
+                # and needed by nothing after its GEMM: folded in place, no memory held. A may
+                # be shared (q, k and v read one): folded into a copy.
+                in_place.append(into_G)
+                if not into_G:
+                    held += narrow.numel() * narrow.element_size()
             group.append(calls.popleft())
             narrows.append(narrow)
             i += 1
@@ -292,7 +298,7 @@ class LinearRule(NormRule):
         if not folds:
             return list(zip(group, narrows))
         tokens = [call.A.shape[1] for call, n in zip(group, narrows) if n is not None]
-        folded = iter(kernels.fold_clip_factors_many(folds, c.c, tokens))
+        folded = iter(kernels.fold_clip_factors_many(folds, c.c, tokens, in_place))
         return [(call, None if n is None else next(folded)) for call, n in zip(group, narrows)]
 
     def _clipped_grads(self, c, call: LayerCall, folded):
