@@ -44,7 +44,8 @@ def squared_row_norms_many(grads: list[Tensor]) -> list[Tensor]:
     kernels = triton_kernels()
     for members in groups.values():
         acc = accumulation_dtype(members[0])
-        if kernels is not None and all(kernels.weighted_sums_supported(g, g) for g in members):
+        pairs = [(g, g) for g in members]
+        if kernels is not None and all(kernels.weighted_sums_supported_each(pairs)):
             terms.append(kernels.squared_row_norms_many(members).to(acc))
             continue
         rows = [row for grad in members for row in grad.unbind(0)]
@@ -197,10 +198,11 @@ def accumulate_weighted_sums(params, grads, c: ClipFactors) -> None:
     product per parameter."""
     kernels = triton_kernels()
     fused, targets, sources, accumulate = [], [], [], []
-    for param, grad in zip(params, grads, strict=True):
-        target = param.grad if param.grad is not None else param
-        source = grad.flatten(1)
-        if kernels is not None and kernels.weighted_sums_supported(target, source):
+    pairs = [(p.grad if p.grad is not None else p, g.flatten(1)) for p, g in zip(params, grads)]
+    supported = kernels.weighted_sums_supported_each(pairs) if kernels is not None else ()
+    for i, (param, grad) in enumerate(zip(params, grads, strict=True)):
+        target, source = pairs[i]
+        if supported and supported[i]:
             fused.append(param)
             accumulate.append(param.grad is not None)
             targets.append(target if param.grad is not None else torch.empty_like(param))
@@ -258,7 +260,7 @@ def fused_noise(tensors: list[torch.Tensor]) -> bool:
     contiguous CUDA tensors of one device, where Triton is there."""
     if not tensors or len({t.device for t in tensors}) != 1 or not tensors[0].is_cuda:
         return False
-    return all(t.is_contiguous() for t in tensors) and triton_kernels() is not None
+    return all([t.is_contiguous() for t in tensors]) and triton_kernels() is not None
 
 
 def add_gaussian_noise(

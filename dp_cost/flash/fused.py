@@ -5,6 +5,11 @@ from __future__ import annotations
 
 import functools
 
+# The kernels' support checks are asked only about CUDA tensors (they pass nowhere else, and
+# asking is a Python call per layer); True asks them about CPU tensors too: tests of the wiring,
+# with a check patched to pass and the kernels interpreted (TRITON_INTERPRET=1).
+KERNELS_ON_CPU = False
+
 
 @functools.cache  # a failed import is not cached by Python: try it once, not per layer
 def triton_kernels():

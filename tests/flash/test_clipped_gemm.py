@@ -10,6 +10,7 @@ import torch
 from flash_reference import RecordingSink
 from torch import nn
 
+from dp_cost.flash import fused
 from dp_cost.flash.engine import FlashClipping
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"  # set by conftest.py without a GPU
@@ -231,7 +232,7 @@ def test_flash_step_folds_many_layers_per_launch_interpreted(monkeypatch, use_si
     monkeypatch.setattr(
         kernels, "clipped_weight_grad_supported_each", lambda pairs: [True] * len(pairs)
     )
-    monkeypatch.setattr(linear_rule, "KERNELS_ON_CPU", True)
+    monkeypatch.setattr(fused, "KERNELS_ON_CPU", True)
     launches = []
     fold_many = kernels.fold_clip_factors_many
     monkeypatch.setattr(
@@ -302,12 +303,11 @@ def test_two_layers_given_one_gradient_fold_their_own_copies(monkeypatch):
     """y = a(x) + b(x): autograd hands both layers the same gradient tensor. Folding c into
     one G in place must not fold it into the other's: each call's G is its own (flash.capture
     copies an aliased one). Both clipped sums within fp16 rounding of fp64 brute force."""
-    from dp_cost.flash.rules import linear as linear_rule
 
     monkeypatch.setattr(
         kernels, "clipped_weight_grad_supported_each", lambda pairs: [True] * len(pairs)
     )
-    monkeypatch.setattr(linear_rule, "KERNELS_ON_CPU", True)
+    monkeypatch.setattr(fused, "KERNELS_ON_CPU", True)
     torch.manual_seed(0)
     B, T = 3, 5
     model = nn.ModuleDict({"a": nn.Linear(12, 6, bias=False), "b": nn.Linear(12, 6, bias=False)})
@@ -377,7 +377,7 @@ def test_flash_step_takes_the_kernel_interpreted(monkeypatch):
     from dp_cost.flash.rules import linear as linear_rule
 
     monkeypatch.setattr(linear_rule, "EXACT_CLIPPED_GEMM", True)
-    monkeypatch.setattr(linear_rule, "KERNELS_ON_CPU", True)
+    monkeypatch.setattr(fused, "KERNELS_ON_CPU", True)
     calls = []
     check = kernels.clipped_weight_grad_supported
     monkeypatch.setattr(  # the check asks for CUDA

@@ -67,16 +67,24 @@ def test_fused_kernel_wiring_interpreted_on_cpu(monkeypatch):
     and then accumulated into), run on CPU tensors by the Triton interpreter: against brute
     force in fp32. Every kept per-sample gradient counts as large, so all take the kernel."""
     from dp_cost.flash import engine as flash_clip
+    from dp_cost.flash import fused
 
     kernels = pytest.importorskip("dp_cost.flash.kernels", reason="needs triton")
     monkeypatch.setattr(flash_clip, "SMALL_PER_SAMPLE_NUMEL", 0)
     calls = []
-    for name in ("norm_layer_grads_supported", "weighted_sums_supported"):
-        check = getattr(kernels, name)
-        # the checks ask for CUDA; the interpreter runs the same kernels on CPU tensors
-        monkeypatch.setattr(
-            kernels, name, lambda *a, _check=check: calls.append(a) or _check(*a) or True
-        )
+    # the checks ask for CUDA; the interpreter runs the same kernels on CPU tensors
+    monkeypatch.setattr(fused, "KERNELS_ON_CPU", True)
+    check = kernels.norm_layer_grads_supported
+    monkeypatch.setattr(  # the one-layer kernel (the grouped one asks for CUDA still)
+        kernels,
+        "norm_layer_grads_supported",
+        lambda *a: calls.append(a) or check(*a) or True,
+    )
+    monkeypatch.setattr(
+        kernels,
+        "weighted_sums_supported_each",
+        lambda pairs: calls.append(pairs) or [True] * len(pairs),
+    )
     model = make_model(torch.float32)
     ids, targets = make_batch(4, 17, seed=9)
     ref_norms, max_norm, clip, ref_sum = brute_force_at_median(model, ids, targets)

@@ -52,6 +52,7 @@ from dp_cost.flash.kernels.weighted_sums import (
     token_sums_supported_many,
     weighted_sums_,
     weighted_sums_supported,
+    weighted_sums_supported_each,
 )
 
 __all__ = [
@@ -79,4 +80,5 @@ __all__ = [
     "token_sums_supported_many",
     "weighted_sums_",
     "weighted_sums_supported",
+    "weighted_sums_supported_each",
 ]

@@ -13,7 +13,6 @@ from dp_cost.flash.kernels.common import (
     TL_DTYPES,
     block_table,
     int64_table,
-    on_cuda_in_kernel_dtypes,
 )
 
 # Elements per program. Both kernels are memory-bound: on an H100, blocks of 1024 (weighted
@@ -50,13 +49,13 @@ def squared_row_norms_many(sources: list[torch.Tensor]) -> torch.Tensor:
     if not sources:
         raise ValueError("squared_row_norms_many needs at least one tensor")
     if len({(x.dtype, x.device) for x in sources}) != 1 or not all(
-        x.is_contiguous() for x in sources
+        [x.is_contiguous() for x in sources]  # a list: a generator's every step is a call
     ):
         raise ValueError("squared_row_norms_many needs contiguous tensors of one dtype and device")
     B, device = sources[0].shape[0], sources[0].device
-    if any(x.shape[0] != B for x in sources):
+    if any([x.shape[0] != B for x in sources]):
         raise ValueError("squared_row_norms_many needs one batch size")
-    sizes = tuple(x[0].numel() for x in sources) if B else ()
+    sizes = tuple([x.numel() // B for x in sources]) if B else ()
     if not any(sizes):
         return torch.zeros(B, device=device, dtype=torch.float32)
     tensor_of_block, first_block, numels = block_table(device, sizes, ROW_NORM_BLOCK)
@@ -95,11 +94,18 @@ def _weighted_sum_kernel(
 
 def weighted_sums_supported(target: torch.Tensor, source: torch.Tensor) -> bool:
     """Can weighted_sums_ run on these (CUDA, a kernel dtype, contiguous)?"""
-    return (
-        on_cuda_in_kernel_dtypes(target, source)
-        and target.is_contiguous()
-        and source.is_contiguous()
-    )
+    return weighted_sums_supported_each([(target, source)])[0]
+
+
+def weighted_sums_supported_each(pairs: list[tuple]) -> list[bool]:
+    """weighted_sums_supported of each (target, source), in one call (one per parameter is
+    host time: the product route keeps hundreds of per-sample gradients with LoRA)."""
+    return [
+        target.is_cuda and source.get_device() == target.get_device()
+        and target.dtype in TL_DTYPES and source.dtype in TL_DTYPES
+        and target.is_contiguous() and source.is_contiguous()
+        for target, source in pairs
+    ]  # fmt: skip
 
 
 def weighted_sums_(
@@ -135,7 +141,7 @@ def weighted_sums_(
         groups.setdefault((target.device, source.dtype, target.dtype), []).append(i)
     for (device, source_dtype, target_dtype), members in groups.items():
         weights_here = weights.to(device, torch.float32).contiguous()
-        sizes = tuple(targets[i].numel() for i in members)
+        sizes = tuple([targets[i].numel() for i in members])
         tensor_of_block, first_block, numels = block_table(device, sizes, WEIGHTED_SUM_BLOCK)
         table = int64_table(
             [[sources[i].data_ptr(), targets[i].data_ptr(), int(accumulate[i])] for i in members],

@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from dp_cost.flash import fused
 from dp_cost.flash.fused import triton_kernels
 from dp_cost.flash.layer import GradRequest, Layer, LayerCall
 from dp_cost.flash.precision import accumulation_dtype, gemm_operands, to_accumulation
@@ -75,10 +76,6 @@ def fused_norms_available(A: Tensor) -> bool:
 # product in fp32, weighted by fp32 c: 1e-6 from fp64), 1.4-2.1x the GEMM's time at the 1b
 # shapes on an H200 (Triton at 300-600 TFLOP/s against cuBLAS' 570-680), so not the default.
 EXACT_CLIPPED_GEMM = False
-# The clipped GEMM's kernel checks are asked only about CUDA tensors (they pass nowhere else, and
-# asking is a Python call per layer); True asks them about CPU tensors too (tests of the wiring,
-# with the checks patched and the kernels interpreted).
-KERNELS_ON_CPU = False
 _FP32 = torch.float32
 # Folded operands made by one launch of flash.kernels.fold_clip_factors_many, held until their
 # layers' GEMMs ran (the 1b model at (8, 512): 16 MB each, 16 per launch instead of one each).
@@ -226,7 +223,7 @@ class LinearRule(NormRule):
             while ready:
                 (layer, A, G), folded = ready.popleft()
                 weight = layer.params["weight"]
-                if folded is None and (A.is_cuda or KERNELS_ON_CPU):
+                if folded is None and (A.is_cuda or fused.KERNELS_ON_CPU):
                     grad = self._clipped_grads(c, LayerCall(layer, A, G), None)["weight"]
                 else:  # _clipped_grads' torch path, inline
                     A_op, G_op = (A, G) if A.dtype == G.dtype else gemm_operands(A, G)
@@ -276,7 +273,7 @@ class LinearRule(NormRule):
             if (
                 foldable
                 and foldable[i]
-                and (A_op.is_cuda or KERNELS_ON_CPU)
+                and (A_op.is_cuda or fused.KERNELS_ON_CPU)
                 and A_op.element_size() == 2
                 and layer.params["weight"].dtype == _FP32
             ):  # fused_clipped_gemm_available, inline

@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor, nn
 
+from dp_cost.flash import fused
 from dp_cost.flash.fused import triton_kernels
 from dp_cost.flash.layer import GradRequest
 from dp_cost.flash.precision import accumulation_dtype
@@ -57,7 +58,11 @@ class NormLayerRule(NormRule):
                 groups.setdefault(key, []).append(i)
                 grads.append(None)
                 continue
-            if kernels is not None and A.is_cuda and kernels.norm_layer_grads_supported(A, G):
+            if (
+                kernels is not None
+                and (A.is_cuda or fused.KERNELS_ON_CPU)
+                and kernels.norm_layer_grads_supported(A, G)
+            ):
                 grads.append(self.per_sample_grads(layer, A, G, names))  # the one-layer kernel
                 continue
             wide = torch.promote_types(A.dtype, torch.float32)
