@@ -60,7 +60,7 @@ class Tape:
         self.backward_done = False
         # Records whose G a hook takes in the backward (layers whose rule forms their per-sample
         # gradients there: norm layers), by index; those whose G arrived, with it; the bytes
-        # of A and G these hold; ``full()``: called when they pass DEFERRED_BYTES.
+        # of A and G these hold; ``full()``: called when they pass ``budget``.
         self.hooked: list[tuple | None] = []
         self.hooked_bytes = 0  # of all hooked records' A and G, counted in the forward
         self.arrived: list[tuple] = []
@@ -133,7 +133,7 @@ def taped_forward(module, tape: Tape, layer: Layer, *args, **kwargs):
 
 
 def _hooked_gradient(tape: Tape, index: int, grads: tuple) -> None:
-    """A hooked record's G: kept with it; the held ones formed once they pass DEFERRED_BYTES."""
+    """A hooked record's G: kept with it; the held ones formed once they pass the budget."""
     record = tape.hooked[index]
     if record is None:  # a second backward through the graph
         raise RuntimeError("FlashClipping: one backward per forward (release() first)")
@@ -299,7 +299,9 @@ class LayerCapture:
         return [(record[LAYER].module, record[INPUT]) for record in records]
 
     def _remove_forwards(self) -> None:
-        """Take off the forwards set here (one another library set on a module later stays)."""
+        """Take off the forwards set here (one another library set on a module later stays; the
+        taped forward it may call records nothing from now on)."""
+        self.tape.idle = True
         for module, forward in self._forwards.values():
             if module.__dict__.get("forward") is forward:
                 del module.forward

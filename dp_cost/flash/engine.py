@@ -1,17 +1,17 @@
 """Exact per-sample gradient norms and clipped gradients from ONE backward pass.
 
-"Book-keeping" DP-SGD (Bu et al. 2023): forward hooks keep each managed layer's input A,
-pre-hooks on its output's autograd node keep its output gradient G (dp_cost.flash.capture), and
-autograd never forms a weight gradient (managed parameters are set to requires_grad=False while
-wrapped). Per-sample norms and the clipped sum sum_b c_b * grad_b are then computed from (A, G),
-or from the per-sample gradients the hooks formed, by per-layer-type rules (flash.rules).
+"Book-keeping" DP-SGD (Bu et al. 2023): each managed layer's taped forward keeps its input A and
+the autograd edge its output gradient G arrives on, one autograd call takes every G
+(dp_cost.flash.capture), and autograd never forms a weight gradient (managed parameters are set
+to requires_grad=False while wrapped). Per-sample norms and the clipped sum sum_b c_b * grad_b are
+then computed from (A, G), or from per-sample gradients formed from them, by per-layer-type rules
+(flash.rules), a group of calls at a time.
 
-A Linear's bias's per-sample gradient is formed in the hook where the layer forms its weight's,
-else right after the backward from the kept G, every layer's in one launch. Where the hook formed
-a Linear's per-sample gradients (product route), its clipped gradient is a weighted sum of them,
-with no second GEMM. Layers reading one input (q, k, v) share it, so at the product route's
-threshold such a group holds up to ~1.5x what the Gram route would (peaks stay <= 1.01x
-standard's: the peak is in forward).
+Right after the backward, one per_sample_grads_many per rule forms what is small per sample:
+Linear biases (every layer's in one launch), the product route's weights, norm layers (those
+not formed in the backward already). Where a Linear's per-sample gradients were formed (product
+route), its clipped gradient is a weighted sum of them, with no second GEMM. Layers reading one
+input (q, k, v) share it.
 
 Per chunk: backward(losses.sum()), per_sample_squared_norms(), accumulate_clipped_grads(c),
 release(). Assumes dimension 0 of managed layers' inputs/outputs is the batch, one forward per
@@ -386,8 +386,7 @@ class FlashClipping(LayerCapture):
     def kept_tensors(self) -> Iterator[tuple[nn.Module, str, Tensor]]:
         """(module, role, tensor) for every tensor the engine holds for a managed module between
         its forward and release(): the saved inputs A and output gradients G ("activation_hooks")
-        and the per-sample gradients formed in the backward hook or after it
-        ("per_sample_gradients")."""
+        and the per-sample gradients formed from them ("per_sample_gradients")."""
         for module, A in self._recorded_inputs():  # between the forward and the backward
             yield module, "activation_hooks", A
         for layer in self.layers:
@@ -407,7 +406,7 @@ class FlashClipping(LayerCapture):
 
     @contextlib.contextmanager
     def autograd_gradients(self):
-        """Inside, the hooks keep nothing and autograd forms .grad, as unwrapped: at one sample,
+        """Inside, the tape records nothing and autograd forms .grad, as unwrapped: at one sample,
         the per-sample gradient (DDP at one sample per rank). Every layer's route: "autograd"."""
         self._idle = True
         self._routes = [{"layer": layer.name, "route": "autograd"} for layer in self.layers]
@@ -421,7 +420,7 @@ class FlashClipping(LayerCapture):
                 p.requires_grad_(False)
 
     def remove(self) -> None:
-        """Remove hooks and make the managed parameters trainable again."""
+        """Take off the taped forwards and make the managed parameters trainable again."""
         self.release()
         self._remove_forwards()
         for p in self.params:

@@ -52,9 +52,9 @@ class Layer:
     formed_in_backward: bool = False  # the rule's: G by a hook, formed mid-backward
     feature_dims: tuple[int, int] = (1, 1)
     calls: list[Call] = field(default_factory=list)  # one per forward call, in order
-    # Per-sample gradients [B, ...] by parameter name, formed in the backward hook or after it
-    # (formed_after_backward) instead of keeping A and G for the rest of the step (summed over
-    # calls: a reused module's gradient is the sum).
+    # Per-sample gradients [B, ...] by parameter name, formed in or right after the backward
+    # instead of keeping A and G for the rest of the step (summed over calls: a reused module's
+    # gradient is the sum).
     per_sample: dict[str, Tensor] = field(default_factory=dict)
     described: list[dict] = field(default_factory=list)  # the route of each call, for routes()
     plans: dict[tuple, tuple] = field(default_factory=dict)  # FlashClipping._plan's, by shapes
@@ -82,7 +82,7 @@ def flatten_tokens(x: Tensor, feature_dims: int) -> Tensor:
     """View [B, ..., features] as [B, T, prod(features)] ([B, T] when no feature dims)."""
     if feature_dims == 0:
         return x.reshape(x.shape[0], -1)
-    if feature_dims == 1:  # Linear: the common case, without math.prod (a hook per call)
+    if feature_dims == 1:  # Linear: the common case, without math.prod
         # already [B, T, d] (most calls): no reshape op (flash is host-bound with LoRA)
         return x if x.dim() == 3 else x.reshape(x.shape[0], -1, x.shape[-1])
     return x.reshape(x.shape[0], -1, math.prod(x.shape[x.dim() - feature_dims :]))

@@ -26,8 +26,8 @@ ALLOCATION_SITES: dict[str, tuple] = {
         *_rule_methods("squared_norms"),
         *_rule_methods("squared_norms_many"),
     ),
-    # Per-sample gradients of the layers that keep them, formed in the backward hook or
-    # after the backward (per_sample_grads_many). (trainers adds those gathered under DDP.)
+    # Per-sample gradients of the layers that keep them, formed in or right after the
+    # backward (per_sample_grads_many). (trainers adds those gathered under DDP.)
     "per_sample_gradients": (
         *_rule_methods("per_sample_grads"),
         *_rule_methods("per_sample_grads_many"),

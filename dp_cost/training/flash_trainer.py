@@ -44,7 +44,7 @@ class FlashClippingTrainer(PrivateTrainer):
     name = "flash"
     gathered: flash_sinks.GatheredGradients | None = None  # its gathers, while they hold memory
     options = ("flash_route",)
-    capturable = True  # its hooks, kernels and tables make no host sync (tests check it)
+    capturable = True  # its tape, hooks, kernels and tables make no host sync (tests check it)
     noise_generator: torch.Generator | None = None  # its own, where it needs one (made once)
 
     def __init__(self, model, settings, phases, *, flash_route: str = "auto"):
@@ -54,7 +54,7 @@ class FlashClippingTrainer(PrivateTrainer):
         try:
             self.optimizer = self.make_optimizer(list(self.engine.params))
         except Exception:
-            self.engine.remove()  # leave the model as it was given: no hooks, trainable
+            self.engine.remove()  # leave the model as it was given: its forwards, trainable
             raise
         if settings.mode.replicates:  # no DDP wrapper: flash sums its clipped gradients
             collectives.broadcast_parameters(model)
@@ -112,7 +112,7 @@ class FlashClippingTrainer(PrivateTrainer):
 
     def gathered_chunk_step(self, chunk):
         """DDP, one per rank: autograd's gradients, gathered; each rank clips the global batch."""
-        with self.engine.autograd_gradients():  # its hooks go with the step, also if it fails
+        with self.engine.autograd_gradients():  # its tape idle for the step, also if it fails
             with flash_sinks.GatheredGradients(self.engine.params, self.dtype) as self.gathered:
                 per_sample = self.per_sample_losses(self.model, chunk)
                 self.phases("forward_done")

@@ -33,11 +33,12 @@ TRAINERS: dict[str, type[Trainer]] = {
     "ghost": GhostClippingTrainer,  # Opacus ghost clipping: two backward passes
     "flash": FlashClippingTrainer,  # ours: one backward, exact norms, clipped GEMMs
 }
-# Flash's capture keeps each layer's input in forward: recomputing a checkpointed block in the
-# backward would keep it again (Opacus' trainers capture only in the recomputation).
+# Flash's tape keeps each layer's input in the forward and asks autograd for every G when the
+# backward starts: a checkpointed block's recomputation, in the backward, would record its
+# layers again, too late for that call (Opacus' trainers capture only in the recomputation).
 REHOOKED = (
-    "its hooks would keep every recomputed layer's input a second time (standard, dpsgd and ghost "
-    "take it)"
+    "its tape would keep every recomputed layer's input a second time, and their gradients would "
+    "arrive after its backward call was made (standard, dpsgd and ghost take it)"
 )
 
 

@@ -649,8 +649,9 @@ def test_input_replaced_by_a_later_pre_hook_is_the_one_kept():
 
 
 def test_remove_twice_keeps_what_was_set_later():
-    """remove() takes off flash's hooks only: a forward another library set on a managed module
-    after flash stays, and a second remove() is a no-op."""
+    """remove() takes off flash's forwards only: a forward another library set on a managed
+    module after flash stays (flash's, which it calls, records nothing any more), and a second
+    remove() is a no-op."""
     model = nn.Sequential(nn.Linear(4, 3))
     flash = FlashClipping(model)
     calls = []
@@ -660,6 +661,7 @@ def test_remove_twice_keeps_what_was_set_later():
     flash.remove()
     model(torch.randn(2, 4))
     assert calls == [1] and all(p.requires_grad for p in model.parameters())
+    assert not flash.tape.records
     assert not model[0]._forward_hooks and not model[0]._forward_pre_hooks
 
 

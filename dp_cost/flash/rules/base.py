@@ -19,12 +19,14 @@ if TYPE_CHECKING:
 class NormRule:
     """Per-layer-type rule. Subclass it and register with @register_norm_rule(Type).
 
-    Each call of a managed layer gives A (its input) and G (its output gradient). In the
-    backward hook, ``kept_per_sample`` names the parameters whose per-sample gradients are formed
-    at once (where they are small); ``formed_after_backward`` those formed after the hook, many
-    calls' in one go (right after the backward, or earlier where only they hold A and G and the
-    capture's DEFERRED_BYTES is passed); the rest are done after backward from A and G by
-    ``squared_norms`` and ``clipped_grads``, which handle exactly those parameters.
+    Each call of a managed layer gives A (its input) and G (its output gradient).
+    ``kept_per_sample`` names the parameters whose per-sample gradients are formed right after
+    the backward (where they are small); ``formed_after_backward`` others formed then too, many
+    calls' in one go (per_sample_grads_many; ``formed_in_backward``: during it, as the calls'
+    G arrive); the rest are done from A and G by ``squared_norms`` and ``clipped_grads``, which
+    handle exactly those parameters. ``compute_for`` gives the layer's op for its taped forward;
+    the ``*_many`` methods take every call of a step (a rule's loop over them should call no
+    Python function per call: flash's host work should not grow with the layers).
     ``describe`` and ``kept_per_sample`` may depend only on the layer and the shapes of A and G:
     the engine asks once per layer and shapes, not per call.
     """
@@ -63,10 +65,9 @@ class NormRule:
         raise NotImplementedError
 
     def formed_after_backward(self, layer: Layer, A: Tensor, G: Tensor) -> set[str]:
-        """Parameters, not kept per sample in the hook, whose per-sample gradients are formed
-        after it from the kept A and G, many calls of the rule at once (per_sample_grads_many:
-        right after the backward, or mid-backward once the calls held only for these pass the
-        capture's DEFERRED_BYTES); the rest are done by squared_norms and clipped_grads."""
+        """Parameters, not kept per sample, whose per-sample gradients are formed from the kept
+        A and G right after the backward too, many calls of the rule at once
+        (per_sample_grads_many); the rest are done by squared_norms and clipped_grads."""
         return set()
 
     def per_sample_grads_many(self, calls: list[GradRequest]) -> list[dict[str, Tensor]]:

@@ -168,7 +168,7 @@ class LinearRule(NormRule):
         return self.per_sample_grads_many([GradRequest(layer, A, G, names)])[0]
 
     def squared_norms(self, layer, A, G):
-        # the weight alone: the bias is formed per sample (in the hook or right after backward)
+        # the weight alone: the bias is formed per sample right after the backward
         if linear_route(layer, A.shape[1]) == "gram":
             return gram_squared_norms(A, G, layer.tile_size)
         return direct_squared_norms(A, G, layer.block_numel)
