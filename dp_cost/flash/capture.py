@@ -1,14 +1,20 @@
 """What flash keeps of each managed layer between its forward and release(), recorded without
 per-layer Python beyond the layer's own forward.
 
-Each managed module's forward is replaced (an instance attribute, removed by remove()) by
-``taped_forward``: it computes the layer's output by its rule's ``compute`` (torch's op, called
-directly) and appends one record to the tape: the layer, its input A and the autograd edge its
-output gradient G will arrive on. No hook runs, so ``nn.Module.__call__`` stays on its fast path,
-and nothing in the forward or the backward starts a Python function per layer: the backward is
-one ``torch.autograd.grad`` asked for every recorded edge at once (autograd hands back each G;
-the managed parameters are frozen, so it forms no weight gradient). The rules then turn the
-records into per-sample gradients, norms and clipped sums by group (flash.engine).
+Each managed module's forward is replaced (an instance attribute, removed by remove(); a module
+whose forward another library already replaced is refused) by ``taped_forward``: it computes the
+layer's output by its rule's ``compute`` (torch's op, called directly) and appends one record to
+the tape: the layer, its input A and the autograd edge its output gradient G will arrive on. No
+module hook runs, so ``nn.Module.__call__`` stays on its fast path, and the forward starts no
+Python function beyond the model's own. The backward is one autograd call asked for every
+recorded edge at once (autograd hands back each G; the managed parameters are frozen, so it
+forms no weight gradient). Norm layers are the exception: their G comes by a hook on their
+output's node, and their per-sample gradients are formed in the backward, a few layers' at once
+(one Python call per such layer). The rules then turn the records into per-sample gradients,
+norms and clipped sums by group (flash.engine).
+
+nn.DataParallel's replicas are not supported: a replica copies the instance forward, bound to
+the original module.
 
 Under autocast a Linear's A is kept in the autocast dtype (the cast the layer multiplies, which
 the layer then does not make again); layers reading one input (q, k, v) share that cast."""
@@ -69,9 +75,25 @@ class Tape:
         self.full = full
 
     def clear(self) -> None:
+        # emptied in place: a hook of a graph still alive finds nothing there (and holds no A)
+        self.hooked.clear()
         self.records, self.casts, self.hooked, self.arrived = [], {}, [], []
         self.hooked_bytes = self.bytes = 0
         self.backward_done = False
+
+    def __deepcopy__(self, memo) -> Tape:
+        """An idle tape: a copied model's forwards compute and record nothing (its engine is
+        this tape's, which the copy does not have)."""
+        return _idle_tape()
+
+    def __reduce__(self):
+        return (_idle_tape, ())
+
+
+def _idle_tape() -> Tape:
+    tape = Tape(lambda: None)
+    tape.idle = True
+    return tape
 
 
 def taped_forward(module, tape: Tape, layer: Layer, *args, **kwargs):
@@ -123,7 +145,7 @@ def taped_forward(module, tape: Tape, layer: Layer, *args, **kwargs):
         # G by a hook on the output's node: its per-sample gradients are formed in the
         # backward (a few layers' at once), not held to its end. Not for the first record of
         # a forward: a node no recorded edge lies beyond is not run by the autograd call.
-        hook = functools.partial(_hooked_gradient, tape, len(tape.hooked))
+        hook = functools.partial(_hooked_gradient, tape, tape.hooked, len(tape.hooked))
         tape.hooked.append(record)
         tape.hooked_bytes += A.nbytes + y.nbytes
         edge[0].register_prehook(hook)
@@ -132,15 +154,19 @@ def taped_forward(module, tape: Tape, layer: Layer, *args, **kwargs):
     return y
 
 
-def _hooked_gradient(tape: Tape, index: int, grads: tuple) -> None:
-    """A hooked record's G: kept with it; the held ones formed once they pass the budget."""
-    record = tape.hooked[index]
-    if record is None:  # a second backward through the graph
+def _hooked_gradient(tape: Tape, hooked: list, index: int, grads: tuple) -> None:
+    """A hooked record's G: kept with it; the held ones formed once they pass the budget.
+    ``hooked``: the tape's list of the forward that registered the hook (emptied once that
+    forward's records are taken or released: a later backward of its graph finds nothing)."""
+    if tape.idle or index >= len(hooked):
+        return
+    record = hooked[index]
+    if record is None:  # a second backward through the graph before release()
         raise RuntimeError("FlashClipping: one backward per forward (release() first)")
     G = grads[record[EDGE][1]]
     if G is None:
         return
-    tape.hooked[index] = None  # the tape's list is cleared with the rest; the hook's index stays
+    hooked[index] = None
     tape.arrived.append((record, G))
     tape.bytes += record[INPUT].nbytes + G.nbytes
     if tape.bytes > tape.budget:
@@ -155,8 +181,16 @@ class LayerCapture:
     def __init__(self, layers: list[Layer]):
         self.layers = layers
         self.tape = Tape(self._form_arrived)
-        self._gradient_owners: set[int] = set()  # data_ptr of each call's G this backward
-        self._forwards = {}  # id(module) -> the forward set on it (remove() takes only that)
+        # (storage, offset) of each call's G this backward
+        self._gradient_owners: set[tuple[int, int]] = set()
+        for layer in layers:
+            if "forward" in layer.module.__dict__:  # another library's (accelerate's hooks)
+                raise ValueError(
+                    f"layer {layer.name!r} already has a forward of its own (another library "
+                    "replaced it); flash replaces the forward of every layer it manages and "
+                    "cannot see the input that one hands the layer"
+                )
+        self._forwards = {}  # id(module) -> (module, the forward set on it)
         for layer in layers:
             forward = functools.partial(taped_forward, layer.module, self.tape, layer)
             layer.module.forward = forward
@@ -187,16 +221,13 @@ class LayerCapture:
         self._gradient_owners = set()
         grads = _gradients(loss, [r[EDGE] for r in records])
         tape.records = []
-        self._add_calls(records, grads)
+        self._add_calls(records, grads, own_gradients=True)
         arrived, tape.arrived, tape.bytes = tape.arrived, [], 0
         self._add_calls([record for record, _ in arrived], [G for _, G in arrived])
-        missing = [record[LAYER].name for record in tape.hooked if record is not None]
+        # A hooked record whose G never came adds nothing, as an unused output's: its node did
+        # not run (nothing needed its gradient; also where no recorded edge lies beyond it).
+        tape.hooked.clear()
         tape.hooked = []
-        if missing:  # its node did not run: no recorded edge lies beyond it
-            raise RuntimeError(
-                f"FlashClipping: no gradient reached the output of {missing[0]!r}; its input "
-                "must come from another managed layer"
-            )
 
     def _form_arrived(self) -> None:
         """The per-sample gradients of the hooked records whose G arrived, now, mid-backward
@@ -205,9 +236,13 @@ class LayerCapture:
         added = self._add_calls([record for record, _ in arrived], [G for _, G in arrived])
         self._form_per_sample([(layer, call, call.after) for layer, call in added])
 
-    def _add_calls(self, records: list[tuple], grads) -> list[tuple[Layer, Call]]:
+    def _add_calls(
+        self, records: list[tuple], grads, own_gradients: bool = False
+    ) -> list[tuple[Layer, Call]]:
         """Each record with its G as a Call of its layer; the (layer, call) added. Builtins only
-        in the loop (a Python call per layer is what the tape avoids)."""
+        in the loop (a Python call per layer is what the tape avoids). ``own_gradients``: give
+        each call a G of its own (the clipped GEMM folds c into it in place): one that shares
+        another's storage and offset (one gradient for two outputs, y = a + b) is copied."""
         added = []
         for record, G in zip(records, grads, strict=True):
             if G is None:  # the output's gradient never came (an unused output): adds nothing
@@ -220,9 +255,12 @@ class LayerCapture:
                 )
             if record[OUTPUT_SHAPE] is not None:  # the gradient of the view's base
                 G = G.view(record[OUTPUT_SHAPE])
-            if G.data_ptr() in self._gradient_owners:  # one gradient, two outputs (y = a + b):
-                G = G.clone()  # each call's G its own (the clipped GEMM folds c into it)
-            self._gradient_owners.add(G.data_ptr())
+            if own_gradients:
+                owner = (G.untyped_storage()._cdata, G.storage_offset())  # fake tensors too
+                if owner in self._gradient_owners:
+                    G = G.clone()
+                else:
+                    self._gradient_owners.add(owner)
             k_in, k_out = layer.feature_dims
             if A.dim() != k_in + 2:  # [B, T, features] (most calls already are)
                 A = flatten_tokens(A, k_in)

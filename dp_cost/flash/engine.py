@@ -84,8 +84,8 @@ ROUTES = ("auto", "gram", "direct", "product")  # how Linear layers get their pe
 
 
 class FlashClipping(LayerCapture):
-    """Per-sample gradient norms and clipped gradients with one backward pass (its hooks and what
-    they keep: LayerCapture)."""
+    """Per-sample gradient norms and clipped gradients with one backward pass (its tape and what
+    it keeps: LayerCapture)."""
 
     def __init__(
         self,
@@ -118,10 +118,10 @@ class FlashClipping(LayerCapture):
             layer.formed_in_backward = rule.formed_in_backward
             layer.feature_dims = rule.feature_dims(module)
             layers.append(layer)
+        super().__init__(layers)  # may refuse a layer: before anything of the model changes
         self.params = [p for p in model.parameters() if id(p) in owner]
         for p in self.params:
             p.requires_grad_(False)  # autograd then computes no weight gradient at all
-        super().__init__(layers)
         self._batch: int | None = None  # _batch_size's answer for this chunk
         self._small: tuple | None = None  # _per_sample_batches' answer for this chunk
         self._norms: Tensor | None = None

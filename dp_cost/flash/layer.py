@@ -25,11 +25,6 @@ class Call:
     def tensors(self) -> list[Tensor]:
         return [t for t in (self.A, self.G) if t is not None]
 
-    def release(self) -> None:
-        """Drop A and G."""
-        self.A = self.G = None
-        self.pending = set()
-
 
 @dataclass
 class Layer:

@@ -1,5 +1,5 @@
-"""FlashClipping's book-keeping: hooks, chunks, reused modules, what it keeps and frees, and when
-it refuses; numbers checked against per-sample brute force with autograd."""
+"""FlashClipping's book-keeping: its tape, chunks, reused modules, what it keeps and frees, and
+when it refuses; numbers checked against per-sample brute force with autograd."""
 
 import copy
 import os
@@ -279,7 +279,7 @@ def test_remove_restores_training():
 
 def test_saved_tensors_freed_layer_by_layer_while_the_graph_lives():
     """accumulate_clipped_grads must free each layer's A and G even though the caller's loss
-    (and with it the autograd graph and the hooks' closures) is still alive: holding them until
+    (and with it the autograd graph and the norm layers' hooks) is still alive: holding them until
     the step ends would put every A and G on top of the full weight gradients at the peak."""
 
     model = make_model()
@@ -633,7 +633,7 @@ def test_sink_path_holds_no_sum_it_handed_over(monkeypatch, route):
 
 
 def test_input_replaced_by_a_later_pre_hook_is_the_one_kept():
-    """A forward pre-hook registered after flash's that replaces the input: flash keeps what
+    """A forward pre-hook registered on a managed module that replaces the input: flash keeps what
     the layer was given (per-sample gradients against brute force)."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 3)).double()
@@ -696,7 +696,7 @@ def test_sink_gets_zeros_in_place_for_a_layer_the_chunk_did_not_reach():
 
 def test_autograd_gradients_then_the_book_keeping_again():
     """Inside autograd_gradients() autograd forms .grad (of one sample: its per-sample
-    gradient) and the hooks keep nothing; clip_per_sample of two such gradients, stacked as
+    gradient) and the tape keeps nothing; clip_per_sample of two such gradients, stacked as
     the DDP gather stacks them, is the brute-force clipped sum; afterwards the engine's own
     step is exact again (its parameters frozen for autograd once more)."""
     model = make_model()
@@ -908,33 +908,78 @@ def test_embedding_norms_by_either_route_match_brute_force(monkeypatch, route_el
     assert (ids == 2).any() or B * T < 10  # the padding row is exercised where it can be
 
 
-def test_a_norm_layer_no_recorded_edge_lies_beyond_says_so():
-    """A norm layer's G comes by a hook on its output's node, which the backward's autograd call
-    runs only where a recorded edge lies beyond it. A norm layer on an input of the caller's own
-    that requires a gradient, after an unrelated managed layer: its node does not run, and
-    flash says so rather than count its gradient as zero."""
+def test_a_norm_layer_whose_output_gets_no_gradient_adds_nothing():
+    """A norm layer's G comes by a hook on its output's node; an output no loss reads (an
+    auxiliary head) never gets one: it adds nothing, as the other layers' unused outputs, and
+    the rest stays exact. A norm layer first in the forward has its edge asked of the autograd
+    call itself: exact too."""
 
-    class TwoBranches(nn.Module):
+    class AuxHead(nn.Module):
         def __init__(self):
             super().__init__()
-            self.lin, self.norm = nn.Linear(4, 4), nn.LayerNorm(4)
+            self.lin, self.aux, self.norm = nn.Linear(4, 4), nn.LayerNorm(4), nn.LayerNorm(4)
 
-        def forward(self, x, side):
-            return self.lin(x).sum((1, 2)) + self.norm(side).square().sum((1, 2))
+        def forward(self, x):
+            h = self.lin(self.norm(x))
+            self.aux(h)  # computed, never used
+            return h.square().sum((1, 2))
 
     torch.manual_seed(0)
-    model = TwoBranches()
-    reference = copy.deepcopy(model)
-    flash = FlashClipping(model)
-    x, side = torch.randn(2, 3, 4), torch.randn(2, 3, 4)
-    with pytest.raises(RuntimeError, match="no gradient reached the output of 'norm'"):
-        flash.backward(model(x, side.requires_grad_(True)).sum())
-    flash.release()
-    # the norm layer first in the forward: its edge is asked of the autograd call itself
-    flash.backward(model.norm(side).square().sum() + model.lin(x).sum())
-    per_sample = per_sample_grads_of(
-        lambda m, xs: m.norm(xs[:, 0]).square().sum((1, 2)) + m.lin(xs[:, 1]).sum((1, 2)),
-        reference,
-        torch.stack([side.detach(), x], 1),
+    model = AuxHead()
+    with torch.no_grad():
+        model.norm.weight.add_(torch.randn(4))
+    x = torch.randn(3, 5, 4)
+    params = list(model.parameters())
+    per_sample = torch.stack(  # aux's columns: zeros
+        [
+            torch.cat([g.flatten() for g in grads])
+            for grads in (
+                torch.autograd.grad(model(x[b : b + 1]).sum(), params, materialize_grads=True)
+                for b in range(3)
+            )
+        ]
     )
+    flash = FlashClipping(model)
+    flash.backward(model(x).sum())
     assert_close(flash.per_sample_squared_norms(), per_sample.square().sum(1), 1e-5)
+    flash.accumulate_clipped_grads(torch.ones(3))
+    assert model.aux.weight.grad is None  # no call of it got a gradient: no clipped sum
+    grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+    assert_close(torch.cat([g.flatten() for g in grads]), per_sample.sum(0), 1e-5)
+
+
+def test_a_model_copied_while_wrapped_records_nothing():
+    """deepcopy of a wrapped model: its forwards compute as the original's and record into an
+    idle tape of its own (none of the original engine's records)."""
+    model = make_model()
+    flash = FlashClipping(model)
+    twin = copy.deepcopy(model)
+    ids, targets = make_batch(2, 5)
+    torch.testing.assert_close(twin(ids), model(ids))
+    assert twin.up.forward.args[1].idle and not twin.up.forward.args[1].records
+    assert len(flash.tape.records) > 0  # the original's forward recorded, the copy's did not
+    flash.release()
+
+
+def test_a_module_whose_forward_another_library_replaced_is_refused():
+    """A forward another library set on a module before flash (accelerate's hooks do) may hand
+    the layer another input than it was given, which flash could not see: refused, the model
+    left as it was."""
+    model = nn.Sequential(nn.Linear(4, 3))
+    own = model[0].forward
+    model[0].forward = lambda x: own(2 * x)
+    library = model[0].forward
+    with pytest.raises(ValueError, match="'0' already has a forward of its own"):
+        FlashClipping(model)
+    assert model[0].forward is library and all(p.requires_grad for p in model.parameters())
+
+
+def test_a_plain_backward_after_remove_runs():
+    """remove() with the graph of a taped forward still alive: the norm layers' hooks on that
+    graph do nothing, and autograd's own backward runs."""
+    model = make_model()
+    flash = FlashClipping(model)
+    ids, targets = make_batch(2, 5)
+    loss = sample_losses(model(ids), targets).sum()
+    flash.remove()
+    loss.backward()  # the parameters are trainable again; the graph was built frozen

@@ -1,5 +1,5 @@
-"""nn.LayerNorm / nn.RMSNorm: per-sample weight and bias gradients [B, d], formed after the backward
-(several layers in one launch on CUDA)."""
+"""nn.LayerNorm / nn.RMSNorm: per-sample weight and bias gradients [B, d], formed in the backward as
+the layers' G arrive (several layers in one launch on CUDA)."""
 
 from __future__ import annotations
 
