@@ -97,8 +97,9 @@ def _idle_tape() -> Tape:
 
 
 def taped_forward(module, tape: Tape, layer: Layer, *args, **kwargs):
-    """A managed module's forward: its rule's compute, and a record of A and G's edge. Only
-    builtins are called here (a Python call per layer is what this design removes)."""
+    """A managed module's forward: its rule's compute (in the module's own forward's place),
+    and a record of A and G's edge. Nothing else here starts a Python function but a norm
+    layer's hook registration (a Python call per layer is what this design removes)."""
     x = args[0] if args else next(iter(kwargs.values()))
     if tape.idle or not torch.is_grad_enabled():
         return layer.compute(module, x)
