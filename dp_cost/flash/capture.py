@@ -198,14 +198,6 @@ class LayerCapture:
             self._forwards[id(layer.module)] = (layer.module, forward)
         self._after_backward = False
 
-    @property
-    def _idle(self) -> bool:
-        return self.tape.idle
-
-    @_idle.setter
-    def _idle(self, value: bool) -> None:
-        self.tape.idle = value
-
     def _take_gradients(self, loss: Tensor) -> None:
         """The backward: every record's G in one autograd call (hooked records' by their hooks,
         formed on the way), then each call's A and G handed to its layer (Layer.calls), with

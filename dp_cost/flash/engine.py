@@ -408,14 +408,14 @@ class FlashClipping(LayerCapture):
     def autograd_gradients(self):
         """Inside, the tape records nothing and autograd forms .grad, as unwrapped: at one sample,
         the per-sample gradient (DDP at one sample per rank). Every layer's route: "autograd"."""
-        self._idle = True
+        self.tape.idle = True
         self._routes = [{"layer": layer.name, "route": "autograd"} for layer in self.layers]
         for p in self.params:
             p.requires_grad_(True)
         try:
             yield
         finally:
-            self._idle = False
+            self.tape.idle = False
             for p in self.params:
                 p.requires_grad_(False)
 

@@ -255,11 +255,10 @@ class LinearRule(NormRule):
         where its clipped GEMM takes another path): up to FOLD_GROUP_BYTES of folded operands,
         at least one call."""
         kernels = triton_kernels()
-        operands = [(A, G) if A.dtype == G.dtype else gemm_operands(A, G) for _, A, G in calls]
         # the kernels' check asked once for every call left (not once per layer), and only
-        # where it can pass
+        # where it can pass; a call whose A and G differ in dtype is cast, and asked, alone
         foldable = (
-            kernels.clipped_weight_grad_supported_each(operands)
+            kernels.clipped_weight_grad_supported_each([(A, G) for _, A, G in calls])
             if kernels is not None and not EXACT_CLIPPED_GEMM
             else ()
         )
@@ -268,11 +267,14 @@ class LinearRule(NormRule):
         i = 0
         while calls and (held < FOLD_GROUP_BYTES or not folds):
             layer, A, G = calls[0]
-            A_op, G_op = operands[i]
+            if A.dtype == G.dtype:
+                (A_op, G_op), supported = (A, G), foldable and foldable[i]
+            else:
+                A_op, G_op = gemm_operands(A, G)
+                supported = foldable and kernels.clipped_weight_grad_supported(A_op, G_op)
             narrow = None
             if (
-                foldable
-                and foldable[i]
+                supported
                 and (A_op.is_cuda or fused.KERNELS_ON_CPU)
                 and A_op.element_size() == 2
                 and layer.params["weight"].dtype == _FP32
@@ -291,7 +293,7 @@ class LinearRule(NormRule):
             group.append(calls.popleft())
             narrows.append(narrow)
             i += 1
-        del operands, A_op, G_op, A, G
+        del A_op, G_op, A, G
         if not folds:
             return list(zip(group, narrows))
         tokens = [call.A.shape[1] for call, n in zip(group, narrows) if n is not None]

@@ -35,8 +35,9 @@ class NormLayerRule(NormRule):
         return _layer_norm
 
     def formed_after_backward(self, layer, A, G):
-        # [B, d] per parameter: always smaller than A and G ([B, T, d]). Formed right after
-        # the backward, several layers' in one launch (per_sample_grads_many).
+        # [B, d] per parameter: always smaller than A and G ([B, T, d]). Formed in the
+        # backward (formed_in_backward), or right after it for a norm layer first in the
+        # forward, several layers' in one launch (per_sample_grads_many).
         return set(layer.params)
 
     def per_sample_grads_many(self, calls):
