@@ -66,7 +66,8 @@ def round_down(c: Tensor, dtype: torch.dtype) -> Tensor:
 
 class ClipFactors:
     """One chunk's clip factors c [B], with the casts the layers need made once per chunk (not
-    once per layer: flash is launch-bound at short sequences)."""
+    once per layer: flash is launch-bound at short sequences). Per-layer clipping: c [P, B], a
+    row per parameter (a rule's calls then come with their rows; ``row(r)``: one row's)."""
 
     def __init__(self, c: Tensor):
         self.c = c
@@ -74,6 +75,13 @@ class ClipFactors:
         # per_token's, by (dtype, tokens): looked up by a loop over layers with no call
         self.cached_per_token: dict[tuple, Tensor] = {}
         self._schedule: tuple[Tensor, ...] | None = None
+        self._rows: dict[int, ClipFactors] = {}
+
+    def row(self, index: int) -> ClipFactors:
+        """The factors of row ``index`` of a [P, B] c, made once per chunk."""
+        if index not in self._rows:
+            self._rows[index] = ClipFactors(self.c[index])
+        return self._rows[index]
 
     def to(self, dtype: torch.dtype) -> Tensor:
         """c in ``dtype``, rounded toward zero (see round_down). In 16-bit dtypes also shrunk by
@@ -98,10 +106,12 @@ class ClipFactors:
         return self._schedule
 
     def per_token(self, dtype: torch.dtype, tokens: int) -> Tensor:
-        """c repeated for each of a sample's ``tokens`` rows of a flattened [B*T, n], [B*T, 1]."""
+        """c repeated for each of a sample's ``tokens`` rows of a flattened [B*T, n], [B*T, 1]
+        ([P, B*T, 1] for a [P, B] c)."""
         key = (dtype, tokens)
         if key not in self.cached_per_token:
-            self.cached_per_token[key] = self.to(dtype).repeat_interleave(tokens)[:, None]
+            per_token = self.to(dtype).repeat_interleave(tokens, dim=-1)
+            self.cached_per_token[key] = per_token[..., None]
         return self.cached_per_token[key]
 
 
@@ -133,17 +143,18 @@ class ClipFactorsByParameter:
     def __init__(self, c: Tensor, rows: dict[int, int], indices: DeviceIndices):
         self.device = c.device
         self.shared = ClipFactors(c) if c.dim() == 1 else None
+        self.by_row = ClipFactors(c) if c.dim() == 2 else None  # [P, B]: each row a parameter's
         self.c = c
         self.indices = indices
         self._row = rows  # id(parameter) -> its row of c
-        self._of: dict[int, ClipFactors] = {}
 
     def of(self, param: nn.Parameter) -> ClipFactors:
         if self.shared is not None:
             return self.shared
-        if id(param) not in self._of:
-            self._of[id(param)] = ClipFactors(self.c[self._row[id(param)]])
-        return self._of[id(param)]
+        return self.by_row.row(self._row[id(param)])
+
+    def row_of(self, param: nn.Parameter) -> int:
+        return self._row[id(param)]
 
     def concatenated_sum(self, params: list[nn.Parameter], grads: Tensor) -> Tensor:
         """sum_b c_b(p) * grads[b] of the [B, N] concatenation of ``params``' per-sample
@@ -189,15 +200,16 @@ def accumulate_many(params: list[nn.Parameter], sums: Tensor) -> None:
         params[i].grad = grad
 
 
-def accumulate_weighted_sums(params, grads, c: ClipFactors) -> None:
-    """param.grad += sum_b c_b * grad[b] for each per-sample gradient grad [B, ...].
+def accumulate_weighted_sums(params, grads, c: ClipFactors, rows: list[int] | None = None) -> None:
+    """param.grad += sum_b c_b * grad[b] for each per-sample gradient grad [B, ...]; ``rows``:
+    c is [P, B] and params[i] takes its row rows[i] (per-layer clipping).
 
     On CUDA: flash.kernels.weighted_sums_, one launch per dtype pair for all of them, fp32 clip
     factors (no 16-bit rounding of c: each c_b * g_b is formed in fp32) and fp32 accumulation
     straight into .grad. Elsewhere (or for a tensor the kernel cannot take) one [B] x [B, n]
     product per parameter."""
     kernels = triton_kernels()
-    fused, targets, sources, accumulate = [], [], [], []
+    fused, targets, sources, accumulate, fused_rows = [], [], [], [], []
     pairs = [(p.grad if p.grad is not None else p, g.flatten(1)) for p, g in zip(params, grads)]
     supported = kernels.weighted_sums_supported_each(pairs) if kernels is not None else ()
     for i, (param, grad) in enumerate(zip(params, grads, strict=True)):
@@ -207,10 +219,14 @@ def accumulate_weighted_sums(params, grads, c: ClipFactors) -> None:
             accumulate.append(param.grad is not None)
             targets.append(target if param.grad is not None else torch.empty_like(param))
             sources.append(source)
+            fused_rows.append(0 if rows is None else rows[i])
         else:
-            accumulate_into_grad(param, c.to(grad.dtype) @ source)
+            weights = c.to(grad.dtype) if rows is None else c.to(grad.dtype)[rows[i]]
+            accumulate_into_grad(param, weights @ source)
     if fused:
-        kernels.weighted_sums_(targets, sources, c.to(torch.float32), accumulate)
+        kernels.weighted_sums_(
+            targets, sources, c.to(torch.float32), accumulate, None if rows is None else fused_rows
+        )
         for param, target in zip(fused, targets, strict=True):
             param.grad = target
 
@@ -236,8 +252,7 @@ def clip_per_sample(
     c = factors(squared.sqrt())
     if counts is not None:
         counts.add(squared, c)
-    for param, grad, row in zip(params, grads, c / divisor, strict=True):
-        accumulate_weighted_sums([param], [grad], ClipFactors(row))
+    accumulate_weighted_sums(params, grads, ClipFactors(c / divisor), list(range(len(params))))
 
 
 def weighted_sum(grads: Tensor, c: ClipFactors) -> Tensor:

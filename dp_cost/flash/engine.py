@@ -34,7 +34,6 @@ from dp_cost.flash.clip import (
     ClipFactors,
     ClipFactorsByParameter,
     DeviceIndices,
-    accumulate_into_grad,
     accumulate_many,
     accumulate_weighted_sums,
     squared_row_norms,
@@ -54,13 +53,6 @@ SMALL_PER_SAMPLE_NUMEL = 2**18
 
 class UnsupportedLayerError(ValueError):
     """A layer owns trainable parameters but no norm rule is registered for its type."""
-
-
-def _one_by_one(rule: NormRule, calls: deque[tuple[LayerCall, ClipFactors]]) -> Iterator[dict]:
-    """rule.clipped_grads_many of each call alone, with its parameter's own clip factors."""
-    while calls:
-        call, c = calls.popleft()
-        yield from rule.clipped_grads_many(deque([call]), c)
 
 
 def _only_parameter(layer: Layer) -> nn.Parameter:
@@ -128,6 +120,7 @@ class FlashClipping(LayerCapture):
         self._routes: list[dict] = []
         self._indices = DeviceIndices()  # per-layer clipping's index tensors, made once
         self._param_rows = {id(param): i for i, param in enumerate(self.params)}  # rows of [P, B]
+        self._call_rows: dict[tuple, int] = {}  # _rows_of_calls' answers
 
     def backward(self, loss: Tensor) -> None:
         """One backward of the SUM of per-sample losses; no .grad is written anywhere."""
@@ -237,6 +230,7 @@ class FlashClipping(LayerCapture):
         row = self._param_rows
         rows: list[int] = []
         terms: list[Tensor] = []  # [B] each, in the order of rows
+        rows_of_calls = self._rows_of_calls()
         for params, grads in small:
             local = list(range(len(params)))
             owner = self._indices.columns(params, local, grads.device)  # of each column
@@ -250,9 +244,9 @@ class FlashClipping(LayerCapture):
             terms.append(squared_row_norms(_rows(grad)))
             rows.append(row[id(param)])
         for rule, calls in self._calls_by_rule(self.layers).items():
-            for call in calls:
-                terms.append(sum(rule.squared_norms_many([call])))
-                rows.append(row[id(_only_parameter(call.layer))])
+            calls = list(calls)
+            terms += rule.squared_norms_each(calls)
+            rows += [rows_of_calls[id(call.layer)] for call in calls]
         dtype = functools.reduce(torch.promote_types, [t.dtype for t in terms])
         norms = terms[0].new_zeros((len(self.params), batch), dtype=dtype)
         index = self._indices.get(("rows", *rows), lambda: rows, norms.device)
@@ -292,27 +286,21 @@ class FlashClipping(LayerCapture):
             return
         # Large kept per-sample grads first (no GEMM over T: a weighted sum of each), so they
         # are freed before the clipped GEMMs below allocate their gradients.
-        if large and c.shared is not None:
-            accumulate_weighted_sums(*zip(*large, strict=True), c.shared)
-        for param, grad in large if c.shared is None else ():
-            accumulate_weighted_sums([param], [grad], c.of(param))
+        factors, rows = self._factors_and_rows(c)
+        if large:
+            params, grads = zip(*large, strict=True)
+            row = self._param_rows
+            param_rows = None if rows is None else [row[id(param)] for param in params]
+            accumulate_weighted_sums(params, grads, factors, param_rows)
+            del grads
         del large
-        if c.shared is not None:  # each rule's calls in one go, each dropped once used
-            calls_of = self._calls_by_rule(self.layers)
-            for layer in self.layers:
-                layer.calls = []
-            for rule, calls in calls_of.items():
-                rule.accumulate_clipped_grads(calls, c.shared)
-            del calls_of
-        clipped_of = self._calls_by_rule(self.layers, c)
+        # each rule's calls in one go, each dropped once used
+        calls_of = self._calls_by_rule(self.layers)
         for layer in self.layers:
-            if not layer.calls:  # done per sample (above and below), or not reached
-                continue
-            clipped = [next(clipped_of[layer.rule]) for _ in layer.calls]
             layer.calls = []
-            for grads in clipped:
-                for name, grad in grads.items():
-                    accumulate_into_grad(layer.params[name], grad)
+        for rule, calls in calls_of.items():
+            rule.accumulate_clipped_grads(calls, factors, rows)
+        del calls_of
         # The concatenations: one weighted sum per dtype.
         for params, grads in small:
             accumulate_many(params, c.concatenated_sum(params, grads))
@@ -352,9 +340,29 @@ class FlashClipping(LayerCapture):
                 sink(param, grad.view(param.shape))
                 del grad  # not held through the next layer's clipped GEMM
 
-    @staticmethod
+    def _rows_of_calls(self) -> dict[int, int]:
+        """Per-layer clipping: id(layer) -> the row of c [P, B] of its call (after the
+        backward a layer has at most one, left with one parameter), found once per layer and
+        what its call has left (builtins only per layer after that)."""
+        rows, known = {}, self._call_rows
+        for layer in self.layers:
+            if layer.calls:
+                key = (id(layer), layer.calls[0].pending)
+                row = known.get(key)
+                if row is None:
+                    row = known[key] = self._param_rows[id(_only_parameter(layer))]
+                rows[id(layer)] = row
+        return rows
+
+    def _factors_and_rows(self, c: ClipFactorsByParameter) -> tuple[ClipFactors, Any]:
+        """What the rules take: the shared factors (flat clipping), or the [P, B] factors and
+        each layer's row of them (per-layer)."""
+        if c.shared is not None:
+            return c.shared, None
+        return c.by_row, self._rows_of_calls()
+
     def _calls_by_rule(
-        order: list[Layer], c: ClipFactorsByParameter | None = None
+        self, order: list[Layer], c: ClipFactorsByParameter | None = None
     ) -> dict[NormRule, Any]:
         """A LayerCall of every call still to be done from A and G, by rule, in ``order``.
         Given c, each rule's clipped_grads_many of them instead: their clipped gradients in that
@@ -367,16 +375,9 @@ class FlashClipping(LayerCapture):
                 by_rule.setdefault(layer.rule, deque()).append(entry)
         if c is None:
             return by_rule
-        if c.shared is not None:
-            return {
-                rule: rule.clipped_grads_many(calls, c.shared) for rule, calls in by_rule.items()
-            }
-        # each call's parameter named now, while the layers still list their calls
+        factors, rows = self._factors_and_rows(c)  # rows found while layers list their calls
         return {
-            rule: _one_by_one(
-                rule, deque((call, c.of(_only_parameter(call.layer))) for call in calls)
-            )
-            for rule, calls in by_rule.items()
+            rule: rule.clipped_grads_many(calls, factors, rows) for rule, calls in by_rule.items()
         }
 
     def routes(self) -> list[dict]:

@@ -219,13 +219,30 @@ def test_fold_many_equals_each_fold_alone():
 
 
 @interpreted
+def test_fold_many_takes_each_operand_its_row_of_c():
+    """rows: c [P, B] and operand i folded with row rows[i] (per-layer clipping), in one launch,
+    each bit for bit what folding it alone with that row gives."""
+    B = 2
+    c = torch.tensor([[0.3, 1.0], [0.0123, 0.7], [1.0, 0.01]])
+    shapes, rows = [(5, 2100), (1, 7), (2, 64)], [2, 0, 1]
+    Xs = [torch.randn(B * T, n).half() for T, n in shapes]
+    many = kernels.fold_clip_factors_many(Xs, c, [T for T, _ in shapes], None, rows)
+    for X, (T, _), row, folded in zip(Xs, shapes, rows, many, strict=True):
+        assert torch.equal(folded, folded_toward_zero(X, c[row], T)[1])
+    with pytest.raises(ValueError, match="with rows"):
+        kernels.fold_clip_factors_many(Xs, c, [T for T, _ in shapes])
+
+
+@interpreted
+@pytest.mark.parametrize("per_layer", [False, True])
 @pytest.mark.parametrize("use_sink", [False, True])
-def test_flash_step_folds_many_layers_per_launch_interpreted(monkeypatch, use_sink):
+def test_flash_step_folds_many_layers_per_launch_interpreted(monkeypatch, use_sink, per_layer):
     """The wiring of the grouped fold: Linear layers of different widths under fp16 autocast
     (the CUDA check patched to pass on CPU), c folded into each layer's narrower operand by
     launches of up to FOLD_GROUP_BYTES: one launch for all, or one per layer (bound 0), give
     the same gradients bit for bit, on the .grad path and the sink path, each within fp16
-    rounding of an fp64 clipped sum for the same clip factors."""
+    rounding of an fp64 clipped sum for the same clip factors. Per-layer clipping: c [P, B],
+    each layer folded with its own row in the same shared launches."""
     from dp_cost.flash.rules import linear as linear_rule
 
     monkeypatch.setattr(kernels, "clipped_weight_grad_supported", lambda A, G: True)
@@ -260,8 +277,12 @@ def test_flash_step_folds_many_layers_per_launch_interpreted(monkeypatch, use_si
         with torch.autocast("cpu", dtype=torch.float16):
             out = model(x)
         flash.backward(out.float().square().sum())
-        norms = flash.per_sample_squared_norms().sqrt()
-        c = (norms.median() / (norms + 1e-6)).clamp(max=1.0)
+        if per_layer:  # [P, B]
+            norms = flash.per_parameter_squared_norms().sqrt()
+            c = (norms.median(1, keepdim=True).values / (norms + 1e-6)).clamp(max=1.0)
+        else:
+            norms = flash.per_sample_squared_norms().sqrt()
+            c = (norms.median() / (norms + 1e-6)).clamp(max=1.0)
         launches.clear()
         sink = RecordingSink() if use_sink else None
         flash.accumulate_clipped_grads(c, sink=sink)
@@ -271,7 +292,8 @@ def test_flash_step_folds_many_layers_per_launch_interpreted(monkeypatch, use_si
         else:
             grads = [layer.weight.grad for layer in model]
         for layer, grad in zip(model, grads, strict=True):
-            expected = clipped_sum(inputs[layer], output_grads[layer], c)
+            factors = c[[id(p) for p in flash.params].index(id(layer.weight))] if per_layer else c
+            expected = clipped_sum(inputs[layer], output_grads[layer], factors)
             assert relative_error(grad, expected) < 4e-3
         results.append(grads)
         flash.release()

@@ -45,12 +45,13 @@ def counted_step(name: str, blocks: int, seq: int, clipping: str = "flat") -> di
 
 # seq 8: every Linear of the tiny model takes the Gram route (A and G kept for its norm and
 # clipped GEMM); seq 16: the product route (per-sample gradients formed at once, as LoRA's)
+@pytest.mark.parametrize("clipping", ["flat", "per_layer"])
 @pytest.mark.parametrize("seq", [8, 16])
-def test_flash_host_work_does_not_grow_with_the_layers(seq):
-    """Flat clipping (per-layer clipping still does a few Python calls per Gram-route layer:
-    its norms and clipped sums go one layer at a time)."""
+def test_flash_host_work_does_not_grow_with_the_layers(seq, clipping):
+    """Flat and per-layer clipping (each layer's norms and clipped sums by group too: one row
+    of clip factors per parameter, read by the same launches)."""
     counts = {
-        (name, blocks): counted_step(name, blocks, seq)
+        (name, blocks): counted_step(name, blocks, seq, clipping if name == "flash" else "flat")
         for name in ("standard", "flash")
         for blocks in (10, 20)
     }

@@ -167,6 +167,41 @@ def test_grouped_layers_sum_to_brute_force():
         flash_kernels.gram_squared_norms_grouped([pairs[0], (pairs[1][0][:1], pairs[1][1][:1])])
 
 
+def test_grouped_layers_per_layer_match_each_brute_force():
+    """per_layer=True: one launch, each layer's own per-sample norms [L, B] in the pairs' order
+    (per-layer clipping), a layer the group kernel cannot take (d = 20) in its row too."""
+    torch.manual_seed(6)
+    B, T = 3, 33
+    widths = [(16, 48), (20, 24), (32, 16)]
+    pairs = [(torch.randn(B, T, d).half(), torch.randn(B, T, p).half()) for d, p in widths]
+    norms = flash_kernels.gram_squared_norms_grouped(pairs, per_layer=True)
+    assert norms.shape == (len(pairs), B) and norms.dtype == torch.float32
+    for row, (A, G) in zip(norms, pairs, strict=True):
+        assert relative_error(row, per_sample_squared_norms(A, G)) < 1e-4
+
+
+def test_weighted_sums_take_each_source_its_row_of_weights():
+    """rows: weights [P, B], source i weighted by row rows[i] (per-layer clipping), in one
+    launch, against fp64 brute force; a [B] weight with rows (or [P, B] without) is refused."""
+    torch.manual_seed(7)
+    B = 3
+    weights = torch.rand(4, B)
+    sources = [torch.randn(B, 2049), torch.randn(B, 7).half(), torch.randn(B, 1)]
+    targets = [torch.randn(2049), torch.randn(7), torch.randn(1)]
+    rows, accumulate = [2, 0, 3], [True, False, True]
+    expected = [
+        (t.double() if acc else 0) + weights[r].double() @ s.double()
+        for t, s, r, acc in zip(targets, sources, rows, accumulate)
+    ]
+    flash_kernels.weighted_sums_(targets, sources, weights, accumulate, rows)
+    for target, reference in zip(targets, expected):
+        assert relative_error(target, reference) < 1e-6
+    with pytest.raises(ValueError, match="with rows"):
+        flash_kernels.weighted_sums_(targets[:1], sources[:1], weights[0], [False], [0])
+    with pytest.raises(ValueError, match="with rows"):
+        flash_kernels.weighted_sums_(targets[:1], sources[:1], weights, [False])
+
+
 def test_weighted_sums_match_brute_force():
     """Clipped sums of kept per-sample gradients, several tensors per launch: fp64 reference
     target (+)= w @ source, overwriting or accumulating per target, sizes around the block

@@ -170,14 +170,15 @@ def _fold_kernel(table, c, BLOCK: tl.constexpr, DTYPE: tl.constexpr):
     (j, i): block j of X_i), each product formed in fp32 and rounded toward zero to 16 bits:
     never above c * x in magnitude. ``table`` rows: X_i's pointer, out_i's (X_i's own, in place:
     each element is read before it is written, by the same program), elements per sample
-    (T_i n_i), elements."""
+    (T_i n_i), elements, the offset of X_i's factors in ``c`` (per-layer clipping: its row)."""
     i = tl.program_id(1)
-    source = tl.load(table + 4 * i).to(tl.pointer_type(DTYPE))
-    out = tl.load(table + 4 * i + 1).to(tl.pointer_type(DTYPE))
-    per_sample = tl.load(table + 4 * i + 2)
+    source = tl.load(table + 5 * i).to(tl.pointer_type(DTYPE))
+    out = tl.load(table + 5 * i + 1).to(tl.pointer_type(DTYPE))
+    per_sample = tl.load(table + 5 * i + 2)
+    c = c + tl.load(table + 5 * i + 4)
     first = tl.program_id(0).to(tl.int64) * BLOCK
     offsets = first + tl.arange(0, BLOCK)
-    keep = offsets < tl.load(table + 4 * i + 3)  # the programs past a smaller X_i do nothing
+    keep = offsets < tl.load(table + 5 * i + 3)  # the programs past a smaller X_i do nothing
     # Each element's sample without a 64-bit division per element (tens of instructions each,
     # enough to make this memory-bound copy compute-bound): one division per program, then a
     # comparison where a block holds at most one sample boundary, else 32-bit divisions of
@@ -212,14 +213,18 @@ def fold_clip_factors_many(
     c: torch.Tensor,
     tokens: list[int],
     in_place: list[bool] | None = None,
+    rows: list[int] | None = None,
 ) -> list[torch.Tensor]:
     """fold_clip_factors of several 2-D operands of one dtype and device, ``tokens`` rows per
     sample each, in one launch: a Python launch of Triton costs tens of microseconds of host
     time, and a step folds c into every Gram- and direct-route Linear's operand. Where
     ``in_place[i]`` (and X_i is contiguous) X_i itself is overwritten and returned; the other
-    results are views into one new buffer (it is freed with the last of them)."""
+    results are views into one new buffer (it is freed with the last of them). ``rows``: c is
+    [P, B], and X_i takes row rows[i] (per-layer clipping); else c [B] serves every X_i."""
     if len({(X.dtype, X.device) for X in Xs}) != 1 or Xs[0].element_size() != 2:
         raise ValueError("fold_clip_factors_many needs operands of one 16-bit dtype and device")
+    if c.dim() != (1 if rows is None else 2):
+        raise ValueError(f"c must be [B] (or [P, B] with rows), got {tuple(c.shape)}")
     in_place = in_place or [False] * len(Xs)
     # a non-contiguous X is copied first: that copy is folded in place (it is the caller's)
     overwrite = [own or not X.is_contiguous() for X, own in zip(Xs, in_place, strict=True)]
@@ -231,10 +236,12 @@ def fold_clip_factors_many(
     if max(sizes, default=0):
         # A table of this launch's operands only (their sizes change with B and T: a cached
         # per-block table, as the weighted sums keep for parameters, would grow with them).
-        rows = zip(Xs, folded, tokens, strict=True)
+        B = c.shape[-1]
+        offsets = [0] * len(Xs) if rows is None else [row * B for row in rows]
+        entries = zip(Xs, folded, tokens, offsets, strict=True)
         table = int64_table(
-            [[X.data_ptr(), out.data_ptr(), max(1, T * X.shape[1]), X.numel()]
-             for X, out, T in rows],
+            [[X.data_ptr(), out.data_ptr(), max(1, T * X.shape[1]), X.numel(), at]
+             for X, out, T, at in entries],
             Xs[0].device,
         )  # fmt: skip
         device = Xs[0].device

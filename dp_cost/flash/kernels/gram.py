@@ -145,7 +145,8 @@ def _gram_group_kernel(
     in multiples of 8 elements and widths in multiples of 16; the hints say so, so the loads
     stay vectorised and the K masks uniform although nothing is a compile-time constant."""
     b = tl.program_id(1)
-    row = meta + tl.program_id(2) * 8  # A and G offsets, A's batch and token strides, G's, d, p
+    # A and G offsets, A's batch and token strides, G's, d, p, the layer's offset in ``out``
+    row = meta + tl.program_id(2) * 9
     offset_a = tl.multiple_of(tl.load(row), 8)
     offset_g = tl.multiple_of(tl.load(row + 1), 8)
     stride_ab = tl.multiple_of(tl.load(row + 2), 8)
@@ -158,7 +159,7 @@ def _gram_group_kernel(
         base + offset_a + b * stride_ab, base + offset_g + b * stride_gb, T, D, P,
         stride_at, 1, stride_gt, 1, BLOCK_T, BLOCK_K, "ieee",
     )  # fmt: skip
-    tl.atomic_add(out + b, pair_sum)
+    tl.atomic_add(out + tl.load(row + 8) + b, pair_sum)
 
 
 def _groupable(A: torch.Tensor, G: torch.Tensor) -> bool:
@@ -178,8 +179,11 @@ def _groupable_each(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> list[bool
     ]  # fmt: skip
 
 
-def gram_squared_norms_grouped(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
-    """sum over layers of per-sample ||G_b^T A_b||_F^2 [B] in fp32, every layer in one launch.
+def gram_squared_norms_grouped(
+    pairs: list[tuple[torch.Tensor, torch.Tensor]], per_layer: bool = False
+) -> torch.Tensor:
+    """sum over layers of per-sample ||G_b^T A_b||_F^2 [B] in fp32, every layer in one launch;
+    ``per_layer``: each layer's own [L, B] instead (per-layer clipping), in the pairs' order.
 
     ``pairs``: (A [B, T, d_l], G [B, T, p_l]) per layer, all of one B, T and 16-bit dtype on one
     CUDA device. Flash is launch-bound at short sequences: a 1b step has 121 Linear layers, and
@@ -194,14 +198,14 @@ def gram_squared_norms_grouped(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -
             raise ValueError("grouped Gram norms need one B, T and dtype for every layer")
     if A0.element_size() != 2:
         raise ValueError(f"grouped Gram norms are for 16-bit inputs, got {A0.dtype}")
-    out = torch.zeros(B, device=A0.device, dtype=torch.float32)
+    out = torch.zeros((len(pairs), B) if per_layer else B, device=A0.device, dtype=torch.float32)
     block_t = 64 if T <= 64 else 128
-    grouped = []
-    for (A, G), groupable in zip(pairs, _groupable_each(pairs), strict=True):
+    grouped = []  # (A, G, the element offset of its norms in out)
+    for i, ((A, G), groupable) in enumerate(zip(pairs, _groupable_each(pairs), strict=True)):
         if groupable:
-            grouped.append((A, G))
+            grouped.append((A, G, i * B if per_layer else 0))
         else:  # the one-layer kernel, same tiles
-            out += gram_squared_norms(A, G, block_t, 64)
+            (out[i] if per_layer else out).add_(gram_squared_norms(A, G, block_t, 64))
     if not grouped or B == 0 or T == 0:
         return out
     base = grouped[0][0]
@@ -209,8 +213,8 @@ def gram_squared_norms_grouped(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -
     meta = int64_table(
         [
             [(A.data_ptr() - base.data_ptr()) // size, (G.data_ptr() - base.data_ptr()) // size]
-            + [A.stride(0), A.stride(1), G.stride(0), G.stride(1), A.shape[2], G.shape[2]]
-            for A, G in grouped
+            + [A.stride(0), A.stride(1), G.stride(0), G.stride(1), A.shape[2], G.shape[2], at]
+            for A, G, at in grouped
         ],
         A0.device,
     )

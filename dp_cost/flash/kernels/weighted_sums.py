@@ -75,19 +75,21 @@ def _weighted_sum_kernel(
     BLOCK: tl.constexpr, SOURCE_DTYPE: tl.constexpr, TARGET_DTYPE: tl.constexpr,
 ):  # fmt: skip
     """target_i (+)= sum_b weights[b] * source_i[b] for a list of (source [B, n_i], target [n_i])
-    in one launch. ``table`` rows: source pointer, target pointer, accumulate (0: overwrite)."""
+    in one launch. ``table`` rows: source pointer, target pointer, accumulate (0: overwrite),
+    the offset of source_i's weights in ``weights`` (per-layer clipping: its row)."""
     block = tl.program_id(0)
     i = tl.load(tensor_of_block + block)
     n = tl.load(sizes + i)
-    source = tl.load(table + 3 * i).to(tl.pointer_type(SOURCE_DTYPE))
-    target = tl.load(table + 3 * i + 1).to(tl.pointer_type(TARGET_DTYPE))
+    source = tl.load(table + 4 * i).to(tl.pointer_type(SOURCE_DTYPE))
+    target = tl.load(table + 4 * i + 1).to(tl.pointer_type(TARGET_DTYPE))
+    weights = weights + tl.load(table + 4 * i + 3)
     offsets = (block - tl.load(first_block + i)).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     keep = offsets < n
     total = tl.zeros((BLOCK,), dtype=tl.float32)
     for b in range(batch):  # weights in fp32: c_b * x_b rounded once, in fp32
         x = tl.load(source + b * n + offsets, mask=keep, other=0.0)
         total += tl.load(weights + b) * x.to(tl.float32)
-    if tl.load(table + 3 * i + 2) != 0:
+    if tl.load(table + 4 * i + 2) != 0:
         total += tl.load(target + offsets, mask=keep, other=0.0).to(tl.float32)
     tl.store(target + offsets, total.to(TARGET_DTYPE), mask=keep)
 
@@ -113,9 +115,11 @@ def weighted_sums_(
     sources: list[torch.Tensor],
     weights: torch.Tensor,
     accumulate: list[bool],
+    rows: list[int] | None = None,
 ) -> None:
     """targets[i] = (targets[i] if accumulate[i] else 0) + sum_b weights[b] * sources[i][b], in
-    place, one launch per (source dtype, target dtype), accumulated in fp32.
+    place, one launch per (source dtype, target dtype), accumulated in fp32. ``rows``: weights
+    is [P, B] and sources[i] takes row rows[i] (per-layer clipping); else weights [B] serve all.
 
     Flash's clipped sum of kept per-sample gradients (sources [B, ...], weights the clip factors
     [B]). torch's ``weights @ sources.flatten(1)`` is a GEMV with K = B, which cuBLAS runs at a
@@ -125,7 +129,10 @@ def weighted_sums_(
     """
     if not (len(targets) == len(sources) == len(accumulate)):
         raise ValueError("weighted_sums_ needs one source and one accumulate flag per target")
-    B = weights.shape[0]
+    if weights.dim() != (1 if rows is None else 2):
+        raise ValueError(f"weights must be [B] (or [P, B] with rows), got {tuple(weights.shape)}")
+    B = weights.shape[-1]
+    offsets = [0] * len(targets) if rows is None else [row * B for row in rows]
     for target, source in zip(targets, sources, strict=True):
         if source.shape[0] != B or source[0].numel() != target.numel():
             raise ValueError(
@@ -144,7 +151,10 @@ def weighted_sums_(
         sizes = tuple([targets[i].numel() for i in members])
         tensor_of_block, first_block, numels = block_table(device, sizes, WEIGHTED_SUM_BLOCK)
         table = int64_table(
-            [[sources[i].data_ptr(), targets[i].data_ptr(), int(accumulate[i])] for i in members],
+            [
+                [sources[i].data_ptr(), targets[i].data_ptr(), int(accumulate[i]), offsets[i]]
+                for i in members
+            ],
             device,
         )
         with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():

@@ -84,23 +84,36 @@ class NormRule:
         (a rule may compute several layers at once)."""
         return [self.squared_norms(layer, A, G) for layer, A, G in calls]
 
+    def squared_norms_each(self, calls: list[LayerCall]) -> list[Tensor]:
+        """squared_norms of each call, in order, one [B] each (per-layer clipping: each
+        layer's norm on its own; a rule may compute several layers at once)."""
+        return [self.squared_norms(layer, A, G) for layer, A, G in calls]
+
     def clipped_grads(self, layer: Layer, A: Tensor, G: Tensor, c: ClipFactors) -> dict:
         """sum_b c_b * grad_b for each parameter not kept per sample, by name."""
         raise NotImplementedError
 
-    def accumulate_clipped_grads(self, calls: deque[LayerCall], c: ClipFactors) -> None:
-        """param.grad += clipped_grads of each call (flat clipping, no sink): by default each
-        of clipped_grads_many's in turn (a rule may do it with no Python call per layer)."""
-        for layer, grads in zip([call.layer for call in calls], self.clipped_grads_many(calls, c)):
+    def accumulate_clipped_grads(
+        self, calls: deque[LayerCall], c: ClipFactors, rows: dict[int, int] | None = None
+    ) -> None:
+        """param.grad += clipped_grads of each call (no sink): by default each of
+        clipped_grads_many's in turn (a rule may do it with no Python call per layer). ``rows``
+        (per-layer clipping): c is [P, B] and a call of layer L takes row rows[id(L)]."""
+        layers = [call.layer for call in calls]
+        for layer, grads in zip(layers, self.clipped_grads_many(calls, c, rows)):
             for name, grad in grads.items():
                 accumulate_into_grad(layer.params[name], grad)
 
-    def clipped_grads_many(self, calls: deque[LayerCall], c: ClipFactors) -> Iterator[dict]:
+    def clipped_grads_many(
+        self, calls: deque[LayerCall], c: ClipFactors, rows: dict[int, int] | None = None
+    ) -> Iterator[dict]:
         """clipped_grads of each call of ``calls`` in order, one at a time (a rule may do some
-        work of several calls at once). The deque is the rule's: each call leaves it as its
-        gradients are made, so its A and G are freed once the caller drops them too."""
+        work of several calls at once); ``rows`` as in accumulate_clipped_grads. The deque is
+        the rule's: each call leaves it as its gradients are made, so its A and G are freed once
+        the caller drops them too."""
         while calls:  # no local holds a call's tensors or gradients while suspended
-            yield self.clipped_grads(*calls.popleft(), c)
+            factors = c if rows is None else c.row(rows[id(calls[0].layer)])
+            yield self.clipped_grads(*calls.popleft(), factors)
 
 
 NORM_RULES: dict[type, NormRule] = {}

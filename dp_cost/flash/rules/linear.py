@@ -178,9 +178,17 @@ class LinearRule(NormRule):
         all of them (flash.kernels.gram_squared_norms_grouped); on the torch path a Gram route
         of one tile is formed here (builtins only: no Python call per layer); the rest one by
         one."""
-        terms, groups = [], {}
+        return self._squared_norms(calls, each=False)
+
+    def squared_norms_each(self, calls):
+        """squared_norms_many's work with one term per call, in order (per-layer clipping)."""
+        return self._squared_norms(calls, each=True)
+
+    def _squared_norms(self, calls, each: bool) -> list[Tensor]:
+        """The terms of squared_norms_many (``each``: one per call, in order)."""
+        terms, groups, grouped = [], {}, {}  # grouped: the calls of each group, by index
         fused = triton_kernels() is not None
-        for layer, A, G in calls:
+        for i, (layer, A, G) in enumerate(calls):
             A_op, G_op = (A, G) if A.dtype == G.dtype else gemm_operands(A, G)
             T, route = A.shape[1], layer.route
             if route == "auto":  # linear_route, inline
@@ -189,42 +197,57 @@ class LinearRule(NormRule):
             if route != "gram":
                 terms.append(self.squared_norms(layer, A, G))
             elif fused and A_op.is_cuda and A_op.element_size() == 2:
-                groups.setdefault((A_op.shape[0], T, A_op.dtype), []).append((A_op, G_op))
+                key = (A_op.shape[0], T, A_op.dtype)
+                groups.setdefault(key, []).append((A_op, G_op))
+                grouped.setdefault(key, []).append(i)
+                terms.append(None)  # the group's launch fills it in (each) or adds it (flat)
             elif T <= layer.tile_size:  # gram_squared_norms of one tile
                 products = torch.bmm(A_op, A_op.mT) * torch.bmm(G_op, G_op.mT)
                 terms.append(products.sum((1, 2), dtype=torch.promote_types(A_op.dtype, _FP32)))
             else:
                 terms.append(gram_squared_norms(A, G, layer.tile_size))
-        terms += [triton_kernels().gram_squared_norms_grouped(pairs) for pairs in groups.values()]
+        kernels = triton_kernels()
+        if not each:
+            terms = [term for term in terms if term is not None]
+            return terms + [kernels.gram_squared_norms_grouped(p) for p in groups.values()]
+        for key, pairs in groups.items():
+            norms = kernels.gram_squared_norms_grouped(pairs, per_layer=True).unbind(0)
+            for i, norm in zip(grouped[key], norms, strict=True):
+                terms[i] = norm
         return terms
 
     def clipped_grads(self, layer, A, G, c):
         return self._clipped_grads(c, LayerCall(layer, A, G), folded=None)
 
-    def clipped_grads_many(self, calls, c):
+    def clipped_grads_many(self, calls, c, rows=None):
         """clipped_grads of each call in order; where the fp32 clip factors are folded into a
         16-bit operand by flash.kernels (CUDA), the operands of the next calls, up to
         FOLD_GROUP_BYTES of them, are folded by one launch."""
         ready = deque()  # (LayerCall, its folded operand or None), the next calls
         while calls or ready:
             if not ready:
-                ready.extend(self._fold_next(calls, c))
+                ready.extend(self._fold_next(calls, c, rows))
+            factors = c if rows is None else c.row(rows[id(ready[0][0].layer)])
             # no local holds a call's tensors or gradients while suspended
-            yield self._clipped_grads(c, *ready.popleft())
+            yield self._clipped_grads(factors, *ready.popleft())
 
-    def accumulate_clipped_grads(self, calls: deque[LayerCall], c: ClipFactors) -> None:
-        """weight.grad += the clipped sum of every call (flat clipping, no sink), in order, each
-        call's A and G dropped once its GEMM ran. Builtins only per call on the torch path and
-        where a shared fold served the call (a Python call per layer is host time); a call a
-        kernel serves alone (EXACT_CLIPPED_GEMM) goes through _clipped_grads."""
+    def accumulate_clipped_grads(
+        self, calls: deque[LayerCall], c: ClipFactors, rows: dict[int, int] | None = None
+    ) -> None:
+        """weight.grad += the clipped sum of every call (no sink), in order, each call's A and G
+        dropped once its GEMM ran; ``rows``: per-layer clipping (NormRule's). Builtins only per
+        call on the torch path and where a shared fold served the call (a Python call per layer
+        is host time); a call a kernel serves alone (EXACT_CLIPPED_GEMM) goes through
+        _clipped_grads."""
         per_token = c.cached_per_token
         while calls:
-            ready = deque(self._fold_next(calls, c))
+            ready = deque(self._fold_next(calls, c, rows))
             while ready:
                 (layer, A, G), folded = ready.popleft()
                 weight = layer.params["weight"]
                 if folded is None and (A.is_cuda or fused.KERNELS_ON_CPU):
-                    grad = self._clipped_grads(c, LayerCall(layer, A, G), None)["weight"]
+                    factors = c if rows is None else c.row(rows[id(layer)])
+                    grad = self._clipped_grads(factors, LayerCall(layer, A, G), None)["weight"]
                 else:  # _clipped_grads' torch path, inline
                     A_op, G_op = (A, G) if A.dtype == G.dtype else gemm_operands(A, G)
                     into_G = G_op.shape[-1] <= A_op.shape[-1]  # _folds_into_G
@@ -234,6 +257,8 @@ class LinearRule(NormRule):
                         scale = per_token.get((narrow.dtype, A_op.shape[1]))
                         if scale is None:
                             scale = c.per_token(narrow.dtype, A_op.shape[1])
+                        if rows is not None:  # [P, B*T, 1]: this layer's row
+                            scale = scale[rows[id(layer)]]
                         folded = narrow * scale
                     G2, A2 = (folded, wide) if into_G else (wide, folded)
                     if A2.is_cuda and A2.element_size() == 2 and weight.dtype == _FP32:
@@ -250,7 +275,7 @@ class LinearRule(NormRule):
                     weight.grad.add_(grad)
                 del grad
 
-    def _fold_next(self, calls, c) -> list[tuple[LayerCall, Tensor | None]]:
+    def _fold_next(self, calls, c, rows=None) -> list[tuple[LayerCall, Tensor | None]]:
         """The next calls off ``calls``, each with its operand folded by one shared launch (None
         where its clipped GEMM takes another path): up to FOLD_GROUP_BYTES of folded operands,
         at least one call."""
@@ -263,7 +288,8 @@ class LinearRule(NormRule):
             else ()
         )
         group, narrows, held = [], [], 0
-        folds, in_place = [], []  # the narrow operands to fold, in order; whether in place
+        # the narrow operands to fold, in order; whether in place; their rows of c (per layer)
+        folds, in_place, fold_rows = [], [], []
         i = 0
         while calls and (held < FOLD_GROUP_BYTES or not folds):
             layer, A, G = calls[0]
@@ -288,6 +314,8 @@ class LinearRule(NormRule):
                 # and needed by nothing after its GEMM: folded in place, no memory held. A may
                 # be shared (q, k and v read one): folded into a copy.
                 in_place.append(into_G)
+                if rows is not None:
+                    fold_rows.append(rows[id(layer)])
                 if not into_G:
                     held += narrow.numel() * narrow.element_size()
             group.append(calls.popleft())
@@ -297,7 +325,11 @@ class LinearRule(NormRule):
         if not folds:
             return list(zip(group, narrows))
         tokens = [call.A.shape[1] for call, n in zip(group, narrows) if n is not None]
-        folded = iter(kernels.fold_clip_factors_many(folds, c.c, tokens, in_place))
+        folded = iter(
+            kernels.fold_clip_factors_many(
+                folds, c.c, tokens, in_place, None if rows is None else fold_rows
+            )
+        )
         return [(call, None if n is None else next(folded)) for call, n in zip(group, narrows)]
 
     def _clipped_grads(self, c, call: LayerCall, folded):
