@@ -55,6 +55,27 @@ def squared_row_norms_many(grads: list[Tensor]) -> list[Tensor]:
     return terms
 
 
+def squared_row_norms_each(grads: list[Tensor]) -> list[Tensor]:
+    """squared_row_norms of each of ``grads`` [B, ...] (rows: its flattened samples), in order,
+    [B] each (per-layer clipping's norms of kept per-sample gradients): on CUDA one launch per
+    dtype for all of them (flash.kernels.squared_row_norms_many), else a reduction each."""
+    terms: list = [None] * len(grads)
+    groups: dict[tuple, list[int]] = {}
+    kernels = triton_kernels()
+    pairs = [(grad, grad) for grad in grads]
+    supported = kernels.weighted_sums_supported_each(pairs) if kernels is not None else ()
+    for i, grad in enumerate(grads):
+        if supported and supported[i]:
+            groups.setdefault((grad.dtype, grad.device), []).append(i)
+        else:
+            terms[i] = squared_row_norms(grad if grad.dim() == 2 else grad.flatten(1))
+    for members in groups.values():
+        norms = kernels.squared_row_norms_many([grads[i] for i in members], each=True)
+        for i, norm in zip(members, norms.to(accumulation_dtype(grads[members[0]])).unbind(0)):
+            terms[i] = norm
+    return terms
+
+
 def round_down(c: Tensor, dtype: torch.dtype) -> Tensor:
     """Clip factors in ``dtype``, rounded toward zero: a factor rounded up (bf16 keeps 8 bits)
     would let a sample's clipped gradient exceed C, the bound DP's noise is calibrated to."""

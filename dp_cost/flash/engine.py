@@ -37,6 +37,7 @@ from dp_cost.flash.clip import (
     accumulate_many,
     accumulate_weighted_sums,
     squared_row_norms,
+    squared_row_norms_each,
     squared_row_norms_many,
     weighted_sum,
 )
@@ -66,10 +67,6 @@ def _only_parameter(layer: Layer) -> nn.Parameter:
         )
     (name,) = pending
     return layer.params[name]
-
-
-def _rows(grad: Tensor) -> Tensor:  # [B, n]; biases and norm layers' are: no view op
-    return grad if grad.dim() == 2 else grad.view(grad.shape[0], -1)
 
 
 ROUTES = ("auto", "gram", "direct", "product")  # how Linear layers get their per-sample norms
@@ -240,9 +237,8 @@ class FlashClipping(LayerCapture):
             sums = squared.new_zeros((batch, len(params))).index_add_(1, owner, squared)
             terms += list(sums.T.to(accumulation_dtype(grads)))
             rows += [row[id(p)] for p in params]
-        for param, grad in large:
-            terms.append(squared_row_norms(_rows(grad)))
-            rows.append(row[id(param)])
+        terms += squared_row_norms_each([grad for _, grad in large])
+        rows += [row[id(param)] for param, _ in large]
         for rule, calls in self._calls_by_rule(self.layers).items():
             calls = list(calls)
             terms += rule.squared_norms_each(calls)

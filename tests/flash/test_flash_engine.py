@@ -22,6 +22,7 @@ from flash_reference import (
 )
 from torch import nn
 
+from dp_cost.flash import clip
 from dp_cost.flash.clip import clip_per_sample, squared_row_norms_many
 from dp_cost.flash.engine import FlashClipping, UnsupportedLayerError
 
@@ -63,6 +64,35 @@ def test_squared_row_norms_many_sums_every_tensor_per_sample_per_dtype(B):
     assert [t.dtype for t in terms] == [torch.float64, torch.float32, torch.float32]
     expected = sum(g.double().flatten(1).square().sum(1) for g in grads)
     assert_close(sum(t.double() for t in terms), expected, 1e-6)
+
+
+@pytest.mark.parametrize("kernel", [False, True])
+def test_squared_row_norms_each_gives_each_tensor_its_own_norms(monkeypatch, kernel):
+    """Per-layer clipping's norms of kept per-sample gradients: one [B] per tensor, in order,
+    by the CPU's reductions or (kernel: the CUDA path, interpreted, its check widened to CPU
+    tensors) one launch per dtype whose partials are summed per tensor; mixed dtypes and
+    shapes, samples scaled apart so a row or tensor mixed up with another shows."""
+    if kernel:
+        kernels = pytest.importorskip("dp_cost.flash.kernels", reason="needs triton")
+        if os.environ.get("TRITON_INTERPRET") != "1":
+            pytest.skip("the kernel is interpreted on the CPU only")
+        monkeypatch.setattr(clip, "triton_kernels", lambda: kernels)
+        monkeypatch.setattr(
+            kernels, "weighted_sums_supported_each", lambda pairs: [True] * len(pairs)
+        )
+    gen = torch.Generator().manual_seed(9)
+    scale = torch.tensor([1.0, 30.0, 0.01])
+    shapes = [(3, 7, 5), (3, 1), (3, 1500), (3, 2, 2, 2)]
+    grads = [
+        (torch.randn(s, generator=gen) * scale.view(3, *[1] * (len(s) - 1))).to(dtype)
+        for s in shapes
+        for dtype in (torch.float32, torch.float16)
+    ]
+    terms = clip.squared_row_norms_each(grads)
+    assert len(terms) == len(grads)
+    for term, grad in zip(terms, grads, strict=True):
+        assert term.shape == (3,)
+        assert_close(term.double(), grad.double().flatten(1).square().sum(1), 1e-6)
 
 
 @pytest.mark.parametrize("B", [1, 3])

@@ -294,6 +294,12 @@ def test_squared_row_norms_match_fp64(dtype):
         norms = flash_kernels.squared_row_norms_many(sources)
         assert norms.dtype == torch.float32 and norms.shape == (B,)
         assert relative_error(norms, expected) < 1e-6
+        each = flash_kernels.squared_row_norms_many(
+            sources + [torch.zeros(B, 0, dtype=dtype)], True
+        )
+        assert each.shape == (len(sources) + 1, B) and not each[-1].any()  # an empty source: 0
+        for norms, x in zip(each, sources):  # each=True: each source's own norms
+            assert relative_error(norms, x.double().flatten(1).square().sum(1)) < 1e-6
     assert torch.equal(flash_kernels.squared_row_norms_many([torch.zeros(0, 7)]), torch.zeros(0))
     with pytest.raises(ValueError, match="one dtype"):
         flash_kernels.squared_row_norms_many([torch.zeros(2, 3), torch.zeros(2, 3).half()])

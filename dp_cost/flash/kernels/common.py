@@ -95,7 +95,7 @@ def int64_table(rows: list, device: torch.device) -> torch.Tensor:
     return table
 
 
-# (device, sizes, block) -> (tensor_of_block, first_block, sizes)
+# (device, sizes, block) -> (tensor_of_block, first_block, sizes, block_offsets')
 _BLOCK_TABLES: dict[tuple, tuple] = {}
 
 
@@ -109,5 +109,14 @@ def block_table(device: torch.device, sizes: tuple[int, ...], block: int) -> tup
         first = torch.cumsum(blocks, 0) - blocks
         owner = torch.repeat_interleave(torch.arange(len(sizes)), blocks)
         table = (owner.int(), first.int(), torch.tensor(sizes, dtype=torch.int64))
+        offsets = torch.cat([first, blocks.sum().view(1)])  # of each tensor's blocks, and the end
+        table = (*table, offsets)
         _BLOCK_TABLES[key] = tuple(_table_to(t, device) for t in table)  # no host sync
-    return _BLOCK_TABLES[key]
+    return _BLOCK_TABLES[key][:3]
+
+
+def block_offsets(device: torch.device, sizes: tuple[int, ...], block: int) -> torch.Tensor:
+    """block_table's launch: the first program of each tensor and one past the last, on
+    ``device`` (each tensor's programs are consecutive: a segmented sum over them)."""
+    block_table(device, sizes, block)
+    return _BLOCK_TABLES[(device, sizes, block)][3]

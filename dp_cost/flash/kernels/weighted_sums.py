@@ -11,6 +11,7 @@ import triton.language as tl
 
 from dp_cost.flash.kernels.common import (
     TL_DTYPES,
+    block_offsets,
     block_table,
     int64_table,
 )
@@ -41,11 +42,12 @@ def _squared_row_norms_kernel(
         tl.store(partials + block.to(tl.int64) * batch + b, tl.sum(x * x, axis=0))
 
 
-def squared_row_norms_many(sources: list[torch.Tensor]) -> torch.Tensor:
+def squared_row_norms_many(sources: list[torch.Tensor], each: bool = False) -> torch.Tensor:
     """sum over ``sources`` (contiguous [B, ...], one dtype and CUDA device) of each sample's
     squared norm, [B] in fp32: flash's norms of kept per-sample gradients. torch's multi-tensor
     norm over the B rows of each reads them at about 2 TB/s on an H100 and needs a stack, a
-    square and a sum after it; this reads each once, in one launch, then sums its partials."""
+    square and a sum after it; this reads each once, in one launch, then sums its partials.
+    ``each``: each source's own, [len(sources), B] (per-layer clipping)."""
     if not sources:
         raise ValueError("squared_row_norms_many needs at least one tensor")
     if len({(x.dtype, x.device) for x in sources}) != 1 or not all(
@@ -57,7 +59,7 @@ def squared_row_norms_many(sources: list[torch.Tensor]) -> torch.Tensor:
         raise ValueError("squared_row_norms_many needs one batch size")
     sizes = tuple([x.numel() // B for x in sources]) if B else ()
     if not any(sizes):
-        return torch.zeros(B, device=device, dtype=torch.float32)
+        return torch.zeros((len(sources), B) if each else B, device=device, dtype=torch.float32)
     tensor_of_block, first_block, numels = block_table(device, sizes, ROW_NORM_BLOCK)
     partials = torch.empty(len(tensor_of_block), B, device=device, dtype=torch.float32)
     table = int64_table([x.data_ptr() for x in sources], device)
@@ -66,6 +68,9 @@ def squared_row_norms_many(sources: list[torch.Tensor]) -> torch.Tensor:
             table, tensor_of_block, first_block, numels, partials, B,
             BLOCK=ROW_NORM_BLOCK, SOURCE_DTYPE=TL_DTYPES[sources[0].dtype], num_warps=2,
         )  # fmt: skip
+    if each:  # each source's partials are consecutive rows: a segmented sum (no atomics)
+        offsets = block_offsets(device, sizes, ROW_NORM_BLOCK)
+        return torch.segment_reduce(partials, "sum", offsets=offsets, axis=0)
     return partials.sum(0)
 
 
