@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 import torch
@@ -55,10 +56,11 @@ def squared_row_norms_many(grads: list[Tensor]) -> list[Tensor]:
     return terms
 
 
-def squared_row_norms_each(grads: list[Tensor]) -> list[Tensor]:
-    """squared_row_norms of each of ``grads`` [B, ...] (rows: its flattened samples), in order,
-    [B] each (per-layer clipping's norms of kept per-sample gradients): on CUDA one launch per
-    dtype for all of them (flash.kernels.squared_row_norms_many), else a reduction each."""
+def squared_row_norms_each(grads: list[Tensor]) -> Tensor:
+    """squared_row_norms of each of ``grads`` [B, ...] (rows: its flattened samples), a row
+    each in order, [len(grads), B] (per-layer clipping's norms of kept per-sample gradients):
+    on CUDA one launch per dtype for all of them (flash.kernels.squared_row_norms_many), else a
+    reduction each."""
     terms: list = [None] * len(grads)
     groups: dict[tuple, list[int]] = {}
     kernels = triton_kernels()
@@ -71,9 +73,18 @@ def squared_row_norms_each(grads: list[Tensor]) -> list[Tensor]:
             terms[i] = squared_row_norms(grad if grad.dim() == 2 else grad.flatten(1))
     for members in groups.values():
         norms = kernels.squared_row_norms_many([grads[i] for i in members], each=True)
-        for i, norm in zip(members, norms.to(accumulation_dtype(grads[members[0]])).unbind(0)):
+        norms = norms.to(accumulation_dtype(grads[members[0]]))
+        if len(members) == len(grads):  # every one in one launch, in order
+            return norms
+        for i, norm in zip(members, norms.unbind(0)):
             terms[i] = norm
-    return terms
+    return stacked(terms)
+
+
+def stacked(terms: list[Tensor]) -> Tensor:
+    """[B] terms as the rows of one [n, B], in the widest of their dtypes."""
+    dtype = functools.reduce(torch.promote_types, [term.dtype for term in terms])
+    return torch.stack([term.to(dtype) for term in terms])
 
 
 def round_down(c: Tensor, dtype: torch.dtype) -> Tensor:

@@ -220,13 +220,14 @@ class FlashClipping(LayerCapture):
     def per_parameter_squared_norms(self) -> Tensor:
         """Squared norm of each sample's gradient of each managed parameter on its own, [P, B],
         rows in self.params' order (per-layer clipping: each parameter clipped to its own C_l).
-        A concatenation of small parameters is split by one index_add; a layer done from A and
-        G has one pending parameter (its rule's squared_norms covers what it left pending)."""
+        Built from blocks of rows ([k, B] each: a concatenation of small parameters split by
+        one index_add, the large kept ones, each rule's calls), each copied in by one
+        index_copy (no op per parameter); a layer done from A and G has one pending parameter
+        (its rule's squared_norms covers what it left pending)."""
         batch = self._batch_size()
         small, large = self._per_sample_batches()
         row = self._param_rows
-        rows: list[int] = []
-        terms: list[Tensor] = []  # [B] each, in the order of rows
+        blocks: list[tuple[Tensor, list[int]]] = []  # [k, B] norms, the rows of self.params
         rows_of_calls = self._rows_of_calls()
         for params, grads in small:
             local = list(range(len(params)))
@@ -235,18 +236,21 @@ class FlashClipping(LayerCapture):
             wide = torch.float64 if grads.device.type == "cpu" else accumulation_dtype(grads)
             squared = grads.to(wide).square()
             sums = squared.new_zeros((batch, len(params))).index_add_(1, owner, squared)
-            terms += list(sums.T.to(accumulation_dtype(grads)))
-            rows += [row[id(p)] for p in params]
-        terms += squared_row_norms_each([grad for _, grad in large])
-        rows += [row[id(param)] for param, _ in large]
+            blocks.append((sums.T.to(accumulation_dtype(grads)), [row[id(p)] for p in params]))
+        if large:
+            norms = squared_row_norms_each([grad for _, grad in large])
+            blocks.append((norms, [row[id(param)] for param, _ in large]))
         for rule, calls in self._calls_by_rule(self.layers).items():
             calls = list(calls)
-            terms += rule.squared_norms_each(calls)
-            rows += [rows_of_calls[id(call.layer)] for call in calls]
-        dtype = functools.reduce(torch.promote_types, [t.dtype for t in terms])
-        norms = terms[0].new_zeros((len(self.params), batch), dtype=dtype)
-        index = self._indices.get(("rows", *rows), lambda: rows, norms.device)
-        return norms.index_copy_(0, index, torch.stack([t.to(dtype) for t in terms]))
+            rows = [rows_of_calls[id(call.layer)] for call in calls]
+            blocks.append((rule.squared_norms_each(calls), rows))
+        dtype = functools.reduce(torch.promote_types, [block.dtype for block, _ in blocks])
+        device = blocks[0][0].device
+        norms = torch.zeros((len(self.params), batch), dtype=dtype, device=device)
+        for block, rows in blocks:
+            index = self._indices.get(("rows", *rows), functools.partial(list, rows), device)
+            norms.index_copy_(0, index, block if block.dtype == dtype else block.to(dtype))
+        return norms
 
     def accumulate_clipped_grads(
         self, clip_factors: Tensor, sink: Callable[[nn.Parameter, Tensor], None] | None = None

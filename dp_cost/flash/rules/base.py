@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 
 from torch import Tensor, nn
 
-from dp_cost.flash.clip import accumulate_into_grad
+from dp_cost.flash.clip import accumulate_into_grad, stacked
 
 if TYPE_CHECKING:
     from dp_cost.flash.clip import ClipFactors
@@ -84,10 +84,10 @@ class NormRule:
         (a rule may compute several layers at once)."""
         return [self.squared_norms(layer, A, G) for layer, A, G in calls]
 
-    def squared_norms_each(self, calls: list[LayerCall]) -> list[Tensor]:
-        """squared_norms of each call, in order, one [B] each (per-layer clipping: each
-        layer's norm on its own; a rule may compute several layers at once)."""
-        return [self.squared_norms(layer, A, G) for layer, A, G in calls]
+    def squared_norms_each(self, calls: list[LayerCall]) -> Tensor:
+        """squared_norms of each call, a row each in order, [len(calls), B] (per-layer
+        clipping: each layer's norm on its own; a rule may compute several layers at once)."""
+        return stacked([self.squared_norms(layer, A, G) for layer, A, G in calls])
 
     def clipped_grads(self, layer: Layer, A: Tensor, G: Tensor, c: ClipFactors) -> dict:
         """sum_b c_b * grad_b for each parameter not kept per sample, by name."""

@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from dp_cost.flash import fused
+from dp_cost.flash.clip import stacked
 from dp_cost.flash.fused import triton_kernels
 from dp_cost.flash.layer import GradRequest, Layer, LayerCall
 from dp_cost.flash.precision import accumulation_dtype, gemm_operands, to_accumulation
@@ -181,11 +182,12 @@ class LinearRule(NormRule):
         return self._squared_norms(calls, each=False)
 
     def squared_norms_each(self, calls):
-        """squared_norms_many's work with one term per call, in order (per-layer clipping)."""
+        """squared_norms_many's work with a row per call, in order, [len(calls), B]
+        (per-layer clipping)."""
         return self._squared_norms(calls, each=True)
 
-    def _squared_norms(self, calls, each: bool) -> list[Tensor]:
-        """The terms of squared_norms_many (``each``: one per call, in order)."""
+    def _squared_norms(self, calls, each: bool):
+        """The terms of squared_norms_many (``each``: squared_norms_each's rows)."""
         terms, groups, grouped = [], {}, {}  # grouped: the calls of each group, by index
         fused = triton_kernels() is not None
         for i, (layer, A, G) in enumerate(calls):
@@ -210,11 +212,14 @@ class LinearRule(NormRule):
         if not each:
             terms = [term for term in terms if term is not None]
             return terms + [kernels.gram_squared_norms_grouped(p) for p in groups.values()]
+        if len(groups) == 1 and len(next(iter(groups.values()))) == len(calls):
+            # every call in one launch, in order (the 1b model's at one B, T): its rows as they are
+            return kernels.gram_squared_norms_grouped(next(iter(groups.values())), per_layer=True)
         for key, pairs in groups.items():
             norms = kernels.gram_squared_norms_grouped(pairs, per_layer=True).unbind(0)
             for i, norm in zip(grouped[key], norms, strict=True):
                 terms[i] = norm
-        return terms
+        return stacked(terms)
 
     def clipped_grads(self, layer, A, G, c):
         return self._clipped_grads(c, LayerCall(layer, A, G), folded=None)
