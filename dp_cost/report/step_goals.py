@@ -13,11 +13,12 @@ from dp_cost.core.fmt import ratio
 STEP_GOALS = {(8, 512): 1.15, (8, 1024): 1.20, (2, 4096): 1.25, (1, 16384): 1.25}
 # Goals per (dtype, B, T) tighter than STEP_GOALS: bf16's short sequences, where the step is
 # partly bound by the host, must hold on any host.
-TIGHTER_GOALS = {("bfloat16", 8, 512): 1.12, ("bfloat16", 8, 1024): 1.12}
+TIGHTER_GOALS = {("bfloat16", 8, 512): 1.08, ("bfloat16", 8, 1024): 1.12}
 PEAK_GOAL = 1.05  # flash peak memory / standard's
 GHOST_SPEEDUP_GOAL = 1.6  # ghost step time / flash's
 # --cuda_graph: these also run with their steps replayed as CUDA graphs ("<name>_graph"); the 1b
-# goals then take flash's graphed step against standard's eager one, the LoRA goals both graphed.
+# time goals then take flash's graphed step against standard's eager one, the LoRA goals both
+# graphed; the peak goal flash's graph against standard's graph.
 GRAPHED = ("standard", "flash")
 ROW_TRAINERS = ("standard", "standard_graph", "flash", "flash_graph", "ghost", "dpsgd")
 GRAPHED_NAMES = tuple(f"{name}_graph" for name in GRAPHED)
@@ -74,6 +75,8 @@ def step_row(model, dtype, batch, seq, physical, trainers: dict[str, dict]) -> d
     flash = "flash_graph" if (graphed.get("cuda_graph") or {}).get("captured") else "flash"
     flash_time = time_of(flash)
     both_graphed = lora and flash == "flash_graph"
+    graphed_standard = flash == "flash_graph" and peak_of("standard_graph") is not None
+    peak_baseline = "standard_graph" if graphed_standard else "standard"
     row = {
         "model": model,
         "dtype": dtype,
@@ -96,7 +99,10 @@ def step_row(model, dtype, batch, seq, physical, trainers: dict[str, dict]) -> d
         "over_eager_goal": HF_OVER_EAGER_GOALS.get((model, dtype)) if both_graphed else None,
         "replayed": {name: replayed_share(r) for name, r in trainers.items()},
         "replayed_goal": HF_REPLAYED_GOAL if both_graphed else None,
-        "peak_x": ratio(peak_of(flash), peak_of("standard")),
+        # like with like: a graph's private pool keeps what an eager step frees and reuses, in
+        # both trainers' graphs (the 1b graphs hold 1.3 x their eager peaks)
+        "peak_x": ratio(peak_of(flash), peak_of(peak_baseline)),
+        "peak_against": peak_baseline,
         "peak_goal": None if lora else PEAK_GOAL,
         "ghost_over_flash": ratio(time_of("ghost"), flash_time),
         "ghost_goal": None if "ghost" not in trainers else 1.0 if lora else GHOST_SPEEDUP_GOAL,
