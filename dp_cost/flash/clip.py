@@ -8,6 +8,7 @@ from collections.abc import Callable
 
 import torch
 from torch import Tensor, nn
+from torch._subclasses.fake_tensor import is_fake
 from torch._utils import _unflatten_dense_tensors
 
 from dp_cost.flash.fused import triton_kernels
@@ -24,7 +25,7 @@ def squared_row_norms(x: Tensor) -> Tensor:
     (6e-5 relative at 2M elements, 2e-5 on the tiny model's output layer), so a sum of squares
     per chunk of columns (pairwise, ~1e-8), the chunks summed in fp64.
     """
-    if x.device.type != "cpu":
+    if x.device.type != "cpu" or is_fake(x):  # a planned step's fake tensors: CUDA's memory
         return torch.linalg.vector_norm(x, dim=1, dtype=accumulation_dtype(x)).square()
     chunks = x.split(CPU_ROW_CHUNK, dim=1)
     total = sum(c.to(accumulation_dtype(x)).square().sum(1, dtype=torch.float64) for c in chunks)

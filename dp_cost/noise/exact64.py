@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 
 import torch
+from torch._subclasses.fake_tensor import is_fake
 
 TWO_POW_MINUS_32 = 2.0**-32
 PAIRS_PER_DRAW = 2**14  # a draw's words and fp64 temporaries stay near 1 MB beside the model
@@ -45,6 +46,12 @@ def add_exact64_noise_(
     """t += std * N(0, 1) elementwise for every tensor (one device), drawn by exact64_normal
     for several tensors at once, at most 2 PAIRS_PER_DRAW elements a draw (a larger tensor in
     pieces), so few operations a step and small temporaries beside the model."""
+    if tensors and is_fake(tensors[0]):
+        # A planned step (--mode=capacity's fake tensors): no values to noise, and nothing to
+        # count: on CUDA the noise is one fused in-place kernel (flash/kernels/noise.py), here
+        # a piece's temporaries at a time (about 1 MB). Drawn piece by piece, a 1b model's
+        # noise was 36,000 draws of fake ops, 280 s of each flash prediction on a CPU.
+        return
     piece = 2 * PAIRS_PER_DRAW
     group: list[torch.Tensor] = []  # flat views whose noise is drawn together
     sizes: list[int] = []

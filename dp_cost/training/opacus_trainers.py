@@ -20,6 +20,7 @@ from opacus.optimizers import (
 )
 from opacus.optimizers.optimizer import _check_processed_flag, _mark_as_processed
 from opacus.utils.fast_gradient_clipping_utils import DPTensorFastGradientClipping
+from torch._subclasses.fake_tensor import is_fake
 from torch.utils.checkpoint import set_checkpoint_early_stop
 
 from dp_cost.core import recompute
@@ -139,7 +140,7 @@ def per_sample_norms(grad_sample: torch.Tensor) -> torch.Tensor:
     4.7e-3 at 6e7), so min(1, C / norm) would scale a sample past C; accumulated in fp64 there.
     On CUDA the reduction's error is far below NORM_MARGINS'."""
     rows = grad_sample.flatten(1)  # [B, everything else], B = 0 included
-    if not rows.is_cpu:
+    if not rows.is_cpu or is_fake(rows):  # a planned step's fake tensors: CUDA's memory
         return rows.norm(2, dim=-1)
     # fp64 a block of columns at a time: an fp64 copy of the whole would add its size again to
     # the step's peak (the measurement)

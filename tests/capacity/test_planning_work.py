@@ -1,0 +1,57 @@
+"""What a planned step (--mode=capacity's fake tensors) asks of the CPU where the real CPU path
+works in pieces: the exact64 noise (pieces of 32,768 elements) and the CPU's fp64 per-sample
+norms (blocks of columns) bound the memory of a real CPU run, but on fake tensors each piece is
+a few Python-dispatched fake ops for nothing: a 1b model's noise was 36,000 draws, 280 s of
+each flash prediction. A planned step takes CUDA's path there (CUDA's memory is what it plans):
+the noise adds nothing (one in-place kernel on CUDA), a norm is one reduction. Counted as the
+ops a dispatch mode sees, against the same call on real tensors."""
+
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from dp_cost.flash.clip import squared_row_norms
+from dp_cost.noise.exact64 import PAIRS_PER_DRAW, add_exact64_noise_
+from dp_cost.training.opacus_trainers import NORM_BLOCK_COLUMNS, per_sample_norms
+
+
+class OpCount(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.ops = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops += 1
+        return func(*args, **(kwargs or {}))
+
+
+def counted(call, *shapes, fake: bool) -> tuple[int, object]:
+    """(ops dispatched by call(*tensors), its result) for zero tensors of ``shapes``."""
+    mode = FakeTensorMode() if fake else None
+    with mode if mode is not None else torch.no_grad():
+        tensors = [torch.zeros(shape) for shape in shapes]
+        with OpCount() as count:
+            result = call(*tensors)
+    return count.ops, (tensors, result)
+
+
+def test_planned_noise_draws_nothing_where_real_noise_draws_in_pieces():
+    pieces = 8
+    size = pieces * 2 * PAIRS_PER_DRAW
+    fake_ops, _ = counted(lambda a, b: add_exact64_noise_([a, b], 1.0), size, (3, 5), fake=True)
+    real_ops, (tensors, _) = counted(
+        lambda a, b: add_exact64_noise_([a, b], 1.0), size, (3, 5), fake=False
+    )
+    assert fake_ops == 0
+    assert real_ops >= 5 * pieces  # words, transform, cast and add, each piece
+    assert tensors[0].std() > 0.9 and tensors[1].abs().sum() > 0  # the real ones noised
+
+
+def test_planned_norms_are_one_reduction_where_real_ones_go_by_blocks():
+    blocks = 16
+    shape = (4, blocks * NORM_BLOCK_COLUMNS)
+    for norms in (per_sample_norms, squared_row_norms):
+        fake_ops, (_, fake_result) = counted(norms, shape, fake=True)
+        real_ops, (_, real_result) = counted(norms, shape, fake=False)
+        assert fake_ops <= 4 < blocks <= real_ops, (norms.__name__, fake_ops, real_ops)
+        assert fake_result.shape == real_result.shape == (4,)
