@@ -242,6 +242,11 @@ def test_graphed_rows_take_flash_graph_against_standard_eager():
     (row,) = step_goals.step_rows(results)
     assert not row["flash_graphed"] and row["flash_ms"] == 120.0
     assert row["peak_against"] == "standard" and row["peak_x"] == pytest.approx(1.01)
+    # standard's capture failed (it ran eagerly): flash's graph against standard's eager peak
+    results[1] = graphed(result("standard", 8, 512, "bfloat16", 90.0, 1300.0), captured=False)
+    results[3] = graphed(result("flash", 8, 512, "bfloat16", 99.0, 1274.0))
+    (row,) = step_goals.step_rows(results)
+    assert row["peak_against"] == "standard" and row["peak_x"] == pytest.approx(1.274)
 
 
 def test_with_graphs_adds_a_graphed_config_of_standard_and_flash_only():

@@ -16,6 +16,10 @@ from dp_cost.core.schema import MB
 from dp_cost.measure.plan_checks import SEQ_LEN_STEP
 
 MAX_PROBES = 64  # a guard: galloping and bisecting take about 2 log2(|guess - answer|)
+# The largest physical batch a card's search judges: where that fits, the result says so
+# ("search_capped": more may fit) instead of finding the exact answer (a small model on a large
+# card fits tens of thousands, and each prediction is a step on fake tensors).
+MAX_PHYSICAL_BATCH = 1024
 
 
 def largest_passing(passes, first_guess: int) -> tuple[int, list[int]]:
@@ -88,6 +92,7 @@ class Axis:
     line: Callable[[Callable[[int], bool]], tuple[int, int, int]]
     search: Callable[[Callable[[int], bool], int], tuple[int, list[int]]]
     entry: Callable[[int], dict]
+    cap: int | None = None  # the largest value judged (None: the search's own limit)
 
 
 def batch_axis(predictions: Predictions) -> Axis:
@@ -100,12 +105,19 @@ def batch_axis(predictions: Predictions) -> Axis:
         low = share if passes(share) else 1
         return low, low + 1, predictions.planned
 
+    def search(passes, guess):
+        def capped(physical):
+            return physical <= MAX_PHYSICAL_BATCH and passes(physical)
+
+        return largest_physical(capped, min(guess, MAX_PHYSICAL_BATCH), share)
+
     return Axis(
         judged="batch_sizes_judged",
         predicted=predictions.at,
         line=line,
-        search=lambda passes, guess: largest_physical(passes, guess, share),
+        search=search,
         entry=lambda physical: {"physical_batch_size": physical},
+        cap=MAX_PHYSICAL_BATCH,
     )
 
 
@@ -136,8 +148,9 @@ def seq_len_axis(predictions: Predictions) -> Axis:
 def largest_on_card(axis: Axis, budget: float, ranks: int) -> dict:
     """The largest value of ``axis`` whose predicted step fits a card of ``budget`` GiB (beside
     NCCL's buffers with several ``ranks``), with its predicted peaks and how many values were
-    judged. The first guess: where a straight line through the peaks of two steps of the same
-    kind crosses the card's room."""
+    judged; ``search_capped``: it is the axis's cap, and larger ones were not judged. The first
+    guess: where a straight line through the peaks of two steps of the same kind crosses the
+    card's room."""
     room = allocator_room_bytes(budget, ranks)
 
     def passes(value: int) -> bool:
@@ -156,4 +169,5 @@ def largest_on_card(axis: Axis, budget: float, ranks: int) -> dict:
         "predicted_reserved_mb": reserved_peak(at_found) / MB if at_found else None,
         "allocator_room_mb": room / MB,
         axis.judged: len(judged),
+        "search_capped": axis.cap is not None and found == axis.cap,
     }

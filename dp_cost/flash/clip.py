@@ -186,9 +186,6 @@ class ClipFactorsByParameter:
             return self.shared
         return self.by_row.row(self._row[id(param)])
 
-    def row_of(self, param: nn.Parameter) -> int:
-        return self._row[id(param)]
-
     def concatenated_sum(self, params: list[nn.Parameter], grads: Tensor) -> Tensor:
         """sum_b c_b(p) * grads[b] of the [B, N] concatenation of ``params``' per-sample
         gradients, [N]. Per parameter: each column scaled by its parameter's factors in fp32 or

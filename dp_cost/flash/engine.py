@@ -169,7 +169,7 @@ class FlashClipping(LayerCapture):
         if not pending - kept:
             return []
         call = Call()
-        call.A, call.G, call.pending = A, G, pending - kept
+        call.A, call.G, call.pending = A, G, frozenset(pending - kept)
         call.after = frozenset()  # what the rule forms after the backward was formed per call
         return [call]
 
@@ -366,8 +366,8 @@ class FlashClipping(LayerCapture):
     ) -> dict[NormRule, Any]:
         """A LayerCall of every call still to be done from A and G, by rule, in ``order``.
         Given c, each rule's clipped_grads_many of them instead: their clipped gradients in that
-        order, made as they are asked for (a rule may share launches between its calls, where
-        they share their clip factors: flat clipping)."""
+        order, made as they are asked for (a rule may share launches between its calls: each
+        reads its own row of per-layer factors)."""
         by_rule: dict[NormRule, deque] = {}
         for layer in order:
             for call in layer.calls:  # tuple.__new__: no Python __new__ per call

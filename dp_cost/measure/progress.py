@@ -65,6 +65,7 @@ def describe(result: dict) -> str:
     if prediction:  # --mode=capacity: the prediction, and with --validate the measured peak
         told = f"predicted peak {prediction['peak_memory_mb']:.1f} MB" + "".join(
             f", fits {p['gpu_memory_gib']:g} GiB up to physical batch {p['physical_batch_size']}"
+            + (" (the search's cap: more may fit)" if p.get("search_capped") else "")
             for p in prediction["largest_physical_batch"]
         )
         for key, search in SEARCHES.items():

@@ -48,9 +48,10 @@ def add_exact64_noise_(
     pieces), so few operations a step and small temporaries beside the model."""
     if tensors and is_fake(tensors[0]):
         # A planned step (--mode=capacity's fake tensors): no values to noise, and nothing to
-        # count: on CUDA the noise is one fused in-place kernel (flash/kernels/noise.py), here
-        # a piece's temporaries at a time (about 1 MB). Drawn piece by piece, a 1b model's
-        # noise was 36,000 draws of fake ops, 280 s of each flash prediction on a CPU.
+        # count: on CUDA the noise of contiguous tensors is one fused in-place kernel
+        # (flash/kernels/noise.py; flash.clip.fused_noise), here a piece's temporaries at a
+        # time (about 1 MB). Drawn piece by piece, a 1b model's noise was 36,000 draws of fake
+        # ops, 280 s of each flash prediction on a CPU.
         return
     piece = 2 * PAIRS_PER_DRAW
     group: list[torch.Tensor] = []  # flat views whose noise is drawn together

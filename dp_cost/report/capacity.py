@@ -110,8 +110,11 @@ def table_cells(entries: list[dict]) -> tuple[list[str], list[list[str]]]:
         header += [f"this card: predicted {words}", f"{words}: found by runs", "runs"]
     body = []
     for e in entries:
-        largest = {
-            b["gpu_memory_gib"]: b["physical_batch_size"] for b in e["largest_physical_batch"]
+        largest = {  # "1024+": the search's cap fits, larger ones were not judged
+            b["gpu_memory_gib"]: f"{b['physical_batch_size']}+"
+            if b.get("search_capped")
+            else b["physical_batch_size"]
+            for b in e["largest_physical_batch"]
         }
         error = e["prediction_error"]
         cells = [e["trainer"], e["model"], distributed_words(e) or OFF_WORDS["distributed"]]

@@ -75,7 +75,8 @@ def step_row(model, dtype, batch, seq, physical, trainers: dict[str, dict]) -> d
     flash = "flash_graph" if (graphed.get("cuda_graph") or {}).get("captured") else "flash"
     flash_time = time_of(flash)
     both_graphed = lora and flash == "flash_graph"
-    graphed_standard = flash == "flash_graph" and peak_of("standard_graph") is not None
+    captured = ((trainers.get("standard_graph") or {}).get("cuda_graph") or {}).get("captured")
+    graphed_standard = flash == "flash_graph" and captured and peak_of("standard_graph") is not None
     peak_baseline = "standard_graph" if graphed_standard else "standard"
     row = {
         "model": model,

@@ -215,6 +215,26 @@ def test_the_budget_search_finds_the_boundary_from_any_guess(guess, budget):
         assert found in judged and found + 1 in judged
 
 
+def test_the_batch_search_stops_at_its_cap_and_says_more_may_fit(monkeypatch):
+    """A small model fits tens of thousands of samples on a large card: the search judges no
+    physical batch above MAX_PHYSICAL_BATCH, and a cap that fits is reported as such (the
+    table's "16+"), not as the largest that fits; where the answer is below the cap, it is
+    found exactly, as before."""
+    monkeypatch.setattr(searches, "MAX_PHYSICAL_BATCH", 16)
+    config = ExperimentConfig(trainer="standard", model="tiny", batch_size=4, seq_len=16,
+                              capacity=True, gpu_memory=[80.0, 0.79])  # fmt: skip
+    result = capacity_result(config, worker.build_trainer)
+    large, small = result["largest_physical_batch"]
+    assert large["physical_batch_size"] == 16 and large["search_capped"]
+    assert max(p["physical_batch_size"] for p in result["predictions"]) <= 16
+    assert large["batch_sizes_judged"] <= 2 * math.ceil(math.log2(16)) + 2
+    # 0.79 GiB: less than the CUDA context leaves room for nothing; not the cap
+    assert small["physical_batch_size"] == 0 and not small["search_capped"]
+    line = report_capacity.entry({"status": "ok", "config": config.to_dict(), "prediction": result})
+    header, body = report_capacity.table_cells([line])
+    assert body[0][header.index("largest physical at 80 GiB")] == "16+"
+
+
 def test_the_search_sees_the_one_chunk_step_at_the_logical_batch():
     """Below the logical batch the step runs chunks whose gradients add up, so its peak dips
     where the physical batch reaches the logical one: the search checks both pieces."""

@@ -208,6 +208,33 @@ def test_module_called_twice():
         flash.remove()
 
 
+def test_module_called_twice_per_layer():
+    """Per-layer clipping of a module called twice: each parameter's per-sample norm is of its
+    gradient summed over both calls, and its clipped sum takes its own row of [P, B] factors,
+    against brute force on every route."""
+    torch.manual_seed(0)
+    model = nn.ModuleDict({"lin": nn.Linear(6, 6), "out": nn.Linear(6, 1)}).double()
+    reference = copy.deepcopy(model)
+
+    def run(m, x):
+        return m["out"](torch.tanh(m["lin"](torch.tanh(m["lin"](x))))).sum((1, 2))
+
+    x = torch.randn(3, 4, 6, dtype=torch.float64)
+    sizes = [p.numel() for p in reference.parameters()]
+    per_parameter = per_sample_grads_of(run, reference, x).split(sizes, dim=1)  # [B, n] each
+    factors = torch.rand(len(sizes), 3, dtype=torch.float64)
+    for route in ("auto", "gram", "product"):
+        flash = FlashClipping(model, route=route, tile_size=2)
+        flash.backward(run(model, x).sum())
+        expected = torch.stack([grads.square().sum(1) for grads in per_parameter])
+        assert_close(flash.per_parameter_squared_norms(), expected, 1e-9)
+        flash.accumulate_clipped_grads(factors)
+        for param, row, grads in zip(model.parameters(), factors, per_parameter, strict=True):
+            assert_close(param.grad.flatten(), row @ grads, 1e-9)
+            param.grad = None
+        flash.remove()
+
+
 def test_module_called_on_short_and_long_inputs():
     """One call keeps per-sample grads (T=4 >= dp/(d+p)=3), the other keeps A and G (T=2):
     the second is folded into the first, and norms and clipped sums stay exact."""
