@@ -147,7 +147,7 @@ NOTES = (
     "rules replayed over the step's allocations and frees. A physical batch fits a budget when "
     "that replay, on a card of the budget less the CUDA context (and NCCL's buffers with "
     "several ranks; margins in capacity.json), places every allocation. 0: not even one "
-    "sample fits.\n"
+    "sample fits; 1024+: the search's cap fits (larger ones were not judged).\n"
 )
 
 

@@ -220,6 +220,7 @@ def test_the_batch_search_stops_at_its_cap_and_says_more_may_fit(monkeypatch):
     physical batch above MAX_PHYSICAL_BATCH, and a cap that fits is reported as such (the
     table's "16+"), not as the largest that fits; where the answer is below the cap, it is
     found exactly, as before."""
+    assert f"{searches.MAX_PHYSICAL_BATCH}+" in report_capacity.NOTES  # the table's note
     monkeypatch.setattr(searches, "MAX_PHYSICAL_BATCH", 16)
     config = ExperimentConfig(trainer="standard", model="tiny", batch_size=4, seq_len=16,
                               capacity=True, gpu_memory=[80.0, 0.79])  # fmt: skip
