@@ -191,19 +191,24 @@ def test_two_chunks_equal_full_batch():
     assert_close(flat_grads(model), ref_sum, 1e-9)
 
 
-def test_module_called_twice():
+def run_reused(m, x):
+    """A model that calls its "lin" layer twice."""
+    return m["out"](torch.tanh(m["lin"](torch.tanh(m["lin"](x))))).sum((1, 2))
+
+
+def reused_model():
+    """(model, its copy, input) for run_reused."""
     torch.manual_seed(0)
     model = nn.ModuleDict({"lin": nn.Linear(6, 6), "out": nn.Linear(6, 1)}).double()
-    reference = copy.deepcopy(model)
+    return model, copy.deepcopy(model), torch.randn(3, 4, 6, dtype=torch.float64)
 
-    def run(m, x):
-        return m["out"](torch.tanh(m["lin"](torch.tanh(m["lin"](x))))).sum((1, 2))
 
-    x = torch.randn(3, 4, 6, dtype=torch.float64)
-    ref = per_sample_grads_of(run, reference, x)
+def test_module_called_twice():
+    model, reference, x = reused_model()
+    ref = per_sample_grads_of(run_reused, reference, x)
     for route in ("auto", "gram", "product"):
         flash = FlashClipping(model, route=route, tile_size=2)
-        flash.backward(run(model, x).sum())
+        flash.backward(run_reused(model, x).sum())
         assert_close(flash.per_sample_squared_norms(), ref.square().sum(1), 1e-9)
         flash.remove()
 
@@ -212,20 +217,13 @@ def test_module_called_twice_per_layer():
     """Per-layer clipping of a module called twice: each parameter's per-sample norm is of its
     gradient summed over both calls, and its clipped sum takes its own row of [P, B] factors,
     against brute force on every route."""
-    torch.manual_seed(0)
-    model = nn.ModuleDict({"lin": nn.Linear(6, 6), "out": nn.Linear(6, 1)}).double()
-    reference = copy.deepcopy(model)
-
-    def run(m, x):
-        return m["out"](torch.tanh(m["lin"](torch.tanh(m["lin"](x))))).sum((1, 2))
-
-    x = torch.randn(3, 4, 6, dtype=torch.float64)
+    model, reference, x = reused_model()
     sizes = [p.numel() for p in reference.parameters()]
-    per_parameter = per_sample_grads_of(run, reference, x).split(sizes, dim=1)  # [B, n] each
+    per_parameter = per_sample_grads_of(run_reused, reference, x).split(sizes, dim=1)
     factors = torch.rand(len(sizes), 3, dtype=torch.float64)
     for route in ("auto", "gram", "product"):
         flash = FlashClipping(model, route=route, tile_size=2)
-        flash.backward(run(model, x).sum())
+        flash.backward(run_reused(model, x).sum())
         expected = torch.stack([grads.square().sum(1) for grads in per_parameter])
         assert_close(flash.per_parameter_squared_norms(), expected, 1e-9)
         flash.accumulate_clipped_grads(factors)
