@@ -63,6 +63,11 @@ def ok_value(trainers: dict[str, dict], name: str, key: str):
     return result[key] if result and result["status"] == "ok" else None
 
 
+def captured(trainers: dict[str, dict], name: str) -> bool:
+    """Was trainer ``name``'s step captured as a CUDA graph (a failed capture ran eagerly)?"""
+    return bool(((trainers.get(name) or {}).get("cuda_graph") or {}).get("captured"))
+
+
 def step_row(model, dtype, batch, seq, physical, trainers: dict[str, dict]) -> dict:
     """The row of one shape: the trainers' times and peaks, flash's ratios, their goals."""
     lora = "LoRA" in model
@@ -71,12 +76,14 @@ def step_row(model, dtype, batch, seq, physical, trainers: dict[str, dict]) -> d
     time_of = functools.partial(ok_value, trainers, key=time_key)
     peak_of = functools.partial(ok_value, trainers, key="peak_memory_mb")
     # flash's graphed step where it was captured (a failed capture ran eagerly: not it)
-    graphed = trainers.get("flash_graph") or {}
-    flash = "flash_graph" if (graphed.get("cuda_graph") or {}).get("captured") else "flash"
+    flash = "flash_graph" if captured(trainers, "flash_graph") else "flash"
     flash_time = time_of(flash)
     both_graphed = lora and flash == "flash_graph"
-    captured = ((trainers.get("standard_graph") or {}).get("cuda_graph") or {}).get("captured")
-    graphed_standard = flash == "flash_graph" and captured and peak_of("standard_graph") is not None
+    graphed_standard = (
+        flash == "flash_graph"
+        and captured(trainers, "standard_graph")
+        and peak_of("standard_graph") is not None
+    )
     peak_baseline = "standard_graph" if graphed_standard else "standard"
     row = {
         "model": model,

@@ -189,7 +189,7 @@ class LinearRule(NormRule):
     def _squared_norms(self, calls, each: bool):
         """The terms of squared_norms_many (``each``: squared_norms_each's rows)."""
         terms, groups, grouped = [], {}, {}  # grouped: the calls of each group, by index
-        fused = triton_kernels() is not None
+        kernels = triton_kernels()
         for i, (layer, A, G) in enumerate(calls):
             A_op, G_op = (A, G) if A.dtype == G.dtype else gemm_operands(A, G)
             T, route = A.shape[1], layer.route
@@ -198,7 +198,7 @@ class LinearRule(NormRule):
                 route = "product" if d * p <= T * (d + p) else "gram"
             if route != "gram":
                 terms.append(self.squared_norms(layer, A, G))
-            elif fused and A_op.is_cuda and A_op.element_size() == 2:
+            elif kernels is not None and A_op.is_cuda and A_op.element_size() == 2:
                 key = (A_op.shape[0], T, A_op.dtype)
                 groups.setdefault(key, []).append((A_op, G_op))
                 grouped.setdefault(key, []).append(i)
@@ -208,7 +208,6 @@ class LinearRule(NormRule):
                 terms.append(products.sum((1, 2), dtype=torch.promote_types(A_op.dtype, _FP32)))
             else:
                 terms.append(gram_squared_norms(A, G, layer.tile_size))
-        kernels = triton_kernels()
         if not each:
             terms = [term for term in terms if term is not None]
             return terms + [kernels.gram_squared_norms_grouped(p) for p in groups.values()]
