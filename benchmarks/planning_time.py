@@ -45,10 +45,14 @@ def configs(run_dir: str) -> list[dict]:
             continue
         prediction = result.get("prediction") or {}
         made = prediction.get("predictions") or []
+        # a sequence-length search's steps beside them (its config's own length is among made)
+        seq_len = (result.get("config") or {}).get("seq_len")
+        lengths = prediction.get("seq_len_predictions") or []
+        searched = [p for p in lengths if p["seq_len"] != seq_len]
         rows.append({
             "config": name,
             "status": result.get("status"),
-            "predictions": len(made) + len(prediction.get("seq_len_predictions") or []) or None,
+            "predictions": len(made) + len(searched) or None,
             "seconds": prediction.get("seconds"),
         })  # fmt: skip
     return rows
