@@ -6,7 +6,6 @@ from dp_cost.training.base import OPTIMIZERS, Trainer, TrainerSettings, token_lo
 from dp_cost.training.flash_trainer import FlashClippingTrainer
 from dp_cost.training.opacus_trainers import DPSGDTrainer, GhostClippingTrainer, OpacusTrainer
 from dp_cost.training.registry import (
-    REHOOKED,
     TRAINERS,
     canonical_trainer_name,
     make_trainer,
@@ -17,7 +16,6 @@ from dp_cost.training.standard import StandardTrainer
 
 __all__ = [
     "OPTIMIZERS",
-    "REHOOKED",
     "TRAINERS",
     "DPSGDTrainer",
     "FlashClippingTrainer",

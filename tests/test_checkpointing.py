@@ -1,21 +1,24 @@
-"""Activation checkpointing (--activation_checkpointing) with Opacus' trainers: each checkpointed
+"""Activation checkpointing (--activation_checkpointing) with the DP trainers: each checkpointed
 block's forward runs twice (first without keeping its layers' inputs, then recomputed in the
-backward), and Opacus' hooks must capture each layer's input once. The update against brute
-force on a twin of the model built without checkpointing (fp32, 1e-5): the tiny LM, tiny Llama
-full and LoRA with left padding, physical chunks, flat and per-layer clipping."""
+backward), and Opacus' hooks and flash's tape must capture each layer's input once. The update
+against brute force on a twin of the model built without checkpointing (fp32, 1e-5): the tiny
+LM, physical chunks, flat and per-layer clipping (tests/hf/test_hf_checkpointing.py: tiny Llama
+full and LoRA with left padding)."""
 
 import dataclasses
 
 import pytest
 import torch
 from test_per_layer_clipping import bound_between_norms, per_layer_reference
-from test_trainers import SMALL, make_batch, reference_update, relative_error, run_one_step
+from test_trainers import SMALL, make_batch, reference_update, relative_error
 
 import models
 import trainers
 from dp_cost.core import recompute
+from dp_cost.flash import FlashClipping
+from dp_cost.flash.capture import PLAIN, RECOMPUTING
 
-OPACUS = ["dpsgd", "ghost"]
+DP_TRAINERS = ["dpsgd", "ghost", "flash"]
 
 
 def twins(seed=0, **overrides):
@@ -29,15 +32,20 @@ def twins(seed=0, **overrides):
     return checkpointed, plain
 
 
-def nothing_left_captured(model) -> bool:
+def nothing_left_captured(model, trainer=None) -> bool:
     """No layer keeps a captured input after the step: a layer captured twice (the first
-    forward and the recomputation) would keep one, every step."""
+    forward and the recomputation) would keep one, every step (Opacus' hooks, flash's tape)."""
+    engine = getattr(getattr(trainer, "trainer", None), "engine", None)
+    if engine is not None:
+        tape = engine.tape
+        if tape.records or tape.waiting or any(layer.calls for layer in engine.layers):
+            return False
     return not any(getattr(m, "activations", None) for m in model.modules())
 
 
 @pytest.mark.parametrize("physical", [None, 2])
-@pytest.mark.parametrize("name", OPACUS)
-def test_opacus_trainers_under_checkpointing_match_brute_force(name, physical):
+@pytest.mark.parametrize("name", DP_TRAINERS)
+def test_dp_trainers_under_checkpointing_match_brute_force(name, physical):
     model, plain = twins(max_seq_len=64)
     assert recompute.recompute_contexts(model) is not None
     assert recompute.recompute_contexts(plain) is None
@@ -45,21 +53,24 @@ def test_opacus_trainers_under_checkpointing_match_brute_force(name, physical):
     _, norms = reference_update(plain, inputs, targets, 1.0, 0.5)
     max_grad_norm = norms.median().item()
     want, _ = reference_update(plain, inputs, targets, max_grad_norm, 0.5)
-    got = run_one_step(
-        name, model, inputs, targets, lr=0.5, max_grad_norm=max_grad_norm, noise_multiplier=0.0,
+    trainer = trainers.make_trainer(
+        name, model, lr=0.5, batch_size=5, max_grad_norm=max_grad_norm, noise_multiplier=0.0,
         max_physical_batch_size=physical,
     )  # fmt: skip
+    trainer.step(inputs, targets)
+    got = -0.5 * torch.cat([p.grad.reshape(-1) for p in model.parameters()]).double()
     assert relative_error(got, want) < 1e-5
-    assert nothing_left_captured(model)
+    assert nothing_left_captured(model, trainer)
 
 
-def test_per_sample_gradients_per_layer_under_checkpointing_match_brute_force():
+@pytest.mark.parametrize("name", ["dpsgd", "flash"])
+def test_per_layer_clipping_under_checkpointing_matches_brute_force(name):
     model, plain = twins(max_seq_len=64)
     inputs, targets = make_batch(5, 9)
     max_grad_norm = bound_between_norms(plain, inputs, targets)
     want, _, clipped = per_layer_reference(plain, inputs, targets, max_grad_norm, 0.5)
     trainer = trainers.make_trainer(
-        "dpsgd", model, lr=0.5, batch_size=5, max_grad_norm=max_grad_norm, noise_multiplier=0.0,
+        name, model, lr=0.5, batch_size=5, max_grad_norm=max_grad_norm, noise_multiplier=0.0,
         max_physical_batch_size=2, clipping="per_layer",
     )  # fmt: skip
     trainer.step(inputs, targets)
@@ -67,7 +78,7 @@ def test_per_sample_gradients_per_layer_under_checkpointing_match_brute_force():
     assert relative_error(got, want) < 1e-5
     record = trainer.trainer.privacy.clipping_record()
     assert [p["clipped_samples"] for p in record["parameters"]] == clipped.tolist()
-    assert nothing_left_captured(model)
+    assert nothing_left_captured(model, trainer)
 
 
 def test_checkpointing_captures_each_layer_once_per_recomputed_forward():
@@ -96,7 +107,124 @@ def test_checkpointing_captures_each_layer_once_per_recomputed_forward():
     assert nothing_left_captured(model)
 
 
-def test_flash_still_refuses_checkpointing():
-    model, _ = twins()
-    with pytest.raises(ValueError, match="activation checkpointing"):
-        trainers.make_trainer("flash", model, lr=0.1, batch_size=2)
+def flash_on(model):
+    """A FlashClipping engine on ``model``, given the model's checkpoint contexts (as flash's
+    trainer does)."""
+    engine = FlashClipping(model)
+    contexts = recompute.recompute_contexts(model)
+    if contexts is not None:
+        contexts.make = engine.checkpoint_contexts
+    return engine
+
+
+def test_flash_keeps_each_input_once_from_the_recomputation():
+    """The first forward of a checkpointed block keeps no input of its layers (only the layers
+    outside the blocks keep theirs); the recomputation gives each layer's call its input once:
+    one call and one route per layer call, and the per-sample norms of the model built
+    without checkpointing. Long sequences (the Gram route) and a padded batch of one."""
+    model, plain = twins(max_seq_len=256)
+    checkpointed, reference = flash_on(model), flash_on(plain)
+    block_modules = {id(m) for m in model.blocks.modules()}
+    for inputs, targets in (make_batch(3, 200), make_batch(1, 7)):
+        losses = []
+        for net in (model, plain):
+            logits = net(inputs)
+            losses.append(
+                torch.nn.functional.cross_entropy(
+                    logits.flatten(0, 1), targets.flatten(), reduction="sum"
+                )
+            )
+        kept = list(checkpointed.kept_tensors())
+        assert kept and not any(id(module) in block_modules for module, _, _ in kept)
+        assert sum(len(holders) for holders in checkpointed.tape.waiting.values()) == sum(
+            1 for layer in checkpointed.layers if id(layer.module) in block_modules
+        )
+        for engine, loss in zip((checkpointed, reference), losses, strict=True):
+            engine.backward(loss)
+        assert not any(checkpointed.tape.waiting.values())  # every holder taken, once
+        assert checkpointed.routes() == reference.routes()
+        got, want = (e.per_sample_squared_norms() for e in (checkpointed, reference))
+        assert torch.allclose(got, want, rtol=1e-5)
+        for engine in (checkpointed, reference):
+            engine.release()
+
+
+def test_an_interrupted_checkpointed_chunk_leaves_nothing_kept():
+    """A forward whose backward never comes (an interrupted chunk), then release(): nothing is
+    kept, and the next step matches brute force; a recomputation with no forward waiting (a
+    second backward through one graph) is refused."""
+    model, plain = twins(max_seq_len=64)
+    engine = flash_on(model)
+    inputs, targets = make_batch(4, 9)
+    model(inputs).sum()  # the forward of a chunk whose backward never comes
+    assert engine.tape.waiting
+    engine.release()
+    assert not engine.tape.waiting and not engine.tape.records
+    assert not list(engine.kept_tensors())
+    engine.remove()
+    _, norms = reference_update(plain, inputs, targets, 1.0, 0.5)
+    max_grad_norm = norms.median().item()
+    want, _ = reference_update(plain, inputs, targets, max_grad_norm, 0.5)
+    trainer = trainers.make_trainer(
+        "flash", model, lr=0.5, batch_size=4, max_grad_norm=max_grad_norm, noise_multiplier=0.0
+    )
+    with pytest.raises(KeyboardInterrupt):  # interrupted in the backward, inside a recomputation
+        real = model.blocks[0].forward
+
+        def interrupted(*args, **kwargs):
+            if trainer.trainer.engine.tape.phase == RECOMPUTING:
+                raise KeyboardInterrupt
+            return real(*args, **kwargs)
+
+        model.blocks[0].forward = interrupted
+        try:
+            trainer.step(inputs, targets)
+        finally:
+            del model.blocks[0].forward
+    assert trainer.trainer.engine.tape.phase == PLAIN  # the contexts restored it
+    for p in model.parameters():
+        p.grad = None
+    trainer.step(inputs, targets)
+    got = -0.5 * torch.cat([p.grad.reshape(-1) for p in model.parameters()]).double()
+    assert relative_error(got, want) < 1e-5
+    assert nothing_left_captured(model, trainer)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("clipping", ["flat", "per_layer"])
+def test_flash_under_checkpointing_on_cuda_in_bf16_and_graphed(clipping):
+    """On CUDA: the checkpointed model's flash update in bf16 autocast is the one flash makes
+    without checkpointing (long sequences: the Gram route and the fused kernels; the first
+    forward casts inside each op, the recomputation once per shared input), and the step a CUDA
+    graph replays, checkpointed, is the brute-force update (fp32)."""
+    cuda = torch.device("cuda")
+    model, plain = (m.to(cuda) for m in twins(max_seq_len=512, attention="sdpa"))
+    inputs, targets = (t.to(cuda) for t in make_batch(4, 400))
+    updates = []
+    for net in (model, plain):
+        trainer = trainers.make_trainer(
+            "flash", net, lr=0.5, batch_size=4, max_grad_norm=1e-3, noise_multiplier=0.0,
+            dtype=torch.bfloat16, clipping=clipping, max_physical_batch_size=2,
+        )  # fmt: skip
+        trainer.step(inputs, targets)
+        updates.append(torch.cat([p.grad.reshape(-1) for p in net.parameters()]).double())
+        trainer.trainer.engine.remove()
+        for p in net.parameters():
+            p.grad = None
+    assert relative_error(updates[0], updates[1]) < 1e-2
+    _, norms = reference_update(plain, inputs[:, :64], targets[:, :64], 1.0, 0.5)
+    max_grad_norm = norms.median().item()
+    trainer = trainers.make_trainer(
+        "flash", model, lr=0.5, batch_size=4, max_grad_norm=max_grad_norm, noise_multiplier=0.0,
+        cuda_graph=True, clipping="flat", max_physical_batch_size=2,
+    )  # fmt: skip
+    batches = [make_batch(4, 64, seed=s) for s in range(3)]
+    for step, (inputs, targets) in enumerate(batches):
+        inputs, targets = inputs.to(cuda), targets.to(cuda)
+        plain.load_state_dict(model.state_dict())
+        want, _ = reference_update(plain, inputs, targets, max_grad_norm, 0.5)
+        trainer.step(inputs, targets)  # eager, then captured and replayed
+        got = -0.5 * torch.cat([p.grad.reshape(-1) for p in model.parameters()]).double()
+        assert relative_error(got, want) < 1e-4, step
+    assert trainer.graphs.graphs is not None and trainer.graphs.error is None

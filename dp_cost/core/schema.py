@@ -152,6 +152,7 @@ def empty_result(config: dict, config_dir: str, status: str, error: str | None =
         "snapshots": [],
         "kernels": None,
         "flash_routes": None,
+        "flash_checkpointing": None,
         "clipping": None,
     }
 

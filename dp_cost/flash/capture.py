@@ -13,6 +13,14 @@ output's node, and their per-sample gradients are formed in the backward, a few 
 (one Python call per such layer). The rules then turn the records into per-sample gradients,
 norms and clipped sums by group (flash.engine).
 
+Activation checkpointing: a checkpointed block's forward runs twice, first keeping nothing, then
+again at the start of its backward (torch.utils.checkpoint, non-reentrant). Its first forward
+records each layer's edge (its output's node: the gradient flows through the first forward's
+graph) with an empty holder and keeps no input; the recomputation fills each holder with the
+recomputed input, in call order per layer, and records nothing else. Each input is then held once,
+from its block's backward to release(), as a plain forward's is from its forward (Tape.phase,
+checkpoint_contexts).
+
 nn.DataParallel's replicas are not supported: a replica copies the instance forward, bound to
 the original module.
 
@@ -48,6 +56,10 @@ DEFERRED_BYTES = 512 * 2**20
 DEFERRED_PARTS = 4
 _has_pending = operator.attrgetter("pending")
 
+# Tape.phase: a plain forward; a checkpointed block's first forward (edges, no input); its
+# recomputation in the backward (inputs only)
+PLAIN, FIRST_OF_CHECKPOINTED, RECOMPUTING = range(3)
+
 
 class Tape:
     """One chunk's records, in forward order; ``casts``: the autocast casts made this forward, by
@@ -56,7 +68,7 @@ class Tape:
 
     __slots__ = (
         "records", "casts", "idle", "backward_done", "hooked", "hooked_bytes", "arrived", "bytes",
-        "budget", "full",
+        "budget", "full", "phase", "waiting",
     )  # fmt: skip
 
     def __init__(self, full: Callable[[], None]):
@@ -73,6 +85,10 @@ class Tape:
         self.bytes = 0
         self.budget = DEFERRED_BYTES  # set at the backward's start
         self.full = full
+        self.phase = PLAIN  # set by checkpoint_contexts' contexts
+        # id(layer) -> the holders of its calls in checkpointed first forwards, in call order,
+        # that its recomputations fill ([A, A's version])
+        self.waiting: dict[int, list[list]] = {}
 
     def clear(self) -> None:
         # emptied in place: a hook of a graph still alive finds nothing there (and holds no A)
@@ -80,6 +96,7 @@ class Tape:
         self.records, self.casts, self.hooked, self.arrived = [], {}, [], []
         self.hooked_bytes = self.bytes = 0
         self.backward_done = False
+        self.waiting = {}
 
     def __deepcopy__(self, memo) -> Tape:
         """An idle tape: a copied model's forwards compute and record nothing (its engine is
@@ -88,6 +105,21 @@ class Tape:
 
     def __reduce__(self):
         return (_idle_tape, ())
+
+
+class _Phase:
+    """A context in which the tape is in ``phase`` (the one before restored on exit)."""
+
+    __slots__ = ("tape", "phase", "before")
+
+    def __init__(self, tape: Tape, phase: int):
+        self.tape, self.phase, self.before = tape, phase, PLAIN
+
+    def __enter__(self):
+        self.before, self.tape.phase = self.tape.phase, self.phase
+
+    def __exit__(self, *exc_info):
+        self.tape.phase = self.before
 
 
 def _idle_tape() -> Tape:
@@ -103,10 +135,13 @@ def taped_forward(module, tape: Tape, layer: Layer, *args, **kwargs):
     x = args[0] if args else next(iter(kwargs.values()))
     if tape.idle or not torch.is_grad_enabled():
         return layer.compute(module, x)
-    if tape.backward_done:
+    phase = tape.phase
+    if tape.backward_done and phase != RECOMPUTING:
         raise RuntimeError("FlashClipping: call release() before the next forward")
     A = x  # what the record keeps: the input, or its autocast cast
-    if layer.casts_input and x.is_floating_point() and x.dtype != torch.float64:
+    if phase == FIRST_OF_CHECKPOINTED:
+        pass  # nothing kept: autocast casts inside the op, as in the recomputation's other ops
+    elif layer.casts_input and x.is_floating_point() and x.dtype != torch.float64:
         device = "cuda" if x.is_cuda else x.device.type
         if torch.is_autocast_enabled(device):
             # The cast autocast would make for this layer's op: made here and handed to the op
@@ -121,6 +156,15 @@ def taped_forward(module, tape: Tape, layer: Layer, *args, **kwargs):
                 A, x = cast, cast
             else:
                 A = cached[3]
+    if phase == RECOMPUTING:  # the input the block's first forward did not keep
+        holders = tape.waiting.get(id(layer))
+        if not holders:
+            raise RuntimeError(
+                f"FlashClipping: {layer.name!r} was recomputed with no call of its checkpointed "
+                "forward waiting (one backward per forward: release() first)"
+            )
+        holders.pop(0).extend((A.detach(), A._version))  # before the op: early stop or not
+        return layer.compute(module, x)
     y = layer.compute(module, x)
     base = y._base
     if (
@@ -140,12 +184,17 @@ def taped_forward(module, tape: Tape, layer: Layer, *args, **kwargs):
     else:  # nothing before it needs a gradient (e.g. the first layer): a leaf carries G
         y = y.detach().requires_grad_(True)
         edge, shape = y, None
-    # A detached: the record holds the input's values, not the autograd graph through it
-    record = (layer, A.detach(), edge, shape, A._version)
-    if layer.formed_in_backward and y is not edge and tape.records:
+    if phase == FIRST_OF_CHECKPOINTED:  # A comes with the recomputation, into the holder
+        holder: list = []
+        tape.waiting.setdefault(id(layer), []).append(holder)
+        record = (layer, holder, edge, shape, None)
+    else:  # A detached: the record holds the input's values, not the autograd graph through it
+        record = (layer, A.detach(), edge, shape, A._version)
+    if layer.formed_in_backward and y is not edge and tape.records and phase == PLAIN:
         # G by a hook on the output's node: its per-sample gradients are formed in the
         # backward (a few layers' at once), not held to its end. Not for the first record of
-        # a forward: a node no recorded edge lies beyond is not run by the autograd call.
+        # a forward: a node no recorded edge lies beyond is not run by the autograd call. Not
+        # in a checkpointed block: its G may arrive before the recomputation gives its A.
         hook = functools.partial(_hooked_gradient, tape, tape.hooked, len(tape.hooked))
         tape.hooked.append(record)
         tape.hooked_bytes += A.nbytes + y.nbytes
@@ -240,8 +289,15 @@ class LayerCapture:
         for record, G in zip(records, grads, strict=True):
             if G is None:  # the output's gradient never came (an unused output): adds nothing
                 continue
-            layer, A = record[LAYER], record[INPUT]
-            if A._version != record[INPUT_VERSION]:  # autograd refuses a saved input so changed
+            layer, A, version = record[LAYER], record[INPUT], record[INPUT_VERSION]
+            if type(A) is list:  # a checkpointed call: its recomputation's [A, version]
+                if not A:
+                    raise RuntimeError(
+                        f"FlashClipping: the checkpointed block of {layer.name!r} was not "
+                        "recomputed before its gradient arrived"
+                    )
+                A, version = A
+            if A._version != version:  # autograd refuses a saved input so changed
                 raise RuntimeError(
                     f"FlashClipping: the input of {layer.name!r} was modified in place "
                     "after its forward; its per-sample gradients need it unchanged"
@@ -327,7 +383,14 @@ class LayerCapture:
         records = tape.records + [r for r in tape.hooked if r is not None]
         order = {id(layer): i for i, layer in enumerate(self.layers)}
         records.sort(key=lambda record: order[id(record[LAYER])])
-        return [(record[LAYER].module, record[INPUT]) for record in records]
+        inputs = [(record[LAYER].module, record[INPUT]) for record in records]
+        # a checkpointed call's input: once recomputed
+        return [(m, A[0] if type(A) is list else A) for m, A in inputs if type(A) is not list or A]
+
+    def checkpoint_contexts(self) -> tuple[_Phase, _Phase]:
+        """torch.utils.checkpoint's ``context_fn`` (dp_cost.core.recompute): the contexts of a
+        checkpointed block's first forward and of its recomputation."""
+        return _Phase(self.tape, FIRST_OF_CHECKPOINTED), _Phase(self.tape, RECOMPUTING)
 
     def _remove_forwards(self) -> None:
         """Take off the forwards set here (one another library set on a module later stays; the

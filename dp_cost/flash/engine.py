@@ -15,7 +15,9 @@ input (q, k, v) share it.
 
 Per chunk: backward(losses.sum()), per_sample_squared_norms(), accumulate_clipped_grads(c),
 release(). Assumes dimension 0 of managed layers' inputs/outputs is the batch, one forward per
-backward, gradients reaching managed layers only through their outputs, no checkpointing."""
+backward, gradients reaching managed layers only through their outputs. Activation
+checkpointing: a trainer hands checkpoint_contexts() to the model's checkpoint calls
+(dp_cost.core.recompute); each layer's input is then kept from its block's recomputation."""
 
 from __future__ import annotations
 

@@ -68,6 +68,7 @@ RESULT_CHECKS = {
     "snapshots": lambda v: _list_of(v, _snapshot),
     "kernels": lambda v: _dict_of(v, _kernel_category),
     "flash_routes": lambda v: _list_of(v, lambda route: isinstance(route, dict)),
+    "flash_checkpointing": lambda v: isinstance(v, str),
     "clipping": lambda v: isinstance(v, dict) and isinstance(v.get("rule"), str),
     "module_memory": lambda v: (
         isinstance(v, dict) and _dict_of(v.get("groups"), lambda g: _dict_of(g, _is_number))

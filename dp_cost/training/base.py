@@ -76,7 +76,7 @@ class Trainer:
 
     name = "base"  # its registry name
     options: tuple[str, ...] = ()  # experiment settings it takes as keyword arguments
-    supports_activation_checkpointing = False  # trainers.REHOOKED says why not (flash)
+    supports_activation_checkpointing = False  # a trainer says so once its capture takes it
     sharded_refusal: str | None = None  # why it cannot run under FSDP2 (recorded "skipped")
     fsdp_units = "blocks"  # FSDP2 units: parallel.fsdp.FSDP_UNITS
     logical_sync_refusal: str | None = None  # why it cannot hold FSDP2's sync to the last chunk

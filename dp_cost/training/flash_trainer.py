@@ -4,7 +4,9 @@ per layer (the engine in ``dp_cost.flash``), and its collectives when there are 
 from __future__ import annotations
 
 import torch
+from torch.utils.checkpoint import set_checkpoint_early_stop
 
+from dp_cost.core import recompute
 from dp_cost.core.schema import AllocationSite
 from dp_cost.flash import (
     ALLOCATION_SITES,
@@ -21,6 +23,12 @@ from dp_cost.training.base import PrivateTrainer
 # (flash_sinks.GatheredGradients) at this many ranks: the one count where an all-gather moves
 # no more bytes than an all-reduce.
 GATHER_RANKS = 2
+
+# What flash keeps of a checkpointed block (result.json's flash_checkpointing)
+CHECKPOINTED_DESIGN = (
+    "each layer's input from its block's recomputation and its output gradient, both kept "
+    "from that block's backward until every clipped sum is formed"
+)
 
 
 def gathers_per_sample(mode, plan) -> bool:
@@ -45,6 +53,7 @@ class FlashClippingTrainer(PrivateTrainer):
     gathered: flash_sinks.GatheredGradients | None = None  # its gathers, while they hold memory
     options = ("flash_route",)
     capturable = True  # its tape, hooks, kernels and tables make no host sync (tests check it)
+    supports_activation_checkpointing = True  # each input kept from its block's recomputation
     noise_generator: torch.Generator | None = None  # its own, where it needs one (made once)
 
     def __init__(self, model, settings, phases, *, flash_route: str = "auto"):
@@ -56,6 +65,9 @@ class FlashClippingTrainer(PrivateTrainer):
         except Exception:
             self.engine.remove()  # leave the model as it was given: its forwards, trainable
             raise
+        self.checkpointed = recompute.recompute_contexts(model)
+        if self.checkpointed is not None:  # the tape keeps each input from the recomputation
+            self.checkpointed.make = self.engine.checkpoint_contexts
         if settings.mode.replicates:  # no DDP wrapper: flash sums its clipped gradients
             collectives.broadcast_parameters(model)
         self.describe_privacy("exact64", 0.0)  # add_gaussian_noise's law on every device
@@ -74,7 +86,10 @@ class FlashClippingTrainer(PrivateTrainer):
     def chunk_step(self, chunk):
         if gathers_per_sample(self.settings.mode, chunk.plan):
             return self.gathered_chunk_step(chunk)
-        per_sample = self.per_sample_losses(self.model, chunk)
+        # The recomputation of a checkpointed block runs whole (no early stop after its last
+        # saved tensor): every managed layer's input is taken from it.
+        with set_checkpoint_early_stop(False):
+            per_sample = self.per_sample_losses(self.model, chunk)
         self.phases("forward_done")
         # Sum over samples: each sample's G is then exactly the gradient of its own loss.
         self.engine.backward(per_sample.sum())
@@ -163,7 +178,10 @@ class FlashClippingTrainer(PrivateTrainer):
         self.optimizer.step()
 
     def result_extras(self) -> dict:  # the route each Linear layer's norms took, its sizes
-        return {"flash_routes": self.engine.routes()}
+        extras = {"flash_routes": self.engine.routes()}
+        if self.checkpointed is not None:
+            extras["flash_checkpointing"] = CHECKPOINTED_DESIGN
+        return extras
 
     def dp_state_tensors(self):
         names = {id(m): n for n, m in self.model.named_modules()}

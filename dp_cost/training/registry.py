@@ -33,13 +33,6 @@ TRAINERS: dict[str, type[Trainer]] = {
     "ghost": GhostClippingTrainer,  # Opacus ghost clipping: two backward passes
     "flash": FlashClippingTrainer,  # ours: one backward, exact norms, clipped GEMMs
 }
-# Flash's tape keeps each layer's input in the forward and asks autograd for every G when the
-# backward starts: a checkpointed block's recomputation, in the backward, would record its
-# layers again, too late for that call (Opacus' trainers capture only in the recomputation).
-REHOOKED = (
-    "its tape would keep every recomputed layer's input a second time, and their gradients would "
-    "arrive after its backward call was made (standard, dpsgd and ghost take it)"
-)
 
 
 def register_trainer(name: str):
@@ -146,7 +139,10 @@ def refusal(
     if holds_sync_to_last_chunk(fsdp_sync) and (reason := cls.logical_sync_refusal):
         return reason
     if checkpointing and not cls.supports_activation_checkpointing:
-        return f"trainer {cls.name!r} does not support activation checkpointing: {REHOOKED}"
+        return (
+            f"trainer {cls.name!r} does not support activation checkpointing (its per-layer "
+            "capture does not know a checkpointed block's recomputation)"
+        )
     if distributed_mode(distributed).shards and (reason := cls.sharded_refusal):
         return reason
     if cuda_graph and not cls.capturable:

@@ -535,7 +535,7 @@ def test_validate_keeps_the_prediction_whatever_the_measurement(monkeypatch, tmp
 def test_a_capacity_run_whose_configs_were_all_skipped_still_reports(tmp_path):
     run = in_process(
         "--mode=capacity", "--model", "tiny", *SMALL_MODEL, "--seq_lens", "16", "--batch_sizes",
-        "2", "--trainers", "flash", "--activation_checkpointing", "--output_dir", str(tmp_path),
+        "2", "--trainers", "ghost", "--clipping", "per_layer", "--output_dir", str(tmp_path),
         "--run_name", "plan",
     )  # fmt: skip
     assert run.returncode == 0, run.stderr

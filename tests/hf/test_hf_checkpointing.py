@@ -1,5 +1,5 @@
 """Activation checkpointing on Hugging Face Llama (transformers' non-reentrant checkpointing
-of its decoder layers): standard, dpsgd and ghost against brute force on a twin built without
+of its decoder layers): standard, dpsgd, ghost and flash against brute force on a twin built without
 checkpointing, full fine-tuning and LoRA, left padding, physical chunks (tests/test_checkpointing.py
 has the LM's)."""
 
@@ -37,7 +37,7 @@ def hf_twins(use_lora):
 
 
 @pytest.mark.parametrize("use_lora", [False, True], ids=["full", "lora"])
-@pytest.mark.parametrize("name", ["dpsgd", "ghost", "standard"])
+@pytest.mark.parametrize("name", ["dpsgd", "ghost", "flash", "standard"])
 def test_hugging_face_llama_checkpointed_matches_brute_force(name, use_lora, monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     model, plain = hf_twins(use_lora)
@@ -66,3 +66,6 @@ def test_hugging_face_llama_checkpointed_matches_brute_force(name, use_lora, mon
     layers = hf_configs.HF_CONFIGS["tiny-llama"]["num_hidden_layers"]
     assert len(checkpoints) == 3 * layers  # each decoder layer of each of the 3 chunks
     assert not any(getattr(m, "activations", None) for m in model.modules())
+    engine = getattr(trainer.trainer, "engine", None)
+    if engine is not None:  # flash: every recomputed input taken and dropped
+        assert not engine.tape.waiting and not list(engine.kept_tensors())

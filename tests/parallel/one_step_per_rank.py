@@ -7,6 +7,7 @@ import argparse
 import json
 import os
 import sys
+from dataclasses import replace
 
 import torch
 import torch.distributed as dist
@@ -86,7 +87,7 @@ def run_job(job: dict, info, max_grad_norm: float, seq: int) -> dict:
     step CUDA graphs replay: padded chunks of P samples, every rank as many), fsdp_sync (FSDP2:
     "chunk" or "logical"), clipping ("flat" or "per_layer"), probe_sync (also record
     synced_after_a_chunk), reseed (false: every rank seeded alike before the step), local_grads
-    (also save every rank's local gradient)."""
+    (also save every rank's local gradient), checkpointing (the model's blocks checkpointed)."""
     defaults = buckets.BUCKET_BYTES, buckets.ShardedGradients.IN_FLIGHT_BYTES
     buckets.BUCKET_BYTES = job.get("bucket_bytes") or defaults[0]
     in_flight = job.get("in_flight_bytes")
@@ -103,7 +104,8 @@ def run_job(job: dict, info, max_grad_norm: float, seq: int) -> dict:
         local = slice(mine.start, mine.stop)
         for name in job["trainers"]:
             torch.manual_seed(0)
-            model = models.build_model(SMALL)
+            checkpointing = job.get("checkpointing", False)
+            model = models.build_model(replace(SMALL, activation_checkpointing=checkpointing))
             trainer = trainers.make_trainer(
                 name,
                 model,

@@ -167,6 +167,15 @@ def every_job() -> dict:
                 "distributed": distributed, "trainers": dp_trainers(distributed),
                 "cases": NOISE_CASES, "noise_multiplier": noise, "in_flight_bytes": 0,
             }  # fmt: skip
+    for distributed in ("ddp", "fsdp"):  # flash on checkpointed blocks, flat and per-layer
+        jobs[f"checkpointed {distributed}"] = {
+            "distributed": distributed, "trainers": ["flash"], "cases": CASES,
+            "checkpointing": True, **SMALL_BUCKETS,
+        }  # fmt: skip
+    jobs["checkpointed per_layer fsdp logical"] = {
+        "distributed": "fsdp", "trainers": ["flash"], "cases": CASES, "checkpointing": True,
+        "clipping": "per_layer", "fsdp_sync": "logical", **SMALL_BUCKETS,
+    }  # fmt: skip
     jobs.update(textbook_jobs())
     jobs["padded step ddp"] = {
         "distributed": "ddp", "trainers": ["standard", "flash"], "cases": PADDED_CASES,
@@ -220,6 +229,9 @@ def test_every_trainer_under_ddp_and_fsdp2_steps_as_the_definition(tmp_path):
         check_noise_added_once(
             saved[f"noise 0.0 {distributed}"], saved[f"noise {SIGMA} {distributed}"], distributed
         )
+    for distributed in ("ddp", "fsdp"):
+        check_update(saved[f"checkpointed {distributed}"], distributed, ["flash"])
+    check_per_layer_update(saved["checkpointed per_layer fsdp logical"], ["flash"])
     check_padded_step(saved["padded step ddp"])
     check_textbook(saved)
     check_noise_added_once(
@@ -424,7 +436,7 @@ def test_fsdp2_sync_per_chunk_and_per_logical_batch_give_the_same_update_on_3_ra
     gradients reduce-scattered after every chunk and once after the last: each the
     single-process definition of the global batch, so the same update; with "logical" no
     gradient reaches a shard before the last chunk. Per-layer clipping too (flash under both
-    syncs and DDP, dpsgd under DDP)."""
+    syncs and DDP, dpsgd under DDP), and flash on checkpointed blocks."""
     jobs = {
         sync: {"distributed": "fsdp", "trainers": ["standard", "flash"],
                "cases": THREE_RANK_CASES, "fsdp_sync": sync, "probe_sync": True,
@@ -441,8 +453,21 @@ def test_fsdp2_sync_per_chunk_and_per_logical_batch_give_the_same_update_on_3_ra
         "distributed": "ddp", "trainers": ["dpsgd", "flash"], "cases": PER_LAYER_THREE_RANK_CASES,
         "clipping": "per_layer", **SMALL_BUCKETS,
     }  # fmt: skip
+    # flash on checkpointed blocks: FSDP2 per-layer, DDP flat
+    jobs["checkpointed per_layer fsdp"] = {
+        "distributed": "fsdp", "trainers": ["flash"], "cases": PER_LAYER_THREE_RANK_CASES,
+        "clipping": "per_layer", "checkpointing": True, **SMALL_BUCKETS,
+    }  # fmt: skip
+    jobs["checkpointed ddp"] = {
+        "distributed": "ddp", "trainers": ["flash"], "cases": THREE_RANK_CASES,
+        "checkpointing": True, **SMALL_BUCKETS,
+    }  # fmt: skip
     jobs.update(textbook_jobs())
     saved = torchrun(tmp_path, jobs, ranks=3)
+    check_per_layer_update(
+        saved["checkpointed per_layer fsdp"], ["flash"], PER_LAYER_THREE_RANK_CASES
+    )
+    check_update(saved["checkpointed ddp"], "ddp", ["flash"], THREE_RANK_CASES)
     check_textbook(saved)
     for job in ("per_layer chunk", "per_layer logical"):
         check_per_layer_update(saved[job], ["flash"], PER_LAYER_THREE_RANK_CASES)
