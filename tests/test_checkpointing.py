@@ -149,6 +149,53 @@ def test_flash_keeps_each_input_once_from_the_recomputation():
             engine.release()
 
 
+def test_per_layer_flash_clips_each_block_as_its_backward_ends():
+    """Per-layer clipping of a checkpointed model: each block's clipped sums are made when the
+    next block's recomputation starts, so what flash holds then is one block's calls (and the
+    layers outside the blocks), never two blocks' and never the whole model's; the update is
+    brute force's (test above). A module called in two checkpointed blocks is refused (clipped
+    in parts, its gradient's norm would be wrong)."""
+    model, plain = twins(max_seq_len=64)
+    inputs, targets = make_batch(4, 30)
+    max_grad_norm = bound_between_norms(plain, inputs, targets)
+    trainer = trainers.make_trainer(
+        "flash", model, lr=0.5, batch_size=4, max_grad_norm=max_grad_norm, noise_multiplier=0.0,
+        clipping="per_layer",
+    )  # fmt: skip
+    engine = trainer.trainer.engine
+    block_of = {
+        id(module): index for index, block in enumerate(model.blocks) for module in block.modules()
+    }
+    groups = []
+    real = trainer.trainer.clip_block
+
+    def clip_block(engine, finish=False):
+        held = {layer.name for layer in engine.layers if layer.calls or layer.per_sample}
+        blocks = {block_of.get(id(ly.module)) for ly in engine.layers if ly.name in held}
+        groups.append((finish, held, blocks))
+        real(engine, finish)
+
+    trainer.trainer.clip_block = clip_block
+    engine.clip_each_block(clip_block)
+    trainer.step(inputs, targets)
+    in_backward = [blocks for finish, _, blocks in groups if not finish]
+    assert len(in_backward) >= len(model.blocks) - 1
+    assert all(len(blocks - {None}) <= 1 for blocks in in_backward)
+    seen = [block for blocks in in_backward for block in blocks - {None}]
+    assert sorted(seen) == list(range(1, len(model.blocks)))  # each once, the first's later
+    last = groups[-1]
+    assert last[0] and last[2] - {None} == {0}  # the first block's, and outside the blocks
+    assert nothing_left_captured(model, trainer)
+
+    shared, _ = twins(max_seq_len=64)
+    shared.blocks[1].mlp = shared.blocks[0].mlp  # one module in two checkpointed blocks
+    trainer = trainers.make_trainer(
+        "flash", shared, lr=0.5, batch_size=4, max_grad_norm=1.0, clipping="per_layer"
+    )
+    with pytest.raises(ValueError, match="called in two checkpointed blocks"):
+        trainer.step(inputs, targets)
+
+
 def test_an_interrupted_checkpointed_chunk_leaves_nothing_kept():
     """A forward whose backward never comes (an interrupted chunk), then release(): nothing is
     kept, and the next step matches brute force; a recomputation with no forward waiting (a

@@ -38,7 +38,7 @@ import torch
 from torch import Tensor
 from torch.autograd.graph import GradientEdge
 
-from dp_cost.flash.layer import Call, GradRequest, Layer, flatten_tokens
+from dp_cost.flash.layer import Call, GradRequest, Layer, add_per_sample, flatten_tokens
 
 # A record's fields (a plain tuple: made in every managed forward, where a class's __init__ would
 # be a Python call per layer)
@@ -68,7 +68,7 @@ class Tape:
 
     __slots__ = (
         "records", "casts", "idle", "backward_done", "hooked", "hooked_bytes", "arrived", "bytes",
-        "budget", "full", "phase", "waiting",
+        "budget", "full", "phase", "waiting", "group_done",
     )  # fmt: skip
 
     def __init__(self, full: Callable[[], None]):
@@ -89,6 +89,10 @@ class Tape:
         # id(layer) -> the holders of its calls in checkpointed first forwards, in call order,
         # that its recomputations fill ([A, A's version])
         self.waiting: dict[int, list[list]] = {}
+        # Set (FlashClipping.clip_each_block): every record of a checkpointed block takes its G
+        # by a hook, and group_done() is called as each checkpointed block's recomputation
+        # starts (the backward of every block after it has ended)
+        self.group_done: Callable[[], None] | None = None
 
     def clear(self) -> None:
         # emptied in place: a hook of a graph still alive finds nothing there (and holds no A)
@@ -117,6 +121,8 @@ class _Phase:
 
     def __enter__(self):
         self.before, self.tape.phase = self.tape.phase, self.phase
+        if self.phase == RECOMPUTING and self.tape.group_done is not None:
+            self.tape.group_done()
 
     def __exit__(self, *exc_info):
         self.tape.phase = self.before
@@ -190,11 +196,16 @@ def taped_forward(module, tape: Tape, layer: Layer, *args, **kwargs):
         record = (layer, holder, edge, shape, None)
     else:  # A detached: the record holds the input's values, not the autograd graph through it
         record = (layer, A.detach(), edge, shape, A._version)
-    if layer.formed_in_backward and y is not edge and tape.records and phase == PLAIN:
+    if (
+        (layer.formed_in_backward or phase == FIRST_OF_CHECKPOINTED and tape.group_done)
+        and y is not edge
+        and tape.records
+    ):
         # G by a hook on the output's node: its per-sample gradients are formed in the
-        # backward (a few layers' at once), not held to its end. Not for the first record of
-        # a forward: a node no recorded edge lies beyond is not run by the autograd call. Not
-        # in a checkpointed block: its G may arrive before the recomputation gives its A.
+        # backward (a few layers' at once), not held to its end (clipped each block: every
+        # layer of a checkpointed block's, as the block's backward ends). Not for the first
+        # record of a forward: a node no recorded edge lies beyond is not run by the autograd
+        # call.
         hook = functools.partial(_hooked_gradient, tape, tape.hooked, len(tape.hooked))
         tape.hooked.append(record)
         tape.hooked_bytes += A.nbytes + y.nbytes
@@ -218,7 +229,8 @@ def _hooked_gradient(tape: Tape, hooked: list, index: int, grads: tuple) -> None
         return
     hooked[index] = None
     tape.arrived.append((record, G))
-    tape.bytes += record[INPUT].nbytes + G.nbytes
+    A = record[INPUT]  # a checkpointed call's may come later (its G may precede its A)
+    tape.bytes += G.nbytes + ((A[0].nbytes if A else 0) if type(A) is list else A.nbytes)
     if tape.bytes > tape.budget:
         tape.full()
 
@@ -260,6 +272,8 @@ class LayerCapture:
         tape.casts = {}
         tape.backward_done = True
         tape.budget = max(DEFERRED_BYTES, tape.hooked_bytes // DEFERRED_PARTS)
+        if tape.group_done is not None:  # each block's group consumed as its backward ends
+            tape.budget = float("inf")
         self._gradient_owners = set()
         grads = _gradients(loss, [r[EDGE] for r in records])
         tape.records = []
@@ -274,9 +288,21 @@ class LayerCapture:
     def _form_arrived(self) -> None:
         """The per-sample gradients of the hooked records whose G arrived, now, mid-backward
         (several layers' in one launch per rule); their A and G are dropped."""
-        arrived, self.tape.arrived, self.tape.bytes = self.tape.arrived, [], 0
-        added = self._add_calls([record for record, _ in arrived], [G for _, G in arrived])
+        ready = self._take_arrived()
+        added = self._add_calls([record for record, _ in ready], [G for _, G in ready])
         self._form_per_sample([(layer, call, call.after) for layer, call in added])
+
+    def _take_arrived(self) -> list[tuple]:
+        """The arrived (record, G) whose A is there (a checkpointed call's G may come before
+        its block's recomputation); the others stay."""
+        tape = self.tape
+        ready, later = [], []
+        for entry in tape.arrived:
+            A = entry[0][INPUT]
+            (later if type(A) is list and not A else ready).append(entry)
+        tape.arrived = later
+        tape.bytes = sum(G.nbytes for _, G in later)
+        return ready
 
     def _add_calls(
         self, records: list[tuple], grads, own_gradients: bool = False
@@ -351,30 +377,12 @@ class LayerCapture:
             grads = rule.per_sample_grads_many(requests)
             for (layer, call, names), formed in zip(entries, grads, strict=True):
                 if layer.per_sample:
-                    self._add_per_sample(layer, formed)
+                    add_per_sample(layer, formed)
                 else:  # a layer's first call (most layers have one): the dict itself
                     layer.per_sample = formed
                 call.pending = call.pending - names
                 if not call.pending:  # nothing left to do from A and G: drop the call
                     layer.calls = list(filter(_has_pending, layer.calls))
-
-    @staticmethod
-    def _add_per_sample(layer: Layer, grads: dict[str, Tensor]) -> None:
-        """Sum a further call's per-sample gradients into the layer's."""
-        if not layer.per_sample:
-            layer.per_sample = grads
-            return
-        for name, grad in grads.items():
-            held = layer.per_sample.get(name)
-            if held is None:
-                layer.per_sample[name] = grad
-            elif held.shape != grad.shape:  # e.g. a call on x and one on x[:1]: no broadcasting
-                raise ValueError(
-                    f"{layer.name!r} was called with different batch sizes in one forward "
-                    f"({held.shape[0]} and {grad.shape[0]}); per-sample gradients need one"
-                )
-            else:
-                held.add_(grad.to(held.dtype))  # in place: no third B x d x p buffer
 
     def _recorded_inputs(self):
         """(module, A) of every call recorded this forward and not yet taken by a backward, in

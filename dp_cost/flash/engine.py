@@ -5,13 +5,9 @@ the autograd edge its output gradient G arrives on, one autograd call takes ever
 (dp_cost.flash.capture), and autograd never forms a weight gradient (managed parameters are set
 to requires_grad=False while wrapped). Per-sample norms and the clipped sum sum_b c_b * grad_b are
 then computed from (A, G), or from per-sample gradients formed from them, by per-layer-type rules
-(flash.rules), a group of calls at a time.
-
-Right after the backward, one per_sample_grads_many per rule forms what is small per sample:
-Linear biases (every layer's in one launch), the product route's weights, norm layers (those
-not formed in the backward already). Where a Linear's per-sample gradients were formed (product
-route), its clipped gradient is a weighted sum of them, with no second GEMM. Layers reading one
-input (q, k, v) share it.
+(flash.rules), a group of calls at a time. Right after the backward, one per_sample_grads_many
+per rule forms what is small per sample (Linear biases, the product route's weights, norm
+layers); such a weight's clipped gradient is a weighted sum of them, with no second GEMM.
 
 Per chunk: backward(losses.sum()), per_sample_squared_norms(), accumulate_clipped_grads(c),
 release(). Assumes dimension 0 of managed layers' inputs/outputs is the batch, one forward per
@@ -43,7 +39,7 @@ from dp_cost.flash.clip import (
     squared_row_norms_many,
     weighted_sum,
 )
-from dp_cost.flash.layer import DEFAULT_BLOCK_NUMEL, Call, Layer, LayerCall
+from dp_cost.flash.layer import DEFAULT_BLOCK_NUMEL, Layer, LayerCall, join_calls
 from dp_cost.flash.precision import accumulation_dtype
 from dp_cost.flash.rules import NORM_RULES, NormRule
 
@@ -120,18 +116,52 @@ class FlashClipping(LayerCapture):
         self._indices = DeviceIndices()  # per-layer clipping's index tensors, made once
         self._param_rows = {id(param): i for i, param in enumerate(self.params)}  # rows of [P, B]
         self._call_rows: dict[tuple, int] = {}  # _rows_of_calls' answers
+        self._handed: set[int] = set()  # id of each parameter handed to a sink this chunk
+        self._drained: set[int] = set()  # id of each layer clip_each_block's clip() had
 
     def backward(self, loss: Tensor) -> None:
         """One backward of the SUM of per-sample losses; no .grad is written anywhere."""
+        self._handed, self._drained, self._routes = set(), set(), []
         self._take_gradients(loss)
         self._after_backward = True
         self._form_after_backward()
+        self._join_reused()
+        self._routes += [route for layer in self.layers for route in layer.described]
+
+    def _join_reused(self) -> None:  # builtins only per layer
         for layer in self.layers:
-            calls = layer.calls
-            # A reused module: its gradient is the sum over its calls (builtins only here)
+            calls = layer.calls  # a reused module's gradient: the sum over its calls
+            if (calls or layer.per_sample) and id(layer) in self._drained:
+                raise UnsupportedLayerError(
+                    f"{layer.name!r} is called in two checkpointed blocks: clipped each "
+                    "block, its gradient would be clipped in parts"
+                )
             if len(calls) > 1 or (calls and not calls[0].pending.isdisjoint(layer.per_sample)):
-                layer.calls = self._join_calls(layer, calls)
-        self._routes = [route for layer in self.layers for route in layer.described]
+                layer.calls = join_calls(layer, calls)
+
+    def clip_each_block(self, clip: Callable[[FlashClipping], None] | None) -> None:
+        """With activation checkpointing: ``clip(self)`` as each checkpointed block's
+        recomputation starts, with what the blocks whose backward has ended left (their calls
+        and per-sample gradients: accumulate_clipped_grads(..., finish=False) consumes them).
+        Per-layer clipping needs no other layer's norm: a block's A and G are then held to the
+        end of its own backward, not of the whole backward. None: off."""
+        self.tape.group_done = None if clip is None else functools.partial(self._drain, clip)
+
+    def _drain(self, clip) -> None:
+        """clip() of the blocks whose backward has ended (each G copied: autograd may still
+        pass the tensor on, and a clipped GEMM folds c into its G in place)."""
+        ready = self._take_arrived()
+        self._add_calls([record for record, _ in ready], [G.clone() for _, G in ready])
+        del ready
+        if not any(layer.calls or layer.per_sample for layer in self.layers):
+            return
+        self._after_backward = True
+        self._form_after_backward()
+        self._join_reused()
+        self._routes += [route for layer in self.layers for route in layer.described]
+        self._drained.update(id(layer) for layer in self.layers if layer.calls or layer.per_sample)
+        clip(self)
+        self._drop_held()
 
     def _form_after_backward(self) -> None:
         """The per-sample gradients the rules form right after the backward from the kept A and
@@ -146,34 +176,6 @@ class FlashClipping(LayerCapture):
                 if call.after
             ]
         )
-
-    def _join_calls(self, layer: Layer, calls: list[Call]) -> list[Call]:
-        """A layer's calls still to be done from A and G, joined: a reused module's gradient is
-        the sum over its calls."""
-        pending = set().union(*(call.pending for call in calls))
-        if pending & layer.per_sample.keys():  # other calls formed these per sample: join
-            for call in calls:
-                grads = layer.rule.per_sample_grads(layer, call.A, call.G, call.pending)
-                self._add_per_sample(layer, grads)
-            layer.described = [dict(d, route="product") for d in layer.described]
-            return []
-        if len(calls) == 1:
-            return calls
-        # Concatenated along T; the route is decided again on the joined T: report that one.
-        A = torch.cat([call.A for call in calls], 1)
-        G = torch.cat([call.G for call in calls], 1)
-        layer.described = [
-            {"layer": layer.name, "T": A.shape[1], **layer.rule.describe(layer, A, G)}
-        ]
-        kept = layer.rule.kept_per_sample(layer, A, G) & pending
-        if kept:
-            self._add_per_sample(layer, layer.rule.per_sample_grads(layer, A, G, kept))
-        if not pending - kept:
-            return []
-        call = Call()
-        call.A, call.G, call.pending = A, G, frozenset(pending - kept)
-        call.after = frozenset()  # what the rule forms after the backward was formed per call
-        return [call]
 
     def _batch_size(self) -> int:
         if self._batch is not None:  # asked by the norms and the clipped sums of each chunk
@@ -255,23 +257,21 @@ class FlashClipping(LayerCapture):
         return norms
 
     def accumulate_clipped_grads(
-        self, clip_factors: Tensor, sink: Callable[[nn.Parameter, Tensor], None] | None = None
+        self,
+        clip_factors: Tensor,
+        sink: Callable[[nn.Parameter, Tensor], None] | None = None,
+        finish: bool = True,
     ) -> None:
-        """p.grad += sum_b c_b * grad_b(p) for every managed parameter. ``clip_factors``: [B],
-        one factor per sample for every parameter (flat clipping), or [P, B], a row per
-        parameter in self.params' order (per_parameter_squared_norms': per-layer clipping).
-
+        """p.grad += sum_b c_b * grad_b(p) for every managed parameter. ``clip_factors``: [B]
+        (flat clipping), or [P, B], a row per parameter in self.params' order (per-layer).
         Consumes the saved A and G: each layer's are dropped as soon as its clipped gradient
-        exists, so the weight gradients grow while the saved activations shrink and the peak
-        stays near the non-private step's (holding both would add all of A and G on top).
+        exists (the peak stays near the non-private step's).
 
-        ``sink(param, clipped_sum)``: instead of writing .grad, hand each parameter's clipped sum
-        (full shape, param.shape) to ``sink`` as soon as it exists, one parameter at a time and
-        every one of them, in self.params' reverse order (a sharded model reduce-scatters it
-        into its shard and drops it: a few parameters' unsharded gradients are held at most),
-        then call ``sink.finish(params)`` with every managed parameter. The batched writes into
-        .grad are not used then.
-        """
+        ``sink(param, clipped_sum)``: instead of writing .grad, each parameter's clipped sum
+        (param.shape) is handed to ``sink`` as soon as it exists, every one of them, in
+        self.params' reverse order (a sharded model reduce-scatters it into its shard and drops
+        it), then ``sink.finish(params)``. ``finish=False`` (clip_each_block's groups): only the
+        parameters of the layers held now are handed over, and finish is not called."""
         expected = (self._batch_size(),)
         if clip_factors.shape not in (expected, (len(self.params), *expected)):
             raise ValueError(
@@ -283,8 +283,9 @@ class FlashClipping(LayerCapture):
         for layer in self.layers:
             layer.per_sample = {}
         if sink is not None:
-            self._clipped_grads_to(sink, c, small, large)
-            sink.finish(self.params)
+            self._clipped_grads_to(sink, c, small, large, every=finish)
+            if finish:
+                sink.finish(self.params)
             return
         # Large kept per-sample grads first (no GEMM over T: a weighted sum of each), so they
         # are freed before the clipped GEMMs below allocate their gradients.
@@ -307,11 +308,15 @@ class FlashClipping(LayerCapture):
         for params, grads in small:
             accumulate_many(params, c.concatenated_sum(params, grads))
 
-    def _clipped_grads_to(self, sink, c: ClipFactorsByParameter, small: list, large: list) -> None:
+    def _clipped_grads_to(
+        self, sink, c: ClipFactorsByParameter, small: list, large: list, every: bool = True
+    ) -> None:
         """accumulate_clipped_grads' sink path: every managed parameter's clipped sum, in
         self.params' reverse order whatever the routes, dict and set orders (hash-seeded) or
         layers reached (zeros where none was), so every rank's collectives pair up. Each kept
-        per-sample gradient, concatenation, A and G is dropped once used."""
+        per-sample gradient, concatenation, A and G is dropped once used. ``every`` False: only
+        the parameters with a sum now (a block's group; the same groups on every rank); those
+        handed over this chunk are not handed again."""
         ready: dict[int, Tensor] = {}
         while small:  # the small parameters' sums first, one weighted sum per dtype
             params, grads = small.pop()
@@ -319,11 +324,20 @@ class FlashClipping(LayerCapture):
             ready.update(zip(map(id, params), grads, strict=True))
         kept = {id(param): grad for param, grad in large}
         large.clear()
+        handed = self._handed
         # Last layer first (autograd's order): kept per-sample gradients are freed before the
         # embeddings' full gradients exist (lower peak than first-first; a small LM, CPU).
         order = self.layers[::-1]
         clipped_of = self._calls_by_rule(order, c)
         for layer in order:
+            if (
+                not every
+                and not layer.calls
+                and not any(
+                    id(param) in kept or id(param) in ready for param in layer.params.values()
+                )
+            ):
+                continue
             calls, layer.calls = layer.calls, []
             clipped: dict[str, Tensor] = {}
             for _ in calls:
@@ -331,6 +345,9 @@ class FlashClipping(LayerCapture):
                     clipped[name] = grad if name not in clipped else clipped[name] + grad
             del calls
             for name, param in reversed(layer.params.items()):
+                if id(param) in handed:
+                    continue
+                handed.add(id(param))
                 if id(param) in kept:
                     grad = weighted_sum(kept.pop(id(param)).flatten(1), c.of(param))
                 elif name in clipped:
@@ -401,11 +418,13 @@ class FlashClipping(LayerCapture):
 
     def release(self) -> None:
         """Drop saved activations, output gradients and leaves (call after each chunk)."""
+        self._drop_held()
+        self.tape.clear()
+
+    def _drop_held(self) -> None:
         for layer in self.layers:
             layer.calls, layer.per_sample, layer.described = [], {}, []
-        self.tape.clear()
-        self._norms, self._after_backward = None, False
-        self._small, self._batch = None, None
+        self._norms, self._after_backward, self._small, self._batch = None, False, None, None
 
     @contextlib.contextmanager
     def autograd_gradients(self):

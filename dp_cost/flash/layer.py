@@ -8,6 +8,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
+import torch
 from torch import Tensor, nn
 
 DEFAULT_BLOCK_NUMEL = 64 * 2**20  # largest intermediate of the direct route, in elements
@@ -81,6 +82,51 @@ def flatten_tokens(x: Tensor, feature_dims: int) -> Tensor:
         # already [B, T, d] (most calls): no reshape op (flash is host-bound with LoRA)
         return x if x.dim() == 3 else x.reshape(x.shape[0], -1, x.shape[-1])
     return x.reshape(x.shape[0], -1, math.prod(x.shape[x.dim() - feature_dims :]))
+
+
+def join_calls(layer: Layer, calls: list[Call]) -> list[Call]:
+    """A layer's calls still to be done from A and G, joined: a reused module's gradient is
+    the sum over its calls."""
+    pending = set().union(*(call.pending for call in calls))
+    if pending & layer.per_sample.keys():  # other calls formed these per sample: join
+        for call in calls:
+            grads = layer.rule.per_sample_grads(layer, call.A, call.G, call.pending)
+            add_per_sample(layer, grads)
+        layer.described = [dict(d, route="product") for d in layer.described]
+        return []
+    if len(calls) == 1:
+        return calls
+    # Concatenated along T; the route is decided again on the joined T: report that one.
+    A = torch.cat([call.A for call in calls], 1)
+    G = torch.cat([call.G for call in calls], 1)
+    layer.described = [{"layer": layer.name, "T": A.shape[1], **layer.rule.describe(layer, A, G)}]
+    kept = layer.rule.kept_per_sample(layer, A, G) & pending
+    if kept:
+        add_per_sample(layer, layer.rule.per_sample_grads(layer, A, G, kept))
+    if not pending - kept:
+        return []
+    call = Call()
+    call.A, call.G, call.pending = A, G, frozenset(pending - kept)
+    call.after = frozenset()  # what the rule forms after the backward was formed per call
+    return [call]
+
+
+def add_per_sample(layer: Layer, grads: dict[str, Tensor]) -> None:
+    """Sum a further call's per-sample gradients into the layer's."""
+    if not layer.per_sample:
+        layer.per_sample = grads
+        return
+    for name, grad in grads.items():
+        held = layer.per_sample.get(name)
+        if held is None:
+            layer.per_sample[name] = grad
+        elif held.shape != grad.shape:  # e.g. a call on x and one on x[:1]: no broadcasting
+            raise ValueError(
+                f"{layer.name!r} was called with different batch sizes in one forward "
+                f"({held.shape[0]} and {grad.shape[0]}); per-sample gradients need one"
+            )
+        else:
+            held.add_(grad.to(held.dtype))  # in place: no third B x d x p buffer
 
 
 def tensors_in(obj) -> Iterator[Tensor]:

@@ -5,6 +5,7 @@ these (fn.__code__.co_name)."""
 from __future__ import annotations
 
 from dp_cost.flash.engine import FlashClipping
+from dp_cost.flash.layer import add_per_sample
 from dp_cost.flash.rules import NORM_RULES, NormRule
 from dp_cost.flash.rules.linear import direct_squared_norms, gram_squared_norms
 
@@ -31,7 +32,7 @@ ALLOCATION_SITES: dict[str, tuple] = {
     "per_sample_gradients": (
         *_rule_methods("per_sample_grads"),
         *_rule_methods("per_sample_grads_many"),
-        FlashClipping._add_per_sample,
+        add_per_sample,
     ),
     "gradients": (*_rule_methods("clipped_grads"), FlashClipping.accumulate_clipped_grads),
 }

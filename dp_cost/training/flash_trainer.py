@@ -68,6 +68,11 @@ class FlashClippingTrainer(PrivateTrainer):
         self.checkpointed = recompute.recompute_contexts(model)
         if self.checkpointed is not None:  # the tape keeps each input from the recomputation
             self.checkpointed.make = self.engine.checkpoint_contexts
+            if settings.clipping.per_layer:  # each block's clipped sums as its backward ends
+                self.engine.clip_each_block(self.clip_block)
+        # Per-layer clipping, this chunk: where the clipped sums go; the [P, B] squared norms
+        # of the groups clipped so far (each parameter's row filled by one group)
+        self.chunk_sink, self.chunk_squared = None, None
         if settings.mode.replicates:  # no DDP wrapper: flash sums its clipped gradients
             collectives.broadcast_parameters(model)
         self.describe_privacy("exact64", 0.0)  # add_gaussian_noise's law on every device
@@ -91,25 +96,36 @@ class FlashClippingTrainer(PrivateTrainer):
         with set_checkpoint_early_stop(False):
             per_sample = self.per_sample_losses(self.model, chunk)
         self.phases("forward_done")
+        # Several ranks: each collective starts once its clipped sum exists (the sink); FSDP2
+        # with fsdp_sync "logical": held unsharded until the last chunk, sent once then.
+        self.chunk_sink, self.chunk_squared = self.gradient_sink(chunk.is_last), None
         # Sum over samples: each sample's G is then exactly the gradient of its own loss.
         self.engine.backward(per_sample.sum())
         self.phases("_clip_inputs_saved")  # A, G and per-sample grads all held: name them
         # Each sample's norm from its own gradient, on its own rank: never reduced. Per-layer
         # clipping: each parameter's norm on its own ([P, B]), against its own C_l.
         if self.settings.clipping.per_layer:
-            squared = self.engine.per_parameter_squared_norms()
-            factors = self.clip_factors(squared.sqrt())
-            self.clipped_counts.add(squared, factors)
+            self.clip_block(self.engine, finish=True)
+            squared, self.chunk_squared = self.chunk_squared, None
+            self.clipped_counts.add(squared, self.clip_factors(squared.sqrt()))
         else:
             factors = self.clip_factors(self.engine.per_sample_squared_norms().sqrt())
-        # 1/B folded into the clip factors (and the noise's std): no division pass afterwards.
-        # Several ranks: each collective starts once its clipped sum exists (the sink); FSDP2
-        # with fsdp_sync "logical": held unsharded until the last chunk, sent once then.
-        sink = self.gradient_sink(chunk.is_last)
-        self.engine.accumulate_clipped_grads(factors / self.batch_size, sink)
+            # 1/B folded into the clip factors (and the noise's std): no division pass after
+            self.engine.accumulate_clipped_grads(factors / self.batch_size, self.chunk_sink)
+        self.chunk_sink = None
         self.engine.release()
         self.phases("backward_done")
         return per_sample.detach().sum()
+
+    def clip_block(self, engine: FlashClipping, finish: bool = False) -> None:
+        """Per-layer clipping of what the engine holds (after the backward, ``finish``; with
+        checkpointing also each block as its backward ends: FlashClipping.clip_each_block):
+        each parameter's norms, clip factors and clipped sums into this chunk's sink."""
+        squared = engine.per_parameter_squared_norms()
+        factors = self.clip_factors(squared.sqrt())
+        held = self.chunk_squared
+        self.chunk_squared = squared if held is None else held + squared
+        engine.accumulate_clipped_grads(factors / self.batch_size, self.chunk_sink, finish)
 
     def gradient_sink(self, is_last: bool):
         """Where a chunk's clipped sums go instead of .grad (None: into .grad)."""

@@ -532,7 +532,7 @@ def test_allocation_sites_name_the_functions_that_allocate():
     assert names["per_sample_gradients"] == {
         "per_sample_grads",
         "per_sample_grads_many",
-        "_add_per_sample",
+        "add_per_sample",
     }
     assert names["gradients"] == {"clipped_grads", "accumulate_clipped_grads"}
     overrides = (

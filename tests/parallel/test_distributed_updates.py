@@ -172,6 +172,10 @@ def every_job() -> dict:
             "distributed": distributed, "trainers": ["flash"], "cases": CASES,
             "checkpointing": True, **SMALL_BUCKETS,
         }  # fmt: skip
+    jobs["checkpointed per_layer ddp"] = {
+        "distributed": "ddp", "trainers": ["flash"], "cases": CASES, "checkpointing": True,
+        "clipping": "per_layer", **SMALL_BUCKETS,
+    }  # fmt: skip
     jobs["checkpointed per_layer fsdp logical"] = {
         "distributed": "fsdp", "trainers": ["flash"], "cases": CASES, "checkpointing": True,
         "clipping": "per_layer", "fsdp_sync": "logical", **SMALL_BUCKETS,
@@ -232,6 +236,7 @@ def test_every_trainer_under_ddp_and_fsdp2_steps_as_the_definition(tmp_path):
     for distributed in ("ddp", "fsdp"):
         check_update(saved[f"checkpointed {distributed}"], distributed, ["flash"])
     check_per_layer_update(saved["checkpointed per_layer fsdp logical"], ["flash"])
+    check_per_layer_update(saved["checkpointed per_layer ddp"], ["flash"])
     check_padded_step(saved["padded step ddp"])
     check_textbook(saved)
     check_noise_added_once(
