@@ -120,9 +120,12 @@ class _Phase:
         self.tape, self.phase, self.before = tape, phase, PLAIN
 
     def __enter__(self):
-        self.before, self.tape.phase = self.tape.phase, self.phase
-        if self.phase == RECOMPUTING and self.tape.group_done is not None:
-            self.tape.group_done()
+        tape = self.tape
+        self.before, tape.phase = tape.phase, self.phase
+        if self.phase == RECOMPUTING:
+            tape.casts = {}  # the casts of the blocks recomputed before: held by records alone
+            if tape.group_done is not None:
+                tape.group_done()
 
     def __exit__(self, *exc_info):
         self.tape.phase = self.before
