@@ -68,7 +68,7 @@ class Tape:
 
     __slots__ = (
         "records", "casts", "idle", "backward_done", "hooked", "hooked_bytes", "arrived", "bytes",
-        "budget", "full", "phase", "waiting", "group_done",
+        "budget", "full", "phase", "waiting", "blocks", "group_done", "hook_blocks",
     )  # fmt: skip
 
     def __init__(self, full: Callable[[], None]):
@@ -86,13 +86,20 @@ class Tape:
         self.budget = DEFERRED_BYTES  # set at the backward's start
         self.full = full
         self.phase = PLAIN  # set by checkpoint_contexts' contexts
-        # id(layer) -> the holders of its calls in checkpointed first forwards, in call order,
-        # that its recomputations fill ([A, A's version])
+        # The checkpointed block being run: id(layer) -> the holders of its calls in the
+        # block's first forward, in call order, that its recomputation fills ([A, A's
+        # version]); one such dict per checkpoint call (a module called in several blocks is
+        # recomputed in the backward's order, not the forward's), each block's in ``blocks``
         self.waiting: dict[int, list[list]] = {}
+        self.blocks: list[dict[int, list[list]]] = []
         # Set (FlashClipping.clip_each_block): every record of a checkpointed block takes its G
         # by a hook, and group_done() is called as each checkpointed block's recomputation
         # starts (the backward of every block after it has ended)
         self.group_done: Callable[[], None] | None = None
+        # group_done set and a checkpointed block with records run in this forward: the next
+        # blocks' records take G by a hook (the first's are asked for: a branch of it that no
+        # asked-for edge lies beyond, LoRA's k and v beside q, would not be run)
+        self.hook_blocks = False
 
     def clear(self) -> None:
         # emptied in place: a hook of a graph still alive finds nothing there (and holds no A)
@@ -100,7 +107,9 @@ class Tape:
         self.records, self.casts, self.hooked, self.arrived = [], {}, [], []
         self.hooked_bytes = self.bytes = 0
         self.backward_done = False
-        self.waiting = {}
+        for waiting in self.blocks:
+            waiting.clear()  # a checkpoint's contexts still alive keep no holder
+        self.waiting, self.blocks, self.hook_blocks = {}, [], False
 
     def __deepcopy__(self, memo) -> Tape:
         """An idle tape: a copied model's forwards compute and record nothing (its engine is
@@ -112,23 +121,30 @@ class Tape:
 
 
 class _Phase:
-    """A context in which the tape is in ``phase`` (the one before restored on exit)."""
+    """A context in which the tape is in ``phase`` for one checkpointed block (``waiting``: its
+    holders); the phase and block before restored on exit."""
 
-    __slots__ = ("tape", "phase", "before")
+    __slots__ = ("tape", "phase", "waiting", "before")
 
-    def __init__(self, tape: Tape, phase: int):
-        self.tape, self.phase, self.before = tape, phase, PLAIN
+    def __init__(self, tape: Tape, phase: int, waiting: dict):
+        self.tape, self.phase, self.waiting, self.before = tape, phase, waiting, (PLAIN, {})
 
     def __enter__(self):
         tape = self.tape
-        self.before, tape.phase = tape.phase, self.phase
+        self.before = tape.phase, tape.waiting
+        tape.phase, tape.waiting = self.phase, self.waiting
+        if self.phase == FIRST_OF_CHECKPOINTED:
+            tape.blocks.append(self.waiting)
         if self.phase == RECOMPUTING:
             tape.casts = {}  # the casts of the blocks recomputed before: held by records alone
             if tape.group_done is not None:
                 tape.group_done()
 
     def __exit__(self, *exc_info):
-        self.tape.phase = self.before
+        tape = self.tape
+        tape.phase, tape.waiting = self.before
+        if self.phase == FIRST_OF_CHECKPOINTED and tape.records and tape.group_done:
+            tape.hook_blocks = True
 
 
 def _idle_tape() -> Tape:
@@ -200,7 +216,7 @@ def taped_forward(module, tape: Tape, layer: Layer, *args, **kwargs):
     else:  # A detached: the record holds the input's values, not the autograd graph through it
         record = (layer, A.detach(), edge, shape, A._version)
     if (
-        (layer.formed_in_backward or phase == FIRST_OF_CHECKPOINTED and tape.group_done)
+        (layer.formed_in_backward or phase == FIRST_OF_CHECKPOINTED and tape.hook_blocks)
         and y is not edge
         and tape.records
     ):
@@ -261,11 +277,13 @@ class LayerCapture:
             layer.module.forward = forward
             self._forwards[id(layer.module)] = (layer.module, forward)
         self._after_backward = False
+        self._replay: tuple | None = None  # what rearm() restores
 
-    def _take_gradients(self, loss: Tensor) -> None:
+    def _take_gradients(self, loss: Tensor, retain_graph: bool = False) -> None:
         """The backward: every record's G in one autograd call (hooked records' by their hooks,
         formed on the way), then each call's A and G handed to its layer (Layer.calls), with
-        what its rule does with them (Call.pending, .after)."""
+        what its rule does with them (Call.pending, .after). ``retain_graph``: the graph and
+        the records kept for a second backward (rearm())."""
         tape = self.tape
         records = tape.records
         if tape.backward_done:
@@ -278,7 +296,10 @@ class LayerCapture:
         if tape.group_done is not None:  # each block's group consumed as its backward ends
             tape.budget = float("inf")
         self._gradient_owners = set()
-        grads = _gradients(loss, [r[EDGE] for r in records])
+        if retain_graph:  # what rearm() restores: the records, the hooks' list and holders
+            blocks = [(block, {k: list(v) for k, v in block.items()}) for block in tape.blocks]
+            self._replay = (records, tape.hooked, list(tape.hooked), blocks)
+        grads = _gradients(loss, [r[EDGE] for r in records], retain_graph)
         tape.records = []
         self._add_calls(records, grads, own_gradients=True)
         arrived, tape.arrived, tape.bytes = tape.arrived, [], 0
@@ -287,6 +308,24 @@ class LayerCapture:
         # not run (nothing needed its gradient; also where no recorded edge lies beyond it).
         tape.hooked.clear()
         tape.hooked = []
+
+    def rearm(self) -> None:
+        """After backward(loss, retain_graph=True): every record ready for a second backward
+        through the same graph, as after the forward (a checkpointed block's inputs come again
+        from its recomputation in that backward)."""
+        if self._replay is None:
+            raise RuntimeError("FlashClipping: rearm() needs a backward with retain_graph=True")
+        records, hooked, entries, blocks = self._replay
+        self._replay = None
+        for block, waiting in blocks:
+            for holders in waiting.values():
+                for holder in holders:
+                    holder.clear()
+            block.update(waiting)  # each block's dict, which its recomputation's context holds
+        hooked[:] = entries  # the list the hooks were given
+        tape = self.tape
+        tape.records, tape.hooked = records, hooked
+        tape.arrived, tape.bytes, tape.backward_done = [], 0, False
 
     def _form_arrived(self) -> None:
         """The per-sample gradients of the hooked records whose G arrived, now, mid-backward
@@ -401,7 +440,11 @@ class LayerCapture:
     def checkpoint_contexts(self) -> tuple[_Phase, _Phase]:
         """torch.utils.checkpoint's ``context_fn`` (dp_cost.core.recompute): the contexts of a
         checkpointed block's first forward and of its recomputation."""
-        return _Phase(self.tape, FIRST_OF_CHECKPOINTED), _Phase(self.tape, RECOMPUTING)
+        waiting: dict[int, list[list]] = {}  # this block's
+        return (
+            _Phase(self.tape, FIRST_OF_CHECKPOINTED, waiting),
+            _Phase(self.tape, RECOMPUTING, waiting),
+        )
 
     def _remove_forwards(self) -> None:
         """Take off the forwards set here (one another library set on a module later stays; the
@@ -413,13 +456,15 @@ class LayerCapture:
         self._forwards = {}
 
 
-def _gradients(loss: Tensor, edges: list) -> tuple:
+def _gradients(loss: Tensor, edges: list, retain_graph: bool = False) -> tuple:
     """torch.autograd.grad(loss, edges, allow_unused=True) by the engine call autograd.grad
     makes itself, where loss is a plain tensor: autograd.grad first checks each input for a
     tensor subclass, two Python calls per input (per layer call), and the tape's edges and
     leaves are plain. Anything else goes through autograd.grad."""
     run_backward = getattr(torch.autograd.graph, "_engine_run_backward", None)
     if run_backward is None or type(loss) is not torch.Tensor:
-        return torch.autograd.grad(loss, edges, allow_unused=True)
+        return torch.autograd.grad(loss, edges, allow_unused=True, retain_graph=retain_graph)
     seed = torch.ones_like(loss, memory_format=torch.preserve_format)
-    return run_backward((loss,), (seed,), False, False, tuple(edges), True, accumulate_grad=False)
+    return run_backward(
+        (loss,), (seed,), retain_graph, False, tuple(edges), True, accumulate_grad=False
+    )

@@ -39,7 +39,14 @@ from dp_cost.flash.clip import (
     squared_row_norms_many,
     weighted_sum,
 )
-from dp_cost.flash.layer import DEFAULT_BLOCK_NUMEL, Layer, LayerCall, join_calls
+from dp_cost.flash.layer import (
+    DEFAULT_BLOCK_NUMEL,
+    Layer,
+    LayerCall,
+    UnsupportedLayerError,
+    join_calls,
+    only_parameter,
+)
 from dp_cost.flash.precision import accumulation_dtype
 from dp_cost.flash.rules import NORM_RULES, NormRule
 
@@ -48,23 +55,6 @@ from dp_cost.flash.rules import NORM_RULES, NormRule
 # and one weighted sum per chunk instead of a few ops per parameter (LoRA: hundreds of layers, a
 # host-bound step). The 1b model's product-route weights (2048 x 2048 and up) stay one by one.
 SMALL_PER_SAMPLE_NUMEL = 2**18
-
-
-class UnsupportedLayerError(ValueError):
-    """A layer owns trainable parameters but no norm rule is registered for its type."""
-
-
-def _only_parameter(layer: Layer) -> nn.Parameter:
-    """The one parameter a layer's calls left to A and G (per-layer clipping needs its norm
-    alone)."""
-    pending = set().union(*(call.pending for call in layer.calls))
-    if len(pending) != 1:
-        raise UnsupportedLayerError(
-            f"layer {layer.name!r}: its rule computes one norm for the parameters "
-            f"{sorted(pending)}; per-layer clipping needs one per parameter"
-        )
-    (name,) = pending
-    return layer.params[name]
 
 
 ROUTES = ("auto", "gram", "direct", "product")  # how Linear layers get their per-sample norms
@@ -119,10 +109,11 @@ class FlashClipping(LayerCapture):
         self._handed: set[int] = set()  # id of each parameter handed to a sink this chunk
         self._drained: set[int] = set()  # id of each layer clip_each_block's clip() had
 
-    def backward(self, loss: Tensor) -> None:
-        """One backward of the SUM of per-sample losses; no .grad is written anywhere."""
+    def backward(self, loss: Tensor, retain_graph: bool = False) -> None:
+        """One backward of the SUM of per-sample losses; no .grad is written anywhere.
+        ``retain_graph``: a second backward may follow, after rearm()."""
         self._handed, self._drained, self._routes = set(), set(), []
-        self._take_gradients(loss)
+        self._take_gradients(loss, retain_graph)
         self._after_backward = True
         self._form_after_backward()
         self._join_reused()
@@ -141,10 +132,8 @@ class FlashClipping(LayerCapture):
 
     def clip_each_block(self, clip: Callable[[FlashClipping], None] | None) -> None:
         """With activation checkpointing: ``clip(self)`` as each checkpointed block's
-        recomputation starts, with what the blocks whose backward has ended left (their calls
-        and per-sample gradients: accumulate_clipped_grads(..., finish=False) consumes them).
-        Per-layer clipping needs no other layer's norm: a block's A and G are then held to the
-        end of its own backward, not of the whole backward. None: off."""
+        recomputation starts, with what the blocks whose backward has ended left (dropped
+        after it): a block's A and G are held to the end of its own backward only. None: off."""
         self.tape.group_done = None if clip is None else functools.partial(self._drain, clip)
 
     def _drain(self, clip) -> None:
@@ -369,7 +358,7 @@ class FlashClipping(LayerCapture):
                 key = (id(layer), layer.calls[0].pending)
                 row = known.get(key)
                 if row is None:
-                    row = known[key] = self._param_rows[id(_only_parameter(layer))]
+                    row = known[key] = self._param_rows[id(only_parameter(layer))]
                 rows[id(layer)] = row
         return rows
 
@@ -420,6 +409,11 @@ class FlashClipping(LayerCapture):
         """Drop saved activations, output gradients and leaves (call after each chunk)."""
         self._drop_held()
         self.tape.clear()
+        self._replay = None
+
+    def rearm(self) -> None:  # what the first of two backwards left dropped (its norms made)
+        self._drop_held()
+        super().rearm()
 
     def _drop_held(self) -> None:
         for layer in self.layers:

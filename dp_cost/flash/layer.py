@@ -14,6 +14,23 @@ from torch import Tensor, nn
 DEFAULT_BLOCK_NUMEL = 64 * 2**20  # largest intermediate of the direct route, in elements
 
 
+class UnsupportedLayerError(ValueError):
+    """A layer owns trainable parameters but no norm rule is registered for its type."""
+
+
+def only_parameter(layer: Layer) -> nn.Parameter:
+    """The one parameter a layer's calls left to A and G (per-layer clipping needs its norm
+    alone)."""
+    pending = set().union(*(call.pending for call in layer.calls))
+    if len(pending) != 1:
+        raise UnsupportedLayerError(
+            f"layer {layer.name!r}: its rule computes one norm for the parameters "
+            f"{sorted(pending)}; per-layer clipping needs one per parameter"
+        )
+    (name,) = pending
+    return layer.params[name]
+
+
 class Call:
     """One forward call of a managed layer still to be done from A, its input ([B, T, d]), and
     G, its output gradient; ``pending``: the names of the parameters still to be done from them;

@@ -24,11 +24,18 @@ from dp_cost.training.base import PrivateTrainer
 # no more bytes than an all-reduce.
 GATHER_RANKS = 2
 
-# What flash keeps of a checkpointed block (result.json's flash_checkpointing)
-CHECKPOINTED_DESIGN = (
-    "each layer's input from its block's recomputation and its output gradient, both kept "
-    "from that block's backward until every clipped sum is formed"
-)
+# What flash does with a checkpointed block (result.json's flash_checkpointing), by clipping
+CHECKPOINTED_DESIGN = {
+    "per_layer": (
+        "one backward: each layer's input (from its block's recomputation) and output "
+        "gradient held to the end of that block's backward, where its clipped sums are made"
+    ),
+    "flat": (
+        "two backwards: the first makes each block's per-sample norms as its backward ends; "
+        "the second (each block recomputed again) its clipped sums; a block's inputs and "
+        "output gradients are held to the end of its own backward only"
+    ),
+}
 
 
 def gathers_per_sample(mode, plan) -> bool:
@@ -68,11 +75,11 @@ class FlashClippingTrainer(PrivateTrainer):
         self.checkpointed = recompute.recompute_contexts(model)
         if self.checkpointed is not None:  # the tape keeps each input from the recomputation
             self.checkpointed.make = self.engine.checkpoint_contexts
-            if settings.clipping.per_layer:  # each block's clipped sums as its backward ends
-                self.engine.clip_each_block(self.clip_block)
-        # Per-layer clipping, this chunk: where the clipped sums go; the [P, B] squared norms
-        # of the groups clipped so far (each parameter's row filled by one group)
-        self.chunk_sink, self.chunk_squared = None, None
+            self.engine.clip_each_block(self.clip_block)  # each block as its backward ends
+        # This chunk: where the clipped sums go; the squared norms of the groups done so far
+        # ([P, B] per-layer, each parameter's row from one group; [B] flat); flat clipping of
+        # a checkpointed model, in its second backward: the clip factors
+        self.chunk_sink, self.chunk_squared, self.chunk_factors = None, None, None
         if settings.mode.replicates:  # no DDP wrapper: flash sums its clipped gradients
             collectives.broadcast_parameters(model)
         self.describe_privacy("exact64", 0.0)  # add_gaussian_noise's law on every device
@@ -100,7 +107,9 @@ class FlashClippingTrainer(PrivateTrainer):
         # with fsdp_sync "logical": held unsharded until the last chunk, sent once then.
         self.chunk_sink, self.chunk_squared = self.gradient_sink(chunk.is_last), None
         # Sum over samples: each sample's G is then exactly the gradient of its own loss.
-        self.engine.backward(per_sample.sum())
+        loss = per_sample.sum()
+        two_backwards = self.checkpointed is not None and not self.settings.clipping.per_layer
+        self.engine.backward(loss, retain_graph=two_backwards)
         self.phases("_clip_inputs_saved")  # A, G and per-sample grads all held: name them
         # Each sample's norm from its own gradient, on its own rank: never reduced. Per-layer
         # clipping: each parameter's norm on its own ([P, B]), against its own C_l.
@@ -109,18 +118,32 @@ class FlashClippingTrainer(PrivateTrainer):
             squared, self.chunk_squared = self.chunk_squared, None
             self.clipped_counts.add(squared, self.clip_factors(squared.sqrt()))
         else:
-            factors = self.clip_factors(self.engine.per_sample_squared_norms().sqrt())
+            self.clip_block(self.engine)  # flat: the norms of what the engine holds
             # 1/B folded into the clip factors (and the noise's std): no division pass after
-            self.engine.accumulate_clipped_grads(factors / self.batch_size, self.chunk_sink)
-        self.chunk_sink = None
+            factors = self.clip_factors(self.chunk_squared.sqrt()) / self.batch_size
+            if two_backwards:  # the clipped sums, each block's as its backward ends again
+                self.engine.rearm()
+                self.chunk_factors = factors
+                self.engine.backward(loss)
+            self.engine.accumulate_clipped_grads(factors, self.chunk_sink)
+        self.chunk_sink, self.chunk_squared, self.chunk_factors = None, None, None
         self.engine.release()
         self.phases("backward_done")
         return per_sample.detach().sum()
 
     def clip_block(self, engine: FlashClipping, finish: bool = False) -> None:
-        """Per-layer clipping of what the engine holds (after the backward, ``finish``; with
-        checkpointing also each block as its backward ends: FlashClipping.clip_each_block):
-        each parameter's norms, clip factors and clipped sums into this chunk's sink."""
+        """What the engine holds, done (after the backward; with checkpointing also each block
+        as its backward ends: FlashClipping.clip_each_block). Per-layer: each parameter's
+        norms, clip factors and clipped sums into this chunk's sink. Flat: the per-sample norms
+        (summed over the groups), or in a checkpointed model's second backward, the clipped
+        sums by the factors the first one's norms gave."""
+        if not self.settings.clipping.per_layer:
+            if self.chunk_factors is not None:
+                engine.accumulate_clipped_grads(self.chunk_factors, self.chunk_sink, finish)
+                return
+            squared, held = engine.per_sample_squared_norms(), self.chunk_squared
+            self.chunk_squared = squared if held is None else held + squared
+            return
         squared = engine.per_parameter_squared_norms()
         factors = self.clip_factors(squared.sqrt())
         held = self.chunk_squared
@@ -196,7 +219,7 @@ class FlashClippingTrainer(PrivateTrainer):
     def result_extras(self) -> dict:  # the route each Linear layer's norms took, its sizes
         extras = {"flash_routes": self.engine.routes()}
         if self.checkpointed is not None:
-            extras["flash_checkpointing"] = CHECKPOINTED_DESIGN
+            extras["flash_checkpointing"] = CHECKPOINTED_DESIGN[self.settings.clipping.value]
         return extras
 
     def dp_state_tensors(self):
