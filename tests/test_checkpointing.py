@@ -201,6 +201,39 @@ def test_per_layer_flash_clips_each_block_as_its_backward_ends():
         trainer.step(inputs, targets)
 
 
+def test_two_backwards_give_the_norms_twice_and_hold_no_input_between_them():
+    """Flat clipping of a checkpointed model: the first backward's per-sample norms, summed
+    over the blocks' groups, are those of the model built without checkpointing; between the
+    two backwards no recomputed input is held (only what rearm() needs: holders, emptied);
+    the second backward, its blocks recomputed again, gives the same norms."""
+    model, plain = twins(max_seq_len=64)
+    engine, reference = flash_on(model), flash_on(plain)
+    inputs, targets = make_batch(3, 40)
+    groups = []
+    engine.clip_each_block(lambda e: groups.append(e.per_sample_squared_norms()))
+
+    def loss_of(net):
+        logits = net(inputs)
+        return torch.nn.functional.cross_entropy(
+            logits.flatten(0, 1), targets.flatten(), reduction="sum"
+        )
+
+    loss = loss_of(model)
+    reference.backward(loss_of(plain))
+    want = reference.per_sample_squared_norms()
+    engine.backward(loss, retain_graph=True)
+    assert len(groups) >= len(model.blocks) - 1  # each block's as its backward ended
+    first = sum(groups) + engine.per_sample_squared_norms()
+    assert torch.allclose(first, want, rtol=1e-5)
+    _, hooked, entries, _ = engine._replay
+    holders = [r[1] for r in entries + engine._replay[0] if r is not None and type(r[1]) is list]
+    assert holders and not any(holders)  # no recomputed input held until the second backward
+    engine.rearm()
+    groups.clear()
+    engine.backward(loss)
+    assert torch.allclose(sum(groups) + engine.per_sample_squared_norms(), want, rtol=1e-5)
+
+
 def test_an_interrupted_checkpointed_chunk_leaves_nothing_kept():
     """A forward whose backward never comes (an interrupted chunk), then release(): nothing is
     kept, and the next step matches brute force; a recomputation with no forward waiting (a

@@ -365,6 +365,7 @@ class LayerCapture:
                         "recomputed before its gradient arrived"
                     )
                 A, version = A
+                record[INPUT].clear()  # held by the call alone (rearm's records hold holders)
             if A._version != version:  # autograd refuses a saved input so changed
                 raise RuntimeError(
                     f"FlashClipping: the input of {layer.name!r} was modified in place "
