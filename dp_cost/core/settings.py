@@ -133,7 +133,7 @@ SETTINGS: tuple[Setting, ...] = (
         "activation_checkpointing",
         False,
         "recompute each transformer block in the backward (the LM's blocks, Hugging Face's decoder "
-        "layers; standard, dpsgd and ghost: flash refuses it)",
+        "layers; every trainer; flash with flat clipping makes a second backward)",
         flags=("--activation_checkpointing",),
         switch=True,
         dir_part=lambda c: "_ckpt" if c.activation_checkpointing else None,

@@ -21,7 +21,7 @@ class ModelConfig:
     attention: str = (
         "explicit"  # "explicit" softmax (as the older profiling scripts' model) or "sdpa"
     )
-    activation_checkpointing: bool = False  # recompute each block in backward (not flash)
+    activation_checkpointing: bool = False  # recompute each block in the backward
     dropout: float = 0.0
 
     def __post_init__(self):
