@@ -32,8 +32,9 @@ COMMAND = ["--mode=test", "--run_name", "grid"]  # and --output_dir
 REL = 1e-6
 # Result keys the current code may write beyond the pinned ones. Add a key here (with the change
 # that adds it) when a new result field is meant.
-# python_gc: collections over the timed steps; clipping: the DP trainers' clipping rule
-KNOWN_ADDITIONS: frozenset[str] = frozenset({"python_gc", "clipping"})
+# python_gc: collections over the timed steps; clipping: the DP trainers' clipping rule;
+# flash_checkpointing: what flash does with checkpointed blocks (null without checkpointing)
+KNOWN_ADDITIONS: frozenset[str] = frozenset({"python_gc", "clipping", "flash_checkpointing"})
 # Config keys added since, with the value a measuring run must record for them: the capacity
 # mode's settings (a --mode=test run predicts nothing).
 KNOWN_CONFIG_ADDITIONS = {

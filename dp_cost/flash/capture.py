@@ -38,6 +38,12 @@ import torch
 from torch import Tensor
 from torch.autograd.graph import GradientEdge
 
+from dp_cost.flash.checkpointed import (
+    FIRST_OF_CHECKPOINTED,
+    PLAIN,
+    RECOMPUTING,
+    block_contexts,
+)
 from dp_cost.flash.layer import Call, GradRequest, Layer, add_per_sample, flatten_tokens
 
 # A record's fields (a plain tuple: made in every managed forward, where a class's __init__ would
@@ -55,10 +61,6 @@ _new_tuple = tuple.__new__  # GradientEdge / GradRequest without their Python __
 DEFERRED_BYTES = 512 * 2**20
 DEFERRED_PARTS = 4
 _has_pending = operator.attrgetter("pending")
-
-# Tape.phase: a plain forward; a checkpointed block's first forward (edges, no input); its
-# recomputation in the backward (inputs only)
-PLAIN, FIRST_OF_CHECKPOINTED, RECOMPUTING = range(3)
 
 
 class Tape:
@@ -118,33 +120,6 @@ class Tape:
 
     def __reduce__(self):
         return (_idle_tape, ())
-
-
-class _Phase:
-    """A context in which the tape is in ``phase`` for one checkpointed block (``waiting``: its
-    holders); the phase and block before restored on exit."""
-
-    __slots__ = ("tape", "phase", "waiting", "before")
-
-    def __init__(self, tape: Tape, phase: int, waiting: dict):
-        self.tape, self.phase, self.waiting, self.before = tape, phase, waiting, (PLAIN, {})
-
-    def __enter__(self):
-        tape = self.tape
-        self.before = tape.phase, tape.waiting
-        tape.phase, tape.waiting = self.phase, self.waiting
-        if self.phase == FIRST_OF_CHECKPOINTED:
-            tape.blocks.append(self.waiting)
-        if self.phase == RECOMPUTING:
-            tape.casts = {}  # the casts of the blocks recomputed before: held by records alone
-            if tape.group_done is not None:
-                tape.group_done()
-
-    def __exit__(self, *exc_info):
-        tape = self.tape
-        tape.phase, tape.waiting = self.before
-        if self.phase == FIRST_OF_CHECKPOINTED and tape.records and tape.group_done:
-            tape.hook_blocks = True
 
 
 def _idle_tape() -> Tape:
@@ -438,14 +413,10 @@ class LayerCapture:
         # a checkpointed call's input: once recomputed
         return [(m, A[0] if type(A) is list else A) for m, A in inputs if type(A) is not list or A]
 
-    def checkpoint_contexts(self) -> tuple[_Phase, _Phase]:
+    def checkpoint_contexts(self) -> tuple:
         """torch.utils.checkpoint's ``context_fn`` (dp_cost.core.recompute): the contexts of a
         checkpointed block's first forward and of its recomputation."""
-        waiting: dict[int, list[list]] = {}  # this block's
-        return (
-            _Phase(self.tape, FIRST_OF_CHECKPOINTED, waiting),
-            _Phase(self.tape, RECOMPUTING, waiting),
-        )
+        return block_contexts(self.tape)
 
     def _remove_forwards(self) -> None:
         """Take off the forwards set here (one another library set on a module later stays; the

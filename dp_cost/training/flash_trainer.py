@@ -18,6 +18,7 @@ from dp_cost.flash import sinks as flash_sinks
 from dp_cost.parallel import collectives
 from dp_cost.stepping.protocol import CaptureSupport
 from dp_cost.training.base import PrivateTrainer
+from dp_cost.training.clipping import ClippingRule
 
 # flash under DDP gathers per-sample gradients instead of summing clipped ones
 # (flash_sinks.GatheredGradients) at this many ranks: the one count where an all-gather moves
@@ -26,11 +27,11 @@ GATHER_RANKS = 2
 
 # What flash does with a checkpointed block (result.json's flash_checkpointing), by clipping
 CHECKPOINTED_DESIGN = {
-    "per_layer": (
+    ClippingRule.PER_LAYER: (
         "one backward: each layer's input (from its block's recomputation) and output "
         "gradient held to the end of that block's backward, where its clipped sums are made"
     ),
-    "flat": (
+    ClippingRule.FLAT: (
         "two backwards: the first makes each block's per-sample norms as its backward ends; "
         "the second (each block recomputed again) its clipped sums; a block's inputs and "
         "output gradients are held to the end of its own backward only"
@@ -219,7 +220,7 @@ class FlashClippingTrainer(PrivateTrainer):
     def result_extras(self) -> dict:  # the route each Linear layer's norms took, its sizes
         extras = {"flash_routes": self.engine.routes()}
         if self.checkpointed is not None:
-            extras["flash_checkpointing"] = CHECKPOINTED_DESIGN[self.settings.clipping.value]
+            extras["flash_checkpointing"] = CHECKPOINTED_DESIGN[self.settings.clipping]
         return extras
 
     def dp_state_tensors(self):

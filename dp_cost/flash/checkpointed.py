@@ -1,0 +1,45 @@
+"""The tape's phases around a checkpointed block (torch.utils.checkpoint, non-reentrant): its
+first forward, which records each layer's edge and an empty holder and keeps no input, and its
+recomputation at the start of its backward, which fills the holders (dp_cost.flash.capture).
+Each checkpoint call gets its own pair of contexts and its own holders: a module called in two
+blocks is recomputed in the backward's order, not the forward's."""
+
+from __future__ import annotations
+
+# Tape.phase: a plain forward; a checkpointed block's first forward (edges, no input); its
+# recomputation in the backward (inputs only)
+PLAIN, FIRST_OF_CHECKPOINTED, RECOMPUTING = range(3)
+
+
+class BlockPhase:
+    """A context in which ``tape`` is in ``phase`` for one checkpointed block (``waiting``: its
+    holders by id(layer)); the phase and block before restored on exit."""
+
+    __slots__ = ("tape", "phase", "waiting", "before")
+
+    def __init__(self, tape, phase: int, waiting: dict):
+        self.tape, self.phase, self.waiting, self.before = tape, phase, waiting, (PLAIN, {})
+
+    def __enter__(self):
+        tape = self.tape
+        self.before = tape.phase, tape.waiting
+        tape.phase, tape.waiting = self.phase, self.waiting
+        if self.phase == FIRST_OF_CHECKPOINTED:
+            tape.blocks.append(self.waiting)
+        if self.phase == RECOMPUTING:
+            tape.casts = {}  # the casts of the blocks recomputed before: held by records alone
+            if tape.group_done is not None:  # the backward of every block after this one ended
+                tape.group_done()
+
+    def __exit__(self, *exc_info):
+        tape = self.tape
+        tape.phase, tape.waiting = self.before
+        if self.phase == FIRST_OF_CHECKPOINTED and tape.records and tape.group_done:
+            tape.hook_blocks = True
+
+
+def block_contexts(tape) -> tuple[BlockPhase, BlockPhase]:
+    """torch.utils.checkpoint's ``context_fn`` for one checkpoint call: the contexts of the
+    block's first forward and of its recomputation, sharing the block's holders."""
+    waiting: dict[int, list[list]] = {}
+    return BlockPhase(tape, FIRST_OF_CHECKPOINTED, waiting), BlockPhase(tape, RECOMPUTING, waiting)
