@@ -16,7 +16,7 @@ import models
 import trainers
 from dp_cost.core import recompute
 from dp_cost.flash import FlashClipping
-from dp_cost.flash.capture import PLAIN, RECOMPUTING
+from dp_cost.flash.checkpointed import PLAIN, RECOMPUTING
 
 DP_TRAINERS = ["dpsgd", "ghost", "flash"]
 
@@ -113,12 +113,10 @@ def test_checkpointing_captures_each_layer_once_per_recomputed_forward():
 
 
 def flash_on(model):
-    """A FlashClipping engine on ``model``, given the model's checkpoint contexts (as flash's
-    trainer does)."""
+    """A FlashClipping engine on ``model`` (it hands the model's checkpoint calls its
+    contexts)."""
     engine = FlashClipping(model)
-    contexts = recompute.recompute_contexts(model)
-    if contexts is not None:
-        contexts.make = engine.checkpoint_contexts
+    assert recompute.recompute_contexts(model) is None or engine.checkpointed is not None
     return engine
 
 
@@ -228,6 +226,7 @@ def test_two_backwards_give_the_norms_twice_and_hold_no_input_between_them():
     _, hooked, entries, _ = engine._replay
     holders = [r[1] for r in entries + engine._replay[0] if r is not None and type(r[1]) is list]
     assert holders and not any(holders)  # no recomputed input held until the second backward
+    assert not engine.tape.casts
     engine.rearm()
     groups.clear()
     engine.backward(loss)
@@ -313,3 +312,69 @@ def test_flash_under_checkpointing_on_cuda_in_bf16_and_graphed(clipping):
         got = -0.5 * torch.cat([p.grad.reshape(-1) for p in model.parameters()]).double()
         assert relative_error(got, want) < 1e-4, step
     assert trainer.graphs.graphs is not None and trainer.graphs.error is None
+
+
+def test_frozen_embeddings_under_checkpointing():
+    """The first block's first layers read an input that needs no gradient (the embeddings
+    frozen): their output is a leaf in the first forward, and so in the recomputation (which
+    must save what the first forward saved); the norms are those of the model built without
+    checkpointing."""
+    model, plain = twins(max_seq_len=64)
+    for net in (model, plain):
+        net.tok_emb.requires_grad_(False)
+        net.pos_emb.requires_grad_(False)
+    checkpointed, reference = flash_on(model), flash_on(plain)
+    inputs, targets = make_batch(3, 20)
+    for engine, net in ((checkpointed, model), (reference, plain)):
+        logits = net(inputs)
+        loss = torch.nn.functional.cross_entropy(
+            logits.flatten(0, 1), targets.flatten(), reduction="sum"
+        )
+        engine.backward(loss)
+    got, want = (e.per_sample_squared_norms() for e in (checkpointed, reference))
+    assert torch.allclose(got, want, rtol=1e-5)
+
+
+def test_a_failed_second_backward_leaves_the_next_step_exact():
+    """Flat clipping's second backward fails (say, out of memory): the next step starts from
+    nothing (no factors of the failed step) and matches brute force."""
+    model, plain = twins(max_seq_len=64)
+    inputs, targets = make_batch(4, 9)
+    _, norms = reference_update(plain, inputs, targets, 1.0, 0.5)
+    max_grad_norm = norms.median().item()
+    want, _ = reference_update(plain, inputs, targets, max_grad_norm, 0.5)
+    trainer = trainers.make_trainer(
+        "flash", model, lr=0.5, batch_size=4, max_grad_norm=max_grad_norm, noise_multiplier=0.0
+    )
+    engine = trainer.trainer.engine
+    backwards = []
+
+    def failing_second(loss, retain_graph=False):
+        backwards.append(retain_graph)
+        if len(backwards) == 2:  # the second backward, its clip factors already set
+            raise RuntimeError("CUDA out of memory (a stand-in)")
+        type(engine).backward(engine, loss, retain_graph)
+
+    engine.backward = failing_second
+    with pytest.raises(RuntimeError, match="stand-in"):
+        trainer.step(inputs, targets)
+    del engine.backward
+    assert backwards == [True, False]
+    assert trainer.trainer.chunk_factors is None and trainer.trainer.chunk_sink is None
+    for p in model.parameters():
+        p.grad = None
+    plain.load_state_dict(model.state_dict())  # the failed step moved nothing
+    trainer.step(inputs, targets)
+    got = -0.5 * torch.cat([p.grad.reshape(-1) for p in model.parameters()]).double()
+    assert relative_error(got, want) < 1e-5
+    assert nothing_left_captured(model, trainer)
+
+
+def test_removing_the_engine_takes_its_contexts_off_the_model():
+    model, _ = twins()
+    engine = flash_on(model)
+    contexts = recompute.recompute_contexts(model)
+    assert contexts.make == engine.checkpoint_contexts
+    engine.remove()
+    first, again = contexts()
+    assert type(first).__name__ == type(again).__name__ == "nullcontext"

@@ -28,6 +28,10 @@ class RecomputeContexts:
     def __call__(self) -> tuple:
         return self.make()
 
+    def reset(self) -> None:
+        """Nothing done in the contexts again (the trainer that set them is gone)."""
+        self.make = _nothing
+
 
 def attach(model) -> RecomputeContexts:
     """A model's contexts, made and attached (once)."""

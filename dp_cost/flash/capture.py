@@ -164,7 +164,10 @@ def taped_forward(module, tape: Tape, layer: Layer, *args, **kwargs):
                 "forward waiting (one backward per forward: release() first)"
             )
         holders.pop(0).extend((A.detach(), A._version))  # before the op: early stop or not
-        return layer.compute(module, x)
+        y = layer.compute(module, x)
+        # as the first forward made it (a leaf where nothing before needs a gradient): the
+        # recomputation must save what that forward saved
+        return y if y.grad_fn is not None else y.detach().requires_grad_(True)
     y = layer.compute(module, x)
     base = y._base
     if (
@@ -275,7 +278,7 @@ class LayerCapture:
             blocks = [(block, {k: list(v) for k, v in block.items()}) for block in tape.blocks]
             self._replay = (records, tape.hooked, list(tape.hooked), blocks)
         grads = _gradients(loss, [r[EDGE] for r in records], retain_graph)
-        tape.records = []
+        tape.records, tape.casts = [], {}  # the last recomputed block's casts: held by calls
         self._add_calls(records, grads, own_gradients=True)
         arrived, tape.arrived, tape.bytes = tape.arrived, [], 0
         self._add_calls([record for record, _ in arrived], [G for _, G in arrived])
@@ -305,11 +308,11 @@ class LayerCapture:
     def _form_arrived(self) -> None:
         """The per-sample gradients of the hooked records whose G arrived, now, mid-backward
         (several layers' in one launch per rule); their A and G are dropped."""
-        ready = self._take_arrived()
+        ready = self.take_arrived()
         added = self._add_calls([record for record, _ in ready], [G for _, G in ready])
         self._form_per_sample([(layer, call, call.after) for layer, call in added])
 
-    def _take_arrived(self) -> list[tuple]:
+    def take_arrived(self) -> list[tuple]:
         """The arrived (record, G) whose A is there (a checkpointed call's G may come before
         its block's recomputation); the others stay."""
         tape = self.tape

@@ -6,6 +6,11 @@ blocks is recomputed in the backward's order, not the forward's."""
 
 from __future__ import annotations
 
+import contextlib
+import functools
+
+import torch
+
 # Tape.phase: a plain forward; a checkpointed block's first forward (edges, no input); its
 # recomputation in the backward (inputs only)
 PLAIN, FIRST_OF_CHECKPOINTED, RECOMPUTING = range(3)
@@ -43,3 +48,36 @@ def block_contexts(tape) -> tuple[BlockPhase, BlockPhase]:
     block's first forward and of its recomputation, sharing the block's holders."""
     waiting: dict[int, list[list]] = {}
     return BlockPhase(tape, FIRST_OF_CHECKPOINTED, waiting), BlockPhase(tape, RECOMPUTING, waiting)
+
+
+def each_block(engine, clip, copy_gradients: bool):
+    """The tape's group_done for FlashClipping.clip_each_block: ``clip(engine)`` of the blocks
+    whose backward has ended, as the next block's recomputation starts."""
+    return functools.partial(_drain, engine, clip, copy_gradients)
+
+
+def _drain(engine, clip, copy_gradients: bool) -> None:
+    """The records whose G arrived and whose A is there, clipped (engine.clip_group). Each G is
+    copied where ``copy_gradients``: autograd may still pass the tensor on, and a clipped GEMM
+    folds c into its G in place. Run inside torch's recomputation: without its autocast and
+    grad mode, as after the backward."""
+    with torch.no_grad(), _without_autocast():
+        ready = engine.take_arrived()
+        records, grads = [record for record, _ in ready], [G for _, G in ready]
+        del ready
+        if copy_gradients:
+            for i, G in enumerate(grads):  # one copy at a time, each original let go
+                grads[i] = G.clone()
+            G = None
+        batch = [records, grads]
+        del records, grads
+        engine.clip_group(batch, clip)
+
+
+def _without_autocast() -> contextlib.ExitStack:
+    """Autocast off on every device type where it is on."""
+    stack = contextlib.ExitStack()
+    for device_type in ("cuda", "cpu"):
+        if torch.is_autocast_enabled(device_type):
+            stack.enter_context(torch.autocast(device_type, enabled=False))
+    return stack

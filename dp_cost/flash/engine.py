@@ -12,7 +12,7 @@ layers); such a weight's clipped gradient is a weighted sum of them, with no sec
 Per chunk: backward(losses.sum()), per_sample_squared_norms(), accumulate_clipped_grads(c),
 release(). Assumes dimension 0 of managed layers' inputs/outputs is the batch, one forward per
 backward, gradients reaching managed layers only through their outputs. Activation
-checkpointing: a trainer hands checkpoint_contexts() to the model's checkpoint calls
+checkpointing: the engine hands checkpoint_contexts() to the model's checkpoint calls
 (dp_cost.core.recompute); each layer's input is then kept from its block's recomputation."""
 
 from __future__ import annotations
@@ -27,7 +27,9 @@ import torch
 from torch import Tensor, nn
 from torch._utils import _unflatten_dense_tensors
 
+from dp_cost.core import recompute
 from dp_cost.flash.capture import LayerCapture
+from dp_cost.flash.checkpointed import each_block
 from dp_cost.flash.clip import (
     ClipFactors,
     ClipFactorsByParameter,
@@ -99,15 +101,16 @@ class FlashClipping(LayerCapture):
         self.params = [p for p in model.parameters() if id(p) in owner]
         for p in self.params:
             p.requires_grad_(False)  # autograd then computes no weight gradient at all
-        self._batch: int | None = None  # _batch_size's answer for this chunk
-        self._small: tuple | None = None  # _per_sample_batches' answer for this chunk
-        self._norms: Tensor | None = None
-        self._routes: list[dict] = []
+        # this chunk's _batch_size, _per_sample_batches and norms (once each), its routes
+        self._batch, self._small, self._norms, self._routes = None, None, None, []
         self._indices = DeviceIndices()  # per-layer clipping's index tensors, made once
         self._param_rows = {id(param): i for i, param in enumerate(self.params)}  # rows of [P, B]
         self._call_rows: dict[tuple, int] = {}  # _rows_of_calls' answers
-        self._handed: set[int] = set()  # id of each parameter handed to a sink this chunk
-        self._drained: set[int] = set()  # id of each layer clip_each_block's clip() had
+        # ids of the parameters handed to a sink this chunk, of the layers clip_each_block had
+        self._handed, self._drained = set(), set()
+        self.checkpointed = recompute.recompute_contexts(model)  # its contexts, or None
+        if self.checkpointed is not None:  # the tape keeps each input from the recomputation
+            self.checkpointed.make = self.checkpoint_contexts
 
     def backward(self, loss: Tensor, retain_graph: bool = False) -> None:
         """One backward of the SUM of per-sample losses; no .grad is written anywhere.
@@ -130,18 +133,21 @@ class FlashClipping(LayerCapture):
             if len(calls) > 1 or (calls and not calls[0].pending.isdisjoint(layer.per_sample)):
                 layer.calls = join_calls(layer, calls)
 
-    def clip_each_block(self, clip: Callable[[FlashClipping], None] | None) -> None:
-        """With activation checkpointing: ``clip(self)`` as each checkpointed block's
-        recomputation starts, with what the blocks whose backward has ended left (dropped
-        after it): a block's A and G are held to the end of its own backward only. None: off."""
-        self.tape.group_done = None if clip is None else functools.partial(self._drain, clip)
+    def clip_each_block(
+        self, clip: Callable[[FlashClipping], None] | None, copy_gradients: bool = True
+    ) -> None:
+        """Checkpointing: ``clip(self)`` as each block's recomputation starts, with what the
+        blocks whose backward ended left (dropped after it; None: off). ``copy_gradients``
+        False: clip() reads G and does not write it (norms only)."""
+        self.tape.group_done = None if clip is None else each_block(self, clip, copy_gradients)
 
-    def _drain(self, clip) -> None:
-        """clip() of the blocks whose backward has ended (each G copied: autograd may still
-        pass the tensor on, and a clipped GEMM folds c into its G in place)."""
-        ready = self._take_arrived()
-        self._add_calls([record for record, _ in ready], [G.clone() for _, G in ready])
-        del ready
+    def clip_group(self, batch: list, clip) -> None:
+        """clip(self) of ``batch`` ([records, their Gs], emptied: each call's tensors go once it
+        is done) and of what the engine holds."""
+        records, grads = batch
+        batch.clear()
+        self._add_calls(records, grads)
+        del records, grads
         if not any(layer.calls or layer.per_sample for layer in self.layers):
             return
         self._after_backward = True
@@ -153,10 +159,9 @@ class FlashClipping(LayerCapture):
         self._drop_held()
 
     def _form_after_backward(self) -> None:
-        """The per-sample gradients the rules form right after the backward from the kept A and
-        G: where they are small (kept_per_sample: the product route, LoRA) and Linear biases and
-        norm layers (formed_after_backward), one per_sample_grads_many per rule (one launch per
-        kind on CUDA, not one per layer); a call left with nothing to do drops its A and G."""
+        """The per-sample gradients formed right after the backward (kept_per_sample: the product
+        route, LoRA; formed_after_backward: biases, norm layers), one per_sample_grads_many per
+        rule; a call left with nothing to do drops its A and G."""
         self._form_per_sample(
             [
                 (layer, call, call.after)
@@ -349,9 +354,8 @@ class FlashClipping(LayerCapture):
                 del grad  # not held through the next layer's clipped GEMM
 
     def _rows_of_calls(self) -> dict[int, int]:
-        """Per-layer clipping: id(layer) -> the row of c [P, B] of its call (after the
-        backward a layer has at most one, left with one parameter), found once per layer and
-        what its call has left (builtins only per layer after that)."""
+        """Per-layer clipping: id(layer) -> the row of c [P, B] of its call (a layer's one call
+        left after the backward, with one parameter), found once per layer and call's pending."""
         rows, known = {}, self._call_rows
         for layer in self.layers:
             if layer.calls:
@@ -437,6 +441,9 @@ class FlashClipping(LayerCapture):
 
     def remove(self) -> None:
         """Take off the taped forwards and make the managed parameters trainable again."""
+        if self.checkpointed is not None and self.checkpointed.make == self.checkpoint_contexts:
+            self.checkpointed.reset()
+        self.tape.group_done = None
         self.release()
         self._remove_forwards()
         for p in self.params:

@@ -3,10 +3,11 @@ per layer (the engine in ``dp_cost.flash``), and its collectives when there are 
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch.utils.checkpoint import set_checkpoint_early_stop
 
-from dp_cost.core import recompute
 from dp_cost.core.schema import AllocationSite
 from dp_cost.flash import (
     ALLOCATION_SITES,
@@ -73,13 +74,13 @@ class FlashClippingTrainer(PrivateTrainer):
         except Exception:
             self.engine.remove()  # leave the model as it was given: its forwards, trainable
             raise
-        self.checkpointed = recompute.recompute_contexts(model)
-        if self.checkpointed is not None:  # the tape keeps each input from the recomputation
-            self.checkpointed.make = self.engine.checkpoint_contexts
-            self.engine.clip_each_block(self.clip_block)  # each block as its backward ends
-        # This chunk: where the clipped sums go; the squared norms of the groups done so far
-        # ([P, B] per-layer, each parameter's row from one group; [B] flat); flat clipping of
-        # a checkpointed model, in its second backward: the clip factors
+        self.checkpointed = self.engine.checkpointed  # the model's checkpoint contexts, or None
+        if self.checkpointed is not None:  # each block as its backward ends (set before the
+            self.engine.clip_each_block(self.clip_block)  # forward: its records take G by hook)
+        # This chunk: where the clipped sums go; the squared norms and clip factors of the
+        # groups done so far ([P, B] per-layer, each parameter's row from one group, the other
+        # groups' factors 1; [B] flat); flat clipping of a checkpointed model, in its second
+        # backward: the clip factors (chunk_factors)
         self.chunk_sink, self.chunk_squared, self.chunk_factors = None, None, None
         if settings.mode.replicates:  # no DDP wrapper: flash sums its clipped gradients
             collectives.broadcast_parameters(model)
@@ -106,31 +107,39 @@ class FlashClippingTrainer(PrivateTrainer):
         self.phases("forward_done")
         # Several ranks: each collective starts once its clipped sum exists (the sink); FSDP2
         # with fsdp_sync "logical": held unsharded until the last chunk, sent once then.
-        self.chunk_sink, self.chunk_squared = self.gradient_sink(chunk.is_last), None
-        # Sum over samples: each sample's G is then exactly the gradient of its own loss.
-        loss = per_sample.sum()
-        two_backwards = self.checkpointed is not None and not self.settings.clipping.per_layer
-        self.engine.backward(loss, retain_graph=two_backwards)
-        self.phases("_clip_inputs_saved")  # A, G and per-sample grads all held: name them
-        # Each sample's norm from its own gradient, on its own rank: never reduced. Per-layer
-        # clipping: each parameter's norm on its own ([P, B]), against its own C_l.
-        if self.settings.clipping.per_layer:
-            self.clip_block(self.engine, finish=True)
-            squared, self.chunk_squared = self.chunk_squared, None
-            self.clipped_counts.add(squared, self.clip_factors(squared.sqrt()))
-        else:
-            self.clip_block(self.engine)  # flat: the norms of what the engine holds
-            # 1/B folded into the clip factors (and the noise's std): no division pass after
-            factors = self.clip_factors(self.chunk_squared.sqrt()) / self.batch_size
-            if two_backwards:  # the clipped sums, each block's as its backward ends again
-                self.engine.rearm()
-                self.chunk_factors = factors
-                self.engine.backward(loss)
-            self.engine.accumulate_clipped_grads(factors, self.chunk_sink)
-        self.chunk_sink, self.chunk_squared, self.chunk_factors = None, None, None
+        self.chunk_sink = self.gradient_sink(chunk.is_last)
+        try:
+            self.clip_chunk(per_sample.sum())
+        finally:  # also when it fails: a later step starts from nothing
+            self.chunk_sink, self.chunk_squared, self.chunk_factors = None, None, None
         self.engine.release()
         self.phases("backward_done")
         return per_sample.detach().sum()
+
+    def clip_chunk(self, loss: torch.Tensor) -> None:
+        """The chunk's backward and clipped sums. ``loss``: the sum over samples, so each
+        sample's G is exactly the gradient of its own loss. Each sample's norm comes from its
+        own gradient, on its own rank: never reduced. Per-layer clipping: each parameter's
+        norm on its own ([P, B]), against its own C_l. Checkpointed: block by block, and with
+        flat clipping in two backwards (norms, then clipped sums)."""
+        two_backwards = self.checkpointed is not None and not self.settings.clipping.per_layer
+        if two_backwards:  # the first makes norms only: no G written, none copied
+            self.engine.clip_each_block(self.clip_block, copy_gradients=False)
+        self.engine.backward(loss, retain_graph=two_backwards)
+        self.phases("_clip_inputs_saved")  # A, G and per-sample grads all held: name them
+        if self.settings.clipping.per_layer:
+            self.clip_block(self.engine, finish=True)
+            self.clipped_counts.add(self.chunk_squared, self.chunk_factors)
+            return
+        self.clip_block(self.engine)  # flat: the norms of what the engine holds
+        # 1/B folded into the clip factors (and the noise's std): no division pass after
+        factors = self.clip_factors(self.chunk_squared.sqrt()) / self.batch_size
+        if two_backwards:  # the clipped sums, each block's as its backward ends again
+            self.engine.rearm()
+            self.chunk_factors = factors
+            self.engine.clip_each_block(self.clip_block, copy_gradients=True)
+            self.engine.backward(loss)
+        self.engine.accumulate_clipped_grads(factors, self.chunk_sink)
 
     def clip_block(self, engine: FlashClipping, finish: bool = False) -> None:
         """What the engine holds, done (after the backward; with checkpointing also each block
@@ -139,7 +148,7 @@ class FlashClippingTrainer(PrivateTrainer):
         (summed over the groups), or in a checkpointed model's second backward, the clipped
         sums by the factors the first one's norms gave."""
         if not self.settings.clipping.per_layer:
-            if self.chunk_factors is not None:
+            if self.chunk_factors is not None:  # the second backward
                 engine.accumulate_clipped_grads(self.chunk_factors, self.chunk_sink, finish)
                 return
             squared, held = engine.per_sample_squared_norms(), self.chunk_squared
@@ -147,8 +156,11 @@ class FlashClippingTrainer(PrivateTrainer):
             return
         squared = engine.per_parameter_squared_norms()
         factors = self.clip_factors(squared.sqrt())
-        held = self.chunk_squared
-        self.chunk_squared = squared if held is None else held + squared
+        if self.chunk_squared is None:
+            self.chunk_squared, self.chunk_factors = squared, factors
+        else:  # a parameter's row is its group's; 0 and 1 in the others
+            self.chunk_squared = self.chunk_squared + squared
+            self.chunk_factors = torch.minimum(self.chunk_factors, factors)
         engine.accumulate_clipped_grads(factors / self.batch_size, self.chunk_sink, finish)
 
     def gradient_sink(self, is_last: bool):
@@ -156,7 +168,7 @@ class FlashClippingTrainer(PrivateTrainer):
         mode = self.settings.mode
         if mode.replicates:  # summed over the ranks in the last chunk, rank 0's noise in it
             if is_last:
-                return flash_sinks.SummedGradients(self.noise_std(), add_gaussian_noise)
+                return flash_sinks.SummedGradients(self.noise_std(), self.replicated_noise())
             return None
         if not mode.shards:
             return None
@@ -164,6 +176,18 @@ class FlashClippingTrainer(PrivateTrainer):
             return flash_sinks.ShardedGradients()
         held = self.held_sums
         return flash_sinks.ShardedGradients(held) if is_last else flash_sinks.HeldSums(held)
+
+    def replicated_noise(self):
+        """How rank 0 draws DDP's noise into a bucket: from torch's generator, or, checkpointed,
+        from one of the trainer's own (made once, alike on every rank): a block's clipped sums
+        are sent from inside torch's recomputation, which restores the random state the block's
+        forward began with (every block's draw would be the same)."""
+        if self.checkpointed is None:
+            return add_gaussian_noise
+        if self.noise_generator is None:
+            device = self.engine.params[0].device
+            self.noise_generator = collectives.seeded_generator(device, per_rank=False)
+        return functools.partial(add_gaussian_noise, generator=self.noise_generator)
 
     def gathered_chunk_step(self, chunk):
         """DDP, one per rank: autograd's gradients, gathered; each rank clips the global batch."""
@@ -195,7 +219,7 @@ class FlashClippingTrainer(PrivateTrainer):
         (optimizer_step gives each shard its zeros and noise)."""
         mode = self.settings.mode
         if mode.replicates:
-            return flash_sinks.SummedGradients(self.noise_std(), add_gaussian_noise)
+            return flash_sinks.SummedGradients(self.noise_std(), self.replicated_noise())
         return flash_sinks.ShardedGradients() if mode.shards else None
 
     def optimizer_step(self, gathering: bool = False):

@@ -87,7 +87,8 @@ def run_job(job: dict, info, max_grad_norm: float, seq: int) -> dict:
     step CUDA graphs replay: padded chunks of P samples, every rank as many), fsdp_sync (FSDP2:
     "chunk" or "logical"), clipping ("flat" or "per_layer"), probe_sync (also record
     synced_after_a_chunk), reseed (false: every rank seeded alike before the step), local_grads
-    (also save every rank's local gradient), checkpointing (the model's blocks checkpointed)."""
+    (also save every rank's local gradient), checkpointing (the model's blocks checkpointed),
+    num_layers (the model's blocks, SMALL's by default)."""
     defaults = buckets.BUCKET_BYTES, buckets.ShardedGradients.IN_FLIGHT_BYTES
     buckets.BUCKET_BYTES = job.get("bucket_bytes") or defaults[0]
     in_flight = job.get("in_flight_bytes")
@@ -104,8 +105,11 @@ def run_job(job: dict, info, max_grad_norm: float, seq: int) -> dict:
         local = slice(mine.start, mine.stop)
         for name in job["trainers"]:
             torch.manual_seed(0)
-            checkpointing = job.get("checkpointing", False)
-            model = models.build_model(replace(SMALL, activation_checkpointing=checkpointing))
+            config = replace(
+                SMALL, activation_checkpointing=job.get("checkpointing", False),
+                num_layers=job.get("num_layers", SMALL.num_layers),
+            )  # fmt: skip
+            model = models.build_model(config)
             trainer = trainers.make_trainer(
                 name,
                 model,

@@ -180,6 +180,12 @@ def every_job() -> dict:
         "distributed": "fsdp", "trainers": ["flash"], "cases": CASES, "checkpointing": True,
         "clipping": "per_layer", "fsdp_sync": "logical", **SMALL_BUCKETS,
     }  # fmt: skip
+    for noise in (0.0, SIGMA):  # DDP's noise drawn while checkpointed blocks are clipped
+        jobs[f"checkpointed noise {noise}"] = {
+            "distributed": "ddp", "trainers": ["flash"], "cases": ["8,8,8"],
+            "noise_multiplier": noise, "checkpointing": True, "num_layers": 4,
+            "clipping": "per_layer", "bucket_bytes": 1,  # every gradient sent alone
+        }  # fmt: skip
     jobs.update(textbook_jobs())
     jobs["padded step ddp"] = {
         "distributed": "ddp", "trainers": ["standard", "flash"], "cases": PADDED_CASES,
@@ -237,12 +243,33 @@ def test_every_trainer_under_ddp_and_fsdp2_steps_as_the_definition(tmp_path):
         check_update(saved[f"checkpointed {distributed}"], distributed, ["flash"])
     check_per_layer_update(saved["checkpointed per_layer fsdp logical"], ["flash"])
     check_per_layer_update(saved["checkpointed per_layer ddp"], ["flash"])
+    check_checkpointed_noise(saved["checkpointed noise 0.0"], saved[f"checkpointed noise {SIGMA}"])
     check_padded_step(saved["padded step ddp"])
     check_textbook(saved)
     check_noise_added_once(
         saved["padded noise 0.0"], saved[f"padded noise {SIGMA}"], "ddp", PADDED_NOISE_CASES,
         ["flash"],
     )  # fmt: skip
+
+
+def check_checkpointed_noise(quiet, noisy):
+    """DDP, per-layer flash on 4 checkpointed blocks: the blocks' clipped sums are sent (rank 0
+    adding its noise to each bucket) from inside torch's recomputation, which restores the
+    random state each block's forward began with. The noise (the noisy step's update less the
+    quiet one's) has std sigma * C / B and differs from block to block (a draw from torch's
+    restored state would be the same in every block)."""
+    import dataclasses
+
+    model = models.build_model(dataclasses.replace(SMALL, num_layers=4))
+    sizes = [p.numel() for p in model.parameters()]
+    names = [name for name, _ in model.named_parameters()]
+    noise = noisy["8,8,8", "flash"]["grad"] - quiet["8,8,8", "flash"]["grad"]
+    pieces = dict(zip(names, noise.split(sizes), strict=True))
+    std = SIGMA * C / 8
+    assert abs(noise.std().item() / std - 1) < 0.1
+    q = [pieces[f"blocks.{b}.attn.qlinear.weight"] for b in range(4)]
+    for b in range(1, 4):
+        assert relative(q[b], q[b - 1]) > 0.5, b  # independent draws, not one repeated
 
 
 def check_update(saved, distributed, names=None, cases=CASES):
