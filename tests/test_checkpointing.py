@@ -113,11 +113,9 @@ def test_checkpointing_captures_each_layer_once_per_recomputed_forward():
 
 
 def flash_on(model):
-    """A FlashClipping engine on ``model`` (it hands the model's checkpoint calls its
-    contexts)."""
-    engine = FlashClipping(model)
-    assert recompute.recompute_contexts(model) is None or engine.checkpointed is not None
-    return engine
+    """A FlashClipping engine on ``model``, given the model's checkpoint contexts (as flash's
+    trainer does)."""
+    return FlashClipping(model, checkpointed=recompute.recompute_contexts(model))
 
 
 def test_flash_keeps_each_input_once_from_the_recomputation():

@@ -12,8 +12,8 @@ layers); such a weight's clipped gradient is a weighted sum of them, with no sec
 Per chunk: backward(losses.sum()), per_sample_squared_norms(), accumulate_clipped_grads(c),
 release(). Assumes dimension 0 of managed layers' inputs/outputs is the batch, one forward per
 backward, gradients reaching managed layers only through their outputs. Activation
-checkpointing: the engine hands checkpoint_contexts() to the model's checkpoint calls
-(dp_cost.core.recompute); each layer's input is then kept from its block's recomputation."""
+checkpointing: given the model's checkpoint contexts, the engine hands them checkpoint_contexts();
+each layer's input is then kept from its block's recomputation."""
 
 from __future__ import annotations
 
@@ -27,7 +27,6 @@ import torch
 from torch import Tensor, nn
 from torch._utils import _unflatten_dense_tensors
 
-from dp_cost.core import recompute
 from dp_cost.flash.capture import LayerCapture
 from dp_cost.flash.checkpointed import each_block
 from dp_cost.flash.clip import (
@@ -72,6 +71,7 @@ class FlashClipping(LayerCapture):
         route: str = "auto",
         tile_size: int = 512,
         block_numel: int = DEFAULT_BLOCK_NUMEL,
+        checkpointed=None,
     ):
         if route not in ROUTES:
             raise ValueError(f"route must be one of {', '.join(ROUTES)}; got {route!r}")
@@ -108,8 +108,8 @@ class FlashClipping(LayerCapture):
         self._call_rows: dict[tuple, int] = {}  # _rows_of_calls' answers
         # ids of the parameters handed to a sink this chunk, of the layers clip_each_block had
         self._handed, self._drained = set(), set()
-        self.checkpointed = recompute.recompute_contexts(model)  # its contexts, or None
-        if self.checkpointed is not None:  # the tape keeps each input from the recomputation
+        self.checkpointed = checkpointed  # the model's checkpoint contexts (core.recompute's)
+        if checkpointed is not None:  # the tape keeps each input from the recomputation
             self.checkpointed.make = self.checkpoint_contexts
 
     def backward(self, loss: Tensor, retain_graph: bool = False) -> None:

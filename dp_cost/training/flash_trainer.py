@@ -8,6 +8,7 @@ import functools
 import torch
 from torch.utils.checkpoint import set_checkpoint_early_stop
 
+from dp_cost.core import recompute
 from dp_cost.core.schema import AllocationSite
 from dp_cost.flash import (
     ALLOCATION_SITES,
@@ -67,7 +68,8 @@ class FlashClippingTrainer(PrivateTrainer):
 
     def __init__(self, model, settings, phases, *, flash_route: str = "auto"):
         super().__init__(model, settings, phases)
-        self.engine = FlashClipping(model, route=flash_route)
+        contexts = recompute.recompute_contexts(model)  # None: not checkpointed
+        self.engine = FlashClipping(model, route=flash_route, checkpointed=contexts)
         self.held_sums: dict = {}  # FSDP2, fsdp_sync "logical": flash_sinks.HeldSums' sums
         try:
             self.optimizer = self.make_optimizer(list(self.engine.params))
