@@ -153,7 +153,8 @@ def test_flash_keeps_each_input_once_from_the_recomputation():
 def test_per_layer_flash_clips_each_block_as_its_backward_ends():
     """Per-layer clipping of a checkpointed model: each block's clipped sums are made when the
     next block's recomputation starts, so what flash holds then is one block's calls (and the
-    layers outside the blocks), never two blocks' and never the whole model's; the update is
+    layers after the blocks, with the first group), never two blocks' and never the whole
+    model's; the update is
     brute force's (test above). A module called in two checkpointed blocks is refused (clipped
     in parts, its gradient's norm would be wrong)."""
     model, plain = twins(max_seq_len=64)
@@ -185,7 +186,8 @@ def test_per_layer_flash_clips_each_block_as_its_backward_ends():
     seen = [block for blocks in in_backward for block in blocks - {None}]
     assert sorted(seen) == list(range(1, len(model.blocks)))  # each once, the first's later
     last = groups[-1]
-    assert last[0] and last[2] - {None} == {0}  # the first block's, and outside the blocks
+    assert last[0] and last[2] - {None} == {0}  # the first block's, and the embeddings'
+    assert "lm_head" in groups[0][1] and "lm_head" not in last[1]  # the head's, first
     assert nothing_left_captured(model, trainer)
 
     shared, _ = twins(max_seq_len=64)

@@ -98,8 +98,9 @@ class Tape:
         # by a hook, and group_done() is called as each checkpointed block's recomputation
         # starts (the backward of every block after it has ended)
         self.group_done: Callable[[], None] | None = None
-        # group_done set and a checkpointed block with records run in this forward: the next
-        # blocks' records take G by a hook (the first's are asked for: a branch of it that no
+        # group_done set and a checkpointed block with records run in this forward: the records
+        # made after it (the next blocks', a head's) take G by a hook, clipped with the first
+        # group after their G (the first block's are asked for: a branch of it that no
         # asked-for edge lies beyond, LoRA's k and v beside q, would not be run)
         self.hook_blocks = False
 
@@ -194,7 +195,7 @@ def taped_forward(module, tape: Tape, layer: Layer, *args, **kwargs):
     else:  # A detached: the record holds the input's values, not the autograd graph through it
         record = (layer, A.detach(), edge, shape, A._version)
     if (
-        (layer.formed_in_backward or phase == FIRST_OF_CHECKPOINTED and tape.hook_blocks)
+        (layer.formed_in_backward or tape.hook_blocks)
         and y is not edge
         and tape.records
     ):
