@@ -194,11 +194,7 @@ def taped_forward(module, tape: Tape, layer: Layer, *args, **kwargs):
         record = (layer, holder, edge, shape, None)
     else:  # A detached: the record holds the input's values, not the autograd graph through it
         record = (layer, A.detach(), edge, shape, A._version)
-    if (
-        (layer.formed_in_backward or tape.hook_blocks)
-        and y is not edge
-        and tape.records
-    ):
+    if (layer.formed_in_backward or tape.hook_blocks) and y is not edge and tape.records:
         # G by a hook on the output's node: its per-sample gradients are formed in the
         # backward (a few layers' at once), not held to its end (clipped each block: every
         # layer of a checkpointed block's, as the block's backward ends). Not for the first
