@@ -378,3 +378,37 @@ def test_removing_the_engine_takes_its_contexts_off_the_model():
     engine.remove()
     first, again = contexts()
     assert type(first).__name__ == type(again).__name__ == "nullcontext"
+
+
+def test_a_failure_while_a_block_is_clipped_leaves_the_tape_plain():
+    """The block-by-block work runs as a recomputation starts; when it fails (say, out of
+    memory in a clipped sum), torch exits no context: the tape is left in no checkpointed
+    phase, and the next step runs and matches brute force."""
+    model, plain = twins(max_seq_len=64, num_layers=3)
+    inputs, targets = make_batch(4, 9)
+    max_grad_norm = bound_between_norms(plain, inputs, targets)
+    want, _, _ = per_layer_reference(plain, inputs, targets, max_grad_norm, 0.5)
+    trainer = trainers.make_trainer(
+        "flash", model, lr=0.5, batch_size=4, max_grad_norm=max_grad_norm, noise_multiplier=0.0,
+        clipping="per_layer",
+    )  # fmt: skip
+    engine, real = trainer.trainer.engine, trainer.trainer.clip_block
+    calls = []
+
+    def failing_once(engine, finish=False):
+        calls.append(finish)
+        if len(calls) == 2:
+            raise RuntimeError("CUDA out of memory (a stand-in)")
+        real(engine, finish)
+
+    engine.clip_each_block(failing_once)
+    with pytest.raises(RuntimeError, match="stand-in"):
+        trainer.step(inputs, targets)
+    engine.clip_each_block(real)
+    assert engine.tape.phase == PLAIN
+    for p in model.parameters():
+        p.grad = None
+    trainer.step(inputs, targets)
+    got = -0.5 * torch.cat([p.grad.reshape(-1) for p in model.parameters()]).double()
+    assert relative_error(got, want) < 1e-5
+    assert nothing_left_captured(model, trainer)

@@ -113,6 +113,7 @@ class Tape:
         for waiting in self.blocks:
             waiting.clear()  # a checkpoint's contexts still alive keep no holder
         self.waiting, self.blocks, self.hook_blocks = {}, [], False
+        self.phase = PLAIN  # a context left by an error in it (torch exits none then)
 
     def __deepcopy__(self, memo) -> Tape:
         """An idle tape: a copied model's forwards compute and record nothing (its engine is

@@ -27,14 +27,14 @@ class BlockPhase:
 
     def __enter__(self):
         tape = self.tape
+        if self.phase == RECOMPUTING:
+            tape.casts = {}  # the casts of the blocks recomputed before: held by records alone
+            if tape.group_done is not None:  # the backward of every block after this one ended
+                tape.group_done()  # before the phase changes: if it fails, none has
         self.before = tape.phase, tape.waiting
         tape.phase, tape.waiting = self.phase, self.waiting
         if self.phase == FIRST_OF_CHECKPOINTED:
             tape.blocks.append(self.waiting)
-        if self.phase == RECOMPUTING:
-            tape.casts = {}  # the casts of the blocks recomputed before: held by records alone
-            if tape.group_done is not None:  # the backward of every block after this one ended
-                tape.group_done()
 
     def __exit__(self, *exc_info):
         tape = self.tape

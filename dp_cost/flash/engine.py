@@ -106,8 +106,9 @@ class FlashClipping(LayerCapture):
         self._indices = DeviceIndices()  # per-layer clipping's index tensors, made once
         self._param_rows = {id(param): i for i, param in enumerate(self.params)}  # rows of [P, B]
         self._call_rows: dict[tuple, int] = {}  # _rows_of_calls' answers
-        # ids of the parameters handed to a sink this chunk, of the layers clip_each_block had
-        self._handed, self._drained = set(), set()
+        # ids of the parameters handed to a sink this chunk, of the layers clip_each_block had;
+        # the sink path's sums waiting for those before them, the next of self.params reversed
+        self._handed, self._drained, self._pending, self._next_hand = set(), set(), {}, 0
         self.checkpointed = checkpointed  # the model's checkpoint contexts (core.recompute's)
         if checkpointed is not None:  # the tape keeps each input from the recomputation
             self.checkpointed.make = self.checkpoint_contexts
@@ -116,6 +117,7 @@ class FlashClipping(LayerCapture):
         """One backward of the SUM of per-sample losses; no .grad is written anywhere.
         ``retain_graph``: a second backward may follow, after rearm()."""
         self._handed, self._drained, self._routes = set(), set(), []
+        self._pending, self._next_hand = {}, 0
         self._take_gradients(loss, retain_graph)
         self._after_backward = True
         self._form_after_backward()
@@ -305,12 +307,12 @@ class FlashClipping(LayerCapture):
     def _clipped_grads_to(
         self, sink, c: ClipFactorsByParameter, small: list, large: list, every: bool = True
     ) -> None:
-        """accumulate_clipped_grads' sink path: every managed parameter's clipped sum, in
-        self.params' reverse order whatever the routes, dict and set orders (hash-seeded) or
-        layers reached (zeros where none was), so every rank's collectives pair up. Each kept
-        per-sample gradient, concatenation, A and G is dropped once used. ``every`` False: only
-        the parameters with a sum now (a block's group; the same groups on every rank); those
-        handed over this chunk are not handed again."""
+        """accumulate_clipped_grads' sink path: each managed parameter's clipped sum (zeros where
+        no call reached its layer) to ``sink`` in self.params' reverse order whatever the routes,
+        dict orders or layers a rank reached, so every rank's collectives pair up: a sum waits
+        for those before it (a layer one rank did not reach comes at the chunk's end). ``every``
+        False: the parameters with a sum now (a block's group). Each kept per-sample gradient,
+        concatenation, A and G is dropped once used."""
         ready: dict[int, Tensor] = {}
         while small:  # the small parameters' sums first, one weighted sum per dtype
             params, grads = small.pop()
@@ -318,19 +320,14 @@ class FlashClipping(LayerCapture):
             ready.update(zip(map(id, params), grads, strict=True))
         kept = {id(param): grad for param, grad in large}
         large.clear()
-        handed = self._handed
+        handed, pending, reverse = self._handed, self._pending, self.params[::-1]
         # Last layer first (autograd's order): kept per-sample gradients are freed before the
         # embeddings' full gradients exist (lower peak than first-first; a small LM, CPU).
         order = self.layers[::-1]
         clipped_of = self._calls_by_rule(order, c)
         for layer in order:
-            if (
-                not every
-                and not layer.calls
-                and not any(
-                    id(param) in kept or id(param) in ready for param in layer.params.values()
-                )
-            ):
+            params = layer.params.values()
+            if not (every or layer.calls or any(id(p) in kept or id(p) in ready for p in params)):
                 continue
             calls, layer.calls = layer.calls, []
             clipped: dict[str, Tensor] = {}
@@ -350,8 +347,11 @@ class FlashClipping(LayerCapture):
                     grad = ready.pop(id(param))
                 else:  # no call of this chunk reached the layer
                     grad = torch.zeros(param.shape, dtype=param.dtype, device=c.device)
-                sink(param, grad.view(param.shape))
+                pending[id(param)] = (param, grad.view(param.shape))
                 del grad  # not held through the next layer's clipped GEMM
+                while self._next_hand < len(reverse) and id(reverse[self._next_hand]) in pending:
+                    sink(*pending.pop(id(reverse[self._next_hand])))
+                    self._next_hand += 1
 
     def _rows_of_calls(self) -> dict[int, int]:
         """Per-layer clipping: id(layer) -> the row of c [P, B] of its call (a layer's one call

@@ -65,6 +65,7 @@ class FlashClippingTrainer(PrivateTrainer):
     capturable = True  # its tape, hooks, kernels and tables make no host sync (tests check it)
     supports_activation_checkpointing = True  # each input kept from its block's recomputation
     noise_generator: torch.Generator | None = None  # its own, where it needs one (made once)
+    sink_noise_generator: torch.Generator | None = None  # DDP's rank 0, when checkpointed
 
     def __init__(self, model, settings, phases, *, flash_route: str = "auto"):
         super().__init__(model, settings, phases)
@@ -91,7 +92,7 @@ class FlashClippingTrainer(PrivateTrainer):
         self.phases("privacy_wrapped")
 
     def generators(self) -> list[torch.Generator]:
-        return [self.noise_generator] if self.noise_generator is not None else []
+        return [g for g in (self.noise_generator, self.sink_noise_generator) if g is not None]
 
     def start_step(self, plan):
         super().start_step(plan)
@@ -181,15 +182,16 @@ class FlashClippingTrainer(PrivateTrainer):
 
     def replicated_noise(self):
         """How rank 0 draws DDP's noise into a bucket: from torch's generator, or, checkpointed,
-        from one of the trainer's own (made once, alike on every rank): a block's clipped sums
-        are sent from inside torch's recomputation, which restores the random state the block's
-        forward began with (every block's draw would be the same)."""
+        from one of its own (made once, on every rank; rank 0 draws): a block's clipped sums are
+        sent from inside torch's recomputation, which restores the random state the block's
+        forward began with (every block's draw would be the same). Not the gathering step's
+        generator, which every replica draws alike."""
         if self.checkpointed is None:
             return add_gaussian_noise
-        if self.noise_generator is None:
+        if self.sink_noise_generator is None:
             device = self.engine.params[0].device
-            self.noise_generator = collectives.seeded_generator(device, per_rank=False)
-        return functools.partial(add_gaussian_noise, generator=self.noise_generator)
+            self.sink_noise_generator = collectives.seeded_generator(device, per_rank=False)
+        return functools.partial(add_gaussian_noise, generator=self.sink_noise_generator)
 
     def gathered_chunk_step(self, chunk):
         """DDP, one per rank: autograd's gradients, gathered; each rank clips the global batch."""

@@ -513,3 +513,16 @@ def test_fsdp2_sync_per_chunk_and_per_logical_batch_give_the_same_update_on_3_ra
             # and they do differ in when: a shard's gradient after a chunk that is not the last
             assert saved["chunk"][case, name]["synced_after_a_chunk"], (case, name)
             assert not saved["logical"][case, name]["synced_after_a_chunk"], (case, name)
+
+
+def test_checkpointed_flash_sends_in_one_order_and_keeps_replicas_alike():
+    """DDP × 2, flash on checkpointed blocks (tests/parallel/checkpointed_ranks.py): a branch
+    only rank 0 takes does not change which parameter each rank's collectives carry (per-layer
+    and flat clipping give the gradients of the model without checkpointing), and a step whose
+    noise rank 0 adds to the sum followed by one where every replica draws it leaves the
+    replicas equal."""
+    done = forked_ranks(os.path.join(HERE, "checkpointed_ranks.py"), ranks=2)
+    assert done.returncode == 0, done.stderr[-4000:]
+    found = json.loads(done.stdout.strip().splitlines()[-1])
+    assert found["per_layer"] < 1e-6 and found["flat"] < 1e-6, found
+    assert found["replicas_apart"] == 0.0, found
