@@ -48,6 +48,17 @@ def nothing_left_captured(model, trainer=None) -> bool:
     return not any(getattr(m, "activations", None) for m in model.modules())
 
 
+def assert_the_next_step_exact(trainer, model, inputs, targets, want):
+    """After a failed or interrupted step: the next step's SGD update (lr 0.5) is ``want`` and
+    nothing stays captured."""
+    for p in model.parameters():
+        p.grad = None
+    trainer.step(inputs, targets)
+    got = -0.5 * torch.cat([p.grad.reshape(-1) for p in model.parameters()]).double()
+    assert relative_error(got, want) < 1e-5
+    assert nothing_left_captured(model, trainer)
+
+
 @pytest.mark.parametrize("physical", [None, 2])
 @pytest.mark.parametrize("name", DP_TRAINERS)
 def test_dp_trainers_under_checkpointing_match_brute_force(name, physical):
@@ -266,12 +277,7 @@ def test_an_interrupted_checkpointed_chunk_leaves_nothing_kept():
         finally:
             del model.blocks[0].forward
     assert trainer.trainer.engine.tape.phase == PLAIN  # the contexts restored it
-    for p in model.parameters():
-        p.grad = None
-    trainer.step(inputs, targets)
-    got = -0.5 * torch.cat([p.grad.reshape(-1) for p in model.parameters()]).double()
-    assert relative_error(got, want) < 1e-5
-    assert nothing_left_captured(model, trainer)
+    assert_the_next_step_exact(trainer, model, inputs, targets, want)
 
 
 @pytest.mark.gpu
@@ -406,9 +412,4 @@ def test_a_failure_while_a_block_is_clipped_leaves_the_tape_plain():
         trainer.step(inputs, targets)
     engine.clip_each_block(real)
     assert engine.tape.phase == PLAIN
-    for p in model.parameters():
-        p.grad = None
-    trainer.step(inputs, targets)
-    got = -0.5 * torch.cat([p.grad.reshape(-1) for p in model.parameters()]).double()
-    assert relative_error(got, want) < 1e-5
-    assert nothing_left_captured(model, trainer)
+    assert_the_next_step_exact(trainer, model, inputs, targets, want)
