@@ -268,9 +268,11 @@ class LayerCapture:
             raise RuntimeError("no managed layer was called with grad enabled since release()")
         tape.casts = {}
         tape.backward_done = True
-        tape.budget = max(DEFERRED_BYTES, tape.hooked_bytes // DEFERRED_PARTS)
-        if tape.group_done is not None:  # each block's group consumed as its backward ends
-            tape.budget = float("inf")
+        tape.budget = (  # clipped each block: each block's group consumed as its backward ends
+            max(DEFERRED_BYTES, tape.hooked_bytes // DEFERRED_PARTS)
+            if tape.group_done is None
+            else float("inf")
+        )
         self._gradient_owners = set()
         if retain_graph:  # what rearm() restores: the records, the hooks' list and holders
             blocks = [(block, {k: list(v) for k, v in block.items()}) for block in tape.blocks]

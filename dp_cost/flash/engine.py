@@ -119,6 +119,10 @@ class FlashClipping(LayerCapture):
         self._handed, self._drained, self._routes = set(), set(), []
         self._pending, self._next_hand = {}, 0
         self._take_gradients(loss, retain_graph)
+        self._calls_ready()
+
+    def _calls_ready(self) -> None:
+        """After a backward (or a block's): small ones formed per sample, reused modules joined."""
         self._after_backward = True
         self._form_after_backward()
         self._join_reused()
@@ -144,18 +148,14 @@ class FlashClipping(LayerCapture):
         self.tape.group_done = None if clip is None else each_block(self, clip, copy_gradients)
 
     def clip_group(self, batch: list, clip) -> None:
-        """clip(self) of ``batch`` ([records, their Gs], emptied: each call's tensors go once it
-        is done) and of what the engine holds."""
+        """clip(self) of ``batch`` ([records, Gs]; emptied, each call's tensors go once done)."""
         records, grads = batch
         batch.clear()
         self._add_calls(records, grads)
         del records, grads
         if not any(layer.calls or layer.per_sample for layer in self.layers):
             return
-        self._after_backward = True
-        self._form_after_backward()
-        self._join_reused()
-        self._routes += [route for layer in self.layers for route in layer.described]
+        self._calls_ready()
         self._drained.update(id(layer) for layer in self.layers if layer.calls or layer.per_sample)
         clip(self)
         self._drop_held()
