@@ -1,8 +1,10 @@
-"""Flash's two memory-bound kernels of the clipped step, on the operands one 1b step gives them:
-the Linear biases' per-sample gradients (token sums of G) and the clip factors folded into each
-Gram-route Linear's narrower operand. For each (B, T), each block configuration's ms (the mean
-of triton.testing.do_bench's repetitions) and the bandwidth it reached (bytes read and written
-once).
+"""Flash's memory-bound kernels of the clipped step, on the operands one 1b step gives them:
+the Linear biases' per-sample gradients (token sums of G), the clip factors folded into each
+Gram-route Linear's narrower operand, and per-layer clipping's norms of one block's kept
+per-sample gradients (each layer's own: a segmented sum of the row norms' partials, timed beside
+their plain sum and beside torch.segment_reduce of the same partials). For each (B, T), each
+block configuration's ms (the mean of triton.testing.do_bench's repetitions) and the bandwidth
+it reached (bytes read and written once).
 
     python benchmarks/memory_kernels.py --shapes 8x512 8x1024
 
@@ -47,6 +49,7 @@ def main(argv=None) -> int:
     import triton.testing
 
     from dp_cost.flash.kernels import clipped_gemm, weighted_sums
+    from dp_cost.flash.kernels.common import block_offsets
     from dp_cost.flash.rules.linear import FOLD_GROUP_BYTES
     from models import CONFIGS, build_model
 
@@ -66,10 +69,17 @@ def main(argv=None) -> int:
     if args.model not in CONFIGS:
         print(f"memory_kernels.py: --model must be one of {', '.join(CONFIGS)}", file=sys.stderr)
         return 2
-    # (in, out, has bias) of every Linear of the model, read off it on the meta device
+    # (in, out, has bias) of every Linear of the model, read off it on the meta device, and
+    # (in, out) of those of its first block
+    model = build_model(args.model, "meta")
     linears = [
         (m.in_features, m.out_features, m.bias is not None)
-        for m in build_model(args.model, "meta").modules()
+        for m in model.modules()
+        if isinstance(m, torch.nn.Linear)
+    ]
+    first_block = [
+        (m.in_features, m.out_features)
+        for m in model.blocks[0].modules()
         if isinstance(m, torch.nn.Linear)
     ]
     # A tree from before the warps settings launches with Triton's default, 4 warps.
@@ -148,6 +158,37 @@ def main(argv=None) -> int:
         clipped_gemm.FOLD_BLOCK, clipped_gemm.FOLD_WARPS = fold_own
         del narrows, groups
         torch.cuda.empty_cache()
+        # Per-layer norms: the kept per-sample gradients [B, p, d] of the first block's
+        # product-route Linears (a checkpointed block's per-layer clipping, one call a block).
+        kept = [
+            torch.randn(B, p, d, device=device, dtype=dtype, generator=generator)
+            for d, p in first_block
+            if d * p <= T * (d + p)
+        ]
+        if kept:
+            expected = torch.stack([g.float().flatten(1).square().sum(1) for g in kept])
+            each = functools.partial(weighted_sums.squared_row_norms_many, kept, True)
+            torch.testing.assert_close(each(), expected, rtol=1e-4, atol=0)
+            plain = functools.partial(weighted_sums.squared_row_norms_many, kept)
+            read = sum(g.numel() * g.element_size() for g in kept)
+            sizes = tuple(g[0].numel() for g in kept)
+            offsets = block_offsets(device, sizes, weighted_sums.ROW_NORM_BLOCK)
+            partials = torch.rand(int(offsets[-1]), B, device=device, generator=generator)
+            segmented = functools.partial(
+                torch.segment_reduce, partials, "sum", offsets=offsets, axis=0
+            )
+            for name, run in (
+                ("each layer's (segmented sum)", each),
+                ("summed over layers (plain sum)", plain),
+                ("torch.segment_reduce of the partials alone", segmented),
+            ):
+                ms = triton.testing.do_bench(run, rep=200)
+                print(
+                    f"({B}, {T}) norms of {len(kept)} kept per-sample gradients, "
+                    f"{read / 2**30:.2f} GiB, {name}: {ms:.3f} ms"
+                )
+            del kept, partials
+            torch.cuda.empty_cache()
     return 0
 
 

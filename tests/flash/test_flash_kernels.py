@@ -278,17 +278,22 @@ def test_token_sums_match_fp64(B):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-def test_squared_row_norms_match_fp64(dtype):
+def test_squared_row_norms_match_fp64(dtype, monkeypatch):
     """Per-sample squared norms summed over kept per-sample gradients of several sizes in one
-    launch (one block + 1 elements per row, a row within one block, one element per row;
-    samples scaled apart so a row mixed up with another shows), against an fp64 reference."""
+    launch (one block + 1 elements per row, a row within one block, one element per row, seven
+    blocks' worth; samples scaled apart so a row mixed up with another shows), against an fp64
+    reference. Each source's own (per-layer clipping) sums its blocks' partials a tile of rows
+    at a time: tiles of 2 rows here, so a source spans several tiles and a part-filled last."""
+    from dp_cost.flash.kernels import weighted_sums
+
     torch.manual_seed(5)
+    monkeypatch.setattr(weighted_sums, "SEGMENT_TILE", 8)
     block = flash_kernels.ROW_NORM_BLOCK
     for B in (1, 3):
         scale = torch.tensor([1.0, 10.0, 0.1])[:B]
         sources = [
             (torch.randn(B, *shape) * scale.view(B, *[1] * len(shape))).to(dtype)
-            for shape in ((block + 1,), (4, 25), (1,))
+            for shape in ((block + 1,), (4, 25), (1,), (7, block))
         ]
         expected = sum(x.double().flatten(1).square().sum(1) for x in sources)
         norms = flash_kernels.squared_row_norms_many(sources)

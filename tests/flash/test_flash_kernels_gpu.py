@@ -164,6 +164,23 @@ def test_weighted_sums_on_cuda():
         assert error < 1e-6
 
 
+@pytest.mark.parametrize("B", [1, 8, 33])
+def test_each_layers_row_norms_on_cuda(B):
+    """Per-layer clipping's norms of kept bf16 per-sample gradients, each layer's own: 1b block
+    shapes (thousands of partial rows a layer, many tiles of the segmented sum) beside a layer
+    of one element and an empty one, a batch that is not a power of two; against fp64."""
+    from dp_cost.flash import kernels as flash_kernels
+
+    torch.manual_seed(9)
+    shapes = [(2048, 2048), (8192, 2048), (1,), (0,), (2048, 8192)]
+    sources = [torch.randn(B, *shape, device="cuda").bfloat16() for shape in shapes]
+    each = flash_kernels.squared_row_norms_many(sources, each=True)
+    assert each.shape == (len(sources), B) and each.dtype == torch.float32
+    for norms, source in zip(each, sources):
+        expected = source.double().flatten(1).square().sum(1)
+        assert ((norms.double() - expected).abs() <= 1e-6 * expected.abs() + 1e-30).all()
+
+
 def test_token_sums_on_cuda():
     """The biases' per-sample gradients of 1b-shaped bf16 output gradients (widths 2048 and
     8192, T = 512) and a narrow fp32 one, one launch, against an fp64 sum over tokens."""
