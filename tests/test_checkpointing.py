@@ -5,12 +5,15 @@ against brute force on a twin of the model built without checkpointing (fp32, 1e
 LM, physical chunks, flat and per-layer clipping (tests/hf/test_hf_checkpointing.py: tiny Llama
 full and LoRA with left padding)."""
 
+import collections
 import dataclasses
 
 import pytest
 import torch
 from test_per_layer_clipping import bound_between_norms, per_layer_reference
 from test_trainers import SMALL, make_batch, reference_update, relative_error
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.checkpoint import checkpoint
 
 import models
 import trainers
@@ -339,6 +342,89 @@ def test_frozen_embeddings_under_checkpointing():
         engine.backward(loss)
     got, want = (e.per_sample_squared_norms() for e in (checkpointed, reference))
     assert torch.allclose(got, want, rtol=1e-5)
+
+
+class LeafBlockNet(torch.nn.Module):
+    """Frozen embeddings, then a block whose one managed layer reads them (its output a leaf,
+    its op saving nothing) and adds its input (saving nothing): flash's is the block's only
+    saved tensor. Checkpointed or not."""
+
+    def __init__(self, checkpointed: bool):
+        super().__init__()
+        self.emb = torch.nn.Embedding(11, 6).requires_grad_(False)
+        self.inner = torch.nn.Linear(6, 6)
+        self.head = torch.nn.Linear(6, 11)
+        self.checkpointed = checkpointed
+        if checkpointed:
+            recompute.attach(self)
+
+    def block(self, x):
+        return self.inner(x) + x
+
+    def forward(self, ids):
+        x = self.emb(ids)
+        if self.checkpointed:
+            contexts = recompute.recompute_contexts(self)
+            x = checkpoint(self.block, x, use_reentrant=False, context_fn=contexts)
+        else:
+            x = self.block(x)
+        return self.head(x)
+
+
+def test_a_block_that_saves_nothing_but_its_leaf_layer_is_recomputed_and_clipped():
+    """torch recomputes a block when the backward first unpacks one of its saved tensors and
+    stops after the last one its first forward saved. A block whose only managed layer reads
+    an input that needs no gradient saves nothing of its own: flash's counted leaf makes the
+    recomputation run and reach it, and the norms are those of the model built without
+    checkpointing."""
+    torch.manual_seed(4)
+    model, plain = LeafBlockNet(True), LeafBlockNet(False)
+    plain.load_state_dict(model.state_dict())
+    checkpointed, reference = flash_on(model), flash_on(plain)
+    ids, targets = torch.randint(0, 11, (3, 5)), torch.randint(0, 11, (3, 5))
+    for engine, net in ((checkpointed, model), (reference, plain)):
+        loss = torch.nn.functional.cross_entropy(
+            net(ids).flatten(0, 1), targets.flatten(), reduction="sum"
+        )
+        engine.backward(loss)
+    assert not waiting(checkpointed)
+    got, want = (e.per_sample_squared_norms() for e in (checkpointed, reference))
+    assert torch.allclose(got, want, rtol=1e-5)
+
+
+class Counted(TorchDispatchMode):
+    """The aten ops run below autograd, counted by name."""
+
+    def __init__(self):
+        super().__init__()
+        self.counts = collections.Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.counts[str(func)] += 1
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("clipping, backwards", [("flat", 2), ("per_layer", 1)])
+def test_flash_recomputation_stops_after_the_last_saved_tensor(clipping, backwards):
+    """torch's early stop: the recomputation of a block ends once the last tensor its first
+    forward saved is saved again, so each block's last Linear (fc2: its output only feeds the
+    residual sum) is not run again. A flash step under checkpointing runs one addmm a block per
+    Linear but fc2 per backward (flat clipping: two) more than the same step without."""
+    counts = []
+    for checkpointed in (True, False):
+        torch.manual_seed(0)
+        model = models.build_model(
+            dataclasses.replace(SMALL, activation_checkpointing=checkpointed)
+        )
+        trainer = trainers.make_trainer(
+            "flash", model, lr=0.5, batch_size=3, max_grad_norm=1.0, noise_multiplier=0.0,
+            clipping=clipping,
+        )  # fmt: skip
+        with Counted() as counted:
+            trainer.step(*make_batch(3, 8))
+        counts.append(counted.counts["aten.addmm.default"])
+    linears = [m for m in model.blocks[0].modules() if isinstance(m, torch.nn.Linear)]
+    assert counts[0] - counts[1] == backwards * len(model.blocks) * (len(linears) - 1)
 
 
 def test_a_failed_second_backward_leaves_the_next_step_exact():

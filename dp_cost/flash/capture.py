@@ -42,6 +42,7 @@ from dp_cost.flash.checkpointed import (
     FIRST_OF_CHECKPOINTED,
     PLAIN,
     RECOMPUTING,
+    CountedLeaf,
     block_contexts,
 )
 from dp_cost.flash.layer import Call, GradRequest, Layer, add_per_sample, flatten_tokens
@@ -167,9 +168,9 @@ def taped_forward(module, tape: Tape, layer: Layer, *args, **kwargs):
             )
         holders.pop(0).extend((A.detach(), A._version))  # before the op: early stop or not
         y = layer.compute(module, x)
-        # as the first forward made it (a leaf where nothing before needs a gradient): the
-        # recomputation must save what that forward saved
-        return y if y.grad_fn is not None else y.detach().requires_grad_(True)
+        # as the first forward made it (a counted leaf where nothing before needs a gradient):
+        # the recomputation must save what that forward saved
+        return y if y.grad_fn is not None else CountedLeaf.apply(y.detach().requires_grad_(True))
     y = layer.compute(module, x)
     base = y._base
     if (
@@ -207,7 +208,7 @@ def taped_forward(module, tape: Tape, layer: Layer, *args, **kwargs):
         edge[0].register_prehook(hook)
     else:
         tape.records.append(record)
-    return y
+    return CountedLeaf.apply(y) if phase == FIRST_OF_CHECKPOINTED and y is edge else y
 
 
 def _hooked_gradient(tape: Tape, hooked: list, index: int, grads: tuple) -> None:

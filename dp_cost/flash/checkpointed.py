@@ -43,6 +43,25 @@ class BlockPhase:
             tape.hook_blocks = True
 
 
+class CountedLeaf(torch.autograd.Function):
+    """A managed layer's output in a checkpointed block where nothing before it needs a
+    gradient (a leaf: its op saved nothing), unchanged, with an empty tensor saved. torch's
+    recomputation runs when a saved tensor of the block is first unpacked and stops after the
+    last one the first forward saved (early stop, which spares the block's last GEMM): a save
+    after the layer's holder is filled, unpacked in the backward, makes the recomputation run
+    and reach the layer in a block where nothing else is saved after it, or nothing at all."""
+
+    @staticmethod
+    def forward(ctx, leaf):
+        ctx.save_for_backward(leaf.new_empty(0))
+        return leaf.view_as(leaf)
+
+    @staticmethod
+    def backward(ctx, grad):
+        ctx.saved_tensors  # noqa: B018 (unpacked: the block's recomputation has run)
+        return grad
+
+
 def block_contexts(tape) -> tuple[BlockPhase, BlockPhase]:
     """torch.utils.checkpoint's ``context_fn`` for one checkpoint call: the contexts of the
     block's first forward and of its recomputation, sharing the block's holders."""

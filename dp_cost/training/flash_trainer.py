@@ -6,7 +6,6 @@ from __future__ import annotations
 import functools
 
 import torch
-from torch.utils.checkpoint import set_checkpoint_early_stop
 
 from dp_cost.core import recompute
 from dp_cost.core.schema import AllocationSite
@@ -103,10 +102,7 @@ class FlashClippingTrainer(PrivateTrainer):
     def chunk_step(self, chunk):
         if gathers_per_sample(self.settings.mode, chunk.plan):
             return self.gathered_chunk_step(chunk)
-        # The recomputation of a checkpointed block runs whole (no early stop after its last
-        # saved tensor): every managed layer's input is taken from it.
-        with set_checkpoint_early_stop(False):
-            per_sample = self.per_sample_losses(self.model, chunk)
+        per_sample = self.per_sample_losses(self.model, chunk)
         self.phases("forward_done")
         # Several ranks: each collective starts once its clipped sum exists (the sink); FSDP2
         # with fsdp_sync "logical": held unsharded until the last chunk, sent once then.
