@@ -10,6 +10,8 @@ from dp_cost.capacity import allocator
 from dp_cost.core.schema import MB
 
 GIB = 2**30
+# Rooms this close place a step's requests alike: the allocator's smallest segment (2 MiB)
+ROOM_STEP = 2 * MB
 
 # What a CUDA process holds beside the step's own tensors, measured on an H200 with torch 2.11
 # (benchmarks/README.md, "Will it fit?"): the cuBLAS workspaces a forward and a backward matmul
@@ -52,3 +54,18 @@ def fits(prediction: dict, budget_gib: float, world_size: int = 1) -> bool:
     its wholly free segments to the card first where it must, as torch's does)."""
     room = allocator_room_bytes(budget_gib, world_size)
     return not allocator.replay(planned_requests(prediction), room).out_of_memory
+
+
+def needed_room(prediction: dict) -> int:
+    """The least room, to ROOM_STEP, in which the allocator places every request of the step:
+    what ``fits`` decides, as a number (bisected between the allocated peak and the reserved
+    peak on an unlimited card, a dozen replays of tens of ms: a fake step takes seconds)."""
+    requests = planned_requests(prediction)
+    low, high = prediction["peak"], allocator.replay(requests).peak_reserved_bytes
+    while high - low > ROOM_STEP:
+        middle = (low + high) // 2
+        if allocator.replay(requests, middle).out_of_memory:
+            low = middle
+        else:
+            high = middle
+    return high

@@ -8,7 +8,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 
-from dp_cost.capacity.card import allocator_room_bytes, fits, reserved_peak
+from dp_cost.capacity.card import allocator_room_bytes, fits, needed_room, reserved_peak
 from dp_cost.capacity.fake_step import rank_share
 from dp_cost.capacity.model_facts import model_max_seq_len
 from dp_cost.capacity.predictions import Predictions
@@ -20,6 +20,7 @@ MAX_PROBES = 64  # a guard: galloping and bisecting take about 2 log2(|guess - a
 # ("search_capped": more may fit) instead of finding the exact answer (a small model on a large
 # card fits tens of thousands, and each prediction is a step on fake tensors).
 MAX_PHYSICAL_BATCH = 1024
+SECANT_STEPS = 3  # refinements of a search's first guess (``refined_guess``)
 
 
 def largest_passing(passes, first_guess: int) -> tuple[int, list[int]]:
@@ -93,6 +94,9 @@ class Axis:
     search: Callable[[Callable[[int], bool], int], tuple[int, list[int]]]
     entry: Callable[[int], dict]
     cap: int | None = None  # the largest value judged (None: the search's own limit)
+    # (low, guess) -> may the first guess be refined through the step at the guess (both on
+    # one monotone piece of the axis, the guess within its limit)
+    refinable: Callable[[int, int], bool] = lambda low, guess: False
 
 
 def batch_axis(predictions: Predictions) -> Axis:
@@ -118,6 +122,9 @@ def batch_axis(predictions: Predictions) -> Axis:
         search=search,
         entry=lambda physical: {"physical_batch_size": physical},
         cap=MAX_PHYSICAL_BATCH,
+        refinable=lambda low, guess: (
+            1 <= low < guess <= MAX_PHYSICAL_BATCH and (low >= share) == (guess >= share)
+        ),
     )
 
 
@@ -145,6 +152,43 @@ def seq_len_axis(predictions: Predictions) -> Axis:
     )
 
 
+def refined_guess(axis: Axis, room: int, low: int, guess: int) -> int:
+    """The first guess moved by secant steps on the room each step needs (``needed_room``),
+    from the line through ``low`` and the guess, to where it crosses the card's room: the
+    allocated peak's slope misses the allocator's fragmentation, which grows with the batch
+    (ghost's first guesses of the 1b model were 4 to 7 samples over, each miss a search step
+    of a fake step's seconds). Each step predicts one more value, near the answer, which the
+    search then judges without predicting it again."""
+    previous, current = low, guess
+    for _ in range(SECANT_STEPS):
+        if previous == current or not axis.refinable(*sorted((previous, current))):
+            break
+        at_previous, at_current = (room_needed(axis, value) for value in (previous, current))
+        if at_current == at_previous:
+            break
+        following = previous + (room - at_previous) * (current - previous) // (
+            at_current - at_previous
+        )
+        # not past what the step at the guess showed: the answer is at or above a guess that
+        # fits, below one that does not
+        if at_current <= room:
+            following = max(following, current)
+        else:
+            following = max(1, min(following, current - 1))
+        if following == current:
+            break
+        previous, current = current, following
+    return current
+
+
+def room_needed(axis: Axis, value: int) -> int:
+    """``needed_room`` of the step at ``value``, kept with its prediction (a dozen replays)."""
+    step = axis.predicted(value)
+    if "needed_room" not in step:
+        step["needed_room"] = needed_room(step)
+    return step["needed_room"]
+
+
 def largest_on_card(axis: Axis, budget: float, ranks: int) -> dict:
     """The largest value of ``axis`` whose predicted step fits a card of ``budget`` GiB (beside
     NCCL's buffers with several ``ranks``), with its predicted peaks and how many values were
@@ -160,7 +204,7 @@ def largest_on_card(axis: Axis, budget: float, ranks: int) -> dict:
     slope = axis.predicted(high)["peak"] - axis.predicted(low)["peak"]
     left = room - reserved_peak(axis.predicted(low))
     guess = low + int(left // slope) if slope > 0 else flat_guess
-    found, judged = axis.search(passes, guess)
+    found, judged = axis.search(passes, refined_guess(axis, room, low, guess))
     at_found = axis.predicted(found) if found else None
     return {
         "gpu_memory_gib": budget,

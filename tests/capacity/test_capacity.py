@@ -8,6 +8,7 @@ import math
 import multiprocessing
 import os
 import shutil
+import types
 
 import pytest
 import torch
@@ -213,6 +214,67 @@ def test_the_budget_search_finds_the_boundary_from_any_guess(guess, budget):
     assert len(judged) <= 2 * math.ceil(math.log2(abs(guess - found) + 1)) + 2
     if found:  # the answer and the one above it were both judged
         assert found in judged and found + 1 in judged
+
+
+def step_needing(room_bytes: int, allocated: int) -> dict:
+    """A predicted step of one request of ``room_bytes`` (what the allocator must place) and an
+    allocated peak of ``allocated`` (what the first guess's line is drawn through)."""
+    return {"peak": allocated, "requests": [], "step_requests": [(1, room_bytes)]}
+
+
+@pytest.mark.parametrize("budget", [79, 140])
+def test_the_first_guess_follows_the_room_the_step_needs(budget):
+    """Fragmentation grows with the batch, so the allocated peak's slope overshoots the largest
+    batch that fits (ghost's first guesses: 4 to 7 samples over). The guess refined through the
+    room the step at the first guess needs (card.needed_room, bisected over replays) finds the
+    same answer in fewer judgements; needed_room is the least room ``fits`` accepts."""
+    gib = card.GIB
+
+    def step(physical):  # allocated: affine; the room it needs: 1% more per 4 samples
+        allocated = (2 + physical) * gib
+        return step_needing(int(allocated * (1 + physical / 400)), allocated)
+
+    for physical in (8, 30):
+        needed = card.needed_room(step(physical))
+        room = card.allocator_room_bytes(budget)
+        assert card.fits(step(physical), budget) == (needed <= room)
+        assert needed - card.ROOM_STEP < step(physical)["step_requests"][0][1] + 2**26 <= needed
+    found = {}
+    for refinable in (False, True):
+        predicted = set()
+
+        def at(physical, predicted=predicted):
+            predicted.add(physical)
+            return step(physical)
+
+        axis = searches.Axis(
+            judged="batch_sizes_judged", predicted=at,
+            line=lambda passes: (8, 9, 8), search=searches.largest_passing,
+            entry=lambda physical: {"physical_batch_size": physical},
+            refinable=lambda low, guess, on=refinable: on and low < guess,
+        )  # fmt: skip
+        result = searches.largest_on_card(axis, budget, 1)
+        found[refinable] = result["physical_batch_size"], len(predicted)
+    fitting = [p for p in range(1, 1000) if card.fits(step(p), budget)]
+    assert found[True][0] == found[False][0] == max(fitting)
+    assert found[True][1] < found[False][1] and found[True][1] <= 2 + 4  # the line's two
+
+
+def test_where_nothing_fits_the_refined_search_predicts_no_batch_below_one():
+    """A model whose step does not fit at one sample (8B full fine-tuning with Adam in one
+    80 GiB process): the first guess falls below 1, and neither its refinement nor the search
+    asks for a batch of fewer than one sample; the answer is 0."""
+    asked = []
+
+    def at(physical):
+        asked.append(physical)
+        return step_needing((100 + physical) * card.GIB, (100 + physical) * card.GIB)
+
+    stub = types.SimpleNamespace(
+        config=types.SimpleNamespace(batch_size=8, world_size=1), at=at, planned=8
+    )
+    result = searches.largest_on_card(searches.batch_axis(stub), 80, 1)
+    assert result["physical_batch_size"] == 0 and min(asked) == 1
 
 
 def test_the_batch_search_stops_at_its_cap_and_says_more_may_fit(monkeypatch):
