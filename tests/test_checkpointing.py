@@ -345,13 +345,14 @@ def test_frozen_embeddings_under_checkpointing():
 
 
 class LeafBlockNet(torch.nn.Module):
-    """Frozen embeddings, then a block whose one managed layer reads them (its output a leaf,
-    its op saving nothing) and adds its input (saving nothing): flash's is the block's only
-    saved tensor. Checkpointed or not."""
+    """A fixed table of token vectors (a buffer: nothing before the block needs a gradient),
+    then a block whose one managed layer reads them (its output a leaf, its op saving nothing)
+    and adds its input (saving nothing): flash's is the block's only saved tensor.
+    Checkpointed or not."""
 
     def __init__(self, checkpointed: bool):
         super().__init__()
-        self.emb = torch.nn.Embedding(11, 6).requires_grad_(False)
+        self.register_buffer("table", torch.randn(11, 6))
         self.inner = torch.nn.Linear(6, 6)
         self.head = torch.nn.Linear(6, 11)
         self.checkpointed = checkpointed
@@ -362,7 +363,7 @@ class LeafBlockNet(torch.nn.Module):
         return self.inner(x) + x
 
     def forward(self, ids):
-        x = self.emb(ids)
+        x = self.table[ids]
         if self.checkpointed:
             contexts = recompute.recompute_contexts(self)
             x = checkpoint(self.block, x, use_reentrant=False, context_fn=contexts)
@@ -390,6 +391,29 @@ def test_a_block_that_saves_nothing_but_its_leaf_layer_is_recomputed_and_clipped
     assert not waiting(checkpointed)
     got, want = (e.per_sample_squared_norms() for e in (checkpointed, reference))
     assert torch.allclose(got, want, rtol=1e-5)
+
+
+@pytest.mark.parametrize("clipping", ["flat", "per_layer"])
+def test_flash_steps_on_a_block_that_saves_nothing_but_its_leaf_layer_match_brute_force(
+    clipping,
+):
+    """The block of the test above through flash's trainer, in chunks of 2: flat clipping's
+    two backwards (the block recomputed in each) and per-layer clipping's block-by-block
+    sums, against brute force on the model built without checkpointing."""
+    torch.manual_seed(6)
+    model, plain = LeafBlockNet(True), LeafBlockNet(False)
+    plain.load_state_dict(model.state_dict())
+    ids, targets = torch.randint(0, 11, (5, 4)), torch.randint(0, 11, (5, 4))
+    reference = reference_update if clipping == "flat" else per_layer_reference
+    want = reference(plain, ids, targets, 0.05, 0.5)[0]
+    trainer = trainers.make_trainer(
+        "flash", model, lr=0.5, batch_size=5, max_grad_norm=0.05, noise_multiplier=0.0,
+        max_physical_batch_size=2, clipping=clipping,
+    )  # fmt: skip
+    trainer.step(ids, targets)
+    got = -0.5 * torch.cat([p.grad.reshape(-1) for p in model.parameters()]).double()
+    assert relative_error(got, want) < 1e-5
+    assert nothing_left_captured(model, trainer)
 
 
 class Counted(TorchDispatchMode):

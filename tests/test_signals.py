@@ -18,7 +18,7 @@ import torch
 from cli_helpers import ROOT, in_process, results_in, small_run_args
 
 from dp_cost.core import interrupts
-from dp_cost.measure import processes, quiet, run
+from dp_cost.measure import children, processes, quiet, run
 from dp_cost.report import summary
 
 TOKEN = "hf_NotARealTokenButLooksLikeOne123"
@@ -69,15 +69,15 @@ def wait_for(condition, timeout=120.0, cli=None):
 def running_worker(cli, config_dir) -> int:
     """The pid of the CLI's worker of ``config_dir``, once it runs."""
 
-    def children():
+    def child_pids():
         found = []
         for task in os.listdir(f"/proc/{cli.pid}/task"):
             with open(f"/proc/{cli.pid}/task/{task}/children") as f:
                 found += [int(pid) for pid in f.read().split()]
         return found
 
-    wait_for(lambda: config_dir.exists() and children(), cli=cli)  # made just before the fork
-    return children()[0]
+    wait_for(lambda: config_dir.exists() and child_pids(), cli=cli)  # made just before the fork
+    return child_pids()[0]
 
 
 def gone(pid: int) -> bool:
@@ -118,7 +118,7 @@ def test_sigterm_ends_a_stopped_worker_and_leaves_no_process(tmp_path):
         worker = running_worker(proc, tmp_path / "r" / "standard_bs2_seq8")
         os.kill(worker, signal.SIGSTOP)
         proc.send_signal(signal.SIGTERM)
-        _, stderr = proc.communicate(timeout=processes.KILL_GRACE_S + 30)
+        _, stderr = proc.communicate(timeout=children.KILL_GRACE_S + 30)
     finally:
         proc.kill()
         if worker is not None:
@@ -228,7 +228,7 @@ def signalling_worker(signum):
 def test_an_interrupt_during_a_config_prints_the_command_that_continues_the_run(
     tmp_path, monkeypatch, hangup_handled, signum, code
 ):
-    monkeypatch.setattr(processes, "worker_main", signalling_worker(signum))
+    monkeypatch.setattr(children, "worker_main", signalling_worker(signum))
     args = small_run_args(tmp_path, "standard", run_name=None)  # the default, timestamped name
     proc = in_process(*args)
     assert proc.returncode == code, proc.stderr[-2000:]
@@ -243,7 +243,7 @@ def test_an_interrupt_during_a_config_prints_the_command_that_continues_the_run(
 
 
 def test_an_interrupt_never_removes_a_run_directory_it_did_not_create(tmp_path, monkeypatch):
-    monkeypatch.setattr(processes, "worker_main", signalling_worker(signal.SIGINT))
+    monkeypatch.setattr(children, "worker_main", signalling_worker(signal.SIGINT))
     (tmp_path / "r").mkdir()
     proc = in_process(*small_run_args(tmp_path, "standard"), "--resume")
     assert proc.returncode == 130, proc.stderr[-2000:]
@@ -274,8 +274,8 @@ def test_a_worker_that_ignores_sigterm_is_killed_after_the_grace_period(tmp_path
         os.kill(os.getppid(), signal.SIGTERM)
         time.sleep(60)
 
-    monkeypatch.setattr(processes, "worker_main", stubborn)
-    monkeypatch.setattr(processes, "KILL_GRACE_S", 0.5)
+    monkeypatch.setattr(children, "worker_main", stubborn)
+    monkeypatch.setattr(children, "KILL_GRACE_S", 0.5)
     started = time.monotonic()
     proc = in_process(*small_run_args(tmp_path, "standard"))
     assert proc.returncode == 143 and time.monotonic() - started < 30

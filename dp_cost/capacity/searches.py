@@ -8,7 +8,13 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 
-from dp_cost.capacity.card import allocator_room_bytes, fits, needed_room, reserved_peak
+from dp_cost.capacity.card import (
+    ROOM_STEP,
+    allocator_room_bytes,
+    fits,
+    needed_room,
+    reserved_peak,
+)
 from dp_cost.capacity.fake_step import rank_share
 from dp_cost.capacity.model_facts import model_max_seq_len
 from dp_cost.capacity.predictions import Predictions
@@ -157,27 +163,29 @@ def refined_guess(axis: Axis, room: int, low: int, guess: int) -> int:
     from the line through ``low`` and the guess, to where it crosses the card's room: the
     allocated peak's slope misses the allocator's fragmentation, which grows with the batch
     (ghost's first guesses of the 1b model were 4 to 7 samples over, each miss a search step
-    of a fake step's seconds). Each step predicts one more value, near the answer, which the
-    search then judges without predicting it again."""
+    of a fake step's seconds). Each step predicts one value more; the steps stay between the
+    largest value known to fit and the smallest known not to, and stop where two values' rooms
+    are too close (``needed_room`` is exact to ROOM_STEP) to draw a line through."""
+    fitting, failing = 0, None  # the bracket the steps have shown
     previous, current = low, guess
     for _ in range(SECANT_STEPS):
         if previous == current or not axis.refinable(*sorted((previous, current))):
             break
         at_previous, at_current = (room_needed(axis, value) for value in (previous, current))
-        if at_current == at_previous:
+        for value, needed in ((previous, at_previous), (current, at_current)):
+            if needed <= room:
+                fitting = max(fitting, value)
+            else:
+                failing = value if failing is None else min(failing, value)
+        if abs(at_current - at_previous) <= 2 * ROOM_STEP:
             break
         following = previous + (room - at_previous) * (current - previous) // (
             at_current - at_previous
         )
-        # not past what the step at the guess showed: the answer is at or above a guess that
-        # fits, below one that does not
-        if at_current <= room:
-            following = max(following, current)
-        else:
-            following = max(1, min(following, current - 1))
-        if following == current:
-            break
-        previous, current = current, following
+        following = max(fitting, following if failing is None else min(following, failing - 1))
+        if following in (previous, current):
+            return following
+        previous, current = current, max(1, following)
     return current
 
 

@@ -7,37 +7,30 @@ every config (no pool pollution between trainers) and an OOM or crash stays insi
 
 from __future__ import annotations
 
-import contextlib
-import gc
 import multiprocessing
+import multiprocessing.connection
 import os
 import re
-import shutil
-import signal
 import sys
 
 import torch
 
 from dp_cost.capacity.probing import SEARCHES
-from dp_cost.core import files, interrupts
-from dp_cost.core.files import TEMPORARY_NAME, make_folder, write_json
+from dp_cost.core import interrupts
+from dp_cost.core.files import make_folder, write_json
 from dp_cost.core.fmt import count
-from dp_cost.core.interrupts import INTERRUPTS
-from dp_cost.core.reading import is_file_at, read_json_or_none
+from dp_cost.core.reading import read_json_or_none
 from dp_cost.core.schema import FINISHED
-from dp_cost.measure import quiet, ranks
+from dp_cost.measure import children, ranks
 from dp_cost.measure.progress import ProgressBar, describe
 from dp_cost.measure.ranks import RankGroup
-from dp_cost.measure.worker import result_skeleton, worker_main
+from dp_cost.measure.worker import result_skeleton
 from dp_cost.report.result_check import result_problem
 from dp_cost.training import registry as trainers
 
 # Directories a run makes per config (<trainer>_bs<B>_seq<T>...) and atomic_write's temporary
 # names (files.TEMPORARY_NAME): the only things leftover removal may touch.
 CONFIG_DIR_NAME = re.compile(r"^\w+?_bs\d+_seq\d+(_[\w.-]+)?$")
-# A worker sent SIGTERM (and SIGCONT: a stopped one would hold SIGTERM pending for ever) that has
-# not ended after this long is killed: stuck in a driver call, or ignoring SIGTERM.
-KILL_GRACE_S = 5
 
 
 class Interrupted(Exception):
@@ -103,12 +96,14 @@ def _run_configs(configs, run_dir, resume, progress, verbose, group, started) ->
         remove_run_leftovers(run_dir)
     bar = ProgressBar(len(configs), no_worker) if progress else None
     log = bar.write if bar else print
-    results = []
+    tags = {id(c): f"[{i}/{len(configs)}] {c.config_dir}" for i, c in enumerate(configs, 1)}
+    workers = workers_at_once(configs, group)
+    results, side_by_side = [], []
     for index, (config, result_path, result, reason) in enumerate(
         zip(configs, paths, kept, skips), 1
     ):
         config_path = os.path.dirname(result_path)
-        tag = f"[{index}/{len(configs)}] {config.config_dir}"
+        tag = tags[id(config)]
         if result:
             log(f"{tag}: {result['status']} (resumed)")
         else:
@@ -116,6 +111,10 @@ def _run_configs(configs, run_dir, resume, progress, verbose, group, started) ->
             if reason:
                 result = result_skeleton(config, "skipped", reason)
                 write_json(result_path, result, root=run_dir)
+            elif workers > 1:  # run below, with the others
+                side_by_side.append((len(results), config, config_path, result_path))
+                results.append(None)
+                continue
             elif group is None:
                 log(f"{tag}: running")
                 started.append(config.config_dir)
@@ -132,6 +131,12 @@ def _run_configs(configs, run_dir, resume, progress, verbose, group, started) ->
                 bar.update()
             log(f"{tag}: {describe(result)}")
         results.append(result)
+    if side_by_side:
+        say = lambda config, text: log(f"{tags[id(config)]}: {text}")  # noqa: E731
+        done = bar.update if bar else lambda: None
+        ran = run_side_by_side(context, side_by_side, workers, verbose, say, done, started)
+        for position, result in ran.items():
+            results[position] = result
     if bar:
         bar.close()
     return results
@@ -142,7 +147,7 @@ def remove_run_leftovers(run_dir: str) -> None:
     or a file of such a name is left alone by ``remove_leftovers``)."""
     for name in os.listdir(run_dir):
         if CONFIG_DIR_NAME.match(name):
-            remove_leftovers(os.path.join(run_dir, name))
+            children.remove_leftovers(os.path.join(run_dir, name))
 
 
 def search_by_runs(context, config, result: dict, result_path, run_dir, verbose, say) -> None:
@@ -167,14 +172,14 @@ def run_over_ranks(context, config, result_path, run_dir, verbose, group, index:
         per_rank = run_rank_worker(context, config, config_path, verbose, group, index)
     except ranks.SilentRank as silent:
         write_json(result_path, silent.result, root=run_dir)
-        remove_leftovers(config_path)
+        children.remove_leftovers(config_path)
         raise
     for rank, rank_result in enumerate(per_rank[1:], 1):  # other nodes' disks too
         rank_path = os.path.join(config_path, f"result.rank{rank}.json")
         write_json(rank_path, rank_result, root=run_dir)
     result = ranks.aggregate(per_rank)
     write_json(result_path, result, root=run_dir)
-    remove_leftovers(config_path)
+    children.remove_leftovers(config_path)
     return result
 
 
@@ -220,122 +225,65 @@ def run_rank_worker(context, config, config_path, verbose, group, index) -> list
 
 
 STOP_GRACE_S = 10  # a worker left alone after another rank failed may still end by itself
-
-
-def worker_process(*args, **kwargs) -> None:
-    """The forked worker: ``worker_main``, a hangup ignored first. Ctrl-C and a hangup reach the
-    workers too (the terminal's whole process group): the CLI decides what they stop."""
-    signal.signal(signal.SIGHUP, signal.SIG_IGN)
-    worker_main(*args, **kwargs)
-
-
-@contextlib.contextmanager
-def frozen_heap():
-    """Around a fork: every object that exists now is out of the collector's reach
-    (gc.freeze) while the child is made, so the child never collects what it inherited; the
-    parent takes them back after. An unreachable cycle left for the parent's collector (e.g. a
-    DDP reducer holding a gloo process group) would otherwise be destroyed in the child, whose
-    destructor waits for threads the fork did not copy: a worker that never ends."""
-    gc.freeze()
-    try:
-        yield
-    finally:
-        gc.unfreeze()
-
-
-@contextlib.contextmanager
-def interrupts_after_fork():
-    """Around a fork: an interrupt that arrives inside is raised once the fork is done (raised
-    in the fork's own callbacks, logging's and threading's, Python would print it and drop it).
-    The child starts with the recording handler, not the CLI's: it sets its own."""
-    arrived = []
-    replaced = {}
-    for interrupt in (*INTERRUPTS, signal.SIGALRM):  # SIGALRM: an interrupt held over an import
-        if callable(signal.getsignal(interrupt)):  # the CLI's handler, or Python's Ctrl-C
-            replaced[interrupt] = signal.signal(interrupt, lambda signum, _: arrived.append(signum))
-    try:
-        yield
-    finally:
-        for interrupt, handler in replaced.items():
-            signal.signal(interrupt, handler)
-        if arrived:
-            signal.raise_signal(arrived[0])
-
-
-def stop_worker(process) -> None:
-    """End a started worker for sure, and reap it: SIGTERM, SIGCONT, then SIGKILL after
-    KILL_GRACE_S."""
-    if process.exitcode is not None:  # ended (and reaped) already: its pid may be another's
-        return
-    process.terminate()
-    with contextlib.suppress(ProcessLookupError):
-        os.kill(process.pid, signal.SIGCONT)
-    process.join(KILL_GRACE_S)
-    if process.is_alive():
-        process.kill()
-        process.join()
+WORKER_MEMORY_BYTES = 4 * 2**30  # a predicting worker's share of the host's free memory
 
 
 def run_in_child(
     context, config, config_path, result_path, verbose=False, group=None, index=0
 ) -> dict:
-    earlier = set_aside_earlier_result(config_path, result_path)
-    errors, child_errors = context.Pipe(duplex=False)
-    stderr = None if verbose else quiet.FilteredStderr()
-    rank_setup = None if group is None else (group.info, group.worker_prefix(index))
-    process = context.Process(
-        target=worker_process,
-        args=(config, config_path, child_errors),
-        kwargs={
-            "stderr": stderr,
-            "rank_setup": rank_setup,
-            "result_name": os.path.basename(result_path),
-        },
-    )
+    """The config's worker run to its end: its result."""
+    child = children.make_child(context, config, config_path, result_path, verbose, group, index)
     try:
-        with interrupts_after_fork(), frozen_heap():
-            process.start()
-        child_errors.close()
-        if stderr is not None:
-            stderr.started()
-        stopped_by = wait_for_worker(process, group, index, config.rank_timeout)
+        children.launch_child(child)
+        stopped_by = wait_for_worker(child.process, group, index, config.rank_timeout)
     except KeyboardInterrupt:  # Ctrl-C, SIGTERM or SIGHUP (the CLI raises them as one)
-        # A second signal must not cut the clean-up short (the CLI restores the handlers).
-        interrupts.ignore()
-        if process.pid is not None:
-            stop_worker(process)
-        errors.close()
-        remove_leftovers(config_path)
+        children.abandon_child(child)
         raise Interrupted(f"during {config.config_dir}") from None
-    finally:
-        if stderr is not None:
-            stderr.close()
-    reported = last_words(errors)
-    errors.close()
-    result = result_of_worker(config, result_path, process.exitcode, reported, stopped_by)
-    if is_file_at(result_path, os.path.dirname(config_path)):
-        with files.folder(config_path, root=os.path.dirname(config_path)) as fd:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(earlier, dir_fd=fd)
-    if group is None:  # distributed: rank 0 cleans up once every rank's worker has ended
-        remove_leftovers(config_path)
-    else:  # the other ranks stop their workers if this one failed
-        group.post(f"ended/{index}/{group.rank}", {k: result.get(k) for k in ("status", "error")})
-    if isinstance(stopped_by, ranks.SilentRank):  # no rank waits for it: the job ends
-        stopped_by.result = result
-        raise stopped_by
-    return result
+    return children.end_child(child, stopped_by)
 
 
-def set_aside_earlier_result(config_path: str, result_path: str) -> str:
-    """An unfinished earlier attempt's result (--resume reruns it), renamed to the name returned
-    and kept beside until this attempt's result is written (in the config directory, entered
-    without following a link)."""
-    earlier = os.path.basename(result_path) + ".previous"
-    with files.folder(config_path, root=os.path.dirname(config_path)) as fd:
-        with contextlib.suppress(FileNotFoundError):
-            os.replace(os.path.basename(result_path), earlier, src_dir_fd=fd, dst_dir_fd=fd)
-    return earlier
+def workers_at_once(configs: list, group) -> int:
+    """How many configs' workers run at once: for a plan that only predicts (--mode=capacity
+    without --validate or a search by runs, which use the GPU; not a torchrun job) one a core,
+    as memory allows (a Llama-3.1-8B plan's worker holds about a GiB); else one."""
+    predicting = all(
+        c.capacity and not (c.validate or c.find_max_batch or c.find_max_seq_len) for c in configs
+    )
+    if group is not None or not predicting:
+        return 1
+    free = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+    return max(1, min(len(os.sched_getaffinity(0)), free // WORKER_MEMORY_BYTES))
+
+
+def run_side_by_side(context, jobs: list, workers: int, verbose, say, done, started) -> dict:
+    """``jobs``: (position, config, config_path, result_path) of the configs to run, up to
+    ``workers`` at once, each forked as another ends; their results by position.
+    ``say(config, text)``: a line of the run's log; ``done()``: one more config ended. An
+    interrupt stops every running worker."""
+    results, waiting, running = {}, list(jobs), {}
+    child = None  # the one being launched
+    try:
+        while waiting or running:
+            while waiting and len(running) < workers:
+                position, config, config_path, result_path = waiting.pop(0)
+                say(config, "running")
+                started.append(config.config_dir)
+                child = children.make_child(context, config, config_path, result_path, verbose)
+                children.launch_child(child)
+                running[child.process.sentinel], child = (position, child), None
+            for sentinel in multiprocessing.connection.wait(list(running)):
+                position, ended = running.pop(sentinel)
+                ended.process.join()
+                results[position] = children.end_child(ended)
+                done()
+                say(ended.config, describe(results[position]))
+    except KeyboardInterrupt:
+        stopping = [c for _, c in running.values()] + ([child] if child is not None else [])
+        for each in stopping:
+            children.abandon_child(each)
+        names = ", ".join(each.config.config_dir for each in stopping)
+        raise Interrupted(f"during {names}") from None
+    return results
 
 
 def wait_for_worker(process, group, index: int, rank_timeout: float):
@@ -345,74 +293,15 @@ def wait_for_worker(process, group, index: int, rank_timeout: float):
     while process.is_alive():
         stopped_by = group.why_stop(index, rank_timeout)
         if isinstance(stopped_by, ranks.SilentRank):  # stopped, hung or cut off: not waited for
-            stop_worker(process)
+            children.stop_worker(process)
             return stopped_by
         if stopped_by is not None:
             process.join(STOP_GRACE_S)
             if process.is_alive():
-                stop_worker(process)
+                children.stop_worker(process)
             return stopped_by
         process.join(0.5)
     return None
-
-
-def result_of_worker(config, result_path: str, exitcode, reported, stopped_by) -> dict:
-    """The worker's result file, or the result written for it: stopped because another rank
-    failed, or killed or crashed before writing one."""
-    root = os.path.dirname(os.path.dirname(result_path))
-    result = read_json_or_none(result_path, root=root)
-    ended = isinstance(stopped_by, ranks.SilentRank)  # the job ends: this config is an error
-    if stopped_by is not None and (ended or result is None or result.get("status") != "ok"):
-        result = ranks.stopped_result(result_skeleton(config, "error"), stopped_by)
-        write_json(result_path, result, root=root)
-    elif result is None:  # killed or crashed before writing (segfault, OOM killer's SIGKILL)
-        result = died_result(config, exitcode, reported)
-        try:
-            write_json(result_path, result, root=root)
-        except OSError as error:  # the disk is full for this one too: the summary still has it
-            print(f"{config.config_dir}: could not write result.json: {error}", file=sys.stderr)
-    return result
-
-
-def last_words(errors) -> str | None:
-    """What a worker reported before dying, if anything (a killed one closed the pipe)."""
-    try:
-        return errors.recv() if errors.poll() else None
-    except EOFError:
-        return None
-
-
-def died_result(config, exitcode: int | None, reported: str | None) -> dict:
-    """The result of a worker that wrote none: ``reported`` is what it said before dying."""
-    if exitcode == -signal.SIGKILL:  # the kernel's OOM killer sends SIGKILL
-        return result_skeleton(
-            config,
-            "oom",
-            "worker killed by SIGKILL: most likely the kernel's OOM killer (host out of memory)",
-        )
-    reason = (
-        f"signal {-exitcode}" if exitcode is not None and exitcode < 0 else f"exit code {exitcode}"
-    )
-    return result_skeleton(config, "error", reported or f"worker died without a result ({reason})")
-
-
-def remove_leftovers(config_path: str) -> None:
-    """What an interrupted or killed worker leaves: a trace's staging folder, temporary files,
-    and the config directory itself when nothing else is in it. Through the config directory's
-    descriptor (entered without following a link), as every write is."""
-    run_dir, config_dir = os.path.split(config_path)
-    try:
-        with files.folder(run_dir) as run_fd, files.folder(config_path, root=run_dir) as fd:
-            for name in os.listdir(fd):
-                if name.startswith(".trace-"):  # by descriptor: a link swapped in is not followed
-                    shutil.rmtree(f"/proc/self/fd/{fd}/{name}", ignore_errors=True)
-                elif TEMPORARY_NAME.fullmatch(name):  # atomic_write's names only
-                    with contextlib.suppress(FileNotFoundError):
-                        os.unlink(name, dir_fd=fd)
-            with contextlib.suppress(OSError):  # not empty: it holds results or earlier files
-                os.rmdir(config_dir, dir_fd=run_fd)
-    except (FileNotFoundError, files.UnsafePath):  # gone already, or a link: nothing of ours
-        return
 
 
 def probe_device() -> dict:
@@ -431,7 +320,7 @@ def probe_device() -> dict:
     process = context.Process(target=probe)
     answered = False
     try:
-        with interrupts_after_fork(), frozen_heap():
+        with children.interrupts_after_fork(), children.frozen_heap():
             process.start()
         answered = parent_end.poll(120)
         info = parent_end.recv() if answered else {"cuda": False, "name": None}

@@ -386,7 +386,7 @@ def test_check_contained_refuses_a_link_inside_the_run(tmp_path):
 def test_leftovers_are_not_removed_through_a_linked_config_directory(tmp_path):
     """An interrupted config's leftovers (temporaries, a trace's staging folder) are removed
     through the config directory's descriptor: a link in its place is not followed."""
-    from dp_cost.measure import processes
+    from dp_cost.measure import children
 
     outside, run_dir = tmp_path / "outside", tmp_path / "run"
     outside.mkdir()
@@ -395,7 +395,7 @@ def test_leftovers_are_not_removed_through_a_linked_config_directory(tmp_path):
     (outside / ".trace-abc").mkdir()
     (outside / ".trace-abc" / "kept").write_text("theirs")
     (run_dir / "standard_bs2_seq8").symlink_to(outside)
-    processes.remove_leftovers(str(run_dir / "standard_bs2_seq8"))
+    children.remove_leftovers(str(run_dir / "standard_bs2_seq8"))
     assert sorted(p.name for p in outside.iterdir()) == [
         ".trace-abc", "result.json.tmp12345678901234567890"
     ]  # fmt: skip
@@ -406,5 +406,5 @@ def test_leftovers_are_not_removed_through_a_linked_config_directory(tmp_path):
     real.mkdir()
     (real / "result.json.tmp12345678901234567890").write_text("ours")
     (real / ".trace-abc").mkdir()
-    processes.remove_leftovers(str(real))
+    children.remove_leftovers(str(real))
     assert not real.exists()

@@ -283,7 +283,8 @@ def test_squared_row_norms_match_fp64(dtype, monkeypatch):
     launch (one block + 1 elements per row, a row within one block, one element per row, seven
     blocks' worth; samples scaled apart so a row mixed up with another shows), against an fp64
     reference. Each source's own (per-layer clipping) sums its blocks' partials a tile of rows
-    at a time: tiles of 2 rows here, so a source spans several tiles and a part-filled last."""
+    at a time: tiles of 2 rows at B = 3 and 8 at B = 1 here, so a source spans several tiles
+    and a part-filled last."""
     from dp_cost.flash.kernels import weighted_sums
 
     torch.manual_seed(5)

@@ -17,7 +17,7 @@ from cli_helpers import ROOT, in_process, results_in, small_run_args
 
 import profiling_script
 from dp_cost.core import reading, rundir
-from dp_cost.measure import plan, processes, quiet, worker
+from dp_cost.measure import children, plan, quiet, worker
 from dp_cost.measure.config import ExperimentConfig
 
 
@@ -140,12 +140,12 @@ def test_leftovers_of_an_interrupted_worker_are_removed(tmp_path):
     (config_dir / ".trace-abc").mkdir(parents=True)
     (config_dir / ".trace-abc" / "trace.pt.trace.json").write_text("{")
     (config_dir / "result.json.tmp12345678901234567890").write_text("{")
-    processes.remove_leftovers(str(config_dir))
+    children.remove_leftovers(str(config_dir))
     assert not config_dir.exists()  # nothing complete was in it
     kept = tmp_path / "kept"
     (kept / ".trace-x").mkdir(parents=True)
     (kept / "result.json").write_text("{}")
-    processes.remove_leftovers(str(kept))
+    children.remove_leftovers(str(kept))
     assert sorted(os.listdir(kept)) == ["result.json"]
 
 

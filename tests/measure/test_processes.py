@@ -1,15 +1,19 @@
 """The worker processes' bookkeeping: the progress bar and what --resume keeps."""
 
 import contextlib
+import dataclasses
 import gc
 import io
 import multiprocessing
 import os
+import signal
+import time
 
 import pytest
 
 from dp_cost.core.files import write_json
-from dp_cost.measure import processes, progress
+from dp_cost.core.interrupts import INTERRUPTS
+from dp_cost.measure import children, processes, progress
 from dp_cost.measure.config import ExperimentConfig
 from dp_cost.measure.worker import result_skeleton
 
@@ -66,14 +70,14 @@ class _Inherited:
 def test_a_forked_worker_never_collects_what_it_inherited(frozen):
     """An unreachable cycle left for the parent's collector is destroyed by a forked child's
     own collection (a DDP reducer's gloo process group there waits for threads the fork did not
-    copy: a worker that hung in CI) unless the fork is made inside processes.frozen_heap."""
+    copy: a worker that hung in CI) unless the fork is made inside children.frozen_heap."""
     context = multiprocessing.get_context("fork")
     reports, report = context.Pipe(duplex=False)
     gc.disable()  # the cycle must still be there at the fork
     try:
         _Inherited(report)
         child = context.Process(target=gc.collect)
-        with processes.frozen_heap() if frozen else contextlib.nullcontext():
+        with children.frozen_heap() if frozen else contextlib.nullcontext():
             child.start()
         child.join(30)
     finally:
@@ -95,12 +99,99 @@ def test_workers_fork_inside_a_frozen_heap(monkeypatch, tmp_path):
         entered.append(gc.get_freeze_count())
         yield
 
-    monkeypatch.setattr(processes, "frozen_heap", recording)
+    monkeypatch.setattr(children, "frozen_heap", recording)
     processes.probe_device()
     assert len(entered) == 1
-    monkeypatch.setattr(processes, "worker_process", lambda *args, **kwargs: None)
+    monkeypatch.setattr(children, "worker_process", lambda *args, **kwargs: None)
     config = ExperimentConfig(trainer="standard", batch_size=1, seq_len=4)
     result = processes.run_in_child(
         multiprocessing.get_context("fork"), config, str(tmp_path), str(tmp_path / "result.json")
     )
     assert len(entered) == 2 and result["status"] != "ok"  # the stand-in wrote no result
+
+
+def capacity_configs(count: int) -> list:
+    """``count`` --mode=capacity configs (no --validate: nothing on a GPU), each its own
+    directory."""
+    return [
+        ExperimentConfig(trainer="standard", batch_size=1 + i, seq_len=4, capacity=True)
+        for i in range(count)
+    ]
+
+
+def sleeping_worker(seconds: float):
+    """A stand-in for worker_main: its pid and start time, then its end time, in its config
+    directory; it writes no result (the run writes one for it)."""
+
+    def worker(config, config_path, *args, **kwargs):
+        with open(os.path.join(config_path, "began"), "w") as f:
+            f.write(f"{os.getpid()} {time.monotonic()}")
+        time.sleep(seconds)
+        with open(os.path.join(config_path, "ended"), "w") as f:
+            f.write(str(time.monotonic()))
+
+    return worker
+
+
+def test_predicting_configs_run_side_by_side_one_a_core(tmp_path, monkeypatch):
+    """--mode=capacity without a GPU step: one worker a core at once (3 here), each forked as
+    another ends; the results come back in the plan's order, each its own config's."""
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1, 2})
+    monkeypatch.setattr(children, "worker_main", sleeping_worker(1.0))
+    configs = capacity_configs(4)
+    assert processes.workers_at_once(configs, None) == 3
+    results = processes.run_configs(configs, str(tmp_path))
+    assert [r["config"]["batch_size"] for r in results] == [c.batch_size for c in configs]
+    times = {}
+    for config in configs:
+        folder = tmp_path / config.config_dir
+        began = float((folder / "began").read_text().split()[1])
+        times[config.batch_size] = began, float((folder / "ended").read_text())
+    first_three = [times[c.batch_size] for c in configs[:3]]
+    assert max(b for b, _ in first_three) < min(e for _, e in first_three)  # side by side
+    assert times[configs[3].batch_size][0] >= min(e for _, e in first_three)  # after one ended
+
+
+def test_configs_that_use_a_gpu_run_one_at_a_time():
+    """--validate and the searches by runs measure on the GPU, a torchrun job's ranks share
+    theirs, and the measuring modes never predict: one worker at a time."""
+    (config,) = capacity_configs(1)
+    assert processes.workers_at_once([config] * 2, group=object()) == 1
+    for flag in ("validate", "find_max_batch", "find_max_seq_len"):
+        changed = dataclasses.replace(config, **{flag: True})
+        assert processes.workers_at_once([config, changed], None) == 1
+    measured = dataclasses.replace(config, capacity=False)
+    assert processes.workers_at_once([measured, measured], None) == 1
+
+
+def test_an_interrupt_stops_every_worker_running_side_by_side(tmp_path, monkeypatch):
+    """Ctrl-C while two workers run: both are stopped and reaped, the interrupt names both,
+    and nothing is left of their configs."""
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1})
+    monkeypatch.setattr(children, "worker_main", sleeping_worker(60.0))
+    configs = capacity_configs(2)
+    folders = [tmp_path / c.config_dir for c in configs]
+
+    def interrupt_once_both_run(signum, frame):
+        if all((folder / "began").exists() for folder in folders):
+            raise KeyboardInterrupt
+        signal.setitimer(signal.ITIMER_REAL, 0.1)
+
+    # the clean-up ignores further interrupts (the CLI restores its handlers; restored here)
+    handlers = {s: signal.getsignal(s) for s in (*INTERRUPTS, signal.SIGALRM)}
+    signal.signal(signal.SIGALRM, interrupt_once_both_run)
+    signal.setitimer(signal.ITIMER_REAL, 0.1)
+    try:
+        with pytest.raises(processes.Interrupted) as interrupted:
+            processes.run_configs(configs, str(tmp_path))
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        for signum, handler in handlers.items():
+            signal.signal(signum, handler)
+    assert all(c.config_dir in str(interrupted.value) for c in configs)
+    for folder in folders:
+        pid = int((folder / "began").read_text().split()[0]) if folder.exists() else None
+        assert not folder.exists() or not (folder / "ended").exists()
+        if pid is not None:
+            with pytest.raises(ProcessLookupError):
+                os.kill(pid, 0)

@@ -28,7 +28,11 @@ class NormRule:
     the ``*_many`` methods take every call of a step (a rule's loop over them should call no
     Python function per call: flash's host work should not grow with the layers).
     ``describe`` and ``kept_per_sample`` may depend only on the layer and the shapes of A and G:
-    the engine asks once per layer and shapes, not per call.
+    the engine asks once per layer and shapes, not per call. In a checkpointed block the
+    recomputation stops after the last tensor the block's first forward saved: the op
+    ``compute_for`` gives must save a tensor for autograd whenever its output is not a leaf
+    (a matmul or a norm with an input that needs a gradient does), or a recomputation could
+    stop before the layer and its input never arrive (an error, not a wrong update).
     """
 
     def feature_dims(self, module: nn.Module) -> tuple[int, int]:
