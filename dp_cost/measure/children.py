@@ -128,15 +128,22 @@ def launch_child(child: Child) -> None:
         child.stderr.started()
 
 
-def abandon_child(child: Child) -> None:
-    """An interrupted run's worker stopped and reaped, what it left removed."""
-    # A second signal must not cut the clean-up short (the CLI restores the handlers).
-    interrupts.ignore()
+def abandon_child(child: Child, interrupted: bool = True) -> None:
+    """A worker of a run that stops (an interrupt, or an error in the run) stopped and reaped,
+    its pipes closed and what it left removed."""
+    if interrupted:  # a second signal must not cut the clean-up short (the CLI restores them)
+        interrupts.ignore()
     if child.process.pid is not None:
         stop_worker(child.process)
-    child.child_errors.close()  # where the fork never happened
-    child.errors.close()
+    close_pipes(child)
     remove_leftovers(child.config_path)
+
+
+def close_pipes(child: Child) -> None:
+    """The worker's last-words pipe (both ends: the fork may not have happened) and its stderr
+    filter closed; closing twice is harmless."""
+    child.child_errors.close()
+    child.errors.close()
     if child.stderr is not None:
         child.stderr.close()
 

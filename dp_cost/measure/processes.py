@@ -7,6 +7,7 @@ every config (no pool pollution between trainers) and an OOM or crash stays insi
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing
 import multiprocessing.connection
 import os
@@ -96,14 +97,13 @@ def _run_configs(configs, run_dir, resume, progress, verbose, group, started) ->
         remove_run_leftovers(run_dir)
     bar = ProgressBar(len(configs), no_worker) if progress else None
     log = bar.write if bar else print
-    tags = {id(c): f"[{i}/{len(configs)}] {c.config_dir}" for i, c in enumerate(configs, 1)}
     workers = workers_at_once(configs, group)
     results, side_by_side = [], []
     for index, (config, result_path, result, reason) in enumerate(
         zip(configs, paths, kept, skips), 1
     ):
         config_path = os.path.dirname(result_path)
-        tag = tags[id(config)]
+        tag = f"[{index}/{len(configs)}] {config.config_dir}"
         if result:
             log(f"{tag}: {result['status']} (resumed)")
         else:
@@ -112,7 +112,7 @@ def _run_configs(configs, run_dir, resume, progress, verbose, group, started) ->
                 result = result_skeleton(config, "skipped", reason)
                 write_json(result_path, result, root=run_dir)
             elif workers > 1:  # run below, with the others
-                side_by_side.append((len(results), config, config_path, result_path))
+                side_by_side.append((len(results), tag, config, config_path, result_path))
                 results.append(None)
                 continue
             elif group is None:
@@ -132,11 +132,7 @@ def _run_configs(configs, run_dir, resume, progress, verbose, group, started) ->
             log(f"{tag}: {describe(result)}")
         results.append(result)
     if side_by_side:
-        say = lambda config, text: log(f"{tags[id(config)]}: {text}")  # noqa: E731
-        done = bar.update if bar else lambda: None
-        ran = run_side_by_side(context, side_by_side, workers, verbose, say, done, started)
-        for position, result in ran.items():
-            results[position] = result
+        run_side_by_side(context, side_by_side, results, workers, verbose, log, bar, started)
     if bar:
         bar.close()
     return results
@@ -239,6 +235,9 @@ def run_in_child(
     except KeyboardInterrupt:  # Ctrl-C, SIGTERM or SIGHUP (the CLI raises them as one)
         children.abandon_child(child)
         raise Interrupted(f"during {config.config_dir}") from None
+    except BaseException:  # the worker's pipes closed (a torchrun store's error, a fork's)
+        children.close_pipes(child)
+        raise
     return children.end_child(child, stopped_by)
 
 
@@ -252,39 +251,59 @@ def workers_at_once(configs: list, group) -> int:
     )
     if group is not None or not predicting:
         return 1
-    free = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
-    return max(1, min(len(os.sched_getaffinity(0)), free // WORKER_MEMORY_BYTES))
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    available = available_memory_bytes()
+    by_memory = cores if available is None else available // WORKER_MEMORY_BYTES
+    return max(1, min(cores or 1, by_memory))
 
 
-def run_side_by_side(context, jobs: list, workers: int, verbose, say, done, started) -> dict:
-    """``jobs``: (position, config, config_path, result_path) of the configs to run, up to
-    ``workers`` at once, each forked as another ends; their results by position.
-    ``say(config, text)``: a line of the run's log; ``done()``: one more config ended. An
-    interrupt stops every running worker."""
-    results, waiting, running = {}, list(jobs), {}
-    child = None  # the one being launched
+def available_memory_bytes() -> int | None:
+    """The memory the kernel can give new processes (/proc/meminfo's MemAvailable: free memory
+    and the page cache it can reclaim), or None where it does not say (not Linux)."""
+    with contextlib.suppress(OSError, ValueError, IndexError):
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024  # kB
+    return None
+
+
+def run_side_by_side(context, jobs, results, workers, verbose, log, bar, started) -> None:
+    """``jobs``: (position, tag, config, config_path, result_path) of the configs to run, up to
+    ``workers`` at once, each forked as another ends; each result put at its position in
+    ``results`` and logged as it ends. An interrupt, or any error here, stops and reaps every
+    worker still running."""
+    waiting, running = list(jobs), {}  # running: sentinel -> (position, tag, child)
+    launching = None  # the child being made and forked, not yet running
     try:
         while waiting or running:
             while waiting and len(running) < workers:
-                position, config, config_path, result_path = waiting.pop(0)
-                say(config, "running")
+                position, tag, config, config_path, result_path = waiting.pop(0)
+                log(f"{tag}: running")
                 started.append(config.config_dir)
-                child = children.make_child(context, config, config_path, result_path, verbose)
-                children.launch_child(child)
-                running[child.process.sentinel], child = (position, child), None
+                launching = children.make_child(context, config, config_path, result_path, verbose)
+                children.launch_child(launching)
+                running[launching.process.sentinel] = (position, tag, launching)
+                launching = None
             for sentinel in multiprocessing.connection.wait(list(running)):
-                position, ended = running.pop(sentinel)
-                ended.process.join()
-                results[position] = children.end_child(ended)
-                done()
-                say(ended.config, describe(results[position]))
-    except KeyboardInterrupt:
-        stopping = [c for _, c in running.values()] + ([child] if child is not None else [])
-        for each in stopping:
-            children.abandon_child(each)
-        names = ", ".join(each.config.config_dir for each in stopping)
-        raise Interrupted(f"during {names}") from None
-    return results
+                position, tag, child = running[sentinel]
+                child.process.join()
+                results[position] = children.end_child(child)
+                del running[sentinel]
+                if bar:
+                    bar.update()
+                log(f"{tag}: {describe(results[position])}")
+    except BaseException as error:
+        interrupted = isinstance(error, KeyboardInterrupt)
+        stopping = {id(c): c for *_, c in running.values()}
+        if launching is not None:
+            stopping[id(launching)] = launching
+        for child in stopping.values():
+            children.abandon_child(child, interrupted)
+        if not interrupted:
+            raise
+        names = ", ".join(child.config.config_dir for child in stopping.values())
+        raise Interrupted(f"during {names}" if names else "between configs") from None
 
 
 def wait_for_worker(process, group, index: int, rank_timeout: float):

@@ -71,6 +71,7 @@ class FilteredStderr:
 
     def __init__(self, target_fd: int = 2):
         self.read_end, self.write_end = os.pipe()
+        self.closed = False
         self.reader = threading.Thread(
             target=_forward, args=(self.read_end, target_fd), daemon=True
         )
@@ -84,12 +85,15 @@ class FilteredStderr:
 
     def started(self) -> None:
         """In the parent, after the fork: keep only the read end and start reading."""
-        os.close(self.write_end)
-        self.write_end = None
+        write_end, self.write_end = self.write_end, None  # an interrupt after: closed once
+        os.close(write_end)
         self.reader.start()
 
     def close(self, timeout: float = 10.0) -> None:
-        """In the parent, once the worker has exited (or never started)."""
+        """In the parent, once the worker has exited (or never started); once only."""
+        if self.closed:
+            return
+        self.closed = True
         if self.write_end is not None:  # the fork never happened: nobody reads the pipe
             os.close(self.write_end)
             os.close(self.read_end)

@@ -3,6 +3,7 @@
 import contextlib
 import dataclasses
 import gc
+import glob
 import io
 import multiprocessing
 import os
@@ -119,37 +120,55 @@ def capacity_configs(count: int) -> list:
     ]
 
 
-def sleeping_worker(seconds: float):
-    """A stand-in for worker_main: its pid and start time, then its end time, in its config
-    directory; it writes no result (the run writes one for it)."""
+def waiting_worker(others: int, seconds: float):
+    """A stand-in for worker_main: its pid and start time in its config directory; then it
+    waits (20 s at most) until ``others`` configs' workers of the run have started, sleeps
+    ``seconds`` and writes its end time and how many it saw start; it writes no result (the
+    run writes one for it)."""
 
     def worker(config, config_path, *args, **kwargs):
         with open(os.path.join(config_path, "began"), "w") as f:
             f.write(f"{os.getpid()} {time.monotonic()}")
+        began = os.path.join(os.path.dirname(config_path), "*", "began")
+        deadline = time.monotonic() + 20
+        while len(glob.glob(began)) < others and time.monotonic() < deadline:
+            time.sleep(0.02)
+        seen = len(glob.glob(began))
         time.sleep(seconds)
         with open(os.path.join(config_path, "ended"), "w") as f:
-            f.write(str(time.monotonic()))
+            f.write(f"{time.monotonic()} {seen}")
 
     return worker
+
+
+def side_by_side_host(monkeypatch, cores: int) -> None:
+    """A host of ``cores`` cores with memory for as many predicting workers."""
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(cores)))
+    monkeypatch.setattr(processes, "available_memory_bytes", lambda: cores * 2**30)
+    monkeypatch.setattr(processes, "WORKER_MEMORY_BYTES", 2**30)
 
 
 def test_predicting_configs_run_side_by_side_one_a_core(tmp_path, monkeypatch):
     """--mode=capacity without a GPU step: one worker a core at once (3 here), each forked as
     another ends; the results come back in the plan's order, each its own config's."""
-    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1, 2})
-    monkeypatch.setattr(children, "worker_main", sleeping_worker(1.0))
+    side_by_side_host(monkeypatch, 3)
+    monkeypatch.setattr(children, "worker_main", waiting_worker(3, 0.2))
     configs = capacity_configs(4)
     assert processes.workers_at_once(configs, None) == 3
     results = processes.run_configs(configs, str(tmp_path))
     assert [r["config"]["batch_size"] for r in results] == [c.batch_size for c in configs]
-    times = {}
+    began, ended, seen = {}, {}, {}
     for config in configs:
         folder = tmp_path / config.config_dir
-        began = float((folder / "began").read_text().split()[1])
-        times[config.batch_size] = began, float((folder / "ended").read_text())
-    first_three = [times[c.batch_size] for c in configs[:3]]
-    assert max(b for b, _ in first_three) < min(e for _, e in first_three)  # side by side
-    assert times[configs[3].batch_size][0] >= min(e for _, e in first_three)  # after one ended
+        began[config.batch_size] = float((folder / "began").read_text().split()[1])
+        ended[config.batch_size], seen[config.batch_size] = (
+            float(x) for x in (folder / "ended").read_text().split()
+        )
+    first_three = [c.batch_size for c in configs[:3]]
+    assert all(seen[b] >= 3 for b in first_three)  # each saw the other two start: side by side
+    assert began[configs[3].batch_size] >= min(ended[b] for b in first_three)  # after one ended
+    monkeypatch.setattr(processes, "available_memory_bytes", lambda: 2**30)
+    assert processes.workers_at_once(configs, None) == 1  # memory for one worker: one
 
 
 def test_configs_that_use_a_gpu_run_one_at_a_time():
@@ -167,8 +186,8 @@ def test_configs_that_use_a_gpu_run_one_at_a_time():
 def test_an_interrupt_stops_every_worker_running_side_by_side(tmp_path, monkeypatch):
     """Ctrl-C while two workers run: both are stopped and reaped, the interrupt names both,
     and nothing is left of their configs."""
-    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1})
-    monkeypatch.setattr(children, "worker_main", sleeping_worker(60.0))
+    side_by_side_host(monkeypatch, 2)
+    monkeypatch.setattr(children, "worker_main", waiting_worker(0, 60.0))
     configs = capacity_configs(2)
     folders = [tmp_path / c.config_dir for c in configs]
 
@@ -195,3 +214,34 @@ def test_an_interrupt_stops_every_worker_running_side_by_side(tmp_path, monkeypa
         if pid is not None:
             with pytest.raises(ProcessLookupError):
                 os.kill(pid, 0)
+
+
+def test_an_error_in_the_run_stops_every_worker_running_side_by_side(tmp_path, monkeypatch):
+    """An error in the parent while workers run side by side (here: reading a result) is
+    raised, and the workers still running are stopped and reaped first, not left behind."""
+    side_by_side_host(monkeypatch, 2)
+    short, long = capacity_configs(2)
+
+    def worker(config, config_path, *args, **kwargs):
+        with open(os.path.join(config_path, "began"), "w") as f:
+            f.write(str(os.getpid()))
+        if config.batch_size == long.batch_size:
+            time.sleep(60)
+        began = os.path.join(os.path.dirname(config_path), "*", "began")
+        deadline = time.monotonic() + 20  # the short one ends once the long one runs
+        while len(glob.glob(began)) < 2 and time.monotonic() < deadline:
+            time.sleep(0.02)
+
+    def failing_end(child, stopped_by=None):
+        raise RuntimeError("the disk is gone")
+
+    monkeypatch.setattr(children, "worker_main", worker)
+    monkeypatch.setattr(children, "end_child", failing_end)
+    started = time.monotonic()
+    with pytest.raises(RuntimeError, match="the disk is gone"):
+        processes.run_configs([short, long], str(tmp_path))
+    assert time.monotonic() - started < 30
+    for config in (short, long):
+        pid = int((tmp_path / config.config_dir / "began").read_text())
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
