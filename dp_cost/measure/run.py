@@ -139,17 +139,17 @@ def git_commit(checkout: str | None = None) -> str | None:
         return None
 
 
-def record_load(run_dir: str, at_start: dict, at_end: dict) -> None:
+def record_load(run_dir: str, at_start: dict, at_end: dict, own: int | None = None) -> None:
     """The machine's load while the configs ran, into run.json (its latest run or resume), with
-    the run's own processes the readings count: one worker at a time, one per rank on this
-    node under torchrun."""
+    the run's own processes the readings count (``own``): one worker at a time, or one a core
+    for a plan that only predicts; one per rank on this node under torchrun (None)."""
     record = read_json_or_none(os.path.join(run_dir, RUN_FILE), root=run_dir)
     if not isinstance(record, dict):
         return
     resumed = record.get("resumed")
     latest = resumed[-1] if isinstance(resumed, list) and resumed else record
     if isinstance(latest, dict):
-        own = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+        own = int(os.environ.get("LOCAL_WORLD_SIZE", "1")) if own is None else own
         latest["machine_load"] = {"at_start": at_start, "at_end": at_end, "own_processes": own}
         write_json(os.path.join(run_dir, RUN_FILE), record)
 
@@ -219,7 +219,8 @@ def measure_and_summarise(args, experiment, run_dir: str, group=None) -> int:
             return exit_code_of(results)
         reached = "report"
         load_at_end = run_info.machine_load()
-        record_load(run_dir, load_at_start, load_at_end)
+        own = processes.workers_at_once(configs, group) if group is None else None
+        record_load(run_dir, load_at_start, load_at_end, own)
         print()
         # Summarise every result in the run directory: a --resume run adds to earlier ones.
         loaded = summary.load_results(run_dir)

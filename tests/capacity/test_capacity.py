@@ -18,7 +18,7 @@ import models
 from dp_cost.capacity import card, fake_step, predictions, probing, searches
 from dp_cost.capacity.result import capacity_result
 from dp_cost.hf import draws
-from dp_cost.measure import worker
+from dp_cost.measure import processes, worker
 from dp_cost.measure.config import ExperimentConfig
 from dp_cost.report import capacity as report_capacity
 from tests.capacity.held_state import held_state_bytes
@@ -505,6 +505,10 @@ def test_capacity_mode_writes_its_report_and_skips_a_broken_prediction(tmp_path)
     assert "Will it fit?" in page and "largest physical at 0.9 GiB" in page
     assert "capacity.png" in page and "<h2>Summary</h2>" not in page
     assert "NOISY" not in page and "spread" not in page  # no step was timed
+    with open(os.path.join(tmp_path, "plan", "run.json")) as f:  # its workers side by side
+        load = json.load(f)["machine_load"]
+    configs = [ExperimentConfig(t, batch_size=2, seq_len=8, capacity=True) for t in TRAINERS]
+    assert load["own_processes"] == processes.workers_at_once(configs, None)
     for n, prediction in enumerate(BROKEN_PREDICTIONS):
         broken = tmp_path / f"broken{n}"
         shutil.copytree(tmp_path / "plan", broken)
