@@ -209,10 +209,14 @@ def largest_on_card(axis: Axis, budget: float, ranks: int) -> dict:
         return fits(axis.predicted(value), budget, ranks)
 
     low, high, flat_guess = axis.line(passes)
-    slope = axis.predicted(high)["peak"] - axis.predicted(low)["peak"]
-    left = room - reserved_peak(axis.predicted(low))
-    guess = low + int(left // slope) if slope > 0 else flat_guess
-    found, judged = axis.search(passes, refined_guess(axis, room, low, guess))
+    if low == 1 and not passes(1):  # not even the smallest value fits: no line to draw
+        guess = 1
+    else:
+        slope = axis.predicted(high)["peak"] - axis.predicted(low)["peak"]
+        left = room - reserved_peak(axis.predicted(low))
+        guess = low + int(left // slope) if slope > 0 else flat_guess
+        guess = refined_guess(axis, room, low, guess)
+    found, judged = axis.search(passes, guess)
     at_found = axis.predicted(found) if found else None
     return {
         "gpu_memory_gib": budget,

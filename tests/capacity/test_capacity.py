@@ -262,8 +262,8 @@ def test_the_first_guess_follows_the_room_the_step_needs(budget):
 
 def test_where_nothing_fits_the_refined_search_predicts_no_batch_below_one():
     """A model whose step does not fit at one sample (8B full fine-tuning with Adam in one
-    80 GiB process): the first guess falls below 1, and neither its refinement nor the search
-    asks for a batch of fewer than one sample; the answer is 0."""
+    80 GiB process): the answer is 0, from the rank's share and one sample predicted, no batch
+    of fewer than one sample asked for and no line drawn through a second."""
     asked = []
 
     def at(physical):
@@ -275,6 +275,7 @@ def test_where_nothing_fits_the_refined_search_predicts_no_batch_below_one():
     )
     result = searches.largest_on_card(searches.batch_axis(stub), 80, 1)
     assert result["physical_batch_size"] == 0 and min(asked) == 1
+    assert set(asked) == {8, 1}  # the share and one sample: no line, no second point
 
 
 def test_the_batch_search_stops_at_its_cap_and_says_more_may_fit(monkeypatch):
