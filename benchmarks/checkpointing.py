@@ -3,8 +3,9 @@ configs, without and with --activation_checkpointing (the same seed and batches)
 of each config's peak allocated memory and median step, checkpointed / not, and each trainer
 against standard in the same setting.
 
-usage: python benchmarks/checkpointing.py OUTPUT_DIR [CLI flags of the configs ...]
+usage: python benchmarks/checkpointing.py OUTPUT_DIR [--ranks N] [CLI flags of the configs ...]
        python benchmarks/checkpointing.py OUTPUT_DIR --table   (the table of runs made before)
+--ranks N: each run a torchrun job of N ranks on this host (with --distributed ddp or fsdp).
 e.g.   python benchmarks/checkpointing.py runs --mode=profile --model 1b --dtype bfloat16
            --attention sdpa --batch_sizes 8 --seq_lens 4096 --trainers standard dpsgd ghost
            --steps 3 --no_trace
@@ -21,9 +22,12 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RUNS = {"plain": [], "ckpt": ["--activation_checkpointing"]}
 
 
-def run(output_dir: str, flags: list[str]) -> None:
+def run(output_dir: str, flags: list[str], ranks: int | None = None) -> None:
+    launcher = [sys.executable]
+    if ranks:
+        launcher += ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}"]
     for run_name, extra in RUNS.items():
-        command = [sys.executable, "profiling_script.py", *flags, *extra]
+        command = [*launcher, "profiling_script.py", *flags, *extra]
         command += ["--output_dir", output_dir, "--run_name", run_name]
         print("$", " ".join(command), flush=True)
         subprocess.run(command, cwd=ROOT, check=False)
@@ -91,8 +95,14 @@ def main(argv: list[str]) -> int:
         print(__doc__.strip())
         return 0 if argv else 2
     output_dir, flags = argv[0], argv[1:]
+    ranks = None
+    if flags[:1] == ["--ranks"]:
+        if len(flags) < 2 or not flags[1].isdigit() or int(flags[1]) < 1:
+            print("checkpointing.py: --ranks takes a number, e.g. --ranks 2", file=sys.stderr)
+            return 2
+        ranks, flags = int(flags[1]), flags[2:]
     if flags != ["--table"]:
-        run(output_dir, flags)
+        run(output_dir, flags, ranks)
     print(table(output_dir))
     return 0
 
