@@ -47,15 +47,19 @@ def run_configs(
     progress: bool = False,
     verbose=False,
     group: RankGroup | None = None,
+    workers: int | None = None,
 ):
     """Run every config in its own forked worker; returns the results in config order.
     ``progress``: a progress bar over the configs on stderr (plain lines when it is no tty).
     ``verbose``: the workers show the libraries' known-harmless noise too.
     ``group``: the ranks of a torchrun job: each runs its worker of every config; rank 0
-    decides what runs and writes the aggregates (the others return their own results)."""
+    decides what runs and writes the aggregates (the others return their own results).
+    ``workers``: how many run at once (None: ``workers_at_once``'s answer)."""
     started = []  # the configs whose worker has started
+    if workers is None:
+        workers = workers_at_once(configs, group)
     try:
-        return _run_configs(configs, run_dir, resume, progress, verbose, group, started)
+        return _run_configs(configs, run_dir, resume, progress, verbose, group, started, workers)
     except KeyboardInterrupt:  # no worker is running
         raise Interrupted("between configs" if started else "before the first config") from None
 
@@ -77,7 +81,9 @@ def finished_result(result_path: str, run_dir: str, resume: bool) -> dict | None
     return previous
 
 
-def _run_configs(configs, run_dir, resume, progress, verbose, group, started) -> list[dict]:
+def _run_configs(
+    configs, run_dir, resume, progress, verbose, group, started, workers
+) -> list[dict]:
     # torch.optim's Optimizer imports torch._dynamo at its first construction (about 1 s of
     # CPU): imported here, before the workers fork, it is paid once per run, not once per config.
     import torch._dynamo  # noqa: F401
@@ -97,7 +103,6 @@ def _run_configs(configs, run_dir, resume, progress, verbose, group, started) ->
         remove_run_leftovers(run_dir)
     bar = ProgressBar(len(configs), no_worker) if progress else None
     log = bar.write if bar else print
-    workers = workers_at_once(configs, group)
     results, side_by_side = [], []
     for index, (config, result_path, result, reason) in enumerate(
         zip(configs, paths, kept, skips), 1

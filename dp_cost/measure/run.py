@@ -207,6 +207,7 @@ def measure_and_summarise(args, experiment, run_dir: str, group=None) -> int:
             where = f"{count(group.info.world_size, 'rank')} ({configs[0].distributed}, {where})"
         print(f"{count(len(configs), 'config')} on {where}, results in {run_dir}")
         load_at_start = run_info.machine_load()
+        workers = processes.workers_at_once(configs, group)  # the run's, recorded below
         results = processes.run_configs(
             configs,
             run_dir,
@@ -214,13 +215,13 @@ def measure_and_summarise(args, experiment, run_dir: str, group=None) -> int:
             progress=experiment.mode == "hf_sweep" and first,
             verbose=args.verbose,
             group=group,
+            workers=workers,
         )
         if not first:
             return exit_code_of(results)
         reached = "report"
         load_at_end = run_info.machine_load()
-        own = processes.workers_at_once(configs, group) if group is None else None
-        record_load(run_dir, load_at_start, load_at_end, own)
+        record_load(run_dir, load_at_start, load_at_end, workers if group is None else None)
         print()
         # Summarise every result in the run directory: a --resume run adds to earlier ones.
         loaded = summary.load_results(run_dir)
