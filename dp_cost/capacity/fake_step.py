@@ -40,6 +40,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from dp_cost.capacity.allocator import request_bytes
+from dp_cost.capacity.op_list import OpRecord
 from dp_cost.capacity.planned_ranks import planned_ranks
 from dp_cost.hf import models as hf_models
 from dp_cost.hf.configs import HF_CONFIGS
@@ -238,17 +239,17 @@ def fake_batch(config, samples: int) -> tuple[torch.Tensor, torch.Tensor]:
     return inputs, inputs.clone()
 
 
-def predict(config, build_trainer) -> dict:
+def predict(config, build_trainer, record_ops: bool = False) -> dict:
     """The predicted peak of one timed step of ``config`` (one process) and its split by role.
 
     ``build_trainer(config, model, loss_fn, on_phase)``: the worker's trainer construction. A
-    warm-up step runs first, as in the measuring modes: gradients and optimizer states exist
-    when the recorded step begins. Returns bytes: ``peak``, ``roles`` (breakdown key -> bytes),
-    ``parameters``, ``trainable_parameters``, ``state`` (role -> bytes the trainer holds after
-    the step), the flash routes, if any, and the allocator's requests in order (``requests``:
-    the model and trainer built, ``step_requests``: the warm-up and the recorded step), for
-    ``capacity.allocator.replay``. Distributed: rank 0's, the rank with the largest
-    share of a batch, in a fake process group of the config's ranks (``planned_ranks``)."""
+    warm-up step runs first, as in the measuring modes. Returns bytes: ``peak``, ``roles``
+    (breakdown key -> bytes), ``parameters``, ``trainable_parameters``, ``state`` (role ->
+    bytes held after the step), the flash routes, if any, the allocator's requests in order
+    (``requests``: model and trainer built, ``step_requests``: warm-up and recorded step;
+    ``capacity.allocator.replay``); with ``record_ops`` the recorded step's ``ops`` and phase
+    ``marks`` (``capacity.op_list``; else None). Distributed: rank 0's, the rank with the
+    largest share of a batch, in a fake process group of the config's ranks (planned_ranks)."""
     # shape_env: .item() gives a symbol, not an error; non-fake inputs: the meta model's
     fake = FakeTensorMode(shape_env=ShapeEnv(), allow_non_fake_inputs=True)
     record = StorageRecord()
@@ -272,17 +273,19 @@ def predict(config, build_trainer) -> dict:
         start = record.held()
         identities = [tensor_identities(runner, "cpu", key=storage_key)]
         first_event = len(record.events)
+        ops = OpRecord() if record_ops else None  # for the step's time (capacity.step_time)
 
         def on_phase(name):
             identities.append(tensor_identities(runner, "cpu", key=storage_key))
             record.marker()
+            if ops is not None:
+                ops.mark(name)
 
-        with runner.observing_phases(on_phase):
+        with runner.observing_phases(on_phase), ops or contextlib.nullcontext():
             runner.step(inputs, targets)
         events = record.events[first_event:]
         attributed = attribute_peak(events, start, identities, runner.trainer.memory().sites)
-        state = _state_bytes(runner)
-        extras = runner.trainer.result_extras()
+        state, extras = _state_bytes(runner), runner.trainer.result_extras()
         parameters = sum(p.numel() for p in model.parameters())  # a DTensor's: the whole's
         trainable = sum(p.numel() for p in runner.trainer.parameters)
     return {
@@ -293,6 +296,7 @@ def predict(config, build_trainer) -> dict:
         "parameters": parameters,
         "trainable_parameters": trainable,
         "state": state,
+        **({"ops": ops.ops, "marks": ops.marks} if ops else {"ops": None, "marks": None}),
         **({"flash_routes": extras["flash_routes"]} if "flash_routes" in extras else {}),
     }
 

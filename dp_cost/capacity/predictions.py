@@ -53,13 +53,15 @@ class Predictions:
         self.steps: dict[tuple[int, int], dict] = {}  # (physical batch, sequence length) -> step
         self.seq_lens_searched: set[int] = set()
 
-    def at(self, physical: int, seq_len: int | None = None) -> dict:
-        """The step at physical batch ``physical`` and ``seq_len`` (the config's by default)."""
+    def at(self, physical: int, seq_len: int | None = None, *, ops: bool = False) -> dict:
+        """The step at physical batch ``physical`` and ``seq_len`` (the config's by default);
+        ``ops``: with its ops recorded, for its time (a search needs only its memory)."""
         seq_len = self.config.seq_len if seq_len is None else seq_len
-        if (physical, seq_len) not in self.steps:
+        step = self.steps.get((physical, seq_len))
+        if step is None or (ops and step["ops"] is None):
             at_seq_len = dataclasses.replace(self.config, seq_len=seq_len)
             self.steps[physical, seq_len] = predict(
-                with_physical_batch(at_seq_len, physical), self.build_trainer
+                with_physical_batch(at_seq_len, physical), self.build_trainer, record_ops=ops
             )
         return self.steps[physical, seq_len]
 

@@ -7,8 +7,10 @@ from __future__ import annotations
 import time
 
 from dp_cost.capacity.card import GPU_OVERHEADS, reserved_peak
-from dp_cost.capacity.predictions import Predictions
+from dp_cost.capacity.fake_step import rank_share
+from dp_cost.capacity.predictions import Predictions, with_physical_batch
 from dp_cost.capacity.searches import batch_axis, largest_on_card, seq_len_axis
+from dp_cost.capacity.step_time import planned_time
 from dp_cost.core.schema import MB
 
 
@@ -20,7 +22,9 @@ def capacity_result(config, build_trainer, card_gib: float | None = None) -> dic
     batch (--find_max_batch), or the longest sequence at the planned one (--find_max_seq_len)."""
     started = time.perf_counter()
     predictions = Predictions(config, build_trainer)
-    main = predictions.at(predictions.planned)
+    main = predictions.at(predictions.planned, ops=True)
+    samples = rank_share(with_physical_batch(config, predictions.planned))
+    step_time = planned_time(config, main, predictions.planned, samples)
     batch = batch_axis(predictions)
     ranks = config.world_size
     largest = [largest_on_card(batch, budget, ranks) for budget in config.gpu_memory or []]
@@ -35,6 +39,7 @@ def capacity_result(config, build_trainer, card_gib: float | None = None) -> dic
         "peak_memory_mb": main["peak"] / MB,
         "peak_reserved_mb": reserved_peak(main) / MB,
         "breakdown": {key: value / MB for key, value in main["roles"].items()},
+        "time": step_time,
         "held_after_step_mb": {role: size / MB for role, size in main["state"].items()},
         "parameters": main["parameters"],
         "trainable_parameters": main["trainable_parameters"],

@@ -51,4 +51,21 @@ CAPACITY_SETTINGS: tuple[Setting, ...] = (
         switch=True,
         scope=scopes.CAPACITY,
     ),
+    Setting(
+        "card",
+        "NVIDIA H200",
+        "capacity: the card whose measured rates (a table the toolkit ships per card kind) "
+        "predict each config's step time",
+        flags=("--card",),
+        scope=scopes.CAPACITY,
+    ),
+    Setting(
+        "epochs",
+        None,
+        "capacity: with --dataset_size, the predicted wall time and GPU-hours of this many "
+        "epochs of the dataset",
+        flags=("--epochs",),
+        type=int,
+        scope=scopes.CAPACITY,
+    ),
 )

@@ -63,6 +63,8 @@ class ExperimentConfig:
     find_max_batch: bool = False
     find_max_seq_len: bool = False
     validate: bool = False
+    card: str = "NVIDIA H200"
+    epochs: int | None = None
     model_overrides: dict = field(default_factory=dict)
     default_model: str = "tiny"
 

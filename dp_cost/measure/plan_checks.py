@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 
+from dp_cost.capacity.card_rates import shipped_cards
 from dp_cost.capacity.model_facts import bytes_lower_bound, model_max_seq_len, parameter_count
 from dp_cost.core.hf_architectures import HF_CONFIGS
 from dp_cost.core.modes import MODES
@@ -190,6 +191,11 @@ def check_capacity(values: dict, axes: dict, args) -> None:
                 f"--gpu_memory must be a finite positive number of GiB (at most "
                 f"{MAX_GPU_MEMORY_GIB}), got {budget}"
             )
+    if values["card"] not in shipped_cards():
+        known = ", ".join(repr(card) for card in shipped_cards()) or "none"
+        raise UsageError(f"--card {values['card']!r} has no time calibration; calibrated: {known}")
+    if values["epochs"] is not None and values["epochs"] < 1:
+        raise UsageError(f"--epochs must be a positive number of epochs, got {values['epochs']}")
     if values["validate"] and values["model"] in HF_CONFIGS and values["poisson"]:
         if None in axes["max_physical_batch_size"]:
             raise UsageError(

@@ -62,6 +62,12 @@ def entry(result: dict) -> dict:
         "predicted_reserved_mb": prediction.get("peak_reserved_mb"),
         "measured_reserved_mb": reserved,
         "reserved_prediction_error": relative_error(prediction.get("peak_reserved_mb"), reserved),
+        "predicted_time": prediction.get("time"),
+        "predicted_step_ms": (prediction.get("time") or {}).get("step_ms"),
+        "measured_step_ms": result.get("median_time_ms"),
+        "step_time_error": relative_error(
+            (prediction.get("time") or {}).get("step_ms"), result.get("median_time_ms")
+        ),
         "largest_physical_batch": prediction.get("largest_physical_batch", []),
         "predictions": prediction.get("predictions", []),
         "card": prediction.get("card"),
@@ -104,6 +110,13 @@ def table_cells(entries: list[dict]) -> tuple[list[str], list[list[str]]]:
     header += (
         ["measured MB", "error %", "measured reserved MB", "error %", "status"] if validated else []
     )
+    cards = sorted({e["predicted_time"]["card"] for e in entries if e.get("predicted_time")})
+    header += [f"predicted ms ({', '.join(cards) or 'no card'})", "samples/s"]
+    header += ["measured ms", "error %"] if validated else []
+    fine_tune = next((e["predicted_time"]["fine_tune"] for e in entries
+                      if (e.get("predicted_time") or {}).get("fine_tune")), None)  # fmt: skip
+    if fine_tune:
+        header += [f"{fine_tune['epochs']} epoch(s) of {fine_tune['dataset_size']}: h", "GPU-h"]
     header += [f"largest physical at {b:g} GiB" for b in budgets]
     searches = [search for search in SEARCHES if any(e.get(search[0]) for e in entries)]
     for _, words, _, _ in searches:
@@ -129,6 +142,15 @@ def table_cells(entries: list[dict]) -> tuple[list[str], list[list[str]]]:
             cells += [cell(e.get("measured_reserved_mb"), digits=0)]
             cells += [cell(None if reserved_error is None else 100 * reserved_error, digits=1)]
             cells += [e["status"]]
+        time = e.get("predicted_time") or {}
+        cells += [cell(time.get("step_ms"), digits=1), cell(time.get("samples_per_s"), digits=1)]
+        if validated:
+            time_error = e.get("step_time_error")
+            cells += [cell(e.get("measured_step_ms"), digits=1)]
+            cells += [cell(None if time_error is None else 100 * time_error, digits=1)]
+        if fine_tune:
+            tune = time.get("fine_tune") or {}
+            cells += [cell(tune.get("wall_hours"), digits=2), cell(tune.get("gpu_hours"), digits=2)]
         cells += [cell(largest.get(b)) for b in budgets]
         for key, _, value, predicted in searches:
             found = e.get(key) if isinstance(e.get(key), dict) else {}
@@ -147,7 +169,10 @@ NOTES = (
     "rules replayed over the step's allocations and frees. A physical batch fits a budget when "
     "that replay, on a card of the budget less the CUDA context (and NCCL's buffers with "
     "several ranks; margins in capacity.json), places every allocation. 0: not even one "
-    "sample fits; 1024+: the search's cap fits (larger ones were not judged).\n"
+    "sample fits; 1024+: the search's cap fits (larger ones were not judged). Predicted ms: "
+    "one logical batch's eager step (or graphed, with --cuda_graph) on the card named, from the "
+    "fake step's ops and the card's measured rates (one GPU; - where not predicted, the reason "
+    "in capacity.json).\n"
 )
 
 

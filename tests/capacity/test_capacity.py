@@ -569,6 +569,9 @@ def test_capacity_mode_writes_its_report_and_skips_a_broken_prediction(tmp_path)
             ["--mode=capacity", "--distributed", "ddp", "--world_size", "2", "--validate"],
             "the ranks of a torchrun job",
         ),
+        (["--mode=capacity", "--card", "GeForce 256"], "has no time calibration; calibrated"),
+        (["--mode=capacity", "--epochs", "0"], "--epochs must be a positive"),
+        (["--mode=test", "--card", "NVIDIA H200"], "applies only to --mode=capacity"),
     ],
 )
 def test_bad_capacity_input_is_one_line_and_exit_2(args, message, tmp_path, capsys):

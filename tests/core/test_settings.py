@@ -178,6 +178,8 @@ OUTSIDE_SCOPE = {
     "find_max_batch": ["--find_max_batch"],
     "find_max_seq_len": ["--find_max_seq_len"],
     "validate": ["--validate"],
+    "card": ["--card", "NVIDIA H200"],
+    "epochs": ["--epochs", "1"],
     "noise_multiplier": ["--trainers", "standard", "--sigma", "2"],
     "max_grad_norm": ["--trainers", "standard", "--max_grad_norm", "2"],
     "clipping": ["--trainers", "standard", "--clipping", "per_layer"],

@@ -1,0 +1,346 @@
+"""Measure this card's time calibration for --mode=capacity's time model and write it as
+dp_cost/capacity/cards/<card>.json (the file the toolkit ships for the card kind).
+
+What it measures, each kernel replayed in a CUDA graph so that its GPU time is timed apart from
+the host's launches:
+- GEMMs (torch.mm) on a grid of (M, N, K) per dtype (bf16; fp32 as torch runs it by default);
+- fused attention (F.scaled_dot_product_attention, causal), forward and backward, by sequence
+  length and head size, as TFLOP/s by torch's FLOP counter's formulas;
+- an elementwise kernel's time by the bytes it moves;
+and, in eager steps on the tiny LM and the tiny Llama's LoRA (host-bound: their kernels are
+shorter than their launches), each trainer's host time per op of the planned step in each
+phase of a chunk, and what a host sync (.item()) costs.
+Usage: python benchmarks/card_rates.py [--out PATH] [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import functools
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def parse(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", help="where to write the table (default: the shipped file)")
+    parser.add_argument("--quick", action="store_true", help="a coarse grid (a check, not a table)")
+    return parser.parse_args(argv)
+
+
+if __name__ == "__main__":  # --help answers before torch is imported
+    parse()
+    sys.path.insert(0, ROOT)
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+from torch.utils.flop_counter import sdpa_backward_flop_count, sdpa_flop_count  # noqa: E402
+
+GEMM_SIDES = (16, 64, 256, 1024, 4096, 16384)
+QUICK_SIDES = (16, 1024, 16384)
+THIN_BATCHES = (1, 2, 4, 8, 16, 64)  # cuBLAS changes path between 1 and 2
+THIN_LENGTHS = tuple(2**e for e in range(14, 25, 2))  # 16384 .. 16.8M
+ATTENTION_LENGTHS = (128, 256, 512, 1024, 2048, 4096, 8192)
+ATTENTION_HEADS = (64, 128)
+ATTENTION_TOKENS = 65536  # batch x length x heads/16 kept about constant: every length a big launch
+MEMORY_ELEMENTS = [2**e for e in range(8, 29, 2)]
+TRAINERS = ("standard", "dpsgd", "ghost", "flash")
+HOST_STEPS = 20
+
+
+def graphed_us(function, *args, replays: int = 3, **kwargs) -> float:
+    """µs of one ``function(*args, **kwargs)``, its kernels captured in a CUDA graph as many
+    times over as make about 2 ms, the graph replayed (the median of ``replays``)."""
+
+    def work():
+        function(*args, **kwargs)
+
+    probe = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(2):
+            work()
+    torch.cuda.current_stream().wait_stream(stream)
+    probe[0].record()
+    work()
+    probe[1].record()
+    torch.cuda.synchronize()
+    once_ms = max(probe[0].elapsed_time(probe[1]), 1e-3)
+    repeat = max(1, min(200, int(2.0 / once_ms)))  # about 2 ms of GPU a replay
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(repeat):
+            work()
+    times = []
+    for _ in range(replays + 1):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end) * 1e3 / repeat)
+    del graph
+    return statistics.median(times[1:])
+
+
+def gemm_rows(dtype: torch.dtype, sides) -> list[list]:
+    rows = []
+    for m in sides:
+        for n in sides:
+            for k in sides:
+                a = torch.randn(m, k, device="cuda", dtype=dtype)
+                b = torch.randn(k, n, device="cuda", dtype=dtype)
+                out = torch.empty(m, n, device="cuda", dtype=dtype)
+                rows.append([m, n, k, round(graphed_us(torch.mm, a, b, out=out), 3)])
+    torch.cuda.empty_cache()
+    return rows
+
+
+def thin_gemm_rows(dtype: torch.dtype, batches, lengths) -> list[list]:
+    """Batched dot products, [b, 1, K]·[b, K, 1] (what Opacus' ghost norms reduce T×T Grams
+    with): cuBLAS runs these far below the card's bandwidth."""
+    rows = []
+    for batch in batches:
+        for length in lengths:
+            a = torch.randn(batch, 1, length, device="cuda", dtype=dtype)
+            b = torch.randn(batch, length, 1, device="cuda", dtype=dtype)
+            out = torch.empty(batch, 1, 1, device="cuda", dtype=dtype)
+            rows.append([batch, length, round(graphed_us(torch.bmm, a, b, out=out), 3)])
+    torch.cuda.empty_cache()
+    return rows
+
+
+def attention_rows(dtype: torch.dtype, head_dim: int, lengths) -> dict[str, list]:
+    rows: dict[str, list] = {"forward": [], "backward": []}
+    heads = 16
+    for length in lengths:
+        batch = max(1, ATTENTION_TOKENS // length)
+        shape = (batch, heads, length, head_dim)
+        q, k, v = (
+            torch.randn(shape, device="cuda", dtype=dtype, requires_grad=True) for _ in "qkv"
+        )
+        grad = torch.randn(shape, device="cuda", dtype=dtype)
+        forward_us = graphed_us(F.scaled_dot_product_attention, q, k, v, is_causal=True)
+        backward_us = graphed_us(attention_backward, q, k, v, grad) - forward_us
+        flops = sdpa_flop_count(shape, shape, shape)
+        backward_flops = sdpa_backward_flop_count(shape, shape, shape, shape)
+        rows["forward"].append([length, round(flops / forward_us / 1e6, 2)])
+        rows["backward"].append([length, round(backward_flops / max(backward_us, 1e-3) / 1e6, 2)])
+    torch.cuda.empty_cache()
+    return rows
+
+
+def attention_backward(q, k, v, grad) -> None:
+    """A causal attention's forward and backward (the backward's time: this less the forward)."""
+    out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    torch.autograd.grad(out, (q, k, v), grad)
+
+
+def memory_rows(elements) -> list[list]:
+    rows = []
+    for count in elements:
+        x, y, out = (torch.randn(count, device="cuda") for _ in range(3))
+        rows.append([3 * 4 * count, round(graphed_us(torch.add, x, y, out=out), 3)])
+    torch.cuda.empty_cache()
+    return rows
+
+
+def sync_us() -> float:
+    x = torch.zeros((), device="cuda")
+    times = []
+    for _ in range(200):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        x.item()
+        times.append((time.perf_counter() - start) * 1e6)
+    return statistics.median(times)
+
+
+def _stamp(stamps: dict, name: str) -> None:
+    stamps.setdefault(name, time.perf_counter())
+
+
+def memory_op_rates() -> dict[str, float]:
+    """Bytes a µs of the ops a training step spends its non-GEMM time in, each at a size of
+    the 1b model's (8, 1024) step, where they are slower per byte than an elementwise add;
+    bytes as the time model counts them (``capacity.op_list``: every tensor read and
+    written)."""
+    from dp_cost.capacity.op_list import OpRecord
+
+    aten = torch.ops.aten
+    tokens, width, vocab = 8192, 2048, 32000
+    x32 = torch.randn(tokens, width, device="cuda")
+    x16 = x32.bfloat16()
+    weight, bias = torch.ones(width, device="cuda"), torch.zeros(width, device="cuda")
+    _, mean, rstd = aten.native_layer_norm(x32, [width], weight, bias, 1e-5)
+    logits = torch.randn(4096, vocab, device="cuda")
+    logp = torch.log_softmax(logits, -1)
+    target = torch.randint(vocab, (4096,), device="cuda")
+    loss, total_weight = aten.nll_loss_forward(logp, target, None, 1, -100)
+    ids = torch.randint(vocab, (tokens,), device="cuda")
+    cases = [
+        (aten._to_copy.default, (x32,), {"dtype": torch.bfloat16}),
+        (aten.add.Tensor, (x16, x16), {}),
+        (aten.mul.Tensor, (x16, x16), {}),
+        (aten.sum.dim_IntList, (x16, [0]), {}),
+        (aten.native_layer_norm.default, (x32, [width], weight, bias, 1e-5), {}),
+        (aten.native_layer_norm_backward.default,
+         (x32, x32, [width], mean, rstd, weight, bias, [True, True, True]), {}),
+        (aten.gelu.default, (x16,), {}),
+        (aten.gelu_backward.default, (x16, x16), {}),
+        (aten._log_softmax.default, (logits, -1, False), {}),
+        (aten._log_softmax_backward_data.default, (logp, logp, -1, torch.float32), {}),
+        (aten.nll_loss_forward.default, (logp, target, None, 1, -100), {}),
+        (aten.nll_loss_backward.default,
+         (torch.ones_like(loss), logp, target, None, 1, -100, total_weight), {}),
+        (aten.embedding_dense_backward.default, (x32, ids, vocab, -1, False), {}),
+    ]  # fmt: skip
+    rates = {}
+    for op, args, kwargs in cases:
+        record = OpRecord()
+        with record:
+            op(*args, **kwargs)
+        moved = sum(o.bytes for o in record.ops if o.name == str(op))
+        try:
+            rates[str(op)] = round(moved / graphed_us(op, *args, **kwargs), 1)
+        except RuntimeError as error:  # not capturable: its rate stays unmeasured
+            print(f"{op}: not measured ({' '.join(str(error).split())[:120]})", file=sys.stderr)
+    return rates
+
+
+def host_costs(trainer: str, lora: bool, sync_cost_us: float) -> dict:
+    """The trainer's eager step, host-bound, on the tiny LM at (2, 16) (or with ``lora`` the
+    tiny Llama classifier's LoRA), bf16 SDPA: the host's time in each phase of a chunk (its
+    forward, its backward call, the rest: clipping, noise, optimizer), the median of
+    HOST_STEPS steps, over the ops the planned step (the same config on fake tensors,
+    ``capacity.fake_step``) dispatches in that phase: what the time model charges for each op
+    of a planned step of this trainer."""
+    from dp_cost.capacity import fake_step
+    from dp_cost.capacity.op_list import SYNC
+    from dp_cost.capacity.step_time import FINISH, as_foreach, chunk_groups
+    from dp_cost.measure import worker
+    from dp_cost.measure.config import ExperimentConfig
+    from dp_cost.measure.workload import Workload
+
+    model = {"model": "tiny-llama", "use_lora": True, "lora_rank": 8} if lora else {"model": "tiny"}
+    config = ExperimentConfig(
+        trainer=trainer, batch_size=2, seq_len=16, dtype="bfloat16", attention="sdpa",
+        device="cuda", poisson=False, dataset_size=64, **model,
+    )  # fmt: skip
+    device = torch.device("cuda")
+    workload = Workload(config, device, lambda name: None, {})
+    runner = worker.build_trainer(
+        config, workload.model, workload.loss_fn, lambda name: None, workload.materialize
+    )
+    inputs, targets = workload.batch()
+    for _ in range(3):
+        runner.step(inputs, targets)
+    torch.cuda.synchronize()
+    planned = fake_step.predict(config, worker.build_trainer)
+    backward_end = planned["marks"][1]  # the phase mark after the backward call
+    phase_us: dict[str, list[float]] = {"forward": [], "backward": [], "finish": []}
+    for _ in range(HOST_STEPS):
+        stamps: dict[str, float] = {}
+        with runner.observing_phases(functools.partial(_stamp, stamps)):
+            start = time.perf_counter()
+            runner.step(inputs, targets)
+            end = time.perf_counter()
+        torch.cuda.synchronize()
+        phase_us["forward"].append((stamps["forward_done"] - start) * 1e6)
+        phase_us["backward"].append((stamps[backward_end] - stamps["forward_done"]) * 1e6)
+        phase_us["finish"].append((end - stamps[backward_end]) * 1e6)
+    chunks, finish = chunk_groups(as_foreach(planned["ops"]), planned["marks"])
+    ops = {phase: 0 for phase in phase_us}
+    syncs = 0
+    for op, phase in (pair for group in [*chunks, finish] for pair in group):
+        if op.kind == SYNC:
+            syncs += 1
+        else:
+            ops[phase] += 1
+    host = {phase: statistics.median(times) for phase, times in phase_us.items()}
+    host[FINISH] -= syncs * sync_cost_us
+    return {
+        "op_us": {phase: round(host[phase] / max(ops[phase], 1), 3) for phase in ops},
+        "host_us": {phase: round(value, 1) for phase, value in host.items()},
+        "planned_ops": ops,
+    }
+
+
+def git_commit() -> str:
+    try:
+        out = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True
+        )
+        return out.stdout.strip() or "not recorded"
+    except OSError:
+        return "not recorded"
+
+
+def main() -> int:
+    args = parse()
+    if not torch.cuda.is_available():
+        print("error: this measures a CUDA card; none is available", file=sys.stderr)
+        return 2
+    from dp_cost.capacity.card_rates import CARDS_DIR, SCHEMA, card_file_name, load_card
+
+    card = torch.cuda.get_device_name()
+    sides = QUICK_SIDES if args.quick else GEMM_SIDES
+    lengths = ATTENTION_LENGTHS[::3] if args.quick else ATTENTION_LENGTHS
+    started = time.perf_counter()
+    table = {
+        "schema": SCHEMA,
+        "card": card,
+        "measured": {
+            "date": datetime.date.today().isoformat(),
+            "commit": git_commit(),
+            "torch": torch.__version__,
+            "cuda": torch.version.cuda,
+            "host": platform.processor() or platform.machine(),
+            "command": "python benchmarks/card_rates.py" + (" --quick" if args.quick else ""),
+        },
+        "gemm": {
+            name: gemm_rows(dtype, sides)
+            for name, dtype in (("bfloat16", torch.bfloat16), ("float32", torch.float32))
+        },  # fmt: skip
+        "thin_gemm": {
+            name: thin_gemm_rows(dtype, THIN_BATCHES, THIN_LENGTHS)
+            for name, dtype in (("bfloat16", torch.bfloat16), ("float32", torch.float32))
+        },  # fmt: skip
+        "attention": {
+            name: {str(d): attention_rows(dtype, d, lengths) for d in ATTENTION_HEADS}
+            for name, dtype in (("bfloat16", torch.bfloat16), ("float32", torch.float32))
+        },
+        "memory": memory_rows(MEMORY_ELEMENTS),
+    }
+    table["memory_ops"] = memory_op_rates()
+    sync_cost_us = round(sync_us(), 3)
+    by_trainer = {
+        trainer + ("+lora" if lora else ""): host_costs(trainer, lora, sync_cost_us)
+        for lora in (False, True)
+        for trainer in TRAINERS
+    }
+    table["host"] = {"sync_us": sync_cost_us, "by_trainer": by_trainer}
+    table["measured"]["seconds"] = round(time.perf_counter() - started, 1)
+    path = args.out or os.path.join(CARDS_DIR, card_file_name(card))
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(table, f, indent=1)
+        f.write("\n")
+    load_card(path)  # the toolkit reads it back
+    seconds = table["measured"]["seconds"]
+    summary = {"card": card, "path": path, "seconds": seconds}
+    print(json.dumps({**summary, "host": table["host"], "memory_ops": table["memory_ops"]}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

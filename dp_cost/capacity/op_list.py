@@ -1,0 +1,155 @@
+"""The ops a step dispatches, each with what the time model needs: its kind (a GEMM, an
+attention, a kernel that moves memory, a view that launches nothing, a host sync), its FLOPs,
+the bytes it reads and writes, and whether autograd's engine dispatched it (the backward) or
+Python did. Recorded by a dispatch mode, on the planned step's fake tensors or on a real step
+(the card's calibration counts its host-bound step's ops with it).
+
+FLOPs come from torch's own counter's formulas (``torch.utils.flop_counter``), for the ops it
+knows; the CPU's fused attention (which the planned step takes where CUDA would take its flash
+or memory-efficient kernel) is counted with the same formulas as CUDA's.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sdpa_flop_count
+
+aten = torch.ops.aten
+
+GEMM, ATTENTION, MEMORY, VIEW, SYNC = "gemm", "attention", "memory", "view", "sync"
+
+# Ops that launch no kernel though they are not views: storage made or metadata changed only
+NO_KERNEL = {
+    aten.empty.memory_format,
+    aten.empty_strided.default,
+    aten.empty_like.default,
+    aten.new_empty.default,
+    aten.new_empty_strided.default,
+    aten.detach.default,
+    aten.lift_fresh.default,
+    aten.set_.source_Storage_storage_offset,
+    aten.resize_.default,
+    aten._unsafe_view.default,
+}
+# The host reads a value off the device: it waits for every kernel queued before
+SYNCS = {aten._local_scalar_dense.default, aten.is_nonzero.default, aten.equal.default}
+GEMMS = {aten.mm.default, aten.addmm.default, aten.bmm.default, aten.baddbmm.default}
+RANGE_ENTER = torch.ops.profiler._record_function_enter_new.default
+OPTIMIZER_RANGE = "Optimizer.step#"  # the range torch.optim's step opens
+# The CPU's fused attention and its backward: the planned step's stand-ins for CUDA's
+CPU_ATTENTION = aten._scaled_dot_product_flash_attention_for_cpu.default
+CPU_ATTENTION_BACKWARD = aten._scaled_dot_product_flash_attention_for_cpu_backward.default
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Op:
+    """One dispatched op. ``gemm``: (batch, M, N, K) of a GEMM (batch 1 for a plain one);
+    ``segment``: how many phase marks came before it (``OpRecord.mark``); ``optimizer``:
+    dispatched inside ``torch.optim``'s step."""
+
+    name: str
+    kind: str
+    flops: int
+    bytes: int
+    dtype: str
+    backward: bool
+    segment: int
+    gemm: tuple[int, int, int, int] | None = None
+    seq_len: int | None = None  # an attention's query length
+    head_dim: int | None = None  # and its head size
+    optimizer: bool = False
+
+
+def _tensor_bytes(values) -> int:
+    return sum(
+        t.numel() * t.element_size() for t in tree_leaves(values) if isinstance(t, torch.Tensor)
+    )
+
+
+def _has_tensor(output) -> bool:  # an op of no tensor (types promoted, sizes read): no kernel
+    return any(isinstance(t, torch.Tensor) for t in tree_leaves(output))
+
+
+def _first_dtype(args) -> str:
+    for t in tree_leaves(args):
+        if isinstance(t, torch.Tensor) and t.is_floating_point():
+            return str(t.dtype).removeprefix("torch.")
+    return "float32"
+
+
+def gemm_shape(func, args) -> tuple[int, int, int, int]:
+    """(batch, M, N, K) of a GEMM op's operands (batch 1 for a plain one)."""
+    a, b = (args[1], args[2]) if func in (aten.addmm.default, aten.baddbmm.default) else args[:2]
+    if a.dim() == 3:
+        return a.shape[0], a.shape[1], b.shape[2], a.shape[2]
+    return 1, a.shape[0], b.shape[1], a.shape[1]
+
+
+def attention_flops(func, args, kwargs, output) -> tuple[int, int, int] | None:
+    """(FLOPs, query length, head size) of a fused attention op, or None for any other op."""
+    if func is CPU_ATTENTION:
+        q, k, v = args[:3]
+        return sdpa_flop_count(q.shape, k.shape, v.shape), q.shape[-2], q.shape[-1]
+    if func is CPU_ATTENTION_BACKWARD:
+        grad, q, k, v = args[:4]
+        flops = sdpa_backward_flop_count(grad.shape, q.shape, k.shape, v.shape)
+        return flops, q.shape[-2], q.shape[-1]
+    name = func.overloadpacket.__name__
+    if "attention" in name and func.overloadpacket in flop_registry:
+        q = args[0] if "backward" not in name else args[1]
+        flops = flop_registry[func.overloadpacket](*args, **kwargs, out_val=output)
+        return flops, q.shape[-2], q.shape[-1]
+    return None
+
+
+def describe(func, args, kwargs, output, segment: int, optimizer: bool = False) -> Op:
+    """``func``'s dispatch as an Op."""
+    name = str(func)
+    known = {"segment": segment, "optimizer": optimizer}
+    known["backward"] = torch._C._current_autograd_node() is not None
+    known["dtype"] = _first_dtype(args)
+    if func in SYNCS:
+        return Op(name, SYNC, 0, 0, **known)
+    if func in NO_KERNEL or func.is_view or not _has_tensor(output):
+        return Op(name, VIEW, 0, 0, **known)
+    moved = _tensor_bytes((args, kwargs)) + _tensor_bytes(output)
+    if func in GEMMS:
+        batch, m, n, k = gemm_shape(func, args)
+        return Op(name, GEMM, 2 * batch * m * n * k, moved, gemm=(batch, m, n, k), **known)
+    attention = attention_flops(func, args, kwargs, output)
+    if attention is not None:
+        flops, seq_len, head_dim = attention
+        return Op(name, ATTENTION, flops, moved, seq_len=seq_len, head_dim=head_dim, **known)
+    return Op(name, MEMORY, 0, moved, **known)
+
+
+class OpRecord(TorchDispatchMode):
+    """Every op dispatched while it is active, in order (``ops``), split into segments at the
+    marks the step's phases leave (``mark``): the time model times each chunk of a step apart."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops: list[Op] = []
+        self.marks: list[str] = []
+        self._ranges: list[str] = []  # the record_function ranges open, innermost last
+
+    def mark(self, name: str) -> None:
+        self.marks.append(name)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        output = func(*args, **kwargs)
+        namespace = func.namespace
+        if namespace == "profiler":  # torch.optim's step is one of these ranges
+            if func is RANGE_ENTER:
+                self._ranges.append(args[0])
+            elif self._ranges:
+                self._ranges.pop()
+        elif namespace != "prim":  # prim: the fake mode's own queries (a tensor's device)
+            optimizer = any(name.startswith(OPTIMIZER_RANGE) for name in self._ranges)
+            self.ops.append(describe(func, args, kwargs, output, len(self.marks), optimizer))
+        return output

@@ -1,0 +1,170 @@
+"""A planned step's time on a card: its ops (``capacity.op_list``, recorded on the fake step)
+costed from the card's calibration (``capacity.card_rates``) and played through a model of an
+eager step, a host that issues ops and a GPU that runs them in order.
+
+Each op costs the host its dispatch (from Python in the forward and the optimizer, from
+autograd's engine in the backward: the card's table says what an op costs each, in a real eager
+step) and the GPU its kernel, if it has one: a GEMM by its shape, a fused attention by its
+FLOPs at its sequence length, anything else by the bytes it moves. The GPU starts a kernel when
+the host has issued it and the kernel before it has finished; a host sync (``.item()``) waits
+for the GPU. So a step whose kernels are short is bound by its host, one whose kernels are long
+by its GPU, and a step that is each in turn is both, as a trace shows them. Under CUDA graphs
+(``--cuda_graph``) the host issues nothing per op.
+
+The fake step runs at most three chunks; a logical batch of more runs its other chunks as the
+last one recorded (each chunk ends with a sync: its loss read on the host).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+
+from dp_cost.capacity.card_rates import CardRates, card_rates
+from dp_cost.capacity.op_list import ATTENTION, GEMM, MEMORY, SYNC, Op
+
+CHUNK_END = "backward_done"  # the phase that ends a chunk's backward
+
+
+FORWARD, BACKWARD, FINISH = "forward", "backward", "finish"
+
+
+def op_costs(
+    op: Op, phase: str, rates: CardRates, trainer: str, graphed: bool, lora: bool = False
+) -> tuple[float, float]:
+    """(host µs, GPU µs) of one op of ``trainer``'s step, dispatched in ``phase``."""
+    if graphed:
+        host = 0.0
+    elif op.kind == SYNC:
+        host = rates.host["sync_us"]
+    else:
+        host = rates.host_us(trainer, phase, lora)
+    if op.kind == GEMM:  # no kernel moves its bytes faster than a copy does
+        return host, max(rates.gemm_us(op.dtype, *op.gemm), rates.memory_us(op.bytes))
+    if op.kind == ATTENTION:
+        direction = "backward" if op.backward else "forward"
+        return host, rates.attention_us(op.dtype, direction, op.head_dim, op.seq_len, op.flops)
+    if op.kind == MEMORY:
+        return host, rates.memory_us(op.bytes, op.name)
+    return host, 0.0
+
+
+def play(
+    ops: list[tuple[Op, str]], rates: CardRates, trainer: str, graphed: bool, lora: bool = False
+) -> dict[str, float]:
+    """µs of ``ops`` (each with its phase) from an idle host and GPU until both are done:
+    ``step``, and the host's and the GPU's busy time (``host``, ``gpu``)."""
+    host = gpu = host_busy = gpu_busy = 0.0
+    for op, phase in ops:
+        host_us, gpu_us = op_costs(op, phase, rates, trainer, graphed, lora)
+        host_busy += host_us
+        if op.kind == SYNC:  # the host waits for the GPU, then for the value to arrive
+            host = max(host, gpu) + host_us
+            continue
+        host += host_us
+        if gpu_us:
+            gpu = max(gpu, host) + gpu_us
+            gpu_busy += gpu_us
+    return {"step": max(host, gpu), "host": host_busy, "gpu": gpu_busy}
+
+
+def chunk_groups(
+    ops: list[Op], marks: list[str]
+) -> tuple[list[list[tuple[Op, str]]], list[tuple[Op, str]]]:
+    """(the recorded step's chunks, and its finish: the ops after the last chunk's backward),
+    each op with the phase it was dispatched in. A chunk starts where the previous one's
+    backward ended; its ops before its first phase mark are its forward, those before its
+    second its backward call, the rest (flash's clipping) of the finish's kind."""
+    ends = [i for i, name in enumerate(marks) if name == CHUNK_END]
+    chunks: list[list[tuple[Op, str]]] = [[] for _ in ends]
+    finish: list[tuple[Op, str]] = []
+    chunk = 0
+    for op in ops:
+        # op.segment marks came before it: it is past chunk c's end once op.segment > ends[c]
+        while chunk < len(ends) and op.segment > ends[chunk]:
+            chunk += 1
+        if chunk == len(ends):
+            finish.append((op, FINISH))
+            continue
+        position = op.segment - (ends[chunk - 1] + 1 if chunk else 0)
+        chunks[chunk].append((op, (FORWARD, BACKWARD)[position] if position < 2 else FINISH))
+    return chunks, finish
+
+
+def predicted_time(
+    ops: list[Op],
+    marks: list[str],
+    rates: CardRates,
+    *,
+    trainer: str,
+    chunk_count: int,
+    graphed: bool,
+    lora: bool = False,
+) -> dict[str, float]:
+    """ms of one logical batch of ``chunk_count`` chunks (``step_ms``; ``host_ms``, ``gpu_ms``:
+    each side's busy time), from the recorded step's ops."""
+    chunks, finish = chunk_groups(as_foreach(ops), marks)
+    played = [play(group, rates, trainer, graphed, lora) for group in [*chunks, finish]]
+    total = {key: sum(p[key] for p in played) for key in ("step", "host", "gpu")}
+    extra = max(chunk_count - len(chunks), 0)
+    if chunks and extra:
+        for key in total:
+            total[key] += extra * played[len(chunks) - 1][key]
+    return {f"{key}_ms": value / 1e3 for key, value in total.items()}
+
+
+def as_foreach(ops: list[Op]) -> list[Op]:
+    """``ops`` with the optimizer's per-parameter ops as CUDA runs them: torch.optim takes its
+    foreach path on CUDA (one dispatch for every parameter's op of a kind; the fake step's CPU
+    tensors take the loop over parameters), so each kind is one op moving all their bytes,
+    where its first was."""
+    merged: dict[str, int] = {}
+    out: list[Op] = []
+    for op in ops:
+        if not op.optimizer or op.kind != MEMORY:
+            out.append(op)
+        elif op.name in merged:
+            first = out[merged[op.name]]
+            out[merged[op.name]] = dataclasses.replace(first, bytes=first.bytes + op.bytes)
+        else:
+            merged[op.name] = len(out)
+            out.append(op)
+    return out
+
+
+def chunk_count(samples: int, physical: int) -> int:
+    """How many chunks a rank's ``samples`` run as, at most ``physical`` each."""
+    return max(math.ceil(samples / max(physical, 1)), 1)
+
+
+def planned_time(config, step: dict, physical: int, samples: int) -> dict:
+    """``prediction["time"]``: the step of ``config`` at physical batch ``physical``, ``samples``
+    on rank 0, on ``config.card``: ms, samples and tokens a second, and with ``--epochs`` the
+    fine-tune's wall time and GPU-hours; ``step_ms`` None with ``why`` where it is not
+    predicted."""
+    rates = card_rates(config.card)
+    time = {"card": rates.card, "calibration": os.path.basename(rates.path), **rates.measured}
+    if config.world_size > 1:
+        why = "the collectives of several ranks have no calibration yet (one GPU only)"
+        return {**time, "step_ms": None, "why": why}
+    chunks = chunk_count(samples, physical)
+    graphed = bool(config.cuda_graph)
+    times = predicted_time(
+        step["ops"], step["marks"], rates, trainer=config.trainer, chunk_count=chunks,
+        graphed=graphed, lora=bool(config.use_lora),
+    )  # fmt: skip
+    seconds = times["step_ms"] / 1e3
+    time.update(times, chunks=chunks, graphed=graphed)
+    time["samples_per_s"] = config.batch_size / seconds
+    time["tokens_per_s"] = config.batch_size * config.seq_len / seconds
+    if config.epochs:
+        steps = math.ceil(config.dataset_size / config.batch_size) * config.epochs
+        time["fine_tune"] = {
+            "dataset_size": config.dataset_size,
+            "epochs": config.epochs,
+            "steps": steps,
+            "wall_hours": steps * seconds / 3600,
+            "gpu_hours": steps * seconds * config.world_size / 3600,
+        }
+    return time

@@ -1,0 +1,218 @@
+"""The time model (capacity.step_time, card_rates, op_list) on hand-made op lists and card
+tables, whose times are worked out by hand here, and the op record against torch's own FLOP
+counter."""
+
+import json
+import math
+
+import pytest
+import torch
+from torch.utils.flop_counter import FlopCounterMode
+
+from dp_cost.capacity import card_rates, step_time
+from dp_cost.capacity.op_list import ATTENTION, GEMM, MEMORY, SYNC, VIEW, Op, OpRecord
+from tests.capacity.card_table import SIDES, THIN_RATE, card_table
+
+
+def rates_of(tmp_path, **settings) -> card_rates.CardRates:
+    path = tmp_path / "card.json"
+    path.write_text(json.dumps(card_table(**settings)))
+    return card_rates.load_card(str(path))
+
+
+def op(kind, segment=0, flops=0, moved=0, gemm=None, backward=False, name="aten.x", **more):
+    return Op(name, kind, flops, moved, "bfloat16", backward, segment, gemm=gemm, **more)
+
+
+def test_a_host_bound_step_takes_the_hosts_time_a_gpu_bound_one_the_gpus(tmp_path):
+    """10 µs a forward op on the host. Ten elementwise kernels of 2 µs (the floor): the GPU
+    waits for each launch, the step is the host's 100 µs (and the last kernel's 2). Ten GEMMs
+    of 1000 µs: the GPU never waits after the first launch, the step is 10 + 10,000 µs."""
+    rates = rates_of(tmp_path, forward_us=10.0, floor_us=2.0, tflops=100.0)
+    small = [(op(MEMORY, moved=8), "forward")] * 10
+    played = step_time.play(small, rates, "standard", graphed=False)
+    assert played["step"] == pytest.approx(102.0)
+    assert played["host"] == pytest.approx(100.0) and played["gpu"] == pytest.approx(20.0)
+    side = 1024 * 1024**0  # 2·1024³ FLOPs at 100 TFLOP/s: 21.47 µs; scale K for 1000 µs
+    k = round(1000 * 100e6 / (2 * side * side))
+    big = [(op(GEMM, gemm=(1, side, side, k)), "forward")] * 10
+    kernel = rates.gemm_us("bfloat16", 1, side, side, k)
+    played = step_time.play(big, rates, "standard", graphed=False)
+    assert played["step"] == pytest.approx(10.0 + 10 * kernel)
+    graphed = step_time.play(big, rates, "standard", graphed=True)
+    assert graphed["step"] == pytest.approx(10 * kernel) and graphed["host"] == 0
+
+
+def test_a_sync_makes_the_host_wait_for_the_gpu(tmp_path):
+    """A GEMM of ~1000 µs, a sync (.item()), then a forward op: the op is issued only after the
+    GEMM is done, so its kernel ends at 10 + GEMM + 20 (the sync) + 10 + 2."""
+    rates = rates_of(tmp_path, forward_us=10.0, sync_us=20.0, floor_us=2.0)
+    gemm = op(GEMM, gemm=(1, 16384, 16384, 16384))
+    kernel = rates.gemm_us("bfloat16", 1, 16384, 16384, 16384)
+    ops = [(gemm, "forward"), (op(SYNC), "forward"), (op(MEMORY, moved=8), "forward")]
+    played = step_time.play(ops, rates, "standard", graphed=False)
+    assert played["step"] == pytest.approx(10 + kernel + 20 + 10 + 2)
+
+
+def test_each_ops_phase_and_chunk_come_from_the_phase_marks():
+    """Two chunks (forward_done, _clip_inputs_saved, backward_done each), then the finish."""
+    marks = ["forward_done", "_clip_inputs_saved", "backward_done"] * 2 + ["step_done"]
+    ops = [op(MEMORY, segment=s, name=f"op{s}") for s in range(8)]
+    chunks, finish = step_time.chunk_groups(ops, marks)
+    assert [[(o.name, phase) for o, phase in chunk] for chunk in chunks] == [
+        [("op0", "forward"), ("op1", "backward"), ("op2", "finish")],
+        [("op3", "forward"), ("op4", "backward"), ("op5", "finish")],
+    ]
+    assert [(o.name, phase) for o, phase in finish] == [("op6", "finish"), ("op7", "finish")]
+
+
+def test_chunks_beyond_the_recorded_ones_cost_what_the_last_recorded_one_did(tmp_path):
+    """Recorded: chunk 1 of one op, chunk 2 of two, a finish of one (host-bound, 10 µs each
+    and a 2 µs kernel); a batch of 5 chunks adds 3 more of the second chunk's 22 µs."""
+    rates = rates_of(tmp_path, forward_us=10.0, finish_us=10.0, floor_us=2.0)
+    marks = ["forward_done", "backward_done", "forward_done", "backward_done", "step_done"]
+    ops = [op(MEMORY, 0, moved=8), op(MEMORY, 2, moved=8), op(MEMORY, 2, moved=8)]
+    ops.append(op(MEMORY, 4, moved=8))
+    recorded = step_time.predicted_time(
+        ops, marks, rates, trainer="standard", chunk_count=2, graphed=False
+    )
+    assert recorded["step_ms"] * 1e3 == pytest.approx(12 + 22 + 12)
+    five = step_time.predicted_time(
+        ops, marks, rates, trainer="standard", chunk_count=5, graphed=False
+    )
+    assert five["step_ms"] * 1e3 == pytest.approx(12 + 22 + 12 + 3 * 22)
+
+
+def test_the_optimizers_per_parameter_ops_are_one_foreach_op_each_kind():
+    ops = [op(MEMORY, moved=10, name="aten.add_.Tensor", optimizer=True) for _ in range(5)]
+    ops += [op(MEMORY, moved=3, name="aten.mul_.Tensor", optimizer=True) for _ in range(2)]
+    ops += [op(MEMORY, moved=7, name="aten.add_.Tensor")]  # not the optimizer's: kept
+    merged = step_time.as_foreach(ops)
+    assert [(o.name, o.bytes, o.optimizer) for o in merged] == [
+        ("aten.add_.Tensor", 50, True), ("aten.mul_.Tensor", 6, True),
+        ("aten.add_.Tensor", 7, False),
+    ]  # fmt: skip
+
+
+def test_gemm_times_are_the_grids_on_it_and_grow_with_the_work_beyond_it(tmp_path):
+    rates = rates_of(tmp_path, tflops=100.0, floor_us=2.0)
+    large = SIDES[-1]
+    on_grid = rates.gemm_us("bfloat16", 1, large, large, large)
+    assert on_grid == pytest.approx(2 * large**3 / 100e6)
+    assert rates.gemm_us("bfloat16", 2, large, large, large) == pytest.approx(2 * on_grid)
+    between = rates.gemm_us("bfloat16", 1, large, large, 4096)  # K between 1024 and 16384
+    assert between == pytest.approx(2 * large * large * 4096 / 100e6)  # t ∝ K: exact in logs
+    assert rates.gemm_us("bfloat16", 1, 1, 1, 1) == pytest.approx(2.0)  # below the grid: floor
+    # a batch of dot products longer than the grid: the thin table, times the outputs
+    thin = rates.gemm_us("bfloat16", 4, 1, 1, 2**20)
+    assert thin == pytest.approx(4 * 2**20 / THIN_RATE)
+    assert rates.gemm_us("bfloat16", 4, 2, 3, 2**20) == pytest.approx(6 * thin)
+
+
+def test_attention_and_memory_times(tmp_path):
+    rates = rates_of(tmp_path, attention_tflops=50.0, gbps=1000.0, floor_us=2.0,
+                     memory_ops={"aten.sum.dim_IntList": 100.0})  # fmt: skip
+    flops = 10**12
+    assert rates.attention_us("bfloat16", "forward", 128, 2048, flops) == pytest.approx(2e4)
+    assert rates.memory_us(2**30) == pytest.approx(2**30 / 1e6)  # 1000 GB/s: 1e6 bytes a µs
+    assert rates.memory_us(16) == pytest.approx(2.0)  # the floor
+    # an op measured slower per byte than an add takes its own rate
+    assert rates.memory_us(2**20, "aten.sum.dim_IntList") == pytest.approx(2**20 / 100.0)
+
+
+@pytest.mark.parametrize(
+    "broken, message",
+    [
+        ("[]", "not a JSON object"),
+        ("{", "Expecting"),
+        (json.dumps({**card_table(), "schema": 2}), "schema 2"),
+        (json.dumps({k: v for k, v in card_table().items() if k != "host"}), "'host'"),
+        (json.dumps({**card_table(), "gemm": {"bfloat16": [[16, 16, 16, 1], [16, 64, 16, 1]]}}),
+         "the GEMM grid lacks"),
+    ],
+)  # fmt: skip
+def test_a_broken_table_is_one_line(tmp_path, broken, message):
+    path = tmp_path / "broken.json"
+    path.write_text(broken)
+    with pytest.raises(card_rates.CardRatesError) as error:
+        card_rates.load_card(str(path))
+    assert message in str(error.value) and "\n" not in str(error.value)
+
+
+def test_the_shipped_h200_table_loads_with_every_trainers_host_costs():
+    assert "NVIDIA H200" in card_rates.shipped_cards()
+    rates = card_rates.card_rates("NVIDIA H200")
+    trainers = ("standard", "dpsgd", "ghost", "flash")
+    assert set(rates.host_by_trainer) == {*trainers, *(t + "+lora" for t in trainers)}
+    # an H200's bf16 GEMM of 4096³ runs at hundreds of TFLOP/s, fp32 at tens
+    bf16 = 2 * 4096**3 / rates.gemm_us("bfloat16", 1, 4096, 4096, 4096) / 1e6
+    fp32 = 2 * 4096**3 / rates.gemm_us("float32", 1, 4096, 4096, 4096) / 1e6
+    assert 300 < bf16 < 1000 and 20 < fp32 < 70
+    assert card_rates.card_file_name("NVIDIA H100 80GB HBM3") == "nvidia-h100-80gb-hbm3.json"
+
+
+def test_the_op_record_counts_flops_as_torchs_counter_does():
+    """A Linear's forward and backward: the GEMM FLOPs the record gives, against torch's
+    FlopCounterMode over the same work; a view launches nothing; .item() is a sync; the
+    optimizer's ops are marked as its."""
+    layer = torch.nn.Linear(48, 24)
+    x = torch.randn(6, 10, 48, requires_grad=True)
+    optimizer = torch.optim.SGD(layer.parameters(), lr=0.1)
+    with FlopCounterMode(display=False) as counter:
+        layer(x).sum().backward()
+    record = OpRecord()
+    with record:
+        out = layer(x)
+        record.mark("forward_done")
+        out.sum().backward()
+        record.mark("backward_done")
+        out.sum().item()
+        optimizer.step()
+    gemms = [o for o in record.ops if o.kind == GEMM]
+    assert sum(o.flops for o in gemms) == counter.get_total_flops()
+    assert all(o.backward for o in gemms if o.segment == 1)
+    assert not any(o.backward for o in record.ops if o.segment == 0)
+    assert any(o.kind == VIEW for o in record.ops)
+    assert [o.kind for o in record.ops if o.name == "aten._local_scalar_dense.default"] == [SYNC]
+    assert {o.name for o in record.ops if o.optimizer} >= {"aten.add_.Tensor"}
+    moved = next(o.bytes for o in record.ops if o.optimizer)
+    assert moved == 3 * 4 * layer.weight.numel() or moved == 3 * 4 * layer.bias.numel()
+
+
+def test_a_cpu_attention_is_counted_with_torchs_attention_formulas():
+    q = torch.randn(2, 4, 64, 32, requires_grad=True)
+    record = OpRecord()
+    with record:
+        out = torch.nn.functional.scaled_dot_product_attention(q, q, q, is_causal=True)
+        out.sum().backward()
+    attention = [o for o in record.ops if o.kind == ATTENTION]
+    assert [o.backward for o in attention] == [False, True]
+    assert attention[0].flops == 4 * 2 * 4 * 64 * 64 * 32  # QKᵀ and PV
+    assert attention[1].flops == math.floor(2.5 * attention[0].flops)
+    assert {(o.seq_len, o.head_dim) for o in attention} == {(64, 32)}
+
+
+def test_a_plan_gives_each_configs_time_and_the_fine_tunes(tmp_path):
+    """The CLI's plan on the shipped H200 table: ms a step, samples a second from it, and with
+    --epochs the fine-tune's steps and hours from the same ms; several ranks: no time yet, and
+    why."""
+    from tests.cli_helpers import SMALL_MODEL, in_process
+
+    base = ["--mode=capacity", "--trainers", "standard", "flash", "--batch_sizes", "4",
+            "--seq_lens", "16", *SMALL_MODEL, "--output_dir", tmp_path]  # fmt: skip
+    run = in_process(*base, "--run_name", "one", "--epochs", "2", "--dataset_size", "10")
+    assert run.returncode == 0, run.stderr
+    assert "predicted ms (NVIDIA H200)" in run.stdout and "ms a step on NVIDIA H200" in run.stdout
+    entries = json.loads((tmp_path / "one" / "capacity.json").read_text())["configs"]
+    for entry in entries:
+        time = entry["predicted_time"]
+        assert time["card"] == "NVIDIA H200" and time["step_ms"] > 0
+        assert time["samples_per_s"] == pytest.approx(4 / (time["step_ms"] / 1e3))
+        tune = time["fine_tune"]
+        assert tune["steps"] == 3 * 2  # ceil(10 / 4) steps an epoch
+        assert tune["wall_hours"] == pytest.approx(6 * time["step_ms"] / 3.6e6)
+    run = in_process(*base, "--run_name", "two", "--distributed", "ddp", "--world_size", "2")
+    assert run.returncode == 0, run.stderr
+    entries = json.loads((tmp_path / "two" / "capacity.json").read_text())["configs"]
+    assert all(e["predicted_time"]["step_ms"] is None for e in entries)
+    assert all("collectives" in e["predicted_time"]["why"] for e in entries)
