@@ -68,6 +68,8 @@ def describe(result: dict) -> str:
             + (" (the search's cap: more may fit)" if p.get("search_capped") else "")
             for p in prediction["largest_physical_batch"]
         )
+        if prediction.get("peak_note"):
+            told += " (a lower bound: see capacity.md)"
         step_time = prediction.get("time") or {}
         if step_time.get("step_ms") is not None:
             told += f", {step_time['step_ms']:.1f} ms a step on {step_time['card']}"

@@ -75,6 +75,7 @@ def entry(result: dict) -> dict:
         "find_max_seq_len": result.get("find_max_seq_len"),
         "seq_len_predictions": prediction.get("seq_len_predictions", []),
         "physical_batch_note": prediction.get("physical_batch_note"),
+        "peak_note": prediction.get("peak_note"),
         "parameters": prediction.get("parameters"),
         "trainable_parameters": prediction.get("trainable_parameters"),
         "seconds": prediction.get("seconds"),
@@ -195,6 +196,8 @@ def write_capacity_files(run_dir: str, results: list[dict]) -> str:
         if e["physical_batch_note"]
     )
     planned = f"\nPlanned physical batches:\n{planned}" if planned else ""
+    bounds = "".join(f"- {e['config_dir']}: {e['peak_note']}\n" for e in entries if e["peak_note"])
+    planned += f"\nPeaks that are bounds:\n{bounds}" if bounds else ""
     # An error's own line breaks (torch's messages have some) would split the list's items.
     lines = "".join(
         f"- {s['config_dir']}: {s['status']}: {' '.join(str(s['error']).split())}\n"

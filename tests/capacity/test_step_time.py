@@ -11,6 +11,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from dp_cost.capacity import card_rates, step_time
 from dp_cost.capacity.op_list import ATTENTION, GEMM, MEMORY, SYNC, VIEW, Op, OpRecord
+from dp_cost.measure.config import ExperimentConfig
 from tests.capacity.card_table import SIDES, THIN_RATE, card_table
 
 
@@ -216,3 +217,28 @@ def test_a_plan_gives_each_configs_time_and_the_fine_tunes(tmp_path):
     entries = json.loads((tmp_path / "two" / "capacity.json").read_text())["configs"]
     assert all(e["predicted_time"]["step_ms"] is None for e in entries)
     assert all("collectives" in e["predicted_time"]["why"] for e in entries)
+
+
+def test_a_graphed_plans_peak_is_called_a_lower_bound(tmp_path):
+    """A CUDA graph's private pool holds more than the eager step the fake step runs: the plan
+    says its peak is a bound, in capacity.json and capacity.md (the CLI plans --cuda_graph on
+    a CUDA machine only: the prediction here is made directly); an eager plan says nothing."""
+    from dp_cost.capacity.result import capacity_result
+    from dp_cost.core.schema import empty_result
+    from dp_cost.measure import worker
+    from dp_cost.report import capacity as report_capacity
+
+    results = []
+    for graphed in (True, False):
+        config = ExperimentConfig(trainer="standard", batch_size=2, seq_len=16, cuda_graph=graphed)
+        result = empty_result(config.to_dict(), config.config_dir, "ok", None)
+        result["prediction"] = capacity_result(config, worker.build_trainer)
+        results.append(result)
+    report_capacity.write_capacity_files(str(tmp_path), results)
+    entries = json.loads((tmp_path / "capacity.json").read_text())["configs"]
+    (graphed,) = [e for e in entries if e["config_dir"].endswith("_graph")]
+    (eager,) = [e for e in entries if not e["config_dir"].endswith("_graph")]
+    assert "lower bound" in graphed["peak_note"] and eager["peak_note"] is None
+    assert "Peaks that are bounds" in (tmp_path / "capacity.md").read_text()
+    assert graphed["predicted_time"]["graphed"] and graphed["predicted_time"]["host_ms"] == 0
+    assert eager["predicted_time"]["host_ms"] > 0
