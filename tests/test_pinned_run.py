@@ -41,6 +41,7 @@ KNOWN_CONFIG_ADDITIONS = {
     "capacity": False, "gpu_memory": None, "find_max_batch": False, "validate": False,
     "find_max_seq_len": False, "fsdp_sync": "chunk", "clipping": "flat", "host_work": False,
     "noise_sampler": "opacus", "card": "NVIDIA H200", "epochs": None,
+    "recommend": False,
 }  # fmt: skip
 
 

@@ -9,6 +9,7 @@ import time
 from dp_cost.capacity.card import GPU_OVERHEADS, reserved_peak
 from dp_cost.capacity.fake_step import rank_share
 from dp_cost.capacity.predictions import Predictions, with_physical_batch
+from dp_cost.capacity.recommend import recommendation
 from dp_cost.capacity.searches import batch_axis, largest_on_card, seq_len_axis
 from dp_cost.capacity.step_time import planned_time
 from dp_cost.core.schema import MB
@@ -55,6 +56,7 @@ def capacity_result(config, build_trainer, card_gib: float | None = None) -> dic
         "largest_physical_batch": largest,
         "card": card,
         "predictions": predictions.by_physical_batch(),
+        "recommendation": recommendation(config, predictions) if config.recommend else None,
         "seq_len_predictions": predictions.by_seq_len(),
         "overheads": dict(GPU_OVERHEADS),
         "seconds": time.perf_counter() - started,

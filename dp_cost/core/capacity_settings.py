@@ -68,4 +68,13 @@ CAPACITY_SETTINGS: tuple[Setting, ...] = (
         type=int,
         scope=scopes.CAPACITY,
     ),
+    Setting(
+        "recommend",
+        False,
+        "capacity: also predict each config's time at every physical batch its share splits "
+        "into evenly, on the largest --gpu_memory, and rank the fastest that fit (one GPU)",
+        flags=("--recommend",),
+        switch=True,
+        scope=scopes.CAPACITY,
+    ),
 )

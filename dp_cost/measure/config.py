@@ -65,6 +65,7 @@ class ExperimentConfig:
     validate: bool = False
     card: str = "NVIDIA H200"
     epochs: int | None = None
+    recommend: bool = False
     model_overrides: dict = field(default_factory=dict)
     default_model: str = "tiny"
 

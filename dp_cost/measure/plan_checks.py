@@ -194,6 +194,8 @@ def check_capacity(values: dict, axes: dict, args) -> None:
     if values["card"] not in shipped_cards():
         known = ", ".join(repr(card) for card in shipped_cards()) or "none"
         raise UsageError(f"--card {values['card']!r} has no time calibration; calibrated: {known}")
+    if values["recommend"] and not values["gpu_memory"]:
+        raise UsageError("--recommend ranks what fits a card: give its memory, --gpu_memory GiB")
     if values["epochs"] is not None and values["epochs"] < 1:
         raise UsageError(f"--epochs must be a positive number of epochs, got {values['epochs']}")
     if values["validate"] and values["model"] in HF_CONFIGS and values["poisson"]:

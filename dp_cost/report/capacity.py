@@ -69,6 +69,7 @@ def entry(result: dict) -> dict:
             (prediction.get("time") or {}).get("step_ms"), result.get("median_time_ms")
         ),
         "largest_physical_batch": prediction.get("largest_physical_batch", []),
+        "recommendation": prediction.get("recommendation"),
         "predictions": prediction.get("predictions", []),
         "card": prediction.get("card"),
         "find_max_batch": result.get("find_max_batch"),
@@ -196,6 +197,7 @@ def write_capacity_files(run_dir: str, results: list[dict]) -> str:
         if e["physical_batch_note"]
     )
     planned = f"\nPlanned physical batches:\n{planned}" if planned else ""
+    planned += recommendation_lines(entries)
     bounds = "".join(f"- {e['config_dir']}: {e['peak_note']}\n" for e in entries if e["peak_note"])
     planned += f"\nPeaks that are bounds:\n{bounds}" if bounds else ""
     # An error's own line breaks (torch's messages have some) would split the list's items.
@@ -257,3 +259,47 @@ def shape_label_without_batch(config: dict) -> str:
 
 
 BATCH_SETTINGS = ("batch_size", "physical_batch_size")
+
+
+def recommendation_lines(entries: list[dict]) -> str:
+    """--recommend's ranking, one paragraph per shape (everything but the trainer): the DP
+    trainers by their best predicted samples a second on the card, the fastest named first,
+    the standard trainer's (no DP) beside them for reference."""
+    groups: dict[tuple, list[dict]] = {}
+    for e in entries:
+        if e.get("recommendation"):
+            shape = (e["model"], e["batch_size"], e["seq_len"], e["dtype"], e["lora_rank"])
+            groups.setdefault((*shape, e["distributed"], e["world_size"]), []).append(e)
+    paragraphs = []
+    for (model, batch, seq_len, dtype, *_), group in groups.items():
+        card = group[0]["recommendation"]["gpu_memory_gib"]
+        head = f"{model}, batch {batch}, seq {seq_len}, {dtype_words(dtype)}, {card:g} GiB"
+        private = [e for e in group if e["trainer"] != "standard"]
+        ranked = sorted(
+            (e for e in private if e["recommendation"]["best"]),
+            key=lambda e: -e["recommendation"]["best"]["samples_per_s"],
+        )
+        said = [_choice(e) for e in ranked]
+        said += [
+            f"{e['trainer']}: {e['recommendation']['why']}" for e in private if e not in ranked
+        ]
+        line = f"- {head}: " + (f"run {said[0]}" if ranked else "no DP trainer to run")
+        line += "".join(f"; then {part}" for part in said[1:] if ranked)
+        if not ranked and said:
+            line += " (" + "; ".join(said) + ")"
+        line += "".join(f"; for reference, no DP: {_choice(e)}" for e in group
+                        if e["trainer"] == "standard" and e["recommendation"]["best"])  # fmt: skip
+        paragraphs.append(line + "\n")
+    return (
+        f"\nRecommended (predicted samples a second on the card):\n{''.join(paragraphs)}"
+        if (paragraphs)
+        else ""
+    )
+
+
+def _choice(entry: dict) -> str:
+    best = entry["recommendation"]["best"]
+    return (
+        f"{entry['trainer']} at physical batch {best['physical_batch_size']}, "
+        f"{best['samples_per_s']:.1f} samples/s ({best['step_ms']:.1f} ms a step)"
+    )

@@ -242,3 +242,44 @@ def test_a_graphed_plans_peak_is_called_a_lower_bound(tmp_path):
     assert "Peaks that are bounds" in (tmp_path / "capacity.md").read_text()
     assert graphed["predicted_time"]["graphed"] and graphed["predicted_time"]["host_ms"] == 0
     assert eager["predicted_time"]["host_ms"] > 0
+
+
+def test_the_candidate_physical_batches_halve_a_ranks_share():
+    from dp_cost.capacity.recommend import candidate_batches
+
+    assert candidate_batches(8) == [8, 4, 2, 1]
+    assert candidate_batches(6) == [6, 3, 2, 1]
+    assert candidate_batches(5) == [5, 3, 2, 1]
+    assert candidate_batches(1) == [1]
+
+
+def test_recommend_ranks_the_dp_trainers_by_their_fastest_fitting_batch(tmp_path):
+    """--recommend on a budget where the largest batch does not fit dpsgd: each config's best
+    is its fastest candidate that fits (checked against its own candidates), the DP trainers
+    are named fastest first, standard only for reference; without --gpu_memory: one line."""
+    from tests.cli_helpers import SMALL_MODEL, in_process
+
+    run = in_process("--mode=capacity", "--trainers", "standard", "dpsgd", "flash",
+                     "--batch_sizes", "8", "--seq_lens", "64", *SMALL_MODEL, "--gpu_memory", "0.86",
+                     "--recommend", "--output_dir", tmp_path, "--run_name", "rec")  # fmt: skip
+    assert run.returncode == 0, run.stderr
+    entries = json.loads((tmp_path / "rec" / "capacity.json").read_text())["configs"]
+    best = {}
+    for e in entries:
+        candidates = e["recommendation"]["candidates"]
+        assert [c["physical_batch_size"] for c in candidates] == [8, 4, 2, 1]
+        fitting = [c for c in candidates if c["fits"]]
+        room = 0.86 * 1024 - 785_186_816 / 2**20  # the card less the CUDA context, MB
+        assert all(c["peak_reserved_mb"] < room for c in fitting)
+        expected = max(fitting, key=lambda c: c["samples_per_s"])
+        assert e["recommendation"]["best"] == expected
+        if e["trainer"] == "dpsgd":  # its whole batch does not fit: a smaller one is chosen
+            assert not candidates[0]["fits"] and expected["physical_batch_size"] < 8
+        best[e["trainer"]] = expected["samples_per_s"]
+    order = sorted(("dpsgd", "flash"), key=lambda t: -best[t])
+    text = (tmp_path / "rec" / "capacity.md").read_text()
+    line = next(x for x in text.splitlines() if x.startswith("- 1b, batch 8"))
+    assert line.index(f"run {order[0]} at") < line.index(f"then {order[1]} at")
+    assert "for reference, no DP: standard at" in line
+    refused = in_process("--mode=capacity", "--recommend", "--output_dir", tmp_path)
+    assert refused.returncode == 2 and "--gpu_memory" in refused.stderr

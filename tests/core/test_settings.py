@@ -180,6 +180,7 @@ OUTSIDE_SCOPE = {
     "validate": ["--validate"],
     "card": ["--card", "NVIDIA H200"],
     "epochs": ["--epochs", "1"],
+    "recommend": ["--recommend"],
     "noise_multiplier": ["--trainers", "standard", "--sigma", "2"],
     "max_grad_norm": ["--trainers", "standard", "--max_grad_norm", "2"],
     "clipping": ["--trainers", "standard", "--clipping", "per_layer"],
