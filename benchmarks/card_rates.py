@@ -217,25 +217,46 @@ def memory_op_rates() -> dict[str, float]:
     return rates
 
 
-def host_costs(trainer: str, lora: bool, sync_cost_us: float) -> dict:
-    """The trainer's eager step, host-bound, on the tiny LM at (2, 16) (or with ``lora`` the
-    tiny Llama classifier's LoRA), bf16 SDPA: the host's time in each phase of a chunk (its
-    forward, its backward call, the rest: clipping, noise, optimizer), the median of
-    HOST_STEPS steps, over the ops the planned step (the same config on fake tensors,
-    ``capacity.fake_step``) dispatches in that phase: what the time model charges for each op
-    of a planned step of this trainer."""
-    from dp_cost.capacity import fake_step
-    from dp_cost.capacity.op_list import SYNC
-    from dp_cost.capacity.step_time import FINISH, as_foreach, chunk_groups
-    from dp_cost.measure import worker
+def calibration_config(trainer: str, lora: bool, device: str = "cuda"):
+    """The host-bound config a trainer's host costs are measured on: the tiny LM at (2, 16),
+    or with ``lora`` the tiny Llama classifier's LoRA r8, bf16 SDPA, fixed batches."""
     from dp_cost.measure.config import ExperimentConfig
-    from dp_cost.measure.workload import Workload
 
     model = {"model": "tiny-llama", "use_lora": True, "lora_rank": 8} if lora else {"model": "tiny"}
-    config = ExperimentConfig(
+    return ExperimentConfig(
         trainer=trainer, batch_size=2, seq_len=16, dtype="bfloat16", attention="sdpa",
-        device="cuda", poisson=False, dataset_size=64, **model,
+        device=device, poisson=False, dataset_size=64, **model,
     )  # fmt: skip
+
+
+def planned_op_counts(planned: dict) -> tuple[dict[str, int], int]:
+    """(ops of a planned step per phase, its syncs), as the time model charges them."""
+    from dp_cost.capacity.op_list import SYNC
+    from dp_cost.capacity.step_time import as_foreach, chunk_groups
+
+    chunks, finish = chunk_groups(as_foreach(planned["ops"]), planned["marks"])
+    ops = {"forward": 0, "backward": 0, "finish": 0}
+    syncs = 0
+    for op, phase in (pair for group in [*chunks, finish] for pair in group):
+        if op.kind == SYNC and not op.optimizer:
+            syncs += 1
+        else:
+            ops[phase] += 1
+    return ops, syncs
+
+
+def host_costs(trainer: str, lora: bool, sync_cost_us: float) -> dict:
+    """The trainer's eager step on its calibration config (host-bound: its kernels are shorter
+    than their launches): the host's time in each phase of a chunk (its forward, its backward
+    call, the rest: clipping, noise, optimizer), the median of HOST_STEPS steps, over the ops
+    the planned step (the same config on fake tensors, ``capacity.fake_step``) dispatches in
+    that phase: what the time model charges for each op of a planned step of this trainer."""
+    from dp_cost.capacity import fake_step
+    from dp_cost.capacity.step_time import FINISH
+    from dp_cost.measure import worker
+    from dp_cost.measure.workload import Workload
+
+    config = calibration_config(trainer, lora)
     device = torch.device("cuda")
     workload = Workload(config, device, lambda name: None, {})
     runner = worker.build_trainer(
@@ -245,7 +266,7 @@ def host_costs(trainer: str, lora: bool, sync_cost_us: float) -> dict:
     for _ in range(3):
         runner.step(inputs, targets)
     torch.cuda.synchronize()
-    planned = fake_step.predict(config, worker.build_trainer)
+    planned = fake_step.predict(config, worker.build_trainer, record_ops=True)
     backward_end = planned["marks"][1]  # the phase mark after the backward call
     phase_us: dict[str, list[float]] = {"forward": [], "backward": [], "finish": []}
     for _ in range(HOST_STEPS):
@@ -258,14 +279,7 @@ def host_costs(trainer: str, lora: bool, sync_cost_us: float) -> dict:
         phase_us["forward"].append((stamps["forward_done"] - start) * 1e6)
         phase_us["backward"].append((stamps[backward_end] - stamps["forward_done"]) * 1e6)
         phase_us["finish"].append((end - stamps[backward_end]) * 1e6)
-    chunks, finish = chunk_groups(as_foreach(planned["ops"]), planned["marks"])
-    ops = {phase: 0 for phase in phase_us}
-    syncs = 0
-    for op, phase in (pair for group in [*chunks, finish] for pair in group):
-        if op.kind == SYNC:
-            syncs += 1
-        else:
-            ops[phase] += 1
+    ops, syncs = planned_op_counts(planned)
     host = {phase: statistics.median(times) for phase, times in phase_us.items()}
     host[FINISH] -= syncs * sync_cost_us
     return {

@@ -1,13 +1,15 @@
 """What a card does per op, measured once per card kind (``benchmarks/card_rates.py``) and
 shipped as ``capacity/cards/<card>.json``: GEMM times on a grid of shapes per dtype, fused
 attention rates by sequence length, an elementwise kernel's time by the bytes it moves, and the
-host's time per dispatched op (from Python, from autograd's engine) in an eager step. The time
-model (``capacity.step_time``) reads ops' costs off it; nothing here is a guess: a card without
-a table gets no predicted time.
+host's time per op of the planned step in each phase of an eager step, per trainer. The time
+model (``capacity.step_time``) reads ops' costs off it; a card without a table gets no time.
 
-Between the grid's points a GEMM's time is interpolated in log space (a large GEMM's time is
-proportional to M·N·K, so the interpolation is exact there); beyond the grid's largest side it
-grows in proportion to the side, a GEMM that large being at the card's rate already.
+What is not measured but assumed, and why: between the grid's points a GEMM's time is
+interpolated in log space (a large GEMM's time is proportional to M·N·K, so the interpolation is
+exact there); beyond the grid's largest side it grows in proportion to the side (a GEMM that
+large runs at the card's rate already); a thin GEMM's products of several outputs cost one dot
+product each; an attention outside the measured lengths takes the nearest one's rate, of the
+nearest head size measured (causal attention only); a dtype without rates takes fp32's.
 """
 
 from __future__ import annotations
@@ -47,10 +49,13 @@ def shipped_cards() -> list[str]:
     return names
 
 
-def _interpolate(xs: Sequence[float], ys: Sequence[float], x: float) -> float:
-    """Piecewise-linear ys(x) on sorted xs; beyond the ends, the end segments extended."""
+def _interpolate(xs: Sequence[float], ys: Sequence[float], x: float, hold: bool = False) -> float:
+    """Piecewise-linear ys(x) on sorted xs; beyond the ends, the end segments extended (or with
+    ``hold``, the end values kept)."""
     if len(xs) == 1:
         return ys[0]
+    if hold:
+        x = min(max(x, xs[0]), xs[-1])
     i = min(max(bisect.bisect_right(xs, x) - 1, 0), len(xs) - 2)
     t = (x - xs[i]) / (xs[i + 1] - xs[i])
     return ys[i] + t * (ys[i + 1] - ys[i])
@@ -90,13 +95,20 @@ class CardRates:
             self._bytes_per_us = largest_bytes / largest_us
         except (KeyError, TypeError, ValueError, IndexError) as error:
             raise CardRatesError(f"{path}: not a card table ({error})") from None
-        if not self._gemm or not self._attention:
-            raise CardRatesError(f"{path}: no GEMM or attention rates")
+        for name, part in (("gemm", self._gemm), ("thin_gemm", self._thin)):
+            if "float32" not in part:
+                raise CardRatesError(f"{path}: no float32 {name} grid (the fallback dtype)")
+        if not self._attention or any(
+            not rows or min(r for _, r in rows) <= 0 for rows in self._attention.values()
+        ):
+            raise CardRatesError(f"{path}: an attention row is empty or not positive")
 
     @staticmethod
     def _gemm_grid(rows) -> tuple[list[float], dict[tuple[int, int, int], float]]:
         times = {(int(m), int(n), int(k)): float(us) for m, n, k, us in rows}
         sides = sorted({side for shape in times for side in shape})
+        if len(sides) < 2 or min(times.values()) <= 0:
+            raise CardRatesError("a GEMM grid needs two sides or more and positive times")
         for shape in ((m, n, k) for m in sides for n in sides for k in sides):
             if shape not in times:
                 raise CardRatesError(f"the GEMM grid lacks {shape}")
@@ -114,6 +126,8 @@ class CardRates:
     def _thin_grid(rows) -> tuple[list[float], list[float], dict[tuple[int, int], float]]:
         times = {(int(b), int(k)): float(us) for b, k, us in rows}
         batches, lengths = sorted({b for b, _ in times}), sorted({k for _, k in times})
+        if len(batches) < 2 or len(lengths) < 2 or min(times.values()) <= 0:
+            raise CardRatesError("the thin GEMM grid needs two batches and two lengths or more")
         for shape in ((b, k) for b in batches for k in lengths):
             if shape not in times:
                 raise CardRatesError(f"the thin GEMM grid lacks {shape}")
@@ -181,8 +195,9 @@ class CardRates:
         key = min(same, key=lambda k: abs(math.log(k[2]) - math.log(max(head_dim, 1))))
         rows = self._attention[key]
         log_lengths = [math.log(t) for t, _ in rows]
-        rate = _interpolate(log_lengths, [r for _, r in rows], math.log(max(seq_len, 1)))
-        return flops / max(rate, 1e-6) / 1e6  # rate in TFLOP/s: FLOPs / (rate·1e12) s
+        # beyond the lengths measured, the nearest one's rate: a rate is not extrapolated
+        rate = _interpolate(log_lengths, [r for _, r in rows], math.log(max(seq_len, 1)), True)
+        return flops / rate / 1e6  # rate in TFLOP/s: FLOPs / (rate·1e12) s
 
     def memory_us(self, moved: int, name: str = "") -> float:
         """Predicted µs of a kernel moving ``moved`` bytes (read and written): an elementwise
@@ -215,7 +230,8 @@ def load_card(path: str) -> CardRates:
 
 
 def card_rates(card: str) -> CardRates:
-    """The shipped table of ``card`` by name (CardRatesError naming the shipped ones)."""
+    """The shipped table of ``card`` by name, spelt any case (CardRatesError naming the
+    shipped ones, or why the table cannot be read)."""
     path = os.path.join(CARDS_DIR, card_file_name(card))
     if not os.path.exists(path):
         known = ", ".join(shipped_cards()) or "none"

@@ -8,7 +8,7 @@ import time
 
 from dp_cost.capacity.card import GPU_OVERHEADS, reserved_peak
 from dp_cost.capacity.fake_step import rank_share
-from dp_cost.capacity.predictions import Predictions, with_physical_batch
+from dp_cost.capacity.predictions import Predictions
 from dp_cost.capacity.recommend import recommendation
 from dp_cost.capacity.searches import batch_axis, largest_on_card, seq_len_axis
 from dp_cost.capacity.step_time import planned_time
@@ -30,9 +30,12 @@ def capacity_result(config, build_trainer, card_gib: float | None = None) -> dic
     batch (--find_max_batch), or the longest sequence at the planned one (--find_max_seq_len)."""
     started = time.perf_counter()
     predictions = Predictions(config, build_trainer)
-    main = predictions.at(predictions.planned, ops=True)
-    samples = rank_share(with_physical_batch(config, predictions.planned))
-    step_time = planned_time(config, main, predictions.planned, samples)
+    main = predictions.at(predictions.planned)
+    # timed at the batch a step runs on average: an uncapped Poisson batch's memory is planned
+    # at its rare largest draw, its time at the expected one
+    samples = rank_share(config)
+    timed = predictions.planned if predictions.note is None else min(samples, predictions.planned)
+    step_time = planned_time(config, predictions.at(timed, ops=True), timed, samples)
     batch = batch_axis(predictions)
     ranks = config.world_size
     largest = [largest_on_card(batch, budget, ranks) for budget in config.gpu_memory or []]

@@ -21,7 +21,7 @@ import dataclasses
 import math
 import os
 
-from dp_cost.capacity.card_rates import CardRates, card_rates
+from dp_cost.capacity.card_rates import CardRates, CardRatesError, card_rates
 from dp_cost.capacity.op_list import ATTENTION, GEMM, MEMORY, SYNC, Op
 
 CHUNK_END = "backward_done"  # the phase that ends a chunk's backward
@@ -42,8 +42,8 @@ def op_costs(
         host = rates.host_us(trainer, phase, lora)
     if op.kind == GEMM:  # no kernel moves its bytes faster than a copy does
         return host, max(rates.gemm_us(op.dtype, *op.gemm), rates.memory_us(op.bytes))
-    if op.kind == ATTENTION:
-        direction = "backward" if op.backward else "forward"
+    if op.kind == ATTENTION:  # by the op: a checkpointed block's recomputation is a forward
+        direction = "backward" if "backward" in op.name else "forward"
         return host, rates.attention_us(op.dtype, direction, op.head_dim, op.seq_len, op.flops)
     if op.kind == MEMORY:
         return host, rates.memory_us(op.bytes, op.name)
@@ -59,9 +59,11 @@ def play(
     for op, phase in ops:
         host_us, gpu_us = op_costs(op, phase, rates, trainer, graphed, lora)
         host_busy += host_us
-        if op.kind == SYNC:  # the host waits for the GPU, then for the value to arrive
+        if op.kind == SYNC and not op.optimizer:  # the host waits for the GPU, then the value
             host = max(host, gpu) + host_us
             continue
+        # (torch.optim reads its step counts with .item() on the fake step's CPU tensors; on
+        # CUDA they live on the host: no wait)
         host += host_us
         if gpu_us:
             gpu = max(gpu, host) + gpu_us
@@ -74,21 +76,25 @@ def chunk_groups(
 ) -> tuple[list[list[tuple[Op, str]]], list[tuple[Op, str]]]:
     """(the recorded step's chunks, and its finish: the ops after the last chunk's backward),
     each op with the phase it was dispatched in. A chunk starts where the previous one's
-    backward ended; its ops before its first phase mark are its forward, those before its
-    second its backward call, the rest (flash's clipping) of the finish's kind."""
+    backward ended; its ops up to the sync that reads the previous chunk's loss are that
+    chunk's finish (Opacus clips there), then its ops before its first phase mark its
+    forward, those before its second its backward call, the rest (flash's clipping) of the
+    finish's kind."""
     ends = [i for i, name in enumerate(marks) if name == CHUNK_END]
     chunks: list[list[tuple[Op, str]]] = [[] for _ in ends]
     finish: list[tuple[Op, str]] = []
-    chunk = 0
+    chunk, tail = 0, False
     for op in ops:
         # op.segment marks came before it: it is past chunk c's end once op.segment > ends[c]
         while chunk < len(ends) and op.segment > ends[chunk]:
-            chunk += 1
+            chunk, tail = chunk + 1, True
         if chunk == len(ends):
             finish.append((op, FINISH))
             continue
         position = op.segment - (ends[chunk - 1] + 1 if chunk else 0)
-        chunks[chunk].append((op, (FORWARD, BACKWARD)[position] if position < 2 else FINISH))
+        phase = (FORWARD, BACKWARD)[position] if position < 2 else FINISH
+        chunks[chunk].append((op, FINISH if tail and position == 0 else phase))
+        tail = tail and not (op.kind == SYNC and not op.optimizer)
     return chunks, finish
 
 
@@ -143,7 +149,10 @@ def planned_time(config, step: dict, physical: int, samples: int) -> dict:
     on rank 0, on ``config.card``: ms, samples and tokens a second, and with ``--epochs`` the
     fine-tune's wall time and GPU-hours; ``step_ms`` None with ``why`` where it is not
     predicted."""
-    rates = card_rates(config.card)
+    try:
+        rates = card_rates(config.card)
+    except CardRatesError as error:  # the memory plan stands without its time
+        return {"card": config.card, "step_ms": None, "why": str(error)}
     time = {"card": rates.card, "calibration": os.path.basename(rates.path), **rates.measured}
     if config.world_size > 1:
         why = "the collectives of several ranks have no calibration yet (one GPU only)"
@@ -155,7 +164,7 @@ def planned_time(config, step: dict, physical: int, samples: int) -> dict:
         graphed=graphed, lora=bool(config.use_lora),
     )  # fmt: skip
     seconds = times["step_ms"] / 1e3
-    time.update(times, chunks=chunks, graphed=graphed)
+    time.update(times, physical_batch_size=physical, chunks=chunks, graphed=graphed)
     time["samples_per_s"] = config.batch_size / seconds
     time["tokens_per_s"] = config.batch_size * config.seq_len / seconds
     if config.epochs:

@@ -68,7 +68,10 @@ LORA = Scope(
 SYNTHETIC_DATA = Scope(
     "Hugging Face models' synthetic dataset (a --dataset_path file's labelled pairs are N) "
     "and --mode=capacity's fine-tune (--epochs)",
-    lambda run: (run.hf_model and not run.values["dataset_path"]) or run.mode.predicts,
+    lambda run: (
+        (run.hf_model and not run.values["dataset_path"])
+        or (run.mode.predicts and run.values["epochs"] is not None)
+    ),
     lambda run: "--dataset_path is given" if run.hf_model else _model(run),
 )
 POISSON_EPSILON = Scope(

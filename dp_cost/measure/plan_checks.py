@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 
-from dp_cost.capacity.card_rates import shipped_cards
+from dp_cost.capacity.card_rates import CardRatesError, card_rates
 from dp_cost.capacity.model_facts import bytes_lower_bound, model_max_seq_len, parameter_count
 from dp_cost.core.hf_architectures import HF_CONFIGS
 from dp_cost.core.modes import MODES
@@ -176,6 +176,31 @@ def capacity_searches(values: dict) -> tuple[tuple[str, bool], ...]:
     )
 
 
+MAX_EPOCHS = 10**6
+DEFAULT_CARD = next(setting.default for setting in SETTINGS if setting.name == "card")
+
+
+def check_time_settings(values: dict) -> None:
+    """--card names a card with a time calibration (any spelling of its name; the default's
+    table missing or broken costs the plan its times, not the run), --epochs is a count of a
+    dataset whose size is known, --recommend has a card's memory to fit."""
+    card = values["card"]
+    if card != DEFAULT_CARD:
+        try:
+            card_rates(card)
+        except CardRatesError as error:
+            raise UsageError(f"--card: {error}") from None
+    epochs = values["epochs"]
+    if epochs is not None and not 1 <= epochs <= MAX_EPOCHS:
+        raise UsageError(f"--epochs must be 1..{MAX_EPOCHS}, got {epochs}")
+    if epochs is not None and values["dataset_path"]:
+        raise UsageError(
+            "--epochs with --dataset_path: give the dataset's size as --dataset_size N instead"
+        )
+    if values["recommend"] and not values["gpu_memory"]:
+        raise UsageError("--recommend ranks what fits a card: give its memory, --gpu_memory GiB")
+
+
 def check_capacity(values: dict, axes: dict, args) -> None:
     """--mode=capacity's flags (given in another mode, refused by their scope): budgets are
     finite positive GiB; --validate, --find_max_batch and --find_max_seq_len measure, so they
@@ -191,13 +216,7 @@ def check_capacity(values: dict, axes: dict, args) -> None:
                 f"--gpu_memory must be a finite positive number of GiB (at most "
                 f"{MAX_GPU_MEMORY_GIB}), got {budget}"
             )
-    if values["card"] not in shipped_cards():
-        known = ", ".join(repr(card) for card in shipped_cards()) or "none"
-        raise UsageError(f"--card {values['card']!r} has no time calibration; calibrated: {known}")
-    if values["recommend"] and not values["gpu_memory"]:
-        raise UsageError("--recommend ranks what fits a card: give its memory, --gpu_memory GiB")
-    if values["epochs"] is not None and values["epochs"] < 1:
-        raise UsageError(f"--epochs must be a positive number of epochs, got {values['epochs']}")
+    check_time_settings(values)
     if values["validate"] and values["model"] in HF_CONFIGS and values["poisson"]:
         if None in axes["max_physical_batch_size"]:
             raise UsageError(

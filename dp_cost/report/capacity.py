@@ -65,9 +65,7 @@ def entry(result: dict) -> dict:
         "predicted_time": prediction.get("time"),
         "predicted_step_ms": (prediction.get("time") or {}).get("step_ms"),
         "measured_step_ms": result.get("median_time_ms"),
-        "step_time_error": relative_error(
-            (prediction.get("time") or {}).get("step_ms"), result.get("median_time_ms")
-        ),
+        "step_time_error": step_time_error(result, prediction.get("time") or {}),
         "largest_physical_batch": prediction.get("largest_physical_batch", []),
         "recommendation": prediction.get("recommendation"),
         "predictions": prediction.get("predictions", []),
@@ -88,6 +86,15 @@ SEARCHES = (
     ("find_max_batch", "largest physical batch", "largest_physical_batch", "physical_batch_size"),
     ("find_max_seq_len", "longest sequence", "longest_seq_len", "seq_len"),
 )
+
+
+def step_time_error(result: dict, predicted: dict) -> float | None:
+    """Predicted / measured step time − 1, where the step was measured on the card the time
+    was predicted for (a time on another card is no error of the prediction's)."""
+    measured_on = (result.get("env") or {}).get("device")
+    if measured_on != predicted.get("card"):
+        return None
+    return relative_error(predicted.get("step_ms"), result.get("median_time_ms"))
 
 
 def relative_error(predicted, measured) -> float | None:

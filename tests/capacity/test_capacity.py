@@ -569,8 +569,11 @@ def test_capacity_mode_writes_its_report_and_skips_a_broken_prediction(tmp_path)
             ["--mode=capacity", "--distributed", "ddp", "--world_size", "2", "--validate"],
             "the ranks of a torchrun job",
         ),
-        (["--mode=capacity", "--card", "GeForce 256"], "has no time calibration; calibrated"),
-        (["--mode=capacity", "--epochs", "0"], "--epochs must be a positive"),
+        (["--mode=capacity", "--card", "GeForce 256"], "no time calibration for card 'GeForce"),
+        (["--mode=capacity", "--epochs", "0"], "--epochs must be 1..1000000, got 0"),
+        (["--mode=capacity", "--epochs", "1" + "0" * 400], "--epochs must be 1..1000000"),
+        (["--mode=capacity", "--dataset_size", "5"], "applies only to Hugging Face models"),
+        (["--mode=capacity", "--recommend"], "give its memory, --gpu_memory GiB"),
         (["--mode=test", "--card", "NVIDIA H200"], "applies only to --mode=capacity"),
     ],
 )

@@ -2,8 +2,10 @@
 tables, whose times are worked out by hand here, and the op record against torch's own FLOP
 counter."""
 
+import dataclasses
 import json
 import math
+import os
 
 import pytest
 import torch
@@ -56,14 +58,21 @@ def test_a_sync_makes_the_host_wait_for_the_gpu(tmp_path):
 
 
 def test_each_ops_phase_and_chunk_come_from_the_phase_marks():
-    """Two chunks (forward_done, _clip_inputs_saved, backward_done each), then the finish."""
+    """Two chunks (forward_done, _clip_inputs_saved, backward_done each), then the finish. What
+    a chunk dispatches after its backward's end and before the sync that reads its loss (an
+    optimizer's step skipped, Opacus' clipping) is of the finish's kind, though the ops sit
+    before the next chunk's first mark; the optimizer's own .item() is no such sync."""
     marks = ["forward_done", "_clip_inputs_saved", "backward_done"] * 2 + ["step_done"]
-    ops = [op(MEMORY, segment=s, name=f"op{s}") for s in range(8)]
+    ops = [op(MEMORY, segment=s, name=f"op{s}") for s in range(3)]
+    ops += [op(MEMORY, 3, name="clip"), op(SYNC, 3, name="opt_item", optimizer=True)]
+    ops += [op(MEMORY, 3, name="clip2"), op(SYNC, 3, name="loss_item")]
+    ops += [op(MEMORY, segment=s, name=f"op{s}") for s in range(3, 8)]
     chunks, finish = step_time.chunk_groups(ops, marks)
     assert [[(o.name, phase) for o, phase in chunk] for chunk in chunks] == [
         [("op0", "forward"), ("op1", "backward"), ("op2", "finish")],
-        [("op3", "forward"), ("op4", "backward"), ("op5", "finish")],
-    ]
+        [("clip", "finish"), ("opt_item", "finish"), ("clip2", "finish"), ("loss_item", "finish"),
+         ("op3", "forward"), ("op4", "backward"), ("op5", "finish")],
+    ]  # fmt: skip
     assert [(o.name, phase) for o, phase in finish] == [("op6", "finish"), ("op7", "finish")]
 
 
@@ -283,3 +292,90 @@ def test_recommend_ranks_the_dp_trainers_by_their_fastest_fitting_batch(tmp_path
     assert "for reference, no DP: standard at" in line
     refused = in_process("--mode=capacity", "--recommend", "--output_dir", tmp_path)
     assert refused.returncode == 2 and "--gpu_memory" in refused.stderr
+
+
+def test_attention_rates_hold_at_the_lengths_measured_and_go_by_the_ops_direction(tmp_path):
+    """Rates are interpolated between the lengths measured and held beyond them (never
+    extrapolated to zero or past the card); a recomputed forward in a checkpointed backward
+    (dispatched by autograd) is a forward."""
+    table = card_table()
+    table["attention"]["bfloat16"]["128"] = {
+        "forward": [[128, 100.0], [4096, 400.0]], "backward": [[128, 50.0], [4096, 200.0]]
+    }  # fmt: skip
+    path = tmp_path / "card.json"
+    path.write_text(json.dumps(table))
+    rates = card_rates.load_card(str(path))
+    flops = 10**12
+    assert rates.attention_us("bfloat16", "forward", 128, 16, flops) == pytest.approx(1e4)
+    assert rates.attention_us("bfloat16", "forward", 128, 2**17, flops) == pytest.approx(2500)
+    middle = rates.attention_us("bfloat16", "forward", 128, 724, flops)  # √(128·4096)
+    assert middle == pytest.approx(1e6 / 250, rel=1e-3)
+    recomputed = op(ATTENTION, flops=flops, backward=True, seq_len=128, head_dim=128,
+                    name="aten._scaled_dot_product_flash_attention_for_cpu.default")  # fmt: skip
+    backward = dataclasses.replace(
+        recomputed, name=recomputed.name.replace(".default", "_backward.default")
+    )
+    costs = [
+        step_time.op_costs(o, "backward", rates, "standard", False)[1]
+        for o in (recomputed, backward)
+    ]
+    assert costs == [pytest.approx(1e4), pytest.approx(2e4)]
+
+
+def test_the_optimizers_item_makes_no_wait(tmp_path):
+    """torch.optim reads Adam's step count with .item() on the fake step's CPU tensors; on
+    CUDA it lives on the host: the host goes on while the GPU runs the GEMM."""
+    rates = rates_of(tmp_path, forward_us=10.0, finish_us=10.0, sync_us=20.0, floor_us=2.0)
+    gemm = (op(GEMM, gemm=(1, 16384, 16384, 16384)), "forward")
+    item = (op(SYNC, optimizer=True), "finish")
+    played = step_time.play([gemm, item], rates, "standard", graphed=False)
+    assert played["step"] == pytest.approx(10 + rates.gemm_us("bfloat16", 1, 16384, 16384, 16384))
+
+
+def test_a_card_is_found_by_any_spelling_and_a_time_is_compared_on_its_own_card():
+    from dp_cost.report import capacity as report_capacity
+
+    assert card_rates.card_rates("nvidia h200").card == "NVIDIA H200"
+    predicted = {"card": "NVIDIA H200", "step_ms": 110.0}
+    on_it = {"env": {"device": "NVIDIA H200"}, "median_time_ms": 100.0}
+    assert report_capacity.step_time_error(on_it, predicted) == pytest.approx(0.1)
+    elsewhere = {"env": {"device": "NVIDIA H100 80GB HBM3"}, "median_time_ms": 100.0}
+    assert report_capacity.step_time_error(elsewhere, predicted) is None
+
+
+@pytest.mark.parametrize("lora", [False, True], ids=["lm", "lora"])
+def test_the_shipped_table_still_describes_the_planned_steps_it_was_measured_on(lora):
+    """The host costs are the calibration steps' host time over their planned ops: if the
+    trainers' planned op lists change, the table no longer describes them (measure it again,
+    python benchmarks/card_rates.py). The calibration configs' ops, counted today, against the
+    counts the table was made with (within 5%: a few ops differ between torch versions)."""
+    import importlib.util
+
+    from dp_cost.capacity import fake_step
+    from dp_cost.measure import worker
+
+    path = os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks", "card_rates.py")
+    spec = importlib.util.spec_from_file_location("card_rates_script", path)
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    table = card_rates.card_rates("NVIDIA H200").path
+    by_trainer = json.loads(open(table).read())["host"]["by_trainer"]
+    for trainer in ("standard", "dpsgd", "ghost", "flash"):
+        config = script.calibration_config(trainer, lora, device="cpu")
+        planned = fake_step.predict(config, worker.build_trainer, record_ops=True)
+        counted, _ = script.planned_op_counts(planned)
+        measured_on = by_trainer[trainer + ("+lora" if lora else "")]["planned_ops"]
+        for phase, count in measured_on.items():
+            assert counted[phase] == pytest.approx(count, rel=0.05, abs=2), (trainer, phase)
+
+
+def test_an_uncapped_poisson_batch_is_timed_at_its_expected_size():
+    """Its memory is planned at the rare largest draw; its time at the logical batch."""
+    from dp_cost.capacity.result import capacity_result
+    from dp_cost.measure import worker
+
+    config = ExperimentConfig(trainer="standard", model="tiny-llama", batch_size=4, seq_len=16,
+                              dataset_size=64)  # fmt: skip
+    prediction = capacity_result(config, worker.build_trainer)
+    assert prediction["physical_batch_size"] > 4 and prediction["physical_batch_note"]
+    assert prediction["time"]["physical_batch_size"] == 4 and prediction["time"]["chunks"] == 1
