@@ -69,3 +69,11 @@ def needed_room(prediction: dict) -> int:
         else:
             high = middle
     return high
+
+
+# A CUDA graph's private memory pool keeps what the eager step frees and reuses; the fake step
+# runs eagerly. Measured on an H200 (1b bf16, (8, 512) and (8, 1024)): 17-25% above the plan.
+GRAPH_PEAK_NOTE = (
+    "--cuda_graph: a lower bound, not a prediction: a CUDA graph's private memory pool keeps "
+    "what the eager step frees and reuses (measured 17-25% above this plan for the 1b model)"
+)

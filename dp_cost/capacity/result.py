@@ -6,20 +6,13 @@ from __future__ import annotations
 
 import time
 
-from dp_cost.capacity.card import GPU_OVERHEADS, reserved_peak
+from dp_cost.capacity.card import GPU_OVERHEADS, GRAPH_PEAK_NOTE, reserved_peak
 from dp_cost.capacity.fake_step import rank_share
 from dp_cost.capacity.predictions import Predictions
 from dp_cost.capacity.recommend import recommendation
 from dp_cost.capacity.searches import batch_axis, largest_on_card, seq_len_axis
 from dp_cost.capacity.step_time import planned_time
 from dp_cost.core.schema import MB
-
-# A CUDA graph's private memory pool keeps what the eager step frees and reuses; the fake step
-# runs eagerly. Measured on an H200 (1b bf16, (8, 512) and (8, 1024)): 17-25% above the plan.
-GRAPH_PEAK_NOTE = (
-    "--cuda_graph: a lower bound, not a prediction: a CUDA graph's private memory pool keeps "
-    "what the eager step frees and reuses (measured 17-25% above this plan for the 1b model)"
-)
 
 
 def capacity_result(config, build_trainer, card_gib: float | None = None) -> dict:
@@ -30,7 +23,7 @@ def capacity_result(config, build_trainer, card_gib: float | None = None) -> dic
     batch (--find_max_batch), or the longest sequence at the planned one (--find_max_seq_len)."""
     started = time.perf_counter()
     predictions = Predictions(config, build_trainer)
-    main = predictions.at(predictions.planned)
+    main = predictions.at(predictions.planned, ops=predictions.note is None)
     # timed at the batch a step runs on average: an uncapped Poisson batch's memory is planned
     # at its rare largest draw, its time at the expected one
     samples = rank_share(config)

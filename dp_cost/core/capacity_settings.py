@@ -71,8 +71,8 @@ CAPACITY_SETTINGS: tuple[Setting, ...] = (
     Setting(
         "recommend",
         False,
-        "capacity: also predict each config's time at every physical batch its share splits "
-        "into evenly, on the largest --gpu_memory, and rank the fastest that fit (one GPU)",
+        "capacity: also predict each config's time at its rank's share and at halves of it, "
+        "on the largest --gpu_memory, and rank the fastest that fit (one GPU)",
         flags=("--recommend",),
         switch=True,
         scope=scopes.CAPACITY,

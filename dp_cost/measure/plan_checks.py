@@ -199,6 +199,13 @@ def check_time_settings(values: dict) -> None:
         )
     if values["recommend"] and not values["gpu_memory"]:
         raise UsageError("--recommend ranks what fits a card: give its memory, --gpu_memory GiB")
+    if values["recommend"] and values["world_size"] > 1:
+        raise UsageError("--recommend ranks predicted times, which are for one GPU only")
+    if values["recommend"]:
+        try:
+            card_rates(card)
+        except CardRatesError as error:
+            raise UsageError(f"--recommend: {error}") from None
 
 
 def check_capacity(values: dict, axes: dict, args) -> None:

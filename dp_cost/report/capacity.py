@@ -269,39 +269,40 @@ BATCH_SETTINGS = ("batch_size", "physical_batch_size")
 
 
 def recommendation_lines(entries: list[dict]) -> str:
-    """--recommend's ranking, one paragraph per shape (everything but the trainer): the DP
-    trainers by their best predicted samples a second on the card, the fastest named first,
-    the standard trainer's (no DP) beside them for reference."""
-    groups: dict[tuple, list[dict]] = {}
+    """--recommend's ranking, one paragraph per shape (everything but the trainer and the
+    physical cap, which the recommendation chooses): the DP trainers by their best predicted
+    samples a second on the card, the fastest named first, those with none after them with
+    why, the standard trainer's (no DP) for reference."""
+    groups: dict[tuple, dict[str, dict]] = {}
     for e in entries:
         if e.get("recommendation"):
             shape = (e["model"], e["batch_size"], e["seq_len"], e["dtype"], e["lora_rank"])
-            groups.setdefault((*shape, e["distributed"], e["world_size"]), []).append(e)
+            group = groups.setdefault((*shape, e["distributed"], e["world_size"]), {})
+            group.setdefault(e["trainer"], e)  # one a trainer: every cap gives the same
     paragraphs = []
-    for (model, batch, seq_len, dtype, *_), group in groups.items():
-        card = group[0]["recommendation"]["gpu_memory_gib"]
-        head = f"{model}, batch {batch}, seq {seq_len}, {dtype_words(dtype)}, {card:g} GiB"
-        private = [e for e in group if e["trainer"] != "standard"]
+    for (model, batch, seq_len, dtype, *_), by_trainer in groups.items():
+        first = next(iter(by_trainer.values()))["recommendation"]
+        head = f"{model}, batch {batch}, seq {seq_len}, {dtype_words(dtype)}"
+        head += f", {first['gpu_memory_gib']:g} GiB"
+        private = [e for trainer, e in by_trainer.items() if trainer != "standard"]
         ranked = sorted(
             (e for e in private if e["recommendation"]["best"]),
             key=lambda e: -e["recommendation"]["best"]["samples_per_s"],
         )
-        said = [_choice(e) for e in ranked]
-        said += [
-            f"{e['trainer']}: {e['recommendation']['why']}" for e in private if e not in ranked
-        ]
-        line = f"- {head}: " + (f"run {said[0]}" if ranked else "no DP trainer to run")
-        line += "".join(f"; then {part}" for part in said[1:] if ranked)
-        if not ranked and said:
-            line += " (" + "; ".join(said) + ")"
-        line += "".join(f"; for reference, no DP: {_choice(e)}" for e in group
-                        if e["trainer"] == "standard" and e["recommendation"]["best"])  # fmt: skip
+        line = f"- {head}: " + (f"run {_choice(ranked[0])}" if ranked else "no DP trainer to run")
+        line += "".join(f"; then {_choice(e)}" for e in ranked[1:])
+        line += "".join(
+            f"; {e['trainer']}: {e['recommendation']['why']}" for e in private if e not in ranked
+        )
+        standard = by_trainer.get("standard")
+        if standard and standard["recommendation"]["best"]:
+            line += f"; for reference, no DP: {_choice(standard)}"
+        if first.get("peak_note"):
+            line += " (graphed: what fits is judged on lower bounds of the peaks)"
         paragraphs.append(line + "\n")
-    return (
-        f"\nRecommended (predicted samples a second on the card):\n{''.join(paragraphs)}"
-        if (paragraphs)
-        else ""
-    )
+    if not paragraphs:
+        return ""
+    return "\nRecommended (predicted samples a second on the card):\n" + "".join(paragraphs)
 
 
 def _choice(entry: dict) -> str:
