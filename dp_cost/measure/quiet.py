@@ -19,13 +19,16 @@ import warnings
 
 # Lines the C++ profiler writes on every traced or memory-measured step; its warnings about the
 # events it collects (collection.cpp, when no Python code is there to turn them into warnings);
-# and Kineto's, once per trace line it cannot write while the disk is full (the full disk is
-# reported once, by the write of the result).
+# Kineto's, once per trace line it cannot write while the disk is full (the full disk is
+# reported once, by the write of the result); torch's note that a CPU group's all-to-all (ghost
+# clipping under FSDP2) falls back to an all-gather, a fact of the CPU run, not of the config.
 NOISE_LINES = (
     re.compile(r"^USDT:.*\] profiler_(start|stop)\s*$"),
     re.compile(r"CPUAllocator\.cpp:\d+\] Memory block of unknown size was allocated before"),
     re.compile(r"^\[W[^\]]*\bcollection\.cpp:\d+\]"),
     re.compile(r"Failed to write to log file!\s*$"),
+    # torch's gloo (and --mode=capacity's planned ranks) all-to-all, done by an all-gather
+    re.compile(r"CPU process group does not support alltoall yet, falling back with allgather"),
 )
 # Known-harmless warnings, by the start of their exact message.
 HARMLESS_WARNINGS = (
