@@ -64,19 +64,17 @@ class Op:
     optimizer: bool = False
 
 
-def _tensor_bytes(values) -> int:
-    return sum(
-        t.numel() * t.element_size() for t in tree_leaves(values) if isinstance(t, torch.Tensor)
-    )
+def _tensors(values) -> list[torch.Tensor]:
+    return [t for t in tree_leaves(values) if isinstance(t, torch.Tensor)]
 
 
-def _has_tensor(output) -> bool:  # an op of no tensor (types promoted, sizes read): no kernel
-    return any(isinstance(t, torch.Tensor) for t in tree_leaves(output))
+def _bytes(tensors: list[torch.Tensor]) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
 
 
-def _first_dtype(args) -> str:
-    for t in tree_leaves(args):
-        if isinstance(t, torch.Tensor) and t.is_floating_point():
+def _first_dtype(tensors: list[torch.Tensor]) -> str:
+    for t in tensors:
+        if t.is_floating_point():
             return str(t.dtype).removeprefix("torch.")
     return "float32"
 
@@ -108,15 +106,16 @@ def attention_flops(func, args, kwargs, output) -> tuple[int, int, int] | None:
 
 def describe(func, args, kwargs, output, segment: int, optimizer: bool = False) -> Op:
     """``func``'s dispatch as an Op."""
-    name = str(func)
-    known = {"segment": segment, "optimizer": optimizer}
+    name, inputs = str(func), _tensors(args)
+    known = {"segment": segment, "optimizer": optimizer, "dtype": _first_dtype(inputs)}
     known["backward"] = torch._C._current_autograd_node() is not None
-    known["dtype"] = _first_dtype(args)
     if func in SYNCS:
         return Op(name, SYNC, 0, 0, **known)
-    if func in NO_KERNEL or func.is_view or not _has_tensor(output):
+    outputs = _tensors(output)
+    # a view, a storage made, an op of no tensor (types promoted, sizes read): no kernel
+    if func in NO_KERNEL or func.is_view or not outputs:
         return Op(name, VIEW, 0, 0, **known)
-    moved = _tensor_bytes((args, kwargs)) + _tensor_bytes(output)
+    moved = _bytes(inputs) + _bytes(_tensors(kwargs) if kwargs else []) + _bytes(outputs)
     if func in GEMMS:
         batch, m, n, k = gemm_shape(func, args)
         return Op(name, GEMM, 2 * batch * m * n * k, moved, gemm=(batch, m, n, k), **known)

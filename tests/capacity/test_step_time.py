@@ -265,13 +265,14 @@ def test_the_candidate_physical_batches_halve_a_ranks_share():
 def test_recommend_ranks_the_dp_trainers_by_their_fastest_fitting_batch(tmp_path):
     """--recommend on a budget where the whole batch does not fit dpsgd or flash: each config's
     best is a candidate that fits, none faster among those that fit; the DP trainers are named
-    fastest first, once each though two physical caps were asked; standard only for
-    reference. On a budget nothing fits, no trainer is recommended, and each says why."""
+    fastest first, once each whatever the physical caps asked; standard only for reference.
+    On a budget nothing fits, no trainer is recommended, and each says why."""
+    from dp_cost.report import capacity as report_capacity
     from tests.cli_helpers import SMALL_MODEL, in_process
 
-    base = ["--mode=capacity", "--trainers", "standard", "dpsgd", "flash", "--batch_sizes", "8",
-            "--seq_lens", "64", *SMALL_MODEL, "--recommend", "--output_dir", tmp_path]  # fmt: skip
-    run = in_process(*base, "--gpu_memory", "0.86", "--max_physical_batch_sizes", "8", "4",
+    base = ["--mode=capacity", "--batch_sizes", "8", "--seq_lens", "64", *SMALL_MODEL,
+            "--recommend", "--output_dir", tmp_path]  # fmt: skip
+    run = in_process(*base, "--trainers", "standard", "dpsgd", "flash", "--gpu_memory", "0.86",
                      "--run_name", "rec")  # fmt: skip
     assert run.returncode == 0, run.stderr
     entries = json.loads((tmp_path / "rec" / "capacity.json").read_text())["configs"]
@@ -287,12 +288,15 @@ def test_recommend_ranks_the_dp_trainers_by_their_fastest_fitting_batch(tmp_path
             assert not candidates[0]["fits"] and chosen["physical_batch_size"] < 8
         best[e["trainer"]] = chosen["samples_per_s"]
     order = sorted(("dpsgd", "flash"), key=lambda t: -best[t])
-    text = (tmp_path / "rec" / "capacity.md").read_text()
-    (line,) = [x for x in text.splitlines() if x.startswith("- 1b, batch 8")]
+    # the same configs again under another physical cap: one line, each trainer named once
+    again = [{**e, "config_dir": e["config_dir"] + "_pb4"} for e in entries]
+    (line,) = report_capacity.recommendation_lines(entries + again).strip().splitlines()[1:]
+    assert line.startswith("- 1b, batch 8")
     assert line.index(f"run {order[0]} at") < line.index(f"then {order[1]} at")
     assert line.count(f"{order[0]} at") == 1 and line.count("standard at") == 1
     assert "for reference, no DP: standard at" in line
-    run = in_process(*base, "--gpu_memory", "0.74", "--run_name", "none")
+    assert line in (tmp_path / "rec" / "capacity.md").read_text()
+    run = in_process(*base, "--trainers", "dpsgd", "--gpu_memory", "0.74", "--run_name", "none")
     assert run.returncode == 0, run.stderr
     text = (tmp_path / "none" / "capacity.md").read_text()
     (line,) = [x for x in text.splitlines() if x.startswith("- 1b, batch 8")]
