@@ -57,7 +57,6 @@ class Predictions:
         """The step at physical batch ``physical`` and ``seq_len`` (the config's by default);
         ``ops``: with its ops recorded, for its time (a search needs only its memory)."""
         seq_len = self.config.seq_len if seq_len is None else seq_len
-        ops = ops or self.config.recommend  # --recommend times the batches a search predicts
         step = self.steps.get((physical, seq_len))
         if step is None or (ops and step["ops"] is None):
             at_seq_len = dataclasses.replace(self.config, seq_len=seq_len)

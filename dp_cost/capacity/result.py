@@ -29,6 +29,8 @@ def capacity_result(config, build_trainer, card_gib: float | None = None) -> dic
     samples = rank_share(config)
     timed = predictions.planned if predictions.note is None else min(samples, predictions.planned)
     step_time = planned_time(config, predictions.at(timed, ops=True), timed, samples)
+    # before the searches: its candidates, predicted with their ops, serve them too
+    recommended = recommendation(config, predictions) if config.recommend else None
     batch = batch_axis(predictions)
     ranks = config.world_size
     largest = [largest_on_card(batch, budget, ranks) for budget in config.gpu_memory or []]
@@ -52,7 +54,7 @@ def capacity_result(config, build_trainer, card_gib: float | None = None) -> dic
         "largest_physical_batch": largest,
         "card": card,
         "predictions": predictions.by_physical_batch(),
-        "recommendation": recommendation(config, predictions) if config.recommend else None,
+        "recommendation": recommended,
         "seq_len_predictions": predictions.by_seq_len(),
         "overheads": dict(GPU_OVERHEADS),
         "seconds": time.perf_counter() - started,
