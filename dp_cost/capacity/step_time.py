@@ -2,9 +2,9 @@
 costed from the card's calibration (``capacity.card_rates``) and played through a model of an
 eager step, a host that issues ops and a GPU that runs them in order.
 
-Each op costs the host its dispatch (from Python in the forward and the optimizer, from
-autograd's engine in the backward: the card's table says what an op costs each, in a real eager
-step) and the GPU its kernel, if it has one: a GEMM by its shape, a fused attention by its
+Each op costs the host its dispatch (the µs an op of the planned step cost in that phase of a
+chunk, forward, backward call or the rest, of the trainer's real eager step on the card: the
+card's table) and the GPU its kernel, if it has one: a GEMM by its shape, a fused attention by its
 FLOPs at its sequence length, anything else by the bytes it moves. The GPU starts a kernel when
 the host has issued it and the kernel before it has finished; a host sync (``.item()``) waits
 for the GPU. So a step whose kernels are short is bound by its host, one whose kernels are long
@@ -25,8 +25,6 @@ from dp_cost.capacity.card_rates import CardRates, CardRatesError, card_rates
 from dp_cost.capacity.op_list import ATTENTION, GEMM, MEMORY, SYNC, Op
 
 CHUNK_END = "backward_done"  # the phase that ends a chunk's backward
-
-
 FORWARD, BACKWARD, FINISH = "forward", "backward", "finish"
 
 
