@@ -4,9 +4,10 @@ lengths the searches ask for, each once; the physical batch a config is planned 
 from __future__ import annotations
 
 import dataclasses
+import math
 
 from dp_cost.capacity.card import reserved_peak
-from dp_cost.capacity.fake_step import predict
+from dp_cost.capacity.fake_step import predict, rank_share
 from dp_cost.core.schema import MB
 from dp_cost.hf.configs import HF_CONFIGS
 from dp_cost.hf.draws import draw_above_probability
@@ -32,6 +33,16 @@ def planned_physical_batch(config) -> tuple[int, str | None]:
         f"{POISSON_QUANTILE:g} at batch {config.batch_size} of {config.dataset_size}"
     )
     return mine, note
+
+
+def runs_as(physical: int, share: int) -> int:
+    """The chunk a physical batch cap runs a rank's ``share`` of samples as: near-equal chunks
+    (Runner.eager_step), so below the share a cap that does not divide it runs smaller ones
+    (4 samples at a cap of 3: chunks of 2 and 2, which is what the plan at 3 planned);
+    at or above the share, one chunk of that size (the logical batch raised to it)."""
+    if physical >= share or physical < 1:
+        return physical
+    return math.ceil(share / math.ceil(share / physical))
 
 
 def with_physical_batch(config, physical: int):
@@ -71,15 +82,21 @@ class Predictions:
         return self.at(self.planned, seq_len)  # the config's own length: the main prediction
 
     def by_physical_batch(self) -> list[dict]:
-        """Every physical batch predicted at the config's sequence length, in order."""
+        """Every physical batch predicted at the config's sequence length, in order, each as
+        the chunk it runs as (a cap of 3 over 4 samples plans chunks of 2: it is listed as 2,
+        once)."""
+        share = rank_share(self.config)
+        runnable: dict[int, dict] = {}
+        for (physical, seq_len), step in sorted(self.steps.items()):
+            if seq_len == self.config.seq_len:
+                runnable.setdefault(runs_as(physical, share), step)
         return [
             {
                 "physical_batch_size": physical,
                 "peak_memory_mb": step["peak"] / MB,
                 "peak_reserved_mb": reserved_peak(step) / MB,
             }
-            for (physical, seq_len), step in sorted(self.steps.items())
-            if seq_len == self.config.seq_len
+            for physical, step in sorted(runnable.items())
         ]
 
     def by_seq_len(self) -> list[dict]:

@@ -17,7 +17,7 @@ from dp_cost.capacity.card import (
 )
 from dp_cost.capacity.fake_step import rank_share
 from dp_cost.capacity.model_facts import model_max_seq_len
-from dp_cost.capacity.predictions import Predictions
+from dp_cost.capacity.predictions import Predictions, runs_as
 from dp_cost.core.schema import MB
 from dp_cost.measure.plan_checks import SEQ_LEN_STEP
 
@@ -126,7 +126,7 @@ def batch_axis(predictions: Predictions) -> Axis:
         predicted=predictions.at,
         line=line,
         search=search,
-        entry=lambda physical: {"physical_batch_size": physical},
+        entry=lambda physical: {"physical_batch_size": runs_as(physical, share)},
         cap=MAX_PHYSICAL_BATCH,
         refinable=lambda low, guess: (
             1 <= low < guess <= MAX_PHYSICAL_BATCH and (low >= share) == (guess >= share)

@@ -393,3 +393,18 @@ def test_an_uncapped_poisson_batch_is_timed_at_its_expected_size():
     prediction = capacity_result(config, worker.build_trainer)
     assert prediction["physical_batch_size"] > 4 and prediction["physical_batch_note"]
     assert prediction["time"]["physical_batch_size"] == 4 and prediction["time"]["chunks"] == 1
+
+
+def test_a_physical_batch_is_reported_as_the_chunk_it_runs_as():
+    """4 samples a rank at a cap of 3 run as chunks of 2 and 2 (Runner's near-equal chunks):
+    the plan at 3 is physical 2's, so the table, plot and capacity.json say 2, once."""
+    from dp_cost.capacity import predictions as planned
+
+    assert [planned.runs_as(p, 4) for p in (1, 2, 3, 4, 6)] == [1, 2, 2, 4, 6]
+    assert [planned.runs_as(p, 10) for p in (3, 4, 5, 6, 9)] == [3, 4, 5, 5, 5]
+    config = ExperimentConfig(trainer="standard", batch_size=4, seq_len=16)
+    steps = planned.Predictions(config, build_trainer=None)
+    for physical, peak in ((3, 300), (2, 200), (4, 400)):
+        steps.steps[physical, 16] = {"peak": peak * 2**20, "requests": [], "step_requests": []}
+    listed = steps.by_physical_batch()
+    assert [(p["physical_batch_size"], p["peak_memory_mb"]) for p in listed] == [(2, 200), (4, 400)]
