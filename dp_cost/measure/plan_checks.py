@@ -195,7 +195,7 @@ def check_time_settings(values: dict) -> None:
         raise UsageError(f"--epochs must be 1..{MAX_EPOCHS}, got {epochs}")
     if epochs is not None and values["dataset_path"]:
         raise UsageError(
-            "--epochs with --dataset_path: give the dataset's size as --dataset_size N instead"
+            "--epochs counts epochs of --dataset_size N samples: give N, without --dataset_path"
         )
     if values["recommend"] and not values["gpu_memory"]:
         raise UsageError("--recommend ranks what fits a card: give its memory, --gpu_memory GiB")
