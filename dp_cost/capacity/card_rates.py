@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import bisect
 import functools
+import itertools
 import json
 import math
 import os
@@ -61,6 +62,48 @@ def _interpolate(xs: Sequence[float], ys: Sequence[float], x: float, hold: bool 
     return ys[i] + t * (ys[i + 1] - ys[i])
 
 
+class LogGrid:
+    """Times measured on a full grid of shapes, read between its points multilinearly in log
+    space (log time in the log of each side): below an axis's first value that value's time (a
+    kernel's floor), above its last the last segment extended."""
+
+    def __init__(self, axes: list[list[int]], log_times: dict[tuple[int, ...], float]):
+        self.axes, self.log_times = axes, log_times
+        self._log_axes = [[math.log(v) for v in values] for values in axes]
+
+    @classmethod
+    def of(cls, rows, what: str, dims: int) -> LogGrid:
+        """The grid of table ``rows`` (each ``dims`` sides, then µs). A GEMM grid has the same
+        sides on every axis (the cube of them); a thin grid, its own per axis."""
+        times = {tuple(int(v) for v in row[:dims]): float(row[dims]) for row in rows}
+        if dims == 3:
+            sides = sorted({side for shape in times for side in shape})
+            axes = [sides] * dims
+        else:
+            axes = [sorted({shape[a] for shape in times}) for a in range(dims)]
+        if min(len(values) for values in axes) < 2 or min(times.values()) <= 0:
+            raise CardRatesError(f"the {what} needs two values or more a side and positive times")
+        for shape in itertools.product(*axes):
+            if shape not in times:
+                raise CardRatesError(f"the {what} lacks {shape}")
+        return cls(axes, {shape: math.log(t) for shape, t in times.items()})
+
+    def time(self, point: tuple[int, ...]) -> float:
+        """Predicted µs at ``point`` (one value an axis)."""
+        corners, weights = [], []
+        for values, logs, value in zip(self.axes, self._log_axes, point):
+            x = math.log(max(value, 1))
+            i = min(max(bisect.bisect_right(logs, x) - 1, 0), len(logs) - 2)
+            weights.append(0.0 if x < logs[0] else (x - logs[i]) / (logs[i + 1] - logs[i]))
+            corners.append((values[i], values[i + 1]))
+        log_time = 0.0
+        for picks in itertools.product((0, 1), repeat=len(point)):
+            w = math.prod(t if p else 1 - t for t, p in zip(weights, picks))
+            if w:
+                log_time += w * self.log_times[tuple(c[p] for c, p in zip(corners, picks))]
+        return math.exp(log_time)
+
+
 class CardRates:
     """One card's table (``load_card``)."""
 
@@ -78,10 +121,10 @@ class CardRates:
             }
             self.host_by_trainer["standard"]  # every table has the standard trainer's
             self._op_rates = {name: float(rate) for name, rate in table["memory_ops"].items()}
-            self._gemm = {dtype: self._gemm_grid(rows) for dtype, rows in table["gemm"].items()}
-            self._thin = {
-                dtype: self._thin_grid(rows) for dtype, rows in table["thin_gemm"].items()
-            }
+            self._gemm = {dtype: LogGrid.of(rows, "GEMM grid", 3) for dtype, rows in
+                          table["gemm"].items()}  # fmt: skip
+            self._thin = {dtype: LogGrid.of(rows, "thin GEMM grid", 2) for dtype, rows in
+                          table["thin_gemm"].items()}  # fmt: skip
             self._attention = {
                 (dtype, direction, int(head_dim)): sorted((int(t), float(r)) for t, r in rows)
                 for dtype, by_head in table["attention"].items()
@@ -103,17 +146,6 @@ class CardRates:
         ):
             raise CardRatesError(f"{path}: an attention row is empty or not positive")
 
-    @staticmethod
-    def _gemm_grid(rows) -> tuple[list[float], dict[tuple[int, int, int], float]]:
-        times = {(int(m), int(n), int(k)): float(us) for m, n, k, us in rows}
-        sides = sorted({side for shape in times for side in shape})
-        if len(sides) < 2 or min(times.values()) <= 0:
-            raise CardRatesError("a GEMM grid needs two sides or more and positive times")
-        for shape in ((m, n, k) for m in sides for n in sides for k in sides):
-            if shape not in times:
-                raise CardRatesError(f"the GEMM grid lacks {shape}")
-        return [math.log(s) for s in sides], {s: math.log(t) for s, t in times.items()}
-
     def host_us(self, trainer: str, phase: str, lora: bool = False) -> float:
         """The host's µs per op of the planned step dispatched in ``phase`` (one of PHASES) of
         ``trainer``'s eager step (``lora``: of a LoRA fine-tune, whose ops are smaller and
@@ -122,70 +154,15 @@ class CardRates:
         key = trainer + "+lora" if lora and trainer + "+lora" in costs else trainer
         return costs.get(key, costs["standard"])[phase]
 
-    @staticmethod
-    def _thin_grid(rows) -> tuple[list[float], list[float], dict[tuple[int, int], float]]:
-        times = {(int(b), int(k)): float(us) for b, k, us in rows}
-        batches, lengths = sorted({b for b, _ in times}), sorted({k for _, k in times})
-        if len(batches) < 2 or len(lengths) < 2 or min(times.values()) <= 0:
-            raise CardRatesError("the thin GEMM grid needs two batches and two lengths or more")
-        for shape in ((b, k) for b in batches for k in lengths):
-            if shape not in times:
-                raise CardRatesError(f"the thin GEMM grid lacks {shape}")
-        logs = {shape: math.log(t) for shape, t in times.items()}
-        return [math.log(b) for b in batches], [math.log(k) for k in lengths], logs
-
     def gemm_us(self, dtype: str, batch: int, m: int, n: int, k: int) -> float:
         """Predicted µs of a GEMM of ``batch`` (M, N, K) products: over the grid (the batch
         folded into M), or where each product is a few dot products longer than the grid's
         sides (Opacus' ghost norms: [B, 1, T²]·[B, T², 1]), over the thin GEMMs' grid."""
-        if m * n <= THIN_OUTPUT and k > self._largest_side(dtype):
-            return m * n * self._thin_us(dtype, batch, k)
-        return self._grid_us(dtype, batch * m, n, k)
-
-    def _largest_side(self, dtype: str) -> int:
-        log_sides, _ = self._gemm.get(dtype) or self._gemm["float32"]
-        return round(math.exp(log_sides[-1]))
-
-    def _thin_us(self, dtype: str, batch: int, k: int) -> float:
-        """µs of ``batch`` dot products of length ``k``: bilinear in log space."""
-        log_batches, log_lengths, log_times = self._thin.get(dtype) or self._thin["float32"]
-        axes = (log_batches, log_lengths)
-        corners, weights = [], []
-        for values, x in zip(axes, (math.log(max(batch, 1)), math.log(max(k, 1)))):
-            i = min(max(bisect.bisect_right(values, x) - 1, 0), len(values) - 2)
-            corners.append((round(math.exp(values[i])), round(math.exp(values[i + 1]))))
-            weights.append((x - values[i]) / (values[i + 1] - values[i]))
-        log_time = 0.0
-        for pick_b in (0, 1):
-            for pick_k in (0, 1):
-                w = (weights[0] if pick_b else 1 - weights[0]) * (
-                    weights[1] if pick_k else 1 - weights[1]
-                )
-                if w:
-                    log_time += w * log_times[corners[0][pick_b], corners[1][pick_k]]
-        return math.exp(log_time)
-
-    def _grid_us(self, dtype: str, m: int, n: int, k: int) -> float:
-        """µs of an (M, N, K) GEMM: trilinear in log space over the grid."""
-        log_sides, log_times = self._gemm.get(dtype) or self._gemm["float32"]
-        sides = [round(math.exp(s)) for s in log_sides]
-        corners, weights = [], []
-        for value in (m, n, k):
-            x = math.log(max(value, 1))
-            i = min(max(bisect.bisect_right(log_sides, x) - 1, 0), len(log_sides) - 2)
-            t = (x - log_sides[i]) / (log_sides[i + 1] - log_sides[i])
-            if x < log_sides[0]:  # below the grid: the smallest side's time (a kernel's floor)
-                t = 0.0
-            corners.append((sides[i], sides[i + 1]))
-            weights.append(t)
-        log_time = 0.0
-        for bits in range(8):
-            picks = [(bits >> axis) & 1 for axis in range(3)]
-            w = math.prod(weights[a] if p else 1 - weights[a] for a, p in enumerate(picks))
-            if w:
-                shape = tuple(corners[a][p] for a, p in enumerate(picks))
-                log_time += w * log_times[shape]
-        return math.exp(log_time)
+        grid = self._gemm.get(dtype) or self._gemm["float32"]
+        if m * n <= THIN_OUTPUT and k > grid.axes[-1][-1]:
+            thin = self._thin.get(dtype) or self._thin["float32"]
+            return m * n * thin.time((batch, k))
+        return grid.time((batch * m, n, k))
 
     def attention_us(self, dtype: str, direction: str, head_dim: int, seq_len: int, flops: int):
         """Predicted µs of a fused attention of ``flops`` FLOPs: its rate at ``seq_len``
