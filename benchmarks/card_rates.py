@@ -22,7 +22,6 @@ import json
 import os
 import platform
 import statistics
-import subprocess
 import sys
 import time
 
@@ -289,22 +288,13 @@ def host_costs(trainer: str, lora: bool, sync_cost_us: float) -> dict:
     }
 
 
-def git_commit() -> str:
-    try:
-        out = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True
-        )
-        return out.stdout.strip() or "not recorded"
-    except OSError:
-        return "not recorded"
-
-
 def main() -> int:
     args = parse()
     if not torch.cuda.is_available():
         print("error: this measures a CUDA card; none is available", file=sys.stderr)
         return 2
     from dp_cost.capacity.card_rates import CARDS_DIR, SCHEMA, card_file_name, load_card
+    from dp_cost.measure.run import git_commit
 
     card = torch.cuda.get_device_name()
     sides = QUICK_SIDES if args.quick else GEMM_SIDES
@@ -315,7 +305,7 @@ def main() -> int:
         "card": card,
         "measured": {
             "date": datetime.date.today().isoformat(),
-            "commit": git_commit(),
+            "commit": git_commit(ROOT) or "not recorded",
             "torch": torch.__version__,
             "cuda": torch.version.cuda,
             "host": platform.processor() or platform.machine(),

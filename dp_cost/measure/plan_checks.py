@@ -185,11 +185,12 @@ def check_time_settings(values: dict) -> None:
     table missing or broken costs the plan its times, not the run), --epochs is a count of a
     dataset whose size is known, --recommend has a card's memory to fit."""
     card = values["card"]
-    if card != DEFAULT_CARD:
+    if card != DEFAULT_CARD or values["recommend"]:  # --recommend needs the times
         try:
             card_rates(card)
         except CardRatesError as error:
-            raise UsageError(f"--card: {error}") from None
+            flag = "--card" if card != DEFAULT_CARD else "--recommend"
+            raise UsageError(f"{flag}: {error}") from None
     epochs = values["epochs"]
     if epochs is not None and not 1 <= epochs <= MAX_EPOCHS:
         raise UsageError(f"--epochs must be 1..{MAX_EPOCHS}, got {epochs}")
@@ -201,11 +202,6 @@ def check_time_settings(values: dict) -> None:
         raise UsageError("--recommend ranks what fits a card: give its memory, --gpu_memory GiB")
     if values["recommend"] and values["world_size"] > 1:
         raise UsageError("--recommend ranks predicted times, which are for one GPU only")
-    if values["recommend"]:
-        try:
-            card_rates(card)
-        except CardRatesError as error:
-            raise UsageError(f"--recommend: {error}") from None
 
 
 def check_capacity(values: dict, axes: dict, args) -> None:
