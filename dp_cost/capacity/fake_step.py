@@ -33,6 +33,7 @@ import warnings
 import weakref
 
 import torch
+import torch.optim.optimizer as optimizer_module
 from torch._subclasses.fake_tensor import FakeCopyMode, FakeTensor, FakeTensorMode
 from torch.distributed.tensor import DTensor
 from torch.fx.experimental.symbolic_shapes import ShapeEnv
@@ -40,6 +41,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from dp_cost.capacity.allocator import request_bytes
+from dp_cost.capacity.attention import CudaAttention, real_masks
 from dp_cost.capacity.op_list import OpRecord
 from dp_cost.capacity.planned_ranks import planned_ranks
 from dp_cost.hf import models as hf_models
@@ -255,7 +257,19 @@ def predict(config, build_trainer, record_ops: bool = False) -> dict:
     record = StorageRecord()
     model, loss_fn = meta_model(config)  # outside the fake mode: peft cannot build under one
     ranks = planned_ranks(config.world_size, DEVICE)
-    with ranks, fake, FakeCopies(fake), record, _quiet_fake_warnings():
+    # attention as the card runs it: the mask an eager run builds, the kernel CUDA chooses
+    masks = real_masks(config.model in HF_CONFIGS, graphed=config.cuda_graph)
+    kernels = CudaAttention()
+    with (
+        ranks,
+        fake,
+        FakeCopies(fake),
+        record,
+        masks,
+        kernels,
+        _foreach_as_on_cuda(),
+        _quiet_fake_warnings(),
+    ):
         # as the worker does: FSDP2 over a model of random weights shards it before any storage
         # exists (Workload.materialize), every other model is made whole first
         materialize = functools.partial(torch.nn.Module.to_empty, device=DEVICE)
@@ -281,6 +295,7 @@ def predict(config, build_trainer, record_ops: bool = False) -> dict:
             if ops is not None:
                 ops.mark(name)
 
+        kernels.backends.clear()  # the recorded step's calls, not the warm-up's
         with runner.observing_phases(on_phase), ops or contextlib.nullcontext():
             runner.step(inputs, targets)
         events = record.events[first_event:]
@@ -296,6 +311,7 @@ def predict(config, build_trainer, record_ops: bool = False) -> dict:
         "parameters": parameters,
         "trainable_parameters": trainable,
         "state": state,
+        "attention_backends": dict(kernels.backends),
         **({"ops": ops.ops, "marks": ops.marks} if ops else {"ops": None, "marks": None}),
         **({"flash_routes": extras["flash_routes"]} if "flash_routes" in extras else {}),
     }
@@ -323,6 +339,22 @@ def _state_bytes(runner) -> dict[str, int]:
         seen.add(storage_key(tensor))
         sizes[role] = sizes.get(role, 0) + request_bytes(tensor.untyped_storage().nbytes())
     return sizes
+
+
+@contextlib.contextmanager
+def _foreach_as_on_cuda():
+    """torch.optim's foreach path, which it takes by default for CUDA tensors and not for CPU
+    ones: its temporaries span every parameter at once (Adam's square roots of its second
+    moments are one more fp32 copy of the parameters at the step; the loop over parameters
+    holds one parameter's)."""
+    supported = optimizer_module._get_foreach_kernels_supported_devices
+    optimizer_module._get_foreach_kernels_supported_devices = lambda: [*supported(), DEVICE]
+    optimizer_module._foreach_supported_types.append(FakeTensor)
+    try:
+        yield
+    finally:
+        optimizer_module._get_foreach_kernels_supported_devices = supported
+        optimizer_module._foreach_supported_types.remove(FakeTensor)
 
 
 @contextlib.contextmanager

@@ -88,20 +88,27 @@ def gemm_shape(func, args) -> tuple[int, int, int, int]:
 
 
 def attention_flops(func, args, kwargs, output) -> tuple[int, int, int] | None:
-    """(FLOPs, query length, head size) of a fused attention op, or None for any other op."""
-    if func is CPU_ATTENTION:
-        q, k, v = args[:3]
-        return sdpa_flop_count(q.shape, k.shape, v.shape), q.shape[-2], q.shape[-1]
-    if func is CPU_ATTENTION_BACKWARD:
-        grad, q, k, v = args[:4]
-        flops = sdpa_backward_flop_count(grad.shape, q.shape, k.shape, v.shape)
-        return flops, q.shape[-2], q.shape[-1]
+    """(FLOPs, query length, head size) of a fused attention op, or None for any other op: torch's
+    FLOP formulas, grouped key and value heads counted as the query's (what the kernel does;
+    torch's counter refuses them)."""
     name = func.overloadpacket.__name__
-    if "attention" in name and func.overloadpacket in flop_registry:
-        q = args[0] if "backward" not in name else args[1]
-        flops = flop_registry[func.overloadpacket](*args, **kwargs, out_val=output)
-        return flops, q.shape[-2], q.shape[-1]
-    return None
+    fused = func in (CPU_ATTENTION, CPU_ATTENTION_BACKWARD) or (
+        "attention" in name and func.overloadpacket in flop_registry
+    )
+    if not fused:
+        return None
+    backward = "backward" in name
+    q, k, v = args[1:4] if backward else args[:3]
+
+    def as_query_heads(t):
+        return (*t.shape[:-3], q.shape[-3], *t.shape[-2:])
+
+    k, v = as_query_heads(k), as_query_heads(v)
+    if backward:
+        flops = sdpa_backward_flop_count(args[0].shape, q.shape, k, v)
+    else:
+        flops = sdpa_flop_count(q.shape, k, v)
+    return flops, q.shape[-2], q.shape[-1]
 
 
 def describe(func, args, kwargs, output, segment: int, optimizer: bool = False) -> Op:
