@@ -9,7 +9,7 @@ On an H200 with torch 2.11 an fp32 Llama step with grouped-query heads takes the
 (the memory-efficient kernel has no grouped heads there): 5 GB more than the CPU kernel keeps
 for Llama-3.2-3B at (2, 1024).
 
-``CudaAttention`` (a TorchFunctionMode) turns each call into the call of the kernel
+``CudaAttention`` turns each call into the call of the kernel
 ``cuda_backend`` chooses by torch's rules, whose fake (meta) kernels then make what it keeps.
 The rules are those of torch 2.11 with cuDNN 9.19 on sm90 (H100, H200), measured for every case
 of ``benchmarks/attention_backends.py``'s grid; tests/capacity/test_attention.py checks the
@@ -25,7 +25,6 @@ import contextlib
 
 import torch
 import torch.nn.functional as F
-from torch.overrides import TorchFunctionMode
 
 aten = torch.ops.aten
 
@@ -114,20 +113,26 @@ def _sdpa_arguments(
     return query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa
 
 
-class CudaAttention(TorchFunctionMode):
-    """Each ``F.scaled_dot_product_attention`` call run as the kernel CUDA would choose; the
-    choices are counted in ``backends`` (name -> calls)."""
+class CudaAttention:
+    """While entered, each ``F.scaled_dot_product_attention`` call runs as the kernel CUDA would
+    choose; the choices are counted in ``backends`` (name -> calls). The function itself is
+    replaced, not intercepted by a TorchFunctionMode: a checkpointed block's recomputation runs
+    inside the backward, where no such mode is active."""
 
     def __init__(self):
-        super().__init__()
         self.backends: dict[str, int] = {}
+        self._replaced = None
 
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        if func is not F.scaled_dot_product_attention:
-            return func(*args, **(kwargs or {}))
-        query, key, value, mask, dropout_p, is_causal, scale, gqa = _sdpa_arguments(
-            *args, **(kwargs or {})
-        )
+    def __enter__(self):
+        self._replaced = F.scaled_dot_product_attention
+        F.scaled_dot_product_attention = self.attention
+        return self
+
+    def __exit__(self, *exc):
+        F.scaled_dot_product_attention = self._replaced
+
+    def attention(self, *args, **kwargs):
+        query, key, value, mask, dropout_p, is_causal, scale, gqa = _sdpa_arguments(*args, **kwargs)
         device = query.device.type
         if torch.is_autocast_enabled(device):  # CUDA's autocast runs attention in low precision
             low = torch.get_autocast_dtype(device)

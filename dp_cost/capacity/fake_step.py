@@ -257,25 +257,10 @@ def predict(config, build_trainer, record_ops: bool = False) -> dict:
     record = StorageRecord()
     model, loss_fn = meta_model(config)  # outside the fake mode: peft cannot build under one
     ranks = planned_ranks(config.world_size, DEVICE)
-    # attention as the card runs it: the mask an eager run builds, the kernel CUDA chooses
-    masks = real_masks(config.model in HF_CONFIGS, graphed=config.cuda_graph)
     kernels = CudaAttention()
-    with (
-        ranks,
-        fake,
-        FakeCopies(fake),
-        record,
-        masks,
-        kernels,
-        _foreach_as_on_cuda(),
-        _quiet_fake_warnings(),
-    ):
-        # as the worker does: FSDP2 over a model of random weights shards it before any storage
-        # exists (Workload.materialize), every other model is made whole first
-        materialize = functools.partial(torch.nn.Module.to_empty, device=DEVICE)
-        if not builds_shards_only(config):
-            model, materialize = model.to_empty(device=DEVICE), None
-        runner = build_trainer(config, model, loss_fn, lambda name: None, materialize)
+    as_on_cuda = _as_on_cuda(config, kernels)
+    with ranks, fake, FakeCopies(fake), record, as_on_cuda, _quiet_fake_warnings():
+        runner = _built(config, model, loss_fn, build_trainer)
         mine = rank_share(config)
         physical = min(config.physical_batch_size, mine)
         warmup_event = len(record.events)
@@ -315,6 +300,26 @@ def predict(config, build_trainer, record_ops: bool = False) -> dict:
         **({"ops": ops.ops, "marks": ops.marks} if ops else {"ops": None, "marks": None}),
         **({"flash_routes": extras["flash_routes"]} if "flash_routes" in extras else {}),
     }
+
+
+def _built(config, model, loss_fn, build_trainer):
+    """The config's runner, as the worker builds it: FSDP2 over a model of random weights shards
+    it before any storage exists (Workload.materialize), every other model is made whole first."""
+    materialize = functools.partial(torch.nn.Module.to_empty, device=DEVICE)
+    if not builds_shards_only(config):
+        model, materialize = model.to_empty(device=DEVICE), None
+    return build_trainer(config, model, loss_fn, lambda name: None, materialize)
+
+
+def _as_on_cuda(config, kernels: CudaAttention) -> contextlib.ExitStack:
+    """What the planned step does as the card would, not as the CPU would: a Hugging Face
+    model's mask as an eager run builds it, attention's kernel as CUDA chooses it (``kernels``
+    counts the choices), torch.optim's foreach path."""
+    stack = contextlib.ExitStack()
+    stack.enter_context(real_masks(config.model in HF_CONFIGS, graphed=config.cuda_graph))
+    stack.enter_context(kernels)
+    stack.enter_context(_foreach_as_on_cuda())
+    return stack
 
 
 def allocator_requests(events) -> list[tuple[int, int, int]]:

@@ -39,7 +39,8 @@ def capacity_result(config, build_trainer, card_gib: float | None = None) -> dic
         axis = seq_len_axis(predictions) if config.find_max_seq_len else batch
         card = largest_on_card(axis, card_gib, ranks)
     return {
-        "method": "the trainer's step on fake tensors (CPU code paths), storages recorded",
+        "method": "the trainer's step on fake tensors (CPU code paths but for attention's kernel "
+        "and torch.optim's foreach path, taken as on CUDA), storages recorded",
         "physical_batch_size": predictions.planned,
         "physical_batch_note": predictions.note,
         "peak_note": GRAPH_PEAK_NOTE if config.cuda_graph else None,
@@ -51,6 +52,7 @@ def capacity_result(config, build_trainer, card_gib: float | None = None) -> dic
         "parameters": main["parameters"],
         "trainable_parameters": main["trainable_parameters"],
         "flash_routes": main.get("flash_routes"),
+        "attention_kernels": main.get("attention_backends"),
         "largest_physical_batch": largest,
         "card": card,
         "predictions": predictions.by_physical_batch(),

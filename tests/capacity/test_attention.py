@@ -107,10 +107,35 @@ def test_fp32_grouped_query_attention_is_planned_with_the_math_kernels_softmax(m
     assert fp32["attention_backends"] == {"MATH": layers}
     assert bf16["attention_backends"] == {"CUDNN_ATTENTION": layers}
     monkeypatch.setattr(  # the CPU's own kernel, as the planned step ran before
-        attention.CudaAttention,
-        "__torch_function__",
-        lambda self, func, types, args=(), kwargs=None: func(*args, **(kwargs or {})),
+        attention.CudaAttention, "attention", lambda self, *args, **kw: self._replaced(*args, **kw)
     )
     cpu = fake_step.predict(ExperimentConfig(dtype="float32", **shape), worker.build_trainer)
     softmax = batch * heads * seq * seq * 4
     assert fp32["peak"] - cpu["peak"] >= layers * softmax
+
+
+def test_a_configs_prediction_names_the_attention_kernel_it_planned():
+    from dp_cost.capacity.result import capacity_result
+
+    config = ExperimentConfig(trainer="standard", model="tiny-llama", seq_len=32, batch_size=2,
+                              attention="sdpa", dtype="bfloat16")  # fmt: skip
+    prediction = capacity_result(config, worker.build_trainer)
+    assert prediction["attention_kernels"] == {"CUDNN_ATTENTION": 2}
+    assert "attention's kernel" in prediction["method"]
+
+
+def test_a_checkpointed_blocks_recomputation_runs_the_same_kernel():
+    """The recomputation runs inside the backward (where a TorchFunctionMode is not active): it
+    must take the kernel the forward took, or torch's checkpoint refuses the step."""
+    for trainer in ("standard", "flash"):
+        config = ExperimentConfig(
+            trainer=trainer,
+            model="tiny-llama",
+            seq_len=32,
+            batch_size=2,
+            attention="sdpa",
+            dtype="float32",
+            activation_checkpointing=True,
+        )
+        predicted = fake_step.predict(config, worker.build_trainer)
+        assert set(predicted["attention_backends"]) == {"MATH"}, trainer
