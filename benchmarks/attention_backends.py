@@ -3,7 +3,7 @@ measured on this card: the table --mode=capacity's attention stand-in is checked
 (dp_cost/capacity/attention.py; tests/capacity/test_attention.py reads the stored output).
 
 For every case of a grid (dtype, head size, mask kind, grouped-query heads, a sequence length
-that is or is not a multiple of 16), on this card:
+that is or is not a multiple of 16; a few with dropout), on this card:
 - ``backend``: torch's own choice (``torch._fused_sdp_choice``, the function
   ``F.scaled_dot_product_attention`` asks), by name;
 - ``saved_bytes``: the bytes of the storages the forward saved for the backward beyond its
@@ -46,22 +46,27 @@ from torch.overrides import TorchFunctionMode  # noqa: E402
 
 BATCH, HEADS = 2, 8
 DTYPES = ("float32", "bfloat16", "float16")
-HEAD_SIZES = (64, 128, 256)
+HEAD_SIZES = (64, 128, 192, 256)
 MASKS = ("causal", "none", "bool", "float")
 KV_GROUPS = (1, 4)  # query heads per key/value head: 1, or grouped-query attention
 SEQ_LENS = (1024, 1000)
 
 
 def grid():
-    """Every case, as the keyword arguments of ``case_inputs``."""
+    """Every case, as the keyword arguments of ``case_inputs``: the product above without
+    dropout, and a few with it (cuDNN takes dropout only in steps of 1/16)."""
     for dtype, head_size, mask, groups, seq in itertools.product(
         DTYPES, HEAD_SIZES, MASKS, KV_GROUPS, SEQ_LENS
     ):
-        yield {"dtype": dtype, "head_size": head_size, "mask": mask, "groups": groups, "seq": seq}
+        yield {"dtype": dtype, "head_size": head_size, "mask": mask, "groups": groups, "seq": seq,
+               "dropout": 0.0}  # fmt: skip
+    for dtype, mask in itertools.product(("float32", "bfloat16"), ("causal", "none")):
+        yield {"dtype": dtype, "head_size": 64, "mask": mask, "groups": 1, "seq": 1024,
+               "dropout": 0.1}  # fmt: skip
 
 
-def case_inputs(dtype, head_size, mask, groups, seq, device):
-    """(query, key, value, attn_mask, is_causal, enable_gqa) of one case; the mask as
+def case_inputs(dtype, head_size, mask, groups, seq, dropout, device):
+    """(query, key, value, attn_mask, is_causal, enable_gqa, dropout_p) of one case; the mask as
     Hugging Face's builds it, [B, 1, T, T], bool (True: attend) or additive."""
     dtype = getattr(torch, dtype)
     make = lambda heads: torch.randn(  # noqa: E731
@@ -76,10 +81,10 @@ def case_inputs(dtype, head_size, mask, groups, seq, device):
     elif mask == "float":
         attn_mask = torch.zeros(attend.shape, device=device, dtype=dtype)
         attn_mask.masked_fill_(~attend, torch.finfo(dtype).min)
-    return query, key, value, attn_mask, mask == "causal", groups > 1
+    return query, key, value, attn_mask, mask == "causal", groups > 1, dropout
 
 
-def saved_and_held(query, key, value, attn_mask, is_causal, enable_gqa):
+def saved_and_held(query, key, value, attn_mask, is_causal, enable_gqa, dropout_p):
     """(saved_bytes, held_bytes) of one forward; see the module's docstring."""
     operands = (query, key, value, attn_mask)
     inputs = {t.untyped_storage().data_ptr() for t in operands if t is not None}
@@ -95,8 +100,9 @@ def saved_and_held(query, key, value, attn_mask, is_causal, enable_gqa):
     before = torch.cuda.memory_allocated()
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
         out = F.scaled_dot_product_attention(
-            query, key, value, attn_mask=attn_mask, is_causal=is_causal, enable_gqa=enable_gqa
-        )
+            query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
+            enable_gqa=enable_gqa,
+        )  # fmt: skip
     torch.cuda.synchronize()
     held = torch.cuda.memory_allocated() - before - out.untyped_storage().nbytes()
     out.float().sum().backward()  # the backward runs: the case is one a training step can take
@@ -105,12 +111,13 @@ def saved_and_held(query, key, value, attn_mask, is_causal, enable_gqa):
 
 def measure_case(case, device) -> dict:
     inputs = case_inputs(**case, device=device)
-    query, key, value, attn_mask, is_causal, enable_gqa = inputs
+    query, key, value, attn_mask, is_causal, enable_gqa, dropout_p = inputs
     row = dict(case)
     try:
         choice = torch._fused_sdp_choice(
-            query, key, value, attn_mask=attn_mask, is_causal=is_causal, enable_gqa=enable_gqa
-        )
+            query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
+            enable_gqa=enable_gqa,
+        )  # fmt: skip
         row["backend"] = SDPBackend(choice).name
         row["saved_bytes"], row["held_bytes"] = saved_and_held(*inputs)
     except RuntimeError as error:

@@ -30,20 +30,32 @@ aten = torch.ops.aten
 
 LOW_PRECISION = (torch.float16, torch.bfloat16)
 BACKENDS = ("CUDNN_ATTENTION", "FLASH_ATTENTION", "EFFICIENT_ATTENTION", "MATH")  # torch's order
-CUDNN_BACKWARD_HEAD_SIZES = {(192, 128), (256, 256)}  # beyond both <= 128 (sm90)
 
 
 def _cudnn_can(query, key, value, attn_mask, dropout_p) -> bool:
+    # torch 2.11's checks on sm90: head sizes up to 256 in steps of 8, for the backward too,
+    # and any dropout (newer torch versions narrow both)
     d_qk, d_v = query.shape[-1], value.shape[-1]
-    head_sizes = (d_qk <= 128 and d_v <= 128) or (d_qk, d_v) in CUDNN_BACKWARD_HEAD_SIZES
     return (
         query.dtype in LOW_PRECISION
-        and head_sizes
+        and d_qk <= 256
+        and d_v <= 256
         and d_qk % 8 == 0
         and d_v % 8 == 0
         and key.shape[-2] != 1
-        and dropout_p * 16 == int(dropout_p * 16)
         and max(query.shape[0], query.shape[1]) <= 65535
+    )
+
+
+def _within_rules(query, key, value, attn_mask, enable_gqa) -> bool:
+    """Calls of the shapes the rules were checked on: 4-D operands, a 4-D mask that needs no
+    gradient, and key heads other than the query's only with ``enable_gqa``. Any other call is
+    planned as the math fallback, the kernel that keeps the most."""
+    masked = attn_mask is not None
+    return (
+        query.dim() == key.dim() == value.dim() == 4
+        and not (masked and (attn_mask.dim() != 4 or attn_mask.requires_grad))
+        and (enable_gqa or key.shape[-3] == query.shape[-3])
     )
 
 
@@ -68,6 +80,8 @@ def cuda_backend(
 ) -> str:
     """The kernel (an ``SDPBackend`` name) torch runs this call with on the card: the first of
     cuDNN, flash, memory-efficient and math whose rules the call meets."""
+    if not _within_rules(query, key, value, attn_mask, enable_gqa):
+        return "MATH"
     grouped = enable_gqa and key.shape[-3] != query.shape[-3]
     if _cudnn_can(query, key, value, attn_mask, dropout_p):
         return "CUDNN_ATTENTION"
@@ -148,10 +162,11 @@ class CudaAttention:
 def real_masks(hugging_face: bool, graphed: bool):
     """The attention mask a Hugging Face model builds in an eager run on the toolkit's inputs.
 
-    Those inputs are never packed (no attention mask; position ids 0..T-1 in every row), which
-    transformers finds by reading the position ids, then skips the mask and asks for causal
-    attention. A fake tensor has no values to read, so it takes the step for a traced one and
-    builds a mask, as a CUDA graph's capture does (``graphed``: left as it is)."""
+    Those inputs are never packed or padded (no attention mask; position ids 0..T-1 in every
+    row: ``hf.models.sequence_classification_loss``), which transformers finds by reading the
+    position ids, then skips the mask and asks for causal attention (inputs with a padding mask
+    would need it planned). A fake tensor has no values to read, so it takes the step for a
+    traced one and builds a mask, as a CUDA graph's capture does (``graphed``: left as it is)."""
     if not hugging_face or graphed:
         yield
         return

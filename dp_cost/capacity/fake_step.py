@@ -257,9 +257,8 @@ def predict(config, build_trainer, record_ops: bool = False) -> dict:
     record = StorageRecord()
     model, loss_fn = meta_model(config)  # outside the fake mode: peft cannot build under one
     ranks = planned_ranks(config.world_size, DEVICE)
-    kernels = CudaAttention()
-    as_on_cuda = _as_on_cuda(config, kernels)
-    with ranks, fake, FakeCopies(fake), record, as_on_cuda, _quiet_fake_warnings():
+    cuda = CudaAttention()
+    with ranks, fake, FakeCopies(fake), record, _as_on_cuda(config, cuda), _quiet_fake_warnings():
         runner = _built(config, model, loss_fn, build_trainer)
         mine = rank_share(config)
         physical = min(config.physical_batch_size, mine)
@@ -280,7 +279,7 @@ def predict(config, build_trainer, record_ops: bool = False) -> dict:
             if ops is not None:
                 ops.mark(name)
 
-        kernels.backends.clear()  # the recorded step's calls, not the warm-up's
+        cuda.backends.clear()  # the recorded step's calls, not the warm-up's
         with runner.observing_phases(on_phase), ops or contextlib.nullcontext():
             runner.step(inputs, targets)
         events = record.events[first_event:]
@@ -296,7 +295,7 @@ def predict(config, build_trainer, record_ops: bool = False) -> dict:
         "parameters": parameters,
         "trainable_parameters": trainable,
         "state": state,
-        "attention_backends": dict(kernels.backends),
+        "attention_backends": dict(cuda.backends),
         **({"ops": ops.ops, "marks": ops.marks} if ops else {"ops": None, "marks": None}),
         **({"flash_routes": extras["flash_routes"]} if "flash_routes" in extras else {}),
     }
@@ -311,15 +310,18 @@ def _built(config, model, loss_fn, build_trainer):
     return build_trainer(config, model, loss_fn, lambda name: None, materialize)
 
 
-def _as_on_cuda(config, kernels: CudaAttention) -> contextlib.ExitStack:
+@contextlib.contextmanager
+def _as_on_cuda(config, kernels: CudaAttention):
     """What the planned step does as the card would, not as the CPU would: a Hugging Face
     model's mask as an eager run builds it, attention's kernel as CUDA chooses it (``kernels``
-    counts the choices), torch.optim's foreach path."""
-    stack = contextlib.ExitStack()
-    stack.enter_context(real_masks(config.model in HF_CONFIGS, graphed=config.cuda_graph))
-    stack.enter_context(kernels)
-    stack.enter_context(_foreach_as_on_cuda())
-    return stack
+    counts the choices), torch.optim's foreach path. Each is undone on the way out, however it
+    ends (they patch torch's and transformers' module globals: one prediction at a time)."""
+    with (
+        real_masks(config.model in HF_CONFIGS, graphed=config.cuda_graph),
+        kernels,
+        _foreach_as_on_cuda(),
+    ):
+        yield
 
 
 def allocator_requests(events) -> list[tuple[int, int, int]]:

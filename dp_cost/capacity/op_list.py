@@ -5,8 +5,8 @@ Python did. Recorded by a dispatch mode, on the planned step's fake tensors or o
 (the card's calibration counts its host-bound step's ops with it).
 
 FLOPs come from torch's own counter's formulas (``torch.utils.flop_counter``), for the ops it
-knows; the CPU's fused attention (which the planned step takes where CUDA would take its flash
-or memory-efficient kernel) is counted with the same formulas as CUDA's.
+knows: the planned step's attention is the CUDA kernel's op (``capacity.attention``); a real
+CPU step's fused attention is counted with the same formulas.
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ SYNCS = {aten._local_scalar_dense.default, aten.is_nonzero.default, aten.equal.d
 GEMMS = {aten.mm.default, aten.addmm.default, aten.bmm.default, aten.baddbmm.default}
 RANGE_ENTER = torch.ops.profiler._record_function_enter_new.default
 OPTIMIZER_RANGE = "Optimizer.step#"  # the range torch.optim's step opens
-# The CPU's fused attention and its backward: the planned step's stand-ins for CUDA's
+# The CPU's fused attention and its backward (a real CPU step's, as the calibration's tests run)
 CPU_ATTENTION = aten._scaled_dot_product_flash_attention_for_cpu.default
 CPU_ATTENTION_BACKWARD = aten._scaled_dot_product_flash_attention_for_cpu_backward.default
 

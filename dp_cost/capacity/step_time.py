@@ -119,14 +119,15 @@ def predicted_time(
 
 
 def as_foreach(ops: list[Op]) -> list[Op]:
-    """``ops`` with the optimizer's per-parameter ops as CUDA runs them: torch.optim takes its
-    foreach path on CUDA (one dispatch for every parameter's op of a kind; the fake step's CPU
-    tensors take the loop over parameters), so each kind is one op moving all their bytes,
-    where its first was."""
+    """``ops`` with the optimizer's per-parameter ops as CUDA runs them. The planned step takes
+    torch.optim's foreach path (one dispatch for every parameter's op of a kind) where CUDA
+    would; where a loop over parameters is left (parameters of a type the foreach path does not
+    take), each kind is merged into one op moving all their bytes, where its first was.
+    Foreach ops are left as they are: each is a launch of its own."""
     merged: dict[str, int] = {}
     out: list[Op] = []
     for op in ops:
-        if not op.optimizer or op.kind != MEMORY:
+        if not op.optimizer or op.kind != MEMORY or op.name.startswith("aten._foreach_"):
             out.append(op)
         elif op.name in merged:
             first = out[merged[op.name]]
