@@ -35,6 +35,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--attention", default="sdpa")
     parser.add_argument("--trainers", nargs="+", default=["standard"])
     parser.add_argument("--optimizer", default="sgd", choices=("sgd", "adam"))
+    parser.add_argument(
+        "--no_poisson", action="store_true", help="fixed-size batches (Hugging Face models)"
+    )
     parser.add_argument("--use_lora", action="store_true")
     parser.add_argument("--lora_rank", type=int, default=16)
     parser.add_argument(
@@ -144,7 +147,8 @@ def main() -> int:
                 trainer=trainer, model=args.model, seq_len=args.seq_len, batch_size=batch,
                 max_physical_batch_size=args.max_physical_batch_size, dtype=args.dtype,
                 attention=args.attention, use_lora=args.use_lora, lora_rank=args.lora_rank,
-                optimizer=args.optimizer, device="cuda", steps=args.steps, warmup_steps=1,
+                optimizer=args.optimizer, poisson=not args.no_poisson, device="cuda",
+                steps=args.steps, warmup_steps=1,
             )  # fmt: skip
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats(device)

@@ -204,3 +204,21 @@ def test_the_planned_optimizer_takes_cudas_foreach_path(monkeypatch):
     monkeypatch.setattr(fake_step, "_foreach_as_on_cuda", contextlib.nullcontext)
     looped = fake_step.predict(config, worker.build_trainer)
     assert planned["peak"] > looped["peak"]
+
+
+def test_the_math_softmax_holds_its_kernels_intermediates():
+    """CUDA's ``_safe_softmax`` (the math attention's) makes a softmax, a full-size mask of the
+    -inf entries and its result, all through the allocator; a meta kernel makes the result
+    alone, so the plan runs it as the kernel composes it."""
+    from dp_cost.capacity.allocator import request_bytes
+
+    record = fake_step.StorageRecord()
+    with FakeTensorMode(), record:
+        scores = torch.randn(2, 4, 64, 64)
+        del scores  # only the op's own allocations below
+        scores = torch.randn(2, 4, 64, 64)
+        first = len(record.events)
+        torch.ops.aten._safe_softmax(scores, -1)
+    made = [e["size"] for e in record.events[first:] if e["action"] == "alloc"]
+    full, mask = request_bytes(2 * 4 * 64 * 64 * 4), request_bytes(2 * 4 * 64 * 64)
+    assert made.count(full) == 2 and mask in made  # the softmax and the result; the mask
