@@ -18,6 +18,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sdpa_flop_count
 
+from dp_cost.core.repeated import repeats
+
 aten = torch.ops.aten
 
 GEMM, ATTENTION, MEMORY, VIEW, SYNC = "gemm", "attention", "memory", "view", "sync"
@@ -157,5 +159,6 @@ class OpRecord(TorchDispatchMode):
                 self._ranges.pop()
         elif namespace != "prim":  # prim: the fake mode's own queries (a tensor's device)
             optimizer = any(name.startswith(OPTIMIZER_RANGE) for name in self._ranges)
-            self.ops.append(describe(func, args, kwargs, output, len(self.marks), optimizer))
+            op = describe(func, args, kwargs, output, len(self.marks), optimizer)
+            self.ops.extend([op] * repeats(self._ranges))  # a loop run once for its N times
         return output

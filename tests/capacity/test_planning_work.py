@@ -55,3 +55,34 @@ def test_planned_norms_are_one_reduction_where_real_ones_go_by_blocks():
         real_ops, (_, real_result) = counted(norms, shape, fake=False)
         assert fake_ops <= 4 < blocks <= real_ops, (norms.__name__, fake_ops, real_ops)
         assert fake_result.shape == real_result.shape == (4,)
+
+
+def test_a_planned_gram_runs_one_tile_pair_for_all_and_counts_them_all():
+    """flash's Gram norms loop over T/tile (T/tile + 1)/2 pairs of token tiles, the same ops on
+    same-shaped slices: a planned step runs one pair, and the op record counts its ops once a
+    pair, so the step's GEMMs (and their FLOPs) are the loop's, and so is its peak."""
+    import pytest
+
+    from dp_cost.capacity.fake_step import StorageRecord
+    from dp_cost.capacity.op_list import GEMM, OpRecord
+    from dp_cost.flash.rules import linear
+
+    def planned(loop: bool):
+        record, ops = StorageRecord(), OpRecord()
+        with pytest.MonkeyPatch.context() as patch:
+            if loop:  # as a real tensor would: every pair
+                patch.setattr(linear, "is_fake", lambda tensor: False)
+            with FakeTensorMode(), record, ops:
+                A, G = torch.randn(4, 64, 32), torch.randn(4, 64, 48)
+                linear.gram_squared_norms(A, G, tile=16, fused=False)
+        gemms = [op for op in ops.ops if op.kind == GEMM]
+        live = peak = 0
+        for event in record.events:
+            live += event["size"] if event["action"] == "alloc" else -event["size"]
+            peak = max(peak, live)
+        return len(gemms), sum(op.flops for op in gemms), peak, len(ops.ops)
+
+    one_pair, every_pair = planned(loop=False), planned(loop=True)
+    pairs = 4 * 5 // 2
+    assert one_pair[:3] == every_pair[:3] and one_pair[0] == 2 * pairs
+    assert one_pair[3] >= every_pair[3]  # the diagonal pairs' doubling counted too

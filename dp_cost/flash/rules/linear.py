@@ -8,7 +8,9 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch._subclasses.fake_tensor import is_fake
 
+from dp_cost.core.repeated import repeated
 from dp_cost.flash import fused
 from dp_cost.flash.clip import stacked
 from dp_cost.flash.fused import triton_kernels
@@ -33,7 +35,10 @@ def gram_squared_norms(A: Tensor, G: Tensor, tile: int, fused: bool | None = Non
     if fused is not False and fused_norms_available(A):
         return triton_kernels().gram_squared_norms(A, G).to(accumulation_dtype(A))
     total = to_accumulation(A.new_zeros(A.shape[0]))
-    for s in range(0, A.shape[1], tile):
+    starts = range(0, A.shape[1], tile)
+    if is_fake(A):  # a planned step: one off-diagonal pair's ops stand for every pair's
+        return _planned_gram(A, G, tile, total, len(starts))
+    for s in starts:
         a_s, g_s = A[:, s : s + tile], G[:, s : s + tile]
         for t in range(0, s + 1, tile):
             a_t, g_t = A[:, t : t + tile], G[:, t : t + tile]
@@ -42,6 +47,21 @@ def gram_squared_norms(A: Tensor, G: Tensor, tile: int, fused: bool | None = Non
             products = (a_s @ a_t.mT) * (g_s @ g_t.mT)  # no fp32 copies of the tiles
             tile_sum = products.sum((1, 2), dtype=total.dtype)
             total += tile_sum if t == s else 2 * tile_sum  # symmetric off-diagonal pair
+    return total
+
+
+def _planned_gram(A: Tensor, G: Tensor, tile: int, total: Tensor, tiles: int) -> Tensor:
+    """``gram_squared_norms``'s loop on a planned step's fake tensors: the first pair, then one
+    more standing for the rest (``core.repeated``), as the loop holds them (a pair's products
+    until the next pair's are made): the loop's GEMMs and peak in two passes, not T²/2 tile²."""
+    pairs, s = tiles * (tiles + 1) // 2, tile if tiles > 1 else 0
+    for count in (1, pairs - 1) if pairs > 1 else (1,):
+        with repeated(count):
+            a_s, g_s = A[:, s : s + tile], G[:, s : s + tile]
+            a_t, g_t = A[:, :tile], G[:, :tile]
+            products = (a_s @ a_t.mT) * (g_s @ g_t.mT)
+            tile_sum = products.sum((1, 2), dtype=total.dtype)
+            total += 2 * tile_sum
     return total
 
 
