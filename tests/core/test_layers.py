@@ -19,7 +19,8 @@ ALLOWED = {
     "dp_cost.report": {"dp_cost.core", "dp_cost.report", "dp_cost.parallel.mode"},
     "dp_cost.ncu": {"dp_cost.core", "dp_cost.ncu", "dp_cost.report.figures"},
     "dp_cost.noise": {"dp_cost.noise"},
-    "dp_cost.flash": {"dp_cost.flash", "dp_cost.noise"},
+    # core.repeated: the name of a range the planner counts N times (torch-free)
+    "dp_cost.flash": {"dp_cost.flash", "dp_cost.noise", "dp_cost.core.repeated"},
     "dp_cost.hf": {"dp_cost.hf", "dp_cost.core", "dp_cost.noise"},
     "models": {"dp_cost.lm"},
     "dp_cost.lm": {"dp_cost.lm", "dp_cost.core"},

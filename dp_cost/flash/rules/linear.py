@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch._subclasses.fake_tensor import is_fake
 
-from dp_cost.core.repeated import repeated
+from dp_cost.core.repeated import range_name
 from dp_cost.flash import fused
 from dp_cost.flash.clip import stacked
 from dp_cost.flash.fused import triton_kernels
@@ -53,10 +53,11 @@ def gram_squared_norms(A: Tensor, G: Tensor, tile: int, fused: bool | None = Non
 def _planned_gram(A: Tensor, G: Tensor, tile: int, total: Tensor, tiles: int) -> Tensor:
     """``gram_squared_norms``'s loop on a planned step's fake tensors: the first pair, then one
     more standing for the rest (``core.repeated``), as the loop holds them (a pair's products
-    until the next pair's are made): the loop's GEMMs and peak in two passes, not T²/2 tile²."""
+    until the next pair's are made): the loop's GEMMs and peak in two passes, not T²/2 tile²
+    (``core.repeated``)."""
     pairs, s = tiles * (tiles + 1) // 2, tile if tiles > 1 else 0
     for count in (1, pairs - 1) if pairs > 1 else (1,):
-        with repeated(count):
+        with torch.profiler.record_function(range_name(count)):
             a_s, g_s = A[:, s : s + tile], G[:, s : s + tile]
             a_t, g_t = A[:, :tile], G[:, :tile]
             products = (a_s @ a_t.mT) * (g_s @ g_t.mT)
