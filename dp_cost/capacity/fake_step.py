@@ -128,6 +128,7 @@ class StorageRecord(TorchDispatchMode):
         self.events: list[dict] = []
         self.live: dict[int, int] = {}  # key -> bytes (0: resized to nothing)
         self._storage_resize = torch.UntypedStorage.resize_
+        self._depth = 0
         # The fake tensors' device is the CPU, whose streams FSDP2 enters as it would CUDA's:
         # each allocation's stream (0: the default one) for the allocator's per-stream pools.
         # Keyed by the stream itself (held here): an id could be reused by a later stream.
@@ -145,11 +146,15 @@ class StorageRecord(TorchDispatchMode):
                 record._resized(storage._cdata, nbytes)
             return result
 
-        torch.UntypedStorage.resize_ = resize_
+        self._depth += 1  # entered again inside its own dispatch (AS_COMPOSED): patched once
+        if self._depth == 1:
+            torch.UntypedStorage.resize_ = resize_
         return super().__enter__()
 
     def __exit__(self, *exc):
-        torch.UntypedStorage.resize_ = self._storage_resize
+        self._depth -= 1
+        if self._depth == 0:
+            torch.UntypedStorage.resize_ = self._storage_resize
         return super().__exit__(*exc)
 
     def held(self) -> dict[int, int]:

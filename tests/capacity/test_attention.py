@@ -61,8 +61,8 @@ def test_the_kernel_chosen_is_cudas_in_every_measured_case():
 
 
 # What each kernel keeps, run op by op on fake tensors (the slow part): every dtype, mask,
-# grouping and dropout at head sizes 128 and 192 and the length that is no multiple of 16
-KEPT_CASES = [c for c in MEASURED["cases"] if c["dropout"] or (c["head_size"] in (128, 192)
+# grouping and dropout at head size 192 and the length that is no multiple of 16
+KEPT_CASES = [c for c in MEASURED["cases"] if c["dropout"] or (c["head_size"] == 192
               and c["seq"] % 16)]  # fmt: skip
 
 
@@ -135,18 +135,11 @@ def test_a_configs_prediction_names_the_attention_kernel_it_planned():
 def test_a_checkpointed_blocks_recomputation_runs_the_same_kernel():
     """The recomputation runs inside the backward (where a TorchFunctionMode is not active): it
     must take the kernel the forward took, or torch's checkpoint refuses the step."""
-    for trainer in ("standard", "flash"):
-        config = ExperimentConfig(
-            trainer=trainer,
-            model="tiny-llama",
-            seq_len=32,
-            batch_size=2,
-            attention="sdpa",
-            dtype="float32",
-            activation_checkpointing=True,
-        )
-        predicted = fake_step.predict(config, worker.build_trainer)
-        assert set(predicted["attention_backends"]) == {"MATH"}, trainer
+    config = ExperimentConfig(trainer="flash", model="tiny-llama", seq_len=32, batch_size=2,
+                              attention="sdpa", dtype="float32",
+                              activation_checkpointing=True)  # fmt: skip
+    predicted = fake_step.predict(config, worker.build_trainer)
+    assert set(predicted["attention_backends"]) == {"MATH"}
 
 
 def test_a_plans_patches_are_undone_however_it_ends(monkeypatch):
@@ -215,10 +208,17 @@ def test_the_math_softmax_holds_its_kernels_intermediates():
     record = fake_step.StorageRecord()
     with FakeTensorMode(), record:
         scores = torch.randn(2, 4, 64, 64)
-        del scores  # only the op's own allocations below
-        scores = torch.randn(2, 4, 64, 64)
-        first = len(record.events)
+        first = len(record.events)  # the op's own allocations from here
         torch.ops.aten._safe_softmax(scores, -1)
     made = [e["size"] for e in record.events[first:] if e["action"] == "alloc"]
     full, mask = request_bytes(2 * 4 * 64 * 64 * 4), request_bytes(2 * 4 * 64 * 64)
     assert made.count(full) == 2 and mask in made  # the softmax and the result; the mask
+    # the record, entered again inside its own dispatch, still follows a storage resized in
+    # place (FSDP2's way with its unsharded parameters, no op dispatched)
+    with FakeTensorMode(), record:
+        scores = torch.randn(2, 4, 64, 64)
+        torch.ops.aten._safe_softmax(scores, -1)
+        storage = torch.empty(2).untyped_storage()
+        storage.resize_(0)
+        storage.resize_(1 << 20)
+    assert record.events[-1]["action"] == "alloc" and record.events[-1]["size"] == 1 << 20

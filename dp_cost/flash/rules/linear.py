@@ -51,18 +51,17 @@ def gram_squared_norms(A: Tensor, G: Tensor, tile: int, fused: bool | None = Non
 
 
 def _planned_gram(A: Tensor, G: Tensor, tile: int, total: Tensor, tiles: int) -> Tensor:
-    """``gram_squared_norms``'s loop on a planned step's fake tensors: the first pair, then one
-    more standing for the rest (``core.repeated``), as the loop holds them (a pair's products
-    until the next pair's are made): the loop's GEMMs and peak in two passes, not T²/2 tile²
-    (``core.repeated``)."""
-    pairs, s = tiles * (tiles + 1) // 2, tile if tiles > 1 else 0
-    for count in (1, pairs - 1) if pairs > 1 else (1,):
-        with torch.profiler.record_function(range_name(count)):
-            a_s, g_s = A[:, s : s + tile], G[:, s : s + tile]
-            a_t, g_t = A[:, :tile], G[:, :tile]
-            products = (a_s @ a_t.mT) * (g_s @ g_t.mT)
-            tile_sum = products.sum((1, 2), dtype=total.dtype)
-            total += 2 * tile_sum
+    """``gram_squared_norms``'s loop on a planned step's fake tensors: one diagonal pair standing
+    for the ``tiles`` diagonal ones, then one off-diagonal pair for the rest (``core.repeated``),
+    as the loop holds them (a pair's products until the next pair's are made). Whole tiles: the
+    loop's GEMMs and peak where ``tile`` divides T, an upper bound where it does not."""
+    a, g = A[:, :tile], G[:, :tile]
+    for count, factor in ((tiles, 1), (tiles * (tiles - 1) // 2, 2)):
+        if count:
+            with torch.profiler.record_function(range_name(count)):
+                products = (a @ a.mT) * (g @ g.mT)
+                tile_sum = products.sum((1, 2), dtype=total.dtype)
+                total += tile_sum if factor == 1 else factor * tile_sum
     return total
 
 
