@@ -29,7 +29,6 @@ import torch.nn.functional as F
 aten = torch.ops.aten
 
 LOW_PRECISION = (torch.float16, torch.bfloat16)
-BACKENDS = ("CUDNN_ATTENTION", "FLASH_ATTENTION", "EFFICIENT_ATTENTION", "MATH")  # torch's order
 
 
 def _cudnn_can(query, key, value, attn_mask, dropout_p) -> bool:
