@@ -231,9 +231,9 @@ def calibration_config(trainer: str, lora: bool, device: str = "cuda"):
 def planned_op_counts(planned: dict) -> tuple[dict[str, int], int]:
     """(ops of a planned step per phase, its syncs), as the time model charges them."""
     from dp_cost.capacity.op_list import SYNC
-    from dp_cost.capacity.step_time import as_foreach, chunk_groups
+    from dp_cost.capacity.step_time import chunk_groups
 
-    chunks, finish = chunk_groups(as_foreach(planned["ops"]), planned["marks"])
+    chunks, finish = chunk_groups(planned["ops"], planned["marks"])
     ops = {"forward": 0, "backward": 0, "finish": 0}
     syncs = 0
     for op, phase in (pair for group in [*chunks, finish] for pair in group):

@@ -17,7 +17,6 @@ last one recorded (each chunk ends with a sync: its loss read on the host).
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import os
 
@@ -108,7 +107,7 @@ def predicted_time(
 ) -> dict[str, float]:
     """ms of one logical batch of ``chunk_count`` chunks (``step_ms``; ``host_ms``, ``gpu_ms``:
     each side's busy time), from the recorded step's ops."""
-    chunks, finish = chunk_groups(as_foreach(ops), marks)
+    chunks, finish = chunk_groups(ops, marks)
     played = [play(group, rates, trainer, graphed, lora) for group in [*chunks, finish]]
     total = {key: sum(p[key] for p in played) for key in ("step", "host", "gpu")}
     extra = max(chunk_count - len(chunks), 0)
@@ -116,26 +115,6 @@ def predicted_time(
         for key in total:
             total[key] += extra * played[len(chunks) - 1][key]
     return {f"{key}_ms": value / 1e3 for key, value in total.items()}
-
-
-def as_foreach(ops: list[Op]) -> list[Op]:
-    """``ops`` with the optimizer's per-parameter ops as CUDA runs them. The planned step takes
-    torch.optim's foreach path (one dispatch for every parameter's op of a kind) where CUDA
-    would; where a loop over parameters is left (parameters of a type the foreach path does not
-    take), each kind is merged into one op moving all their bytes, where its first was.
-    Foreach ops are left as they are: each is a launch of its own."""
-    merged: dict[str, int] = {}
-    out: list[Op] = []
-    for op in ops:
-        if not op.optimizer or op.kind != MEMORY or op.name.startswith("aten._foreach_"):
-            out.append(op)
-        elif op.name in merged:
-            first = out[merged[op.name]]
-            out[merged[op.name]] = dataclasses.replace(first, bytes=first.bytes + op.bytes)
-        else:
-            merged[op.name] = len(out)
-            out.append(op)
-    return out
 
 
 def chunk_count(samples: int, physical: int) -> int:

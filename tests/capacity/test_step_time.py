@@ -93,17 +93,6 @@ def test_chunks_beyond_the_recorded_ones_cost_what_the_last_recorded_one_did(tmp
     assert five["step_ms"] * 1e3 == pytest.approx(12 + 22 + 12 + 3 * 22)
 
 
-def test_the_optimizers_per_parameter_ops_are_one_foreach_op_each_kind():
-    ops = [op(MEMORY, moved=10, name="aten.add_.Tensor", optimizer=True) for _ in range(5)]
-    ops += [op(MEMORY, moved=3, name="aten.mul_.Tensor", optimizer=True) for _ in range(2)]
-    ops += [op(MEMORY, moved=7, name="aten.add_.Tensor")]  # not the optimizer's: kept
-    merged = step_time.as_foreach(ops)
-    assert [(o.name, o.bytes, o.optimizer) for o in merged] == [
-        ("aten.add_.Tensor", 50, True), ("aten.mul_.Tensor", 6, True),
-        ("aten.add_.Tensor", 7, False),
-    ]  # fmt: skip
-
-
 def test_gemm_times_are_the_grids_on_it_and_grow_with_the_work_beyond_it(tmp_path):
     rates = rates_of(tmp_path, tflops=100.0, floor_us=2.0)
     large = SIDES[-1]
