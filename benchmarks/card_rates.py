@@ -7,15 +7,17 @@ the host's launches:
 - fused attention (F.scaled_dot_product_attention, causal), forward and backward, by sequence
   length and head size, as TFLOP/s by torch's FLOP counter's formulas;
 - an elementwise kernel's time by the bytes it moves;
-and, in eager steps on the tiny LM and the tiny Llama's LoRA (host-bound: their kernels are
-shorter than their launches), each trainer's host time per op of the planned step in each
-phase of a chunk, and what a host sync (.item()) costs.
+and, in eager steps on the tiny LM, the tiny Llama and the tiny Llama's LoRA, each at two depths
+(host-bound: their kernels are shorter than their launches), each trainer's host time in each
+phase of a chunk, per op of the planned step and besides, and what a host sync (.item()) costs.
 Usage: python benchmarks/card_rates.py [--out PATH] [--quick]
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import dataclasses
 import datetime
 import functools
 import json
@@ -216,16 +218,45 @@ def memory_op_rates() -> dict[str, float]:
     return rates
 
 
-def calibration_config(trainer: str, lora: bool, device: str = "cuda"):
-    """The host-bound config a trainer's host costs are measured on: the tiny LM at (2, 16),
-    or with ``lora`` the tiny Llama classifier's LoRA r8, bf16 SDPA, fixed batches."""
+# The host costs' calibration models: each kind's tiny model at two depths. The growth of the
+# host's time between them, over the growth of the planned ops, is what an op costs; the rest,
+# what a chunk's phase costs whatever the depth (too few blocks and it is folded into the ops'
+# cost: a 32-block model's per-op cost was taken 1.3-1.7 x too high from two blocks alone).
+HOST_DEPTHS = (2, 6)
+CALIBRATION_MODELS = {
+    "lm": {"model": "tiny"},
+    "hf": {"model": "tiny-llama"},
+    "lora": {"model": "tiny-llama", "use_lora": True, "lora_rank": 8},
+}
+
+
+def calibration_config(trainer: str, model_kind: str, device: str = "cuda"):
+    """The host-bound config a trainer's host costs are measured on: ``model_kind``'s
+    calibration model (CALIBRATION_MODELS) at (2, 16), bf16 SDPA, fixed batches."""
     from dp_cost.measure.config import ExperimentConfig
 
-    model = {"model": "tiny-llama", "use_lora": True, "lora_rank": 8} if lora else {"model": "tiny"}
     return ExperimentConfig(
         trainer=trainer, batch_size=2, seq_len=16, dtype="bfloat16", attention="sdpa",
-        device=device, poisson=False, dataset_size=64, **model,
+        device=device, poisson=False, dataset_size=64, **CALIBRATION_MODELS[model_kind],
     )  # fmt: skip
+
+
+@contextlib.contextmanager
+def depth(config, blocks: int):
+    """``config`` with its calibration model ``blocks`` deep (the tiny LM by its override; the
+    tiny Llama's architecture config patched while inside: it has no override)."""
+    from dp_cost.core.hf_architectures import HF_CONFIGS
+
+    if config.model not in HF_CONFIGS:
+        yield dataclasses.replace(config, model_overrides={"num_layers": blocks})
+        return
+    architecture = HF_CONFIGS[config.model]
+    before = architecture["num_hidden_layers"]
+    architecture["num_hidden_layers"] = blocks
+    try:
+        yield config
+    finally:
+        architecture["num_hidden_layers"] = before
 
 
 def planned_op_counts(planned: dict) -> tuple[dict[str, int], int]:
@@ -244,19 +275,17 @@ def planned_op_counts(planned: dict) -> tuple[dict[str, int], int]:
     return ops, syncs
 
 
-def host_costs(trainer: str, lora: bool, sync_cost_us: float) -> dict:
-    """The trainer's eager step on its calibration config (host-bound: its kernels are shorter
-    than their launches): the host's time in each phase of a chunk (its forward, its backward
-    call, the rest: clipping, noise, optimizer), the median of HOST_STEPS steps, over the ops
-    the planned step (the same config on fake tensors, ``capacity.fake_step``) dispatches in
-    that phase: what the time model charges for each op of a planned step of this trainer."""
+def host_phase_us(config, sync_cost_us: float) -> tuple[dict, dict]:
+    """(the host's µs in each phase of a chunk of ``config``'s eager step: its forward, its
+    backward call, the rest (clipping, noise, optimizer) less its syncs' waits, the median of
+    HOST_STEPS steps; the planned step's ops (the same config on fake tensors,
+    ``capacity.fake_step``) dispatched in each)."""
     from dp_cost.capacity import fake_step
     from dp_cost.capacity.step_time import FINISH
     from dp_cost.measure import worker
     from dp_cost.measure.workload import Workload
 
-    config = calibration_config(trainer, lora)
-    device = torch.device("cuda")
+    device = torch.device(config.device)
     workload = Workload(config, device, lambda name: None, {})
     runner = worker.build_trainer(
         config, workload.model, workload.loss_fn, lambda name: None, workload.materialize
@@ -264,7 +293,7 @@ def host_costs(trainer: str, lora: bool, sync_cost_us: float) -> dict:
     inputs, targets = workload.batch()
     for _ in range(3):
         runner.step(inputs, targets)
-    torch.cuda.synchronize()
+    torch.cuda.synchronize() if device.type == "cuda" else None
     planned = fake_step.predict(config, worker.build_trainer, record_ops=True)
     backward_end = planned["marks"][1]  # the phase mark after the backward call
     phase_us: dict[str, list[float]] = {"forward": [], "backward": [], "finish": []}
@@ -274,17 +303,55 @@ def host_costs(trainer: str, lora: bool, sync_cost_us: float) -> dict:
             start = time.perf_counter()
             runner.step(inputs, targets)
             end = time.perf_counter()
-        torch.cuda.synchronize()
+        torch.cuda.synchronize() if device.type == "cuda" else None
         phase_us["forward"].append((stamps["forward_done"] - start) * 1e6)
         phase_us["backward"].append((stamps[backward_end] - stamps["forward_done"]) * 1e6)
         phase_us["finish"].append((end - stamps[backward_end]) * 1e6)
     ops, syncs = planned_op_counts(planned)
     host = {phase: statistics.median(times) for phase, times in phase_us.items()}
     host[FINISH] -= syncs * sync_cost_us
+    return host, ops
+
+
+def fit_host(by_depth: dict[int, tuple[dict, dict]]) -> dict:
+    """Per phase, µs an op (``op_us``) and µs besides (``fixed_us``), from the host time and
+    planned ops at the shallowest and the deepest of ``by_depth`` (depth: (host, ops)): the
+    line through them. A phase whose ops do not grow with the depth is all fixed (the
+    deeper's time); noise that would make either part negative leaves the deeper's time per
+    op and nothing fixed."""
+    (shallow_host, shallow_ops), (deep_host, deep_ops) = (by_depth[min(by_depth)],
+                                                          by_depth[max(by_depth)])  # fmt: skip
+    op_us, fixed_us = {}, {}
+    for phase in deep_host:
+        grown = deep_ops[phase] - shallow_ops[phase]
+        if grown <= 0:
+            op_us[phase], fixed_us[phase] = 0.0, round(deep_host[phase], 1)
+            continue
+        slope = (deep_host[phase] - shallow_host[phase]) / grown
+        fixed = shallow_host[phase] - slope * shallow_ops[phase]
+        if slope < 0 or fixed < 0:
+            slope, fixed = deep_host[phase] / max(deep_ops[phase], 1), 0.0
+        op_us[phase], fixed_us[phase] = round(slope, 3), round(max(fixed, 0.0), 1)
+    return {"op_us": op_us, "fixed_us": fixed_us}
+
+
+def host_costs(trainer: str, model_kind: str, sync_cost_us: float, device: str = "cuda") -> dict:
+    """The trainer's host costs on ``model_kind``'s calibration model at HOST_DEPTHS (its
+    eager step is host-bound there: its kernels are shorter than their launches): the fit
+    (``fit_host``) and what it was fitted on, each depth's host µs and planned ops."""
+    by_depth = {}
+    for blocks in HOST_DEPTHS:
+        with depth(calibration_config(trainer, model_kind, device), blocks) as config:
+            by_depth[blocks] = host_phase_us(config, sync_cost_us)
     return {
-        "op_us": {phase: round(host[phase] / max(ops[phase], 1), 3) for phase in ops},
-        "host_us": {phase: round(value, 1) for phase, value in host.items()},
-        "planned_ops": ops,
+        **fit_host(by_depth),
+        "by_depth": {
+            str(blocks): {
+                "host_us": {phase: round(us, 1) for phase, us in host.items()},
+                "planned_ops": ops,
+            }
+            for blocks, (host, ops) in by_depth.items()
+        },
     }
 
 
@@ -293,7 +360,13 @@ def main() -> int:
     if not torch.cuda.is_available():
         print("error: this measures a CUDA card; none is available", file=sys.stderr)
         return 2
-    from dp_cost.capacity.card_rates import CARDS_DIR, SCHEMA, card_file_name, load_card
+    from dp_cost.capacity.card_rates import (
+        CARDS_DIR,
+        MODEL_KINDS,
+        SCHEMA,
+        card_file_name,
+        load_card,
+    )
     from dp_cost.measure.run import git_commit
 
     card = torch.cuda.get_device_name()
@@ -328,8 +401,8 @@ def main() -> int:
     table["memory_ops"] = memory_op_rates()
     sync_cost_us = round(sync_us(), 3)
     by_trainer = {
-        trainer + ("+lora" if lora else ""): host_costs(trainer, lora, sync_cost_us)
-        for lora in (False, True)
+        trainer + suffix: host_costs(trainer, kind, sync_cost_us)
+        for kind, suffix in MODEL_KINDS.items()
         for trainer in TRAINERS
     }
     table["host"] = {"sync_us": sync_cost_us, "by_trainer": by_trainer}

@@ -1,8 +1,10 @@
 """What a card does per op, measured once per card kind (``benchmarks/card_rates.py``) and
 shipped as ``capacity/cards/<card>.json``: GEMM times on a grid of shapes per dtype, fused
 attention rates by sequence length, an elementwise kernel's time by the bytes it moves, and the
-host's time per op of the planned step in each phase of an eager step, per trainer. The time
-model (``capacity.step_time``) reads ops' costs off it; a card without a table gets no time.
+host's time in each phase of an eager step, per trainer and kind of model: µs per op of the
+planned step, and µs a chunk's phase costs whatever the model's depth (fitted over calibration
+models of two depths). The time model (``capacity.step_time``) reads ops' costs off it; a card
+without a table gets no time.
 
 What is not measured but assumed, and why: between the grid's points a GEMM's time is
 interpolated in log space (a large GEMM's time is proportional to M·N·K, so the interpolation is
@@ -23,8 +25,11 @@ import os
 from collections.abc import Sequence
 
 CARDS_DIR = os.path.join(os.path.dirname(__file__), "cards")
-SCHEMA = 1
+SCHEMA = 2
 PHASES = ("forward", "backward", "finish")  # capacity.step_time's phases of a chunk
+# The host costs' rows by the kind of model a step trains: the calibration model of each (the
+# tiny LM; the tiny Llama, whole or with LoRA adapters) runs that kind's Python per layer
+MODEL_KINDS = {"lm": "", "hf": "+hf", "lora": "+lora"}
 THIN_OUTPUT = 256  # a GEMM's products of at most this many outputs each: dot products
 
 
@@ -116,8 +121,11 @@ class CardRates:
             self.measured = dict(table["measured"])
             self.host = {"sync_us": float(table["host"]["sync_us"])}
             self.host_by_trainer = {
-                trainer: {phase: float(costs["op_us"][phase]) for phase in PHASES}
-                for trainer, costs in table["host"]["by_trainer"].items()
+                row: {
+                    phase: (float(costs["op_us"][phase]), float(costs["fixed_us"][phase]))
+                    for phase in PHASES
+                }
+                for row, costs in table["host"]["by_trainer"].items()
             }
             self.host_by_trainer["standard"]  # every table has the standard trainer's
             self._op_rates = {name: float(rate) for name, rate in table["memory_ops"].items()}
@@ -146,13 +154,16 @@ class CardRates:
         ):
             raise CardRatesError(f"{path}: an attention row is empty or not positive")
 
-    def host_us(self, trainer: str, phase: str, lora: bool = False) -> float:
-        """The host's µs per op of the planned step dispatched in ``phase`` (one of PHASES) of
-        ``trainer``'s eager step (``lora``: of a LoRA fine-tune, whose ops are smaller and
-        more of them Python's): its own where measured, else the standard trainer's."""
-        costs = self.host_by_trainer
-        key = trainer + "+lora" if lora and trainer + "+lora" in costs else trainer
-        return costs.get(key, costs["standard"])[phase]
+    def host_us(self, trainer: str, phase: str, model_kind: str = "lm") -> tuple[float, float]:
+        """(µs per op of the planned step dispatched in ``phase`` (one of PHASES), µs the phase
+        costs once a chunk beside them) of ``trainer``'s eager step on a model of
+        ``model_kind`` (one of MODEL_KINDS): its own row where measured, else the trainer's on
+        the tiny LM, else the standard trainer's."""
+        costs, suffix = self.host_by_trainer, MODEL_KINDS[model_kind]
+        for row in (trainer + suffix, trainer, "standard" + suffix):
+            if row in costs:
+                return costs[row][phase]
+        return costs["standard"][phase]
 
     def gemm_us(self, dtype: str, batch: int, m: int, n: int, k: int) -> float:
         """Predicted µs of a GEMM of ``batch`` (M, N, K) products: over the grid (the batch

@@ -3,13 +3,20 @@ costed from the card's calibration (``capacity.card_rates``) and played through 
 eager step, a host that issues ops and a GPU that runs them in order.
 
 Each op costs the host its dispatch (the µs an op of the planned step cost in that phase of a
-chunk, forward, backward call or the rest, of the trainer's real eager step on the card: the
-card's table) and the GPU its kernel, if it has one: a GEMM by its shape, a fused attention by its
-FLOPs at its sequence length, anything else by the bytes it moves. The GPU starts a kernel when
-the host has issued it and the kernel before it has finished; a host sync (``.item()``) waits
-for the GPU. So a step whose kernels are short is bound by its host, one whose kernels are long
-by its GPU, and a step that is each in turn is both, as a trace shows them. Under CUDA graphs
-(``--cuda_graph``) the host issues nothing per op.
+chunk, forward, backward call or the rest, of the trainer's real eager step on the card, on a
+model of its kind: the card's table) and the GPU its kernel, if it has one: a GEMM by its
+shape, a fused attention by its FLOPs at its sequence length, anything else by the bytes it
+moves. The GPU starts a kernel when the host has issued it and the kernel before it has
+finished; a host sync (``.item()``) waits for the GPU. So a step whose kernels are short is
+bound by its host, one whose kernels are long by its GPU, and a step that is each in turn is
+both, as a trace shows them.
+
+Beside its ops, each chunk's forward and backward call, and the step's finish once, cost the
+host what the table's calibration models spent there whatever their depth (the trainer's and
+the model's Python around the layers: a chunk's masks, the loss, the optimizer's and the
+clipping's book-keeping); a chunk's own finish (Opacus' clipping between chunks, flash's
+clipping of all but the last chunk) is charged its ops only. Under CUDA graphs
+(``--cuda_graph``) the host issues nothing.
 
 The fake step runs at most three chunks; a logical batch of more runs its other chunks as the
 last one recorded (each chunk ends with a sync: its loss read on the host).
@@ -22,13 +29,14 @@ import os
 
 from dp_cost.capacity.card_rates import CardRates, CardRatesError, card_rates
 from dp_cost.capacity.op_list import ATTENTION, GEMM, MEMORY, SYNC, Op
+from dp_cost.core.hf_architectures import HF_CONFIGS
 
 CHUNK_END = "backward_done"  # the phase that ends a chunk's backward
 FORWARD, BACKWARD, FINISH = "forward", "backward", "finish"
 
 
 def op_costs(
-    op: Op, phase: str, rates: CardRates, trainer: str, graphed: bool, lora: bool = False
+    op: Op, phase: str, rates: CardRates, trainer: str, graphed: bool, model_kind: str = "lm"
 ) -> tuple[float, float]:
     """(host µs, GPU µs) of one op of ``trainer``'s step, dispatched in ``phase``."""
     if graphed:
@@ -36,7 +44,7 @@ def op_costs(
     elif op.kind == SYNC:
         host = rates.host["sync_us"]
     else:
-        host = rates.host_us(trainer, phase, lora)
+        host = rates.host_us(trainer, phase, model_kind)[0]
     if op.kind == GEMM:  # no kernel moves its bytes faster than a copy does
         return host, max(rates.gemm_us(op.dtype, *op.gemm), rates.memory_us(op.bytes))
     if op.kind == ATTENTION:  # by the op: a checkpointed block's recomputation is a forward
@@ -48,13 +56,24 @@ def op_costs(
 
 
 def play(
-    ops: list[tuple[Op, str]], rates: CardRates, trainer: str, graphed: bool, lora: bool = False
+    ops: list[tuple[Op, str]],
+    rates: CardRates,
+    trainer: str,
+    graphed: bool,
+    model_kind: str = "lm",
+    phases_once: tuple[str, ...] = (),
 ) -> dict[str, float]:
     """µs of ``ops`` (each with its phase) from an idle host and GPU until both are done:
-    ``step``, and the host's and the GPU's busy time (``host``, ``gpu``)."""
+    ``step``, and the host's and the GPU's busy time (``host``, ``gpu``). The host spends
+    each of ``phases_once``'s fixed µs (the table's) before the first op of that phase."""
     host = gpu = host_busy = gpu_busy = 0.0
+    unpaid = set() if graphed else set(phases_once)
     for op, phase in ops:
-        host_us, gpu_us = op_costs(op, phase, rates, trainer, graphed, lora)
+        if phase in unpaid:
+            unpaid.discard(phase)
+            fixed_us = rates.host_us(trainer, phase, model_kind)[1]
+            host, host_busy = host + fixed_us, host_busy + fixed_us
+        host_us, gpu_us = op_costs(op, phase, rates, trainer, graphed, model_kind)
         host_busy += host_us
         if op.kind == SYNC and not op.optimizer:  # the host waits for the GPU, then the value
             host = max(host, gpu) + host_us
@@ -103,12 +122,15 @@ def predicted_time(
     trainer: str,
     chunk_count: int,
     graphed: bool,
-    lora: bool = False,
+    model_kind: str = "lm",
 ) -> dict[str, float]:
     """ms of one logical batch of ``chunk_count`` chunks (``step_ms``; ``host_ms``, ``gpu_ms``:
     each side's busy time), from the recorded step's ops."""
     chunks, finish = chunk_groups(ops, marks)
-    played = [play(group, rates, trainer, graphed, lora) for group in [*chunks, finish]]
+    played = [
+        play(group, rates, trainer, graphed, model_kind, phases)
+        for group, phases in [*((c, (FORWARD, BACKWARD)) for c in chunks), (finish, (FINISH,))]
+    ]
     total = {key: sum(p[key] for p in played) for key in ("step", "host", "gpu")}
     extra = max(chunk_count - len(chunks), 0)
     if chunks and extra:
@@ -120,6 +142,13 @@ def predicted_time(
 def chunk_count(samples: int, physical: int) -> int:
     """How many chunks a rank's ``samples`` run as, at most ``physical`` each."""
     return max(math.ceil(samples / max(physical, 1)), 1)
+
+
+def model_kind(config) -> str:
+    """Which of the table's host rows describes ``config``'s model (card_rates.MODEL_KINDS)."""
+    if config.use_lora:
+        return "lora"
+    return "hf" if config.model in HF_CONFIGS else "lm"
 
 
 def planned_time(config, step: dict, physical: int, samples: int) -> dict:
@@ -139,7 +168,7 @@ def planned_time(config, step: dict, physical: int, samples: int) -> dict:
     graphed = bool(config.cuda_graph)
     times = predicted_time(
         step["ops"], step["marks"], rates, trainer=config.trainer, chunk_count=chunks,
-        graphed=graphed, lora=bool(config.use_lora),
+        graphed=graphed, model_kind=model_kind(config),
     )  # fmt: skip
     seconds = times["step_ms"] / 1e3
     time.update(times, physical_batch_size=physical, chunks=chunks, graphed=graphed)

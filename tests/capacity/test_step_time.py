@@ -124,7 +124,7 @@ def test_attention_and_memory_times(tmp_path):
     [
         ("[]", "not a JSON object"),
         ("{", "Expecting"),
-        (json.dumps({**card_table(), "schema": 2}), "schema 2"),
+        (json.dumps({**card_table(), "schema": 1}), "schema 1"),
         (json.dumps({k: v for k, v in card_table().items() if k != "host"}), "'host'"),
         (json.dumps({**card_table(), "gemm": {"bfloat16": [[16, 16, 16, 1], [16, 64, 16, 1]]}}),
          "the GEMM grid lacks"),
@@ -142,7 +142,9 @@ def test_the_shipped_h200_table_loads_with_every_trainers_host_costs():
     assert "NVIDIA H200" in card_rates.shipped_cards()
     rates = card_rates.card_rates("NVIDIA H200")
     trainers = ("standard", "dpsgd", "ghost", "flash")
-    assert set(rates.host_by_trainer) == {*trainers, *(t + "+lora" for t in trainers)}
+    assert set(rates.host_by_trainer) == {
+        t + kind for t in trainers for kind in ("", "+hf", "+lora")
+    }
     # an H200's bf16 GEMM of 4096³ runs at hundreds of TFLOP/s, fp32 at tens
     bf16 = 2 * 4096**3 / rates.gemm_us("bfloat16", 1, 4096, 4096, 4096) / 1e6
     fp32 = 2 * 4096**3 / rates.gemm_us("float32", 1, 4096, 4096, 4096) / 1e6
@@ -346,30 +348,111 @@ def test_a_card_is_found_by_any_spelling_and_a_time_is_compared_on_its_own_card(
     assert report_capacity.step_time_error(elsewhere, predicted) is None
 
 
-@pytest.mark.parametrize("lora", [False, True], ids=["lm", "lora"])
-def test_the_shipped_table_still_describes_the_planned_steps_it_was_measured_on(lora):
-    """The host costs are the calibration steps' host time over their planned ops: if the
-    trainers' planned op lists change, the table no longer describes them (measure it again,
-    python benchmarks/card_rates.py). The calibration configs' ops, counted today, against the
-    counts the table was made with (within 5%: a few ops differ between torch versions)."""
+def card_rates_script():
     import importlib.util
-
-    from dp_cost.capacity import fake_step
-    from dp_cost.measure import worker
 
     path = os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks", "card_rates.py")
     spec = importlib.util.spec_from_file_location("card_rates_script", path)
     script = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(script)
+    return script
+
+
+@pytest.mark.parametrize("model_kind", ["lm", "hf", "lora"])
+def test_the_shipped_table_still_describes_the_planned_steps_it_was_measured_on(model_kind):
+    """The host costs are fitted to the calibration steps' host time over their planned ops: if
+    the trainers' planned op lists change, the table no longer describes them (measure it
+    again, python benchmarks/card_rates.py). The calibration configs' ops at the shallower
+    depth, counted today, against the counts the table was made with (within 5%: a few ops
+    differ between torch versions)."""
+    from dp_cost.capacity import fake_step
+    from dp_cost.measure import worker
+
+    script = card_rates_script()
     table = card_rates.card_rates("NVIDIA H200").path
     by_trainer = json.loads(open(table).read())["host"]["by_trainer"]
+    blocks = script.HOST_DEPTHS[0]
     for trainer in ("standard", "dpsgd", "ghost", "flash"):
-        config = script.calibration_config(trainer, lora, device="cpu")
-        planned = fake_step.predict(config, worker.build_trainer, record_ops=True)
+        config = script.calibration_config(trainer, model_kind, device="cpu")
+        with script.depth(config, blocks) as config:
+            planned = fake_step.predict(config, worker.build_trainer, record_ops=True)
         counted, _ = script.planned_op_counts(planned)
-        measured_on = by_trainer[trainer + ("+lora" if lora else "")]["planned_ops"]
-        for phase, count in measured_on.items():
+        row = by_trainer[trainer + card_rates.MODEL_KINDS[model_kind]]
+        for phase, count in row["by_depth"][str(blocks)]["planned_ops"].items():
             assert counted[phase] == pytest.approx(count, rel=0.05, abs=2), (trainer, phase)
+
+
+def test_the_calibration_fit_takes_the_hosts_growth_per_op_and_the_rest_as_fixed():
+    """Host µs = fixed + µs an op × ops, measured at two depths: the line through them. A
+    phase whose ops do not grow is all fixed; noise that would make a part negative leaves the
+    deeper step's µs an op."""
+    fit = card_rates_script().fit_host
+    host = {2: ({"forward": 500 + 4 * 100, "finish": 300.0, "backward": 90.0},
+                {"forward": 100, "finish": 3, "backward": 10}),
+            6: ({"forward": 500 + 4 * 300, "finish": 320.0, "backward": 100.0},
+                {"forward": 300, "finish": 3, "backward": 50})}  # fmt: skip
+    fitted = fit(host)
+    assert fitted["op_us"]["forward"] == pytest.approx(4) and fitted["fixed_us"]["forward"] == 500
+    assert fitted["op_us"]["finish"] == 0 and fitted["fixed_us"]["finish"] == 320
+    assert fitted["op_us"]["backward"] == pytest.approx(0.25)
+    assert fitted["fixed_us"]["backward"] == pytest.approx(87.5)
+    noisy = fit(
+        {2: ({"forward": 900.0}, {"forward": 100}), 6: ({"forward": 800.0}, {"forward": 200})}
+    )
+    assert noisy == {"op_us": {"forward": 4.0}, "fixed_us": {"forward": 0.0}}
+
+
+def test_each_chunks_forward_and_backward_and_the_finish_cost_their_fixed_host_time_once(
+    tmp_path,
+):
+    """Two recorded chunks of a forward op and a backward op each, a finish of two ops, in a
+    batch of three chunks; host-bound (10 µs an op, 2 µs kernels, syncs free) with 100, 50 and
+    30 µs fixed: each chunk pays 100 + 50 beside its ops, the step its finish's 30 once; a
+    chunk's own finish (Opacus' clipping between chunks, before the sync reading the previous
+    chunk's loss) pays its ops only. Graphed, none."""
+    fixed = {"forward": 100.0, "backward": 50.0, "finish": 30.0}
+    rates = rates_of(tmp_path, forward_us=10.0, backward_us=10.0, finish_us=10.0, floor_us=2.0,
+                     sync_us=0.0, fixed_us=fixed)  # fmt: skip
+    marks = ["forward_done", "backward_done"] * 2 + ["step_done"]
+    ops = [op(MEMORY, 0, moved=8), op(MEMORY, 1, moved=8)]
+    ops += [op(MEMORY, 2, moved=8, name="clip"), op(SYNC, 2), op(MEMORY, 2, moved=8)]
+    ops += [op(MEMORY, 3, moved=8), op(MEMORY, 4, moved=8), op(MEMORY, 4, moved=8)]
+    timed = step_time.predicted_time(ops, marks, rates, trainer="standard", chunk_count=3,
+                                     graphed=False)  # fmt: skip
+    chunk_one = 100 + 10 + 50 + 10 + 2
+    chunk_two = 10 + 2 + 100 + 10 + 50 + 10 + 2  # the clip op, its kernel waited for, then as one
+    finish = 30 + 10 + 10 + 2
+    assert timed["step_ms"] * 1e3 == pytest.approx(chunk_one + 2 * chunk_two + finish)
+    graphed = step_time.predicted_time(ops, marks, rates, trainer="standard", chunk_count=3,
+                                       graphed=True)  # fmt: skip
+    assert graphed["host_ms"] == 0
+
+
+def test_a_configs_host_costs_are_its_model_kinds_row(tmp_path):
+    """LoRA fine-tunes read the +lora row, other Hugging Face models the +hf row, the LM its
+    trainer's own; a row not measured falls back to the trainer's, then the standard one's."""
+    table = card_table()
+    rows = table["host"]["by_trainer"]
+    for name, scale in (("flash", 2), ("flash+hf", 3), ("standard+lora", 5)):
+        rows[name] = {part: {phase: scale * us for phase, us in rows["standard"][part].items()}
+                      for part in ("op_us", "fixed_us")}  # fmt: skip
+    path = tmp_path / "card.json"
+    path.write_text(json.dumps(table))
+    rates = card_rates.load_card(str(path))
+    kinds = {
+        step_time.model_kind(ExperimentConfig(trainer="flash", batch_size=2, seq_len=8, **m))
+        for m in ({"model": "meta-llama/Llama-3.2-1B"},)
+    }
+    assert kinds == {"hf"}
+    lora = ExperimentConfig(trainer="flash", batch_size=2, seq_len=8, model="tiny-llama",
+                            use_lora=True)  # fmt: skip
+    assert step_time.model_kind(lora) == "lora"
+    assert step_time.model_kind(ExperimentConfig(trainer="flash", batch_size=2, seq_len=8)) == "lm"
+    assert rates.host_us("flash", "forward", "lm")[0] == 20.0
+    assert rates.host_us("flash", "forward", "hf")[0] == 30.0
+    assert rates.host_us("flash", "forward", "lora")[0] == 20.0  # flash's own, before standard's
+    assert rates.host_us("ghost", "forward", "lora")[0] == 50.0  # standard's LoRA row
+    assert rates.host_us("ghost", "forward", "hf")[0] == 10.0
 
 
 def test_an_uncapped_poisson_batch_is_timed_at_its_expected_size():
