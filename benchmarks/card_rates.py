@@ -218,11 +218,12 @@ def memory_op_rates() -> dict[str, float]:
     return rates
 
 
-# The host costs' calibration models: each kind's tiny model at two depths. The growth of the
-# host's time between them, over the growth of the planned ops, is what an op costs; the rest,
-# what a chunk's phase costs whatever the depth (too few blocks and it is folded into the ops'
-# cost: a 32-block model's per-op cost was taken 1.3-1.7 x too high from two blocks alone).
-HOST_DEPTHS = (2, 6)
+# The host costs' calibration models: each kind's tiny model at several depths. The host's time
+# against the planned ops, fitted by a line, gives what an op costs (its slope) and what a
+# chunk's phase costs whatever the depth (its intercept). One depth cannot tell them apart: from
+# two blocks alone a 32-block LoRA model's per-op cost came out 1.3-1.7 x too high; two depths
+# four blocks apart gave slopes the timing noise moved by tens of percent.
+HOST_DEPTHS = (2, 4, 8, 16)
 CALIBRATION_MODELS = {
     "lm": {"model": "tiny"},
     "hf": {"model": "tiny-llama"},
@@ -314,24 +315,28 @@ def host_phase_us(config, sync_cost_us: float) -> tuple[dict, dict]:
 
 
 def fit_host(by_depth: dict[int, tuple[dict, dict]]) -> dict:
-    """Per phase, µs an op (``op_us``) and µs besides (``fixed_us``), from the host time and
-    planned ops at the shallowest and the deepest of ``by_depth`` (depth: (host, ops)): the
-    line through them. A phase whose ops do not grow with the depth is all fixed (the
-    deeper's time); noise that would make either part negative leaves the deeper's time per
-    op and nothing fixed."""
-    (shallow_host, shallow_ops), (deep_host, deep_ops) = (by_depth[min(by_depth)],
-                                                          by_depth[max(by_depth)])  # fmt: skip
+    """Per phase, µs an op (``op_us``) and µs besides (``fixed_us``): the least-squares line of
+    the host time against the planned ops over ``by_depth`` (depth: (host µs, ops) by phase),
+    neither part negative (where the free line's would be, the line through the origin, or
+    for ops that do not grow, a constant: their mean time)."""
+    points = list(by_depth.values())
     op_us, fixed_us = {}, {}
-    for phase in deep_host:
-        grown = deep_ops[phase] - shallow_ops[phase]
-        if grown <= 0:
-            op_us[phase], fixed_us[phase] = 0.0, round(deep_host[phase], 1)
-            continue
-        slope = (deep_host[phase] - shallow_host[phase]) / grown
-        fixed = shallow_host[phase] - slope * shallow_ops[phase]
-        if slope < 0 or fixed < 0:
-            slope, fixed = deep_host[phase] / max(deep_ops[phase], 1), 0.0
-        op_us[phase], fixed_us[phase] = round(slope, 3), round(max(fixed, 0.0), 1)
+    for phase in points[0][0]:
+        ops = [float(counts[phase]) for _, counts in points]
+        host = [float(times[phase]) for times, _ in points]
+        mean_ops, mean_host = statistics.fmean(ops), statistics.fmean(host)
+        spread = sum((o - mean_ops) ** 2 for o in ops)
+        slope = (
+            sum((o - mean_ops) * (h - mean_host) for o, h in zip(ops, host)) / spread
+            if spread
+            else 0.0
+        )
+        fixed = mean_host - slope * mean_ops
+        if slope <= 0:
+            slope, fixed = 0.0, mean_host
+        elif fixed < 0:
+            slope, fixed = sum(o * h for o, h in zip(ops, host)) / sum(o * o for o in ops), 0.0
+        op_us[phase], fixed_us[phase] = round(slope, 3), round(fixed, 1)
     return {"op_us": op_us, "fixed_us": fixed_us}
 
 

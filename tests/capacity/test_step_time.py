@@ -383,23 +383,28 @@ def test_the_shipped_table_still_describes_the_planned_steps_it_was_measured_on(
 
 
 def test_the_calibration_fit_takes_the_hosts_growth_per_op_and_the_rest_as_fixed():
-    """Host µs = fixed + µs an op × ops, measured at two depths: the line through them. A
-    phase whose ops do not grow is all fixed; noise that would make a part negative leaves the
-    deeper step's µs an op."""
+    """Host µs = fixed + µs an op × ops, measured at several depths: the least-squares line
+    (exact where the points lie on one). Ops that do not grow: their mean time, fixed. A line
+    whose intercept would be negative: the line through the origin."""
     fit = card_rates_script().fit_host
-    host = {2: ({"forward": 500 + 4 * 100, "finish": 300.0, "backward": 90.0},
-                {"forward": 100, "finish": 3, "backward": 10}),
-            6: ({"forward": 500 + 4 * 300, "finish": 320.0, "backward": 100.0},
-                {"forward": 300, "finish": 3, "backward": 50})}  # fmt: skip
-    fitted = fit(host)
+    points = {
+        depth: ({"forward": 500 + 4 * ops, "finish": finish, "backward": 40 + 2 * ops + noise},
+                {"forward": ops, "finish": 3, "backward": ops})
+        for depth, ops, finish, noise in ((2, 100, 300.0, 0), (4, 200, 320.0, 10),
+                                          (8, 400, 340.0, -15), (16, 800, 320.0, 5))
+    }  # fmt: skip
+    fitted = fit(points)
     assert fitted["op_us"]["forward"] == pytest.approx(4) and fitted["fixed_us"]["forward"] == 500
     assert fitted["op_us"]["finish"] == 0 and fitted["fixed_us"]["finish"] == 320
-    assert fitted["op_us"]["backward"] == pytest.approx(0.25)
-    assert fitted["fixed_us"]["backward"] == pytest.approx(87.5)
-    noisy = fit(
-        {2: ({"forward": 900.0}, {"forward": 100}), 6: ({"forward": 800.0}, {"forward": 200})}
-    )
-    assert noisy == {"op_us": {"forward": 4.0}, "fixed_us": {"forward": 0.0}}
+    # noise orthogonal to a constant and to the ops (it sums to 0, and to 0 weighted by them):
+    # least squares finds the line beneath it
+    assert fitted["op_us"]["backward"] == pytest.approx(2) and fitted["fixed_us"]["backward"] == 40
+    steep = {2: ({"forward": 100.0}, {"forward": 100}), 6: ({"forward": 700.0}, {"forward": 300})}
+    through_origin = (100 * 100 + 300 * 700) / (100**2 + 300**2)
+    assert fit(steep) == {
+        "op_us": {"forward": round(through_origin, 3)},
+        "fixed_us": {"forward": 0.0},
+    }
 
 
 def test_each_chunks_forward_and_backward_and_the_finish_cost_their_fixed_host_time_once(
