@@ -54,7 +54,7 @@ ATTENTION_HEADS = (64, 128)
 ATTENTION_TOKENS = 65536  # batch x length x heads/16 kept about constant: every length a big launch
 MEMORY_ELEMENTS = [2**e for e in range(8, 29, 2)]
 TRAINERS = ("standard", "dpsgd", "ghost", "flash")
-HOST_STEPS = 20
+HOST_STEPS = 15
 
 
 def graphed_us(function, *args, replays: int = 3, **kwargs) -> float:
@@ -223,7 +223,7 @@ def memory_op_rates() -> dict[str, float]:
 # chunk's phase costs whatever the depth (its intercept). One depth cannot tell them apart: from
 # two blocks alone a 32-block LoRA model's per-op cost came out 1.3-1.7 x too high; two depths
 # four blocks apart gave slopes the timing noise moved by tens of percent.
-HOST_DEPTHS = (2, 4, 8, 16)
+HOST_DEPTHS = (2, 6, 12)
 CALIBRATION_MODELS = {
     "lm": {"model": "tiny"},
     "hf": {"model": "tiny-llama"},
@@ -405,11 +405,12 @@ def main() -> int:
     }
     table["memory_ops"] = memory_op_rates()
     sync_cost_us = round(sync_us(), 3)
-    by_trainer = {
-        trainer + suffix: host_costs(trainer, kind, sync_cost_us)
-        for kind, suffix in MODEL_KINDS.items()
-        for trainer in TRAINERS
-    }
+    by_trainer = {}
+    for kind, suffix in MODEL_KINDS.items():
+        for trainer in TRAINERS:
+            by_trainer[trainer + suffix] = host_costs(trainer, kind, sync_cost_us)
+            seconds = time.perf_counter() - started
+            print(f"host costs of {trainer + suffix}: done at {seconds:.0f} s", file=sys.stderr)
     table["host"] = {"sync_us": sync_cost_us, "by_trainer": by_trainer}
     table["measured"]["seconds"] = round(time.perf_counter() - started, 1)
     path = args.out or os.path.join(CARDS_DIR, card_file_name(card))
