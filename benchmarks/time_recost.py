@@ -1,0 +1,122 @@
+"""The step-time model against steps already measured: every config of the given
+``--mode=capacity --validate`` runs planned again on this CPU (the fake step's op list, as the
+toolkit records it now) and costed with each card table given, beside the step the run
+measured (its ``median_time_ms``). A change to the time model or a table measured again is
+checked this way against every measured step kept, on every machine they came from, without a
+GPU.
+
+usage: python benchmarks/time_recost.py RUN_DIR [RUN_DIR ...] [--tables TABLE ...] [--out F]
+  RUN_DIR: a run's folder (its configs' result.json one level down), or a folder of runs
+  TABLE: card tables (default: the shipped one of the runs' card)
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import glob
+import json
+import os
+import statistics
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+BANDS = (0.15, 0.25)  # the time goal's ±15% (one GPU), and ±25%
+
+
+def parse(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("runs", nargs="+", help="--validate run folders (or folders of them)")
+    parser.add_argument("--tables", nargs="+", default=[], help="card tables to cost with")
+    parser.add_argument("--out", help="write every row as JSON here too")
+    return parser.parse_args(argv)
+
+
+def measured_configs(folders: list[str]) -> list[dict]:
+    """Each ok config with a measured step and a time prediction: its result.json's path, its
+    config, the measured median and steps, and the chunks its prediction ran as."""
+    paths = set()
+    for folder in folders:
+        paths.update(glob.glob(os.path.join(folder, "*", "result.json")))
+        paths.update(glob.glob(os.path.join(folder, "*", "*", "result.json")))
+    rows = []
+    for path in sorted(paths):
+        try:
+            with open(path) as f:
+                result = json.load(f)
+            time = result["prediction"]["time"]
+            if result["status"] != "ok" or not result["median_time_ms"] or not time["step_ms"]:
+                continue
+            rows.append({
+                "result": path, "config": result["config"], "device": result["env"]["device"],
+                "measured_ms": result["median_time_ms"], "steps_ms": result["step_times_ms"],
+                "chunks": time["chunks"], "predicted_then_ms": time["step_ms"],
+            })  # fmt: skip
+        except (OSError, ValueError, KeyError, TypeError) as error:
+            print(f"warning: {path}: not a measured time prediction ({error})", file=sys.stderr)
+    return rows
+
+
+def planned_step(fields: dict):
+    """The config planned on this CPU's fake step, its ops recorded."""
+    from dp_cost.capacity import fake_step
+    from dp_cost.measure import worker
+    from dp_cost.measure.config import ExperimentConfig
+
+    names = {f.name for f in dataclasses.fields(ExperimentConfig)}
+    config = ExperimentConfig(**{k: v for k, v in fields.items() if k in names})
+    config = dataclasses.replace(config, device="cpu")  # planned here, as --mode=capacity does
+    return config, fake_step.predict(config, worker.build_trainer, record_ops=True)
+
+
+def main() -> int:
+    args = parse()
+    sys.path.insert(0, ROOT)
+    from dp_cost.capacity import card_rates, step_time
+
+    rows = measured_configs(args.runs)
+    if not rows:
+        print("error: no measured time predictions under the folders given", file=sys.stderr)
+        return 2
+    try:
+        tables = {path: card_rates.load_card(path) for path in args.tables} or {
+            "shipped": card_rates.card_rates(rows[0]["device"])
+        }
+    except card_rates.CardRatesError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    errors = {name: [] for name in tables}
+    for row in rows:
+        config, planned = planned_step(row["config"])
+        row["predicted_ms"] = {}
+        for name, rates in tables.items():
+            times = step_time.predicted_time(
+                planned["ops"], planned["marks"], rates, trainer=config.trainer,
+                chunk_count=row["chunks"], graphed=bool(config.cuda_graph),
+                model_kind=step_time.model_kind(config),
+            )  # fmt: skip
+            row["predicted_ms"][name] = {k: round(v, 1) for k, v in times.items()}
+            errors[name].append(times["step_ms"] / row["measured_ms"] - 1)
+        cost = " ".join(
+            f"{v['step_ms']:.1f} ({v['step_ms'] / row['measured_ms'] - 1:+.1%})"
+            for v in row["predicted_ms"].values()
+        )
+        print(
+            f"{row['result']}: measured {row['measured_ms']:.1f} ms; predicted {cost} (the run's "
+            f"own prediction: {row['predicted_then_ms']:.1f})",
+            flush=True,
+        )
+    for name, found in errors.items():
+        within = ", ".join(
+            f"{sum(abs(e) <= band for e in found)}/{len(found)} within ±{band:.0%}"
+            for band in BANDS
+        )
+        print(f"{name}: {within}; median error {statistics.median(found):+.1%}")
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(rows, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
