@@ -320,32 +320,6 @@ def host_phase_us(config, sync_cost_us: float) -> tuple[dict, dict]:
     return host, ops
 
 
-def fit_host(by_depth: dict[int, tuple[dict, dict]]) -> dict:
-    """Per phase, µs an op (``op_us``) and µs besides (``fixed_us``): the least-squares line of
-    the host time against the planned ops over ``by_depth`` (depth: (host µs, ops) by phase),
-    neither part negative (where the free line's would be, the line through the origin, or
-    for ops that do not grow, a constant: their mean time)."""
-    points = list(by_depth.values())
-    op_us, fixed_us = {}, {}
-    for phase in points[0][0]:
-        ops = [float(counts[phase]) for _, counts in points]
-        host = [float(times[phase]) for times, _ in points]
-        mean_ops, mean_host = statistics.fmean(ops), statistics.fmean(host)
-        spread = sum((o - mean_ops) ** 2 for o in ops)
-        slope = (
-            sum((o - mean_ops) * (h - mean_host) for o, h in zip(ops, host)) / spread
-            if spread
-            else 0.0
-        )
-        fixed = mean_host - slope * mean_ops
-        if slope <= 0:
-            slope, fixed = 0.0, mean_host
-        elif fixed < 0:
-            slope, fixed = sum(o * h for o, h in zip(ops, host)) / sum(o * o for o in ops), 0.0
-        op_us[phase], fixed_us[phase] = round(slope, 3), round(fixed, 1)
-    return {"op_us": op_us, "fixed_us": fixed_us}
-
-
 def host_costs(trainer: str, model_kind: str, sync_cost_us: float, device: str = "cuda") -> dict:
     """The trainer's host costs on ``model_kind``'s calibration model at HOST_DEPTHS (its
     eager step is host-bound there: its kernels are shorter than their launches): the fit
@@ -354,6 +328,8 @@ def host_costs(trainer: str, model_kind: str, sync_cost_us: float, device: str =
     for blocks in HOST_DEPTHS:
         with depth(calibration_config(trainer, model_kind, device), blocks) as config:
             by_depth[blocks] = host_phase_us(config, sync_cost_us)
+    from dp_cost.capacity.card_rates import fit_host
+
     return {
         **fit_host(by_depth),
         "by_depth": {
@@ -368,7 +344,7 @@ def host_costs(trainer: str, model_kind: str, sync_cost_us: float, device: str =
 
 def refit(path: str, out: str | None) -> int:
     """``--refit``: ``path``'s host rows fitted again (``fit_host``) from their ``by_depth``."""
-    from dp_cost.capacity.card_rates import CardRatesError, load_card
+    from dp_cost.capacity.card_rates import CardRatesError, fit_host, load_card
     from dp_cost.measure.run import git_commit
 
     try:

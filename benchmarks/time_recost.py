@@ -95,7 +95,7 @@ def main() -> int:
                 chunk_count=row["chunks"], graphed=bool(config.cuda_graph),
                 model_kind=step_time.model_kind(config),
             )  # fmt: skip
-            row["predicted_ms"][name] = {k: round(v, 1) for k, v in times.items()}
+            row["predicted_ms"][name] = {k: round(v, 3) for k, v in times.items()}
             errors[name].append(times["step_ms"] / row["measured_ms"] - 1)
         cost = " ".join(
             f"{v['step_ms']:.1f} ({v['step_ms'] / row['measured_ms'] - 1:+.1%})"

@@ -22,6 +22,7 @@ import itertools
 import json
 import math
 import os
+import statistics
 from collections.abc import Sequence
 
 CARDS_DIR = os.path.join(os.path.dirname(__file__), "cards")
@@ -31,6 +32,33 @@ PHASES = ("forward", "backward", "finish")  # capacity.step_time's phases of a c
 # tiny LM; the tiny Llama, whole or with LoRA adapters) runs that kind's Python per layer
 MODEL_KINDS = {"lm": "", "hf": "+hf", "lora": "+lora"}
 THIN_OUTPUT = 256  # a GEMM's products of at most this many outputs each: dot products
+
+
+def fit_host(by_depth: dict[int, tuple[dict, dict]]) -> dict:
+    """A table's host costs from its calibration steps (``benchmarks/card_rates.py``). Per
+    phase, µs an op (``op_us``) and µs besides (``fixed_us``): the least-squares line of
+    the host time against the planned ops over ``by_depth`` (depth: (host µs, ops) by phase),
+    neither part negative (where the free line's would be, the line through the origin, or
+    for ops that do not grow, a constant: their mean time)."""
+    points = list(by_depth.values())
+    op_us, fixed_us = {}, {}
+    for phase in points[0][0]:
+        ops = [float(counts[phase]) for _, counts in points]
+        host = [float(times[phase]) for times, _ in points]
+        mean_ops, mean_host = statistics.fmean(ops), statistics.fmean(host)
+        spread = sum((o - mean_ops) ** 2 for o in ops)
+        slope = (
+            sum((o - mean_ops) * (h - mean_host) for o, h in zip(ops, host)) / spread
+            if spread
+            else 0.0
+        )
+        fixed = mean_host - slope * mean_ops
+        if slope <= 0:
+            slope, fixed = 0.0, mean_host
+        elif fixed < 0:
+            slope, fixed = sum(o * h for o, h in zip(ops, host)) / sum(o * o for o in ops), 0.0
+        op_us[phase], fixed_us[phase] = round(slope, 3), round(fixed, 1)
+    return {"op_us": op_us, "fixed_us": fixed_us}
 
 
 class CardRatesError(ValueError):

@@ -32,6 +32,14 @@ from dp_cost.capacity.op_list import ATTENTION, GEMM, MEMORY, SYNC, Op
 from dp_cost.core.hf_architectures import HF_CONFIGS
 
 CHUNK_END = "backward_done"  # the phase that ends a chunk's backward
+# A step whose host is busier than its GPU moves with the host's speed, and hosts of one card
+# kind differ: the calibration steps of three H200 machines ran up to 1.6 x apart per op, and
+# steps measured on four machines came out -37% to +40% against the shipped table where the
+# host bound them, within 1% where long kernels did
+HOST_BOUND_NOTE = (
+    "host-bound: the host's speed moves this step's time by about +-30% between machines of "
+    "one card kind (the calibration's host costs are one machine's)"
+)
 FORWARD, BACKWARD, FINISH = "forward", "backward", "finish"
 
 
@@ -172,6 +180,8 @@ def planned_time(config, step: dict, physical: int, samples: int) -> dict:
     )  # fmt: skip
     seconds = times["step_ms"] / 1e3
     time.update(times, physical_batch_size=physical, chunks=chunks, graphed=graphed)
+    time["bound_by"] = "host" if times["host_ms"] > times["gpu_ms"] else "gpu"
+    time["bound_note"] = HOST_BOUND_NOTE if time["bound_by"] == "host" else None
     time["samples_per_s"] = config.batch_size / seconds
     time["tokens_per_s"] = config.batch_size * config.seq_len / seconds
     if config.epochs:

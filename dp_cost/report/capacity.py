@@ -120,7 +120,7 @@ def table_cells(entries: list[dict]) -> tuple[list[str], list[list[str]]]:
         ["measured MB", "error %", "measured reserved MB", "error %", "status"] if validated else []
     )
     cards = sorted({e["predicted_time"]["card"] for e in entries if e.get("predicted_time")})
-    header += [f"predicted ms ({', '.join(cards) or 'no card'})", "samples/s"]
+    header += [f"predicted ms ({', '.join(cards) or 'no card'})", "bound by", "samples/s"]
     header += ["measured ms", "error %"] if validated else []
     fine_tune = next((e["predicted_time"]["fine_tune"] for e in entries
                       if (e.get("predicted_time") or {}).get("fine_tune")), None)  # fmt: skip
@@ -152,7 +152,8 @@ def table_cells(entries: list[dict]) -> tuple[list[str], list[list[str]]]:
             cells += [cell(None if reserved_error is None else 100 * reserved_error, digits=1)]
             cells += [e["status"]]
         time = e.get("predicted_time") or {}
-        cells += [cell(time.get("step_ms"), digits=1), cell(time.get("samples_per_s"), digits=1)]
+        cells += [cell(time.get("step_ms"), digits=1), cell(time.get("bound_by"))]
+        cells += [cell(time.get("samples_per_s"), digits=1)]
         if validated:
             time_error = e.get("step_time_error")
             cells += [cell(e.get("measured_step_ms"), digits=1)]
@@ -181,7 +182,9 @@ NOTES = (
     "sample fits; 1024+: the search's cap fits (larger ones were not judged). Predicted ms: "
     "one logical batch's eager step (or graphed, with --cuda_graph) on the card named, from the "
     "fake step's ops and the card's measured rates (one GPU; - where not predicted, the reason "
-    "in capacity.json).\n"
+    "in capacity.json). Bound by host: the host issues the ops more slowly than the GPU runs "
+    "them, and the time moves with the host's speed, about +-30% between machines of one card "
+    "kind; bound by gpu: within about 10% where measured.\n"
 )
 
 

@@ -18,6 +18,7 @@ from tests.capacity.card_table import SIDES, THIN_RATE, card_table
 
 
 def rates_of(tmp_path, **settings) -> card_rates.CardRates:
+    tmp_path.mkdir(parents=True, exist_ok=True)
     path = tmp_path / "card.json"
     path.write_text(json.dumps(card_table(**settings)))
     return card_rates.load_card(str(path))
@@ -386,7 +387,7 @@ def test_the_calibration_fit_takes_the_hosts_growth_per_op_and_the_rest_as_fixed
     """Host µs = fixed + µs an op × ops, measured at several depths: the least-squares line
     (exact where the points lie on one). Ops that do not grow: their mean time, fixed. A line
     whose intercept would be negative: the line through the origin."""
-    fit = card_rates_script().fit_host
+    fit = card_rates.fit_host
     points = {
         depth: ({"forward": 500 + 4 * ops, "finish": finish, "backward": 40 + 2 * ops + noise},
                 {"forward": ops, "finish": 3, "backward": ops})
@@ -485,3 +486,21 @@ def test_a_physical_batch_is_reported_as_the_chunk_it_runs_as():
         steps.steps[physical, 16] = {"peak": peak * 2**20, "requests": [], "step_requests": []}
     listed = steps.by_physical_batch()
     assert [(p["physical_batch_size"], p["peak_memory_mb"]) for p in listed] == [(2, 200), (4, 400)]
+
+
+def test_a_step_says_whether_its_host_or_its_gpu_bounds_it(tmp_path, monkeypatch):
+    """A planned step's time names the side that is busier: with host costs of 0 µs the GPU,
+    with 1 ms an op the host, and then a note that the time moves with the host's speed."""
+    from dp_cost.capacity import fake_step
+    from dp_cost.measure import worker
+
+    config = ExperimentConfig(trainer="standard", batch_size=2, seq_len=16)
+    step = fake_step.predict(config, worker.build_trainer, record_ops=True)
+    for host_us, bound in ((0.0, "gpu"), (1000.0, "host")):
+        rates = rates_of(tmp_path / bound, forward_us=host_us, backward_us=host_us,
+                         finish_us=host_us, sync_us=0.0)  # fmt: skip
+        monkeypatch.setattr(step_time, "card_rates", lambda card, rates=rates: rates)
+        time = step_time.planned_time(config, step, physical=2, samples=2)
+        assert time["bound_by"] == bound
+        assert (time["bound_note"] is not None) == (bound == "host")
+        assert (time["host_ms"] > time["gpu_ms"]) == (bound == "host")
