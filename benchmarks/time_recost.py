@@ -69,8 +69,8 @@ def planned_step(fields: dict):
     return config, fake_step.predict(config, worker.build_trainer, record_ops=True)
 
 
-def main() -> int:
-    args = parse()
+def main(argv=None) -> int:
+    args = parse(argv)
     sys.path.insert(0, ROOT)
     from dp_cost.capacity import card_rates, step_time
 

@@ -3,10 +3,9 @@ the step each run measured. Checked against the CLI's own prediction of the same
 same table (the planned step does not depend on which process plans it), and the error against
 a measured time set by hand."""
 
+import importlib.util
 import json
 import os
-import subprocess
-import sys
 
 import pytest
 
@@ -16,7 +15,17 @@ from tests.cli_helpers import ROOT, SMALL_MODEL, in_process
 SCRIPT = os.path.join(ROOT, "benchmarks", "time_recost.py")
 
 
-def test_a_kept_runs_steps_are_costed_again_beside_what_they_measured(tmp_path):
+def recost(*argv, capsys) -> tuple[int, str, str]:
+    """The script's main in this process (its imports are the test's): (exit, stdout, stderr)."""
+    spec = importlib.util.spec_from_file_location("time_recost", SCRIPT)
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    status = script.main([str(a) for a in argv])
+    out = capsys.readouterr()
+    return status, out.out, out.err
+
+
+def test_a_kept_runs_steps_are_costed_again_beside_what_they_measured(tmp_path, capsys):
     run = in_process("--mode=capacity", "--trainers", "standard", "flash", "--batch_sizes", "4",
                      "--seq_lens", "16", *SMALL_MODEL, "--output_dir", tmp_path,
                      "--run_name", "r")  # fmt: skip
@@ -36,19 +45,16 @@ def test_a_kept_runs_steps_are_costed_again_beside_what_they_measured(tmp_path):
     (tmp_path / "r" / "broken" / "result.json").write_text("{not json")
     table = card_rates.card_rates("NVIDIA H200").path
     rows_file = tmp_path / "rows.json"
-    done = subprocess.run(
-        [sys.executable, SCRIPT, str(tmp_path / "r"), "--tables", table, "--out", str(rows_file)],
-        capture_output=True, text=True, cwd=ROOT,
-    )  # fmt: skip
-    assert done.returncode == 0, done.stderr
-    assert "broken" in done.stderr and "Traceback" not in done.stderr  # one line, skipped
+    capsys.readouterr()
+    status, out, err = recost(tmp_path / "r", "--tables", table, "--out", rows_file, capsys=capsys)
+    assert status == 0, err
+    assert "broken" in err and len(err.strip().splitlines()) == 1  # one line, skipped
     rows = json.loads(rows_file.read_text())
     assert sorted(r["config"]["trainer"] for r in rows) == ["flash", "standard"]
     for row in rows:
         again = row["predicted_ms"][table]["step_ms"]
         assert again == pytest.approx(predicted[row["config"]["trainer"]], rel=1e-3)
         assert again / row["measured_ms"] - 1 == pytest.approx(-0.5, abs=1e-3)
-    assert f"{table}: 0/2 within ±15%, 0/2 within ±25%; median error -50.0%" in done.stdout
-    nothing = subprocess.run([sys.executable, SCRIPT, str(tmp_path / "empty")],
-                             capture_output=True, text=True, cwd=ROOT)  # fmt: skip
-    assert nothing.returncode == 2 and nothing.stderr.startswith("error: no measured")
+    assert f"{table}: 0/2 within ±15%, 0/2 within ±25%; median error -50.0%" in out
+    status, _, err = recost(tmp_path / "empty", capsys=capsys)
+    assert status == 2 and err.startswith("error: no measured")
