@@ -7,7 +7,7 @@ the host's launches:
 - fused attention (F.scaled_dot_product_attention, causal), forward and backward, by sequence
   length and head size, as TFLOP/s by torch's FLOP counter's formulas;
 - an elementwise kernel's time by the bytes it moves;
-and, in eager steps on the tiny LM, the tiny Llama and the tiny Llama's LoRA, each at two depths
+and, in eager steps on the tiny LM, the tiny Llama and the tiny Llama's LoRA, each at HOST_DEPTHS
 (host-bound: their kernels are shorter than their launches), each trainer's host time in each
 phase of a chunk, per op of the planned step and besides, and what a host sync (.item()) costs.
 Usage: python benchmarks/card_rates.py [--out PATH] [--quick] [--refit TABLE]

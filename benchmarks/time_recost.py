@@ -7,7 +7,7 @@ GPU.
 
 usage: python benchmarks/time_recost.py RUN_DIR [RUN_DIR ...] [--tables TABLE ...] [--out F]
   RUN_DIR: a run's folder (its configs' result.json one level down), or a folder of runs
-  TABLE: card tables (default: the shipped one of the runs' card)
+  TABLE: card tables (default: the shipped table of the card each run was measured on)
 """
 
 from __future__ import annotations
@@ -44,17 +44,34 @@ def measured_configs(folders: list[str]) -> list[dict]:
         try:
             with open(path) as f:
                 result = json.load(f)
+            if result.get("status") != "ok" or not result.get("median_time_ms"):
+                continue  # a failed or unmeasured config: nothing to compare
             time = result["prediction"]["time"]
-            if result["status"] != "ok" or not result["median_time_ms"] or not time["step_ms"]:
-                continue
+            if not time["step_ms"]:
+                continue  # not predicted (several ranks): the run says why
             rows.append({
                 "result": path, "config": result["config"], "device": result["env"]["device"],
                 "measured_ms": result["median_time_ms"], "steps_ms": result["step_times_ms"],
                 "chunks": time["chunks"], "predicted_then_ms": time["step_ms"],
             })  # fmt: skip
-        except (OSError, ValueError, KeyError, TypeError) as error:
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as error:
             print(f"warning: {path}: not a measured time prediction ({error})", file=sys.stderr)
     return rows
+
+
+def costed(row: dict, tables: dict, card_rates, step_time) -> dict:
+    """``row``'s config planned here and costed with each table (``None``: the shipped table
+    of the card it was measured on): predicted ms by table."""
+    config, planned = planned_step(row["config"])
+    predicted = {}
+    for name, rates in tables.items():
+        times = step_time.predicted_time(
+            planned["ops"], planned["marks"], rates or card_rates.card_rates(row["device"]),
+            trainer=config.trainer, chunk_count=row["chunks"], graphed=bool(config.cuda_graph),
+            model_kind=step_time.model_kind(config),
+        )  # fmt: skip
+        predicted[name] = {k: round(v, 3) for k, v in times.items()}
+    return predicted
 
 
 def planned_step(fields: dict):
@@ -79,23 +96,20 @@ def main(argv=None) -> int:
         print("error: no measured time predictions under the folders given", file=sys.stderr)
         return 2
     try:
-        tables = {path: card_rates.load_card(path) for path in args.tables} or {
-            "shipped": card_rates.card_rates(rows[0]["device"])
-        }
+        tables = {path: card_rates.load_card(path) for path in args.tables} or {"shipped": None}
     except card_rates.CardRatesError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
     errors = {name: [] for name in tables}
-    for row in rows:
-        config, planned = planned_step(row["config"])
-        row["predicted_ms"] = {}
-        for name, rates in tables.items():
-            times = step_time.predicted_time(
-                planned["ops"], planned["marks"], rates, trainer=config.trainer,
-                chunk_count=row["chunks"], graphed=bool(config.cuda_graph),
-                model_kind=step_time.model_kind(config),
-            )  # fmt: skip
-            row["predicted_ms"][name] = {k: round(v, 3) for k, v in times.items()}
+    for row in list(rows):
+        try:
+            row["predicted_ms"] = costed(row, tables, card_rates, step_time)
+        except Exception as error:  # a kept config this code cannot plan: say so, go on
+            print(f"warning: {row['result']}: not planned ({type(error).__name__}: "
+                  f"{' '.join(str(error).split())[:200]})", file=sys.stderr)  # fmt: skip
+            rows.remove(row)
+            continue
+        for name, times in row["predicted_ms"].items():
             errors[name].append(times["step_ms"] / row["measured_ms"] - 1)
         cost = " ".join(
             f"{v['step_ms']:.1f} ({v['step_ms'] / row['measured_ms'] - 1:+.1%})"
@@ -106,6 +120,9 @@ def main(argv=None) -> int:
             f"own prediction: {row['predicted_then_ms']:.1f})",
             flush=True,
         )
+    if not rows:
+        print("error: none of the measured configs could be planned", file=sys.stderr)
+        return 2
     for name, found in errors.items():
         within = ", ".join(
             f"{sum(abs(e) <= band for e in found)}/{len(found)} within ±{band:.0%}"

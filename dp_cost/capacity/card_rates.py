@@ -3,7 +3,7 @@ shipped as ``capacity/cards/<card>.json``: GEMM times on a grid of shapes per dt
 attention rates by sequence length, an elementwise kernel's time by the bytes it moves, and the
 host's time in each phase of an eager step, per trainer and kind of model: µs per op of the
 planned step, and µs a chunk's phase costs whatever the model's depth (fitted over calibration
-models of two depths). The time model (``capacity.step_time``) reads ops' costs off it; a card
+models of several depths). The time model (``capacity.step_time``) reads ops' costs off it; a card
 without a table gets no time.
 
 What is not measured but assumed, and why: between the grid's points a GEMM's time is
@@ -39,8 +39,10 @@ def fit_host(by_depth: dict[int, tuple[dict, dict]]) -> dict:
     phase, µs an op (``op_us``) and µs besides (``fixed_us``): the least-squares line of
     the host time against the planned ops over ``by_depth`` (depth: (host µs, ops) by phase),
     neither part negative (where the free line's would be, the line through the origin, or
-    for ops that do not grow, a constant: their mean time)."""
+    for ops that do not grow, a constant: their mean time). Two depths at least."""
     points = list(by_depth.values())
+    if len(points) < 2:
+        raise ValueError(f"host times at {len(points)} depth(s): a line needs two")
     op_us, fixed_us = {}, {}
     for phase in points[0][0]:
         ops = [float(counts[phase]) for _, counts in points]
@@ -57,7 +59,7 @@ def fit_host(by_depth: dict[int, tuple[dict, dict]]) -> dict:
             slope, fixed = 0.0, mean_host
         elif fixed < 0:
             slope, fixed = sum(o * h for o, h in zip(ops, host)) / sum(o * o for o in ops), 0.0
-        op_us[phase], fixed_us[phase] = round(slope, 3), round(fixed, 1)
+        op_us[phase], fixed_us[phase] = round(max(slope, 0.0), 3), round(max(fixed, 0.0), 1)
     return {"op_us": op_us, "fixed_us": fixed_us}
 
 
@@ -174,6 +176,9 @@ class CardRates:
             self._bytes_per_us = largest_bytes / largest_us
         except (KeyError, TypeError, ValueError, IndexError) as error:
             raise CardRatesError(f"{path}: not a card table ({error})") from None
+        if any(us < 0 for row in self.host_by_trainer.values() for pair in row.values()
+               for us in pair):  # fmt: skip
+            raise CardRatesError(f"{path}: a host cost is negative")
         for name, part in (("gemm", self._gemm), ("thin_gemm", self._thin)):
             if "float32" not in part:
                 raise CardRatesError(f"{path}: no float32 {name} grid (the fallback dtype)")

@@ -33,12 +33,12 @@ from dp_cost.core.hf_architectures import HF_CONFIGS
 
 CHUNK_END = "backward_done"  # the phase that ends a chunk's backward
 # A step whose host is busier than its GPU moves with the host's speed, and hosts of one card
-# kind differ: the calibration steps of three H200 machines ran up to 1.6 x apart per op, and
+# kind differ: the calibration steps of three H200 machines ran up to 2 x apart per op, and
 # steps measured on four machines came out -37% to +40% against the shipped table where the
-# host bound them, within 1% where long kernels did
+# host bound them, -20% to 0% where the GPU did
 HOST_BOUND_NOTE = (
-    "host-bound: the host's speed moves this step's time by about +-30% between machines of "
-    "one card kind (the calibration's host costs are one machine's)"
+    "host-bound: the host's speed moves this step's time by up to about +-40% between "
+    "machines of one card kind (the calibration's host costs are one machine's)"
 )
 FORWARD, BACKWARD, FINISH = "forward", "backward", "finish"
 

@@ -126,6 +126,8 @@ def test_attention_and_memory_times(tmp_path):
         ("[]", "not a JSON object"),
         ("{", "Expecting"),
         (json.dumps({**card_table(), "schema": 1}), "schema 1"),
+        (json.dumps(card_table(fixed_us={"forward": -1.0, "backward": 0.0, "finish": 0.0})),
+         "a host cost is negative"),
         (json.dumps({k: v for k, v in card_table().items() if k != "host"}), "'host'"),
         (json.dumps({**card_table(), "gemm": {"bfloat16": [[16, 16, 16, 1], [16, 64, 16, 1]]}}),
          "the GEMM grid lacks"),
@@ -401,6 +403,8 @@ def test_the_calibration_fit_takes_the_hosts_growth_per_op_and_the_rest_as_fixed
     # least squares finds the line beneath it
     assert fitted["op_us"]["backward"] == pytest.approx(2) and fitted["fixed_us"]["backward"] == 40
     steep = {2: ({"forward": 100.0}, {"forward": 100}), 6: ({"forward": 700.0}, {"forward": 300})}
+    with pytest.raises(ValueError, match="two"):  # one depth cannot tell the parts apart
+        fit({2: ({"forward": 100.0}, {"forward": 100})})
     through_origin = (100 * 100 + 300 * 700) / (100**2 + 300**2)
     assert fit(steep) == {
         "op_us": {"forward": round(through_origin, 3)},

@@ -43,12 +43,16 @@ def test_a_kept_runs_steps_are_costed_again_beside_what_they_measured(tmp_path, 
         path.write_text(json.dumps(result))
     (tmp_path / "r" / "broken").mkdir()
     (tmp_path / "r" / "broken" / "result.json").write_text("{not json")
+    unplannable = {**result, "config": {"model": "no-such-model"}}  # measured, cannot be planned
+    (tmp_path / "r" / "unplannable").mkdir()
+    (tmp_path / "r" / "unplannable" / "result.json").write_text(json.dumps(unplannable))
     table = card_rates.card_rates("NVIDIA H200").path
     rows_file = tmp_path / "rows.json"
     capsys.readouterr()
     status, out, err = recost(tmp_path / "r", "--tables", table, "--out", rows_file, capsys=capsys)
     assert status == 0, err
-    assert "broken" in err and len(err.strip().splitlines()) == 1  # one line, skipped
+    warnings = err.strip().splitlines()  # one line each, the rest costed
+    assert len(warnings) == 2 and "broken" in warnings[0] and "unplannable" in warnings[1]
     rows = json.loads(rows_file.read_text())
     assert sorted(r["config"]["trainer"] for r in rows) == ["flash", "standard"]
     for row in rows:
