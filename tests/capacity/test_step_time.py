@@ -215,6 +215,14 @@ def test_a_plan_gives_each_configs_time_and_the_fine_tunes(tmp_path):
         tune = time["fine_tune"]
         assert tune["steps"] == 3 * 2  # ceil(10 / 4) steps an epoch
         assert tune["wall_hours"] == pytest.approx(6 * time["step_ms"] / 3.6e6)
+        # a tiny model's kernels are shorter than their launches: the host bounds its step,
+        # and the table says so in its own column
+        assert time["bound_by"] == "host" and "host's speed" in time["bound_note"]
+    table = (tmp_path / "one" / "capacity.md").read_text()
+    header = next(line for line in table.splitlines() if "predicted ms" in line)
+    column = [c.strip() for c in header.split("|")].index("bound by")
+    rows = [line for line in table.splitlines() if line.startswith("| standard")]
+    assert rows and all(row.split("|")[column].strip() == "host" for row in rows)
     run = in_process(*base, "--run_name", "two", "--distributed", "ddp", "--world_size", "2")
     assert run.returncode == 0, run.stderr
     entries = json.loads((tmp_path / "two" / "capacity.json").read_text())["configs"]
