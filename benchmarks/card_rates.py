@@ -300,7 +300,8 @@ def host_phase_us(config, sync_cost_us: float) -> tuple[dict, dict]:
     inputs, targets = workload.batch()
     for _ in range(3):
         runner.step(inputs, targets)
-    torch.cuda.synchronize() if device.type == "cuda" else None
+    if device.type == "cuda":
+        torch.cuda.synchronize()
     planned = fake_step.predict(config, worker.build_trainer, record_ops=True)
     backward_end = planned["marks"][1]  # the phase mark after the backward call
     phase_us: dict[str, list[float]] = {"forward": [], "backward": [], "finish": []}
@@ -310,7 +311,8 @@ def host_phase_us(config, sync_cost_us: float) -> tuple[dict, dict]:
             start = time.perf_counter()
             runner.step(inputs, targets)
             end = time.perf_counter()
-        torch.cuda.synchronize() if device.type == "cuda" else None
+        if device.type == "cuda":
+            torch.cuda.synchronize()
         phase_us["forward"].append((stamps["forward_done"] - start) * 1e6)
         phase_us["backward"].append((stamps[backward_end] - stamps["forward_done"]) * 1e6)
         phase_us["finish"].append((end - stamps[backward_end]) * 1e6)
@@ -355,8 +357,8 @@ def refit(path: str, out: str | None) -> int:
             "command": "python benchmarks/card_rates.py --refit TABLE",
         }
         for row in table["host"]["by_trainer"].values():
-            points = {int(depth): (measured["host_us"], measured["planned_ops"])
-                      for depth, measured in row["by_depth"].items()}  # fmt: skip
+            points = {int(blocks): (measured["host_us"], measured["planned_ops"])
+                      for blocks, measured in row["by_depth"].items()}  # fmt: skip
             row.update(fit_host(points))
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as error:
         print(f"error: {path}: no host times by depth to fit ({error})", file=sys.stderr)
