@@ -10,7 +10,8 @@ the host's launches:
 and, in eager steps on the tiny LM, the tiny Llama and the tiny Llama's LoRA, each at HOST_DEPTHS
 (host-bound: their kernels are shorter than their launches), each trainer's host time in each
 phase of a chunk, per op of the planned step and besides, and what a host sync (.item()) costs.
-Usage: python benchmarks/card_rates.py [--out PATH] [--quick] [--refit TABLE]
+Usage: python benchmarks/card_rates.py [--out PATH] [--quick]
+(benchmarks/card_tables.py fits a table again, or merges several machines', without a GPU)
 """
 
 from __future__ import annotations
@@ -34,12 +35,6 @@ def parse(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", help="where to write the table (default: the shipped file)")
     parser.add_argument("--quick", action="store_true", help="a coarse grid (a check, not a table)")
-    parser.add_argument(
-        "--refit",
-        metavar="TABLE",
-        help="no measuring: fit TABLE's host costs again from the host times it holds by depth "
-        "(after a change to the fit; needs no GPU), written back to TABLE or --out",
-    )
     return parser.parse_args(argv)
 
 
@@ -344,45 +339,8 @@ def host_costs(trainer: str, model_kind: str, sync_cost_us: float, device: str =
     }
 
 
-def refit(path: str, out: str | None) -> int:
-    """``--refit``: ``path``'s host rows fitted again (``fit_host``) from their ``by_depth``."""
-    from dp_cost.capacity.card_rates import CardRatesError, fit_host, load_card
-    from dp_cost.measure.run import git_commit
-
-    try:
-        with open(path) as f:
-            table = json.load(f)
-        table["measured"]["host_refitted"] = {
-            "commit": git_commit(ROOT) or "not recorded",
-            "command": "python benchmarks/card_rates.py --refit TABLE",
-        }
-        for row in table["host"]["by_trainer"].values():
-            points = {int(blocks): (measured["host_us"], measured["planned_ops"])
-                      for blocks, measured in row["by_depth"].items()}  # fmt: skip
-            row.update(fit_host(points))
-    except (OSError, ValueError, KeyError, TypeError, AttributeError) as error:
-        print(f"error: {path}: no host times by depth to fit ({error})", file=sys.stderr)
-        return 2
-    target = out or path
-    staged = target + ".refit"  # checked before it replaces anything
-    with open(staged, "w") as f:
-        json.dump(table, f, indent=1)
-        f.write("\n")
-    try:
-        load_card(staged)
-    except CardRatesError as error:
-        os.remove(staged)
-        print(f"error: {error}", file=sys.stderr)
-        return 2
-    os.replace(staged, target)
-    print(json.dumps({"refitted": target, "host": table["host"]["by_trainer"]}))
-    return 0
-
-
 def main() -> int:
     args = parse()
-    if args.refit:
-        return refit(args.refit, args.out)
     if not torch.cuda.is_available():
         print("error: this measures a CUDA card; none is available", file=sys.stderr)
         return 2

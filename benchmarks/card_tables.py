@@ -1,0 +1,125 @@
+"""Card tables (what benchmarks/card_rates.py measures) reworked without a GPU:
+
+- refit TABLE [--out PATH]: the host costs fitted again (capacity.card_rates.fit_host) from the
+  host times the table keeps by depth, after a change to the fit.
+- median TABLE TABLE [TABLE ...] --out PATH: one table from several machines' tables of one card
+  kind: each calibration step's host time the median over the machines, then fitted. The host's
+  speed differs between machines of one kind (three H200 machines' calibration steps ran up to
+  2 x apart per op), so one machine's table is one host's; the median is a typical one. The
+  kernel rates (GEMM, attention, memory) are the first table's: they differ far less.
+
+Either writes the table only once it reads back as a card table.
+usage: python benchmarks/card_tables.py refit TABLE [--out PATH]
+       python benchmarks/card_tables.py median TABLE TABLE [TABLE ...] --out PATH
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import os
+import statistics
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def parse(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    commands = parser.add_subparsers(dest="command", required=True)
+    refit = commands.add_parser("refit", help="fit a table's host costs again")
+    refit.add_argument("table")
+    refit.add_argument("--out", help="where to write it (default: over TABLE)")
+    median = commands.add_parser("median", help="one table from several machines' tables")
+    median.add_argument("tables", nargs="+")
+    median.add_argument("--out", required=True, help="where to write it")
+    return parser.parse_args(argv)
+
+
+def read(path: str) -> dict:
+    with open(path) as f:
+        return json.load(f)
+
+
+def fitted(table: dict, how: dict) -> dict:
+    """``table`` with every host row fitted from its ``by_depth``, and ``how`` it was made."""
+    from dp_cost.capacity.card_rates import fit_host
+    from dp_cost.measure.run import git_commit
+
+    table["measured"]["host_refitted"] = {"commit": git_commit(ROOT) or "not recorded", **how}
+    for row in table["host"]["by_trainer"].values():
+        points = {int(blocks): (measured["host_us"], measured["planned_ops"])
+                  for blocks, measured in row["by_depth"].items()}  # fmt: skip
+        row.update(fit_host(points))
+    return table
+
+
+def median_of(tables: list[dict]) -> dict:
+    """The first table, its host times by depth (and its sync's cost) the medians over
+    ``tables``, which must have planned the same steps: the same card, rows, depths and ops."""
+    first = tables[0]
+    merged = copy.deepcopy(first)
+    for other in tables[1:]:
+        if other["card"] != first["card"]:
+            raise ValueError(f"tables of {first['card']!r} and {other['card']!r}")
+        for name, row in first["host"]["by_trainer"].items():
+            theirs = other["host"]["by_trainer"].get(name, {}).get("by_depth", {})
+            for blocks, measured in row["by_depth"].items():
+                if theirs.get(blocks, {}).get("planned_ops") != measured["planned_ops"]:
+                    raise ValueError(f"{name} at {blocks} blocks: other planned ops (or none)")
+    host = merged["host"]
+    host["sync_us"] = statistics.median(t["host"]["sync_us"] for t in tables)
+    for name, row in host["by_trainer"].items():
+        for blocks, measured in row["by_depth"].items():
+            measured["host_us"] = {
+                phase: round(statistics.median(
+                    t["host"]["by_trainer"][name]["by_depth"][blocks]["host_us"][phase]
+                    for t in tables
+                ), 1)
+                for phase in measured["host_us"]
+            }  # fmt: skip
+    merged["measured"]["host_median_of"] = [t["measured"] for t in tables]
+    return merged
+
+
+def write_checked(table: dict, target: str) -> None:
+    """Write ``table`` to ``target`` once it reads back as a card table (CardRatesError if not:
+    nothing replaced)."""
+    from dp_cost.capacity.card_rates import CardRatesError, load_card
+
+    staged = target + ".staged"
+    with open(staged, "w") as f:
+        json.dump(table, f, indent=1)
+        f.write("\n")
+    try:
+        load_card(staged)
+    except CardRatesError:
+        os.remove(staged)
+        raise
+    os.replace(staged, target)
+
+
+def main(argv=None) -> int:
+    args = parse(argv)
+    sys.path.insert(0, ROOT)
+    from dp_cost.capacity.card_rates import CardRatesError
+
+    try:
+        if args.command == "refit":
+            command = "python benchmarks/card_tables.py refit TABLE"
+            table, target = fitted(read(args.table), {"command": command}), args.out or args.table
+        else:
+            command = "python benchmarks/card_tables.py median TABLE ..."
+            table = fitted(median_of([read(p) for p in args.tables]), {"command": command})
+            target = args.out
+        write_checked(table, target)
+    except (OSError, ValueError, KeyError, TypeError, AttributeError, CardRatesError) as error:
+        print(f"error: {args.command}: {' '.join(str(error).split())[:300]}", file=sys.stderr)
+        return 2
+    print(json.dumps({"written": target, "host": table["host"]["by_trainer"]}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
