@@ -263,14 +263,13 @@ def depth(config, blocks: int):
 
 def planned_op_counts(planned: dict) -> tuple[dict[str, int], int]:
     """(ops of a planned step per phase, its syncs), as the time model charges them."""
-    from dp_cost.capacity.op_list import SYNC
-    from dp_cost.capacity.step_time import chunk_groups
+    from dp_cost.capacity.step_time import chunk_groups, waits_for_gpu
 
     chunks, finish = chunk_groups(planned["ops"], planned["marks"])
     ops = {"forward": 0, "backward": 0, "finish": 0}
     syncs = 0
     for op, phase in (pair for group in [*chunks, finish] for pair in group):
-        if op.kind == SYNC and not op.optimizer:
+        if waits_for_gpu(op):
             syncs += 1
         else:
             ops[phase] += 1

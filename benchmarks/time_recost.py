@@ -65,11 +65,8 @@ def costed(row: dict, tables: dict, card_rates, step_time) -> dict:
     config, planned = planned_step(row["config"])
     predicted = {}
     for name, rates in tables.items():
-        times = step_time.predicted_time(
-            planned["ops"], planned["marks"], rates or card_rates.card_rates(row["device"]),
-            trainer=config.trainer, chunk_count=row["chunks"], graphed=bool(config.cuda_graph),
-            model_kind=step_time.model_kind(config),
-        )  # fmt: skip
+        rates = rates or card_rates.card_rates(row["device"])
+        times = step_time.config_time(config, planned, rates, row["chunks"])
         predicted[name] = {k: round(v, 3) for k, v in times.items()}
     return predicted
 

@@ -43,6 +43,13 @@ HOST_BOUND_NOTE = (
 FORWARD, BACKWARD, FINISH = "forward", "backward", "finish"
 
 
+def waits_for_gpu(op: Op) -> bool:
+    """A host sync the host waits at: it reads a value the GPU computes (a loss's .item()).
+    torch.optim reads its step counts with .item() on the fake step's CPU tensors; on CUDA
+    they live on the host: no wait."""
+    return op.kind == SYNC and not op.optimizer
+
+
 def op_costs(
     op: Op, phase: str, rates: CardRates, trainer: str, graphed: bool, model_kind: str = "lm"
 ) -> tuple[float, float]:
@@ -83,11 +90,9 @@ def play(
             host, host_busy = host + fixed_us, host_busy + fixed_us
         host_us, gpu_us = op_costs(op, phase, rates, trainer, graphed, model_kind)
         host_busy += host_us
-        if op.kind == SYNC and not op.optimizer:  # the host waits for the GPU, then the value
+        if waits_for_gpu(op):  # the host waits for the GPU, then reads the value
             host = max(host, gpu) + host_us
             continue
-        # (torch.optim reads its step counts with .item() on the fake step's CPU tensors; on
-        # CUDA they live on the host: no wait)
         host += host_us
         if gpu_us:
             gpu = max(gpu, host) + gpu_us
@@ -118,7 +123,7 @@ def chunk_groups(
         position = op.segment - (ends[chunk - 1] + 1 if chunk else 0)
         phase = (FORWARD, BACKWARD)[position] if position < 2 else FINISH
         chunks[chunk].append((op, FINISH if tail and position == 0 else phase))
-        tail = tail and not (op.kind == SYNC and not op.optimizer)
+        tail = tail and not waits_for_gpu(op)
     return chunks, finish
 
 
@@ -159,6 +164,15 @@ def model_kind(config) -> str:
     return "hf" if config.model in HF_CONFIGS else "lm"
 
 
+def config_time(config, step: dict, rates: CardRates, chunks: int) -> dict[str, float]:
+    """``predicted_time`` of ``config``'s planned ``step`` (its ``ops`` and ``marks``) in
+    ``chunks`` chunks on ``rates``' card, as the config's trainer, model and graphs run it."""
+    return predicted_time(
+        step["ops"], step["marks"], rates, trainer=config.trainer, chunk_count=chunks,
+        graphed=bool(config.cuda_graph), model_kind=model_kind(config),
+    )  # fmt: skip
+
+
 def planned_time(config, step: dict, physical: int, samples: int) -> dict:
     """``prediction["time"]``: the step of ``config`` at physical batch ``physical``, ``samples``
     on rank 0, on ``config.card``: ms, samples and tokens a second, and with ``--epochs`` the
@@ -174,10 +188,7 @@ def planned_time(config, step: dict, physical: int, samples: int) -> dict:
         return {**time, "step_ms": None, "why": why}
     chunks = chunk_count(samples, physical)
     graphed = bool(config.cuda_graph)
-    times = predicted_time(
-        step["ops"], step["marks"], rates, trainer=config.trainer, chunk_count=chunks,
-        graphed=graphed, model_kind=model_kind(config),
-    )  # fmt: skip
+    times = config_time(config, step, rates, chunks)
     seconds = times["step_ms"] / 1e3
     time.update(times, physical_batch_size=physical, chunks=chunks, graphed=graphed)
     time["bound_by"] = "host" if times["host_ms"] > times["gpu_ms"] else "gpu"
