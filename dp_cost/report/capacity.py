@@ -271,27 +271,39 @@ def shape_label_without_batch(config: dict) -> str:
 BATCH_SETTINGS = ("batch_size", "physical_batch_size")
 
 
-def recommendation_lines(entries: list[dict]) -> str:
-    """--recommend's ranking, one paragraph per shape (everything but the trainer and the
-    physical cap, which the recommendation chooses): the DP trainers by their best predicted
-    samples a second on the card, the fastest named first, those with none after them with
-    why, the standard trainer's (no DP) for reference."""
+def recommendation_groups(entries: list[dict]) -> dict[tuple, dict[str, dict]]:
+    """capacity.json's lines with a recommendation by shape (everything but the trainer and
+    the physical cap, which the recommendation chooses: model, batch, seq, dtype, LoRA rank,
+    sharding, ranks), one line a trainer (every cap gives the same candidates)."""
     groups: dict[tuple, dict[str, dict]] = {}
     for e in entries:
         if e.get("recommendation"):
             shape = (e["model"], e["batch_size"], e["seq_len"], e["dtype"], e["lora_rank"])
             group = groups.setdefault((*shape, e["distributed"], e["world_size"]), {})
-            group.setdefault(e["trainer"], e)  # one a trainer: every cap gives the same
+            group.setdefault(e["trainer"], e)
+    return groups
+
+
+def ranked_dp_trainers(by_trainer: dict[str, dict]) -> list[dict]:
+    """A shape's DP trainers that have a best candidate, the most samples a second first: the
+    first is --recommend's choice."""
+    return sorted(
+        (e for t, e in by_trainer.items() if t != "standard" and e["recommendation"]["best"]),
+        key=lambda e: -e["recommendation"]["best"]["samples_per_s"],
+    )
+
+
+def recommendation_lines(entries: list[dict]) -> str:
+    """--recommend's ranking, one paragraph per shape: the DP trainers by their best predicted
+    samples a second on the card, the fastest named first, those with none after them with
+    why, the standard trainer's (no DP) for reference."""
     paragraphs = []
-    for (model, batch, seq_len, dtype, *_), by_trainer in groups.items():
+    for (model, batch, seq_len, dtype, *_), by_trainer in recommendation_groups(entries).items():
         first = next(iter(by_trainer.values()))["recommendation"]
         head = f"{model}, batch {batch}, seq {seq_len}, {dtype_words(dtype)}"
         head += f", {first['gpu_memory_gib']:g} GiB"
         private = [e for trainer, e in by_trainer.items() if trainer != "standard"]
-        ranked = sorted(
-            (e for e in private if e["recommendation"]["best"]),
-            key=lambda e: -e["recommendation"]["best"]["samples_per_s"],
-        )
+        ranked = ranked_dp_trainers(by_trainer)
         line = f"- {head}: " + (f"run {_choice(ranked[0])}" if ranked else "no DP trainer to run")
         line += "".join(f"; then {_choice(e)}" for e in ranked[1:])
         line += "".join(

@@ -79,17 +79,18 @@ def test_predicted_state_per_rank_equals_the_real_ranks(tmp_path):
         for distributed, trainer, shape in DISTRIBUTED
     ]
     held = held_by_rank(tmp_path, fields)
+    replicated = {}  # (trainer, shape) -> the Adam states a DDP rank holds: one process's
     for config_fields, ranks_held in zip(fields, held, strict=True):
         config = ExperimentConfig(**config_fields, world_size=RANKS)
         predicted = fake_step.predict(config, worker.build_trainer)
         assert predicted["state"] == ranks_held[0], config_fields
-        # Sharded: 1/RANKS of one process's Adam states (the tiny LM's: LoRA's are so small
+        key = (config.trainer, config.model)
+        if config.distributed == "ddp":
+            replicated[key] = ranks_held[0]["optimizer_states"]
+        # Sharded: 1/RANKS of a replica's Adam states (the tiny LM's: LoRA's are so small
         # that the allocator's 512-byte blocks round them up more than sharding halves them).
-        if config.distributed == "fsdp" and not config.use_lora:
-            alone = fake_step.predict(
-                dataclasses.replace(config, distributed="none", world_size=1), worker.build_trainer
-            )
-            share = predicted["state"]["optimizer_states"] / alone["state"]["optimizer_states"]
+        elif not config.use_lora:
+            share = predicted["state"]["optimizer_states"] / replicated[key]
             assert share == pytest.approx(1 / RANKS, rel=0.05), config_fields
 
 

@@ -264,7 +264,7 @@ def test_the_candidate_physical_batches_halve_a_ranks_share():
     assert candidate_batches(1) == [1]
 
 
-def test_recommend_ranks_the_dp_trainers_by_their_fastest_fitting_batch(tmp_path):
+def test_recommend_ranks_the_dp_trainers_by_their_fastest_fitting_batch(tmp_path, capsys):
     """--recommend on a budget where the whole batch does not fit dpsgd or flash: each config's
     best is a candidate that fits, none faster among those that fit; the DP trainers are named
     fastest first, once each whatever the physical caps asked; standard only for reference.
@@ -298,6 +298,8 @@ def test_recommend_ranks_the_dp_trainers_by_their_fastest_fitting_batch(tmp_path
     assert line.count(f"{order[0]} at") == 1 and line.count("standard at") == 1
     assert "for reference, no DP: standard at" in line
     assert line in (tmp_path / "rec" / "capacity.md").read_text()
+    # in this test, not one of its own: the plan costs most of the test's time
+    recommend_check_against_steps_set_by_hand(tmp_path / "rec", entries, tmp_path, capsys)
     run = in_process(*base, "--trainers", "dpsgd", "--gpu_memory", "0.74", "--run_name", "none")
     assert run.returncode == 0, run.stderr
     text = (tmp_path / "none" / "capacity.md").read_text()
@@ -308,6 +310,61 @@ def test_recommend_ranks_the_dp_trainers_by_their_fastest_fitting_batch(tmp_path
                           "one GPU only")):  # fmt: skip
         run = in_process("--mode=capacity", "--recommend", *refused, "--output_dir", tmp_path)
         assert run.returncode == 2 and why in run.stderr
+
+
+def recommend_check_against_steps_set_by_hand(plan_dir, entries, tmp_path, capsys) -> None:
+    """benchmarks/recommend_check.py on a real --recommend plan, its candidates "measured" by
+    hand-made result files: measured as predicted, the choice is the fastest (agrees); the
+    slowest fitting candidate measured fastest instead, the choice is named slower by the
+    ratio set here; a fitting candidate left out is named, a broken file gets one warning."""
+    import importlib.util
+
+    path = os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks", "recommend_check.py")
+    spec = importlib.util.spec_from_file_location("recommend_check", path)
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    dp = [e for e in entries if e["trainer"] != "standard"]
+    choice = max(dp, key=lambda e: e["recommendation"]["best"]["samples_per_s"])
+    chosen = (choice["trainer"], choice["recommendation"]["best"]["physical_batch_size"])
+    fitting = [(e, c) for e in dp for c in e["recommendation"]["candidates"] if c["fits"]]
+    named = [((e["trainer"], c["physical_batch_size"]), c["step_ms"]) for e, c in fitting]
+    slowest = max(named, key=lambda pair: pair[1])[0]
+    left_out = next(name for name, _ in named if name not in (slowest, chosen))
+
+    def measured(folder, faster=None):
+        for entry, candidate in fitting:
+            physical = candidate["physical_batch_size"]
+            if (entry["trainer"], physical) == left_out:
+                continue
+            result = json.loads((plan_dir / entry["config_dir"] / "result.json").read_text())
+            result["config"]["max_physical_batch_size"] = physical
+            ms = 1.0 if (entry["trainer"], physical) == faster else candidate["step_ms"]
+            result.update(status="ok", median_time_ms=ms)
+            config_dir = folder / f"{entry['trainer']}_pb{physical}"
+            config_dir.mkdir(parents=True)
+            (config_dir / "result.json").write_text(json.dumps(result))
+        (folder / "broken").mkdir()
+        (folder / "broken" / "result.json").write_text("{not json")
+        return folder
+
+    capsys.readouterr()
+    out_file = tmp_path / "check.json"
+    assert script.main([str(plan_dir), str(measured(tmp_path / "as_predicted")), "--out",
+                        str(out_file)]) == 0  # fmt: skip
+    printed = capsys.readouterr()
+    assert len(printed.err.strip().splitlines()) == 1 and "broken" in printed.err
+    (found,) = json.loads(out_file.read_text())
+    assert tuple(found["choice"]) == chosen and tuple(found["fastest"]) == chosen
+    assert found["agrees"] and ": agrees" in printed.out
+    assert [tuple(m) for m in found["not_measured"]] == [left_out]
+    assert script.main([str(plan_dir), str(measured(tmp_path / "slowest_fastest", slowest)),
+                        "--out", str(out_file)]) == 0  # fmt: skip
+    (found,) = json.loads(out_file.read_text())
+    assert tuple(found["fastest"]) == slowest
+    assert not found["agrees"] and found["fastest_ms"] == 1.0
+    choice_ms = choice["recommendation"]["best"]["step_ms"]
+    assert f"differs (the choice {choice_ms - 1:+.1%})" in capsys.readouterr().out
+    assert script.main([str(tmp_path / "no_such_run"), str(tmp_path)]) == 2
 
 
 def test_attention_rates_hold_at_the_lengths_measured_and_go_by_the_ops_direction(tmp_path):

@@ -1,0 +1,180 @@
+"""Is --recommend's choice the fastest step on the card? A ``--mode=capacity --recommend`` plan
+(its capacity.json) beside the same shapes measured: each candidate (trainer, physical batch)
+of each shape with the plan's fit and predicted time next to the step a ``--validate`` run
+measured (its ``median_time_ms``), then per shape the plan's choice (the DP trainer and
+physical batch with the most predicted samples a second, as the report names it) against the
+measured fastest of the DP candidates the plan says fit.
+
+usage: python benchmarks/recommend_check.py PLAN_RUN MEASURED_RUN [MEASURED_RUN ...] [--out F]
+  PLAN_RUN: a --recommend run's folder (its capacity.json)
+  MEASURED_RUN: --mode=capacity --validate runs of the same shapes, one config a candidate
+    (--max_physical_batch_sizes the candidates' physical batches), or folders of such runs
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import os
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+from dp_cost.report.capacity import ranked_dp_trainers, recommendation_groups  # noqa: E402
+
+
+def parse(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("plan", help="the --recommend run's folder")
+    parser.add_argument("measured", nargs="+", help="--validate run folders (or folders of them)")
+    parser.add_argument("--out", help="write every shape's rows and verdict as JSON here too")
+    return parser.parse_args(argv)
+
+
+def shape_key(config: dict) -> tuple:
+    """What a recommendation is made for, as ``recommendation_groups`` keys it."""
+    lora_rank = config.get("lora_rank") if config.get("use_lora") else None
+    return (config["model"], config["batch_size"], config["seq_len"], config["dtype"], lora_rank,
+            config.get("distributed", "none"), config.get("world_size", 1))  # fmt: skip
+
+
+def measured_steps(folders: list[str]) -> dict[tuple, dict]:
+    """(shape, trainer, physical batch) -> the measured config's status, median step ms and
+    reserved peak MB; a file that cannot be read gets a one-line warning."""
+    paths = set()
+    for folder in folders:
+        for depth in ("*", "*/*"):
+            paths.update(glob.glob(os.path.join(folder, depth, "result.json")))
+    steps = {}
+    for path in sorted(paths):
+        try:
+            with open(path) as f:
+                result = json.load(f)
+            config = result["config"]
+            physical = min(config.get("max_physical_batch_size") or config["batch_size"],
+                           config["batch_size"])  # fmt: skip
+            key = (shape_key(config), config["trainer"], physical)
+            steps[key] = {
+                "status": result["status"], "measured_ms": result.get("median_time_ms"),
+                "measured_reserved_mb": result.get("peak_reserved_mb"), "result": path,
+            }  # fmt: skip
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as error:
+            print(f"warning: {path}: not a measured config ({error})", file=sys.stderr)
+    return steps
+
+
+def shape_rows(by_trainer: dict[str, dict], shape: tuple, measured: dict) -> list[dict]:
+    """Every candidate of every trainer of one shape, planned and measured."""
+    rows = []
+    for trainer, entry in by_trainer.items():
+        for candidate in entry["recommendation"]["candidates"]:
+            physical = candidate["physical_batch_size"]
+            step = measured.get((shape, trainer, physical), {})
+            rows.append({
+                "trainer": trainer, "physical_batch_size": physical,
+                "fits": candidate.get("fits"), "error": candidate.get("error"),
+                "predicted_reserved_mb": candidate.get("peak_reserved_mb"),
+                "predicted_ms": candidate.get("step_ms"),
+                "status": step.get("status"), "measured_ms": step.get("measured_ms"),
+                "measured_reserved_mb": step.get("measured_reserved_mb"),
+            })  # fmt: skip
+    return rows
+
+
+def verdict(by_trainer: dict[str, dict], rows: list[dict]) -> dict:
+    """The plan's choice against the measured fastest DP candidate that the plan says fits;
+    candidates it says fit that were not measured, or did not run, are named."""
+    ranked = ranked_dp_trainers(by_trainer)
+    choice = None  # (trainer, physical batch)
+    if ranked:
+        choice = (ranked[0]["trainer"], ranked[0]["recommendation"]["best"]["physical_batch_size"])
+    fitting = [r for r in rows if r["trainer"] != "standard" and r["fits"]]
+    ran = [r for r in fitting if r["status"] == "ok" and r["measured_ms"]]
+    fastest = min(ran, key=lambda r: r["measured_ms"], default=None)
+    chosen = next((r for r in ran if (r["trainer"], r["physical_batch_size"]) == choice), None)
+    return {
+        "choice": choice,
+        "fastest": fastest and (fastest["trainer"], fastest["physical_batch_size"]),
+        "fastest_ms": fastest and fastest["measured_ms"],
+        "choice_measured_ms": chosen and chosen["measured_ms"],
+        "agrees": bool(chosen and chosen is fastest),
+        "not_measured": [(r["trainer"], r["physical_batch_size"]) for r in fitting if r not in ran],
+        "predicted_order": [e["trainer"] for e in ranked],
+        "measured_order": measured_order(ran),
+    }
+
+
+def measured_order(ran: list[dict]) -> list[str]:
+    """The DP trainers by their fastest measured candidate, fastest first."""
+    best: dict[str, float] = {}
+    for r in ran:
+        best[r["trainer"]] = min(best.get(r["trainer"], float("inf")), r["measured_ms"])
+    return sorted(best, key=best.get)
+
+
+def number(value, digits=1) -> str:
+    return "-" if value is None else f"{value:,.{digits}f}"
+
+
+def print_shape(shape: tuple, rows: list[dict], found: dict) -> None:
+    model, batch, seq_len, dtype, lora_rank, distributed, ranks = shape
+    lora = f", LoRA r{lora_rank}" if lora_rank else ""
+    print(f"\n{model}{lora}, batch {batch}, seq {seq_len}, {dtype}, {distributed} x {ranks}")
+    print("| trainer | physical | plan fits | predicted reserved MB | measured reserved MB "
+          "| predicted ms | measured ms | time error |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        predicted, took = r["predicted_ms"], r["measured_ms"]
+        error = "-" if not (predicted and took) else f"{predicted / took - 1:+.1%}"
+        measured = number(took) if r["status"] in ("ok", None) else r["status"]
+        print(f"| {r['trainer']} | {r['physical_batch_size']} | {r['error'] or r['fits']} "
+              f"| {number(r['predicted_reserved_mb'], 0)} | {number(r['measured_reserved_mb'], 0)} "
+              f"| {number(predicted)} | {measured} | {error} |")  # fmt: skip
+    choice, fastest = found["choice"], found["fastest"]
+    line = "recommended: " + (
+        "none" if not choice else f"{choice[0]} at physical batch {choice[1]}"
+    )
+    if fastest:
+        line += (f"; measured fastest that the plan says fits: {fastest[0]} at physical batch "
+                 f"{fastest[1]} ({found['fastest_ms']:,.1f} ms)")  # fmt: skip
+    if found["choice_measured_ms"] and fastest:
+        slower = found["choice_measured_ms"] / found["fastest_ms"] - 1
+        line += ": agrees" if found["agrees"] else f": differs (the choice {slower:+.1%})"
+    print(line)
+    print(f"trainers by their best: predicted {', '.join(found['predicted_order'])}; measured "
+          f"{', '.join(found['measured_order'])}")  # fmt: skip
+    if found["not_measured"]:
+        names = ", ".join(f"{t} at {p}" for t, p in found["not_measured"])
+        print(f"planned to fit but not measured (or did not run): {names}")
+
+
+def main(argv=None) -> int:
+    args = parse(argv)
+    path = os.path.join(args.plan, "capacity.json")
+    try:
+        with open(path) as f:
+            entries = json.load(f)["configs"]
+        groups = recommendation_groups(entries)
+    except (OSError, ValueError, KeyError, TypeError) as error:
+        print(f"error: {path}: not a --mode=capacity run's capacity ({error})", file=sys.stderr)
+        return 2
+    if not groups:
+        print(f"error: {path}: no config has a recommendation (--recommend)", file=sys.stderr)
+        return 2
+    measured = measured_steps(args.measured)
+    shapes = []
+    for shape, by_trainer in groups.items():
+        rows = shape_rows(by_trainer, shape, measured)
+        found = verdict(by_trainer, rows)
+        print_shape(shape, rows, found)
+        shapes.append({"shape": list(shape), "rows": rows, **found})
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(shapes, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
