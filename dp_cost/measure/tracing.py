@@ -15,9 +15,10 @@ from torch.profiler import ProfilerActivity, profile, schedule, tensorboard_trac
 
 from dp_cost.core import files
 
-# wait / warmup / active steps: the first step re-primes caches after the timed loop, the
-# warm-up step lets the profiler settle, the active step is the one recorded.
-WAIT, WARMUP, ACTIVE = 1, 1, 1
+# wait / warmup / active steps: the warm-up step (profiled, then dropped) re-primes caches after
+# the measurements before it and lets the profiler settle; the active step is the one recorded.
+# No wait step: the model is warm by then, and a step waited out would only cost time.
+WAIT, WARMUP, ACTIVE = 0, 1, 1
 TRACE_SUFFIXES = (".pt.trace.json", ".pt.trace.json.gz")
 
 
