@@ -1,9 +1,9 @@
 """The step-time model against steps already measured: every config of the given
-``--mode=capacity --validate`` runs planned again on this CPU (the fake step's op list, as the
-toolkit records it now) and costed with each card table given, beside the step the run
-measured (its ``median_time_ms``). A change to the time model or a table measured again is
-checked this way against every measured step kept, on every machine they came from, without a
-GPU.
+``--mode=capacity --validate`` runs (or measuring runs of fixed-size batches in one process)
+planned again on this CPU (the fake step's op list, as the toolkit records it now) and costed
+with each card table given, beside the step the run measured (its ``median_time_ms``). A
+change to the time model or a table measured again is checked this way against every measured
+step kept, on every machine they came from, without a GPU.
 
 usage: python benchmarks/time_recost.py RUN_DIR [RUN_DIR ...] [--tables TABLE ...] [--out F]
   RUN_DIR: a run's folder (its configs' result.json one level down), or a folder of runs
@@ -33,8 +33,8 @@ def parse(argv=None):
 
 
 def measured_configs(folders: list[str]) -> list[dict]:
-    """Each ok config with a measured step and a time prediction: its result.json's path, its
-    config, the measured median and steps, and the chunks its prediction ran as."""
+    """Each ok config with a measured step whose chunks are known: its result.json's path, its
+    config, the measured median and steps, the chunks it ran as and its own prediction."""
     paths = set()
     for folder in folders:
         paths.update(glob.glob(os.path.join(folder, "*", "result.json")))
@@ -46,17 +46,37 @@ def measured_configs(folders: list[str]) -> list[dict]:
                 result = json.load(f)
             if result.get("status") != "ok" or not result.get("median_time_ms"):
                 continue  # a failed or unmeasured config: nothing to compare
-            time = result["prediction"]["time"]
-            if not time["step_ms"]:
-                continue  # not predicted (several ranks): the run says why
+            chunks, predicted_then = chunks_and_prediction(result)
+            if not chunks:
+                continue  # several ranks, or batches drawn at random with no plan of them
             rows.append({
                 "result": path, "config": result["config"], "device": result["env"]["device"],
                 "measured_ms": result["median_time_ms"], "steps_ms": result["step_times_ms"],
-                "chunks": time["chunks"], "predicted_then_ms": time["step_ms"],
+                "chunks": chunks, "predicted_then_ms": predicted_then,
             })  # fmt: skip
         except (OSError, ValueError, KeyError, TypeError, AttributeError) as error:
             print(f"warning: {path}: not a measured time prediction ({error})", file=sys.stderr)
     return rows
+
+
+def chunks_and_prediction(result: dict) -> tuple[int | None, float | None]:
+    """(the chunks a step of the measured config ran as, the run's own predicted ms): a
+    --validate run's from its prediction; a measuring run's (no prediction) from its config,
+    where its batches were of fixed size and it ran in one process. None where not known."""
+    from dp_cost.capacity.step_time import chunk_count
+    from dp_cost.hf.configs import HF_CONFIGS
+
+    prediction = result.get("prediction")
+    if prediction:
+        time = prediction["time"]
+        return (time["chunks"], time["step_ms"]) if time["step_ms"] else (None, None)
+    config = result["config"]
+    sampled = config["model"] in HF_CONFIGS and config.get("poisson", True)
+    if sampled or config.get("world_size", 1) > 1:
+        return None, None
+    batch = config["batch_size"]
+    physical = min(config.get("max_physical_batch_size") or batch, batch)
+    return chunk_count(batch, physical), None
 
 
 def costed(row: dict, tables: dict, card_rates, step_time) -> dict:
@@ -112,9 +132,10 @@ def main(argv=None) -> int:
             f"{v['step_ms']:.1f} ({v['step_ms'] / row['measured_ms'] - 1:+.1%})"
             for v in row["predicted_ms"].values()
         )
+        then = row["predicted_then_ms"]
         print(
             f"{row['result']}: measured {row['measured_ms']:.1f} ms; predicted {cost} (the run's "
-            f"own prediction: {row['predicted_then_ms']:.1f})",
+            f"own prediction: {'none' if then is None else f'{then:.1f}'})",
             flush=True,
         )
     if not rows:

@@ -27,8 +27,8 @@ def recost(*argv, capsys) -> tuple[int, str, str]:
 
 def test_a_kept_runs_steps_are_costed_again_beside_what_they_measured(tmp_path, capsys):
     run = in_process("--mode=capacity", "--trainers", "standard", "flash", "--batch_sizes", "4",
-                     "--seq_lens", "16", *SMALL_MODEL, "--output_dir", tmp_path,
-                     "--run_name", "r")  # fmt: skip
+                     "--seq_lens", "16", *SMALL_MODEL, "--max_physical_batch_sizes", "4", "2",
+                     "--output_dir", tmp_path, "--run_name", "r")  # fmt: skip
     assert run.returncode == 0, run.stderr
     predicted = {}
     for name in os.listdir(tmp_path / "r"):
@@ -37,10 +37,20 @@ def test_a_kept_runs_steps_are_costed_again_beside_what_they_measured(tmp_path, 
             continue
         result = json.loads(path.read_text())
         step_ms = result["prediction"]["time"]["step_ms"]
-        predicted[result["config"]["trainer"]] = step_ms
-        # as a --validate run on the card keeps it: measured twice the prediction
+        physical = result["config"]["max_physical_batch_size"]
+        predicted[result["config"]["trainer"], physical] = step_ms
+        # as a --validate run on the card keeps it: measured twice the prediction; at physical
+        # 2, as a measuring run (--mode=profile) keeps it, with no prediction: its 2 chunks
+        # are read from its config
         result.update(median_time_ms=2 * step_ms, step_times_ms=[2 * step_ms] * 3)
+        if physical == 2:
+            del result["prediction"]
         path.write_text(json.dumps(result))
+    # measured with batches drawn at random and no plan of them: nothing to cost, no warning
+    sampled = {key: value for key, value in result.items() if key != "prediction"}
+    sampled["config"] = {**result["config"], "model": "tiny-llama", "poisson": True}
+    (tmp_path / "r" / "sampled").mkdir()
+    (tmp_path / "r" / "sampled" / "result.json").write_text(json.dumps(sampled))
     (tmp_path / "r" / "broken").mkdir()
     (tmp_path / "r" / "broken" / "result.json").write_text("{not json")
     unplannable = {**result, "config": {"model": "no-such-model"}}  # measured, cannot be planned
@@ -54,11 +64,13 @@ def test_a_kept_runs_steps_are_costed_again_beside_what_they_measured(tmp_path, 
     warnings = err.strip().splitlines()  # one line each, the rest costed
     assert len(warnings) == 2 and "broken" in warnings[0] and "unplannable" in warnings[1]
     rows = json.loads(rows_file.read_text())
-    assert sorted(r["config"]["trainer"] for r in rows) == ["flash", "standard"]
-    for row in rows:
+    costed = {(r["config"]["trainer"], r["config"]["max_physical_batch_size"]): r for r in rows}
+    assert len(rows) == 4 and sorted(costed) == sorted(predicted)
+    for key, row in costed.items():
         again = row["predicted_ms"][table]["step_ms"]
-        assert again == pytest.approx(predicted[row["config"]["trainer"]], rel=1e-3)
+        assert row["chunks"] == 4 // key[1]
+        assert again == pytest.approx(predicted[key], rel=1e-3)
         assert again / row["measured_ms"] - 1 == pytest.approx(-0.5, abs=1e-3)
-    assert f"{table}: 0/2 within ±15%, 0/2 within ±25%; median error -50.0%" in out
+    assert f"{table}: 0/4 within ±15%, 0/4 within ±25%; median error -50.0%" in out
     status, _, err = recost(tmp_path / "empty", capsys=capsys)
     assert status == 2 and err.startswith("error: no measured")
