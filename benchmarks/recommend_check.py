@@ -1,14 +1,17 @@
 """Is --recommend's choice the fastest step on the card? A ``--mode=capacity --recommend`` plan
 (its capacity.json) beside the same shapes measured: each candidate (trainer, physical batch)
-of each shape with the plan's fit and predicted time next to the step a ``--validate`` run
-measured (its ``median_time_ms``), then per shape the plan's choice (the DP trainer and
-physical batch with the most predicted samples a second, as the report names it) against the
-measured fastest of the DP candidates the plan says fit.
+of each shape with the plan's fit and predicted time next to the step a measuring run took (its
+``median_time_ms``), then per shape the plan's choice (the DP trainer and physical batch with
+the most predicted samples a second, as the report names it) against the measured fastest of
+the DP candidates the plan says fit. --recommend plans one GPU: the measured runs are one
+process each, with the plan's settings (a run with another attention, optimizer, sampling, ...
+is named and left out).
 
 usage: python benchmarks/recommend_check.py PLAN_RUN MEASURED_RUN [MEASURED_RUN ...] [--out F]
-  PLAN_RUN: a --recommend run's folder (its capacity.json)
-  MEASURED_RUN: --mode=capacity --validate runs of the same shapes, one config a candidate
-    (--max_physical_batch_sizes the candidates' physical batches), or folders of such runs
+  PLAN_RUN: a --recommend run's folder (its capacity.json and its configs' result.json)
+  MEASURED_RUN: runs of the same shapes on the card, one config a candidate (--mode=profile,
+    --mode=hf or --mode=capacity --validate, --max_physical_batch_sizes the candidates'
+    physical batches), or folders of such runs; predictions alone among them are skipped
 """
 
 from __future__ import annotations
@@ -33,6 +36,11 @@ def parse(argv=None):
     return parser.parse_args(argv)
 
 
+# Settings that change a step's time beside its shape: a measured config must have the plan's.
+STEP_SETTINGS = ("attention", "activation_checkpointing", "cuda_graph", "optimizer", "poisson",
+                 "clipping", "flash_route", "noise_sampler", "model_overrides")  # fmt: skip
+
+
 def shape_key(config: dict) -> tuple:
     """What a recommendation is made for, as ``recommendation_groups`` keys it."""
     lora_rank = config.get("lora_rank") if config.get("use_lora") else None
@@ -41,8 +49,9 @@ def shape_key(config: dict) -> tuple:
 
 
 def measured_steps(folders: list[str]) -> dict[tuple, dict]:
-    """(shape, trainer, physical batch) -> the measured config's status, median step ms and
-    reserved peak MB; a file that cannot be read gets a one-line warning."""
+    """(shape, trainer, physical batch) -> the measured config's status, median step ms,
+    reserved peak MB and config. A file that cannot be read, or a second result for the same
+    candidate, gets a one-line warning (of two, the one that ran is kept, else the later)."""
     paths = set()
     for folder in folders:
         for depth in ("*", "*/*"):
@@ -53,25 +62,52 @@ def measured_steps(folders: list[str]) -> dict[tuple, dict]:
             with open(path) as f:
                 result = json.load(f)
             config = result["config"]
-            physical = min(config.get("max_physical_batch_size") or config["batch_size"],
-                           config["batch_size"])  # fmt: skip
+            if config.get("capacity") and not config.get("validate"):
+                continue  # a prediction, not a step measured (the plan's own configs)
+            batch = config["batch_size"]
+            physical = min(config.get("max_physical_batch_size") or batch, batch)
             key = (shape_key(config), config["trainer"], physical)
-            steps[key] = {
+            step = {
                 "status": result["status"], "measured_ms": result.get("median_time_ms"),
                 "measured_reserved_mb": result.get("peak_reserved_mb"), "result": path,
+                "config": config,
             }  # fmt: skip
         except (OSError, ValueError, KeyError, TypeError, AttributeError) as error:
             print(f"warning: {path}: not a measured config ({error})", file=sys.stderr)
+            continue
+        held = steps.get(key)
+        if held is not None:
+            print(f"warning: {path}: the same candidate as {held['result']}", file=sys.stderr)
+            if held["status"] == "ok" and step["status"] != "ok":
+                continue
+        steps[key] = step
     return steps
 
 
-def shape_rows(by_trainer: dict[str, dict], shape: tuple, measured: dict) -> list[dict]:
-    """Every candidate of every trainer of one shape, planned and measured."""
+def plan_config(plan_dir: str, entry: dict) -> dict | None:
+    """The plan's config of a capacity.json line, from its result.json (None: unreadable)."""
+    try:
+        with open(os.path.join(plan_dir, entry["config_dir"], "result.json")) as f:
+            return json.load(f)["config"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def shape_rows(by_trainer: dict[str, dict], shape: tuple, measured: dict, plan_dir: str):
+    """Every candidate of every trainer of one shape, planned and measured (a measured step
+    whose settings are not the plan's is named and left out)."""
     rows = []
     for trainer, entry in by_trainer.items():
+        planned = plan_config(plan_dir, entry) or {}
         for candidate in entry["recommendation"]["candidates"]:
             physical = candidate["physical_batch_size"]
             step = measured.get((shape, trainer, physical), {})
+            differ = [k for k in STEP_SETTINGS if step and k in planned
+                      and step["config"].get(k) != planned[k]]  # fmt: skip
+            if differ:
+                print(f"warning: {step['result']}: not the plan's step ({', '.join(differ)} "
+                      "differ); left out", file=sys.stderr)  # fmt: skip
+                step = {}
             rows.append({
                 "trainer": trainer, "physical_batch_size": physical,
                 "fits": candidate.get("fits"), "error": candidate.get("error"),
@@ -84,23 +120,39 @@ def shape_rows(by_trainer: dict[str, dict], shape: tuple, measured: dict) -> lis
 
 
 def verdict(by_trainer: dict[str, dict], rows: list[dict]) -> dict:
-    """The plan's choice against the measured fastest DP candidate that the plan says fits;
-    candidates it says fit that were not measured, or did not run, are named."""
+    """The plan's choice against the measured fastest DP candidate that the plan says fits:
+    ``agrees`` (the choice ran, none faster), ``differs``, or ``choice not measured`` (not run,
+    or it failed on the card). Candidates it says fit that were not measured, or did not run,
+    are named, and so are those it says do not fit that ran faster than every fitting one."""
     ranked = ranked_dp_trainers(by_trainer)
     choice = None  # (trainer, physical batch)
     if ranked:
         choice = (ranked[0]["trainer"], ranked[0]["recommendation"]["best"]["physical_batch_size"])
-    fitting = [r for r in rows if r["trainer"] != "standard" and r["fits"]]
+    private = [r for r in rows if r["trainer"] != "standard"]
+    fitting = [r for r in private if r["fits"]]
     ran = [r for r in fitting if r["status"] == "ok" and r["measured_ms"]]
     fastest = min(ran, key=lambda r: r["measured_ms"], default=None)
     chosen = next((r for r in ran if (r["trainer"], r["physical_batch_size"]) == choice), None)
+    if choice is None or fastest is None:
+        said = "nothing to compare"
+    elif chosen is None:
+        said = "choice not measured"
+    else:
+        said = "agrees" if chosen["measured_ms"] <= fastest["measured_ms"] else "differs"
+    best_ms = fastest["measured_ms"] if fastest else float("inf")
     return {
         "choice": choice,
         "fastest": fastest and (fastest["trainer"], fastest["physical_batch_size"]),
         "fastest_ms": fastest and fastest["measured_ms"],
         "choice_measured_ms": chosen and chosen["measured_ms"],
-        "agrees": bool(chosen and chosen is fastest),
+        "verdict": said,
+        "agrees": said == "agrees",
         "not_measured": [(r["trainer"], r["physical_batch_size"]) for r in fitting if r not in ran],
+        "faster_though_not_fitting": [
+            (r["trainer"], r["physical_batch_size"])
+            for r in private
+            if not r["fits"] and r["status"] == "ok" and (r["measured_ms"] or best_ms) < best_ms
+        ],  # fmt: skip
         "predicted_order": [e["trainer"] for e in ranked],
         "measured_order": measured_order(ran),
     }
@@ -139,15 +191,21 @@ def print_shape(shape: tuple, rows: list[dict], found: dict) -> None:
     if fastest:
         line += (f"; measured fastest that the plan says fits: {fastest[0]} at physical batch "
                  f"{fastest[1]} ({found['fastest_ms']:,.1f} ms)")  # fmt: skip
-    if found["choice_measured_ms"] and fastest:
+    if found["verdict"] == "differs":
         slower = found["choice_measured_ms"] / found["fastest_ms"] - 1
-        line += ": agrees" if found["agrees"] else f": differs (the choice {slower:+.1%})"
+        line += f": differs (the choice {slower:+.1%})"
+    else:
+        line += f": {found['verdict']}"
     print(line)
     print(f"trainers by their best: predicted {', '.join(found['predicted_order'])}; measured "
           f"{', '.join(found['measured_order'])}")  # fmt: skip
-    if found["not_measured"]:
-        names = ", ".join(f"{t} at {p}" for t, p in found["not_measured"])
-        print(f"planned to fit but not measured (or did not run): {names}")
+    named = {
+        "not_measured": "planned to fit but not measured (or did not run)",
+        "faster_though_not_fitting": "planned not to fit, yet ran faster",
+    }
+    for key, words in named.items():
+        if found[key]:
+            print(f"{words}: {', '.join(f'{t} at {p}' for t, p in found[key])}")
 
 
 def main(argv=None) -> int:
@@ -166,7 +224,7 @@ def main(argv=None) -> int:
     measured = measured_steps(args.measured)
     shapes = []
     for shape, by_trainer in groups.items():
-        rows = shape_rows(by_trainer, shape, measured)
+        rows = shape_rows(by_trainer, shape, measured, args.plan)
         found = verdict(by_trainer, rows)
         print_shape(shape, rows, found)
         shapes.append({"shape": list(shape), "rows": rows, **found})

@@ -26,7 +26,7 @@ BANDS = (0.15, 0.25)  # the time goal's ±15% (one GPU), and ±25%
 
 def parse(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("runs", nargs="+", help="--validate run folders (or folders of them)")
+    parser.add_argument("runs", nargs="+", help="measured run folders (or folders of them)")
     parser.add_argument("--tables", nargs="+", default=[], help="card tables to cost with")
     parser.add_argument("--out", help="write every row as JSON here too")
     return parser.parse_args(argv)
@@ -110,7 +110,7 @@ def main(argv=None) -> int:
 
     rows = measured_configs(args.runs)
     if not rows:
-        print("error: no measured time predictions under the folders given", file=sys.stderr)
+        print("error: no measured steps to cost under the folders given", file=sys.stderr)
         return 2
     try:
         tables = {path: card_rates.load_card(path) for path in args.tables} or {"shipped": None}

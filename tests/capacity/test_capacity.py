@@ -79,7 +79,7 @@ def test_predicted_state_per_rank_equals_the_real_ranks(tmp_path):
         for distributed, trainer, shape in DISTRIBUTED
     ]
     held = held_by_rank(tmp_path, fields)
-    replicated = {}  # (trainer, shape) -> the Adam states a DDP rank holds: one process's
+    replicated = {}  # (trainer, model) -> the Adam states a DDP rank holds: one process's
     for config_fields, ranks_held in zip(fields, held, strict=True):
         config = ExperimentConfig(**config_fields, world_size=RANKS)
         predicted = fake_step.predict(config, worker.build_trainer)

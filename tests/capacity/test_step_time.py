@@ -314,9 +314,12 @@ def test_recommend_ranks_the_dp_trainers_by_their_fastest_fitting_batch(tmp_path
 
 def recommend_check_against_steps_set_by_hand(plan_dir, entries, tmp_path, capsys) -> None:
     """benchmarks/recommend_check.py on a real --recommend plan, its candidates "measured" by
-    hand-made result files: measured as predicted, the choice is the fastest (agrees); the
-    slowest fitting candidate measured fastest instead, the choice is named slower by the
-    ratio set here; a fitting candidate left out is named, a broken file gets one warning."""
+    hand-made result files (the whole batch's as a measuring run writes it, with no cap; the
+    plan's own folder passed among them): measured as predicted, the choice is the fastest
+    (agrees); the slowest fitting candidate measured fastest instead, the choice is named
+    slower by the ratio set here; measured as fast as the choice, it still agrees; the choice
+    failed on the card, or measured with another optimizer, it is not measured; a fitting
+    candidate left out is named, a broken file and a step of other settings get a warning."""
     import importlib.util
 
     path = os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks", "recommend_check.py")
@@ -326,44 +329,55 @@ def recommend_check_against_steps_set_by_hand(plan_dir, entries, tmp_path, capsy
     dp = [e for e in entries if e["trainer"] != "standard"]
     choice = max(dp, key=lambda e: e["recommendation"]["best"]["samples_per_s"])
     chosen = (choice["trainer"], choice["recommendation"]["best"]["physical_batch_size"])
+    choice_ms = choice["recommendation"]["best"]["step_ms"]
     fitting = [(e, c) for e in dp for c in e["recommendation"]["candidates"] if c["fits"]]
     named = [((e["trainer"], c["physical_batch_size"]), c["step_ms"]) for e, c in fitting]
     slowest = max(named, key=lambda pair: pair[1])[0]
     left_out = next(name for name, _ in named if name not in (slowest, chosen))
 
-    def measured(folder, faster=None):
+    def check(folder_name, ms=None, chosen_fields=None, chosen_config=None):
+        """The script on the candidates measured as predicted but for ``ms`` (name -> ms),
+        the choice's result and config updated with ``chosen_fields`` and ``chosen_config``:
+        (its verdict, out, err)."""
+        folder = tmp_path / folder_name
         for entry, candidate in fitting:
-            physical = candidate["physical_batch_size"]
-            if (entry["trainer"], physical) == left_out:
+            name = (entry["trainer"], candidate["physical_batch_size"])
+            if name == left_out:
                 continue
             result = json.loads((plan_dir / entry["config_dir"] / "result.json").read_text())
-            result["config"]["max_physical_batch_size"] = physical
-            ms = 1.0 if (entry["trainer"], physical) == faster else candidate["step_ms"]
-            result.update(status="ok", median_time_ms=ms)
-            config_dir = folder / f"{entry['trainer']}_pb{physical}"
-            config_dir.mkdir(parents=True)
-            (config_dir / "result.json").write_text(json.dumps(result))
+            config = result["config"]
+            config["capacity"] = False  # measured
+            config["max_physical_batch_size"] = name[1] if name[1] < config["batch_size"] else None
+            result.update(status="ok", median_time_ms=(ms or {}).get(name, candidate["step_ms"]))
+            if name == chosen:
+                result.update(chosen_fields or {})
+                config.update(chosen_config or {})
+            (folder / f"{name[0]}_pb{name[1]}").mkdir(parents=True)
+            (folder / f"{name[0]}_pb{name[1]}" / "result.json").write_text(json.dumps(result))
         (folder / "broken").mkdir()
         (folder / "broken" / "result.json").write_text("{not json")
-        return folder
+        capsys.readouterr()
+        out_file = tmp_path / f"{folder_name}.json"
+        argv = [str(plan_dir), str(folder), str(plan_dir), "--out", str(out_file)]
+        assert script.main(argv) == 0
+        printed = capsys.readouterr()
+        (found,) = json.loads(out_file.read_text())
+        return found, printed.out, printed.err
 
-    capsys.readouterr()
-    out_file = tmp_path / "check.json"
-    assert script.main([str(plan_dir), str(measured(tmp_path / "as_predicted")), "--out",
-                        str(out_file)]) == 0  # fmt: skip
-    printed = capsys.readouterr()
-    assert len(printed.err.strip().splitlines()) == 1 and "broken" in printed.err
-    (found,) = json.loads(out_file.read_text())
+    found, out, err = check("as_predicted")
+    assert len(err.strip().splitlines()) == 1 and "broken" in err
     assert tuple(found["choice"]) == chosen and tuple(found["fastest"]) == chosen
-    assert found["agrees"] and ": agrees" in printed.out
+    assert found["verdict"] == "agrees" and ": agrees" in out
     assert [tuple(m) for m in found["not_measured"]] == [left_out]
-    assert script.main([str(plan_dir), str(measured(tmp_path / "slowest_fastest", slowest)),
-                        "--out", str(out_file)]) == 0  # fmt: skip
-    (found,) = json.loads(out_file.read_text())
-    assert tuple(found["fastest"]) == slowest
-    assert not found["agrees"] and found["fastest_ms"] == 1.0
-    choice_ms = choice["recommendation"]["best"]["step_ms"]
-    assert f"differs (the choice {choice_ms - 1:+.1%})" in capsys.readouterr().out
+    found, out, _ = check("slowest_fastest", ms={slowest: 1.0})
+    assert tuple(found["fastest"]) == slowest and found["fastest_ms"] == 1.0
+    assert found["verdict"] == "differs" and f"differs (the choice {choice_ms - 1:+.1%})" in out
+    found, _, _ = check("a_tie", ms={slowest: choice_ms})
+    assert found["verdict"] == "agrees"
+    found, _, _ = check("choice_failed", chosen_fields={"status": "oom", "median_time_ms": None})
+    assert found["verdict"] == "choice not measured" and chosen in map(tuple, found["not_measured"])
+    found, _, err = check("other_optimizer", chosen_config={"optimizer": "adam"})
+    assert found["verdict"] == "choice not measured" and "optimizer differ" in err
     assert script.main([str(tmp_path / "no_such_run"), str(tmp_path)]) == 2
 
 

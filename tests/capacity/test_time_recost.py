@@ -45,15 +45,18 @@ def test_a_kept_runs_steps_are_costed_again_beside_what_they_measured(tmp_path, 
         result.update(median_time_ms=2 * step_ms, step_times_ms=[2 * step_ms] * 3)
         if physical == 2:
             del result["prediction"]
+        else:
+            validated = result  # the other files below are made from one with its prediction
         path.write_text(json.dumps(result))
     # measured with batches drawn at random and no plan of them: nothing to cost, no warning
-    sampled = {key: value for key, value in result.items() if key != "prediction"}
-    sampled["config"] = {**result["config"], "model": "tiny-llama", "poisson": True}
+    sampled = {key: value for key, value in validated.items() if key != "prediction"}
+    sampled["config"] = {**validated["config"], "model": "tiny-llama", "poisson": True}
     (tmp_path / "r" / "sampled").mkdir()
     (tmp_path / "r" / "sampled" / "result.json").write_text(json.dumps(sampled))
     (tmp_path / "r" / "broken").mkdir()
     (tmp_path / "r" / "broken" / "result.json").write_text("{not json")
-    unplannable = {**result, "config": {"model": "no-such-model"}}  # measured, cannot be planned
+    # measured, cannot be planned
+    unplannable = {**validated, "config": {**validated["config"], "model": "no-such-model"}}
     (tmp_path / "r" / "unplannable").mkdir()
     (tmp_path / "r" / "unplannable" / "result.json").write_text(json.dumps(unplannable))
     table = card_rates.card_rates("NVIDIA H200").path
