@@ -34,10 +34,10 @@ from dp_cost.core.hf_architectures import HF_CONFIGS
 CHUNK_END = "backward_done"  # the phase that ends a chunk's backward
 # A step whose host is busier than its GPU moves with the host's speed, and hosts of one card
 # kind differ: the calibration steps of three H200 machines ran up to 2 x apart per op, and
-# steps measured on four machines came out -37% to +40% against the shipped table where the
-# host bound them, -20% to 0% where the GPU did
+# steps measured on six machines came out -47% to +56% against the shipped table where the
+# host bound them, -18% to +1% where the GPU did
 HOST_BOUND_NOTE = (
-    "host-bound: the host's speed moves this step's time by up to about +-40% between "
+    "host-bound: the host's speed moves this step's time by up to about +-50% between "
     "machines of one card kind (the calibration's host costs are one machine's)"
 )
 FORWARD, BACKWARD, FINISH = "forward", "backward", "finish"
