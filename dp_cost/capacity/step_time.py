@@ -37,8 +37,9 @@ CHUNK_END = "backward_done"  # the phase that ends a chunk's backward
 # steps measured on six machines came out -47% to +56% against the shipped table where the
 # host bound them, -18% to +1% where the GPU did
 HOST_BOUND_NOTE = (
-    "host-bound: the host's speed moves this step's time by up to about +-50% between "
-    "machines of one card kind (the calibration's host costs are one machine's)"
+    "host-bound: such steps came out -47% to +56% against measured ones on six machines of "
+    "one card kind (the host's speed differs between machines and runs, and the calibration's "
+    "host costs are one machine's)"
 )
 FORWARD, BACKWARD, FINISH = "forward", "backward", "finish"
 

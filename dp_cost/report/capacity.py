@@ -183,8 +183,8 @@ NOTES = (
     "one logical batch's eager step (or graphed, with --cuda_graph) on the card named, from the "
     "fake step's ops and the card's measured rates (one GPU; - where not predicted, the reason "
     "in capacity.json). Bound by host: the host issues the ops more slowly than the GPU runs "
-    "them, and the time moves with the host's speed, up to about +-50% between machines of one "
-    "card kind; bound by gpu: 0% to 20% fast where measured.\n"
+    "them, and the time moves with the host's speed: -47% to +56% against measured steps of six "
+    "machines of one card kind; bound by gpu: -18% to +1% where measured.\n"
 )
 
 
