@@ -17,6 +17,8 @@ import sys
 import threading
 import warnings
 
+from dp_cost.core import interrupts
+
 # Lines the C++ profiler writes on every traced or memory-measured step; its warnings about the
 # events it collects (collection.cpp, when no Python code is there to turn them into warnings);
 # Kineto's, once per trace line it cannot write while the disk is full (the full disk is
@@ -87,10 +89,13 @@ class FilteredStderr:
         os.close(self.read_end)
 
     def started(self) -> None:
-        """In the parent, after the fork: keep only the read end and start reading."""
-        write_end, self.write_end = self.write_end, None  # an interrupt after: closed once
-        os.close(write_end)
-        self.reader.start()
+        """In the parent, after the fork: keep only the read end and start reading. Run whole:
+        an interrupt inside ``Thread.start`` would leave a thread that exists but has not said
+        it started, which ``close()`` could neither join nor leave (it is raised after)."""
+        with interrupts.held():
+            write_end, self.write_end = self.write_end, None  # close() must not close it again
+            os.close(write_end)
+            self.reader.start()
 
     def close(self, timeout: float = 10.0) -> None:
         """In the parent, once the worker has exited (or never started); once only."""
@@ -101,7 +106,7 @@ class FilteredStderr:
             os.close(self.write_end)
             os.close(self.read_end)
             return
-        if self.reader.ident is None:  # an interrupt between started()'s close and its start
+        if self.reader.ident is None:  # started() failed between its close and its start
             os.close(self.read_end)
             return
         # A grandchild still holding the write end would keep the pipe open: do not wait forever.

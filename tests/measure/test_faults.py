@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 
 import pytest
@@ -16,7 +17,7 @@ import torch
 from cli_helpers import ROOT, in_process, results_in, small_run_args
 
 import profiling_script
-from dp_cost.core import reading, rundir
+from dp_cost.core import interrupts, reading, rundir
 from dp_cost.measure import children, plan, quiet, worker
 from dp_cost.measure.config import ExperimentConfig
 
@@ -238,6 +239,36 @@ def test_a_worker_pipe_closed_between_its_two_halves_of_start_raises_nothing():
     stderr.close()
     with pytest.raises(OSError):  # closed: not left open
         os.fstat(stderr.read_end)
+
+
+def test_an_interrupt_inside_the_readers_start_is_raised_once_it_has_started(monkeypatch):
+    """An interrupt can land inside ``Thread.start``, after the reader's thread exists and
+    before it has said it started: joining it then raised "cannot join thread before it is
+    started", a traceback in place of exit 130. ``started()`` runs whole: the interrupt is
+    raised once the reader runs, and ``close()`` joins it."""
+    launch = threading._start_new_thread
+
+    def launch_then_interrupt(function, args, *more):
+        def late(*late_args):
+            time.sleep(0.2)  # the thread says it started only after the interrupt arrived
+            function(*late_args)
+
+        ident = launch(late, args, *more)
+        os.kill(os.getpid(), signal.SIGINT)
+        return ident
+
+    stderr = quiet.FilteredStderr()
+    previous = interrupts.install()
+    try:
+        monkeypatch.setattr(threading, "_start_new_thread", launch_then_interrupt)
+        with pytest.raises(KeyboardInterrupt):
+            stderr.started()
+        monkeypatch.undo()
+        assert stderr.reader.ident is not None
+    finally:
+        interrupts.restore(previous)
+    stderr.close()  # the write end is closed: the reader sees the end of the pipe
+    assert not stderr.reader.is_alive()
 
 
 def test_known_noise_is_dropped_and_a_crashing_worker_loses_nothing(capfd):
