@@ -38,8 +38,9 @@ def parse(argv=None):
 
 
 def read(path: str) -> dict:
-    with open(path) as f:
-        return json.load(f)
+    from dp_cost.core.reading import read_json
+
+    return read_json(path)
 
 
 def fitted(table: dict, how: dict) -> dict:

@@ -25,6 +25,7 @@ import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
+from dp_cost.core.reading import read_json, read_result  # noqa: E402
 from dp_cost.report.capacity import ranked_dp_trainers, recommendation_groups  # noqa: E402
 
 
@@ -59,8 +60,7 @@ def measured_steps(folders: list[str]) -> dict[tuple, dict]:
     steps = {}
     for path in sorted(paths):
         try:
-            with open(path) as f:
-                result = json.load(f)
+            result = read_result(path)
             config = result["config"]
             if config.get("capacity") and not config.get("validate"):
                 continue  # a prediction, not a step measured (the plan's own configs)
@@ -87,8 +87,7 @@ def measured_steps(folders: list[str]) -> dict[tuple, dict]:
 def plan_config(plan_dir: str, entry: dict) -> dict | None:
     """The plan's config of a capacity.json line, from its result.json (None: unreadable)."""
     try:
-        with open(os.path.join(plan_dir, entry["config_dir"], "result.json")) as f:
-            return json.load(f)["config"]
+        return read_result(os.path.join(plan_dir, entry["config_dir"], "result.json"))["config"]
     except (OSError, ValueError, KeyError, TypeError):
         return None
 
@@ -212,8 +211,7 @@ def main(argv=None) -> int:
     args = parse(argv)
     path = os.path.join(args.plan, "capacity.json")
     try:
-        with open(path) as f:
-            entries = json.load(f)["configs"]
+        entries = read_json(path)["configs"]
         groups = recommendation_groups(entries)
     except (OSError, ValueError, KeyError, TypeError) as error:
         print(f"error: {path}: not a --mode=capacity run's capacity ({error})", file=sys.stderr)

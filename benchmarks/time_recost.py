@@ -35,6 +35,8 @@ def parse(argv=None):
 def measured_configs(folders: list[str]) -> list[dict]:
     """Each ok config with a measured step whose chunks are known: its result.json's path, its
     config, the measured median and steps, the chunks it ran as and its own prediction."""
+    from dp_cost.core.reading import read_result
+
     paths = set()
     for folder in folders:
         paths.update(glob.glob(os.path.join(folder, "*", "result.json")))
@@ -42,8 +44,7 @@ def measured_configs(folders: list[str]) -> list[dict]:
     rows = []
     for path in sorted(paths):
         try:
-            with open(path) as f:
-                result = json.load(f)
+            result = read_result(path)
             if result.get("status") != "ok" or not result.get("median_time_ms"):
                 continue  # a failed or unmeasured config: nothing to compare
             chunks, predicted_then = chunks_and_prediction(result)
