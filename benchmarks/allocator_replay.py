@@ -8,7 +8,10 @@ checked against the real one, on this card, for one config at a time:
 3. the fake-tensor step's sequence (``--mode=capacity``'s prediction, on the CPU) replayed: its
    peak reserved against the same (the whole prediction);
 4. both sequences' large requests side by side (the first place they differ), so a difference
-   in reserved memory can be traced to the requests that cause it.
+   in reserved memory can be traced to the requests that cause it;
+5. with --frames, the real run's large allocation sizes that the plan never requests (and the
+   plan's that the run never made), each with the frames, C++ ones included, of its first
+   allocation: the kernel whose memory the fake step misses.
 
 Prints one JSON line per config; with --out, also writes the two request sequences there.
 Usage: python benchmarks/allocator_replay.py --model 1b --seq_len 1024 --batch_sizes 4 36 \
@@ -44,6 +47,10 @@ def build_parser() -> argparse.ArgumentParser:
         "--steps", type=int, default=1, help="after the warm-up (the fake step has 1)"
     )
     parser.add_argument("--out", default=None)
+    parser.add_argument(
+        "--frames", action="store_true",
+        help="record C++ and Python frames in the real run: name what the plan misses (slower)",
+    )  # fmt: skip
     return parser
 
 
@@ -62,14 +69,33 @@ from dp_cost.measure.config import ExperimentConfig  # noqa: E402
 from dp_cost.measure.workload import Workload  # noqa: E402
 
 LARGE = 100 * 2**20  # requests compared one by one: the ones that move a peak
+NAMED = 16 * 2**20  # sizes compared as sets (--frames): the ones a few of which move a peak
+FRAMES_KEPT = 16  # the innermost frames of an allocation worth reading, the allocator's left out
+ALLOCATOR_FRAMES = ("CachingAllocator", "c10::cuda::", "empty_strided", "empty_generic",
+                    "empty_cuda", "at::detail::empty", "unwind::", "torch::unwind")  # fmt: skip
 
 
-def real_requests(config, device, steps: int) -> dict:
+def frame_names(entry: dict) -> list[str]:
+    """An allocation's innermost frames, short, past the allocator's own."""
+    names = []
+    for frame in entry.get("frames", []):
+        name = frame.get("name", "?")
+        if not names and any(part in name for part in ALLOCATOR_FRAMES):
+            continue
+        names.append(f"{name[:140]} ({os.path.basename(frame.get('filename', ''))})")
+        if len(names) == FRAMES_KEPT:
+            break
+    return names
+
+
+def real_requests(config, device, steps: int, frames: bool = False) -> dict:
     """One warm-up and ``steps`` steps of ``config`` on ``device``, recorded: ``requests``
     ((address, bytes, stream) in order, bytes <= 0 for a free), ``segments`` (the allocator's own
     segment_alloc / segment_free / oom events, with the index of the request they came at),
-    torch's ``peak_reserved`` bytes and whether it ran ``out_of_memory``."""
-    torch.cuda.memory._record_memory_history(max_entries=10_000_000, stacks="python")
+    torch's ``peak_reserved`` bytes and whether it ran ``out_of_memory``; with ``frames``, the
+    innermost frames (C++ and Python) of the first allocation of each size of at least NAMED."""
+    stacks = "all" if frames else "python"
+    torch.cuda.memory._record_memory_history(max_entries=10_000_000, stacks=stacks)
     workload = trainer = None
     out_of_memory = False
     try:
@@ -84,20 +110,22 @@ def real_requests(config, device, steps: int) -> dict:
         snapshot = torch.cuda.memory._snapshot(device)
         peak_reserved = torch.cuda.max_memory_reserved(device)
         torch.cuda.memory._record_memory_history(enabled=None)
-    requests, segments = [], []
+    requests, segments, named = [], [], {}
     streams: dict[int, int] = {}  # CUDA stream handle -> 0, 1, ... in order of first use
     for entry in snapshot["device_traces"][device.index or 0]:
         if entry["action"] in ("alloc", "free_completed"):
             size = entry["size"] if entry["action"] == "alloc" else -entry["size"]
             stream = streams.setdefault(entry.get("stream", 0), len(streams))
             requests.append((entry["addr"], size, stream))
+            if frames and size >= NAMED and size not in named:
+                named[size] = frame_names(entry)
         elif entry["action"] in ("segment_alloc", "segment_free", "oom"):
             segments.append((entry["action"], len(requests), entry["size"]))
     del trainer, workload
     gc.collect()
     torch.cuda.empty_cache()
     return {"requests": requests, "segments": segments, "peak_reserved": peak_reserved,
-            "out_of_memory": out_of_memory}  # fmt: skip
+            "out_of_memory": out_of_memory, "frames_by_size": named}  # fmt: skip
 
 
 def predicted_requests(config) -> list[tuple[int, int]]:
@@ -131,6 +159,34 @@ def first_difference(real, predicted) -> dict | None:
     return None
 
 
+def unmatched_sizes(real, predicted, frames_by_size: dict) -> dict:
+    """Allocation sizes of at least NAMED that one sequence requests and the other never does,
+    in MiB with their counts (the run's with the frames of its first such allocation): what the
+    fake step lacks (``real_only``) or adds (``predicted_only``). Counts differ with the number
+    of steps each recorded; a size in both is left out, whatever its counts."""
+
+    def counts(requests):
+        sizes: dict[int, int] = {}
+        for _, size, *_ in requests:
+            if size >= NAMED:
+                sizes[size] = sizes.get(size, 0) + 1
+        return sizes
+
+    real_counts, predicted_counts = counts(real), counts(predicted)
+    return {
+        "real_only": [
+            {"mib": size / 2**20, "count": count, "frames": frames_by_size.get(size, [])}
+            for size, count in sorted(real_counts.items(), reverse=True)
+            if size not in predicted_counts
+        ],
+        "predicted_only": [
+            {"mib": size / 2**20, "count": count}
+            for size, count in sorted(predicted_counts.items(), reverse=True)
+            if size not in real_counts
+        ],
+    }
+
+
 def main() -> int:
     args = build_parser().parse_args()
     if not torch.cuda.is_available():
@@ -152,7 +208,7 @@ def main() -> int:
             )  # fmt: skip
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats(device)
-            run = real_requests(config, device, args.steps)
+            run = real_requests(config, device, args.steps, args.frames)
             real, peak_reserved = run["requests"], run["peak_reserved"]
             card = torch.cuda.mem_get_info(device)[1] - GPU_OVERHEADS["cuda_context_bytes"]
             predicted = predicted_requests(config)
@@ -177,6 +233,8 @@ def main() -> int:
                 "predicted_requests": sum(1 for _, size, *_ in predicted if size > 0),
                 "first_large_difference": first_difference(real, predicted),
             }  # fmt: skip
+            if args.frames:
+                row["unmatched_sizes"] = unmatched_sizes(real, predicted, run["frames_by_size"])
             print(json.dumps(row), flush=True)
             if args.out:
                 os.makedirs(args.out, exist_ok=True)

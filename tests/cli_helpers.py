@@ -28,6 +28,18 @@ SWEEP_FILES = (
 SMALL_MODEL = ["--hidden_dim", "32", "--num_layers", "1", "--num_heads", "2", "--vocab_size", "50"]
 
 
+def benchmark_script(file_name: str):
+    """``benchmarks/<file_name>`` loaded as a module in this process (the folder is not a
+    package: a script's functions and main called directly, with the test's imports)."""
+    import importlib.util
+
+    path = os.path.join(ROOT, "benchmarks", file_name)
+    spec = importlib.util.spec_from_file_location(os.path.splitext(file_name)[0], path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def free_port() -> int:
     """A TCP port nothing listens on now (the OS's choice), for a store or a server."""
     with socket.socket() as probe:

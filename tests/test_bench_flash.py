@@ -1,7 +1,6 @@
 """bench_flash's bookkeeping on CPU: goal checks, step rows, route floors, and each route's work."""
 
 import json
-import os
 
 import pytest
 import torch
@@ -10,6 +9,7 @@ import bench_flash
 from dp_cost.flash import engine as flash_clip
 from dp_cost.measure import processes
 from dp_cost.report import step_goals
+from tests.cli_helpers import benchmark_script
 
 
 def result(trainer, batch, seq, dtype, ms, peak, status="ok"):
@@ -278,14 +278,7 @@ def test_graph_replays_lists_each_rank_and_compares_flash_with_standard_of_its_s
     """benchmarks/graph_replays.py: one row per rank's result file (result.json repeats rank
     0's), the share of the timed chunks replayed (a step run eagerly timed each of its chunks),
     flash's mean over standard's of the same shape and rank."""
-    import importlib.util
-
-    path = os.path.join(
-        os.path.dirname(os.path.dirname(__file__)), "benchmarks", "graph_replays.py"
-    )
-    spec = importlib.util.spec_from_file_location("graph_replays", path)
-    graph_replays = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(graph_replays)
+    graph_replays = benchmark_script("graph_replays.py")
 
     def write(config_dir, name, trainer, mean, replayed, eager_chunks):
         result = {
@@ -314,12 +307,7 @@ def test_host_work_counts_the_gpu_waiting_for_a_late_launch():
     wait for the host, also where that call began before the GPU went idle; a gap whose launch
     call ended in time, or that has no launch call in the trace, is idle but not a wait; a
     kernel inside an earlier, longer one adds no gap; ties and copies are activity too."""
-    import importlib.util
-
-    path = os.path.join(os.path.dirname(os.path.dirname(__file__)), "benchmarks", "host_work.py")
-    spec = importlib.util.spec_from_file_location("host_work", path)
-    host_work = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(host_work)
+    host_work = benchmark_script("host_work.py")
 
     def launch(ts, dur, correlation):
         return {"cat": "cuda_runtime", "name": "cudaLaunchKernel", "ts": ts, "dur": dur,
@@ -356,13 +344,7 @@ def test_trace_host_diff_counts_each_microsecond_once(tmp_path, capsys):
     """benchmarks/trace_host_diff.py on hand-made traces (µs): an event's self time is its
     duration less that of the events nested in it on its thread, Python functions and torch ops
     alike; threads are apart; a bound method's address is dropped from its name."""
-    import importlib.util
-
-    path = os.path.join(os.path.dirname(os.path.dirname(__file__)), "benchmarks",
-                        "trace_host_diff.py")  # fmt: skip
-    spec = importlib.util.spec_from_file_location("trace_host_diff", path)
-    diff = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(diff)
+    diff = benchmark_script("trace_host_diff.py")
 
     def event(cat, name, ts, dur, tid=1):
         return {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur, "pid": 0, "tid": tid}
@@ -402,12 +384,7 @@ def test_scaling_table_ratios_and_efficiencies(tmp_path):
     """benchmarks/scaling_table.py on hand-made results: flash / standard within a mode, weak
     scaling t1 / tW at 8 per rank, strong scaling t1 / (W tW) at the 1-GPU global batch, a
     failed config shown by its status, an unreadable file a warning."""
-    import importlib.util
-
-    path = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "scaling_table.py")
-    spec = importlib.util.spec_from_file_location("scaling_table", path)
-    scaling_table = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(scaling_table)
+    scaling_table = benchmark_script("scaling_table.py")
 
     def write(name, trainer, ms, batch, distributed="none", ranks=1, status="ok", **config):
         folder = tmp_path / name

@@ -3,21 +3,15 @@
 as summary.md and the CLI's table, in the same format. A change of the columns fails here until
 ``python benchmarks/readme_table.py`` writes README again."""
 
-import importlib.util
 import json
-import os
 
-from cli_helpers import ROOT
+from cli_helpers import benchmark_script
 
 from dp_cost.report import tables
 
 
 def readme_table_script():
-    path = os.path.join(ROOT, "benchmarks", "readme_table.py")
-    spec = importlib.util.spec_from_file_location("readme_table", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return benchmark_script("readme_table.py")
 
 
 def test_readmes_table_is_the_summary_codes_table_of_the_stored_run():

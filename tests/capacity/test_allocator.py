@@ -6,6 +6,7 @@ the card is full). On a GPU, benchmarks/allocator_replay.py checks it against to
 import pytest
 
 from dp_cost.capacity import allocator
+from tests.cli_helpers import benchmark_script
 
 KIB, MIB = 2**10, 2**20
 
@@ -111,3 +112,27 @@ def test_the_fake_step_records_the_stream_an_allocation_is_made_on():
     streams = [stream for _, size, stream in requests if size > 0]
     assert streams == [0, 1, 0]
     del first, second, third
+
+
+def test_the_replay_check_names_the_sizes_one_sequence_lacks_and_the_kernel_behind_them():
+    """benchmarks/allocator_replay.py --frames: a size the run allocated and the plan never
+    requested is listed with its first allocation's frames, past the allocator's own; sizes
+    under 16 MiB and sizes both requested (whatever their counts) are left out."""
+    allocator_replay = benchmark_script("allocator_replay.py")
+    real = [(1, 64 * MIB), (1, -64 * MIB), (2, 132 * MIB), (3, 132 * MIB), (4, 8 * MIB)]
+    predicted = [(-1, 64 * MIB), (-2, 40 * MIB)]
+    entry = {
+        "frames": [
+            {"name": "c10::cuda::CUDACachingAllocator::Native::malloc", "filename": "a.cpp"},
+            {"name": "at::native::empty_cuda", "filename": "b.cpp"},
+            {"name": "at::native::_efficient_attention_backward", "filename": "c.cu"},
+            {"name": "forward", "filename": "/x/model.py"},
+        ]
+    }
+    frames = {132 * MIB: allocator_replay.frame_names(entry)}
+    unmatched = allocator_replay.unmatched_sizes(real, predicted, frames)
+    assert unmatched["real_only"] == [
+        {"mib": 132.0, "count": 2,
+         "frames": ["at::native::_efficient_attention_backward (c.cu)", "forward (model.py)"]},
+    ]  # fmt: skip
+    assert unmatched["predicted_only"] == [{"mib": 40.0, "count": 1}]

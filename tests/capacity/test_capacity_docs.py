@@ -2,9 +2,10 @@
 (tests/fixtures/capacity_worked_example.json, that run's capacity.json as
 benchmarks/capacity_docs.py --store keeps it): the docs cannot drift from what the tool said."""
 
-import importlib.util
 import json
 import os
+
+from tests.cli_helpers import benchmark_script
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 FIXTURE = os.path.join(ROOT, "tests", "fixtures", "capacity_worked_example.json")
@@ -12,12 +13,7 @@ DOC = os.path.join(ROOT, "docs", "capacity.md")
 
 
 def script():
-    spec = importlib.util.spec_from_file_location(
-        "capacity_docs", os.path.join(ROOT, "benchmarks", "capacity_docs.py")
-    )
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return benchmark_script("capacity_docs.py")
 
 
 def test_the_docs_hold_the_worked_examples_table_as_the_tool_planned_it(capsys):

@@ -2,7 +2,6 @@
 tables made one (each calibration step's host time the median), checked against medians and
 lines worked out by hand; a table it cannot make is one error line and nothing written."""
 
-import importlib.util
 import json
 import os
 
@@ -10,16 +9,14 @@ import pytest
 
 from dp_cost.capacity import card_rates
 from tests.capacity.card_table import card_table
-from tests.cli_helpers import ROOT
+from tests.cli_helpers import ROOT, benchmark_script
 
 SCRIPT = os.path.join(ROOT, "benchmarks", "card_tables.py")
 PHASES = ("forward", "backward", "finish")
 
 
 def run(*argv, capsys) -> tuple[int, str]:
-    spec = importlib.util.spec_from_file_location("card_tables", SCRIPT)
-    script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(script)
+    script = benchmark_script("card_tables.py")
     status = script.main([str(a) for a in argv])
     return status, capsys.readouterr().err
 

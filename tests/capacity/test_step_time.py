@@ -5,7 +5,6 @@ counter."""
 import dataclasses
 import json
 import math
-import os
 
 import pytest
 import torch
@@ -15,6 +14,7 @@ from dp_cost.capacity import card_rates, step_time
 from dp_cost.capacity.op_list import ATTENTION, GEMM, MEMORY, SYNC, VIEW, Op, OpRecord
 from dp_cost.measure.config import ExperimentConfig
 from tests.capacity.card_table import SIDES, THIN_RATE, card_table
+from tests.cli_helpers import benchmark_script
 
 
 def rates_of(tmp_path, **settings) -> card_rates.CardRates:
@@ -320,12 +320,7 @@ def recommend_check_against_steps_set_by_hand(plan_dir, entries, tmp_path, capsy
     slower by the ratio set here; measured as fast as the choice, it still agrees; the choice
     failed on the card, or measured with another optimizer, it is not measured; a fitting
     candidate left out is named, a broken file and a step of other settings get a warning."""
-    import importlib.util
-
-    path = os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks", "recommend_check.py")
-    spec = importlib.util.spec_from_file_location("recommend_check", path)
-    script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(script)
+    script = benchmark_script("recommend_check.py")
     dp = [e for e in entries if e["trainer"] != "standard"]
     choice = max(dp, key=lambda e: e["recommendation"]["best"]["samples_per_s"])
     chosen = (choice["trainer"], choice["recommendation"]["best"]["physical_batch_size"])
@@ -431,13 +426,7 @@ def test_a_card_is_found_by_any_spelling_and_a_time_is_compared_on_its_own_card(
 
 
 def card_rates_script():
-    import importlib.util
-
-    path = os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks", "card_rates.py")
-    spec = importlib.util.spec_from_file_location("card_rates_script", path)
-    script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(script)
-    return script
+    return benchmark_script("card_rates.py")
 
 
 @pytest.mark.parametrize("model_kind", ["lm", "hf", "lora"])

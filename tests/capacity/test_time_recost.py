@@ -3,23 +3,20 @@ the step each run measured. Checked against the CLI's own prediction of the same
 same table (the planned step does not depend on which process plans it), and the error against
 a measured time set by hand."""
 
-import importlib.util
 import json
 import os
 
 import pytest
 
 from dp_cost.capacity import card_rates
-from tests.cli_helpers import ROOT, SMALL_MODEL, in_process
+from tests.cli_helpers import ROOT, SMALL_MODEL, benchmark_script, in_process
 
 SCRIPT = os.path.join(ROOT, "benchmarks", "time_recost.py")
 
 
 def recost(*argv, capsys) -> tuple[int, str, str]:
     """The script's main in this process (its imports are the test's): (exit, stdout, stderr)."""
-    spec = importlib.util.spec_from_file_location("time_recost", SCRIPT)
-    script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(script)
+    script = benchmark_script("time_recost.py")
     status = script.main([str(a) for a in argv])
     out = capsys.readouterr()
     return status, out.out, out.err
