@@ -71,16 +71,21 @@ from dp_cost.measure.workload import Workload  # noqa: E402
 LARGE = 100 * 2**20  # requests compared one by one: the ones that move a peak
 NAMED = 16 * 2**20  # sizes compared as sets (--frames): the ones a few of which move a peak
 FRAMES_KEPT = 16  # the innermost frames of an allocation worth reading, the allocator's left out
-ALLOCATOR_FRAMES = ("CachingAllocator", "c10::cuda::", "empty_strided", "empty_generic",
-                    "empty_cuda", "at::detail::empty", "unwind::", "torch::unwind")  # fmt: skip
+ALLOCATOR_FRAMES = ("CapturedTraceback", "gather_with_cpp", "CachingAllocator", "c10::cuda::",
+                    "empty_strided", "empty_generic", "empty_cuda", "at::detail::empty",
+                    "empty_memory_format", "unwind::")  # fmt: skip
+DISPATCH_FRAMES = ("c10::impl::", "at::_ops::", "wrapper_CUDA", "(anonymous namespace)::wrapper")
 
 
 def frame_names(entry: dict) -> list[str]:
-    """An allocation's innermost frames, short, past the allocator's own."""
+    """An allocation's innermost frames, short, past the allocator's own and without the
+    dispatcher's glue between kernels."""
     names = []
     for frame in entry.get("frames", []):
         name = frame.get("name", "?")
         if not names and any(part in name for part in ALLOCATOR_FRAMES):
+            continue
+        if any(part in name for part in DISPATCH_FRAMES):
             continue
         names.append(f"{name[:140]} ({os.path.basename(frame.get('filename', ''))})")
         if len(names) == FRAMES_KEPT:

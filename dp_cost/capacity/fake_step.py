@@ -42,6 +42,7 @@ from torch.utils._pytree import tree_leaves
 
 from dp_cost.capacity.allocator import request_bytes
 from dp_cost.capacity.attention import CudaAttention, real_masks
+from dp_cost.capacity.kernel_scratch import scratch_bytes
 from dp_cost.capacity.op_list import OpRecord
 from dp_cost.capacity.planned_ranks import planned_ranks
 from dp_cost.hf import models as hf_models
@@ -57,6 +58,7 @@ from dp_cost.measure.workload import builds_shards_only
 from dp_cost.parallel.ranks import share
 
 DEVICE = "cpu"  # the fake tensors' device: CPU code paths (torch's, no Triton), CUDA's memory
+SCRATCH_KEYS = -(2**50)  # a kernel's own buffers' keys count down from here (markers' from -1)
 
 
 def storage_key(tensor: torch.Tensor) -> int:
@@ -176,6 +178,7 @@ class StorageRecord(TorchDispatchMode):
                 tensor = tensor.to_local()
             if isinstance(tensor, torch.Tensor):
                 self._add(tensor)
+        self._scratch(scratch_bytes(func, args, kwargs))
         return output
 
     def add_existing(self, tensors) -> None:
@@ -197,6 +200,18 @@ class StorageRecord(TorchDispatchMode):
             event["frames"] = _python_frames() if frames is None else frames
             self.events.append(event)
         weakref.finalize(storage, self._free, key)
+
+    def _scratch(self, sizes: list[int]) -> None:
+        """A CUDA kernel's own buffers (``capacity.kernel_scratch``): taken after the op's
+        outputs, together, and given back before the op returns (keys no storage has)."""
+        keys = [SCRATCH_KEYS - len(self.events) - i for i in range(len(sizes))]
+        frames = _python_frames() if sizes else []
+        for key, size in zip(keys, sizes):
+            self.events.append({"action": "alloc", "addr": key, "size": request_bytes(size),
+                                "stream": self._stream(), "frames": frames})  # fmt: skip
+        for key, size in zip(keys, sizes):
+            self.events.append({"action": "free_completed", "addr": key,
+                                "size": request_bytes(size)})  # fmt: skip
 
     def _free(self, key: int) -> None:
         size = self.live.pop(key, None)

@@ -1,0 +1,150 @@
+"""Memory a CUDA kernel takes from the caching allocator for itself, beside its outputs: a
+registry, one function per op, of the scratch buffers the kernel allocates and frees within
+the call. A fake tensor's meta kernel makes only the outputs, yet these requests move where
+the allocator's blocks land and so its reserved peak (the 1b model's bias gradients at
+(2, 4096) in fp32 take a 132 MiB reduction buffer a layer; cuDNN's attention backward a 64.5 MiB
+workspace a layer at (4, 2048)).
+
+By hand, as ``attention``'s kernel choice is: torch sizes these in C++, for CUDA tensors only.
+The rules are torch 2.11's on sm90 (H100 and H200: 132 multiprocessors, 2048 threads each),
+checked for every case of ``benchmarks/kernel_scratch.py``'s grid by
+tests/capacity/test_kernel_scratch.py.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+aten = torch.ops.aten
+
+MULTIPROCESSORS = 132  # H100 SXM and H200
+THREADS_PER_MULTIPROCESSOR = 2048
+WARP = 32
+MAX_THREADS = 512  # a reduction block's, before its output vector divides it
+VALUES_PER_THREAD = (16, 256)  # the least and the most a thread of a reduction sums
+
+
+def _last_pow2(n: int) -> int:
+    return 1 << (max(1, n).bit_length() - 1)
+
+
+def _reduction_dims(shape, strides, reduced: set[int]) -> list[tuple[int, int, bool]]:
+    """The input as TensorIterator lays a reduction out: (size, input stride, reduced) per
+    dimension, size-1 ones dropped, reduced dimensions first, each group by stride ascending
+    (the output's stride, zero where reduced, decides before the input's), neighbours that
+    are one run of memory in both the input and the output merged."""
+    dims = [(size, stride, d in reduced) for d, (size, stride) in enumerate(zip(shape, strides))]
+    dims = [dim for dim in dims if dim[0] != 1]
+    dims.sort(key=lambda dim: (not dim[2], dim[1]))
+    merged: list[tuple[int, int, bool]] = []
+    for size, stride, is_reduced in dims:
+        if merged:
+            last_size, last_stride, last_reduced = merged[-1]
+            if last_reduced == is_reduced and last_stride * last_size == stride:
+                merged[-1] = (last_size * size, last_stride, is_reduced)
+                continue
+        merged.append((size, stride, is_reduced))
+    return merged
+
+
+def _output_vector(dims, num_reduce: int, element: int, offset: int) -> int:
+    """get_output_vec_size: 4, halved until it divides the output's extent and every other
+    input stride and the input's address is aligned to it."""
+    vector = 4
+    values = [dims[num_reduce][0]] + [stride for i, (_, stride, _) in enumerate(dims)
+                                       if i != num_reduce]  # fmt: skip
+    while vector > 1 and (offset * element) % (vector * element):
+        vector //= 2
+    for value in values:
+        while vector > 1 and value % vector:
+            vector //= 2
+    return vector
+
+
+def reduction_buffers(tensor: torch.Tensor, reduced: set[int]) -> list[int]:
+    """The requests of ``gpu_reduce_kernel`` (sum, mean) over the ``reduced`` dimensions of
+    ``tensor``: where blocks share an output, its staging buffer in global memory and an int
+    semaphore per output block; [] where each block reduces its own outputs. setReduceConfig's
+    launch arithmetic, for inputs that fit 32-bit indexing."""
+    element = tensor.element_size()
+    accumulator = 8 if tensor.dtype == torch.float64 else 4  # the sum's accumulator type
+    dims = _reduction_dims(tensor.shape, tensor.stride(), reduced)
+    outputs = math.prod(size for size, _, is_reduced in dims if not is_reduced)
+    inputs = math.prod(size for size, _, is_reduced in dims if is_reduced)
+    num_reduce = sum(1 for dim in dims if dim[2])
+    if not dims or inputs <= 1 or outputs * inputs >= 2**31:
+        return []
+    along_input = num_reduce == len(dims) or dims[0][1] < dims[num_reduce][1]
+    dim0, dim1 = (inputs, outputs) if along_input else (outputs, inputs)
+    fastest = dims[0][1] if along_input else dims[num_reduce][1]
+    vector = 1
+    if fastest == 1:
+        if along_input and dim0 >= 128 and num_reduce == 1:
+            dim0 //= 16 // element  # vectorized loads of 16 bytes
+        elif not along_input:
+            vector = _output_vector(dims, num_reduce, element, tensor.storage_offset())
+            dim0 //= vector
+    most = MAX_THREADS // vector
+    dim0_pow2, dim1_pow2 = min(_last_pow2(dim0), most), min(_last_pow2(dim1), most)
+    width = min(dim0_pow2, WARP)
+    height = min(dim1_pow2, most // width)
+    width = min(dim0_pow2, most // height)
+    step_input = step_output = 1
+    if along_input:
+        step_input *= width
+    else:
+        step_output *= width
+    least, largest = VALUES_PER_THREAD
+    if math.ceil(inputs / step_input) < min(height * 16, largest):
+        return []  # each warp its own outputs: no reduction across blocks
+    step_input *= height
+    values_per_thread = math.ceil(inputs / step_input)
+    grid = math.ceil(outputs // vector / step_output)
+    target_grid = MULTIPROCESSORS * (THREADS_PER_MULTIPROCESSOR // (width * height))
+    if values_per_thread < largest or grid > target_grid:
+        return []
+    ctas = max(
+        math.ceil(values_per_thread / largest),
+        min(math.ceil(target_grid / grid), math.ceil(values_per_thread / least)),
+    )
+    if ctas <= 1:
+        return []
+    size = accumulator * outputs * ctas
+    return [size if along_input else size * width * vector, 4 * grid]
+
+
+def _reduced_dims(tensor: torch.Tensor, dims) -> set[int]:
+    if dims is None or len(dims) == 0:
+        return set(range(tensor.dim()))
+    return {d % tensor.dim() for d in dims}
+
+
+def _sum_buffers(tensor, dims=None, keepdim=False, *, dtype=None) -> list[int]:
+    return reduction_buffers(tensor, _reduced_dims(tensor, dims))
+
+
+def _cudnn_attention_backward_workspace(grad_out, query, key, value, *args, **kwargs) -> list[int]:
+    """cuDNN's attention backward: one workspace of its fp32 accumulator of the query's
+    gradient, a second one where the key heads are grouped (fewer than the query's), a float
+    per row and 256 bytes."""
+    batch, heads, tokens, head_dim = query.shape
+    rows = batch * heads * tokens
+    grouped = key.shape[1] != heads
+    return [4 * rows * head_dim * (2 if grouped else 1) + 4 * rows + 256]
+
+
+SCRATCH = {
+    aten.sum.dim_IntList: _sum_buffers,
+    aten.sum.default: lambda tensor, *, dtype=None: _sum_buffers(tensor),
+    aten.mean.dim: _sum_buffers,
+    aten._scaled_dot_product_cudnn_attention_backward.default: _cudnn_attention_backward_workspace,
+}
+
+
+def scratch_bytes(func, args, kwargs) -> list[int]:
+    """The scratch requests ``func``'s CUDA kernel makes on these (fake) arguments, in order,
+    each freed before the call returns; [] for any op not in the registry."""
+    rule = SCRATCH.get(func)
+    return rule(*args, **kwargs) if rule is not None else []
