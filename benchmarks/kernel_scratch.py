@@ -20,6 +20,7 @@ usage: python benchmarks/kernel_scratch.py --out kernel_scratch.json
 from __future__ import annotations  # noqa: I001
 
 import argparse
+import dataclasses
 import json
 import os
 import shlex
@@ -151,15 +152,20 @@ def config_step(flags: str, device, watch: ScratchWatch) -> None:
     from dp_cost.measure.config import ExperimentConfig
     from dp_cost.measure.workload import Workload
 
+    kinds = {field.name: str(field.type) for field in dataclasses.fields(ExperimentConfig)}
     fields = {}
     words = shlex.split(flags)
     for name, value in zip(words[::2], words[1::2]):
         key = name.lstrip("-")
-        default = getattr(ExperimentConfig, key)
-        if isinstance(default, bool):
+        kind = kinds[key]
+        if "bool" in kind:
             fields[key] = value.lower() in ("1", "true", "yes")
+        elif "int" in kind:
+            fields[key] = int(value)
+        elif "float" in kind:
+            fields[key] = float(value)
         else:
-            fields[key] = type(default)(value) if default is not None else int(value)
+            fields[key] = value
     config = ExperimentConfig(device="cuda", **fields)
     workload = Workload(config, device, lambda name: None, {})
     trainer = worker.build_trainer(config, workload.model, workload.loss_fn, lambda n: None)
@@ -181,8 +187,13 @@ def main() -> int:
     watch = ScratchWatch(device)
     if not args.no_grid:
         grid(device, watch)
+    failed = []
     for flags in args.config:
-        config_step(flags, device, watch)
+        try:
+            config_step(flags, device, watch)
+        except (RuntimeError, ValueError, KeyError, TypeError) as error:  # the others still run
+            failed.append(flags)
+            print(f"warning: config {flags!r} failed: {error}", file=sys.stderr)
     props = torch.cuda.get_device_properties(device)
     wrong = [case for case in watch.checked if case["measured_bytes"] != case["planned_bytes"]]
     result = {
@@ -190,7 +201,7 @@ def main() -> int:
         "multiprocessors": props.multi_processor_count,
         "torch": torch.__version__,
         "cudnn": torch.backends.cudnn.version(),
-        "configs": args.config,
+        "configs": [flags for flags in args.config if flags not in failed],
         "cases": watch.checked,
         "unlisted": sorted(watch.unlisted.values(), key=lambda row: -row["measured_bytes"]),
     }
