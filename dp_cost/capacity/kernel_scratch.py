@@ -3,7 +3,9 @@ registry, one function per op, of the scratch buffers the kernel allocates and f
 the call. A fake tensor's meta kernel makes only the outputs, yet these requests move where
 the allocator's blocks land and so its reserved peak (the 1b model's bias gradients at
 (2, 4096) in fp32 take a 132 MiB reduction buffer a layer; cuDNN's attention backward a 64.5 MiB
-workspace a layer at (4, 2048)).
+workspace a layer at (4, 2048)). Known and not modelled (listed by the benchmark on a card):
+the memory-efficient attention's backward workspace (129 MiB a layer of the 1b model in fp32
+at (2, 4096)) and the embedding backward's sort buffers (71 MiB for 8192 tokens).
 
 By hand, as ``attention``'s kernel choice is: torch sizes these in C++, for CUDA tensors only.
 The rules are torch 2.11's on sm90 (H100 and H200: 132 multiprocessors, 2048 threads each),
@@ -126,13 +128,22 @@ def _sum_buffers(tensor, dims=None, keepdim=False, *, dtype=None) -> list[int]:
 
 
 def _cudnn_attention_backward_workspace(grad_out, query, key, value, *args, **kwargs) -> list[int]:
-    """cuDNN's attention backward: one workspace of its fp32 accumulator of the query's
-    gradient, a second one where the key heads are grouped (fewer than the query's), a float
-    per row and 256 bytes."""
+    """cuDNN's attention backward: a dense copy of the output's gradient where its rows are
+    not (a broadcast one), then one workspace: an fp32 accumulator of the query's gradient, a
+    second one where the key heads are grouped (fewer than the query's), a float per row and
+    256 bytes."""
     batch, heads, tokens, head_dim = query.shape
     rows = batch * heads * tokens
     grouped = key.shape[1] != heads
-    return [4 * rows * head_dim * (2 if grouped else 1) + 4 * rows + 256]
+    copy = [grad_out.numel() * grad_out.element_size()] if grad_out.stride(-1) != 1 else []
+    return [*copy, 4 * rows * head_dim * (2 if grouped else 1) + 4 * rows + 256]
+
+
+def _softmax_backward_temporary(grad_output, output, dim, input_dtype) -> list[int]:
+    """The softmax backward's temporary the size of the gradient it is given (the math
+    attention's [B, H, T, T] probabilities: 1 GiB a layer for Llama-3.2-1B in fp32 at
+    (2, 2048))."""
+    return [grad_output.numel() * grad_output.element_size()]
 
 
 SCRATCH = {
@@ -140,6 +151,7 @@ SCRATCH = {
     aten.sum.default: lambda tensor, *, dtype=None: _sum_buffers(tensor),
     aten.mean.dim: _sum_buffers,
     aten._scaled_dot_product_cudnn_attention_backward.default: _cudnn_attention_backward_workspace,
+    aten._softmax_backward_data.default: _softmax_backward_temporary,
 }
 
 
