@@ -80,7 +80,7 @@ class ScratchWatch(TorchDispatchMode):
     def __init__(self, device):
         super().__init__()
         self.device = device
-        self.checked: list[dict] = []  # ops of the rules' registry
+        self.checked: dict[str, dict] = {}  # ops of the rules' registry, each case once
         self.unlisted: dict[tuple, dict] = {}  # (op, shapes) -> the largest scratch seen
 
     def _allocated(self) -> int:
@@ -102,10 +102,15 @@ class ScratchWatch(TorchDispatchMode):
         measured = taken - sum(new.values())
         if func in SCRATCH:
             planned = sum(request_bytes(size) for size in scratch_bytes(func, args, kwargs))
-            self.checked.append({
-                "op": str(func), "args": describe(args), "kwargs": describe(kwargs),
-                "measured_bytes": measured, "planned_bytes": planned,
-            })  # fmt: skip
+            case = {"op": str(func), "args": describe(args), "kwargs": describe(kwargs)}
+            key = json.dumps(case, sort_keys=True)
+            if key in self.checked:  # a layer's op again: counted once, unless it differs
+                self.checked[key]["count"] += 1
+                if self.checked[key]["measured_bytes"] == measured:
+                    return output
+                key += f" {len(self.checked)}"
+            case.update(measured_bytes=measured, planned_bytes=planned, count=1)
+            self.checked[key] = case
         elif measured >= LISTED:
             shapes = tuple(tuple(t.shape) for t in tree_leaves(args) if isinstance(t, torch.Tensor))
             key = (str(func), shapes)
@@ -195,19 +200,21 @@ def main() -> int:
             failed.append(flags)
             print(f"warning: config {flags!r} failed: {error}", file=sys.stderr)
     props = torch.cuda.get_device_properties(device)
-    wrong = [case for case in watch.checked if case["measured_bytes"] != case["planned_bytes"]]
+    checked = list(watch.checked.values())
+    wrong = [case for case in checked if case["measured_bytes"] != case["planned_bytes"]]
     result = {
         "device": torch.cuda.get_device_name(device),
         "multiprocessors": props.multi_processor_count,
         "torch": torch.__version__,
         "cudnn": torch.backends.cudnn.version(),
         "configs": [flags for flags in args.config if flags not in failed],
-        "cases": watch.checked,
+        "cases": checked,
         "unlisted": sorted(watch.unlisted.values(), key=lambda row: -row["measured_bytes"]),
     }
     with open(args.out, "w") as file:
         json.dump(result, file, indent=1)
-    print(f"{len(watch.checked)} ops of the rules checked, {len(wrong)} differ")
+    calls = sum(case["count"] for case in checked)
+    print(f"{calls} calls of the rules' ops, {len(checked)} distinct, {len(wrong)} differ")
     for case in wrong[:20]:
         shapes = [a["shape"] for a in case["args"] if isinstance(a, dict) and "shape" in a]
         print(f"  {case['op']} {shapes}: measured {case['measured_bytes']}, "
