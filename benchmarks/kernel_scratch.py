@@ -66,6 +66,8 @@ def describe(value):
         }  # fmt: skip
     if isinstance(value, (list, tuple)):
         return [describe(item) for item in value]
+    if isinstance(value, dict):
+        return {key: describe(item) for key, item in value.items()}
     if isinstance(value, torch.dtype):
         return {"dtype_value": str(value).split(".")[-1]}
     if value is None or isinstance(value, (bool, int, float, str)):

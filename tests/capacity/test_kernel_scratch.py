@@ -1,0 +1,88 @@
+"""A CUDA kernel's own buffers (dp_cost/capacity/kernel_scratch.py) against the card: every
+case benchmarks/kernel_scratch.py measured on an H200 (tests/fixtures/kernel_scratch_h200.json:
+a grid of reductions and cuDNN attention backwards, and every such op of five configs' steps),
+rebuilt on meta tensors of the same layout, gets the bytes the card's allocator handed out
+beside the op's outputs; and the fake step records them where the card takes them."""
+
+import json
+import math
+import os
+
+import pytest
+import torch
+
+from dp_cost.capacity import fake_step
+from dp_cost.capacity.allocator import request_bytes
+from dp_cost.capacity.kernel_scratch import reduction_buffers, scratch_bytes
+
+FIXTURE = os.path.join(os.path.dirname(__file__), "..", "fixtures", "kernel_scratch_h200.json")
+MEASURED = json.load(open(FIXTURE))
+
+
+def rebuilt(value):
+    """A described argument again: a tensor as a meta tensor of its shape, strides and offset."""
+    if isinstance(value, dict) and value.get("tensor"):
+        shape, stride, offset = value["shape"], value["stride"], value["offset"]
+        extent = offset + 1 + sum((size - 1) * step for size, step in zip(shape, stride))
+        storage = torch.empty(extent, dtype=getattr(torch, value["dtype"]), device="meta")
+        return storage.as_strided(shape, stride, offset)
+    if isinstance(value, dict) and "dtype_value" in value:
+        return getattr(torch, value["dtype_value"])
+    if isinstance(value, dict):
+        return {key: rebuilt(item) for key, item in value.items()}
+    if isinstance(value, list):
+        return [rebuilt(item) for item in value]
+    return value
+
+
+def operator(name: str):
+    namespace, op, overload = name.split(".")
+    return getattr(getattr(getattr(torch.ops, namespace), op), overload)
+
+
+def test_every_measured_case_is_the_rules():
+    assert MEASURED["multiprocessors"] == 132  # the rules' card (H100 SXM and H200)
+    kinds = {case["op"] for case in MEASURED["cases"]}
+    assert len(kinds) == 5 and len(MEASURED["cases"]) > 100
+    assert any(case["measured_bytes"] > 2**27 for case in MEASURED["cases"])  # 128 MiB and up
+    assert any(case["measured_bytes"] == 0 for case in MEASURED["cases"])  # one block an output
+    wrong = []
+    for case in MEASURED["cases"]:
+        args, kwargs = rebuilt(case["args"]), rebuilt(case["kwargs"])
+        planned = sum(request_bytes(size) for size in scratch_bytes(operator(case["op"]), args,
+                                                                     kwargs))  # fmt: skip
+        if planned != case["measured_bytes"]:
+            wrong.append((case["op"], [a.shape for a in args if isinstance(a, torch.Tensor)],
+                          planned, case["measured_bytes"]))  # fmt: skip
+    assert not wrong, wrong[:5]
+
+
+@pytest.mark.parametrize(
+    "shape, dims, buffer",
+    [((2, 4096, 8192), {0, 1}, 132 * 2**20),  # the 1b model's fc1 bias gradient, fp32
+     ((4, 2048, 8192), {1}, 144 * 2**20),  # Opacus' per-sample bias gradients
+     ((8, 16), {0, 1}, 0),  # small: one block
+     ((4, 2048, 8192), {2}, 0)],  # along the rows: each block its own outputs
+)  # fmt: skip
+def test_a_reductions_buffer_by_hand(shape, dims, buffer):
+    """setReduceConfig worked out for the 1b model's bias gradient (output vectors of 4, blocks
+    of 32 x 4 threads, 33 blocks an output: 4 B x 8192 x 33 x 128)."""
+    tensor = torch.empty(shape, device="meta")
+    buffers = reduction_buffers(tensor, dims)
+    assert (buffers[0] if buffers else 0) == buffer
+
+
+def test_the_fake_step_takes_a_kernels_buffers_after_its_outputs_and_frees_them():
+    record = fake_step.StorageRecord()
+    with fake_step.FakeTensorMode(), record:
+        gradient = torch.empty(2, 4096, 8192)
+        start = len(record.events)
+        bias = gradient.sum((0, 1))
+    events = [(e["action"], e["size"]) for e in record.events[start:]]
+    buffer, semaphores = (request_bytes(size) for size in reduction_buffers(gradient, {0, 1}))
+    assert events == [
+        ("alloc", request_bytes(bias.numel() * 4)),
+        ("alloc", buffer), ("alloc", semaphores),
+        ("free_completed", buffer), ("free_completed", semaphores),
+    ]  # fmt: skip
+    assert buffer == 132 * 2**20 and math.prod(bias.shape) == 8192
