@@ -14,7 +14,7 @@ Two sources of ops, both on the card:
 Writes --out (JSON: every checked case with its arguments, so tests/capacity/
 test_kernel_scratch.py rebuilds them on meta tensors) and prints a summary.
 usage: python benchmarks/kernel_scratch.py --out kernel_scratch.json
-           [--config "--model 1b --seq_len 1024 --batch_size 8 --trainer dpsgd ..." ...]
+           [--config="--model 1b --seq_len 1024 --batch_size 8 --trainer dpsgd ..." ...]
 """
 
 from __future__ import annotations  # noqa: I001
