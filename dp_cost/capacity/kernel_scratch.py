@@ -70,8 +70,11 @@ def reduction_buffers(tensor: torch.Tensor, reduced: set[int]) -> list[int]:
     ``tensor``: where blocks share an output, its staging buffer in global memory and an int
     semaphore per output block; [] where each block reduces its own outputs. setReduceConfig's
     launch arithmetic, for inputs that fit 32-bit indexing."""
+    if tensor.numel() == 0:
+        return []  # nothing to reduce: no kernel runs
     element = tensor.element_size()
-    accumulator = 8 if tensor.dtype == torch.float64 else 4  # the sum's accumulator type
+    # the sum's accumulator: double for double, int64 for integers, float otherwise
+    accumulator = 4 if tensor.is_floating_point() and tensor.dtype != torch.float64 else 8
     dims = _reduction_dims(tensor.shape, tensor.stride(), reduced)
     outputs = math.prod(size for size, _, is_reduced in dims if not is_reduced)
     inputs = math.prod(size for size, _, is_reduced in dims if is_reduced)
@@ -118,7 +121,7 @@ def reduction_buffers(tensor: torch.Tensor, reduced: set[int]) -> list[int]:
 
 
 def _reduced_dims(tensor: torch.Tensor, dims) -> set[int]:
-    if dims is None or len(dims) == 0:
+    if dims is None or len(dims) == 0 or tensor.dim() == 0:
         return set(range(tensor.dim()))
     return {d % tensor.dim() for d in dims}
 

@@ -86,3 +86,18 @@ def test_the_fake_step_takes_a_kernels_buffers_after_its_outputs_and_frees_them(
         ("free_completed", buffer), ("free_completed", semaphores),
     ]  # fmt: skip
     assert buffer == 132 * 2**20 and math.prod(bias.shape) == 8192
+
+
+def test_reductions_that_launch_no_shared_kernel_take_nothing_and_never_fail():
+    """A prediction dispatches every sum the step makes: a scalar's, an empty tensor's, all
+    dimensions (None), integer sums (an int64 accumulator) and repeated dimensions."""
+    sum_dims, meta = torch.ops.aten.sum.dim_IntList, {"device": "meta"}
+    assert scratch_bytes(sum_dims, (torch.empty((), **meta), [0]), {}) == []
+    assert scratch_bytes(sum_dims, (torch.empty(0, 5, **meta), [0]), {}) == []
+    assert scratch_bytes(sum_dims, (torch.empty(5, 0, **meta), [0]), {}) == []
+    whole = scratch_bytes(sum_dims, (torch.empty(4096, 8192, **meta), None), {})
+    integers = scratch_bytes(torch.ops.aten.sum.default,
+                             (torch.empty(4096, 8192, dtype=torch.long, **meta),), {})  # fmt: skip
+    assert whole and integers[0] == 2 * whole[0]  # 8-byte partial sums against 4
+    repeated = scratch_bytes(sum_dims, (torch.empty(4096, 8192, **meta), [0, 0]), {})
+    assert repeated == scratch_bytes(sum_dims, (torch.empty(4096, 8192, **meta), [0]), {})
