@@ -5,8 +5,8 @@ caching allocator handed out during the op beyond the op's new outputs (torch's 
 
 Two sources of ops, both on the card:
 - ``grid``: reductions (sums over the dimensions a bias gradient, a per-sample bias gradient, a
-  norm and a whole-tensor sum take) and cuDNN's attention backward (grouped and not) at a grid
-  of shapes and dtypes;
+  norm and a whole-tensor sum take, of permuted and sliced inputs too), the embedding's backward
+  and cuDNN's attention backward (grouped and not) at a grid of shapes and dtypes;
 - ``--config`` runs: one warm-up and one step of a toolkit config (the model, trainer and
   batch of the measuring modes), every op watched: ops in the rules' registry are checked, and
   any other op that took 1 MiB or more for itself is listed (a kernel the rules lack).
@@ -105,12 +105,11 @@ class ScratchWatch(TorchDispatchMode):
         if func in SCRATCH:
             planned = sum(request_bytes(size) for size in scratch_bytes(func, args, kwargs))
             case = {"op": str(func), "args": describe(args), "kwargs": describe(kwargs)}
-            key = json.dumps(case, sort_keys=True)
-            if key in self.checked:  # a layer's op again: counted once, unless it differs
+            # a layer's op again is one case counted again; measured otherwise, another case
+            key = json.dumps(case, sort_keys=True) + f" {measured}"
+            if key in self.checked:
                 self.checked[key]["count"] += 1
-                if self.checked[key]["measured_bytes"] == measured:
-                    return output
-                key += f" {len(self.checked)}"
+                return output
             case.update(measured_bytes=measured, planned_bytes=planned, count=1)
             self.checked[key] = case
         elif measured >= LISTED:
@@ -136,7 +135,16 @@ def grid(device, watch: ScratchWatch) -> None:
                 x.sum()
                 x.mean((0, 1))
                 x[:, 1:].sum((0, 1))  # not one run of memory
+                x.permute(2, 1, 0).sum(2)  # kept dimensions out of the input's order
             del x
+        for tokens, width, rows in ((8192, 2048, 32000), (2048, 2048, 32000),
+                                    (16384, 3072, 128256)):  # fmt: skip
+            table = torch.randn(rows, width, device=device, dtype=dtype, requires_grad=True)
+            ids = torch.randint(rows, (tokens,), device=device)
+            out = F.embedding(ids, table)
+            with watch:
+                out.backward(torch.ones_like(out))  # more than 3072 tokens: the sorting backward
+            del table, ids, out
     for batch, heads, key_heads, tokens, head_dim in ((4, 16, 16, 2048, 128), (16, 24, 8, 256, 128),
                                                       (2, 32, 8, 1024, 64), (8, 16, 16, 1024, 128),
                                                       (1, 8, 8, 4096, 256)):  # fmt: skip

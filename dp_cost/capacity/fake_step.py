@@ -42,7 +42,7 @@ from torch.utils._pytree import tree_leaves
 
 from dp_cost.capacity.allocator import request_bytes
 from dp_cost.capacity.attention import CudaAttention, real_masks
-from dp_cost.capacity.kernel_scratch import scratch_bytes
+from dp_cost.capacity.kernel_scratch import scratch_requests
 from dp_cost.capacity.op_list import OpRecord
 from dp_cost.capacity.planned_ranks import planned_ranks
 from dp_cost.hf import models as hf_models
@@ -173,12 +173,14 @@ class StorageRecord(TorchDispatchMode):
         # How many distinct values torch.unique finds depends on the data, which fake tensors
         # lack: plan for every one distinct, the most memory (random tokens come close).
         output = distinct(*args, **kwargs) if distinct else func(*args, **kwargs)
+        before, after = scratch_requests(func, args, kwargs)
+        scratch = self._take(before)
         for tensor in tree_leaves(output):
             if isinstance(tensor, DTensor):  # FSDP2: its shard, made by ops this mode skips
                 tensor = tensor.to_local()
             if isinstance(tensor, torch.Tensor):
                 self._add(tensor)
-        self._scratch(scratch_bytes(func, args, kwargs))
+        self._give_back(scratch + self._take(after))
         return output
 
     def add_existing(self, tensors) -> None:
@@ -201,17 +203,21 @@ class StorageRecord(TorchDispatchMode):
             self.events.append(event)
         weakref.finalize(storage, self._free, key)
 
-    def _scratch(self, sizes: list[int]) -> None:
-        """A CUDA kernel's own buffers (``capacity.kernel_scratch``): taken after the op's
-        outputs, together, and given back before the op returns (keys no storage has)."""
-        keys = [SCRATCH_KEYS - len(self.events) - i for i in range(len(sizes))]
+    def _take(self, sizes: list[int]) -> list[tuple[int, int]]:
+        """A CUDA kernel's own buffers (``capacity.kernel_scratch``) allocated: (key, bytes)
+        each, under keys no storage has."""
+        taken = [(SCRATCH_KEYS - len(self.events) - i, request_bytes(size))
+                 for i, size in enumerate(sizes)]  # fmt: skip
         frames = _python_frames() if sizes else []
-        for key, size in zip(keys, sizes):
-            self.events.append({"action": "alloc", "addr": key, "size": request_bytes(size),
+        for key, size in taken:
+            self.events.append({"action": "alloc", "addr": key, "size": size,
                                 "stream": self._stream(), "frames": frames})  # fmt: skip
-        for key, size in zip(keys, sizes):
-            self.events.append({"action": "free_completed", "addr": key,
-                                "size": request_bytes(size)})  # fmt: skip
+        return taken
+
+    def _give_back(self, taken: list[tuple[int, int]]) -> None:
+        """The kernel's buffers freed as its C++ scope ends: the latest first."""
+        for key, size in reversed(taken):
+            self.events.append({"action": "free_completed", "addr": key, "size": size})
 
     def _free(self, key: int) -> None:
         size = self.live.pop(key, None)

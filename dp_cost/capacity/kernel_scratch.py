@@ -4,8 +4,9 @@ the call. A fake tensor's meta kernel makes only the outputs, yet these requests
 the allocator's blocks land and so its reserved peak (the 1b model's bias gradients at
 (2, 4096) in fp32 take a 132 MiB reduction buffer a layer; cuDNN's attention backward a 64.5 MiB
 workspace a layer at (4, 2048)). Known and not modelled (listed by the benchmark on a card):
-the memory-efficient attention's backward workspace (129 MiB a layer of the 1b model in fp32
-at (2, 4096)) and the embedding backward's sort buffers (71 MiB for 8192 tokens).
+the memory-efficient attention's backward buffers (129 MiB in all a layer of the 1b model in
+fp32 at (2, 4096), one case measured) and cub's temporary storage in the embedding backward's
+sort.
 
 By hand, as ``attention``'s kernel choice is: torch sizes these in C++, for CUDA tensors only.
 The rules are torch 2.11's on sm90 (H100 and H200: 132 multiprocessors, 2048 threads each),
@@ -18,9 +19,12 @@ from __future__ import annotations
 import math
 
 import torch
+from torch.distributed.tensor import DTensor
+from torch.utils._pytree import tree_leaves
 
 aten = torch.ops.aten
 
+OUTPUTS = None  # in a rule's list: where the op's outputs are taken (else before them all)
 MULTIPROCESSORS = 132  # H100 SXM and H200
 THREADS_PER_MULTIPROCESSOR = 2048
 WARP = 32
@@ -34,21 +38,34 @@ def _last_pow2(n: int) -> int:
 
 def _reduction_dims(shape, strides, reduced: set[int]) -> list[tuple[int, int, bool]]:
     """The input as TensorIterator lays a reduction out: (size, input stride, reduced) per
-    dimension, size-1 ones dropped, reduced dimensions first, each group by stride ascending
-    (the output's stride, zero where reduced, decides before the input's), neighbours that
-    are one run of memory in both the input and the output merged."""
-    dims = [(size, stride, d in reduced) for d, (size, stride) in enumerate(zip(shape, strides))]
-    dims = [dim for dim in dims if dim[0] != 1]
-    dims.sort(key=lambda dim: (not dim[2], dim[1]))
-    merged: list[tuple[int, int, bool]] = []
-    for size, stride, is_reduced in dims:
+    dimension, size-1 ones dropped; reduced dimensions first, by input stride ascending, then
+    the kept ones by the output's stride ascending (the output is a new tensor, contiguous
+    over the kept dimensions in their order: its strides decide before the input's);
+    neighbours that are one run of memory in both the input and the output merged."""
+    kept_after, output_strides = 1, {}
+    for d in reversed(range(len(shape))):
+        if d not in reduced:
+            output_strides[d] = kept_after
+            kept_after *= shape[d]
+    dims = [
+        (shape[d], strides[d], output_strides.get(d, 0), d in reduced)
+        for d in range(len(shape))
+        if shape[d] != 1
+    ]
+    dims.sort(key=lambda dim: (not dim[3], dim[2] if not dim[3] else dim[1]))
+    merged: list[tuple[int, int, int, bool]] = []
+    for size, stride, output_stride, is_reduced in dims:
         if merged:
-            last_size, last_stride, last_reduced = merged[-1]
-            if last_reduced == is_reduced and last_stride * last_size == stride:
-                merged[-1] = (last_size * size, last_stride, is_reduced)
+            last_size, last_stride, last_output, last_reduced = merged[-1]
+            if (
+                last_reduced == is_reduced
+                and last_stride * last_size == stride
+                and last_output * last_size == output_stride
+            ):
+                merged[-1] = (last_size * size, last_stride, last_output, is_reduced)
                 continue
-        merged.append((size, stride, is_reduced))
-    return merged
+        merged.append((size, stride, output_stride, is_reduced))
+    return [(size, stride, is_reduced) for size, stride, _, is_reduced in merged]
 
 
 def _output_vector(dims, num_reduce: int, element: int, offset: int) -> int:
@@ -65,21 +82,26 @@ def _output_vector(dims, num_reduce: int, element: int, offset: int) -> int:
     return vector
 
 
-def reduction_buffers(tensor: torch.Tensor, reduced: set[int]) -> list[int]:
+def reduction_buffers(
+    tensor: torch.Tensor, reduced: set[int], dtype: torch.dtype | None = None
+) -> list[int]:
     """The requests of ``gpu_reduce_kernel`` (sum, mean) over the ``reduced`` dimensions of
-    ``tensor``: where blocks share an output, its staging buffer in global memory and an int
-    semaphore per output block; [] where each block reduces its own outputs. setReduceConfig's
-    launch arithmetic, for inputs that fit 32-bit indexing."""
+    ``tensor`` (summed as ``dtype`` where given): where blocks share an output, its staging
+    buffer in global memory and an int semaphore per output block; [] where each block reduces
+    its own outputs. setReduceConfig's launch arithmetic. An input past 32-bit indexing (2 GiB
+    of offsets) torch splits into launches with smaller buffers each: planned as one launch,
+    an upper bound."""
     if tensor.numel() == 0:
         return []  # nothing to reduce: no kernel runs
     element = tensor.element_size()
     # the sum's accumulator: double for double, int64 for integers, float otherwise
-    accumulator = 4 if tensor.is_floating_point() and tensor.dtype != torch.float64 else 8
+    summed = dtype or tensor.dtype
+    accumulator = 4 if summed.is_floating_point and summed != torch.float64 else 8
     dims = _reduction_dims(tensor.shape, tensor.stride(), reduced)
     outputs = math.prod(size for size, _, is_reduced in dims if not is_reduced)
     inputs = math.prod(size for size, _, is_reduced in dims if is_reduced)
     num_reduce = sum(1 for dim in dims if dim[2])
-    if not dims or inputs <= 1 or outputs * inputs >= 2**31:
+    if not dims or inputs <= 1:
         return []
     along_input = num_reduce == len(dims) or dims[0][1] < dims[num_reduce][1]
     dim0, dim1 = (inputs, outputs) if along_input else (outputs, inputs)
@@ -87,7 +109,9 @@ def reduction_buffers(tensor: torch.Tensor, reduced: set[int]) -> list[int]:
     vector = 1
     if fastest == 1:
         if along_input and dim0 >= 128 and num_reduce == 1:
-            dim0 //= 16 // element  # vectorized loads of 16 bytes
+            # loads of input_vec_size values (8 for a 16-bit sum, else 4): it moves the block's
+            # width only where no buffer follows, but is kept as torch has it
+            dim0 //= 8 if element == 2 else 4
         elif not along_input:
             vector = _output_vector(dims, num_reduce, element, tensor.storage_offset())
             dim0 //= vector
@@ -127,7 +151,7 @@ def _reduced_dims(tensor: torch.Tensor, dims) -> set[int]:
 
 
 def _sum_buffers(tensor, dims=None, keepdim=False, *, dtype=None) -> list[int]:
-    return reduction_buffers(tensor, _reduced_dims(tensor, dims))
+    return reduction_buffers(tensor, _reduced_dims(tensor, dims), dtype)
 
 
 def _cudnn_attention_backward_workspace(grad_out, query, key, value, *args, **kwargs) -> list[int]:
@@ -149,17 +173,59 @@ def _softmax_backward_temporary(grad_output, output, dim, input_dtype) -> list[i
     return [grad_output.numel() * grad_output.element_size()]
 
 
+SORTED_EMBEDDING_BACKWARD = 3072  # more indices than this: the sorting backward
+ROWS_PER_PARTIAL_SUM = 10  # NROWS_PER_THREAD: the rows one partial sum of a segment adds
+
+
+def _embedding_backward_buffers(grad, indices, num_weights, padding_idx, scale_grad_by_freq):
+    """The embedding's backward over many indices: it sorts them (sorted, original positions,
+    a range; the counts when scaled by frequency), finds each distinct row's segment and splits
+    segments into partial sums of ROWS_PER_PARTIAL_SUM rows, each an fp32 row of the gradient
+    (sized for the most there could be: 70.4 MiB for 8,192 tokens of width 2048). cub's own
+    temporary storage for the sort and the scans (a few hundred KB) is not modelled."""
+    count = indices.numel()
+    if count <= SORTED_EMBEDDING_BACKWARD and not scale_grad_by_freq:
+        return []  # one kernel over the features, nothing sorted
+    index = indices.element_size()
+    segments = min(count, num_weights)
+    partials = count // ROWS_PER_PARTIAL_SUM + segments
+    accumulator = 8 if grad.dtype == torch.float64 else 4
+    return [
+        index * count, index * count, index * count,  # sorted, original positions, a range
+        *([index * count] if scale_grad_by_freq else []),
+        OUTPUTS,  # the gradient of the whole table, then the segments
+        index * count, 8,  # each segment's start, how many
+        index * segments, index * segments, 8,  # partial sums a segment, their offsets, total
+        index * partials,  # each partial sum's start
+        partials * grad.shape[-1] * accumulator,  # the partial sums
+    ]  # fmt: skip
+
+
 SCRATCH = {
     aten.sum.dim_IntList: _sum_buffers,
-    aten.sum.default: lambda tensor, *, dtype=None: _sum_buffers(tensor),
+    aten.sum.default: lambda tensor, *, dtype=None: _sum_buffers(tensor, dtype=dtype),
     aten.mean.dim: _sum_buffers,
     aten._scaled_dot_product_cudnn_attention_backward.default: _cudnn_attention_backward_workspace,
     aten._softmax_backward_data.default: _softmax_backward_temporary,
+    aten.embedding_dense_backward.default: _embedding_backward_buffers,
 }
 
 
-def scratch_bytes(func, args, kwargs) -> list[int]:
-    """The scratch requests ``func``'s CUDA kernel makes on these (fake) arguments, in order,
-    each freed before the call returns; [] for any op not in the registry."""
+def scratch_requests(func, args, kwargs) -> tuple[list[int], list[int]]:
+    """The scratch requests ``func``'s CUDA kernel makes on these (fake) arguments: those taken
+    before the op's outputs and those after, in order; all are freed, latest first, before the
+    call returns. ([], []) for an op not in the registry."""
     rule = SCRATCH.get(func)
-    return rule(*args, **kwargs) if rule is not None else []
+    if rule is None or any(isinstance(arg, DTensor) for arg in tree_leaves(args)):
+        return [], []  # a DTensor's op runs as ops on its local shards, each seen on its own
+    sizes = rule(*args, **kwargs)
+    if OUTPUTS not in sizes:
+        return [], sizes
+    split = sizes.index(OUTPUTS)
+    return sizes[:split], sizes[split + 1 :]
+
+
+def scratch_bytes(func, args, kwargs) -> list[int]:
+    """Every scratch request of ``func``'s kernel on these arguments, in order."""
+    before, after = scratch_requests(func, args, kwargs)
+    return before + after

@@ -16,7 +16,8 @@ from dp_cost.capacity.allocator import request_bytes
 from dp_cost.capacity.kernel_scratch import reduction_buffers, scratch_bytes
 
 FIXTURE = os.path.join(os.path.dirname(__file__), "..", "fixtures", "kernel_scratch_h200.json")
-MEASURED = json.load(open(FIXTURE))
+with open(FIXTURE) as fixture:
+    MEASURED = json.load(fixture)
 
 
 def rebuilt(value):
@@ -40,10 +41,19 @@ def operator(name: str):
     return getattr(getattr(getattr(torch.ops, namespace), op), overload)
 
 
+# Ops whose rule leaves out a known part, the most it may be (the embedding backward's cub
+# temporary storage for its sort and scans: 218,624 bytes at 8,192 tokens)
+LEFT_OUT = {"aten.embedding_dense_backward.default": 2**20}
+
+
+def within_rule(op: str, planned: int, measured: int) -> bool:
+    return 0 <= measured - planned <= LEFT_OUT.get(op, 0)
+
+
 def test_every_measured_case_is_the_rules():
     assert MEASURED["multiprocessors"] == 132  # the rules' card (H100 SXM and H200)
     kinds = {case["op"] for case in MEASURED["cases"]}
-    assert len(kinds) == 5 and len(MEASURED["cases"]) > 100
+    assert len(kinds) >= 5 and len(MEASURED["cases"]) > 100
     assert any(case["measured_bytes"] > 2**27 for case in MEASURED["cases"])  # 128 MiB and up
     assert any(case["measured_bytes"] == 0 for case in MEASURED["cases"])  # one block an output
     wrong = []
@@ -51,7 +61,7 @@ def test_every_measured_case_is_the_rules():
         args, kwargs = rebuilt(case["args"]), rebuilt(case["kwargs"])
         planned = sum(request_bytes(size) for size in scratch_bytes(operator(case["op"]), args,
                                                                      kwargs))  # fmt: skip
-        if planned != case["measured_bytes"]:
+        if not within_rule(case["op"], planned, case["measured_bytes"]):
             wrong.append((case["op"], [a.shape for a in args if isinstance(a, torch.Tensor)],
                           planned, case["measured_bytes"]))  # fmt: skip
     assert not wrong, wrong[:5]
@@ -83,7 +93,7 @@ def test_the_fake_step_takes_a_kernels_buffers_after_its_outputs_and_frees_them(
     assert events == [
         ("alloc", request_bytes(bias.numel() * 4)),
         ("alloc", buffer), ("alloc", semaphores),
-        ("free_completed", buffer), ("free_completed", semaphores),
+        ("free_completed", semaphores), ("free_completed", buffer),
     ]  # fmt: skip
     assert buffer == 132 * 2**20 and math.prod(bias.shape) == 8192
 
@@ -101,3 +111,40 @@ def test_reductions_that_launch_no_shared_kernel_take_nothing_and_never_fail():
     assert whole and integers[0] == 2 * whole[0]  # 8-byte partial sums against 4
     repeated = scratch_bytes(sum_dims, (torch.empty(4096, 8192, **meta), [0, 0]), {})
     assert repeated == scratch_bytes(sum_dims, (torch.empty(4096, 8192, **meta), [0]), {})
+
+
+def test_the_embedding_backward_of_the_1b_model_measured_before_its_rule():
+    """The three 1b steps' embedding backwards (8,192 tokens of width 2048, its 32,000 rows),
+    measured when the op had no rule yet (listed by shapes): the rule's requests, the sort's
+    int64 arrays and the partial sums' 70.4 MiB, leave out only cub's temporary storage."""
+    from dp_cost.lm.configs import CONFIGS
+
+    vocab = CONFIGS["1b"].vocab_size
+    listed = [row for row in MEASURED["unlisted"] if row["op"].startswith("aten.embedding_dense")]
+    assert len(listed) == 3
+    for row in listed:
+        grad_shape, index_shape = row["shapes"]
+        grad = torch.empty(grad_shape, device="meta")
+        indices = torch.empty(index_shape, dtype=torch.long, device="meta")
+        sizes = scratch_bytes(torch.ops.aten.embedding_dense_backward.default,
+                              (grad, indices, vocab, -1, False), {})  # fmt: skip
+        assert 9011 * 2048 * 4 in sizes  # (8192 + 8192 // 10) partial sums, fp32
+        planned = sum(request_bytes(size) for size in sizes)
+        assert within_rule(row["op"], planned, row["measured_bytes"]), (planned, row)
+
+
+def test_the_embedding_backward_sorts_before_it_takes_the_tables_gradient():
+    """Its index arrays come before its output (the whole table's gradient), the segments'
+    buffers after; all freed, latest first, before the op returns."""
+    record = fake_step.StorageRecord()
+    with fake_step.FakeTensorMode(), record:
+        grad, ids = torch.empty(8192, 2048), torch.zeros(8192, dtype=torch.long)
+        start = len(record.events)
+        table_grad = torch.ops.aten.embedding_dense_backward(grad, ids, 32000, -1, False)
+    sizes = [event["size"] if event["action"] == "alloc" else -event["size"]
+             for event in record.events[start:]]  # fmt: skip
+    table = request_bytes(32000 * 2048 * 4)
+    assert sizes[:4] == [request_bytes(8192 * 8)] * 3 + [table]
+    assert sizes[4:].count(request_bytes(9011 * 2048 * 4)) == 1 and sum(sizes[4:]) < 0
+    assert sizes[-1] == -request_bytes(8192 * 8)  # the first taken, the last given back
+    assert table_grad.shape == (32000, 2048)  # held: its storage outlives the op
