@@ -3,14 +3,14 @@ registry, one function per op, of the scratch buffers the kernel allocates and f
 the call. A fake tensor's meta kernel makes only the outputs, yet these requests move where
 the allocator's blocks land and so its reserved peak (the 1b model's bias gradients at
 (2, 4096) in fp32 take a 132 MiB reduction buffer a layer; cuDNN's attention backward a 64.5 MiB
-workspace a layer at (4, 2048)). Known and not modelled (listed by the benchmark on a card):
-the memory-efficient attention's backward buffers (129 MiB in all a layer of the 1b model in
-fp32 at (2, 4096), one case measured) and cub's temporary storage in the embedding backward's
-sort.
+workspace a layer at (4, 2048); the softmax backward of the math attention a temporary of its
+[B, H, T, T] gradient). Known and not modelled (listed by the benchmark on a card): the
+memory-efficient attention's backward buffers (129 MiB in all a layer of the 1b model in fp32
+at (2, 4096), one case measured) and cub's temporary storage in the embedding backward's sort.
 
 By hand, as ``attention``'s kernel choice is: torch sizes these in C++, for CUDA tensors only.
 The rules are torch 2.11's on sm90 (H100 and H200: 132 multiprocessors, 2048 threads each),
-checked for every case of ``benchmarks/kernel_scratch.py``'s grid by
+checked for every case of ``benchmarks/kernel_scratch.py``'s grid and configs by
 tests/capacity/test_kernel_scratch.py.
 """
 
