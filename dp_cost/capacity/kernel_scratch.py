@@ -20,7 +20,7 @@ import math
 
 import torch
 from torch.distributed.tensor import DTensor
-from torch.utils._pytree import tree_leaves
+from torch.utils._pytree import tree_map
 
 aten = torch.ops.aten
 
@@ -83,17 +83,20 @@ def _output_vector(dims, num_reduce: int, element: int, offset: int) -> int:
 
 
 def reduction_buffers(
-    tensor: torch.Tensor, reduced: set[int], dtype: torch.dtype | None = None
+    tensor: torch.Tensor,
+    reduced: set[int],
+    dtype: torch.dtype | None = None,
+    read: torch.dtype | None = None,
 ) -> list[int]:
     """The requests of ``gpu_reduce_kernel`` (sum, mean) over the ``reduced`` dimensions of
-    ``tensor`` (summed as ``dtype`` where given): where blocks share an output, its staging
-    buffer in global memory and an int semaphore per output block; [] where each block reduces
-    its own outputs. setReduceConfig's launch arithmetic. An input past 32-bit indexing (2 GiB
-    of offsets) torch splits into launches with smaller buffers each: planned as one launch,
-    an upper bound."""
+    ``tensor`` (summed as ``dtype``, read as a copy in ``read``, where given): where blocks
+    share an output, its staging buffer in global memory and an int semaphore per output block;
+    [] where each block reduces its own outputs. setReduceConfig's launch arithmetic. An input
+    past 32-bit indexing (2 GiB of offsets) torch splits into launches, each with buffers of its
+    own: planned as one launch (the split launches' buffers may be larger or smaller)."""
     if tensor.numel() == 0:
         return []  # nothing to reduce: no kernel runs
-    element = tensor.element_size()
+    element = (read or tensor.dtype).itemsize
     # the sum's accumulator: double for double, int64 for integers, float otherwise
     summed = dtype or tensor.dtype
     accumulator = 4 if summed.is_floating_point and summed != torch.float64 else 8
@@ -113,7 +116,8 @@ def reduction_buffers(
             # width only where no buffer follows, but is kept as torch has it
             dim0 //= 8 if element == 2 else 4
         elif not along_input:
-            vector = _output_vector(dims, num_reduce, element, tensor.storage_offset())
+            offset = tensor.storage_offset() if read is None else 0  # a copy starts a storage
+            vector = _output_vector(dims, num_reduce, element, offset)
             dim0 //= vector
     most = MAX_THREADS // vector
     dim0_pow2, dim1_pow2 = min(_last_pow2(dim0), most), min(_last_pow2(dim1), most)
@@ -151,7 +155,16 @@ def _reduced_dims(tensor: torch.Tensor, dims) -> set[int]:
 
 
 def _sum_buffers(tensor, dims=None, keepdim=False, *, dtype=None) -> list[int]:
-    return reduction_buffers(tensor, _reduced_dims(tensor, dims), dtype)
+    """A sum's buffers, and first the copy it reads where the kernel reads another dtype than
+    the input's (integers and booleans summed as int64, a sum to another dtype; but a 16-bit
+    float summed to float32 is read as it is): ``self.to`` in make_reduction."""
+    summed = dtype or (tensor.dtype if tensor.is_floating_point() else torch.int64)
+    low_to_float = tensor.dtype in (torch.float16, torch.bfloat16) and summed == torch.float32
+    read = tensor.dtype if low_to_float else summed
+    reduced = _reduced_dims(tensor, dims)
+    if read == tensor.dtype:
+        return reduction_buffers(tensor, reduced, summed)
+    return [tensor.numel() * read.itemsize, *reduction_buffers(tensor, reduced, summed, read)]
 
 
 def _cudnn_attention_backward_workspace(grad_out, query, key, value, *args, **kwargs) -> list[int]:
@@ -184,13 +197,16 @@ def _embedding_backward_buffers(grad, indices, num_weights, padding_idx, scale_g
     (sized for the most there could be: 70.4 MiB for 8,192 tokens of width 2048). cub's own
     temporary storage for the sort and the scans (a few hundred KB) is not modelled."""
     count = indices.numel()
+    # the gradient made contiguous first, on either path
+    dense = [] if grad.is_contiguous() else [grad.numel() * grad.element_size()]
     if count <= SORTED_EMBEDDING_BACKWARD and not scale_grad_by_freq:
-        return []  # one kernel over the features, nothing sorted
+        return dense  # one kernel over the features, nothing sorted
     index = indices.element_size()
     segments = min(count, num_weights)
     partials = count // ROWS_PER_PARTIAL_SUM + segments
     accumulator = 8 if grad.dtype == torch.float64 else 4
     return [
+        *dense,
         index * count, index * count, index * count,  # sorted, original positions, a range
         *([index * count] if scale_grad_by_freq else []),
         OUTPUTS,  # the gradient of the whole table, then the segments
@@ -216,8 +232,10 @@ def scratch_requests(func, args, kwargs) -> tuple[list[int], list[int]]:
     before the op's outputs and those after, in order; all are freed, latest first, before the
     call returns. ([], []) for an op not in the registry."""
     rule = SCRATCH.get(func)
-    if rule is None or any(isinstance(arg, DTensor) for arg in tree_leaves(args)):
-        return [], []  # a DTensor's op runs as ops on its local shards, each seen on its own
+    if rule is None:
+        return [], []
+    # a DTensor's op runs its kernel on this rank's shard (read without dispatching an op)
+    args = tree_map(lambda arg: arg._local_tensor if isinstance(arg, DTensor) else arg, args)
     sizes = rule(*args, **kwargs)
     if OUTPUTS not in sizes:
         return [], sizes
