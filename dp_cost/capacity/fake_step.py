@@ -312,13 +312,11 @@ def predict(config, build_trainer, record_ops: bool = False) -> dict:
         # and the third (Opacus' running sum beside the chunk's gradient): every later chunk
         # holds what the third does, so a batch of 3P has the peak of any larger one.
         samples = min(mine, 3 * physical)
-        # The warm-up is that step too, as the measuring modes' warm-up is a whole step: a
-        # warm-up of one chunk left the card's allocator other blocks to reuse (the 1b model's
-        # standard step under DDP at 8 a rank in chunks of 4 was planned 2.5% under).
+        # The warm-up is that step too, as a measuring run's is a whole step (one chunk left the
+        # allocator other blocks: the 1b standard step under DDP in chunks of 4 2.5% under)
         warmup_event = len(record.events)
         runner.step(*fake_batch(config, samples))
-        inputs, targets = fake_batch(config, samples)
-        start = record.held()
+        inputs, targets, start = *fake_batch(config, samples), record.held()
         identities = [tensor_identities(runner, "cpu", key=storage_key)]
         first_event = len(record.events)
         ops = OpRecord() if record_ops else None  # for the step's time (capacity.step_time)

@@ -82,6 +82,14 @@ def _output_vector(dims, num_reduce: int, element: int, offset: int) -> int:
     return vector
 
 
+def _block(dim0: int, dim1: int, most: int) -> tuple[int, int]:
+    """set_block_dimension: a block's width (a warp at most) and height, within ``most``
+    threads, each a power of two."""
+    dim0_pow2, dim1_pow2 = min(_last_pow2(dim0), most), min(_last_pow2(dim1), most)
+    height = min(dim1_pow2, most // min(dim0_pow2, WARP))
+    return min(dim0_pow2, most // height), height
+
+
 def reduction_buffers(
     tensor: torch.Tensor,
     reduced: set[int],
@@ -119,11 +127,7 @@ def reduction_buffers(
             offset = tensor.storage_offset() if read is None else 0  # a copy starts a storage
             vector = _output_vector(dims, num_reduce, element, offset)
             dim0 //= vector
-    most = MAX_THREADS // vector
-    dim0_pow2, dim1_pow2 = min(_last_pow2(dim0), most), min(_last_pow2(dim1), most)
-    width = min(dim0_pow2, WARP)
-    height = min(dim1_pow2, most // width)
-    width = min(dim0_pow2, most // height)
+    width, height = _block(dim0, dim1, MAX_THREADS // vector)
     step_input = step_output = 1
     if along_input:
         step_input *= width
