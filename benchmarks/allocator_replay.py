@@ -26,6 +26,7 @@ import gc
 import json
 import os
 import sys
+from collections import Counter
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -170,12 +171,8 @@ def unmatched_sizes(real, predicted, frames_by_size: dict) -> dict:
     fake step lacks (``real_only``) or adds (``predicted_only``). Counts differ with the number
     of steps each recorded; a size in both is left out, whatever its counts."""
 
-    def counts(requests):
-        sizes: dict[int, int] = {}
-        for _, size, *_ in requests:
-            if size >= NAMED:
-                sizes[size] = sizes.get(size, 0) + 1
-        return sizes
+    def counts(requests) -> Counter:
+        return Counter(size for _, size, *_ in requests if size >= NAMED)
 
     real_counts, predicted_counts = counts(real), counts(predicted)
     return {
