@@ -276,18 +276,20 @@ def planned_op_counts(planned: dict) -> tuple[dict[str, int], int]:
     return ops, syncs
 
 
-def host_phase_us(config, sync_cost_us: float) -> tuple[dict, dict]:
+def host_phase_us(config, sync_cost_us: float, planned: dict | None = None) -> tuple[dict, dict]:
     """(the host's µs in each phase of a chunk of ``config``'s eager step: its forward, its
     backward call, the rest (clipping, noise, optimizer) less its syncs' waits, the median of
     HOST_STEPS steps; the planned step's ops (the same config on fake tensors,
-    ``capacity.fake_step``) dispatched in each)."""
+    ``capacity.fake_step``; ``planned`` where planned before, as several ranks' steps are,
+    before their process group exists) dispatched in each). Under torchrun, this rank's."""
     from dp_cost.capacity import fake_step
     from dp_cost.capacity.step_time import FINISH
     from dp_cost.measure import worker
     from dp_cost.measure.workload import Workload
 
     device = torch.device(config.device)
-    workload = Workload(config, device, lambda name: None, {})
+    rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+    workload = Workload(config, device, lambda name: None, {}, rank, config.world_size)
     runner = worker.build_trainer(
         config, workload.model, workload.loss_fn, lambda name: None, workload.materialize
     )
@@ -296,7 +298,7 @@ def host_phase_us(config, sync_cost_us: float) -> tuple[dict, dict]:
         runner.step(inputs, targets)
     if device.type == "cuda":
         torch.cuda.synchronize()
-    planned = fake_step.predict(config, worker.build_trainer, record_ops=True)
+    planned = planned or fake_step.predict(config, worker.build_trainer, record_ops=True)
     backward_end = planned["marks"][1]  # the phase mark after the backward call
     phase_us: dict[str, list[float]] = {"forward": [], "backward": [], "finish": []}
     for _ in range(HOST_STEPS):

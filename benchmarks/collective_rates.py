@@ -1,7 +1,10 @@
 """Measure the collectives of this host's ranks for --mode=capacity's time model and write them
 into the card's table (dp_cost/capacity/cards/<card>.json, under "collectives" by the number of
 ranks): per collective (all_reduce, reduce_scatter, all_gather, broadcast), the GPU µs of one
-call by the bytes of its whole (unsharded) tensor, and the host µs a call costs to issue.
+call by the bytes of its whole (unsharded) tensor, and the host µs a call costs to issue; and
+each trainer's host costs under DDP and FSDP2 (``host_by_trainer``, rows "flash@fsdp"), fitted
+as benchmarks/card_rates.py fits one process's, on the tiny LM at its depths (host-bound: what
+the hooks of DDP and FSDP2 add per layer is in them).
 
 Run under torchrun, one rank per GPU (NCCL); rank 0 writes. Each size is timed on the GPU alone:
 every rank queues its calls behind a spin kernel (``torch.cuda._sleep``) and one call that
@@ -9,11 +12,13 @@ lines the ranks up, so the events around the timed calls see no host launch gaps
 (``--device cpu``, gloo) it checks itself: the same table, host clocks, nothing written to the
 shipped table unless ``--out`` names it.
 Usage: torchrun --nproc_per_node GPUS benchmarks/collective_rates.py [--out PATH] [--quick]
+(--quick: two sizes, the standard trainer's host rows at two small depths: a check)
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import json
 import os
@@ -25,6 +30,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SIZES = [2**e for e in range(10, 31, 2)]  # 1 KiB .. 1 GiB of the whole tensor
 QUICK_SIZES = [2**10, 2**20]
 COLLECTIVES = ("all_reduce", "reduce_scatter", "all_gather", "broadcast")
+# The trainers each distributed mode runs (dpsgd has no FSDP2 path)
+TRAINERS = {"ddp": ("standard", "dpsgd", "ghost", "flash"), "fsdp": ("standard", "ghost", "flash")}
+QUICK_DEPTHS = (1, 2)
 HOST_CALLS = 50  # calls timed on the host per collective (1 KiB each)
 SPIN_CYCLES = 20_000_000  # about 10 ms of one SM spinning: longer than queueing the timed calls
 
@@ -128,7 +136,61 @@ def host_us(name: str, device: str) -> float:
     return seconds * 1e6 / HOST_CALLS
 
 
-def measured(args) -> dict:
+def host_configs(args, world_size: int) -> dict:
+    """{(mode, trainer, depth): (config, its planned step)}: every trainer under DDP and FSDP2
+    on the calibration LM at each depth, a rank's batch as one process's. Planned before the
+    process group exists (the plan makes its own, a fake one)."""
+    from dp_cost.capacity import fake_step
+    from dp_cost.measure import worker
+
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    import card_rates as calibration
+
+    depths = QUICK_DEPTHS if args.quick else calibration.HOST_DEPTHS
+    planned = {}
+    for mode, trainers in TRAINERS.items():
+        for trainer in trainers[:1] if args.quick else trainers:
+            base = calibration.calibration_config(trainer, "lm", args.device)
+            base = dataclasses.replace(
+                base,
+                distributed=mode,
+                world_size=world_size,
+                batch_size=base.batch_size * world_size,
+            )
+            for blocks in depths:
+                with calibration.depth(base, blocks) as config:
+                    step = fake_step.predict(config, worker.build_trainer, record_ops=True)
+                    planned[mode, trainer, blocks] = config, step
+    return planned
+
+
+def host_rows(planned: dict, sync_cost_us: float) -> dict:
+    """Each (trainer, mode)'s host costs fitted over its depths (``fit_host``), as
+    benchmarks/card_rates.py's one-process rows, and what they were fitted on."""
+    import card_rates as calibration
+
+    from dp_cost.capacity.card_rates import fit_host
+
+    by_row: dict[str, dict] = {}
+    for (mode, trainer, blocks), (config, step) in planned.items():
+        by_depth = by_row.setdefault(f"{trainer}@{mode}", {})
+        by_depth[blocks] = calibration.host_phase_us(config, sync_cost_us, step)
+    return {
+        row: {
+            **fit_host(by_depth),
+            "by_depth": {
+                str(blocks): {
+                    "host_us": {phase: round(us, 1) for phase, us in host.items()},
+                    "planned_ops": ops,
+                }
+                for blocks, (host, ops) in by_depth.items()
+            },
+        }
+        for row, by_depth in by_row.items()
+    }
+
+
+def measured(args, planned: dict, sync_cost_us: float) -> dict:
     """This host's collectives' section of the card table."""
     from dp_cost.measure.run import git_commit
 
@@ -137,6 +199,7 @@ def measured(args) -> dict:
     section = {
         "gpu_us": {name: rows(name, sizes, args.device) for name in COLLECTIVES},
         "host_us": {name: round(host_us(name, args.device), 3) for name in COLLECTIVES},
+        "host_by_trainer": host_rows(planned, sync_cost_us),
     }
     section["measured"] = {
         "date": datetime.date.today().isoformat(),
@@ -175,19 +238,21 @@ def main() -> int:
 
     if args.device == "cuda":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+        path = args.out or os.path.join(CARDS_DIR, card_file_name(torch.cuda.get_device_name()))
+    else:
+        path = args.out
+    # a host sync's cost: the one-process calibration's, in the table written into
+    sync_cost_us = load_card(path).host["sync_us"] if path else 0.0
+    planned = host_configs(args, int(os.environ["WORLD_SIZE"]))
     dist.init_process_group("nccl" if args.device == "cuda" else "gloo")
     try:
-        section = measured(args)
+        section = measured(args, planned, sync_cost_us)
         world_size, rank = dist.get_world_size(), dist.get_rank()
     finally:
         dist.destroy_process_group()
     if rank:
         return 0
-    if args.device == "cuda":
-        path = args.out or os.path.join(CARDS_DIR, card_file_name(torch.cuda.get_device_name()))
-    elif args.out:
-        path = args.out
-    else:
+    if not path:
         print(json.dumps(section))
         return 0
     write(path, section, world_size)

@@ -61,23 +61,22 @@ def measured_configs(folders: list[str]) -> list[dict]:
 
 
 def chunks_and_prediction(result: dict) -> tuple[int | None, float | None]:
-    """(the chunks a step of the measured config ran as, the run's own predicted ms): a
-    --validate run's from its prediction; a measuring run's (no prediction) from its config,
-    where its batches were of fixed size and it ran in one process. None where not known."""
+    """(the chunks a step of the measured config ran as on rank 0, the run's own predicted ms):
+    a --validate run's from its prediction where it predicted a time; else from its config,
+    where its batches were of fixed size. None where not known."""
     from dp_cost.capacity.step_time import chunk_count
     from dp_cost.hf.configs import HF_CONFIGS
+    from dp_cost.parallel.ranks import share
 
-    prediction = result.get("prediction")
-    if prediction:
-        time = prediction["time"]
-        return (time["chunks"], time["step_ms"]) if time["step_ms"] else (None, None)
+    time = (result.get("prediction") or {}).get("time") or {}
+    if time.get("step_ms"):
+        return time["chunks"], time["step_ms"]
     config = result["config"]
-    sampled = config["model"] in HF_CONFIGS and config.get("poisson", True)
-    if sampled or config.get("world_size", 1) > 1:
+    if config["model"] in HF_CONFIGS and config.get("poisson", True):
         return None, None
-    batch = config["batch_size"]
-    physical = min(config.get("max_physical_batch_size") or batch, batch)
-    return chunk_count(batch, physical), None
+    mine = len(share(config["batch_size"], 0, config.get("world_size", 1)))
+    physical = min(config.get("max_physical_batch_size") or mine, mine)
+    return chunk_count(mine, physical), None
 
 
 def costed(row: dict, tables: dict, card_rates, step_time) -> dict:

@@ -174,6 +174,21 @@ class CardRates:
             self._memory_floor_us = min(us for _, us in memory)
             largest_bytes, largest_us = memory[-1]
             self._bytes_per_us = largest_bytes / largest_us
+            self._collectives = {
+                int(world): (
+                    {name: sorted((int(b), float(us)) for b, us in rows)
+                     for name, rows in section["gpu_us"].items()},
+                    {name: float(us) for name, us in section["host_us"].items()},
+                )
+                for world, section in table.get("collectives", {}).items()
+            }  # fmt: skip
+            # host rows of trainers under DDP or FSDP2 ("flash@fsdp"), by the ranks measured
+            self.host_by_ranks = {
+                int(world): {row: {phase: (float(costs["op_us"][phase]),
+                                           float(costs["fixed_us"][phase])) for phase in PHASES}
+                             for row, costs in section.get("host_by_trainer", {}).items()}
+                for world, section in table.get("collectives", {}).items()
+            }  # fmt: skip
         except (KeyError, TypeError, ValueError, IndexError) as error:
             raise CardRatesError(f"{path}: not a card table ({error})") from None
         if any(us < 0 for row in self.host_by_trainer.values() for pair in row.values()
@@ -182,17 +197,28 @@ class CardRates:
         for name, part in (("gemm", self._gemm), ("thin_gemm", self._thin)):
             if "float32" not in part:
                 raise CardRatesError(f"{path}: no float32 {name} grid (the fallback dtype)")
+        if any(not rows or rows[0][0] <= 0 or min(us for _, us in rows) <= 0
+               for gpu, _ in self._collectives.values() for rows in gpu.values()):  # fmt: skip
+            raise CardRatesError(f"{path}: a collective's row is empty or not positive")
         if not self._attention or any(
             not rows or min(r for _, r in rows) <= 0 for rows in self._attention.values()
         ):
             raise CardRatesError(f"{path}: an attention row is empty or not positive")
 
-    def host_us(self, trainer: str, phase: str, model_kind: str = "lm") -> tuple[float, float]:
+    def host_us(
+        self, trainer: str, phase: str, model_kind: str = "lm", ranks: tuple[str, int] = ("none", 1)
+    ) -> tuple[float, float]:
         """(µs per op of the planned step dispatched in ``phase`` (one of PHASES), µs the phase
         costs once a chunk beside them) of ``trainer``'s eager step on a model of
-        ``model_kind`` (one of MODEL_KINDS): its own row where measured, else the trainer's on
-        the tiny LM, else the standard trainer's."""
-        costs, suffix = self.host_by_trainer, MODEL_KINDS[model_kind]
+        ``model_kind`` (one of MODEL_KINDS), on ``ranks`` (distributed mode, ranks): its own
+        row where measured, else the trainer's on the tiny LM, else the standard trainer's;
+        under DDP or FSDP2 the trainer's row measured under it first (its hooks' Python)."""
+        suffix, (distributed, world_size) = MODEL_KINDS[model_kind], ranks
+        under = self.host_by_ranks.get(world_size, {}) if distributed != "none" else {}
+        for row in (f"{trainer}{suffix}@{distributed}", f"{trainer}@{distributed}"):
+            if row in under:
+                return under[row][phase]
+        costs = self.host_by_trainer
         for row in (trainer + suffix, trainer, "standard" + suffix):
             if row in costs:
                 return costs[row][phase]
@@ -235,6 +261,23 @@ class CardRates:
             )
         rate = self._op_rates.get(name)  # bytes a µs
         return max(elementwise, moved / rate) if rate else elementwise
+
+    def collective_ranks(self) -> list[int]:
+        """The numbers of ranks whose collectives the table measured."""
+        return sorted(self._collectives)
+
+    def collective_us(self, name: str, moved: int, world_size: int) -> tuple[float, float]:
+        """(host µs to issue, GPU µs) of a ``name`` collective of ``moved`` bytes (its whole
+        tensor) over ``world_size`` ranks (KeyError where not measured): between the sizes
+        measured interpolated in log space, below them the smallest's time (its latency),
+        above them in proportion to the bytes (the link's bandwidth)."""
+        gpu, host = self._collectives[world_size]
+        rows = gpu[name]
+        largest_bytes, largest_us = rows[-1]
+        if moved >= largest_bytes:
+            return host[name], moved * largest_us / largest_bytes
+        xs, ys = [math.log(b) for b, _ in rows], [math.log(us) for _, us in rows]
+        return host[name], math.exp(_interpolate(xs, ys, math.log(max(moved, 1)), hold=True))
 
 
 @functools.cache

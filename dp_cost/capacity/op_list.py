@@ -23,6 +23,7 @@ from dp_cost.core.repeated import repeats
 aten = torch.ops.aten
 
 GEMM, ATTENTION, MEMORY, VIEW, SYNC = "gemm", "attention", "memory", "view", "sync"
+COLLECTIVE = "collective"
 
 # Ops that launch no kernel though they are not views: storage made or metadata changed only
 NO_KERNEL = {
@@ -39,6 +40,24 @@ NO_KERNEL = {
 }
 # The host reads a value off the device: it waits for every kernel queued before
 SYNCS = {aten._local_scalar_dense.default, aten.is_nonzero.default, aten.equal.default}
+# Collectives by what the card's table measures them as (``benchmarks/collective_rates.py``):
+# c10d's ops (what torch.distributed and FSDP2 dispatch) and the functional ones (DTensor's)
+COLLECTIVES = {
+    "allreduce_": "all_reduce",
+    "allreduce_coalesced_": "all_reduce",
+    "all_reduce": "all_reduce",
+    "_reduce_scatter_base_": "reduce_scatter",
+    "reduce_scatter_": "reduce_scatter",
+    "reduce_scatter_tensor_coalesced_": "reduce_scatter",
+    "reduce_scatter_tensor": "reduce_scatter",
+    "_allgather_base_": "all_gather",
+    "allgather_": "all_gather",
+    "allgather_into_tensor_coalesced_": "all_gather",
+    "all_gather_into_tensor": "all_gather",
+    "broadcast_": "broadcast",
+    "broadcast": "broadcast",
+}
+COLLECTIVE_NAMESPACES = ("c10d", "_c10d_functional")
 GEMMS = {aten.mm.default, aten.addmm.default, aten.bmm.default, aten.baddbmm.default}
 RANGE_ENTER = torch.ops.profiler._record_function_enter_new.default
 OPTIMIZER_RANGE = "Optimizer.step#"  # the range torch.optim's step opens
@@ -64,6 +83,7 @@ class Op:
     seq_len: int | None = None  # an attention's query length
     head_dim: int | None = None  # and its head size
     optimizer: bool = False
+    collective: str | None = None  # a collective's kind (COLLECTIVES' values)
 
 
 def _tensors(values) -> list[torch.Tensor]:
@@ -87,6 +107,13 @@ def gemm_shape(func, args) -> tuple[int, int, int, int]:
     if a.dim() == 3:
         return a.shape[0], a.shape[1], b.shape[2], a.shape[2]
     return 1, a.shape[0], b.shape[1], a.shape[1]
+
+
+def collective_bytes(args) -> int:
+    """The bytes of a collective's whole tensor: its larger side (a gather's output, a
+    reduce-scatter's input, an all-reduce's tensors), what its time is measured by."""
+    sides = [_bytes(_tensors(value)) for value in args[:2]]
+    return max(sides, default=0)
 
 
 def attention_flops(func, args, kwargs, output) -> tuple[int, int, int] | None:
@@ -120,6 +147,9 @@ def describe(func, args, kwargs, output, segment: int, optimizer: bool = False) 
     known["backward"] = torch._C._current_autograd_node() is not None
     if func in SYNCS:
         return Op(name, SYNC, 0, 0, **known)
+    collective = COLLECTIVES.get(func.overloadpacket.__name__)
+    if collective and func.namespace in COLLECTIVE_NAMESPACES:
+        return Op(name, COLLECTIVE, 0, collective_bytes(args), collective=collective, **known)
     outputs = _tensors(output)
     # a view, a storage made, an op of no tensor (types promoted, sizes read): no kernel
     if func in NO_KERNEL or func.is_view or not outputs:

@@ -96,16 +96,50 @@ class PlannedDataParallel(nn.Module):
         super().__init__()
         self.module = module
         self.params = [p for p in reversed(list(module.parameters())) if p.requires_grad]
+        self.assignment: list[list[int]] = []
         self.bucket_buffers = self.new_buckets()
+        self.pending: dict[int, set[int]] = {}  # bucket -> its parameters not yet accumulated
+        for index, parameter in enumerate(self.params):
+            parameter.register_post_accumulate_grad_hook(
+                lambda _, index=index: self.accumulated(index)
+            )
         self.rebuilt_from: list[torch.Tensor] = []  # the old set, during the rebuild's iteration
         self.rebuilt, self.syncing, self.step_done = False, True, False
 
     def new_buckets(self) -> list[torch.Tensor]:
-        assignment, _ = dist._compute_bucket_assignment_by_size(self.params, self.BUCKET_BYTES)
+        self.assignment, _ = dist._compute_bucket_assignment_by_size(self.params, self.BUCKET_BYTES)
         return [
             self.params[bucket[0]].new_empty(sum(self.params[i].numel() for i in bucket))
-            for bucket in assignment
+            for bucket in self.assignment
         ]
+
+    def accumulated(self, index: int) -> None:
+        """Parameter ``index``'s gradient is accumulated: in a synced backward, its bucket is
+        reduced once its last one is."""
+        if not self.step_done:  # a no_sync chunk: DDP reduces nothing
+            return
+        if not self.pending:
+            self.pending = {b: set(bucket) for b, bucket in enumerate(self.assignment)}
+        for bucket, waiting in self.pending.items():
+            if index in waiting:
+                waiting.discard(index)
+                if not waiting:
+                    self.reduce(bucket)
+                return
+
+    def reduce(self, bucket: int) -> None:
+        """Bucket ``bucket``'s gradients summed over the ranks through its flat buffer."""
+        buffer, offset, views = self.bucket_buffers[bucket], 0, []
+        for index in self.assignment[bucket]:
+            gradient = self.params[index].grad
+            views.append((gradient, buffer[offset : offset + gradient.numel()]))
+            views[-1][1].copy_(gradient.reshape(-1))
+            offset += gradient.numel()
+        dist.all_reduce(buffer)
+        for gradient, view in views:
+            gradient.copy_(view.view_as(gradient))
+        if all(not waiting for waiting in self.pending.values()):
+            self.pending = {}
 
     def forward(self, *args, **kwargs):
         if torch.is_grad_enabled():

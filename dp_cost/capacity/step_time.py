@@ -28,7 +28,7 @@ import math
 import os
 
 from dp_cost.capacity.card_rates import CardRates, CardRatesError, card_rates
-from dp_cost.capacity.op_list import ATTENTION, GEMM, MEMORY, SYNC, Op
+from dp_cost.capacity.op_list import ATTENTION, COLLECTIVE, GEMM, MEMORY, SYNC, Op
 from dp_cost.core.hf_architectures import HF_CONFIGS
 
 CHUNK_END = "backward_done"  # the phase that ends a chunk's backward
@@ -42,6 +42,8 @@ HOST_BOUND_NOTE = (
     "host costs are one machine's)"
 )
 FORWARD, BACKWARD, FINISH = "forward", "backward", "finish"
+GATHER = "all_gather"
+TIMES = ("step", "host", "gpu", "comm")
 
 
 def waits_for_gpu(op: Op) -> bool:
@@ -52,15 +54,22 @@ def waits_for_gpu(op: Op) -> bool:
 
 
 def op_costs(
-    op: Op, phase: str, rates: CardRates, trainer: str, graphed: bool, model_kind: str = "lm"
+    op: Op,
+    phase: str,
+    rates: CardRates,
+    trainer: str,
+    graphed: bool,
+    model_kind: str = "lm",
+    ranks: tuple[str, int] = ("none", 1),
 ) -> tuple[float, float]:
-    """(host µs, GPU µs) of one op of ``trainer``'s step, dispatched in ``phase``."""
+    """(host µs, GPU µs) of one op of ``trainer``'s step on ``ranks`` (distributed mode,
+    ranks), dispatched in ``phase``."""
     if graphed:
         host = 0.0
     elif op.kind == SYNC:
         host = rates.host["sync_us"]
     else:
-        host = rates.host_us(trainer, phase, model_kind)[0]
+        host = rates.host_us(trainer, phase, model_kind, ranks)[0]
     if op.kind == GEMM:  # no kernel moves its bytes faster than a copy does
         return host, max(rates.gemm_us(op.dtype, *op.gemm), rates.memory_us(op.bytes))
     if op.kind == ATTENTION:  # by the op: a checkpointed block's recomputation is a forward
@@ -78,27 +87,42 @@ def play(
     graphed: bool,
     model_kind: str = "lm",
     phases_once: tuple[str, ...] = (),
+    ranks: tuple[str, int] = ("none", 1),
 ) -> dict[str, float]:
-    """µs of ``ops`` (each with its phase) from an idle host and GPU until both are done:
-    ``step``, and the host's and the GPU's busy time (``host``, ``gpu``). The host spends
-    each of ``phases_once``'s fixed µs (the table's) before the first op of that phase."""
-    host = gpu = host_busy = gpu_busy = 0.0
+    """µs of ``ops`` (each with its phase) from an idle host, GPU and link until all are done:
+    ``step``, and the host's, the GPU's and the link's busy time (``host``, ``gpu``, ``comm``).
+    The host spends each of ``phases_once``'s fixed µs (the table's) before the first op of
+    that phase. Collectives run beside the kernels, one at a time (NCCL's stream): a gather
+    starts once issued (its input, a parameter's shard, is there) and the kernels after it wait
+    for it; a reduction starts once the kernels before it are done (its input is theirs) and is
+    waited for at the chunk's end where the backward issued it (DDP's buckets, FSDP2's
+    reduce-scatters), at once where Python did (flash's, Opacus' optimizer's)."""
+    host = gpu = comm = gate = host_busy = gpu_busy = comm_busy = 0.0
     unpaid = set() if graphed else set(phases_once)
     for op, phase in ops:
         if phase in unpaid:
             unpaid.discard(phase)
-            fixed_us = rates.host_us(trainer, phase, model_kind)[1]
+            fixed_us = rates.host_us(trainer, phase, model_kind, ranks)[1]
             host, host_busy = host + fixed_us, host_busy + fixed_us
-        host_us, gpu_us = op_costs(op, phase, rates, trainer, graphed, model_kind)
+        if op.kind == COLLECTIVE:
+            host_us, comm_us = rates.collective_us(op.collective, op.bytes, ranks[1])
+            host_us = 0.0 if graphed else host_us
+            host, host_busy, comm_busy = host + host_us, host_busy + host_us, comm_busy + comm_us
+            gathers = op.collective == GATHER
+            comm = max(comm, host if gathers else max(host, gpu)) + comm_us
+            if gathers or not op.backward:
+                gate = comm
+            continue
+        host_us, gpu_us = op_costs(op, phase, rates, trainer, graphed, model_kind, ranks)
         host_busy += host_us
         if waits_for_gpu(op):  # the host waits for the GPU, then reads the value
-            host = max(host, gpu) + host_us
+            host = max(host, gpu, gate) + host_us
             continue
         host += host_us
         if gpu_us:
-            gpu = max(gpu, host) + gpu_us
+            gpu = max(gpu, host, gate) + gpu_us
             gpu_busy += gpu_us
-    return {"step": max(host, gpu), "host": host_busy, "gpu": gpu_busy}
+    return {"step": max(host, gpu, comm), "host": host_busy, "gpu": gpu_busy, "comm": comm_busy}
 
 
 def chunk_groups(
@@ -137,15 +161,18 @@ def predicted_time(
     chunk_count: int,
     graphed: bool,
     model_kind: str = "lm",
+    ranks: tuple[str, int] = ("none", 1),
 ) -> dict[str, float]:
-    """ms of one logical batch of ``chunk_count`` chunks (``step_ms``; ``host_ms``, ``gpu_ms``:
-    each side's busy time), from the recorded step's ops."""
+    """ms of one logical batch of ``chunk_count`` chunks on rank 0 of ``ranks`` (distributed
+    mode, ranks)
+    (``step_ms``; ``host_ms``, ``gpu_ms``, ``comm_ms``: each one's busy time), from the
+    recorded step's ops."""
     chunks, finish = chunk_groups(ops, marks)
     played = [
-        play(group, rates, trainer, graphed, model_kind, phases)
+        play(group, rates, trainer, graphed, model_kind, phases, ranks)
         for group, phases in [*((c, (FORWARD, BACKWARD)) for c in chunks), (finish, (FINISH,))]
     ]
-    total = {key: sum(p[key] for p in played) for key in ("step", "host", "gpu")}
+    total = {key: sum(p[key] for p in played) for key in TIMES}
     extra = max(chunk_count - len(chunks), 0)
     if chunks and extra:
         for key in total:
@@ -171,6 +198,7 @@ def config_time(config, step: dict, rates: CardRates, chunks: int) -> dict[str, 
     return predicted_time(
         step["ops"], step["marks"], rates, trainer=config.trainer, chunk_count=chunks,
         graphed=bool(config.cuda_graph), model_kind=model_kind(config),
+        ranks=(config.distributed, config.world_size),
     )  # fmt: skip
 
 
@@ -184,15 +212,18 @@ def planned_time(config, step: dict, physical: int, samples: int) -> dict:
     except CardRatesError as error:  # the memory plan stands without its time
         return {"card": config.card, "step_ms": None, "why": str(error)}
     time = {"card": rates.card, "calibration": os.path.basename(rates.path), **rates.measured}
-    if config.world_size > 1:
-        why = "the collectives of several ranks have no calibration yet (one GPU only)"
+    if config.world_size > 1 and config.world_size not in rates.collective_ranks():
+        measured = ", ".join(map(str, rates.collective_ranks())) or "none"
+        why = (f"no calibration of {config.world_size} ranks' collectives on {rates.card} "
+               f"(ranks measured: {measured})")  # fmt: skip
         return {**time, "step_ms": None, "why": why}
     chunks = chunk_count(samples, physical)
     graphed = bool(config.cuda_graph)
     times = config_time(config, step, rates, chunks)
     seconds = times["step_ms"] / 1e3
     time.update(times, physical_batch_size=physical, chunks=chunks, graphed=graphed)
-    time["bound_by"] = "host" if times["host_ms"] > times["gpu_ms"] else "gpu"
+    busiest = max(("host", "gpu", "comm"), key=lambda side: times[f"{side}_ms"])
+    time["bound_by"] = {"comm": "communication"}.get(busiest, busiest)
     time["bound_note"] = HOST_BOUND_NOTE if time["bound_by"] == "host" else None
     time["samples_per_s"] = config.batch_size / seconds
     time["tokens_per_s"] = config.batch_size * config.seq_len / seconds

@@ -200,8 +200,13 @@ def check_time_settings(values: dict) -> None:
         )
     if values["recommend"] and not values["gpu_memory"]:
         raise UsageError("--recommend ranks what fits a card: give its memory, --gpu_memory GiB")
-    if values["recommend"] and values["world_size"] > 1:
-        raise UsageError("--recommend ranks predicted times, which are for one GPU only")
+    ranks = values["world_size"]
+    if values["recommend"] and ranks > 1 and ranks not in card_rates(card).collective_ranks():
+        measured = ", ".join(map(str, card_rates(card).collective_ranks())) or "none"
+        raise UsageError(
+            f"--recommend ranks predicted times, and {card}'s calibration has no collectives of "
+            f"{ranks} ranks (measured: {measured}; benchmarks/collective_rates.py measures them)"
+        )
 
 
 def check_capacity(values: dict, axes: dict, args) -> None:

@@ -198,8 +198,8 @@ def test_a_cpu_attention_is_counted_with_torchs_attention_formulas():
 
 def test_a_plan_gives_each_configs_time_and_the_fine_tunes(tmp_path):
     """The CLI's plan on the shipped H200 table: ms a step, samples a second from it, and with
-    --epochs the fine-tune's steps and hours from the same ms; several ranks: no time yet, and
-    why."""
+    --epochs the fine-tune's steps and hours from the same ms; several ranks: timed where the
+    table has their collectives (2), else no time, and why (4)."""
     from tests.cli_helpers import SMALL_MODEL, in_process
 
     base = ["--mode=capacity", "--trainers", "standard", "flash", "--batch_sizes", "4",
@@ -223,11 +223,16 @@ def test_a_plan_gives_each_configs_time_and_the_fine_tunes(tmp_path):
     column = [c.strip() for c in header.split("|")].index("bound by")
     rows = [line for line in table.splitlines() if line.startswith("| standard")]
     assert rows and all(row.split("|")[column].strip() == "host" for row in rows)
-    run = in_process(*base, "--run_name", "two", "--distributed", "ddp", "--world_size", "2")
-    assert run.returncode == 0, run.stderr
-    entries = json.loads((tmp_path / "two" / "capacity.json").read_text())["configs"]
-    assert all(e["predicted_time"]["step_ms"] is None for e in entries)
-    assert all("collectives" in e["predicted_time"]["why"] for e in entries)
+    for ranks in ("2", "4"):
+        run = in_process(*base, "--run_name", ranks, "--distributed", "ddp", "--world_size", ranks)
+        assert run.returncode == 0, run.stderr
+        entries = json.loads((tmp_path / ranks / "capacity.json").read_text())["configs"]
+        times = [e["predicted_time"] for e in entries]
+        if ranks == "2":
+            assert all(time["step_ms"] > 0 and time["comm_ms"] > 0 for time in times)
+        else:
+            assert all(time["step_ms"] is None for time in times)
+            assert all("no calibration of 4 ranks' collectives" in time["why"] for time in times)
 
 
 def test_a_graphed_plans_peak_is_called_a_lower_bound(tmp_path):
@@ -306,8 +311,8 @@ def test_recommend_ranks_the_dp_trainers_by_their_fastest_fitting_batch(tmp_path
     (line,) = [x for x in text.splitlines() if x.startswith("- 1b, batch 8")]
     assert "no DP trainer to run" in line and "dpsgd: no physical batch fits 0.74 GiB" in line
     for refused, why in (([], "--gpu_memory GiB"),
-                         (["--gpu_memory", "80", "--distributed", "ddp", "--world_size", "2"],
-                          "one GPU only")):  # fmt: skip
+                         (["--gpu_memory", "80", "--distributed", "ddp", "--world_size", "4"],
+                          "no collectives of 4 ranks (measured: 2")):  # fmt: skip
         run = in_process("--mode=capacity", "--recommend", *refused, "--output_dir", tmp_path)
         assert run.returncode == 2 and why in run.stderr
 
