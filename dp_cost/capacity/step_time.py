@@ -24,6 +24,7 @@ last one recorded (each chunk ends with a sync: its loss read on the host).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 
@@ -53,41 +54,48 @@ def waits_for_gpu(op: Op) -> bool:
     return op.kind == SYNC and not op.optimizer
 
 
-def op_costs(
-    op: Op,
-    phase: str,
-    rates: CardRates,
-    trainer: str,
-    graphed: bool,
-    model_kind: str = "lm",
-    ranks: tuple[str, int] = ("none", 1),
-) -> tuple[float, float]:
-    """(host µs, GPU µs) of one op of ``trainer``'s step on ``ranks`` (distributed mode,
-    ranks), dispatched in ``phase``."""
-    if graphed:
-        host = 0.0
-    elif op.kind == SYNC:
-        host = rates.host["sync_us"]
-    else:
-        host = rates.host_us(trainer, phase, model_kind, ranks)[0]
-    if op.kind == GEMM:  # no kernel moves its bytes faster than a copy does
-        return host, max(rates.gemm_us(op.dtype, *op.gemm), rates.memory_us(op.bytes))
-    if op.kind == ATTENTION:  # by the op: a checkpointed block's recomputation is a forward
-        direction = "backward" if "backward" in op.name else "forward"
-        return host, rates.attention_us(op.dtype, direction, op.head_dim, op.seq_len, op.flops)
-    if op.kind == MEMORY:
-        return host, rates.memory_us(op.bytes, op.name)
-    return host, 0.0
+@dataclasses.dataclass(frozen=True)
+class StepCosts:
+    """Whose step is costed on which card: the card's table, the trainer, whether its step is
+    one CUDA graph (the host then issues nothing), the table's kind of model for its host rows,
+    and its ranks (distributed mode, number of ranks; one process: ("none", 1))."""
+
+    rates: CardRates
+    trainer: str
+    graphed: bool = False
+    model_kind: str = "lm"
+    ranks: tuple[str, int] = ("none", 1)
+
+    def host_us(self, phase: str) -> tuple[float, float]:
+        """(µs an op, µs once) of the host in ``phase``, from the trainer's row."""
+        return self.rates.host_us(self.trainer, phase, self.model_kind, self.ranks)
+
+    def op(self, op: Op, phase: str) -> tuple[float, float]:
+        """(host µs, GPU µs) of one op dispatched in ``phase`` (a collective's: ``collective``)."""
+        if self.graphed:
+            host = 0.0
+        elif op.kind == SYNC:
+            host = self.rates.host["sync_us"]
+        else:
+            host = self.host_us(phase)[0]
+        rates = self.rates
+        if op.kind == GEMM:  # no kernel moves its bytes faster than a copy does
+            return host, max(rates.gemm_us(op.dtype, *op.gemm), rates.memory_us(op.bytes))
+        if op.kind == ATTENTION:  # by the op: a checkpointed block's recomputation is a forward
+            direction = "backward" if "backward" in op.name else "forward"
+            return host, rates.attention_us(op.dtype, direction, op.head_dim, op.seq_len, op.flops)
+        if op.kind == MEMORY:
+            return host, rates.memory_us(op.bytes, op.name)
+        return host, 0.0
+
+    def collective(self, op: Op) -> tuple[float, float]:
+        """(host µs, link µs) of a collective over this step's ranks."""
+        host, link = self.rates.collective_us(op.collective, op.bytes, self.ranks[1])
+        return (0.0 if self.graphed else host), link
 
 
 def play(
-    ops: list[tuple[Op, str]],
-    rates: CardRates,
-    trainer: str,
-    graphed: bool,
-    model_kind: str = "lm",
-    phases_once: tuple[str, ...] = (),
-    ranks: tuple[str, int] = ("none", 1),
+    ops: list[tuple[Op, str]], costs: StepCosts, phases_once: tuple[str, ...] = ()
 ) -> dict[str, float]:
     """µs of ``ops`` (each with its phase) from an idle host, GPU and link until all are done:
     ``step``, and the host's, the GPU's and the link's busy time (``host``, ``gpu``, ``comm``).
@@ -98,22 +106,21 @@ def play(
     waited for at the chunk's end where the backward issued it (DDP's buckets, FSDP2's
     reduce-scatters), at once where Python did (flash's, Opacus' optimizer's)."""
     host = gpu = comm = gate = host_busy = gpu_busy = comm_busy = 0.0
-    unpaid = set() if graphed else set(phases_once)
+    unpaid = set() if costs.graphed else set(phases_once)
     for op, phase in ops:
         if phase in unpaid:
             unpaid.discard(phase)
-            fixed_us = rates.host_us(trainer, phase, model_kind, ranks)[1]
+            fixed_us = costs.host_us(phase)[1]
             host, host_busy = host + fixed_us, host_busy + fixed_us
         if op.kind == COLLECTIVE:
-            host_us, comm_us = rates.collective_us(op.collective, op.bytes, ranks[1])
-            host_us = 0.0 if graphed else host_us
+            host_us, comm_us = costs.collective(op)
             host, host_busy, comm_busy = host + host_us, host_busy + host_us, comm_busy + comm_us
             gathers = op.collective == GATHER
             comm = max(comm, host if gathers else max(host, gpu)) + comm_us
             if gathers or not op.backward:
                 gate = comm
             continue
-        host_us, gpu_us = op_costs(op, phase, rates, trainer, graphed, model_kind, ranks)
+        host_us, gpu_us = costs.op(op, phase)
         host_busy += host_us
         if waits_for_gpu(op):  # the host waits for the GPU, then reads the value
             host = max(host, gpu, gate) + host_us
@@ -153,23 +160,14 @@ def chunk_groups(
 
 
 def predicted_time(
-    ops: list[Op],
-    marks: list[str],
-    rates: CardRates,
-    *,
-    trainer: str,
-    chunk_count: int,
-    graphed: bool,
-    model_kind: str = "lm",
-    ranks: tuple[str, int] = ("none", 1),
+    ops: list[Op], marks: list[str], costs: StepCosts, chunk_count: int
 ) -> dict[str, float]:
-    """ms of one logical batch of ``chunk_count`` chunks on rank 0 of ``ranks`` (distributed
-    mode, ranks)
+    """ms of one logical batch of ``chunk_count`` chunks, on rank 0 where there are several
     (``step_ms``; ``host_ms``, ``gpu_ms``, ``comm_ms``: each one's busy time), from the
     recorded step's ops."""
     chunks, finish = chunk_groups(ops, marks)
     played = [
-        play(group, rates, trainer, graphed, model_kind, phases, ranks)
+        play(group, costs, phases)
         for group, phases in [*((c, (FORWARD, BACKWARD)) for c in chunks), (finish, (FINISH,))]
     ]
     total = {key: sum(p[key] for p in played) for key in TIMES}
@@ -194,12 +192,13 @@ def model_kind(config) -> str:
 
 def config_time(config, step: dict, rates: CardRates, chunks: int) -> dict[str, float]:
     """``predicted_time`` of ``config``'s planned ``step`` (its ``ops`` and ``marks``) in
-    ``chunks`` chunks on ``rates``' card, as the config's trainer, model and graphs run it."""
-    return predicted_time(
-        step["ops"], step["marks"], rates, trainer=config.trainer, chunk_count=chunks,
-        graphed=bool(config.cuda_graph), model_kind=model_kind(config),
-        ranks=(config.distributed, config.world_size),
+    ``chunks`` chunks on ``rates``' card, as the config's trainer, model, graphs and ranks run
+    it."""
+    costs = StepCosts(
+        rates, config.trainer, bool(config.cuda_graph), model_kind(config),
+        (config.distributed, config.world_size),
     )  # fmt: skip
+    return predicted_time(step["ops"], step["marks"], costs, chunks)
 
 
 def planned_time(config, step: dict, physical: int, samples: int) -> dict:

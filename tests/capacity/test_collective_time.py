@@ -12,6 +12,7 @@ import models
 from dp_cost.capacity import card_rates, fake_step, step_time
 from dp_cost.capacity.op_list import COLLECTIVE, GEMM, Op, OpRecord
 from dp_cost.capacity.planned_ranks import planned_ranks
+from dp_cost.capacity.step_time import StepCosts
 from dp_cost.measure import worker
 from dp_cost.measure.config import ExperimentConfig
 from tests.capacity.card_table import card_table
@@ -89,13 +90,12 @@ def test_a_backward_reduction_overlaps_the_kernels_after_it_and_pythons_does_not
     gemm = gemm_of(rates, 1000.0)
     for backward, expected in ((True, 2005.0), (False, 3005.0)):
         ops = [(gemm, "backward"), (collective("all_reduce", 2**20, backward), "backward")]
-        played = step_time.play(
-            [*ops, (gemm, "backward")], rates, "standard", False, ranks=("ddp", 2)
-        )
+        costs = StepCosts(rates, "standard", ranks=("ddp", 2))
+        played = step_time.play([*ops, (gemm, "backward")], costs)
         assert played["step"] == near(expected)
         assert played["comm"] == near(1000.0) and played["gpu"] == near(2000)
     last = [(gemm, "backward"), (collective("reduce_scatter", 2**20, True), "backward")]
-    played = step_time.play(last, rates, "standard", False, ranks=("ddp", 2))
+    played = step_time.play(last, StepCosts(rates, "standard", ranks=("ddp", 2)))
     assert played["step"] == near(5 + 1000 + 1000)
 
 
@@ -109,9 +109,11 @@ def test_a_gather_starts_when_issued_and_the_kernels_after_it_wait_for_it(tmp_pa
     gemm = gemm_of(rates, 1000.0)
     gather = collective("all_gather", 2**20, False)
     ops = [(gemm, "forward"), (gather, "forward"), (gemm, "forward")]
-    assert step_time.play(ops, rates, "standard", False, ranks=("ddp", 2))["step"] == near(2012.0)
+    assert step_time.play(ops, StepCosts(rates, "standard", ranks=("ddp", 2)))["step"] == near(
+        2012.0
+    )
     ops = [(gather, "forward"), (gather, "forward"), (gemm, "forward")]
-    played = step_time.play(ops, rates, "standard", False, ranks=("ddp", 2))
+    played = step_time.play(ops, StepCosts(rates, "standard", ranks=("ddp", 2)))
     assert played["step"] == near(7 + 2000 + 1000)  # link busy for two gathers
 
 

@@ -12,6 +12,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from dp_cost.capacity import card_rates, step_time
 from dp_cost.capacity.op_list import ATTENTION, GEMM, MEMORY, SYNC, VIEW, Op, OpRecord
+from dp_cost.capacity.step_time import StepCosts
 from dp_cost.measure.config import ExperimentConfig
 from tests.capacity.card_table import SIDES, THIN_RATE, card_table
 from tests.cli_helpers import benchmark_script
@@ -34,16 +35,16 @@ def test_a_host_bound_step_takes_the_hosts_time_a_gpu_bound_one_the_gpus(tmp_pat
     of 1000 µs: the GPU never waits after the first launch, the step is 10 + 10,000 µs."""
     rates = rates_of(tmp_path, forward_us=10.0, floor_us=2.0, tflops=100.0)
     small = [(op(MEMORY, moved=8), "forward")] * 10
-    played = step_time.play(small, rates, "standard", graphed=False)
+    played = step_time.play(small, StepCosts(rates, "standard"))
     assert played["step"] == pytest.approx(102.0)
     assert played["host"] == pytest.approx(100.0) and played["gpu"] == pytest.approx(20.0)
     side = 1024 * 1024**0  # 2·1024³ FLOPs at 100 TFLOP/s: 21.47 µs; scale K for 1000 µs
     k = round(1000 * 100e6 / (2 * side * side))
     big = [(op(GEMM, gemm=(1, side, side, k)), "forward")] * 10
     kernel = rates.gemm_us("bfloat16", 1, side, side, k)
-    played = step_time.play(big, rates, "standard", graphed=False)
+    played = step_time.play(big, StepCosts(rates, "standard"))
     assert played["step"] == pytest.approx(10.0 + 10 * kernel)
-    graphed = step_time.play(big, rates, "standard", graphed=True)
+    graphed = step_time.play(big, StepCosts(rates, "standard", graphed=True))
     assert graphed["step"] == pytest.approx(10 * kernel) and graphed["host"] == 0
 
 
@@ -54,7 +55,7 @@ def test_a_sync_makes_the_host_wait_for_the_gpu(tmp_path):
     gemm = op(GEMM, gemm=(1, 16384, 16384, 16384))
     kernel = rates.gemm_us("bfloat16", 1, 16384, 16384, 16384)
     ops = [(gemm, "forward"), (op(SYNC), "forward"), (op(MEMORY, moved=8), "forward")]
-    played = step_time.play(ops, rates, "standard", graphed=False)
+    played = step_time.play(ops, StepCosts(rates, "standard"))
     assert played["step"] == pytest.approx(10 + kernel + 20 + 10 + 2)
 
 
@@ -84,13 +85,9 @@ def test_chunks_beyond_the_recorded_ones_cost_what_the_last_recorded_one_did(tmp
     marks = ["forward_done", "backward_done", "forward_done", "backward_done", "step_done"]
     ops = [op(MEMORY, 0, moved=8), op(MEMORY, 2, moved=8), op(MEMORY, 2, moved=8)]
     ops.append(op(MEMORY, 4, moved=8))
-    recorded = step_time.predicted_time(
-        ops, marks, rates, trainer="standard", chunk_count=2, graphed=False
-    )
+    recorded = step_time.predicted_time(ops, marks, StepCosts(rates, "standard"), 2)
     assert recorded["step_ms"] * 1e3 == pytest.approx(12 + 22 + 12)
-    five = step_time.predicted_time(
-        ops, marks, rates, trainer="standard", chunk_count=5, graphed=False
-    )
+    five = step_time.predicted_time(ops, marks, StepCosts(rates, "standard"), 5)
     assert five["step_ms"] * 1e3 == pytest.approx(12 + 22 + 12 + 3 * 22)
 
 
@@ -402,10 +399,7 @@ def test_attention_rates_hold_at_the_lengths_measured_and_go_by_the_ops_directio
     backward = dataclasses.replace(
         recomputed, name=recomputed.name.replace(".default", "_backward.default")
     )
-    costs = [
-        step_time.op_costs(o, "backward", rates, "standard", False)[1]
-        for o in (recomputed, backward)
-    ]
+    costs = [StepCosts(rates, "standard").op(o, "backward")[1] for o in (recomputed, backward)]
     assert costs == [pytest.approx(1e4), pytest.approx(2e4)]
 
 
@@ -415,7 +409,7 @@ def test_the_optimizers_item_makes_no_wait(tmp_path):
     rates = rates_of(tmp_path, forward_us=10.0, finish_us=10.0, sync_us=20.0, floor_us=2.0)
     gemm = (op(GEMM, gemm=(1, 16384, 16384, 16384)), "forward")
     item = (op(SYNC, optimizer=True), "finish")
-    played = step_time.play([gemm, item], rates, "standard", graphed=False)
+    played = step_time.play([gemm, item], StepCosts(rates, "standard"))
     assert played["step"] == pytest.approx(10 + rates.gemm_us("bfloat16", 1, 16384, 16384, 16384))
 
 
@@ -500,14 +494,12 @@ def test_each_chunks_forward_and_backward_and_the_finish_cost_their_fixed_host_t
     ops = [op(MEMORY, 0, moved=8), op(MEMORY, 1, moved=8)]
     ops += [op(MEMORY, 2, moved=8, name="clip"), op(SYNC, 2), op(MEMORY, 2, moved=8)]
     ops += [op(MEMORY, 3, moved=8), op(MEMORY, 4, moved=8), op(MEMORY, 4, moved=8)]
-    timed = step_time.predicted_time(ops, marks, rates, trainer="standard", chunk_count=3,
-                                     graphed=False)  # fmt: skip
+    timed = step_time.predicted_time(ops, marks, StepCosts(rates, "standard"), 3)
     chunk_one = 100 + 10 + 50 + 10 + 2
     chunk_two = 10 + 2 + 100 + 10 + 50 + 10 + 2  # the clip op, its kernel waited for, then as one
     finish = 30 + 10 + 10 + 2
     assert timed["step_ms"] * 1e3 == pytest.approx(chunk_one + 2 * chunk_two + finish)
-    graphed = step_time.predicted_time(ops, marks, rates, trainer="standard", chunk_count=3,
-                                       graphed=True)  # fmt: skip
+    graphed = step_time.predicted_time(ops, marks, StepCosts(rates, "standard", graphed=True), 3)
     assert graphed["host_ms"] == 0
 
 
