@@ -116,11 +116,7 @@ class PlannedDataParallel(nn.Module):
     def accumulated(self, index: int) -> None:
         """Parameter ``index``'s gradient is accumulated: in a synced backward, its bucket is
         reduced once its last one is."""
-        if not self.step_done:  # a no_sync chunk: DDP reduces nothing
-            return
-        if not self.pending:
-            self.pending = {b: set(bucket) for b, bucket in enumerate(self.assignment)}
-        for bucket, waiting in self.pending.items():
+        for bucket, waiting in self.pending.items():  # none in a no_sync chunk
             if index in waiting:
                 waiting.discard(index)
                 if not waiting:
@@ -138,8 +134,6 @@ class PlannedDataParallel(nn.Module):
         dist.all_reduce(buffer)
         for gradient, view in views:
             gradient.copy_(view.view_as(gradient))
-        if all(not waiting for waiting in self.pending.values()):
-            self.pending = {}
 
     def forward(self, *args, **kwargs):
         if torch.is_grad_enabled():
@@ -149,6 +143,10 @@ class PlannedDataParallel(nn.Module):
                     self.rebuilt_from, self.bucket_buffers = self.bucket_buffers, self.new_buckets()
                     self.rebuilt = True
             self.step_done = self.syncing
+            # the buckets this chunk's backward reduces: all of them when it syncs, else none
+            self.pending = (
+                {b: set(bucket) for b, bucket in enumerate(self.assignment)} if self.syncing else {}
+            )
         return self.module(*args, **kwargs)
 
     @contextlib.contextmanager
