@@ -262,7 +262,9 @@ def depth(config, blocks: int):
 
 
 def planned_op_counts(planned: dict) -> tuple[dict[str, int], int]:
-    """(ops of a planned step per phase, its syncs), as the time model charges them."""
+    """(ops of a planned step per phase, its syncs), as the time model charges them at the
+    phase's µs an op: syncs and collectives, charged their own costs, apart."""
+    from dp_cost.capacity.op_list import COLLECTIVE
     from dp_cost.capacity.step_time import chunk_groups, waits_for_gpu
 
     chunks, finish = chunk_groups(planned["ops"], planned["marks"])
@@ -271,7 +273,7 @@ def planned_op_counts(planned: dict) -> tuple[dict[str, int], int]:
     for op, phase in (pair for group in [*chunks, finish] for pair in group):
         if waits_for_gpu(op):
             syncs += 1
-        else:
+        elif op.kind != COLLECTIVE:
             ops[phase] += 1
     return ops, syncs
 

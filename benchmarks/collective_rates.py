@@ -29,9 +29,6 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SIZES = [2**e for e in range(10, 31, 2)]  # 1 KiB .. 1 GiB of the whole tensor
 QUICK_SIZES = [2**10, 2**20]
-COLLECTIVES = ("all_reduce", "reduce_scatter", "all_gather", "broadcast")
-# The trainers each distributed mode runs (dpsgd has no FSDP2 path)
-TRAINERS = {"ddp": ("standard", "dpsgd", "ghost", "flash"), "fsdp": ("standard", "ghost", "flash")}
 QUICK_DEPTHS = (1, 2)
 HOST_CALLS = 50  # calls timed on the host per collective (1 KiB each)
 SPIN_CYCLES = 20_000_000  # about 10 ms of one SM spinning: longer than queueing the timed calls
@@ -51,6 +48,8 @@ if __name__ == "__main__":  # --help answers before torch is imported
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
+
+from dp_cost.capacity.card_rates import COLLECTIVE_KINDS  # noqa: E402
 
 
 def call(name: str, whole: torch.Tensor, shard: torch.Tensor):
@@ -148,33 +147,53 @@ def host_configs(args, world_size: int) -> dict:
 
     depths = QUICK_DEPTHS if args.quick else calibration.HOST_DEPTHS
     planned = {}
-    for mode, trainers in TRAINERS.items():
-        for trainer in trainers[:1] if args.quick else trainers:
-            base = calibration.calibration_config(trainer, "lm", args.device)
-            base = dataclasses.replace(
-                base,
-                distributed=mode,
-                world_size=world_size,
-                batch_size=base.batch_size * world_size,
-            )
-            for blocks in depths:
-                with calibration.depth(base, blocks) as config:
-                    step = fake_step.predict(config, worker.build_trainer, record_ops=True)
-                    planned[mode, trainer, blocks] = config, step
+    for mode, trainer in ranked_trainers(args.quick):
+        base = calibration.calibration_config(trainer, "lm", args.device)
+        base = dataclasses.replace(
+            base, distributed=mode, world_size=world_size, batch_size=base.batch_size * world_size
+        )
+        for blocks in depths:
+            with calibration.depth(base, blocks) as config:
+                step = fake_step.predict(config, worker.build_trainer, record_ops=True)
+                planned[mode, trainer, blocks] = config, step
     return planned
 
 
-def host_rows(planned: dict, sync_cost_us: float) -> dict:
+def ranked_trainers(quick: bool) -> list[tuple[str, str]]:
+    """(distributed mode, trainer) of every trainer each mode over ranks can run (dpsgd has no
+    FSDP2 path): the registry's refusals, at the calibration config's settings; ``quick``: the
+    standard trainer alone."""
+    from dp_cost.core.schema import DISTRIBUTED_MODES
+    from dp_cost.measure.config import ExperimentConfig
+    from dp_cost.parallel.mode import distributed_mode
+    from dp_cost.training import registry
+
+    defaults = ExperimentConfig(trainer="standard", batch_size=2, seq_len=16)
+    return [
+        (mode, trainer)
+        for mode in DISTRIBUTED_MODES
+        if distributed_mode(mode).is_distributed
+        for trainer in (["standard"] if quick else registry.TRAINERS)
+        if registry.refusal(trainer, mode, False, False, defaults.fsdp_sync, defaults.clipping)
+        is None
+    ]
+
+
+def host_rows(planned: dict, sync_cost_us: float, collective_host_us: dict) -> dict:
     """Each (trainer, mode)'s host costs fitted over its depths (``fit_host``), as
-    benchmarks/card_rates.py's one-process rows, and what they were fitted on."""
+    benchmarks/card_rates.py's one-process rows, and what they were fitted on: each phase's
+    host time less its collectives' issue (the time model charges each collective its own
+    ``collective_host_us``), its planned ops without them."""
     import card_rates as calibration
 
     from dp_cost.capacity.card_rates import fit_host
 
     by_row: dict[str, dict] = {}
     for (mode, trainer, blocks), (config, step) in planned.items():
-        by_depth = by_row.setdefault(f"{trainer}@{mode}", {})
-        by_depth[blocks] = calibration.host_phase_us(config, sync_cost_us, step)
+        host, ops = calibration.host_phase_us(config, sync_cost_us, step)
+        for phase, issued_us in collectives_host_us(step, collective_host_us).items():
+            host[phase] -= issued_us
+        by_row.setdefault(f"{trainer}@{mode}", {})[blocks] = host, ops
     return {
         row: {
             **fit_host(by_depth),
@@ -190,6 +209,19 @@ def host_rows(planned: dict, sync_cost_us: float) -> dict:
     }
 
 
+def collectives_host_us(step: dict, collective_host_us: dict) -> dict[str, float]:
+    """µs the host spends issuing a planned step's collectives, by phase."""
+    from dp_cost.capacity.op_list import COLLECTIVE
+    from dp_cost.capacity.step_time import chunk_groups
+
+    chunks, finish = chunk_groups(step["ops"], step["marks"])
+    issued = {"forward": 0.0, "backward": 0.0, "finish": 0.0}
+    for op, phase in (pair for group in [*chunks, finish] for pair in group):
+        if op.kind == COLLECTIVE:
+            issued[phase] += collective_host_us[op.collective]
+    return issued
+
+
 def measured(args, planned: dict, sync_cost_us: float) -> dict:
     """This host's collectives' section of the card table."""
     from dp_cost.measure.run import git_commit
@@ -197,10 +229,12 @@ def measured(args, planned: dict, sync_cost_us: float) -> dict:
     sizes = QUICK_SIZES if args.quick else SIZES
     started = time.perf_counter()
     section = {
-        "gpu_us": {name: rows(name, sizes, args.device) for name in COLLECTIVES},
-        "host_us": {name: round(host_us(name, args.device), 3) for name in COLLECTIVES},
-        "host_by_trainer": host_rows(planned, sync_cost_us),
+        "gpu_us": {name: rows(name, sizes, args.device) for name in sorted(COLLECTIVE_KINDS)},
+        "host_us": {
+            name: round(host_us(name, args.device), 3) for name in sorted(COLLECTIVE_KINDS)
+        },
     }
+    section["host_by_trainer"] = host_rows(planned, sync_cost_us, section["host_us"])
     section["measured"] = {
         "date": datetime.date.today().isoformat(),
         "commit": git_commit(ROOT) or "not recorded",
@@ -236,6 +270,9 @@ def main() -> int:
         return 2
     from dp_cost.capacity.card_rates import CARDS_DIR, card_file_name, load_card
 
+    if args.quick and args.device == "cuda" and not args.out:
+        print("error: --quick is a check, not a table: give --out PATH", file=sys.stderr)
+        return 2
     if args.device == "cuda":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
         path = args.out or os.path.join(CARDS_DIR, card_file_name(torch.cuda.get_device_name()))

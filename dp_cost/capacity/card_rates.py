@@ -31,6 +31,8 @@ PHASES = ("forward", "backward", "finish")  # capacity.step_time's phases of a c
 # The host costs' rows by the kind of model a step trains: the calibration model of each (the
 # tiny LM; the tiny Llama, whole or with LoRA adapters) runs that kind's Python per layer
 MODEL_KINDS = {"lm": "", "hf": "+hf", "lora": "+lora"}
+# What benchmarks/collective_rates.py measures, the kinds op_list records collectives as
+COLLECTIVE_KINDS = {"all_reduce", "reduce_scatter", "all_gather", "broadcast"}
 THIN_OUTPUT = 256  # a GEMM's products of at most this many outputs each: dot products
 
 
@@ -139,6 +141,28 @@ class LogGrid:
         return math.exp(log_time)
 
 
+def ranked_sections(table: dict) -> tuple[dict, dict]:
+    """The table's sections by number of ranks (``collectives``): {ranks: (GPU µs rows by
+    collective, sorted by bytes; host µs a call by collective)} and {ranks: host rows of
+    trainers under DDP or FSDP2, "flash@fsdp"}."""
+    sections = {int(world): section for world, section in table.get("collectives", {}).items()}
+    collectives = {
+        world: (
+            {name: sorted((int(b), float(us)) for b, us in rows)
+             for name, rows in section["gpu_us"].items()},
+            {name: float(us) for name, us in section["host_us"].items()},
+        )
+        for world, section in sections.items()
+    }  # fmt: skip
+    host_by_ranks = {
+        world: {row: {phase: (float(costs["op_us"][phase]), float(costs["fixed_us"][phase]))
+                      for phase in PHASES}
+                for row, costs in section.get("host_by_trainer", {}).items()}
+        for world, section in sections.items()
+    }  # fmt: skip
+    return collectives, host_by_ranks
+
+
 class CardRates:
     """One card's table (``load_card``)."""
 
@@ -174,22 +198,8 @@ class CardRates:
             self._memory_floor_us = min(us for _, us in memory)
             largest_bytes, largest_us = memory[-1]
             self._bytes_per_us = largest_bytes / largest_us
-            self._collectives = {
-                int(world): (
-                    {name: sorted((int(b), float(us)) for b, us in rows)
-                     for name, rows in section["gpu_us"].items()},
-                    {name: float(us) for name, us in section["host_us"].items()},
-                )
-                for world, section in table.get("collectives", {}).items()
-            }  # fmt: skip
-            # host rows of trainers under DDP or FSDP2 ("flash@fsdp"), by the ranks measured
-            self.host_by_ranks = {
-                int(world): {row: {phase: (float(costs["op_us"][phase]),
-                                           float(costs["fixed_us"][phase])) for phase in PHASES}
-                             for row, costs in section.get("host_by_trainer", {}).items()}
-                for world, section in table.get("collectives", {}).items()
-            }  # fmt: skip
-        except (KeyError, TypeError, ValueError, IndexError) as error:
+            self._collectives, self.host_by_ranks = ranked_sections(table)
+        except (KeyError, TypeError, ValueError, IndexError, AttributeError) as error:
             raise CardRatesError(f"{path}: not a card table ({error})") from None
         if any(us < 0 for row in self.host_by_trainer.values() for pair in row.values()
                for us in pair):  # fmt: skip
@@ -197,9 +207,19 @@ class CardRates:
         for name, part in (("gemm", self._gemm), ("thin_gemm", self._thin)):
             if "float32" not in part:
                 raise CardRatesError(f"{path}: no float32 {name} grid (the fallback dtype)")
-        if any(not rows or rows[0][0] <= 0 or min(us for _, us in rows) <= 0
-               for gpu, _ in self._collectives.values() for rows in gpu.values()):  # fmt: skip
-            raise CardRatesError(f"{path}: a collective's row is empty or not positive")
+        for world, (gpu, host) in self._collectives.items():
+            if set(gpu) != COLLECTIVE_KINDS or set(host) != COLLECTIVE_KINDS:
+                raise CardRatesError(f"{path}: {world} ranks' collectives are not all of "
+                                     f"{', '.join(sorted(COLLECTIVE_KINDS))}")  # fmt: skip
+            if any(not rows or rows[0][0] <= 0 or min(us for _, us in rows) <= 0
+                   or any(a[0] >= b[0] for a, b in itertools.pairwise(rows))
+                   for rows in gpu.values()) or min(host.values()) < 0:  # fmt: skip
+                raise CardRatesError(
+                    f"{path}: a collective's row is empty, not positive or has a size twice"
+                )
+        if any(us < 0 for rows in self.host_by_ranks.values() for row in rows.values()
+               for pair in row.values() for us in pair):  # fmt: skip
+            raise CardRatesError(f"{path}: a host cost under ranks is negative")
         if not self._attention or any(
             not rows or min(r for _, r in rows) <= 0 for rows in self._attention.values()
         ):
@@ -214,7 +234,7 @@ class CardRates:
         row where measured, else the trainer's on the tiny LM, else the standard trainer's;
         under DDP or FSDP2 the trainer's row measured under it first (its hooks' Python)."""
         suffix, (distributed, world_size) = MODEL_KINDS[model_kind], ranks
-        under = self.host_by_ranks.get(world_size, {}) if distributed != "none" else {}
+        under = self.host_by_ranks.get(world_size, {})  # one process: no rows under ranks
         for row in (f"{trainer}{suffix}@{distributed}", f"{trainer}@{distributed}"):
             if row in under:
                 return under[row][phase]

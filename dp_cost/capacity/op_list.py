@@ -46,14 +46,18 @@ COLLECTIVES = {
     "allreduce_": "all_reduce",
     "allreduce_coalesced_": "all_reduce",
     "all_reduce": "all_reduce",
+    "all_reduce_": "all_reduce",
+    "all_reduce_coalesced": "all_reduce",
     "_reduce_scatter_base_": "reduce_scatter",
     "reduce_scatter_": "reduce_scatter",
     "reduce_scatter_tensor_coalesced_": "reduce_scatter",
     "reduce_scatter_tensor": "reduce_scatter",
+    "reduce_scatter_tensor_coalesced": "reduce_scatter",
     "_allgather_base_": "all_gather",
     "allgather_": "all_gather",
     "allgather_into_tensor_coalesced_": "all_gather",
     "all_gather_into_tensor": "all_gather",
+    "all_gather_into_tensor_coalesced": "all_gather",
     "broadcast_": "broadcast",
     "broadcast": "broadcast",
 }
@@ -109,11 +113,12 @@ def gemm_shape(func, args) -> tuple[int, int, int, int]:
     return 1, a.shape[0], b.shape[1], a.shape[1]
 
 
-def collective_bytes(args) -> int:
+def collective_bytes(args, output) -> int:
     """The bytes of a collective's whole tensor: its larger side (a gather's output, a
-    reduce-scatter's input, an all-reduce's tensors), what its time is measured by."""
-    sides = [_bytes(_tensors(value)) for value in args[:2]]
-    return max(sides, default=0)
+    reduce-scatter's input, an all-reduce's tensors), what its time is measured by: c10d's ops
+    take both sides as arguments, the functional ones return their output."""
+    sides = [_bytes(_tensors(value)) for value in (*args[:2], output)]
+    return max(sides)
 
 
 def attention_flops(func, args, kwargs, output) -> tuple[int, int, int] | None:
@@ -149,7 +154,9 @@ def describe(func, args, kwargs, output, segment: int, optimizer: bool = False) 
         return Op(name, SYNC, 0, 0, **known)
     collective = COLLECTIVES.get(func.overloadpacket.__name__)
     if collective and func.namespace in COLLECTIVE_NAMESPACES:
-        return Op(name, COLLECTIVE, 0, collective_bytes(args), collective=collective, **known)
+        return Op(
+            name, COLLECTIVE, 0, collective_bytes(args, output), collective=collective, **known
+        )
     outputs = _tensors(output)
     # a view, a storage made, an op of no tensor (types promoted, sizes read): no kernel
     if func in NO_KERNEL or func.is_view or not outputs:

@@ -19,7 +19,8 @@ clipping of all but the last chunk) is charged its ops only. Under CUDA graphs
 (``--cuda_graph``) the host issues nothing.
 
 The fake step runs at most three chunks; a logical batch of more runs its other chunks as the
-last one recorded (each chunk ends with a sync: its loss read on the host).
+middle one recorded (each chunk ends with a sync: its loss read on the host; the last one
+alone syncs DDP's gradients, or FSDP2's held to the last chunk).
 """
 
 from __future__ import annotations
@@ -102,23 +103,33 @@ def play(
     The host spends each of ``phases_once``'s fixed µs (the table's) before the first op of
     that phase. Collectives run beside the kernels, one at a time (NCCL's stream): a gather
     starts once issued (its input, a parameter's shard, is there) and the kernels after it wait
-    for it; a reduction starts once the kernels before it are done (its input is theirs) and is
-    waited for at the chunk's end where the backward issued it (DDP's buckets, FSDP2's
-    reduce-scatters), at once where Python did (flash's, Opacus' optimizer's)."""
+    for it (in the backward, those after the next gather: FSDP2 issues the next layer's before
+    running this one's); a reduction starts once the kernels before it are done (its input is
+    theirs) and is waited for by the first op after the backward where the backward issued it
+    (DDP's buckets, FSDP2's reduce-scatters), at once where Python did (flash's, Opacus'
+    optimizer's); anything outstanding at the end, by the end."""
     host = gpu = comm = gate = host_busy = gpu_busy = comm_busy = 0.0
+    prefetched = 0.0  # the end of the backward's last gather, for the layer after it
+    in_backward = False  # reductions the backward issued, not yet waited for
     unpaid = set() if costs.graphed else set(phases_once)
     for op, phase in ops:
         if phase in unpaid:
             unpaid.discard(phase)
             fixed_us = costs.host_us(phase)[1]
             host, host_busy = host + fixed_us, host_busy + fixed_us
+        if in_backward and not op.backward:  # the backward's end waits for its reductions
+            gate, in_backward = max(gate, comm), False
         if op.kind == COLLECTIVE:
             host_us, comm_us = costs.collective(op)
             host, host_busy, comm_busy = host + host_us, host_busy + host_us, comm_busy + comm_us
             gathers = op.collective == GATHER
             comm = max(comm, host if gathers else max(host, gpu)) + comm_us
-            if gathers or not op.backward:
+            if gathers and op.backward:  # FSDP2 gathers the next layer before this one runs
+                gate, prefetched = max(gate, prefetched), comm
+            elif gathers or not op.backward:
                 gate = comm
+            else:
+                in_backward = True
             continue
         host_us, gpu_us = costs.op(op, phase)
         host_busy += host_us
@@ -172,9 +183,10 @@ def predicted_time(
     ]
     total = {key: sum(p[key] for p in played) for key in TIMES}
     extra = max(chunk_count - len(chunks), 0)
-    if chunks and extra:
+    if chunks and extra:  # each as a middle chunk: no sync of DDP's or FSDP2's logical one
+        middle = played[min(1, len(chunks) - 1)]  # the second recorded: a middle one of three
         for key in total:
-            total[key] += extra * played[len(chunks) - 1][key]
+            total[key] += extra * middle[key]
     return {f"{key}_ms": value / 1e3 for key, value in total.items()}
 
 

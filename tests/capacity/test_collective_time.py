@@ -2,14 +2,16 @@
 card's table and in the time model, each against a count or a time worked out by hand here;
 the calibration script on gloo's CPU ranks."""
 
+import dataclasses
 import json
 
 import pytest
 import torch
 import torch.distributed as dist
+import torch.distributed._functional_collectives as functional
 
 import models
-from dp_cost.capacity import card_rates, fake_step, step_time
+from dp_cost.capacity import card_rates, fake_step, op_list, step_time
 from dp_cost.capacity.op_list import COLLECTIVE, GEMM, Op, OpRecord
 from dp_cost.capacity.planned_ranks import planned_ranks
 from dp_cost.capacity.step_time import StepCosts
@@ -71,12 +73,35 @@ def test_a_collectives_time_is_the_tables_between_its_sizes_and_grows_with_bytes
         rates.collective_us("all_reduce", 1024, 4)
 
 
-def test_a_broken_collectives_section_is_one_line(tmp_path):
+def missing_broadcast(section):
+    del section["2"]["gpu_us"]["broadcast"]
+
+
+def a_size_twice(section):
+    section["2"]["gpu_us"]["all_reduce"] = [[1024, 100.0], [1024, 200.0]]
+
+
+def a_list(section):
+    section["2"]["gpu_us"] = [1, 2]
+
+
+def negative_host(section):
+    section["2"]["host_us"]["all_gather"] = -1.0
+
+
+@pytest.mark.parametrize(
+    "breaks, message",
+    [(missing_broadcast, "not all of"), (a_size_twice, "a size twice"), (a_list, "not a card"),
+     (negative_host, "not positive")],
+)  # fmt: skip
+def test_a_broken_collectives_section_is_one_line(tmp_path, breaks, message):
+    """Every kind the op record sees must be measured (flash under FSDP2 broadcasts), each
+    size once, every time positive: else the table is refused when read, not a plan later."""
     broken = json.loads(json.dumps(COLLECTIVES))
-    broken["2"]["gpu_us"]["all_reduce"] = []
+    breaks(broken)
     path = tmp_path / "card.json"
     path.write_text(json.dumps(card_table(collectives=broken)))
-    with pytest.raises(card_rates.CardRatesError, match="collective's row is empty"):
+    with pytest.raises(card_rates.CardRatesError, match=message):
         card_rates.load_card(str(path))
 
 
@@ -97,6 +122,12 @@ def test_a_backward_reduction_overlaps_the_kernels_after_it_and_pythons_does_not
     last = [(gemm, "backward"), (collective("reduce_scatter", 2**20, True), "backward")]
     played = step_time.play(last, StepCosts(rates, "standard", ranks=("ddp", 2)))
     assert played["step"] == near(5 + 1000 + 1000)
+    # after the backward (DDP's finalize, FSDP2's last callback) the step waits for them
+    after = dataclasses.replace(gemm, backward=False)
+    played = step_time.play(
+        [*last, (after, "finish")], StepCosts(rates, "standard", ranks=("ddp", 2))
+    )
+    assert played["step"] == near(5 + 1000 + 1000 + 1000)
 
 
 def test_a_gather_starts_when_issued_and_the_kernels_after_it_wait_for_it(tmp_path):
@@ -115,6 +146,12 @@ def test_a_gather_starts_when_issued_and_the_kernels_after_it_wait_for_it(tmp_pa
     ops = [(gather, "forward"), (gather, "forward"), (gemm, "forward")]
     played = step_time.play(ops, StepCosts(rates, "standard", ranks=("ddp", 2)))
     assert played["step"] == near(7 + 2000 + 1000)  # link busy for two gathers
+    # In the backward FSDP2 issues the next layer's gather before this layer's kernels run:
+    # they wait for the gather before it (ends at 1007), not for that one (2007).
+    backward = dataclasses.replace(gather, backward=True)
+    ops = [(backward, "backward"), (backward, "backward"), (gemm, "backward")]
+    played = step_time.play(ops, StepCosts(rates, "standard", ranks=("fsdp", 2)))
+    assert played["step"] == near(7 + 1000 + 1000)
 
 
 def test_the_op_record_sees_each_collective_by_the_bytes_of_its_whole_tensor():
@@ -126,10 +163,15 @@ def test_the_op_record_sees_each_collective_by_the_bytes_of_its_whole_tensor():
         dist.all_gather_into_tensor(whole, shard)
         dist.reduce_scatter_tensor(shard, whole)
         dist.broadcast(shard, src=0)
+        functional.all_gather_tensor(shard, 0, dist.group.WORLD)  # DTensor's kind: returns it
     collectives = [(op.collective, op.bytes) for op in record.ops if op.kind == COLLECTIVE]
     assert collectives == [
-        ("all_reduce", 4000), ("all_gather", 8000), ("reduce_scatter", 8000), ("broadcast", 4000)
+        ("all_reduce", 4000), ("all_gather", 8000), ("reduce_scatter", 8000), ("broadcast", 4000),
+        ("all_gather", 8000),
     ]  # fmt: skip
+    assert (
+        set(op_list.COLLECTIVES.values()) == card_rates.COLLECTIVE_KINDS
+    )  # what the table measures
 
 
 def test_planned_ddp_all_reduces_every_gradient_once_in_the_synced_backward():
@@ -155,6 +197,24 @@ def test_planned_ddp_all_reduces_every_gradient_once_in_the_synced_backward():
             [dist._DEFAULT_FIRST_BUCKET_BYTES, 25 * 2**20],
         )[0]
     )
+
+
+def test_a_ddp_steps_extra_chunks_do_not_sync_its_gradients():
+    """Standard under DDP x 2 at physical 2: the fake step records three chunks, the last of
+    them synced; a rank's 16 samples in 8 chunks sync once, as its 3 chunks do: the same
+    communication, and five more unsynced chunks than 3."""
+    config = ExperimentConfig(
+        trainer="standard", model="tiny", seq_len=32, batch_size=32, distributed="ddp",
+        world_size=2, max_physical_batch_size=2,
+    )  # fmt: skip
+    step = fake_step.predict(config, worker.build_trainer, record_ops=True)
+    rates = card_rates.card_rates("NVIDIA H200")
+    three, eight = (step_time.config_time(config, step, rates, n) for n in (3, 8))
+    assert eight["comm_ms"] == pytest.approx(three["comm_ms"]) and three["comm_ms"] > 0
+    chunks, _ = step_time.chunk_groups(step["ops"], step["marks"])
+    middle = step_time.play(chunks[1], StepCosts(rates, "standard", ranks=("ddp", 2)),
+                            ("forward", "backward"))  # fmt: skip
+    assert eight["step_ms"] - three["step_ms"] == pytest.approx(5 * middle["step"] / 1e3)
 
 
 def test_the_calibration_script_writes_its_ranks_collectives_into_a_table(tmp_path):
