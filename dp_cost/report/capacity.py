@@ -181,10 +181,12 @@ NOTES = (
     "several ranks; margins in capacity.json), places every allocation. 0: not even one "
     "sample fits; 1024+: the search's cap fits (larger ones were not judged). Predicted ms: "
     "one logical batch's eager step (or graphed, with --cuda_graph) on the card named, from the "
-    "fake step's ops and the card's measured rates (one GPU; - where not predicted, the reason "
-    "in capacity.json). Bound by host: the host issues the ops more slowly than the GPU runs "
-    "them, and the time moves with the host's speed: -47% to +56% against measured steps of six "
-    "machines of one card kind; bound by gpu: -18% to +1% where measured.\n"
+    "fake step's ops and the card's measured rates (with several ranks rank 0's, its "
+    "collectives from the rates measured for that many ranks; - where not predicted, the "
+    "reason in capacity.json). Bound by host: the host issues the ops more slowly than the GPU "
+    "runs them, and the time moves with the host's speed: -47% to +56% against measured steps "
+    "of six machines of one card kind; bound by gpu: -18% to +1% where measured; bound by "
+    "communication: the collectives take longer than the kernels.\n"
 )
 
 
