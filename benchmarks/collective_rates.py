@@ -268,7 +268,7 @@ def main() -> int:
     if args.device == "cuda" and not torch.cuda.is_available():
         print("error: this measures CUDA cards; none is available", file=sys.stderr)
         return 2
-    from dp_cost.capacity.card_rates import CARDS_DIR, card_file_name, load_card
+    from dp_cost.capacity.card_rates import CARDS_DIR, CardRatesError, card_file_name, load_card
 
     if args.quick and args.device == "cuda" and not args.out:
         print("error: --quick is a check, not a table: give --out PATH", file=sys.stderr)
@@ -279,7 +279,13 @@ def main() -> int:
     else:
         path = args.out
     # a host sync's cost: the one-process calibration's, in the table written into
-    sync_cost_us = load_card(path).host["sync_us"] if path else 0.0
+    try:
+        sync_cost_us = load_card(path).host["sync_us"] if path else 0.0
+    except CardRatesError as error:  # the one-process table comes first: card_rates.py
+        print(
+            f"error: {error} (measure it first: python benchmarks/card_rates.py)", file=sys.stderr
+        )
+        return 2
     planned = host_configs(args, int(os.environ["WORLD_SIZE"]))
     dist.init_process_group("nccl" if args.device == "cuda" else "gloo")
     try:
