@@ -261,16 +261,24 @@ def depth(config, blocks: int):
         architecture["num_hidden_layers"] = before
 
 
+def phased_ops(planned: dict):
+    """Each op of a planned step with the phase the time model charges it in."""
+    from dp_cost.capacity.step_time import chunk_groups
+
+    chunks, finish = chunk_groups(planned["ops"], planned["marks"])
+    for group in [*chunks, finish]:
+        yield from group
+
+
 def planned_op_counts(planned: dict) -> tuple[dict[str, int], int]:
     """(ops of a planned step per phase, its syncs), as the time model charges them at the
     phase's µs an op: syncs and collectives, charged their own costs, apart."""
     from dp_cost.capacity.op_list import COLLECTIVE
-    from dp_cost.capacity.step_time import chunk_groups, waits_for_gpu
+    from dp_cost.capacity.step_time import waits_for_gpu
 
-    chunks, finish = chunk_groups(planned["ops"], planned["marks"])
     ops = {"forward": 0, "backward": 0, "finish": 0}
     syncs = 0
-    for op, phase in (pair for group in [*chunks, finish] for pair in group):
+    for op, phase in phased_ops(planned):
         if waits_for_gpu(op):
             syncs += 1
         elif op.kind != COLLECTIVE:
@@ -328,6 +336,12 @@ def host_costs(trainer: str, model_kind: str, sync_cost_us: float, device: str =
     for blocks in HOST_DEPTHS:
         with depth(calibration_config(trainer, model_kind, device), blocks) as config:
             by_depth[blocks] = host_phase_us(config, sync_cost_us)
+    return fitted_row(by_depth)
+
+
+def fitted_row(by_depth: dict[int, tuple[dict, dict]]) -> dict:
+    """A table's host row: the fit (``fit_host``) over ``by_depth`` (depth: (host µs, planned
+    ops) by phase) and what it was fitted on."""
     from dp_cost.capacity.card_rates import fit_host
 
     return {

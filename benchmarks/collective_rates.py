@@ -186,37 +186,23 @@ def host_rows(planned: dict, sync_cost_us: float, collective_host_us: dict) -> d
     ``collective_host_us``), its planned ops without them."""
     import card_rates as calibration
 
-    from dp_cost.capacity.card_rates import fit_host
-
     by_row: dict[str, dict] = {}
     for (mode, trainer, blocks), (config, step) in planned.items():
         host, ops = calibration.host_phase_us(config, sync_cost_us, step)
         for phase, issued_us in collectives_host_us(step, collective_host_us).items():
             host[phase] -= issued_us
         by_row.setdefault(f"{trainer}@{mode}", {})[blocks] = host, ops
-    return {
-        row: {
-            **fit_host(by_depth),
-            "by_depth": {
-                str(blocks): {
-                    "host_us": {phase: round(us, 1) for phase, us in host.items()},
-                    "planned_ops": ops,
-                }
-                for blocks, (host, ops) in by_depth.items()
-            },
-        }
-        for row, by_depth in by_row.items()
-    }
+    return {row: calibration.fitted_row(by_depth) for row, by_depth in by_row.items()}
 
 
 def collectives_host_us(step: dict, collective_host_us: dict) -> dict[str, float]:
     """µs the host spends issuing a planned step's collectives, by phase."""
-    from dp_cost.capacity.op_list import COLLECTIVE
-    from dp_cost.capacity.step_time import chunk_groups
+    import card_rates as calibration
 
-    chunks, finish = chunk_groups(step["ops"], step["marks"])
+    from dp_cost.capacity.op_list import COLLECTIVE
+
     issued = {"forward": 0.0, "backward": 0.0, "finish": 0.0}
-    for op, phase in (pair for group in [*chunks, finish] for pair in group):
+    for op, phase in calibration.phased_ops(step):
         if op.kind == COLLECTIVE:
             issued[phase] += collective_host_us[op.collective]
     return issued
@@ -282,9 +268,8 @@ def main() -> int:
     try:
         sync_cost_us = load_card(path).host["sync_us"] if path else 0.0
     except CardRatesError as error:  # the one-process table comes first: card_rates.py
-        print(
-            f"error: {error} (measure it first: python benchmarks/card_rates.py)", file=sys.stderr
-        )
+        if os.environ["RANK"] == "0":  # every rank fails here; one line says why
+            print(f"error: {error} (measure it first: benchmarks/card_rates.py)", file=sys.stderr)
         return 2
     planned = host_configs(args, int(os.environ["WORLD_SIZE"]))
     dist.init_process_group("nccl" if args.device == "cuda" else "gloo")
