@@ -155,12 +155,18 @@ def ranked_sections(table: dict) -> tuple[dict, dict]:
         for world, section in sections.items()
     }  # fmt: skip
     host_by_ranks = {
-        world: {row: {phase: (float(costs["op_us"][phase]), float(costs["fixed_us"][phase]))
-                      for phase in PHASES}
-                for row, costs in section.get("host_by_trainer", {}).items()}
-        for world, section in sections.items()
-    }  # fmt: skip
+        world: host_rows(section.get("host_by_trainer", {})) for world, section in sections.items()
+    }
     return collectives, host_by_ranks
+
+
+def host_rows(by_trainer: dict) -> dict[str, dict[str, tuple[float, float]]]:
+    """A table's host rows: row -> phase -> (µs an op, µs once)."""
+    return {
+        row: {phase: (float(costs["op_us"][phase]), float(costs["fixed_us"][phase]))
+              for phase in PHASES}
+        for row, costs in by_trainer.items()
+    }  # fmt: skip
 
 
 class CardRates:
@@ -174,13 +180,7 @@ class CardRates:
             self.card = str(table["card"])
             self.measured = dict(table["measured"])
             self.host = {"sync_us": float(table["host"]["sync_us"])}
-            self.host_by_trainer = {
-                row: {
-                    phase: (float(costs["op_us"][phase]), float(costs["fixed_us"][phase]))
-                    for phase in PHASES
-                }
-                for row, costs in table["host"]["by_trainer"].items()
-            }
+            self.host_by_trainer = host_rows(table["host"]["by_trainer"])
             self.host_by_trainer["standard"]  # every table has the standard trainer's
             self._op_rates = {name: float(rate) for name, rate in table["memory_ops"].items()}
             self._gemm = {dtype: LogGrid.of(rows, "GEMM grid", 3) for dtype, rows in
@@ -201,8 +201,8 @@ class CardRates:
             self._collectives, self.host_by_ranks = ranked_sections(table)
         except (KeyError, TypeError, ValueError, IndexError, AttributeError) as error:
             raise CardRatesError(f"{path}: not a card table ({error})") from None
-        if any(us < 0 for row in self.host_by_trainer.values() for pair in row.values()
-               for us in pair):  # fmt: skip
+        if any(us < 0 for rows in (self.host_by_trainer, *self.host_by_ranks.values())
+               for row in rows.values() for pair in row.values() for us in pair):  # fmt: skip
             raise CardRatesError(f"{path}: a host cost is negative")
         for name, part in (("gemm", self._gemm), ("thin_gemm", self._thin)):
             if "float32" not in part:
@@ -217,9 +217,6 @@ class CardRates:
                 raise CardRatesError(
                     f"{path}: a collective's row is empty, not positive or has a size twice"
                 )
-        if any(us < 0 for rows in self.host_by_ranks.values() for row in rows.values()
-               for pair in row.values() for us in pair):  # fmt: skip
-            raise CardRatesError(f"{path}: a host cost under ranks is negative")
         if not self._attention or any(
             not rows or min(r for _, r in rows) <= 0 for rows in self._attention.values()
         ):

@@ -89,10 +89,15 @@ def negative_host(section):
     section["2"]["host_us"]["all_gather"] = -1.0
 
 
+def negative_host_row(section):
+    costs = {"forward": 1.0, "backward": -1.0, "finish": 1.0}
+    section["2"]["host_by_trainer"] = {"flash@fsdp": {"op_us": costs, "fixed_us": costs}}
+
+
 @pytest.mark.parametrize(
     "breaks, message",
     [(missing_broadcast, "not all of"), (a_size_twice, "a size twice"), (a_list, "not a card"),
-     (negative_host, "not positive")],
+     (negative_host, "not positive"), (negative_host_row, "a host cost is negative")],
 )  # fmt: skip
 def test_a_broken_collectives_section_is_one_line(tmp_path, breaks, message):
     """Every kind the op record sees must be measured (flash under FSDP2 broadcasts), each
