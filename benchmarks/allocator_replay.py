@@ -13,9 +13,14 @@ checked against the real one, on this card, for one config at a time:
    plan's that the run never made), each with the frames, C++ ones included, of its first
    allocation: the kernel whose memory the fake step misses.
 
+Several ranks: under torchrun with ``--distributed ddp|fsdp``, each config is planned first (rank
+0's fake step, before the process group exists, as a plan of ``--world_size`` ranks makes it),
+then run on every rank; rank 0's real sequence is the one compared, and rank 0 prints.
+
 Prints one JSON line per config; with --out, also writes the two request sequences there.
 Usage: python benchmarks/allocator_replay.py --model 1b --seq_len 1024 --batch_sizes 4 36 \
     --dtype bfloat16 --attention sdpa --trainers standard flash [--out DIR]
+  torchrun --nproc_per_node 2 benchmarks/allocator_replay.py --distributed fsdp ...
 """
 
 from __future__ import annotations  # noqa: I001
@@ -47,6 +52,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--steps", type=int, default=1, help="after the warm-up (the fake step has 1)"
     )
+    parser.add_argument(
+        "--distributed", default="none", choices=("none", "ddp", "fsdp"),
+        help="under torchrun: the sharding of the ranks (--batch_sizes global)",
+    )  # fmt: skip
     parser.add_argument("--out", default=None)
     parser.add_argument(
         "--frames", action="store_true",
@@ -68,6 +77,7 @@ from dp_cost.capacity.card import GPU_OVERHEADS, planned_requests  # noqa: E402
 from dp_cost.measure import worker  # noqa: E402
 from dp_cost.measure.config import ExperimentConfig  # noqa: E402
 from dp_cost.measure.workload import Workload  # noqa: E402
+from dp_cost.parallel.mode import distributed_mode  # noqa: E402
 
 LARGE = 100 * 2**20  # requests compared one by one: the ones that move a peak
 NAMED = 16 * 2**20  # sizes compared as sets (--frames): the ones a few of which move a peak
@@ -94,7 +104,7 @@ def frame_names(entry: dict) -> list[str]:
     return names
 
 
-def real_requests(config, device, steps: int, frames: bool = False) -> dict:
+def real_requests(config, device, steps: int, frames: bool = False, rank: int = 0) -> dict:
     """One warm-up and ``steps`` steps of ``config`` on ``device``, recorded: ``requests``
     ((address, bytes, stream) in order, bytes <= 0 for a free), ``segments`` (the allocator's own
     segment_alloc / segment_free / oom events, with the index of the request they came at),
@@ -105,8 +115,10 @@ def real_requests(config, device, steps: int, frames: bool = False) -> dict:
     workload = trainer = None
     out_of_memory = False
     try:
-        workload = Workload(config, device, lambda name: None, {})
-        trainer = worker.build_trainer(config, workload.model, workload.loss_fn, lambda n: None)
+        workload = Workload(config, device, lambda name: None, {}, rank, config.world_size)
+        trainer = worker.build_trainer(
+            config, workload.model, workload.loss_fn, lambda n: None, workload.materialize
+        )
         for _ in range(1 + steps):
             trainer.step(*workload.batch())
         torch.cuda.synchronize(device)
@@ -196,57 +208,84 @@ def main() -> int:
             "error: this compares with a CUDA card's allocator; none is available", file=sys.stderr
         )
         return 2
-    device = torch.device("cuda", 0)
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    if (world_size > 1) != distributed_mode(args.distributed).is_distributed:
+        print("error: --distributed ddp|fsdp runs under torchrun of 2 or more ranks, and a "
+              "torchrun job of several ranks needs it", file=sys.stderr)  # fmt: skip
+        return 2
+    configs = [
+        ExperimentConfig(
+            trainer=trainer, model=args.model, seq_len=args.seq_len, batch_size=batch,
+            max_physical_batch_size=args.max_physical_batch_size, dtype=args.dtype,
+            attention=args.attention, use_lora=args.use_lora, lora_rank=args.lora_rank,
+            optimizer=args.optimizer, poisson=not args.no_poisson, device="cuda",
+            steps=args.steps, warmup_steps=1, distributed=args.distributed,
+            world_size=world_size,
+        )
+        for trainer in args.trainers
+        for batch in args.batch_sizes
+    ]  # fmt: skip
+    # Planned before the process group exists: the fake step makes a fake one of its own.
+    planned = [predicted_requests(config) for config in configs]
+    rank = int(os.environ.get("RANK", "0"))
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
     torch.cuda.set_device(device)
     torch.cuda.init()
-    for trainer in args.trainers:
-        for batch in args.batch_sizes:
-            config = ExperimentConfig(
-                trainer=trainer, model=args.model, seq_len=args.seq_len, batch_size=batch,
-                max_physical_batch_size=args.max_physical_batch_size, dtype=args.dtype,
-                attention=args.attention, use_lora=args.use_lora, lora_rank=args.lora_rank,
-                optimizer=args.optimizer, poisson=not args.no_poisson, device="cuda",
-                steps=args.steps, warmup_steps=1,
-            )  # fmt: skip
-            torch.cuda.empty_cache()
-            torch.cuda.reset_peak_memory_stats(device)
-            run = real_requests(config, device, args.steps, args.frames)
-            real, peak_reserved = run["requests"], run["peak_reserved"]
-            card = torch.cuda.mem_get_info(device)[1] - GPU_OVERHEADS["cuda_context_bytes"]
-            predicted = predicted_requests(config)
-            released = [event for event in run["segments"] if event[0] == "segment_free"]
-            on_card = {
-                "real": allocator.replay(real, card),
-                "prediction": allocator.replay(predicted, card),
-            }
-            unlimited = {"real": allocator.replay(real), "prediction": allocator.replay(predicted)}
-            row = {
-                "trainer": trainer, "batch_size": batch, "seq_len": args.seq_len,
-                "device": torch.cuda.get_device_name(device),
-                "measured_peak_reserved_mib": peak_reserved / 2**20,
-                "ran_out_of_memory": run["out_of_memory"],
-                "segments_released": len(released),
-                "replayed_real_out_of_memory": on_card["real"].out_of_memory,
-                "replayed_prediction_out_of_memory": on_card["prediction"].out_of_memory,
-                "replayed_real_peak_reserved_mib": unlimited["real"].peak_reserved_bytes / 2**20,
-                "replayed_prediction_peak_reserved_mib":
-                    unlimited["prediction"].peak_reserved_bytes / 2**20,
-                "real_requests": sum(1 for _, size, *_ in real if size > 0),
-                "predicted_requests": sum(1 for _, size, *_ in predicted if size > 0),
-                "first_large_difference": first_difference(real, predicted),
-            }  # fmt: skip
-            if args.frames:
-                row["unmatched_sizes"] = unmatched_sizes(real, predicted, run["frames_by_size"])
-            print(json.dumps(row), flush=True)
-            if args.out:
+    if world_size > 1:
+        torch.distributed.init_process_group("nccl", device_id=device)
+    try:
+        for config, predicted in zip(configs, planned):
+            row = compared(config, predicted, device, args, rank)
+            if rank == 0:
+                print(json.dumps({k: v for k, v in row.items() if k not in SEQUENCES}), flush=True)
+            if rank == 0 and args.out:
                 os.makedirs(args.out, exist_ok=True)
-                name = os.path.join(args.out, f"{trainer}_b{batch}.json")
-                with open(name, "w") as file:
-                    json.dump(
-                        {"real": real, "segments": run["segments"], "predicted": predicted, **row},
-                        file,
-                    )
+                name = f"{config.trainer}_b{config.batch_size}_{args.distributed}.json"
+                with open(os.path.join(args.out, name), "w") as file:
+                    json.dump(row, file)
+    finally:
+        if world_size > 1:
+            torch.distributed.destroy_process_group()
     return 0
+
+
+SEQUENCES = ("real", "segments", "predicted")  # written with --out, not printed
+
+
+def compared(config, predicted, device, args, rank: int) -> dict:
+    """One config run on the card and its two sequences replayed (this rank's run)."""
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats(device)
+    run = real_requests(config, device, args.steps, args.frames, rank)
+    real, peak_reserved = run["requests"], run["peak_reserved"]
+    card = torch.cuda.mem_get_info(device)[1] - GPU_OVERHEADS["cuda_context_bytes"]
+    released = [event for event in run["segments"] if event[0] == "segment_free"]
+    on_card = {
+        "real": allocator.replay(real, card),
+        "prediction": allocator.replay(predicted, card),
+    }
+    unlimited = {"real": allocator.replay(real), "prediction": allocator.replay(predicted)}
+    row = {
+        "trainer": config.trainer, "batch_size": config.batch_size, "seq_len": config.seq_len,
+        "distributed": config.distributed, "world_size": config.world_size,
+        "device": torch.cuda.get_device_name(device),
+        "measured_peak_reserved_mib": peak_reserved / 2**20,
+        "ran_out_of_memory": run["out_of_memory"],
+        "segments_released": len(released),
+        "replayed_real_out_of_memory": on_card["real"].out_of_memory,
+        "replayed_prediction_out_of_memory": on_card["prediction"].out_of_memory,
+        "replayed_real_peak_reserved_mib": unlimited["real"].peak_reserved_bytes / 2**20,
+        "replayed_prediction_peak_reserved_mib":
+            unlimited["prediction"].peak_reserved_bytes / 2**20,
+        "real_requests": sum(1 for _, size, *_ in real if size > 0),
+        "predicted_requests": sum(1 for _, size, *_ in predicted if size > 0),
+        "real_streams": len({stream for _, _, stream in real}),
+        "predicted_streams": len({request[2] if len(request) > 2 else 0 for request in predicted}),
+        "first_large_difference": first_difference(real, predicted),
+    }  # fmt: skip
+    if args.frames:
+        row["unmatched_sizes"] = unmatched_sizes(real, predicted, run["frames_by_size"])
+    return {**row, "real": real, "segments": run["segments"], "predicted": predicted}
 
 
 if __name__ == "__main__":

@@ -1,17 +1,19 @@
 """Is --recommend's choice the fastest step on the card? A ``--mode=capacity --recommend`` plan
-(its capacity.json) beside the same shapes measured: each candidate (trainer, physical batch)
-of each shape with the plan's fit and predicted time next to the step a measuring run took (its
-``median_time_ms``), then per shape the plan's choice (the DP trainer and physical batch with
-the most predicted samples a second, as the report names it) against the measured fastest of
-the DP candidates the plan says fit. --recommend plans one GPU: the measured runs are one
-process each, with the plan's settings (a run with another attention, optimizer, sampling, ...
-is named and left out).
+(its capacity.json) beside the same shapes measured: each candidate (trainer, sharding,
+physical batch) of each shape with the plan's fit and predicted time next to the step a
+measuring run took (its ``median_time_ms``), then per shape the plan's choice (the DP trainer,
+sharding and physical batch with the most predicted samples a second, as the report names it)
+against the measured fastest of the DP candidates the plan says fit. A candidate is a trainer
+under a sharding (one process, or DDP and FSDP2 where the plan is of several ranks) at a
+physical batch; the measured runs have the plan's settings (a run with another attention,
+optimizer, sampling, ... is named and left out).
 
 usage: python benchmarks/recommend_check.py PLAN_RUN MEASURED_RUN [MEASURED_RUN ...] [--out F]
   PLAN_RUN: a --recommend run's folder (its capacity.json and its configs' result.json)
   MEASURED_RUN: runs of the same shapes on the card, one config a candidate (--mode=profile,
-    --mode=hf or --mode=capacity --validate, --max_physical_batch_sizes the candidates'
-    physical batches), or folders of such runs; predictions alone among them are skipped
+    --mode=hf or --mode=capacity --validate, under torchrun with --distributed for several
+    ranks, --max_physical_batch_sizes the candidates' physical batches), or folders of such
+    runs; predictions alone among them are skipped
 """
 
 from __future__ import annotations
@@ -26,7 +28,11 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from dp_cost.core.reading import read_json, read_result  # noqa: E402
-from dp_cost.report.capacity import ranked_dp_trainers, recommendation_groups  # noqa: E402
+from dp_cost.report.capacity import (  # noqa: E402
+    contender_words,
+    ranked_dp_contenders,
+    recommendation_groups,
+)
 
 
 def parse(argv=None):
@@ -46,11 +52,16 @@ def shape_key(config: dict) -> tuple:
     """What a recommendation is made for, as ``recommendation_groups`` keys it."""
     lora_rank = config.get("lora_rank") if config.get("use_lora") else None
     return (config["model"], config["batch_size"], config["seq_len"], config["dtype"], lora_rank,
-            config.get("distributed", "none"), config.get("world_size", 1))  # fmt: skip
+            config.get("world_size", 1))  # fmt: skip
+
+
+def contender(config: dict) -> tuple[str, str]:
+    """(trainer, sharding): what ``recommendation_groups`` keys a shape's lines by."""
+    return config["trainer"], config.get("distributed", "none")
 
 
 def measured_steps(folders: list[str]) -> dict[tuple, dict]:
-    """(shape, trainer, physical batch) -> the measured config's status, median step ms,
+    """(shape, (trainer, sharding), physical batch) -> the measured config's status, median step ms,
     reserved peak MB and config. A file that cannot be read, or a second result for the same
     candidate, gets a one-line warning (of two, the one that ran is kept, else the later)."""
     paths = set()
@@ -66,7 +77,7 @@ def measured_steps(folders: list[str]) -> dict[tuple, dict]:
                 continue  # a prediction, not a step measured (the plan's own configs)
             batch = config["batch_size"]
             physical = min(config.get("max_physical_batch_size") or batch, batch)
-            key = (shape_key(config), config["trainer"], physical)
+            key = (shape_key(config), contender(config), physical)
             step = {
                 "status": result["status"], "measured_ms": result.get("median_time_ms"),
                 "measured_reserved_mb": result.get("peak_reserved_mb"), "result": path,
@@ -92,15 +103,15 @@ def plan_config(plan_dir: str, entry: dict) -> dict | None:
         return None
 
 
-def shape_rows(by_trainer: dict[str, dict], shape: tuple, measured: dict, plan_dir: str):
-    """Every candidate of every trainer of one shape, planned and measured (a measured step
-    whose settings are not the plan's is named and left out)."""
+def shape_rows(group: dict[tuple, dict], shape: tuple, measured: dict, plan_dir: str):
+    """Every candidate of every contender (trainer, sharding) of one shape, planned and
+    measured (a measured step whose settings are not the plan's is named and left out)."""
     rows = []
-    for trainer, entry in by_trainer.items():
+    for (trainer, sharding), entry in group.items():
         planned = plan_config(plan_dir, entry) or {}
         for candidate in entry["recommendation"]["candidates"]:
             physical = candidate["physical_batch_size"]
-            step = measured.get((shape, trainer, physical), {})
+            step = measured.get((shape, (trainer, sharding), physical), {})
             differ = [k for k in STEP_SETTINGS if step and k in planned
                       and step["config"].get(k) != planned[k]]  # fmt: skip
             if differ:
@@ -108,7 +119,8 @@ def shape_rows(by_trainer: dict[str, dict], shape: tuple, measured: dict, plan_d
                       "differ); left out", file=sys.stderr)  # fmt: skip
                 step = {}
             rows.append({
-                "trainer": trainer, "physical_batch_size": physical,
+                "trainer": trainer, "contender": contender_words(entry),
+                "physical_batch_size": physical,
                 "fits": candidate.get("fits"), "error": candidate.get("error"),
                 "predicted_reserved_mb": candidate.get("peak_reserved_mb"),
                 "predicted_ms": candidate.get("step_ms"),
@@ -118,20 +130,21 @@ def shape_rows(by_trainer: dict[str, dict], shape: tuple, measured: dict, plan_d
     return rows
 
 
-def verdict(by_trainer: dict[str, dict], rows: list[dict]) -> dict:
+def verdict(group: dict[tuple, dict], rows: list[dict]) -> dict:
     """The plan's choice against the measured fastest DP candidate that the plan says fits:
     ``agrees`` (the choice ran, none faster), ``differs``, or ``choice not measured`` (not run,
     or it failed on the card). Candidates it says fit that were not measured, or did not run,
     are named, and so are those it says do not fit that ran faster than every fitting one."""
-    ranked = ranked_dp_trainers(by_trainer)
-    choice = None  # (trainer, physical batch)
+    ranked = ranked_dp_contenders(group)
+    choice = None  # (trainer and its sharding in words, physical batch)
     if ranked:
-        choice = (ranked[0]["trainer"], ranked[0]["recommendation"]["best"]["physical_batch_size"])
+        best = ranked[0]["recommendation"]["best"]
+        choice = (contender_words(ranked[0]), best["physical_batch_size"])
     private = [r for r in rows if r["trainer"] != "standard"]
     fitting = [r for r in private if r["fits"]]
     ran = [r for r in fitting if r["status"] == "ok" and r["measured_ms"]]
     fastest = min(ran, key=lambda r: r["measured_ms"], default=None)
-    chosen = next((r for r in ran if (r["trainer"], r["physical_batch_size"]) == choice), None)
+    chosen = next((r for r in ran if (r["contender"], r["physical_batch_size"]) == choice), None)
     if choice is None or fastest is None:
         said = "nothing to compare"
     elif chosen is None:
@@ -141,27 +154,30 @@ def verdict(by_trainer: dict[str, dict], rows: list[dict]) -> dict:
     best_ms = fastest["measured_ms"] if fastest else float("inf")
     return {
         "choice": choice,
-        "fastest": fastest and (fastest["trainer"], fastest["physical_batch_size"]),
+        "fastest": fastest and (fastest["contender"], fastest["physical_batch_size"]),
         "fastest_ms": fastest and fastest["measured_ms"],
         "choice_measured_ms": chosen and chosen["measured_ms"],
         "verdict": said,
         "agrees": said == "agrees",
-        "not_measured": [(r["trainer"], r["physical_batch_size"]) for r in fitting if r not in ran],
+        "not_measured": [
+            (r["contender"], r["physical_batch_size"]) for r in fitting if r not in ran
+        ],
         "faster_though_not_fitting": [
-            (r["trainer"], r["physical_batch_size"])
+            (r["contender"], r["physical_batch_size"])
             for r in private
             if not r["fits"] and r["status"] == "ok" and (r["measured_ms"] or best_ms) < best_ms
         ],  # fmt: skip
-        "predicted_order": [e["trainer"] for e in ranked],
+        "predicted_order": [contender_words(e) for e in ranked],
         "measured_order": measured_order(ran),
     }
 
 
 def measured_order(ran: list[dict]) -> list[str]:
-    """The DP trainers by their fastest measured candidate, fastest first."""
+    """The DP contenders (trainer, sharding) by their fastest measured candidate, fastest
+    first."""
     best: dict[str, float] = {}
     for r in ran:
-        best[r["trainer"]] = min(best.get(r["trainer"], float("inf")), r["measured_ms"])
+        best[r["contender"]] = min(best.get(r["contender"], float("inf")), r["measured_ms"])
     return sorted(best, key=best.get)
 
 
@@ -170,17 +186,17 @@ def number(value, digits=1) -> str:
 
 
 def print_shape(shape: tuple, rows: list[dict], found: dict) -> None:
-    model, batch, seq_len, dtype, lora_rank, distributed, ranks = shape
+    model, batch, seq_len, dtype, lora_rank, ranks = shape
     lora = f", LoRA r{lora_rank}" if lora_rank else ""
-    print(f"\n{model}{lora}, batch {batch}, seq {seq_len}, {dtype}, {distributed} x {ranks}")
-    print("| trainer | physical | plan fits | predicted reserved MB | measured reserved MB "
-          "| predicted ms | measured ms | time error |")  # fmt: skip
+    print(f"\n{model}{lora}, batch {batch}, seq {seq_len}, {dtype}, {ranks} rank(s)")
+    print("| trainer (sharding) | physical | plan fits | predicted reserved MB "
+          "| measured reserved MB | predicted ms | measured ms | time error |")  # fmt: skip
     print("|---|---|---|---|---|---|---|---|")
     for r in rows:
         predicted, took = r["predicted_ms"], r["measured_ms"]
         error = "-" if not (predicted and took) else f"{predicted / took - 1:+.1%}"
         measured = number(took) if r["status"] in ("ok", None) else r["status"]
-        print(f"| {r['trainer']} | {r['physical_batch_size']} | {r['error'] or r['fits']} "
+        print(f"| {r['contender']} | {r['physical_batch_size']} | {r['error'] or r['fits']} "
               f"| {number(r['predicted_reserved_mb'], 0)} | {number(r['measured_reserved_mb'], 0)} "
               f"| {number(predicted)} | {measured} | {error} |")  # fmt: skip
     choice, fastest = found["choice"], found["fastest"]
@@ -196,7 +212,7 @@ def print_shape(shape: tuple, rows: list[dict], found: dict) -> None:
     else:
         line += f": {found['verdict']}"
     print(line)
-    print(f"trainers by their best: predicted {', '.join(found['predicted_order'])}; measured "
+    print(f"contenders by their best: predicted {', '.join(found['predicted_order'])}; measured "
           f"{', '.join(found['measured_order'])}")  # fmt: skip
     named = {
         "not_measured": "planned to fit but not measured (or did not run)",
@@ -221,9 +237,9 @@ def main(argv=None) -> int:
         return 2
     measured = measured_steps(args.measured)
     shapes = []
-    for shape, by_trainer in groups.items():
-        rows = shape_rows(by_trainer, shape, measured, args.plan)
-        found = verdict(by_trainer, rows)
+    for shape, group in groups.items():
+        rows = shape_rows(group, shape, measured, args.plan)
+        found = verdict(group, rows)
         print_shape(shape, rows, found)
         shapes.append({"shape": list(shape), "rows": rows, **found})
     if args.out:

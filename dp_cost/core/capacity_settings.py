@@ -72,7 +72,8 @@ CAPACITY_SETTINGS: tuple[Setting, ...] = (
         "recommend",
         False,
         "capacity: also predict each config's time at its rank's share and at halves of it, "
-        "on the largest --gpu_memory, and rank the fastest that fit (one GPU)",
+        "on the largest --gpu_memory, and rank the trainers (over --world_size ranks without "
+        "--distributed: each under DDP and FSDP2) by the fastest that fits",
         flags=("--recommend",),
         switch=True,
         scope=scopes.CAPACITY,

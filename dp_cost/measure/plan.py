@@ -29,7 +29,7 @@ from dp_cost.hf.draws import draw_above_probability
 from dp_cost.measure.config import ExperimentConfig
 from dp_cost.measure.plan_checks import check, check_cpu_model_size
 from dp_cost.parallel import ranks
-from dp_cost.parallel.mode import distributed_mode
+from dp_cost.parallel.mode import distributed_mode, sharded_modes
 
 
 @dataclass
@@ -116,7 +116,7 @@ def make_plan(args: argparse.Namespace, cuda_available) -> Plan:
         values["attention"] = default_attention(values["model"])
     if values["ncu"]:  # one replayed step: no trace, no breakdown
         values["trace"] = values["breakdown"] = False
-    values["world_size"] = world_size(values["distributed"], args.world_size, mode)
+    shardings = planned_shardings(args, mode, values["distributed"])
     names = [args.trainer] if args.trainer else values["trainer"]
     try:
         known = trainer_names()
@@ -127,20 +127,33 @@ def make_plan(args: argparse.Namespace, cuda_available) -> Plan:
     axes = {name: _unique(values.pop(name)) for name in ("batch_size", "seq_len", "trainer")}
     axes["max_physical_batch_size"] = _unique(values.pop("max_physical_batch_size") or [None])
     axes["lora_rank"] = _lora_ranks(args, values.pop("lora_rank"))
-    dataset_size = check(values, axes, args)
-    # --gpu_memory: a card named twice is searched once
-    values["gpu_memory"] = _unique(values["gpu_memory"] or []) or None
+    configs, notes = [], []
+    for sharding in shardings:  # each checked whole before any config is made
+        sharded = {**values, "distributed": sharding}
+        sharded["world_size"] = world_size(sharding, args.world_size, mode)
+        dataset_size = check(sharded, axes, args)
+        # --gpu_memory: a card named twice is searched once
+        sharded["gpu_memory"] = _unique(sharded["gpu_memory"] or []) or None
+        notes += [poisson_graph_note(sharded, axes, dataset_size), ddp_graph_note(sharded, axes)]
+        order = ("batch_size", "max_physical_batch_size", "seq_len", "lora_rank", "trainer")
+        configs += [
+            ExperimentConfig(**sharded, **dict(zip(order, combination)))
+            for combination in itertools.product(*(axes[name] for name in order))
+        ]
     forced_cpu = choice.device == "cpu" and args.device != "cpu" and not choice.cpu_shape
     if forced_cpu and args.model and not mode.predicts:
         check_cpu_model_size(args.model, values["model_overrides"], no_cuda=bool(choice.note))
-    notes = [poisson_graph_note(values, axes, dataset_size), ddp_graph_note(values, axes)]
-    order = ("batch_size", "max_physical_batch_size", "seq_len", "lora_rank", "trainer")
-    configs = [
-        ExperimentConfig(**values, **dict(zip(order, combination)))
-        for combination in itertools.product(*(axes[name] for name in order))
-    ]
-    note = "\n".join(filter(None, notes)) or None
+    note = "\n".join(_unique([n for n in notes if n])) or None
     return Plan(choice.running, choice.device, configs, note, choice.note)
+
+
+def planned_shardings(args: argparse.Namespace, mode, distributed: str) -> list[str]:
+    """The shardings the plan covers: --distributed's one, or, for --mode=capacity planning
+    --world_size W > 1 ranks without it, every sharding over ranks (DDP and FSDP2), so a plan
+    (and --recommend's ranking) answers which to run."""
+    if mode.predicts and (args.world_size or 1) > 1 and args.distributed is None:
+        return list(sharded_modes())
+    return [distributed]
 
 
 def trainer_names() -> list[str]:
@@ -236,9 +249,10 @@ def world_size(distributed: str, planned: int | None, mode) -> int:
                 "--world_size plans ranks in one process: run --mode=capacity without "
                 "torchrun (under torchrun, --validate measures on the job's own ranks)"
             )
-        if planned > 1 and not over_ranks:
+        if planned > 1 and not over_ranks:  # --distributed none given (else both are planned)
             raise UsageError(
-                f"--world_size {planned} plans ranks of --distributed ddp or fsdp: add one"
+                f"--world_size {planned} plans ranks of --distributed ddp or fsdp, not "
+                f"{distributed}: give one, or neither to plan both"
             )
         if planned == 1 and over_ranks:
             raise UsageError(

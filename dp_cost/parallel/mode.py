@@ -139,3 +139,8 @@ def distributed_mode(name: str, world_size: int = 1) -> SingleProcess:
         raise ValueError(f"--distributed must be one of {', '.join(MODES)}, got {name!r}")
     mode = MODES[name]
     return mode(world_size if mode.is_distributed else 1)  # one process is one rank
+
+
+def sharded_modes() -> tuple[str, ...]:
+    """The names of the modes over several ranks (DDP, FSDP2), in --distributed's order."""
+    return tuple(name for name, mode in MODES.items() if mode.is_distributed)

@@ -273,46 +273,47 @@ def shape_label_without_batch(config: dict) -> str:
 BATCH_SETTINGS = ("batch_size", "physical_batch_size")
 
 
-def recommendation_groups(entries: list[dict]) -> dict[tuple, dict[str, dict]]:
-    """capacity.json's lines with a recommendation by shape (everything but the trainer and
-    the physical cap, which the recommendation chooses: model, batch, seq, dtype, LoRA rank,
-    sharding, ranks), one line a trainer (every cap gives the same candidates)."""
-    groups: dict[tuple, dict[str, dict]] = {}
+def recommendation_groups(entries: list[dict]) -> dict[tuple, dict[tuple[str, str], dict]]:
+    """capacity.json's lines with a recommendation by shape (everything the recommendation does
+    not choose: model, batch, seq, dtype, LoRA rank, ranks), one line a contender (trainer,
+    sharding): the trainer, the sharding and the physical batch are what it chooses among
+    (every physical cap gives the same candidates)."""
+    groups: dict[tuple, dict[tuple[str, str], dict]] = {}
     for e in entries:
         if e.get("recommendation"):
             shape = (e["model"], e["batch_size"], e["seq_len"], e["dtype"], e["lora_rank"])
-            group = groups.setdefault((*shape, e["distributed"], e["world_size"]), {})
-            group.setdefault(e["trainer"], e)
+            group = groups.setdefault((*shape, e["world_size"]), {})
+            group.setdefault((e["trainer"], e["distributed"]), e)
     return groups
 
 
-def ranked_dp_trainers(by_trainer: dict[str, dict]) -> list[dict]:
-    """A shape's DP trainers that have a best candidate, the most samples a second first: the
-    first is --recommend's choice."""
+def ranked_dp_contenders(group: dict[tuple[str, str], dict]) -> list[dict]:
+    """A shape's DP trainers under each sharding planned that have a best candidate, the most
+    samples a second first: the first is --recommend's choice."""
     return sorted(
-        (e for t, e in by_trainer.items() if t != "standard" and e["recommendation"]["best"]),
+        (e for (t, _), e in group.items() if t != "standard" and e["recommendation"]["best"]),
         key=lambda e: -e["recommendation"]["best"]["samples_per_s"],
     )
 
 
 def recommendation_lines(entries: list[dict]) -> str:
-    """--recommend's ranking, one paragraph per shape: the DP trainers by their best predicted
-    samples a second on the card, the fastest named first, those with none after them with
-    why, the standard trainer's (no DP) for reference."""
+    """--recommend's ranking, one paragraph per shape: the DP trainers (under each sharding
+    planned) by their best predicted samples a second on the card, the fastest named first,
+    those with none after them with why, the standard trainer's (no DP) best for reference."""
     paragraphs = []
-    for (model, batch, seq_len, dtype, *_), by_trainer in recommendation_groups(entries).items():
-        first = next(iter(by_trainer.values()))["recommendation"]
+    for (model, batch, seq_len, dtype, *_, ranks), group in recommendation_groups(entries).items():
+        first = next(iter(group.values()))["recommendation"]
         head = f"{model}, batch {batch}, seq {seq_len}, {dtype_words(dtype)}"
-        head += f", {first['gpu_memory_gib']:g} GiB"
-        private = [e for trainer, e in by_trainer.items() if trainer != "standard"]
-        ranked = ranked_dp_trainers(by_trainer)
+        budget = f"{first['gpu_memory_gib']:g} GiB"
+        head += f", {ranks} × {budget}" if ranks > 1 else f", {budget}"
+        private = [e for (trainer, _), e in group.items() if trainer != "standard"]
+        ranked = ranked_dp_contenders(group)
         line = f"- {head}: " + (f"run {_choice(ranked[0])}" if ranked else "no DP trainer to run")
         line += "".join(f"; then {_choice(e)}" for e in ranked[1:])
-        line += "".join(
-            f"; {e['trainer']}: {e['recommendation']['why']}" for e in private if e not in ranked
-        )
-        standard = by_trainer.get("standard")
-        if standard and standard["recommendation"]["best"]:
+        unranked = [e for e in private if e not in ranked]
+        line += "".join(f"; {contender_words(e)}: {e['recommendation']['why']}" for e in unranked)
+        standard = ranked_standard(group)
+        if standard:
             line += f"; for reference, no DP: {_choice(standard)}"
         if first.get("peak_note"):
             line += " (graphed: what fits is judged on lower bounds of the peaks)"
@@ -322,9 +323,21 @@ def recommendation_lines(entries: list[dict]) -> str:
     return "\nRecommended (predicted samples a second on the card):\n" + "".join(paragraphs)
 
 
+def ranked_standard(group: dict[tuple[str, str], dict]) -> dict | None:
+    """The standard trainer's fastest line (under the sharding it runs fastest), if any fits."""
+    fitting = [e for (t, _), e in group.items() if t == "standard" and e["recommendation"]["best"]]
+    return max(fitting, key=lambda e: e["recommendation"]["best"]["samples_per_s"], default=None)
+
+
+def contender_words(entry: dict) -> str:
+    """A trainer, and its sharding where it runs over ranks ("flash under DDP")."""
+    sharded = distributed_words(entry)
+    return f"{entry['trainer']} under {sharded.split()[0]}" if sharded else entry["trainer"]
+
+
 def _choice(entry: dict) -> str:
     best = entry["recommendation"]["best"]
     return (
-        f"{entry['trainer']} at physical batch {best['physical_batch_size']}, "
+        f"{contender_words(entry)} at physical batch {best['physical_batch_size']}, "
         f"{best['samples_per_s']:.1f} samples/s ({best['step_ms']:.1f} ms a step)"
     )

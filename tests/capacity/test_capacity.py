@@ -540,7 +540,14 @@ def test_capacity_mode_writes_its_report_and_skips_a_broken_prediction(tmp_path)
         (["--mode=test", "--gpu_memory", "80"], "applies only to --mode=capacity; mode is test"),
         (["--mode=test", "--validate"], "applies only to --mode=capacity; mode is test"),
         (["--mode=test", "--world_size", "2"], "needs --mode=capacity"),
-        (["--mode=capacity", "--world_size", "2"], "add one"),
+        (
+            ["--mode=capacity", "--distributed", "none", "--world_size", "2"],
+            "not none: give one, or neither to plan both",
+        ),
+        (
+            ["--mode=capacity", "--world_size", "2", "--fsdp_sync", "logical"],
+            "--fsdp_sync applies to --distributed fsdp",
+        ),
         (["--mode=capacity", "--distributed", "fsdp"], "give their number, --world_size W"),
         (["--mode=capacity", "--distributed", "ddp", "--world_size", "0"], "must be in 1.."),
         (["--mode=capacity", "--distributed", "ddp", "--world_size", "9999"], "must be in 1.."),
@@ -585,6 +592,24 @@ def test_bad_capacity_input_is_one_line_and_exit_2(args, message, tmp_path, caps
     err = capsys.readouterr().err
     assert err.strip().count("\n") == 0 and message in err
     assert os.listdir(tmp_path) == []
+
+
+def test_planning_ranks_without_a_sharding_plans_every_sharding():
+    """--world_size W > 1 without --distributed plans DDP and FSDP2 alike (each config once a
+    sharding, each checked); one rank, or a sharding given, plans that one alone."""
+    import profiling_script
+    from dp_cost.measure import plan
+    from dp_cost.parallel.mode import sharded_modes
+
+    def configs(*argv):
+        args = profiling_script.parse_args(["--mode=capacity", "--trainers", "flash", *argv])
+        return [(c.distributed, c.world_size) for c in plan.make_plan(args, lambda: False).configs]
+
+    both = configs("--world_size", "2", "--batch_sizes", "4", "8")
+    assert both == [(s, 2) for s in sharded_modes() for _ in (4, 8)] and len(sharded_modes()) == 2
+    one = sharded_modes()[0]
+    assert configs("--world_size", "2", "--distributed", one) == [(one, 2)]
+    assert configs() == [("none", 1)]
 
 
 def test_validate_keeps_the_prediction_whatever_the_measurement(monkeypatch, tmp_path):

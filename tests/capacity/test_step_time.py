@@ -378,6 +378,77 @@ def recommend_check_against_steps_set_by_hand(plan_dir, entries, tmp_path, capsy
     assert script.main([str(tmp_path / "no_such_run"), str(tmp_path)]) == 2
 
 
+def two_rank_plan(plan_dir, samples_per_s: dict) -> list[dict]:
+    """A --recommend plan of two ranks planned under both shardings, written as capacity.json
+    with its configs' result.json: ``samples_per_s`` (trainer, sharding) -> the best candidate's
+    rate at physical batch 4 (None: nothing fits); physical 2 fits at half that rate."""
+    entries = []
+    for (trainer, sharding), rate in samples_per_s.items():
+        config = {"trainer": trainer, "distributed": sharding, "world_size": 2, "model": "1b",
+                  "batch_size": 8, "seq_len": 64, "dtype": "bf16", "capacity": True}  # fmt: skip
+        candidates = [
+            {"physical_batch_size": 4, "fits": rate is not None, "step_ms": rate and 8e3 / rate,
+             "samples_per_s": rate},
+            {"physical_batch_size": 2, "fits": True, "step_ms": rate and 16e3 / rate,
+             "samples_per_s": rate and rate / 2},
+        ] if rate else [{"physical_batch_size": 4, "fits": False}]  # fmt: skip
+        best = candidates[0] if rate else None
+        recommendation = {"gpu_memory_gib": 80, "candidates": candidates, "best": best,
+                          "why": None if rate else "no physical batch fits 80 GiB"}  # fmt: skip
+        config_dir = f"{trainer}_{sharding}"
+        (plan_dir / config_dir).mkdir(parents=True)
+        (plan_dir / config_dir / "result.json").write_text(json.dumps({"config": config}))
+        entries.append({**config, "config_dir": config_dir, "lora_rank": None,
+                        "recommendation": recommendation})  # fmt: skip
+    (plan_dir / "capacity.json").write_text(json.dumps({"configs": entries}))
+    return entries
+
+
+def test_recommend_ranks_every_trainer_under_every_sharding_in_one_answer(tmp_path, capsys):
+    """Two ranks planned under DDP and FSDP2: one paragraph ranks each (trainer, sharding) by
+    its best, the fastest named first with its sharding, one that fits nowhere says why, and
+    standard's fastest sharding is the reference. benchmarks/recommend_check.py compares the
+    choice with the measured candidates of both shardings: a faster one measured under the
+    other sharding makes it differ."""
+    from dp_cost.parallel.mode import sharded_modes
+    from dp_cost.report import capacity as report_capacity
+
+    ddp, fsdp = sharded_modes()
+    rates = {("standard", ddp): 30.0, ("standard", fsdp): 40.0, ("flash", ddp): 20.0,
+             ("flash", fsdp): 25.0, ("ghost", ddp): 22.0, ("ghost", fsdp): None}  # fmt: skip
+    plan_dir = tmp_path / "plan"
+    entries = two_rank_plan(plan_dir, rates)
+    (line,) = report_capacity.recommendation_lines(entries).strip().splitlines()[1:]
+    words = {sharding: report_capacity.contender_words({"trainer": "t", "distributed": sharding,
+             "world_size": 2})[len("t under "):] for sharding in (ddp, fsdp)}  # fmt: skip
+    assert line.startswith("- 1b, batch 8, seq 64, bf16, 2 × 80 GiB: run flash under ")
+    order = [f"flash under {words[fsdp]}", f"ghost under {words[ddp]}", f"flash under {words[ddp]}"]
+    assert [line.index(f"{name} at physical batch 4") for name in order] == sorted(
+        line.index(f"{name} at physical batch 4") for name in order
+    )
+    assert f"ghost under {words[fsdp]}: no physical batch fits 80 GiB" in line
+    assert f"for reference, no DP: standard under {words[fsdp]} at physical batch 4" in line
+    script = benchmark_script("recommend_check.py")
+    measured = tmp_path / "measured"
+    steps = {("flash", fsdp): 300.0, ("flash", ddp): 250.0, ("ghost", ddp): 400.0}
+    for (trainer, sharding), ms in steps.items():
+        config = {"trainer": trainer, "distributed": sharding, "world_size": 2, "model": "1b",
+                  "batch_size": 8, "seq_len": 64, "dtype": "bf16",
+                  "max_physical_batch_size": 4}  # fmt: skip
+        (measured / f"{trainer}_{sharding}").mkdir(parents=True)
+        (measured / f"{trainer}_{sharding}" / "result.json").write_text(
+            json.dumps({"config": config, "status": "ok", "median_time_ms": ms})
+        )
+    capsys.readouterr()
+    assert script.main([str(plan_dir), str(measured), "--out", str(tmp_path / "check.json")]) == 0
+    (found,) = json.loads((tmp_path / "check.json").read_text())
+    assert found["choice"] == [f"flash under {words[fsdp]}", 4]
+    assert found["fastest"] == [f"flash under {words[ddp]}", 4] and found["verdict"] == "differs"
+    assert found["measured_order"] == [f"flash under {words[ddp]}", f"flash under {words[fsdp]}",
+                                       f"ghost under {words[ddp]}"]  # fmt: skip
+    assert "differs (the choice +20.0%)" in capsys.readouterr().out
+
+
 def test_attention_rates_hold_at_the_lengths_measured_and_go_by_the_ops_direction(tmp_path):
     """Rates are interpolated between the lengths measured and held beyond them (never
     extrapolated to zero or past the card); a recomputed forward in a checkpointed backward
