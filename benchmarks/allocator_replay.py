@@ -11,7 +11,9 @@ checked against the real one, on this card, for one config at a time:
    in reserved memory can be traced to the requests that cause it;
 5. with --frames, the real run's large allocation sizes that the plan never requests (and the
    plan's that the run never made), each with the frames, C++ ones included, of its first
-   allocation: the kernel whose memory the fake step misses.
+   allocation: the kernel whose memory the fake step misses; with --frames_of FIRST LAST, the
+   frames of the real run's allocations numbered FIRST to LAST (1-based, allocations alone, as
+   a replay of the --out sequences counts them): what holds a block where the two differ.
 
 Several ranks: under torchrun with ``--distributed ddp|fsdp``, each config is planned first (rank
 0's fake step, before the process group exists, as a plan of ``--world_size`` ranks makes it),
@@ -61,6 +63,10 @@ def build_parser() -> argparse.ArgumentParser:
         "--frames", action="store_true",
         help="record C++ and Python frames in the real run: name what the plan misses (slower)",
     )  # fmt: skip
+    parser.add_argument(
+        "--frames_of", type=int, nargs=2, metavar=("FIRST", "LAST"), default=None,
+        help="with --frames: the frames of the real run's allocations FIRST..LAST (1-based)",
+    )  # fmt: skip
     return parser
 
 
@@ -104,12 +110,15 @@ def frame_names(entry: dict) -> list[str]:
     return names
 
 
-def real_requests(config, device, steps: int, frames: bool = False, rank: int = 0) -> dict:
+def real_requests(
+    config, device, steps: int, frames: bool = False, rank: int = 0, window=None
+) -> dict:
     """One warm-up and ``steps`` steps of ``config`` on ``device``, recorded: ``requests``
     ((address, bytes, stream) in order, bytes <= 0 for a free), ``segments`` (the allocator's own
     segment_alloc / segment_free / oom events, with the index of the request they came at),
     torch's ``peak_reserved`` bytes and whether it ran ``out_of_memory``; with ``frames``, the
-    innermost frames (C++ and Python) of the first allocation of each size of at least NAMED."""
+    innermost frames (C++ and Python) of the first allocation of each size of at least NAMED,
+    and (``window``: (first, last)) of every allocation numbered first..last."""
     stacks = "all" if frames else "python"
     torch.cuda.memory._record_memory_history(max_entries=10_000_000, stacks=stacks)
     workload = trainer = None
@@ -128,7 +137,7 @@ def real_requests(config, device, steps: int, frames: bool = False, rank: int = 
         snapshot = torch.cuda.memory._snapshot(device)
         peak_reserved = torch.cuda.max_memory_reserved(device)
         torch.cuda.memory._record_memory_history(enabled=None)
-    requests, segments, named = [], [], {}
+    requests, segments, named, framed, allocations = [], [], {}, [], 0
     streams: dict[int, int] = {}  # CUDA stream handle -> 0, 1, ... in order of first use
     for entry in snapshot["device_traces"][device.index or 0]:
         if entry["action"] in ("alloc", "free_completed"):
@@ -137,13 +146,18 @@ def real_requests(config, device, steps: int, frames: bool = False, rank: int = 
             requests.append((entry["addr"], size, stream))
             if frames and size >= NAMED and size not in named:
                 named[size] = frame_names(entry)
+            allocations += size > 0
+            if window and size > 0 and window[0] <= allocations <= window[1]:
+                framed.append({"allocation": allocations, "mib": size / 2**20,
+                               "stream": stream, "frames": frame_names(entry)})  # fmt: skip
         elif entry["action"] in ("segment_alloc", "segment_free", "oom"):
             segments.append((entry["action"], len(requests), entry["size"]))
     del trainer, workload
     gc.collect()
     torch.cuda.empty_cache()
     return {"requests": requests, "segments": segments, "peak_reserved": peak_reserved,
-            "out_of_memory": out_of_memory, "frames_by_size": named}  # fmt: skip
+            "out_of_memory": out_of_memory, "frames_by_size": named,
+            "frames_of": framed}  # fmt: skip
 
 
 def predicted_requests(config) -> list[tuple[int, int]]:
@@ -256,7 +270,7 @@ def compared(config, predicted, device, args, rank: int) -> dict:
     """One config run on the card and its two sequences replayed (this rank's run)."""
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats(device)
-    run = real_requests(config, device, args.steps, args.frames, rank)
+    run = real_requests(config, device, args.steps, args.frames, rank, args.frames_of)
     real, peak_reserved = run["requests"], run["peak_reserved"]
     card = torch.cuda.mem_get_info(device)[1] - GPU_OVERHEADS["cuda_context_bytes"]
     released = [event for event in run["segments"] if event[0] == "segment_free"]
@@ -285,6 +299,7 @@ def compared(config, predicted, device, args, rank: int) -> dict:
     }  # fmt: skip
     if args.frames:
         row["unmatched_sizes"] = unmatched_sizes(real, predicted, run["frames_by_size"])
+        row["frames_of"] = run["frames_of"]
     return {**row, "real": real, "segments": run["segments"], "predicted": predicted}
 
 
