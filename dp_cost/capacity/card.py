@@ -38,10 +38,9 @@ def allocator_room_bytes(budget_gib: float, world_size: int = 1) -> int:
 
 def planned_requests(prediction: dict) -> list[tuple[int, int]]:
     """The requests the caching allocator gets: the fake step's (the model and trainer built,
-    a warm-up step, the recorded step), with the two cuBLAS workspaces the warm-up's first
-    forward and backward matmul allocate (negative keys: no storage has them)."""
-    workspace = GPU_OVERHEADS["cublas_workspace_bytes"] // 2
-    return [*prediction["requests"], (-1, workspace), (-2, workspace), *prediction["step_requests"]]
+    a warm-up step, the recorded step), the cuBLAS workspaces among them where the warm-up's
+    first forward and backward GEMM allocate them."""
+    return [*prediction["requests"], *prediction["step_requests"]]
 
 
 def reserved_peak(prediction: dict) -> int:

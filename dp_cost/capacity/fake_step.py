@@ -42,8 +42,9 @@ from torch.utils._pytree import tree_leaves
 
 from dp_cost.capacity.allocator import request_bytes
 from dp_cost.capacity.attention import CudaAttention, real_masks
+from dp_cost.capacity.card import GPU_OVERHEADS
 from dp_cost.capacity.kernel_scratch import scratch_requests
-from dp_cost.capacity.op_list import OpRecord
+from dp_cost.capacity.op_list import GEMMS, OpRecord
 from dp_cost.capacity.planned_ranks import planned_ranks
 from dp_cost.hf import models as hf_models
 from dp_cost.hf.configs import HF_CONFIGS
@@ -59,6 +60,7 @@ from dp_cost.parallel.ranks import share
 
 DEVICE = "cpu"  # the fake tensors' device: CPU code paths (torch's, no Triton), CUDA's memory
 SCRATCH_KEYS = -(2**50)  # a kernel's own buffers' keys count down from here (markers' from -1)
+WORKSPACE_KEYS = -(2**51)  # the cuBLAS workspaces' keys (never freed)
 
 
 def storage_key(tensor: torch.Tensor) -> int:
@@ -135,6 +137,11 @@ class StorageRecord(TorchDispatchMode):
         # each allocation's stream (0: the default one) for the allocator's per-stream pools.
         # Keyed by the stream itself (held here): an id could be reused by a later stream.
         self._streams: dict[object, int] = {torch.cpu.current_stream(): 0}
+        # cuBLAS keeps a workspace per thread's handle, allocated by its first GEMM through the
+        # caching allocator: the Python thread's and autograd's backward thread's. Where a run
+        # allocates them places them among the step's blocks (the backward's in the blocks the
+        # forward freed), so they are made where that GEMM runs.
+        self._workspaces: set[bool] = set()  # in a backward: whether that thread has one
 
     def _stream(self) -> int:
         return self._streams.setdefault(torch.cpu.current_stream(), len(self._streams))
@@ -181,7 +188,21 @@ class StorageRecord(TorchDispatchMode):
             if isinstance(tensor, torch.Tensor):
                 self._add(tensor)
         self._give_back(scratch + self._take(after))
+        if func in GEMMS:
+            self._cublas_workspace()
         return output
+
+    def _cublas_workspace(self) -> None:
+        """The workspace of the thread this GEMM runs on, at its first GEMM (the backward's
+        thread: autograd's, running a node)."""
+        backward = torch._C._current_autograd_node() is not None
+        if backward in self._workspaces:
+            return
+        self._workspaces.add(backward)
+        key = WORKSPACE_KEYS - len(self._workspaces)
+        self.live[key] = request_bytes(GPU_OVERHEADS["cublas_workspace_bytes"] // 2)
+        self.events.append({"action": "alloc", "addr": key, "size": self.live[key],
+                            "stream": self._stream(), "frames": _python_frames()})  # fmt: skip
 
     def add_existing(self, tensors) -> None:
         """Storages made before the record began (parameters built under another mode)."""
