@@ -1,8 +1,8 @@
 """What a card holds beside the step's own tensors, and whether a step fits it. The fake step
-does not see the CUDA side: the cuBLAS workspaces, the CUDA context and NCCL's buffers
-(``GPU_OVERHEADS``: measured, with the card and the scripts that measured them), and the
-caching allocator, whose rules ``capacity.allocator`` replays over the step's requests: a step
-fits when every request finds a place on the card."""
+does not see the CUDA side: the CUDA context and NCCL's buffers (``GPU_OVERHEADS``: measured,
+with the card and the scripts that measured them; the cuBLAS workspaces' size, which the fake
+step requests where a run does), and the caching allocator, whose rules ``capacity.allocator``
+replays over the step's requests: a step fits when every request finds a place on the card."""
 
 from __future__ import annotations
 

@@ -20,8 +20,8 @@ Why not ``torch.distributed._tools.mem_tracker.MemTracker``: it hooks every para
 gradient, which fails on parameters that do not require a gradient (flash's managed layers,
 LoRA's frozen base weights); a storage-level record is all the peak needs. Each storage is
 counted as the allocator rounds it (``capacity.allocator.request_bytes``); its segments and
-pools are ``capacity.allocator``'s, the rest of the CUDA side (context, workspaces, NCCL)
-``capacity.card``'s.
+pools are ``capacity.allocator``'s, the rest of the CUDA side (context, NCCL; the cuBLAS
+workspaces' size, requested here at the first GEMM of each thread) ``capacity.card``'s.
 """
 
 from __future__ import annotations
