@@ -222,6 +222,9 @@ def main() -> int:
             "error: this compares with a CUDA card's allocator; none is available", file=sys.stderr
         )
         return 2
+    if args.frames_of and (not args.frames or not 1 <= args.frames_of[0] <= args.frames_of[1]):
+        print("error: --frames_of FIRST LAST needs --frames, 1 <= FIRST <= LAST", file=sys.stderr)
+        return 2
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     if (world_size > 1) != distributed_mode(args.distributed).is_distributed:
         print("error: --distributed ddp|fsdp runs under torchrun of 2 or more ranks, and a "

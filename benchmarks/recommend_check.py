@@ -45,7 +45,8 @@ def parse(argv=None):
 
 # Settings that change a step's time beside its shape: a measured config must have the plan's.
 STEP_SETTINGS = ("attention", "activation_checkpointing", "cuda_graph", "optimizer", "poisson",
-                 "clipping", "flash_route", "noise_sampler", "model_overrides")  # fmt: skip
+                 "clipping", "flash_route", "noise_sampler", "model_overrides",
+                 "fsdp_sync")  # fmt: skip
 
 
 def shape_key(config: dict) -> tuple:
@@ -75,8 +76,8 @@ def measured_steps(folders: list[str]) -> dict[tuple, dict]:
             config = result["config"]
             if config.get("capacity") and not config.get("validate"):
                 continue  # a prediction, not a step measured (the plan's own configs)
-            batch = config["batch_size"]
-            physical = min(config.get("max_physical_batch_size") or batch, batch)
+            share = config["batch_size"] // config.get("world_size", 1)  # a rank's (they divide)
+            physical = min(config.get("max_physical_batch_size") or share, share)
             key = (shape_key(config), contender(config), physical)
             step = {
                 "status": result["status"], "measured_ms": result.get("median_time_ms"),

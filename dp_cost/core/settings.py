@@ -179,8 +179,8 @@ SETTINGS: tuple[Setting, ...] = (
     Setting(
         "world_size",
         1,
-        "capacity: the ranks of --distributed to plan for, in one process without torchrun "
-        "(a measuring run takes its ranks from torchrun)",
+        "capacity: the ranks to plan for, in one process without torchrun, under --distributed "
+        "(without it, under DDP and FSDP2 both); a measuring run takes its ranks from torchrun",
         flags=("--world_size",),
         type=int,
         compare=True,

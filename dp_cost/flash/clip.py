@@ -293,10 +293,12 @@ def weighted_sum(grads: Tensor, c: ClipFactors) -> Tensor:
     kernels = triton_kernels()
     wide = torch.promote_types(grads.dtype, torch.float32)
     if is_fake(grads) and grads.is_contiguous() and grads.dtype in KERNEL_DTYPES:
-        # A planned step: the kernel's memory (its [N] result in fp32, no other buffer), the
-        # product's ops for the time model.
+        # A planned step: the kernel's memory (its [N] result in fp32, no other buffer); the
+        # product's ops for the time model, written into the target's own storage.
         target = grads.new_empty(grads.shape[1], dtype=wide)
-        return target.copy_(c.to(grads.dtype) @ grads)
+        out = target if grads.dtype == wide else target.view(grads.dtype)[: grads.shape[1]]
+        torch.mm(c.to(grads.dtype)[None], grads, out=out[None])
+        return target
     if kernels is not None and grads.is_cuda:
         target = grads.new_empty(grads.shape[1], dtype=wide)
         if kernels.weighted_sums_supported(target, grads):

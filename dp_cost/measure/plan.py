@@ -128,7 +128,7 @@ def make_plan(args: argparse.Namespace, cuda_available) -> Plan:
     axes["max_physical_batch_size"] = _unique(values.pop("max_physical_batch_size") or [None])
     axes["lora_rank"] = _lora_ranks(args, values.pop("lora_rank"))
     configs, notes = [], []
-    for sharding in shardings:  # each checked whole before any config is made
+    for sharding in shardings:  # each sharding's values checked, then its configs made
         sharded = {**values, "distributed": sharding}
         sharded["world_size"] = world_size(sharding, args.world_size, mode)
         dataset_size = check(sharded, axes, args)
@@ -143,17 +143,35 @@ def make_plan(args: argparse.Namespace, cuda_available) -> Plan:
     forced_cpu = choice.device == "cpu" and args.device != "cpu" and not choice.cpu_shape
     if forced_cpu and args.model and not mode.predicts:
         check_cpu_model_size(args.model, values["model_overrides"], no_cuda=bool(choice.note))
+    notes.insert(0, unplanned_shardings_note(args, mode, values))
     note = "\n".join(_unique([n for n in notes if n])) or None
     return Plan(choice.running, choice.device, configs, note, choice.note)
 
 
 def planned_shardings(args: argparse.Namespace, mode, distributed: str) -> list[str]:
     """The shardings the plan covers: --distributed's one, or, for --mode=capacity planning
-    --world_size W > 1 ranks without it, every sharding over ranks (DDP and FSDP2), so a plan
-    (and --recommend's ranking) answers which to run."""
-    if mode.predicts and (args.world_size or 1) > 1 and args.distributed is None:
-        return list(sharded_modes())
-    return [distributed]
+    --world_size W > 1 ranks without it, every sharding over ranks (DDP and FSDP2) that can
+    run the step (with --cuda_graph, those a graph can capture), so a plan (and --recommend's
+    ranking) answers which to run."""
+    if not every_sharding(args, mode):
+        return [distributed]
+    return [name for name in sharded_modes() if not _graph_refused(args, name)]
+
+
+def every_sharding(args: argparse.Namespace, mode) -> bool:
+    return mode.predicts and (args.world_size or 1) > 1 and args.distributed is None
+
+
+def _graph_refused(args: argparse.Namespace, sharding: str) -> str | None:
+    return distributed_mode(sharding).graph_refusal if args.cuda_graph else None
+
+
+def unplanned_shardings_note(args: argparse.Namespace, mode, values: dict) -> str | None:
+    """The line a plan of every sharding starts with when --cuda_graph leaves one out."""
+    if not every_sharding(args, mode):
+        return None
+    left = [f"{name}: {why}" for name in sharded_modes() if (why := _graph_refused(args, name))]
+    return f"note: not planned under --distributed {'; '.join(left)}" if left else None
 
 
 def trainer_names() -> list[str]:

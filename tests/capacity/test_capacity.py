@@ -625,15 +625,23 @@ def test_planning_ranks_without_a_sharding_plans_every_sharding():
     from dp_cost.measure import plan
     from dp_cost.parallel.mode import sharded_modes
 
-    def configs(*argv):
+    def planned(*argv, cuda=False):
         args = profiling_script.parse_args(["--mode=capacity", "--trainers", "flash", *argv])
-        return [(c.distributed, c.world_size) for c in plan.make_plan(args, lambda: False).configs]
+        return plan.make_plan(args, lambda: cuda)
+
+    def configs(*argv, cuda=False):
+        return [(c.distributed, c.world_size) for c in planned(*argv, cuda=cuda).configs]
 
     both = configs("--world_size", "2", "--batch_sizes", "4", "8")
     assert both == [(s, 2) for s in sharded_modes() for _ in (4, 8)] and len(sharded_modes()) == 2
     one = sharded_modes()[0]
     assert configs("--world_size", "2", "--distributed", one) == [(one, 2)]
     assert configs() == [("none", 1)]
+    # a graph captures DDP's step, not FSDP2's: the plan of every sharding leaves FSDP2 out, and
+    # says so first
+    graphed = planned("--world_size", "2", "--cuda_graph", cuda=True)
+    assert [(c.distributed, c.cuda_graph) for c in graphed.configs] == [(one, True)]
+    assert graphed.note.startswith(f"note: not planned under --distributed {sharded_modes()[1]}")
 
 
 def test_validate_keeps_the_prediction_whatever_the_measurement(monkeypatch, tmp_path):

@@ -408,8 +408,8 @@ def test_recommend_ranks_every_trainer_under_every_sharding_in_one_answer(tmp_pa
     """Two ranks planned under DDP and FSDP2: one paragraph ranks each (trainer, sharding) by
     its best, the fastest named first with its sharding, one that fits nowhere says why, and
     standard's fastest sharding is the reference. benchmarks/recommend_check.py compares the
-    choice with the measured candidates of both shardings: a faster one measured under the
-    other sharding makes it differ."""
+    choice with the measured candidates of both shardings (a run with no cap measured at a
+    rank's whole share): a faster one measured under the other sharding makes it differ."""
     from dp_cost.parallel.mode import sharded_modes
     from dp_cost.report import capacity as report_capacity
 
@@ -433,8 +433,8 @@ def test_recommend_ranks_every_trainer_under_every_sharding_in_one_answer(tmp_pa
     steps = {("flash", fsdp): 300.0, ("flash", ddp): 250.0, ("ghost", ddp): 400.0}
     for (trainer, sharding), ms in steps.items():
         config = {"trainer": trainer, "distributed": sharding, "world_size": 2, "model": "1b",
-                  "batch_size": 8, "seq_len": 64, "dtype": "bf16",
-                  "max_physical_batch_size": 4}  # fmt: skip
+                  "batch_size": 8, "seq_len": 64, "dtype": "bf16",  # a rank's whole share: 4
+                  "max_physical_batch_size": None if trainer == "flash" else 4}  # fmt: skip
         (measured / f"{trainer}_{sharding}").mkdir(parents=True)
         (measured / f"{trainer}_{sharding}" / "result.json").write_text(
             json.dumps({"config": config, "status": "ok", "median_time_ms": ms})
