@@ -209,7 +209,7 @@ def write_capacity_files(run_dir: str, results: list[dict]) -> str:
         if e["physical_batch_note"]
     )
     planned = f"\nPlanned physical batches:\n{planned}" if planned else ""
-    planned += recommendation_lines(entries)
+    planned += recommendation_lines(entries, refused_entries(results))
     bounds = "".join(f"- {e['config_dir']}: {e['peak_note']}\n" for e in entries if e["peak_note"])
     planned += f"\nPeaks that are bounds:\n{bounds}" if bounds else ""
     # An error's own line breaks (torch's messages have some) would split the list's items.
@@ -281,10 +281,15 @@ def recommendation_groups(entries: list[dict]) -> dict[tuple, dict[tuple[str, st
     groups: dict[tuple, dict[tuple[str, str], dict]] = {}
     for e in entries:
         if e.get("recommendation"):
-            shape = (e["model"], e["batch_size"], e["seq_len"], e["dtype"], e["lora_rank"])
-            group = groups.setdefault((*shape, e["world_size"]), {})
+            group = groups.setdefault(recommendation_shape(e), {})
             group.setdefault((e["trainer"], e["distributed"]), e)
     return groups
+
+
+def recommendation_shape(e: dict) -> tuple:
+    """What a recommendation is made for: a capacity.json line's model, batch, seq, dtype, LoRA
+    rank and ranks."""
+    return (e["model"], e["batch_size"], e["seq_len"], e["dtype"], e["lora_rank"], e["world_size"])
 
 
 def ranked_dp_contenders(group: dict[tuple[str, str], dict]) -> list[dict]:
@@ -296,12 +301,32 @@ def ranked_dp_contenders(group: dict[tuple[str, str], dict]) -> list[dict]:
     )
 
 
-def recommendation_lines(entries: list[dict]) -> str:
+def refused_entries(results: list[dict]) -> list[dict]:
+    """capacity.json-like lines of the configs not predicted (skipped or failed), one a trainer
+    and sharding of a shape, for the recommendation's paragraph; a result too broken to say
+    which config it was is left to the "Not predicted" list."""
+    lines: dict[tuple, dict] = {}
+    for result in results:
+        if isinstance(result.get("prediction"), dict):
+            continue
+        try:
+            line = entry(result)
+            key = (recommendation_shape(line), line["trainer"], line["distributed"])
+        except (KeyError, TypeError, AttributeError):
+            continue
+        lines.setdefault(key, line)
+    return list(lines.values())
+
+
+def recommendation_lines(entries: list[dict], refused: list[dict] = ()) -> str:
     """--recommend's ranking, one paragraph per shape: the DP trainers (under each sharding
     planned) by their best predicted samples a second on the card, the fastest named first,
-    those with none after them with why, the standard trainer's (no DP) best for reference."""
+    those with none after them with why, those the run could not plan (``refused``: lines of
+    configs with no prediction) with theirs, the standard trainer's (no DP) best for
+    reference."""
     paragraphs = []
-    for (model, batch, seq_len, dtype, *_, ranks), group in recommendation_groups(entries).items():
+    for shape, group in recommendation_groups(entries).items():
+        model, batch, seq_len, dtype, *_, ranks = shape
         first = next(iter(group.values()))["recommendation"]
         head = f"{model}, batch {batch}, seq {seq_len}, {dtype_words(dtype)}"
         budget = f"{first['gpu_memory_gib']:g} GiB"
@@ -312,6 +337,11 @@ def recommendation_lines(entries: list[dict]) -> str:
         line += "".join(f"; then {_choice(e)}" for e in ranked[1:])
         unranked = [e for e in private if e not in ranked]
         line += "".join(f"; {contender_words(e)}: {e['recommendation']['why']}" for e in unranked)
+        line += "".join(
+            f"; {contender_words(e)}: {e['status']}: {' '.join(str(e['error']).split())}"
+            for e in refused
+            if recommendation_shape(e) == shape and e["trainer"] != "standard"
+        )
         standard = ranked_standard(group)
         if standard:
             line += f"; for reference, no DP: {_choice(standard)}"

@@ -406,8 +406,9 @@ def two_rank_plan(plan_dir, samples_per_s: dict) -> list[dict]:
 
 def test_recommend_ranks_every_trainer_under_every_sharding_in_one_answer(tmp_path, capsys):
     """Two ranks planned under DDP and FSDP2: one paragraph ranks each (trainer, sharding) by
-    its best, the fastest named first with its sharding, one that fits nowhere says why, and
-    standard's fastest sharding is the reference. benchmarks/recommend_check.py compares the
+    its best, the fastest named first with its sharding, one that fits nowhere says why, one
+    the run could not plan says why once (whatever the caps), and standard's fastest sharding
+    is the reference. benchmarks/recommend_check.py compares the
     choice with the measured candidates of both shardings (a run with no cap measured at a
     rank's whole share): a faster one measured under the other sharding makes it differ."""
     from dp_cost.parallel.mode import sharded_modes
@@ -418,9 +419,15 @@ def test_recommend_ranks_every_trainer_under_every_sharding_in_one_answer(tmp_pa
              ("flash", fsdp): 25.0, ("ghost", ddp): 22.0, ("ghost", fsdp): None}  # fmt: skip
     plan_dir = tmp_path / "plan"
     entries = two_rank_plan(plan_dir, rates)
-    (line,) = report_capacity.recommendation_lines(entries).strip().splitlines()[1:]
+    config = {"trainer": "dpsgd", "distributed": fsdp, "world_size": 2, "model": "1b",
+              "batch_size": 8, "seq_len": 64, "dtype": "bf16"}  # fmt: skip
+    skipped = {"config": config, "status": "skipped", "error": "no FSDP2 path\n(use flash)"}
+    capped = {**skipped, "config": {**config, "max_physical_batch_size": 2}}  # the same contender
+    refused = report_capacity.refused_entries([skipped, capped, {"status": "error"}])
+    (line,) = report_capacity.recommendation_lines(entries, refused).strip().splitlines()[1:]
     words = {sharding: report_capacity.contender_words({"trainer": "t", "distributed": sharding,
              "world_size": 2})[len("t under "):] for sharding in (ddp, fsdp)}  # fmt: skip
+    assert line.count(f"; dpsgd under {words[fsdp]}: skipped: no FSDP2 path (use flash)") == 1
     assert line.startswith("- 1b, batch 8, seq 64, bf16, 2 × 80 GiB: run flash under ")
     order = [f"flash under {words[fsdp]}", f"ghost under {words[ddp]}", f"flash under {words[ddp]}"]
     assert [line.index(f"{name} at physical batch 4") for name in order] == sorted(
