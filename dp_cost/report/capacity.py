@@ -340,7 +340,9 @@ def recommendation_lines(entries: list[dict], refused: list[dict] = ()) -> str:
         line += "".join(
             f"; {contender_words(e)}: {e['status']}: {' '.join(str(e['error']).split())}"
             for e in refused
-            if recommendation_shape(e) == shape and e["trainer"] != "standard"
+            if recommendation_shape(e) == shape
+            and e["trainer"] != "standard"
+            and (e["trainer"], e["distributed"]) not in group  # planned at another cap
         )
         standard = ranked_standard(group)
         if standard:
