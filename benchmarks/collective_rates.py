@@ -163,16 +163,14 @@ def ranked_trainers(quick: bool) -> list[tuple[str, str]]:
     """(distributed mode, trainer) of every trainer each mode over ranks can run (dpsgd has no
     FSDP2 path): the registry's refusals, at the calibration config's settings; ``quick``: the
     standard trainer alone."""
-    from dp_cost.core.schema import DISTRIBUTED_MODES
     from dp_cost.measure.config import ExperimentConfig
-    from dp_cost.parallel.mode import distributed_mode
+    from dp_cost.parallel.mode import sharded_modes
     from dp_cost.training import registry
 
     defaults = ExperimentConfig(trainer="standard", batch_size=2, seq_len=16)
     return [
         (mode, trainer)
-        for mode in DISTRIBUTED_MODES
-        if distributed_mode(mode).is_distributed
+        for mode in sharded_modes()
         for trainer in (["standard"] if quick else registry.TRAINERS)
         if registry.refusal(trainer, mode, False, False, defaults.fsdp_sync, defaults.clipping)
         is None

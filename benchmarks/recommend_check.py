@@ -32,6 +32,7 @@ from dp_cost.report.capacity import (  # noqa: E402
     contender_words,
     ranked_dp_contenders,
     recommendation_groups,
+    recommendation_shape,
 )
 
 
@@ -50,10 +51,12 @@ STEP_SETTINGS = ("attention", "activation_checkpointing", "cuda_graph", "optimiz
 
 
 def shape_key(config: dict) -> tuple:
-    """What a recommendation is made for, as ``recommendation_groups`` keys it."""
+    """What a recommendation is made for, as ``recommendation_groups`` keys it: a measured
+    config as capacity.json's line of it reads."""
     lora_rank = config.get("lora_rank") if config.get("use_lora") else None
-    return (config["model"], config["batch_size"], config["seq_len"], config["dtype"], lora_rank,
-            config.get("world_size", 1))  # fmt: skip
+    return recommendation_shape(
+        {**config, "lora_rank": lora_rank, "world_size": config.get("world_size", 1)}
+    )
 
 
 def contender(config: dict) -> tuple[str, str]:
