@@ -2,6 +2,11 @@
 
 - refit TABLE [--out PATH]: the host costs fitted again (capacity.card_rates.fit_host) from the
   host times the table keeps by depth, after a change to the fit.
+- recount TABLE [--out PATH]: each calibration step's planned ops counted again with today's
+  planner (its host times kept as measured), then fitted: after a change to what a planned step
+  dispatches (an op planned as CUDA runs it), the rows describe the steps they are charged to.
+  The syncs and collectives a step waits for must be the ones it measured (their time was taken
+  off its host time then); a change to those needs the table measured again.
 - median TABLE TABLE [TABLE ...] --out PATH: one table from several machines' tables of one card
   kind: each calibration step's host time the median over the machines, then fitted. The host's
   speed differs between machines of one kind (three H200 machines' calibration steps ran up to
@@ -10,6 +15,7 @@
 
 Either writes the table only once it reads back as a card table.
 usage: python benchmarks/card_tables.py refit TABLE [--out PATH]
+       python benchmarks/card_tables.py recount TABLE [--out PATH]
        python benchmarks/card_tables.py median TABLE TABLE [TABLE ...] --out PATH
 """
 
@@ -17,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import dataclasses
 import json
 import os
 import statistics
@@ -31,6 +38,9 @@ def parse(argv=None):
     refit = commands.add_parser("refit", help="fit a table's host costs again")
     refit.add_argument("table")
     refit.add_argument("--out", help="where to write it (default: over TABLE)")
+    recount = commands.add_parser("recount", help="count a table's planned ops again, then fit")
+    recount.add_argument("table")
+    recount.add_argument("--out", help="where to write it (default: over TABLE)")
     median = commands.add_parser("median", help="one table from several machines' tables")
     median.add_argument("tables", nargs="+")
     median.add_argument("--out", required=True, help="where to write it")
@@ -43,16 +53,60 @@ def read(path: str) -> dict:
     return read_json(path)
 
 
-def fitted(table: dict, how: dict) -> dict:
+def host_rows(table: dict):
+    """(world size, row name, row) of every host row: one process's (world size 1), then each
+    number of ranks' (``trainer@mode``)."""
+    for name, row in table["host"]["by_trainer"].items():
+        yield 1, name, row
+    for world_size, section in table.get("collectives", {}).items():
+        for name, row in section.get("host_by_trainer", {}).items():
+            yield int(world_size), name, row
+
+
+def fitted(table: dict, how: dict, key: str = "host_refitted") -> dict:
     """``table`` with every host row fitted from its ``by_depth``, and ``how`` it was made."""
     from dp_cost.capacity.card_rates import fit_host
     from dp_cost.measure.run import git_commit
 
-    table["measured"]["host_refitted"] = {"commit": git_commit(ROOT) or "not recorded", **how}
-    for row in table["host"]["by_trainer"].values():
+    table["measured"][key] = {"commit": git_commit(ROOT) or "not recorded", **how}
+    for _, _, row in host_rows(table):
         points = {int(blocks): (measured["host_us"], measured["planned_ops"])
                   for blocks, measured in row["by_depth"].items()}  # fmt: skip
         row.update(fit_host(points))
+    return table
+
+
+def calibration_step(world_size: int, name: str, blocks: int) -> dict:
+    """The planned step (ops recorded) of the calibration config a host row was measured on:
+    benchmarks/card_rates.py's for one process, benchmarks/collective_rates.py's under ranks (a
+    rank's batch as one process's, in a fake process group)."""
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    import card_rates as calibration
+
+    from dp_cost.capacity import fake_step
+    from dp_cost.capacity.card_rates import MODEL_KINDS
+    from dp_cost.measure import worker
+
+    base, _, mode = name.partition("@")
+    trainer, plus, kind = base.partition("+")
+    model_kind = {suffix: kind for kind, suffix in MODEL_KINDS.items()}[plus + kind]
+    config = calibration.calibration_config(trainer, model_kind, "cpu")
+    if mode:
+        config = dataclasses.replace(config, distributed=mode, world_size=world_size,
+                                     batch_size=config.batch_size * world_size)  # fmt: skip
+    with calibration.depth(config, blocks) as config:
+        return fake_step.predict(config, worker.build_trainer, record_ops=True)
+
+
+def recounted(table: dict) -> dict:
+    """``table`` with each host row's planned ops at each depth counted again, host times kept."""
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    import card_rates as calibration
+
+    for world_size, name, row in host_rows(table):
+        for blocks, measured in row["by_depth"].items():
+            step = calibration_step(world_size, name, int(blocks))
+            measured["planned_ops"] = calibration.planned_op_counts(step)[0]
     return table
 
 
@@ -107,13 +161,17 @@ def main(argv=None) -> int:
     from dp_cost.capacity.card_rates import CardRatesError
 
     try:
-        if args.command == "refit":
-            command = "python benchmarks/card_tables.py refit TABLE"
-            table, target = fitted(read(args.table), {"command": command}), args.out or args.table
-        else:
+        if args.command == "median":
             command = "python benchmarks/card_tables.py median TABLE ..."
             table = fitted(median_of([read(p) for p in args.tables]), {"command": command})
             target = args.out
+        else:
+            command = f"python benchmarks/card_tables.py {args.command} TABLE"
+            table, target = read(args.table), args.out or args.table
+            if args.command == "recount":
+                table = fitted(recounted(table), {"command": command}, "host_recounted")
+            else:
+                table = fitted(table, {"command": command})
         write_checked(table, target)
     except (OSError, ValueError, KeyError, TypeError, AttributeError, CardRatesError) as error:
         print(f"error: {args.command}: {' '.join(str(error).split())[:300]}", file=sys.stderr)

@@ -15,6 +15,7 @@ from dp_cost.flash.fused import triton_kernels
 from dp_cost.flash.precision import accumulation_dtype
 from dp_cost.noise.exact64 import add_exact64_noise_
 
+KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)  # the weighted sums' (Triton's)
 CPU_ROW_CHUNK = 2**16  # columns per chunk: bounds the temporary of the CPU sum of squares
 
 
@@ -290,10 +291,16 @@ def weighted_sum(grads: Tensor, c: ClipFactors) -> Tensor:
     c, accumulated and written in fp32: 16-bit gradients are not rounded on the way); else one
     [B] x [B, N] product in the gradients' dtype."""
     kernels = triton_kernels()
+    wide = torch.promote_types(grads.dtype, torch.float32)
+    if is_fake(grads) and grads.is_contiguous() and grads.dtype in KERNEL_DTYPES:
+        # A planned step: the kernel's memory (its [N] result in fp32, no other buffer); the
+        # product's ops for the time model, written into the target's own storage.
+        target = grads.new_empty(grads.shape[1], dtype=wide)
+        out = target if grads.dtype == wide else target.view(grads.dtype)[: grads.shape[1]]
+        torch.mm(c.to(grads.dtype)[None], grads, out=out[None])
+        return target
     if kernels is not None and grads.is_cuda:
-        target = grads.new_empty(
-            grads.shape[1], dtype=torch.promote_types(grads.dtype, torch.float32)
-        )
+        target = grads.new_empty(grads.shape[1], dtype=wide)
         if kernels.weighted_sums_supported(target, grads):
             kernels.weighted_sums_([target], [grads], c.to(torch.float32), [False])
             return target

@@ -75,3 +75,55 @@ def test_a_refit_gives_the_shipped_tables_own_costs_and_refuses_a_table_without_
     before = bare.read_text()
     status, err = run("refit", bare, capsys=capsys)
     assert status == 2 and "by_depth" in err and bare.read_text() == before
+
+
+def test_a_recount_counts_each_rows_calibration_step_again_and_keeps_its_host_times(
+    tmp_path, capsys
+):
+    """Rows whose planned ops are wrong (twice the counts), recounted: each row's ops are again
+    those the card counted when the shipped table was measured (one process: the tiny LM's
+    standard, the tiny Llama's flash with LoRA; two ranks: standard under DDP), within 5% (a
+    few ops differ between torch versions); the host times stay as measured and the fit is the
+    line through them over the new counts."""
+    shipped = json.loads(open(card_rates.card_rates("NVIDIA H200").path).read())
+    depths = ("2", "6")
+
+    def wrong(row: dict) -> dict:
+        by_depth = {blocks: {"host_us": dict(row["by_depth"][blocks]["host_us"]),
+                             "planned_ops": {phase: 2 * count for phase, count
+                                             in row["by_depth"][blocks]["planned_ops"].items()}}
+                    for blocks in depths}  # fmt: skip
+        return {**row, "by_depth": by_depth}
+
+    rows = ("standard", "flash+lora")
+    table = json.loads(json.dumps(shipped))
+    table["host"]["by_trainer"] = {
+        name: wrong(shipped["host"]["by_trainer"][name]) for name in rows
+    }
+    ranks = table["collectives"] = {"2": shipped["collectives"]["2"]}
+    ranks["2"]["host_by_trainer"] = {
+        "standard@ddp": wrong(ranks["2"]["host_by_trainer"]["standard@ddp"])
+    }
+    path = tmp_path / "wrong.json"
+    path.write_text(json.dumps(table))
+    status, err = run("recount", path, capsys=capsys)
+    assert status == 0, err
+    again = json.loads(path.read_text())
+    assert again["measured"]["host_recounted"]["command"].endswith("recount TABLE")
+    pairs = [(again["host"]["by_trainer"][name], shipped["host"]["by_trainer"][name])
+             for name in rows]  # fmt: skip
+    pairs.append((again["collectives"]["2"]["host_by_trainer"]["standard@ddp"],
+                  shipped["collectives"]["2"]["host_by_trainer"]["standard@ddp"]))  # fmt: skip
+    for row, measured in pairs:
+        for blocks in depths:
+            counted, kept = row["by_depth"][blocks], measured["by_depth"][blocks]
+            assert counted["host_us"] == kept["host_us"]
+            for phase, count in kept["planned_ops"].items():
+                assert counted["planned_ops"][phase] == pytest.approx(count, rel=0.05, abs=2)
+        for phase in PHASES:
+            fixed, per_op = row["fixed_us"][phase], row["op_us"][phase]
+            if fixed > 0 and per_op > 0:  # the line through both depths' points
+                for blocks in depths:
+                    at = row["by_depth"][blocks]
+                    line = fixed + per_op * at["planned_ops"][phase]
+                    assert line == pytest.approx(at["host_us"][phase], rel=1e-3)

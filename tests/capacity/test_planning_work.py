@@ -86,3 +86,42 @@ def test_a_planned_gram_runs_one_tile_pair_for_all_and_counts_them_all():
     one_pair, every_pair = planned(loop=False), planned(loop=True)
     pairs = 4 * 5 // 2
     assert one_pair == every_pair and one_pair[0] == 2 * pairs
+
+
+def test_a_planned_weighted_sum_holds_what_the_cuda_kernel_writes():
+    """flash's weighted sum of a [B, N] concatenation: on CUDA the kernel writes [N] in fp32 (a
+    16-bit product would round the sum) and allocates nothing else; the planned step's memory is
+    that one fp32 [N] (an H200's allocation history showed it; the CPU's product makes a 16-bit
+    [N])."""
+    from dp_cost.capacity.fake_step import StorageRecord
+    from dp_cost.flash.clip import ClipFactors, weighted_sum
+
+    for dtype in (torch.bfloat16, torch.float32):
+        grads, c = torch.randn(4, N).to(dtype), torch.rand(4)
+        real = weighted_sum(grads, ClipFactors(c))
+        assert real.dtype == dtype  # the CPU's product
+        with FakeTensorMode(allow_non_fake_inputs=True) as mode:
+            fake_grads = mode.from_tensor(grads)
+            with StorageRecord() as record:
+                planned = weighted_sum(fake_grads, ClipFactors(c))
+        assert planned.dtype == torch.float32 and planned.shape == (N,)
+        check_only_the_target(record, planned)
+
+
+N = 100_000  # the concatenation's width: its [N] buffers far above the [B] ones
+
+
+def check_only_the_target(record, planned) -> None:
+    """The fp32 [N] target is made first, no [N] beside it, and it alone held."""
+    from dp_cost.capacity.allocator import request_bytes
+    from dp_cost.capacity.fake_step import WORKSPACE_KEYS
+
+    target = request_bytes(4 * N)  # an fp32 [N], as the allocator rounds it
+    tensors = [e for e in record.events if e["addr"] > WORKSPACE_KEYS]  # not cuBLAS's own
+    assert tensors[0]["action"] == "alloc" and tensors[0]["size"] == target  # the target first
+    live = [0]
+    for event in tensors:
+        live.append(live[-1] + (event["size"] if event["action"] == "alloc" else -event["size"]))
+    assert max(live) < target + 2 * N  # no [N] product beside it (a 16-bit one: 2N bytes)
+    held = {key: size for key, size in record.held().items() if key > WORKSPACE_KEYS}
+    assert held == {planned.untyped_storage()._cdata: target}
