@@ -43,6 +43,7 @@ from torch.utils._pytree import tree_leaves
 from dp_cost.capacity.allocator import request_bytes
 from dp_cost.capacity.attention import CudaAttention, real_masks
 from dp_cost.capacity.card import GPU_OVERHEADS
+from dp_cost.capacity.fused_norm import fused_rms_norm
 from dp_cost.capacity.kernel_scratch import scratch_requests
 from dp_cost.capacity.op_list import GEMMS, OpRecord
 from dp_cost.capacity.planned_ranks import planned_ranks
@@ -383,11 +384,13 @@ def _built(config, model, loss_fn, build_trainer):
 def _as_on_cuda(config, kernels: CudaAttention):
     """What the planned step does as the card would, not as the CPU would: a Hugging Face
     model's mask as an eager run builds it, attention's kernel as CUDA chooses it (``kernels``
-    counts the choices), torch.optim's foreach path. Each is undone on the way out, however it
-    ends (they patch torch's and transformers' module globals: one prediction at a time)."""
+    counts the choices), RMSNorm as CUDA's fused kernel, torch.optim's foreach path. Each is
+    undone on the way out, however it ends (they patch torch's and transformers' module
+    globals: one prediction at a time)."""
     with (
         real_masks(config.model in HF_CONFIGS, graphed=config.cuda_graph),
         kernels,
+        fused_rms_norm(),
         _foreach_as_on_cuda(),
     ):
         yield

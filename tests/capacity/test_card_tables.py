@@ -100,7 +100,7 @@ def test_a_recount_counts_each_rows_calibration_step_again_and_keeps_its_host_ti
     table["host"]["by_trainer"] = {
         name: wrong(shipped["host"]["by_trainer"][name]) for name in rows
     }
-    ranks = table["collectives"] = {"2": shipped["collectives"]["2"]}
+    ranks = table["collectives"] = {"2": table["collectives"]["2"]}
     ranks["2"]["host_by_trainer"] = {
         "standard@ddp": wrong(ranks["2"]["host_by_trainer"]["standard@ddp"])
     }
