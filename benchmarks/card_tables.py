@@ -99,14 +99,26 @@ def calibration_step(world_size: int, name: str, blocks: int) -> dict:
 
 
 def recounted(table: dict) -> dict:
-    """``table`` with each host row's planned ops at each depth counted again, host times kept."""
+    """``table`` with each host row's planned ops at each depth counted again, host times kept.
+    The syncs a step waits for are recorded beside its counts: their waits were taken off its
+    host time when it was measured, so a recount that finds another number than one recorded
+    refuses (ValueError): the table must be measured again."""
     sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
     import card_rates as calibration
 
     for world_size, name, row in host_rows(table):
         for blocks, measured in row["by_depth"].items():
-            step = calibration_step(world_size, name, int(blocks))
-            measured["planned_ops"] = calibration.planned_op_counts(step)[0]
+            try:
+                step = calibration_step(world_size, name, int(blocks))
+            except (KeyError, ValueError, RuntimeError) as error:
+                raise ValueError(f"row {name!r} at {blocks} blocks: {error}") from error
+            ops, syncs = calibration.planned_op_counts(step)
+            if measured.get("syncs", syncs) != syncs:
+                raise ValueError(
+                    f"row {name!r} at {blocks} blocks now waits for {syncs} syncs, "
+                    f"{measured['syncs']} when counted before: measure the table again"
+                )
+            measured["planned_ops"], measured["syncs"] = ops, syncs
     return table
 
 
@@ -169,7 +181,15 @@ def main(argv=None) -> int:
             command = f"python benchmarks/card_tables.py {args.command} TABLE"
             table, target = read(args.table), args.out or args.table
             if args.command == "recount":
-                table = fitted(recounted(table), {"command": command}, "host_recounted")
+                import torch
+
+                measured_with = table.get("measured", {}).get("torch")
+                if measured_with and measured_with != torch.__version__:
+                    print(f"warning: recount: counted with torch {torch.__version__}, the host "
+                          f"times measured with {measured_with}: a few ops a step may differ "
+                          "between versions", file=sys.stderr)  # fmt: skip
+                how = {"command": command, "torch": torch.__version__}
+                table = fitted(recounted(table), how, "host_recounted")
             else:
                 table = fitted(table, {"command": command})
         write_checked(table, target)

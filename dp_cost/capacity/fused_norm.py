@@ -14,6 +14,7 @@ torch's own ``_fused_rms_norm_backward``, whose meta kernel makes its outputs.
 from __future__ import annotations
 
 import contextlib
+import functools
 
 import torch
 
@@ -41,8 +42,17 @@ class FusedRmsNorm(torch.autograd.Function):
         return grad_input, grad_weight, None, None
 
 
-def planned_rms_norm(input, normalized_shape, weight=None, eps=None):
-    return FusedRmsNorm.apply(input, weight, tuple(normalized_shape), eps)
+def planned_rms_norm(input, normalized_shape, weight=None, eps=None, *, composed):
+    """CUDA's choice: the fused kernel, but for a weight of another dtype than the input's,
+    which torch sends to the composed ops on a card too (``composed``: torch's own)."""
+    shape = tuple(normalized_shape)
+    torch._check(
+        tuple(input.shape[input.dim() - len(shape) :]) == shape,
+        lambda: f"rms_norm: input {tuple(input.shape)} does not end in {shape}",
+    )
+    if weight is not None and weight.dtype != input.dtype:
+        return composed(input, normalized_shape, weight, eps)
+    return FusedRmsNorm.apply(input, weight, shape, eps)
 
 
 @contextlib.contextmanager
@@ -51,7 +61,7 @@ def fused_rms_norm():
     norm rule) planned as CUDA's fused kernel while inside; undone on the way out, however it
     ends (a module global: one prediction at a time)."""
     composed = torch.rms_norm
-    torch.rms_norm = planned_rms_norm
+    torch.rms_norm = functools.partial(planned_rms_norm, composed=composed)
     try:
         yield
     finally:

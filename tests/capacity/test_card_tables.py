@@ -6,6 +6,7 @@ import json
 import os
 
 import pytest
+import torch
 
 from dp_cost.capacity import card_rates
 from tests.capacity.card_table import card_table
@@ -110,6 +111,7 @@ def test_a_recount_counts_each_rows_calibration_step_again_and_keeps_its_host_ti
     assert status == 0, err
     again = json.loads(path.read_text())
     assert again["measured"]["host_recounted"]["command"].endswith("recount TABLE")
+    assert again["measured"]["host_recounted"]["torch"] == torch.__version__
     pairs = [(again["host"]["by_trainer"][name], shipped["host"]["by_trainer"][name])
              for name in rows]  # fmt: skip
     pairs.append((again["collectives"]["2"]["host_by_trainer"]["standard@ddp"],
@@ -120,6 +122,7 @@ def test_a_recount_counts_each_rows_calibration_step_again_and_keeps_its_host_ti
             assert counted["host_us"] == kept["host_us"]
             for phase, count in kept["planned_ops"].items():
                 assert counted["planned_ops"][phase] == pytest.approx(count, rel=0.05, abs=2)
+            assert counted["syncs"] >= 0  # recorded for the next recount's check
         for phase in PHASES:
             fixed, per_op = row["fixed_us"][phase], row["op_us"][phase]
             if fixed > 0 and per_op > 0:  # the line through both depths' points
@@ -127,3 +130,21 @@ def test_a_recount_counts_each_rows_calibration_step_again_and_keeps_its_host_ti
                     at = row["by_depth"][blocks]
                     line = fixed + per_op * at["planned_ops"][phase]
                     assert line == pytest.approx(at["host_us"][phase], rel=1e-3)
+
+
+def test_a_recount_that_finds_other_syncs_than_it_recorded_refuses(tmp_path, capsys):
+    """A sync's wait was taken off the host time it was measured with: a step that now waits for
+    another number of syncs than the one recorded cannot be recounted (one line, nothing
+    written)."""
+    shipped = json.loads(open(card_rates.card_rates("NVIDIA H200").path).read())
+    row = shipped["host"]["by_trainer"]["standard"]
+    row["by_depth"]["2"]["syncs"] = 999
+    shipped["host"]["by_trainer"] = {"standard": row}
+    shipped.pop("collectives")
+    path = tmp_path / "synced.json"
+    path.write_text(json.dumps(shipped))
+    before = path.read_text()
+    status, err = run("recount", path, capsys=capsys)
+    assert status == 2 and "'standard' at 2 blocks" in err and "999" in err
+    errors = [line for line in err.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and path.read_text() == before

@@ -43,7 +43,19 @@ def test_a_planned_rms_norm_keeps_the_fused_kernels_tensors(dtype):
     composed, _ = saved_by(norm, dtype)  # the CPU's six ops keep more: the normalized input
     full = [t for t in composed if t.numel() == B * T * D]
     assert sum(t.numel() * t.dtype.itemsize for t in full) > activation
-    assert torch.rms_norm.__name__ == "rms_norm"  # undone on the way out
+    assert torch.rms_norm is torch._C._VariableFunctions.rms_norm  # undone on the way out
+
+
+def test_a_weight_of_another_dtype_is_planned_as_torch_composes_it():
+    """On a card torch refuses the fused kernel when the weight's dtype is not the input's and
+    runs the composed ops: planned so too (their output in the input's dtype, as torch's)."""
+    with FakeTensorMode(), fused_rms_norm():
+        x = torch.randn(B, T, D, dtype=torch.bfloat16, requires_grad=True)
+        weight = torch.ones(D, dtype=torch.float32, requires_grad=True)
+        out = torch.rms_norm(x, [D], weight, 1e-5)
+        assert out.grad_fn.name() != "FusedRmsNormBackward"
+        with pytest.raises(RuntimeError, match="does not end in"):
+            torch.rms_norm(torch.randn(B, T), [D], None, 1e-5)
 
 
 def test_the_patch_is_undone_when_the_planned_step_fails():
