@@ -13,7 +13,13 @@ checked against the real one, on this card, for one config at a time:
    plan's that the run never made), each with the frames, C++ ones included, of its first
    allocation: the kernel whose memory the fake step misses; with --frames_of FIRST LAST, the
    frames of the real run's allocations numbered FIRST to LAST (1-based, allocations alone, as
-   a replay of the --out sequences counts them): what holds a block where the two differ.
+   a replay of the --out sequences counts them): what holds a block where the two differ;
+6. with --gpu_memory GIB, the fit itself: the real run held to the allocator room a card of GIB
+   GiB leaves (torch.cuda.set_per_process_memory_fraction: the card less the CUDA context, and
+   NCCL's buffers with several ranks, as the plan's fit takes them off), whether it ran out of
+   memory there, and whether each sequence replayed within that room does. With Poisson
+   sampling (the default for Hugging Face models) and several --steps, the run's chunks vary
+   in size from draw to draw where the plan's are one size.
 
 Several ranks: under torchrun with ``--distributed ddp|fsdp``, each config is planned first (rank
 0's fake step, before the process group exists, as a plan of ``--world_size`` ranks makes it),
@@ -58,6 +64,10 @@ def build_parser() -> argparse.ArgumentParser:
         "--distributed", default="none", choices=("none", "ddp", "fsdp"),
         help="under torchrun: the sharding of the ranks (--batch_sizes global)",
     )  # fmt: skip
+    parser.add_argument(
+        "--gpu_memory", type=float, default=None, metavar="GIB",
+        help="hold the real run to the allocator room of a card of GIB GiB (the fit, checked)",
+    )  # fmt: skip
     parser.add_argument("--out", default=None)
     parser.add_argument(
         "--frames", action="store_true",
@@ -79,7 +89,11 @@ import torch  # noqa: E402
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from dp_cost.capacity import allocator, fake_step  # noqa: E402
-from dp_cost.capacity.card import GPU_OVERHEADS, planned_requests  # noqa: E402
+from dp_cost.capacity.card import (  # noqa: E402
+    GPU_OVERHEADS,
+    allocator_room_bytes,
+    planned_requests,
+)
 from dp_cost.measure import worker  # noqa: E402
 from dp_cost.measure.config import ExperimentConfig  # noqa: E402
 from dp_cost.measure.workload import Workload  # noqa: E402
@@ -273,9 +287,16 @@ def compared(config, predicted, device, args, rank: int) -> dict:
     """One config run on the card and its two sequences replayed (this rank's run)."""
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats(device)
-    run = real_requests(config, device, args.steps, args.frames, rank, args.frames_of)
+    total = torch.cuda.mem_get_info(device)[1]
+    card = total - GPU_OVERHEADS["cuda_context_bytes"]
+    if args.gpu_memory is not None:
+        card = allocator_room_bytes(args.gpu_memory, config.world_size)
+        torch.cuda.set_per_process_memory_fraction(min(card / total, 1.0), device)
+    try:
+        run = real_requests(config, device, args.steps, args.frames, rank, args.frames_of)
+    finally:
+        torch.cuda.set_per_process_memory_fraction(1.0, device)
     real, peak_reserved = run["requests"], run["peak_reserved"]
-    card = torch.cuda.mem_get_info(device)[1] - GPU_OVERHEADS["cuda_context_bytes"]
     released = [event for event in run["segments"] if event[0] == "segment_free"]
     on_card = {
         "real": allocator.replay(real, card),
@@ -286,6 +307,7 @@ def compared(config, predicted, device, args, rank: int) -> dict:
         "trainer": config.trainer, "batch_size": config.batch_size, "seq_len": config.seq_len,
         "distributed": config.distributed, "world_size": config.world_size,
         "device": torch.cuda.get_device_name(device),
+        "allocator_room_mib": card / 2**20,
         "measured_peak_reserved_mib": peak_reserved / 2**20,
         "ran_out_of_memory": run["out_of_memory"],
         "segments_released": len(released),
