@@ -76,3 +76,23 @@ GRAPH_PEAK_NOTE = (
     "--cuda_graph: a lower bound, not a prediction: a CUDA graph's private memory pool keeps "
     "what the eager step frees and reuses (measured 17-25% above this plan for the 1b model)"
 )
+
+# Measured once on 2 x H200 (Llama-3.1-8B, FSDP2, seq 2048, flash at 4 a rank, 80 GiB held by
+# benchmarks/allocator_replay.py --gpu_memory): out of memory with Poisson draws, run with
+# fixed-size batches, the plan fitting both only by releasing cached segments.
+POISSON_EDGE_NOTE = (
+    "Poisson sampling at the edge: this batch fits only by the allocator releasing its cached "
+    "segments (its reserved peak on a card without limit is above the room), and a draw's "
+    "chunks of other sizes fragment the cache where the plan's are of one size: such a plan "
+    "has run out of memory with Poisson draws and run with fixed-size batches; plan one lower "
+    "or use --no_poisson"
+)
+
+
+def edge_note(config, largest: dict) -> str | None:
+    """POISSON_EDGE_NOTE for a Poisson-sampled config whose largest physical batch on a budget
+    (a ``largest_on_card`` entry) fits only by releasing cached segments."""
+    reserved, room = largest.get("predicted_reserved_mb"), largest.get("allocator_room_mb")
+    if config.poisson and reserved is not None and reserved > room:
+        return POISSON_EDGE_NOTE
+    return None

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import time
 
-from dp_cost.capacity.card import GPU_OVERHEADS, GRAPH_PEAK_NOTE, reserved_peak
+from dp_cost.capacity.card import GPU_OVERHEADS, GRAPH_PEAK_NOTE, edge_note, reserved_peak
 from dp_cost.capacity.fake_step import rank_share
 from dp_cost.capacity.predictions import Predictions
 from dp_cost.capacity.recommend import recommendation
@@ -34,13 +34,16 @@ def capacity_result(config, build_trainer, card_gib: float | None = None) -> dic
     batch = batch_axis(predictions)
     ranks = config.world_size
     largest = [largest_on_card(batch, budget, ranks) for budget in config.gpu_memory or []]
+    for entry in largest:
+        entry["fit_note"] = edge_note(config, entry)
     card = None
     if card_gib:
         axis = seq_len_axis(predictions) if config.find_max_seq_len else batch
         card = largest_on_card(axis, card_gib, ranks)
     return {
-        "method": "the trainer's step on fake tensors (CPU code paths but for attention's kernel "
-        "and torch.optim's foreach path, taken as on CUDA), storages recorded",
+        "method": "the trainer's step on fake tensors (CPU code paths but for attention's kernel, "
+        "RMSNorm's fused kernel, flash's weighted sums and torch.optim's foreach path, taken as "
+        "on CUDA), storages recorded",
         "physical_batch_size": predictions.planned,
         "physical_batch_note": predictions.note,
         "peak_note": GRAPH_PEAK_NOTE if config.cuda_graph else None,

@@ -212,6 +212,13 @@ def write_capacity_files(run_dir: str, results: list[dict]) -> str:
     planned += recommendation_lines(entries, refused_entries(results))
     bounds = "".join(f"- {e['config_dir']}: {e['peak_note']}\n" for e in entries if e["peak_note"])
     planned += f"\nPeaks that are bounds:\n{bounds}" if bounds else ""
+    edges = "".join(
+        f"- {e['config_dir']} at {fit['gpu_memory_gib']:g} GiB: {fit['fit_note']}\n"
+        for e in entries
+        for fit in e["largest_physical_batch"]
+        if fit.get("fit_note")
+    )
+    planned += f"\nFits at the edge:\n{edges}" if edges else ""
     # An error's own line breaks (torch's messages have some) would split the list's items.
     lines = "".join(
         f"- {s['config_dir']}: {s['status']}: {' '.join(str(s['error']).split())}\n"

@@ -651,3 +651,32 @@ def test_a_step_says_whether_its_host_or_its_gpu_bounds_it(tmp_path, monkeypatch
         assert time["bound_by"] == bound
         assert (time["bound_note"] is not None) == (bound == "host")
         assert (time["host_ms"] > time["gpu_ms"]) == (bound == "host")
+
+
+def test_a_poisson_fit_that_needs_the_cache_released_is_called_an_edge(tmp_path):
+    """A Poisson-sampled batch that fits only by the allocator releasing its cached segments (its
+    reserved peak on a card without limit above the room) carries the note a run on an H200
+    earned (out of memory with Poisson draws, not with fixed batches); a fixed-batch config, or
+    one whose reserved peak is inside the room, does not; capacity.md lists the edge."""
+    from dp_cost.capacity.card import POISSON_EDGE_NOTE, edge_note
+    from dp_cost.capacity.result import capacity_result
+    from dp_cost.core.schema import empty_result
+    from dp_cost.measure import worker
+    from dp_cost.report import capacity as report_capacity
+
+    above = {"gpu_memory_gib": 80, "predicted_reserved_mb": 82572.0, "allocator_room_mb": 80333.2}
+    inside = {**above, "predicted_reserved_mb": 70612.0}
+    nothing = {**above, "physical_batch_size": 0, "predicted_reserved_mb": None}
+    poisson = ExperimentConfig(trainer="flash", batch_size=4, seq_len=16, poisson=True)
+    fixed = dataclasses.replace(poisson, poisson=False)
+    assert edge_note(poisson, above) == POISSON_EDGE_NOTE
+    assert edge_note(fixed, above) is None and edge_note(poisson, inside) is None
+    assert edge_note(poisson, nothing) is None
+    config = dataclasses.replace(poisson, gpu_memory=[80.0])
+    result = empty_result(config.to_dict(), config.config_dir, "ok", None)
+    result["prediction"] = capacity_result(config, worker.build_trainer)
+    assert result["prediction"]["largest_physical_batch"][0]["fit_note"] is None  # 80 GiB: room
+    result["prediction"]["largest_physical_batch"][0].update(above, fit_note=POISSON_EDGE_NOTE)
+    report_capacity.write_capacity_files(str(tmp_path), [result])
+    text = (tmp_path / "capacity.md").read_text()
+    assert "Fits at the edge" in text and "at 80 GiB: Poisson sampling at the edge" in text
