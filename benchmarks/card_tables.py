@@ -80,7 +80,6 @@ def calibration_step(world_size: int, name: str, blocks: int) -> dict:
     """The planned step (ops recorded) of the calibration config a host row was measured on:
     benchmarks/card_rates.py's for one process, benchmarks/collective_rates.py's under ranks (a
     rank's batch as one process's, in a fake process group)."""
-    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
     import card_rates as calibration
 
     from dp_cost.capacity import fake_step
@@ -103,7 +102,6 @@ def recounted(table: dict) -> dict:
     The syncs a step waits for are recorded beside its counts: their waits were taken off its
     host time when it was measured, so a recount that finds another number than one recorded
     refuses (ValueError): the table must be measured again."""
-    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
     import card_rates as calibration
 
     for world_size, name, row in host_rows(table):
@@ -170,6 +168,7 @@ def write_checked(table: dict, target: str) -> None:
 def main(argv=None) -> int:
     args = parse(argv)
     sys.path.insert(0, ROOT)
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))  # card_rates: the calibration steps
     from dp_cost.capacity.card_rates import CardRatesError
 
     try:

@@ -29,6 +29,7 @@ sys.path.insert(0, ROOT)
 
 from dp_cost.core.reading import read_json, read_result  # noqa: E402
 from dp_cost.report.capacity import (  # noqa: E402
+    contender_key,
     contender_words,
     ranked_dp_contenders,
     recommendation_groups,
@@ -59,11 +60,6 @@ def shape_key(config: dict) -> tuple:
     )
 
 
-def contender(config: dict) -> tuple[str, str]:
-    """(trainer, sharding): what ``recommendation_groups`` keys a shape's lines by."""
-    return config["trainer"], config.get("distributed", "none")
-
-
 def measured_steps(folders: list[str]) -> dict[tuple, dict]:
     """(shape, (trainer, sharding), physical batch) -> the measured config's status, median step ms,
     reserved peak MB and config. A file that cannot be read, or a second result for the same
@@ -81,7 +77,7 @@ def measured_steps(folders: list[str]) -> dict[tuple, dict]:
                 continue  # a prediction, not a step measured (the plan's own configs)
             share = config["batch_size"] // config.get("world_size", 1)  # a rank's (they divide)
             physical = min(config.get("max_physical_batch_size") or share, share)
-            key = (shape_key(config), contender(config), physical)
+            key = (shape_key(config), contender_key(config), physical)
             step = {
                 "status": result["status"], "measured_ms": result.get("median_time_ms"),
                 "measured_reserved_mb": result.get("peak_reserved_mb"), "result": path,

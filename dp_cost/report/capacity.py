@@ -289,7 +289,7 @@ def recommendation_groups(entries: list[dict]) -> dict[tuple, dict[tuple[str, st
     for e in entries:
         if e.get("recommendation"):
             group = groups.setdefault(recommendation_shape(e), {})
-            group.setdefault((e["trainer"], e["distributed"]), e)
+            group.setdefault(contender_key(e), e)
     return groups
 
 
@@ -297,6 +297,12 @@ def recommendation_shape(e: dict) -> tuple:
     """What a recommendation is made for: a capacity.json line's model, batch, seq, dtype, LoRA
     rank and ranks."""
     return (e["model"], e["batch_size"], e["seq_len"], e["dtype"], e["lora_rank"], e["world_size"])
+
+
+def contender_key(e: dict) -> tuple[str, str]:
+    """(trainer, sharding): what a recommendation chooses among, beside the physical batch; of
+    a capacity.json line or a measured config (one process where it names no sharding)."""
+    return e["trainer"], e.get("distributed", "none")
 
 
 def ranked_dp_contenders(group: dict[tuple[str, str], dict]) -> list[dict]:
@@ -318,7 +324,7 @@ def refused_entries(results: list[dict]) -> list[dict]:
             continue
         try:
             line = entry(result)
-            key = (recommendation_shape(line), line["trainer"], line["distributed"])
+            key = (recommendation_shape(line), contender_key(line))
         except (KeyError, TypeError, AttributeError):
             continue
         lines.setdefault(key, line)
@@ -349,7 +355,7 @@ def recommendation_lines(entries: list[dict], refused: list[dict] = ()) -> str:
             for e in refused
             if recommendation_shape(e) == shape
             and e["trainer"] != "standard"
-            and (e["trainer"], e["distributed"]) not in group  # planned at another cap
+            and contender_key(e) not in group  # planned at another cap
         )
         standard = ranked_standard(group)
         if standard:
