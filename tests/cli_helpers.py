@@ -36,6 +36,7 @@ def benchmark_script(file_name: str):
     path = os.path.join(ROOT, "benchmarks", file_name)
     spec = importlib.util.spec_from_file_location(os.path.splitext(file_name)[0], path)
     module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # as an import does: a forked pool's tasks find its functions
     spec.loader.exec_module(module)
     return module
 

@@ -1,0 +1,208 @@
+"""The memory plan against peaks already measured: every config that ran on a GPU in the given
+runs (measuring runs, or ``--mode=capacity --validate`` ones) planned again on this CPU with
+the toolkit as it is now, its predicted allocated and reserved peaks beside the ones the run
+measured. A change to the planner is checked this way against every measured peak kept, without
+a GPU; a planner's goal is checked on a grid of configs measured once.
+
+What it prints: a line per config (predicted / measured − 1, allocated and reserved), then per
+class (all; fixed-size batches; Poisson draws, whose chunks vary in size from draw to draw where
+the plan's are one size) how many are within ±5% and how many are under by more than 2%. With
+``--card_gib GIB`` also whether the plan's fit on a card of GIB GiB agrees with what the run did:
+every config that ran must fit, every one that ran out of memory must not.
+
+usage: python benchmarks/memory_recost.py RUN_DIR [RUN_DIR ...] [--card_gib GIB] [--jobs N]
+           [--out F]
+  RUN_DIR: a run's folder (its configs' result.json one level down), or a folder of runs
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import glob
+import json
+import multiprocessing
+import os
+import sys
+import warnings
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+WITHIN = 0.05  # the memory goal: within ±5%, allocated and reserved
+UNDER = -0.02  # and none under by more than 2%
+
+
+def parse(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("runs", nargs="+", help="run folders (or folders of them)")
+    parser.add_argument("--card_gib", type=float, help="judge each plan's fit on this card")
+    parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="plans at once")
+    parser.add_argument("--out", help="write every row as JSON here too")
+    args = parser.parse_args(argv)
+    if args.jobs < 1:
+        parser.error("--jobs must be at least 1")
+    if args.card_gib is not None and not args.card_gib > 0:
+        parser.error("--card_gib must be a positive number of GiB")
+    return args
+
+
+def measured_configs(folders: list[str]) -> list[dict]:
+    """Each config that ran on a GPU (ok: its peaks measured; or out of memory), once: the
+    same config with the same peaks in two copies of a run is one row."""
+    from dp_cost.core.reading import read_result
+
+    paths = set()
+    for folder in folders:
+        paths.update(glob.glob(os.path.join(folder, "*", "result.json")))
+        paths.update(glob.glob(os.path.join(folder, "*", "*", "result.json")))
+    rows, seen = [], set()
+    for path in sorted(paths):
+        try:
+            result = read_result(path)
+            row = measured_row(path, result)
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as error:
+            print(f"warning: {path}: not a measured peak ({error})", file=sys.stderr)
+            continue
+        if row is None:
+            continue
+        key = (json.dumps(row["config"], sort_keys=True), row["status"], row["measured_mb"])
+        if key not in seen:
+            seen.add(key)
+            rows.append(row)
+    return rows
+
+
+def measured_row(path: str, result: dict) -> dict | None:
+    """The row of one result file, or None where it measured no peak on a GPU (a CPU run, a
+    skipped or failed config: nothing to compare)."""
+    status = result.get("status")
+    if "NVIDIA" not in str((result.get("env") or {}).get("device", "")) and status != "oom":
+        return None
+    if status == "ok" and result.get("peak_reserved_mb"):
+        measured = {"allocated": result["peak_memory_mb"], "reserved": result["peak_reserved_mb"]}
+    elif status == "oom":
+        measured = None
+    else:
+        return None
+    config = dict(result["config"])
+    config.update(capacity=False, validate=False, gpu_memory=None, find_max_batch=False,
+                  find_max_seq_len=False, recommend=False)  # fmt: skip
+    return {"result": path, "config": config, "status": status, "measured_mb": measured and
+            tuple(round(v, 3) for v in measured.values())}  # fmt: skip
+
+
+def planned(fields: dict) -> dict:
+    """The config planned on this CPU as --mode=capacity plans it: allocated and reserved MB at
+    its planned physical batch, and the prediction itself (for a fit)."""
+    from dp_cost.capacity.card import reserved_peak
+    from dp_cost.capacity.predictions import Predictions
+    from dp_cost.core.schema import MB
+    from dp_cost.measure import worker
+    from dp_cost.measure.config import ExperimentConfig
+
+    names = {f.name for f in dataclasses.fields(ExperimentConfig)}
+    config = ExperimentConfig(**{k: v for k, v in fields.items() if k in names})
+    config = dataclasses.replace(config, device="cpu", capacity=True)
+    predictions = Predictions(config, worker.build_trainer)
+    step = predictions.at(predictions.planned)
+    return {"allocated": step["peak"] / MB, "reserved": reserved_peak(step) / MB,
+            "physical_batch_size": predictions.planned, "step": step}  # fmt: skip
+
+
+def plan_row(job: tuple[dict, float | None]) -> dict:
+    """One row planned (in a worker process of its own: a plan patches torch's globals)."""
+    row, card_gib = job
+    warnings.filterwarnings("ignore")
+    try:
+        plan = planned(row["config"])
+    except Exception as error:  # a kept config this code cannot plan: say so, go on
+        return {**row, "error": f"{type(error).__name__}: {' '.join(str(error).split())[:200]}"}
+    out = {**row, "predicted_mb": {k: round(plan[k], 3) for k in ("allocated", "reserved")},
+           "planned_physical_batch_size": plan["physical_batch_size"]}  # fmt: skip
+    if row["measured_mb"]:
+        measured = dict(zip(("allocated", "reserved"), row["measured_mb"], strict=True))
+        out["error"] = None
+        out["errors"] = {k: plan[k] / measured[k] - 1 for k in measured}
+    if card_gib is not None:
+        from dp_cost.capacity.card import fits
+
+        out["plan_fits"] = fits(plan["step"], card_gib, row["config"].get("world_size", 1))
+    return out
+
+
+def label(config: dict) -> str:
+    ranks = config.get("world_size", 1)
+    sharding = "" if ranks == 1 else f" {config['distributed']}×{ranks}"
+    lora = f" LoRA r{config['lora_rank']}" if config.get("use_lora") else ""
+    physical = config.get("max_physical_batch_size")
+    return (f"{config['model'].split('/')[-1]}{lora} {config['trainer']} {config['dtype']} "
+            f"{config['attention']} ({config['batch_size']}, {config['seq_len']})"
+            f"{f' pb{physical}' if physical else ''}{sharding} {config.get('optimizer', 'sgd')}"
+            f"{' poisson' if config.get('poisson') else ''}")  # fmt: skip
+
+
+def summary(rows: list[dict]) -> list[str]:
+    """Per class: within ±5% and under by more than 2%, allocated and reserved."""
+    lines = []
+    classes = (("all", lambda c: True), ("fixed-size batches", lambda c: not c.get("poisson")),
+               ("Poisson draws", lambda c: bool(c.get("poisson"))))  # fmt: skip
+    for name, member in classes:
+        found = [r for r in rows if r.get("errors") and member(r["config"])]
+        if not found:
+            continue
+        parts = []
+        for kind in ("allocated", "reserved"):
+            errors = [r["errors"][kind] for r in found]
+            within = sum(abs(e) <= WITHIN for e in errors)
+            under = sum(e < UNDER for e in errors)
+            parts.append(f"{kind} {within}/{len(errors)} within ±5%, {under} under by more "
+                         f"than 2% (lowest {min(errors):+.2%})")  # fmt: skip
+        lines.append(f"{name}: " + "; ".join(parts))
+    judged = [r for r in rows if "plan_fits" in r]
+    if judged:
+        wrong = [r for r in judged if r["plan_fits"] != (r["status"] == "ok")]
+        lines.append(f"fit on the card: {len(judged) - len(wrong)}/{len(judged)} agree with the run"
+                     + "".join(f"; {label(r['config'])}: plan says "
+                               f"{'fits' if r['plan_fits'] else 'does not fit'}, the run "
+                               f"{'ran' if r['status'] == 'ok' else 'ran out of memory'}"
+                               for r in wrong))  # fmt: skip
+    return lines
+
+
+def main(argv=None) -> int:
+    args = parse(argv)
+    sys.path.insert(0, ROOT)
+    rows = measured_configs(args.runs)
+    if not rows:
+        print("error: no peaks measured on a GPU under the folders given", file=sys.stderr)
+        return 2
+    jobs = [(row, args.card_gib) for row in rows]
+    # a process per plan (fork: the imports are made once, here)
+    context = multiprocessing.get_context("fork")
+    with context.Pool(min(args.jobs, len(jobs)), maxtasksperchild=1) as pool:
+        done = []
+        for row in pool.imap(plan_row, jobs):
+            if row.get("error"):
+                print(f"warning: {row['result']}: not planned ({row['error']})", file=sys.stderr)
+                continue
+            done.append(row)
+            if row["measured_mb"]:
+                print(f"{label(row['config'])}: allocated {row['predicted_mb']['allocated']:.0f} / "
+                      f"{row['measured_mb'][0]:.0f} MB ({row['errors']['allocated']:+.2%}), "
+                      f"reserved {row['predicted_mb']['reserved']:.0f} / {row['measured_mb'][1]:.0f}"
+                      f" MB ({row['errors']['reserved']:+.2%})", flush=True)  # fmt: skip
+            else:
+                print(f"{label(row['config'])}: ran out of memory; planned "
+                      f"{row['predicted_mb']['reserved']:.0f} MB reserved", flush=True)  # fmt: skip
+    if not done:
+        print("error: none of the measured configs could be planned", file=sys.stderr)
+        return 2
+    for line in summary(done):
+        print(line)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(done, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
