@@ -64,7 +64,8 @@ def measured_configs(folders: list[str]) -> list[dict]:
             continue
         if row is None:
             continue
-        key = (json.dumps(row["config"], sort_keys=True), row["status"], row["measured_mb"])
+        measured = row["measured_mb"] and tuple(round(v, 3) for v in row["measured_mb"])
+        key = (json.dumps(row["config"], sort_keys=True), row["status"], measured)
         if key not in seen:
             seen.add(key)
             rows.append(row)
@@ -86,8 +87,8 @@ def measured_row(path: str, result: dict) -> dict | None:
     config = dict(result["config"])
     config.update(capacity=False, validate=False, gpu_memory=None, find_max_batch=False,
                   find_max_seq_len=False, recommend=False)  # fmt: skip
-    return {"result": path, "config": config, "status": status, "measured_mb": measured and
-            tuple(round(v, 3) for v in measured.values())}  # fmt: skip
+    return {"result": path, "config": config, "status": status,
+            "measured_mb": measured and tuple(measured.values())}  # fmt: skip
 
 
 def planned(fields: dict) -> dict:
@@ -129,6 +130,14 @@ def plan_row(job: tuple[dict, float | None]) -> dict:
     return out
 
 
+def sampled(config: dict) -> bool:
+    """Are the config's batches Poisson draws (a Hugging Face model's, unless --no_poisson; the
+    causal LM trains on one fixed batch whatever its config says)?"""
+    from dp_cost.hf.configs import HF_CONFIGS
+
+    return config["model"] in HF_CONFIGS and config.get("poisson", True)
+
+
 def label(config: dict) -> str:
     ranks = config.get("world_size", 1)
     sharding = "" if ranks == 1 else f" {config['distributed']}×{ranks}"
@@ -137,14 +146,14 @@ def label(config: dict) -> str:
     return (f"{config['model'].split('/')[-1]}{lora} {config['trainer']} {config['dtype']} "
             f"{config['attention']} ({config['batch_size']}, {config['seq_len']})"
             f"{f' pb{physical}' if physical else ''}{sharding} {config.get('optimizer', 'sgd')}"
-            f"{' poisson' if config.get('poisson') else ''}")  # fmt: skip
+            f"{' poisson' if sampled(config) else ''}")  # fmt: skip
 
 
 def summary(rows: list[dict]) -> list[str]:
     """Per class: within ±5% and under by more than 2%, allocated and reserved."""
     lines = []
-    classes = (("all", lambda c: True), ("fixed-size batches", lambda c: not c.get("poisson")),
-               ("Poisson draws", lambda c: bool(c.get("poisson"))))  # fmt: skip
+    classes = (("all", lambda c: True), ("fixed-size batches", lambda c: not sampled(c)),
+               ("Poisson draws", sampled))  # fmt: skip
     for name, member in classes:
         found = [r for r in rows if r.get("errors") and member(r["config"])]
         if not found:
@@ -186,10 +195,12 @@ def main(argv=None) -> int:
                 continue
             done.append(row)
             if row["measured_mb"]:
-                print(f"{label(row['config'])}: allocated {row['predicted_mb']['allocated']:.0f} / "
-                      f"{row['measured_mb'][0]:.0f} MB ({row['errors']['allocated']:+.2%}), "
-                      f"reserved {row['predicted_mb']['reserved']:.0f} / {row['measured_mb'][1]:.0f}"
-                      f" MB ({row['errors']['reserved']:+.2%})", flush=True)  # fmt: skip
+                peaks = ", ".join(
+                    f"{kind} {row['predicted_mb'][kind]:.0f} / {measured:.0f} MB "
+                    f"({row['errors'][kind]:+.2%})"
+                    for kind, measured in zip(("allocated", "reserved"), row["measured_mb"])
+                )
+                print(f"{label(row['config'])}: {peaks}", flush=True)
             else:
                 print(f"{label(row['config'])}: ran out of memory; planned "
                       f"{row['predicted_mb']['reserved']:.0f} MB reserved", flush=True)  # fmt: skip
