@@ -18,11 +18,14 @@ usage: python benchmarks/memory_recost.py RUN_DIR [RUN_DIR ...] [--card_gib GIB]
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import dataclasses
 import glob
 import json
+import math
 import multiprocessing
 import os
+import signal
 import sys
 import warnings
 
@@ -65,7 +68,7 @@ def measured_configs(folders: list[str]) -> list[dict]:
         if row is None:
             continue
         measured = row["measured_mb"] and tuple(round(v, 3) for v in row["measured_mb"])
-        key = (json.dumps(row["config"], sort_keys=True), row["status"], measured)
+        key = (json.dumps(row["config"], sort_keys=True), row["status"], row["card"], measured)
         if key not in seen:
             seen.add(key)
             rows.append(row)
@@ -74,21 +77,24 @@ def measured_configs(folders: list[str]) -> list[dict]:
 
 def measured_row(path: str, result: dict) -> dict | None:
     """The row of one result file, or None where it measured no peak on a GPU (a CPU run, a
-    skipped or failed config: nothing to compare)."""
-    status = result.get("status")
-    if "NVIDIA" not in str((result.get("env") or {}).get("device", "")) and status != "oom":
-        return None
-    if status == "ok" and result.get("peak_reserved_mb"):
-        measured = {"allocated": result["peak_memory_mb"], "reserved": result["peak_reserved_mb"]}
-    elif status == "oom":
-        measured = None
+    skipped or failed config, the host's memory run out: nothing to compare). An out-of-memory
+    result keeps no env: its card is the config's device and CUDA's own error."""
+    status, config = result.get("status"), dict(result["config"])
+    if status == "oom":
+        if config.get("device") != "cuda" or "CUDA out of memory" not in str(result.get("error")):
+            return None
+        measured, card = None, None
+    elif status == "ok" and "NVIDIA" in str((result.get("env") or {}).get("device", "")):
+        measured = (result.get("peak_memory_mb"), result.get("peak_reserved_mb"))
+        if not all(isinstance(v, int | float) and math.isfinite(v) and v > 0 for v in measured):
+            raise ValueError(f"its peaks are not measured MB: {measured}")
+        card = result["env"]["device"]
     else:
         return None
-    config = dict(result["config"])
     config.update(capacity=False, validate=False, gpu_memory=None, find_max_batch=False,
                   find_max_seq_len=False, recommend=False)  # fmt: skip
-    return {"result": path, "config": config, "status": status,
-            "measured_mb": measured and tuple(measured.values())}  # fmt: skip
+    return {"result": path, "config": config, "status": status, "card": card,
+            "measured_mb": measured}  # fmt: skip
 
 
 def planned(fields: dict) -> dict:
@@ -110,24 +116,30 @@ def planned(fields: dict) -> dict:
 
 
 def plan_row(job: tuple[dict, float | None]) -> dict:
-    """One row planned (in a worker process of its own: a plan patches torch's globals)."""
+    """One row planned, in a worker process (a plan patches torch's globals and undoes them on its
+    way out: one plan at a time in a process)."""
     row, card_gib = job
     warnings.filterwarnings("ignore")
     try:
         plan = planned(row["config"])
+        predicted = {k: round(plan[k], 3) for k in ("allocated", "reserved")}
+        out = {**row, "error": None, "predicted_mb": predicted,
+               "planned_physical_batch_size": plan["physical_batch_size"]}  # fmt: skip
+        if row["measured_mb"]:
+            measured = dict(zip(("allocated", "reserved"), row["measured_mb"], strict=True))
+            out["errors"] = {k: plan[k] / measured[k] - 1 for k in measured}
+        if card_gib is not None and not graphed(row["config"]):
+            from dp_cost.capacity.card import fits
+
+            out["plan_fits"] = fits(plan["step"], card_gib, row["config"].get("world_size", 1))
+        return out
     except Exception as error:  # a kept config this code cannot plan: say so, go on
         return {**row, "error": f"{type(error).__name__}: {' '.join(str(error).split())[:200]}"}
-    out = {**row, "predicted_mb": {k: round(plan[k], 3) for k in ("allocated", "reserved")},
-           "planned_physical_batch_size": plan["physical_batch_size"]}  # fmt: skip
-    if row["measured_mb"]:
-        measured = dict(zip(("allocated", "reserved"), row["measured_mb"], strict=True))
-        out["error"] = None
-        out["errors"] = {k: plan[k] / measured[k] - 1 for k in measured}
-    if card_gib is not None:
-        from dp_cost.capacity.card import fits
 
-        out["plan_fits"] = fits(plan["step"], card_gib, row["config"].get("world_size", 1))
-    return out
+
+def graphed(config: dict) -> bool:
+    """A CUDA graph's step, whose plan is a lower bound (its pool is not planned)."""
+    return bool(config.get("cuda_graph"))
 
 
 def sampled(config: dict) -> bool:
@@ -138,22 +150,19 @@ def sampled(config: dict) -> bool:
     return config["model"] in HF_CONFIGS and config.get("poisson", True)
 
 
-def label(config: dict) -> str:
-    ranks = config.get("world_size", 1)
-    sharding = "" if ranks == 1 else f" {config['distributed']}×{ranks}"
-    lora = f" LoRA r{config['lora_rank']}" if config.get("use_lora") else ""
-    physical = config.get("max_physical_batch_size")
-    return (f"{config['model'].split('/')[-1]}{lora} {config['trainer']} {config['dtype']} "
-            f"{config['attention']} ({config['batch_size']}, {config['seq_len']})"
-            f"{f' pb{physical}' if physical else ''}{sharding} {config.get('optimizer', 'sgd')}"
-            f"{' poisson' if sampled(config) else ''}")  # fmt: skip
+def where(row: dict) -> str:
+    """The row's run and config folders (a config folder's name says its shape)."""
+    folder = os.path.dirname(row["result"])
+    return os.path.join(os.path.basename(os.path.dirname(folder)), os.path.basename(folder))
 
 
 def summary(rows: list[dict]) -> list[str]:
     """Per class: within ±5% and under by more than 2%, allocated and reserved."""
     lines = []
-    classes = (("all", lambda c: True), ("fixed-size batches", lambda c: not sampled(c)),
-               ("Poisson draws", sampled))  # fmt: skip
+    classes = (("all, graphed steps apart", lambda c: not graphed(c)),
+               ("fixed-size batches", lambda c: not (sampled(c) or graphed(c))),
+               ("Poisson draws", lambda c: sampled(c) and not graphed(c)),
+               ("graphed steps (the plan a lower bound)", graphed))  # fmt: skip
     for name, member in classes:
         found = [r for r in rows if r.get("errors") and member(r["config"])]
         if not found:
@@ -170,7 +179,7 @@ def summary(rows: list[dict]) -> list[str]:
     if judged:
         wrong = [r for r in judged if r["plan_fits"] != (r["status"] == "ok")]
         lines.append(f"fit on the card: {len(judged) - len(wrong)}/{len(judged)} agree with the run"
-                     + "".join(f"; {label(r['config'])}: plan says "
+                     + "".join(f"; {where(r)}: plan says "
                                f"{'fits' if r['plan_fits'] else 'does not fit'}, the run "
                                f"{'ran' if r['status'] == 'ok' else 'ran out of memory'}"
                                for r in wrong))  # fmt: skip
@@ -184,26 +193,27 @@ def main(argv=None) -> int:
     if not rows:
         print("error: no peaks measured on a GPU under the folders given", file=sys.stderr)
         return 2
-    jobs = [(row, args.card_gib) for row in rows]
-    # a process per plan (fork: the imports are made once, here)
-    context = multiprocessing.get_context("fork")
-    with context.Pool(min(args.jobs, len(jobs)), maxtasksperchild=1) as pool:
-        done = []
-        for row in pool.imap(plan_row, jobs):
-            if row.get("error"):
-                print(f"warning: {row['result']}: not planned ({row['error']})", file=sys.stderr)
-                continue
-            done.append(row)
-            if row["measured_mb"]:
-                peaks = ", ".join(
-                    f"{kind} {row['predicted_mb'][kind]:.0f} / {measured:.0f} MB "
-                    f"({row['errors'][kind]:+.2%})"
-                    for kind, measured in zip(("allocated", "reserved"), row["measured_mb"])
-                )
-                print(f"{label(row['config'])}: {peaks}", flush=True)
-            else:
-                print(f"{label(row['config'])}: ran out of memory; planned "
-                      f"{row['predicted_mb']['reserved']:.0f} MB reserved", flush=True)  # fmt: skip
+    # imported here, once: each plan's process is forked from this one
+    import dp_cost.capacity.card  # noqa: F401
+    import dp_cost.capacity.predictions  # noqa: F401
+    import dp_cost.measure.worker  # noqa: F401
+
+    done = []
+    try:
+        with concurrent.futures.ProcessPoolExecutor(
+            min(args.jobs, len(rows)), mp_context=multiprocessing.get_context("fork"),
+            initializer=signal.signal, initargs=(signal.SIGINT, signal.SIG_IGN),
+        ) as pool:  # fmt: skip
+            futures = [pool.submit(plan_row, (row, args.card_gib)) for row in rows]
+            for row, future in zip(rows, futures, strict=True):
+                try:
+                    planned_row = future.result()
+                except concurrent.futures.process.BrokenProcessPool as error:
+                    planned_row = {**row, "error": f"its planning process died ({error})"}
+                report(planned_row, done)
+    except KeyboardInterrupt:
+        print("interrupted: nothing written", file=sys.stderr)
+        return 130
     if not done:
         print("error: none of the measured configs could be planned", file=sys.stderr)
         return 2
@@ -213,6 +223,24 @@ def main(argv=None) -> int:
         with open(args.out, "w") as f:
             json.dump(done, f, indent=1)
     return 0
+
+
+def report(row: dict, done: list[dict]) -> None:
+    """One planned row printed (or warned about) and kept."""
+    if row.get("error"):
+        print(f"warning: {row['result']}: not planned ({row['error']})", file=sys.stderr)
+        return
+    done.append(row)
+    if row["measured_mb"]:
+        peaks = ", ".join(
+            f"{kind} {row['predicted_mb'][kind]:.0f} / {measured:.0f} MB "
+            f"({row['errors'][kind]:+.2%})"
+            for kind, measured in zip(("allocated", "reserved"), row["measured_mb"], strict=True)
+        )
+    else:
+        peaks = f"ran out of memory; planned {row['predicted_mb']['reserved']:.0f} MB reserved"
+    graph = " (graphed: the plan a lower bound)" if graphed(row["config"]) else ""
+    print(f"{where(row)}: {peaks}{graph}", flush=True)
 
 
 if __name__ == "__main__":

@@ -35,9 +35,15 @@ def test_kept_peaks_are_planned_again_and_their_errors_counted(tmp_path, capsys)
     shutil.copytree(tmp_path / "kept" / "r", tmp_path / "copy")
     others = tmp_path / "kept" / "others"
     for name, kept in {
-        "oom": {**result, "status": "oom", "peak_memory_mb": None,
-                "config": {**result["config"], "batch_size": 6}},
-        "cpu": {**result, "env": {"device": "cpu"}, "peak_reserved_mb": None},
+        # as the toolkit writes one: no env; CUDA's error
+        "oom": {**result, "status": "oom", "env": None, "peak_memory_mb": None,
+                "error": "OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB",
+                "config": {**result["config"], "batch_size": 6, "device": "cuda"}},
+        # the host's memory run out, not the card's: not a fit to judge
+        "host_oom": {**result, "status": "oom", "env": None, "error": "MemoryError: host",
+                     "config": {**result["config"], "batch_size": 7, "device": "cuda"}},
+        "cpu": {**result, "env": {"device": "cpu"}},
+        "no_peak": {**result, "peak_memory_mb": None},
         "unplannable": {**result, "config": {**result["config"], "model": "no-such-model"}},
     }.items():  # fmt: skip
         (others / name).mkdir(parents=True)
@@ -48,21 +54,24 @@ def test_kept_peaks_are_planned_again_and_their_errors_counted(tmp_path, capsys)
     status, out, err = recost(tmp_path / "kept", tmp_path / "copy", "--card_gib", "140",
                               "--jobs", "2", "--out", rows_file, capsys=capsys)  # fmt: skip
     assert status == 0, err
-    rows = {(r["config"]["trainer"], r["status"]): r for r in json.loads(rows_file.read_text())}
-    assert set(rows) == {("standard", "ok"), ("standard", "oom")}  # no copy, no CPU run
+    kept = json.loads(rows_file.read_text())
+    rows = {(r["config"]["trainer"], r["status"]): r for r in kept}
+    assert len(kept) == 2 and set(rows) == {("standard", "ok"), ("standard", "oom")}
     row = rows["standard", "ok"]
     assert (row["predicted_mb"]["allocated"], row["predicted_mb"]["reserved"]) == pytest.approx(
         planned, abs=1e-3
     )
     assert row["errors"] == pytest.approx({"allocated": 0.03, "reserved": -0.09}, abs=1e-6)
     assert "broken" in err and "unplannable" in err and "no-such-model" in err
+    assert "no_peak" in err and "not measured MB" in err and "host_oom" not in err + out
+    assert "all, graphed steps apart: allocated 1/1 within ±5%" in out
     assert "fixed-size batches: allocated 1/1 within ±5%, 0 under by more than 2%" in out
     assert "reserved 0/1 within ±5%, 1 under by more than 2% (lowest -9.00%)" in out
     assert "Poisson draws" not in out  # the causal LM's batches are fixed, whatever its config
     # on a 140 GiB card the one that ran fits; the batch that ran out of memory fits too: named
     (fit,) = [line for line in out.splitlines() if line.startswith("fit on the card")]
     assert fit.startswith("fit on the card: 1/2 agree with the run; ")
-    assert "(6, 16)" in fit and "plan says fits, the run ran out of memory" in fit
+    assert "others/oom: plan says fits, the run ran out of memory" in fit
     status, out, err = recost(tmp_path / "kept" / "others" / "cpu", capsys=capsys)
     assert status == 2 and "no peaks measured on a GPU" in err
 
