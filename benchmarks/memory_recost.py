@@ -37,7 +37,9 @@ UNDER = -0.02  # and none under by more than 2%
 def parse(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("runs", nargs="+", help="run folders (or folders of them)")
-    parser.add_argument("--card_gib", type=float, help="judge each plan's fit on this card")
+    parser.add_argument(
+        "--card_gib", type=float, help="judge each plan's fit on this card (runs of one card kind)"
+    )
     parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="plans at once")
     parser.add_argument("--out", help="write every row as JSON here too")
     args = parser.parse_args(argv)
@@ -147,7 +149,7 @@ def sampled(config: dict) -> bool:
     causal LM trains on one fixed batch whatever its config says)?"""
     from dp_cost.hf.configs import HF_CONFIGS
 
-    return config["model"] in HF_CONFIGS and config.get("poisson", True)
+    return config.get("model") in HF_CONFIGS and config.get("poisson", True)
 
 
 def where(row: dict) -> str:
