@@ -108,8 +108,7 @@ def planned(fields: dict) -> dict:
     from dp_cost.measure import worker
     from dp_cost.measure.config import ExperimentConfig
 
-    names = {f.name for f in dataclasses.fields(ExperimentConfig)}
-    config = ExperimentConfig(**{k: v for k, v in fields.items() if k in names})
+    config = ExperimentConfig.from_dict(fields)
     config = dataclasses.replace(config, device="cpu", capacity=True)
     predictions = Predictions(config, worker.build_trainer)
     step = predictions.at(predictions.planned)

@@ -97,8 +97,7 @@ def planned_step(fields: dict):
     from dp_cost.measure import worker
     from dp_cost.measure.config import ExperimentConfig
 
-    names = {f.name for f in dataclasses.fields(ExperimentConfig)}
-    config = ExperimentConfig(**{k: v for k, v in fields.items() if k in names})
+    config = ExperimentConfig.from_dict(fields)
     config = dataclasses.replace(config, device="cpu")  # planned here, as --mode=capacity does
     return config, fake_step.predict(config, worker.build_trainer, record_ops=True)
 

@@ -6,7 +6,7 @@ checks build configs before torch is imported.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 from dp_cost.core.hf_architectures import default_attention
 from dp_cost.core.settings import CONFIG_FIELDS, SETTINGS
@@ -95,6 +95,14 @@ class ExperimentConfig:
         data["model_overrides"] = dict(self.model_overrides or {})
         data["physical_batch_size"] = self.physical_batch_size
         return data
+
+    @classmethod
+    def from_dict(cls, data: dict) -> ExperimentConfig:
+        """The config a ``result.json`` recorded (``to_dict``'s inverse): what is not a field
+        (``physical_batch_size``, derived; a setting since removed) is left out, and a setting
+        added after the file was written takes its default."""
+        names = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in data.items() if k in names})
 
 
 def changed_settings(old: dict, new: dict) -> list[str]:

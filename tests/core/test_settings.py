@@ -285,3 +285,18 @@ def test_the_distributed_choices_are_the_mode_objects_names():
 
     assert tuple(mode.MODES) == DISTRIBUTED_MODES
     assert settings.BY_NAME["distributed"].choices == DISTRIBUTED_MODES
+
+
+def test_a_recorded_config_reads_back_as_the_config_that_wrote_it():
+    """``from_dict`` inverts ``to_dict`` through a result file's JSON; what is not a field (the
+    derived physical batch, a setting since removed) is left out."""
+    import json
+
+    config = ExperimentConfig(
+        trainer="flash", batch_size=8, seq_len=64, max_physical_batch_size=2, capacity=True,
+        model_overrides={"num_layers": 1}, gpu_memory=[79.0],
+    )  # fmt: skip
+    recorded = json.loads(json.dumps(config.to_dict()))
+    assert "physical_batch_size" in recorded
+    assert ExperimentConfig.from_dict(recorded) == config
+    assert ExperimentConfig.from_dict({**recorded, "a_removed_setting": 1}) == config
