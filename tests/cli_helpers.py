@@ -41,6 +41,14 @@ def benchmark_script(file_name: str):
     return module
 
 
+def benchmark_main(file_name: str, *argv, capsys) -> tuple[int, str, str]:
+    """``benchmarks/<file_name>``'s main run in this process on ``argv`` (made strings):
+    (exit status, stdout, stderr), read from pytest's ``capsys``."""
+    status = benchmark_script(file_name).main([str(a) for a in argv])
+    out = capsys.readouterr()
+    return status, out.out, out.err
+
+
 def free_port() -> int:
     """A TCP port nothing listens on now (the OS's choice), for a store or a server."""
     with socket.socket() as probe:

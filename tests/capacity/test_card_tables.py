@@ -10,16 +10,15 @@ import torch
 
 from dp_cost.capacity import card_rates
 from tests.capacity.card_table import card_table
-from tests.cli_helpers import ROOT, benchmark_script
+from tests.cli_helpers import ROOT, benchmark_main
 
 SCRIPT = os.path.join(ROOT, "benchmarks", "card_tables.py")
 PHASES = ("forward", "backward", "finish")
 
 
 def run(*argv, capsys) -> tuple[int, str]:
-    script = benchmark_script("card_tables.py")
-    status = script.main([str(a) for a in argv])
-    return status, capsys.readouterr().err
+    status, _, err = benchmark_main("card_tables.py", *argv, capsys=capsys)
+    return status, err
 
 
 def measured(tmp_path, name: str, host_at: dict, ops_at: dict, sync_us=20.0):

@@ -7,14 +7,11 @@ import shutil
 
 import pytest
 
-from tests.cli_helpers import SMALL_MODEL, benchmark_script, in_process
+from tests.cli_helpers import SMALL_MODEL, benchmark_main, benchmark_script, in_process
 
 
 def recost(*argv, capsys) -> tuple[int, str, str]:
-    script = benchmark_script("memory_recost.py")
-    status = script.main([str(a) for a in argv])
-    out = capsys.readouterr()
-    return status, out.out, out.err
+    return benchmark_main("memory_recost.py", *argv, capsys=capsys)
 
 
 def test_kept_peaks_are_planned_again_and_their_errors_counted(tmp_path, capsys):

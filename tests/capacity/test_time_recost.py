@@ -9,17 +9,14 @@ import os
 import pytest
 
 from dp_cost.capacity import card_rates
-from tests.cli_helpers import ROOT, SMALL_MODEL, benchmark_script, in_process
+from tests.cli_helpers import ROOT, SMALL_MODEL, benchmark_main, in_process
 
 SCRIPT = os.path.join(ROOT, "benchmarks", "time_recost.py")
 
 
 def recost(*argv, capsys) -> tuple[int, str, str]:
     """The script's main in this process (its imports are the test's): (exit, stdout, stderr)."""
-    script = benchmark_script("time_recost.py")
-    status = script.main([str(a) for a in argv])
-    out = capsys.readouterr()
-    return status, out.out, out.err
+    return benchmark_main("time_recost.py", *argv, capsys=capsys)
 
 
 def test_a_kept_runs_steps_are_costed_again_beside_what_they_measured(tmp_path, capsys):
