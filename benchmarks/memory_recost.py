@@ -101,7 +101,7 @@ def measured_row(path: str, result: dict) -> dict | None:
 
 def planned(fields: dict) -> dict:
     """The config planned on this CPU as --mode=capacity plans it: allocated and reserved MB at
-    its planned physical batch, and the prediction itself (for a fit)."""
+    its planned physical batch, and the prediction itself and its config (for a fit)."""
     from dp_cost.capacity.card import reserved_peak
     from dp_cost.capacity.predictions import Predictions
     from dp_cost.core.schema import MB
@@ -113,7 +113,7 @@ def planned(fields: dict) -> dict:
     predictions = Predictions(config, worker.build_trainer)
     step = predictions.at(predictions.planned)
     return {"allocated": step["peak"] / MB, "reserved": reserved_peak(step) / MB,
-            "physical_batch_size": predictions.planned, "step": step}  # fmt: skip
+            "physical_batch_size": predictions.planned, "step": step, "config": config}  # fmt: skip
 
 
 def plan_row(job: tuple[dict, float | None]) -> dict:
@@ -130,9 +130,10 @@ def plan_row(job: tuple[dict, float | None]) -> dict:
             measured = dict(zip(("allocated", "reserved"), row["measured_mb"], strict=True))
             out["errors"] = {k: plan[k] / measured[k] - 1 for k in measured}
         if card_gib is not None and not graphed(row["config"]):
-            from dp_cost.capacity.card import fits
+            from dp_cost.capacity.card import fits, releases_cache
 
-            out["plan_fits"] = fits(plan["step"], card_gib, row["config"].get("world_size", 1))
+            ranks, release = plan["config"].world_size, releases_cache(plan["config"])
+            out["plan_fits"] = fits(plan["step"], card_gib, ranks, release)
         return out
     except Exception as error:  # a kept config this code cannot plan: say so, go on
         return {**row, "error": f"{type(error).__name__}: {' '.join(str(error).split())[:200]}"}

@@ -7,6 +7,7 @@ replays over the step's requests: a step fits when every request finds a place o
 from __future__ import annotations
 
 from dp_cost.capacity import allocator
+from dp_cost.core.hf_architectures import HF_CONFIGS
 from dp_cost.core.schema import MB
 
 GIB = 2**30
@@ -48,20 +49,47 @@ def reserved_peak(prediction: dict) -> int:
     return allocator.replay(planned_requests(prediction)).peak_reserved_bytes
 
 
-def fits(prediction: dict, budget_gib: float, world_size: int = 1) -> bool:
+def releases_cache(config) -> bool:
+    """Whether a plan of ``config`` may fit by the allocator releasing its cached segments, as
+    torch's does when a request finds no room. Not under Poisson sampling: a draw's chunks come
+    in other sizes from step to step and fragment the cache the plan's chunks of one size do
+    not. Measured on 2 x H200 (Llama-3.1-8B, FSDP2, seq 2048): standard and flash held 11.6%
+    and 27.6% more reserved memory with Poisson draws than one fixed-size step, and held to an
+    80 GiB card's room (benchmarks/allocator_replay.py --gpu_memory), flash at 4 a rank, which
+    fitted only by releasing cached segments, ran out of memory with draws and ran with
+    fixed-size batches. So such a plan fits only where its reserved peak on a card without
+    limit is within the room: the cache it would release is the draws' margin (FIT_RULES).
+    (The causal LM trains on one fixed batch, whatever ``--poisson`` says.)"""
+    return config.model not in HF_CONFIGS or not config.poisson
+
+
+FIT_RULES = {
+    True: "fits where the caching allocator, releasing its wholly free cached segments as "
+    "torch's does, places every request of the step in the room",
+    False: "Poisson sampling: fits where the step's reserved peak on a card without limit is "
+    "within the room (the cache a draw's chunks of other sizes fragment is kept as margin, "
+    "never released in the plan)",
+}
+
+
+def fits(prediction: dict, budget_gib: float, world_size: int = 1, release: bool = True) -> bool:
     """The step runs on the card: the allocator places every request within its room (returning
-    its wholly free segments to the card first where it must, as torch's does)."""
+    its wholly free segments to the card first where it must, as torch's does; ``release``
+    False: without returning any, ``releases_cache``)."""
     room = allocator_room_bytes(budget_gib, world_size)
+    if not release:
+        return reserved_peak(prediction) <= room
     return not allocator.replay(planned_requests(prediction), room).out_of_memory
 
 
-def needed_room(prediction: dict) -> int:
+def needed_room(prediction: dict, release: bool = True) -> int:
     """The least room, to ROOM_STEP, in which the allocator places every request of the step:
     what ``fits`` decides, as a number (bisected between the allocated peak and the reserved
-    peak on an unlimited card, a dozen replays of tens of ms: a fake step takes seconds)."""
+    peak on an unlimited card, a dozen replays of tens of ms: a fake step takes seconds);
+    without ``release``, the reserved peak itself."""
     requests = planned_requests(prediction)
     low, high = prediction["peak"], allocator.replay(requests).peak_reserved_bytes
-    while high - low > ROOM_STEP:
+    while release and high - low > ROOM_STEP:
         middle = (low + high) // 2
         if allocator.replay(requests, middle).out_of_memory:
             low = middle
@@ -76,23 +104,3 @@ GRAPH_PEAK_NOTE = (
     "--cuda_graph: a lower bound, not a prediction: a CUDA graph's private memory pool keeps "
     "what the eager step frees and reuses (measured 17-25% above this plan for the 1b model)"
 )
-
-# Measured once on 2 x H200 (Llama-3.1-8B, FSDP2, seq 2048, flash at 4 a rank, 80 GiB held by
-# benchmarks/allocator_replay.py --gpu_memory): out of memory with Poisson draws, run with
-# fixed-size batches, the plan fitting both only by releasing cached segments.
-POISSON_EDGE_NOTE = (
-    "Poisson sampling at the edge: this batch fits only by the allocator releasing its cached "
-    "segments (its reserved peak on a card without limit is above the room), and a draw's "
-    "chunks of other sizes fragment the cache where the plan's are of one size: such a plan "
-    "has run out of memory with Poisson draws and run with fixed-size batches; plan one lower "
-    "or use --no_poisson"
-)
-
-
-def edge_note(config, largest: dict) -> str | None:
-    """POISSON_EDGE_NOTE for a Poisson-sampled config whose largest physical batch on a budget
-    (a ``largest_on_card`` entry) fits only by releasing cached segments."""
-    reserved, room = largest.get("predicted_reserved_mb"), largest.get("allocator_room_mb")
-    if config.poisson and reserved is not None and reserved > room:
-        return POISSON_EDGE_NOTE
-    return None

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import math
 
-from dp_cost.capacity.card import GRAPH_PEAK_NOTE, fits, reserved_peak
+from dp_cost.capacity.card import GRAPH_PEAK_NOTE, fits, releases_cache, reserved_peak
 from dp_cost.capacity.fake_step import rank_share
 from dp_cost.capacity.predictions import Predictions, with_physical_batch
 from dp_cost.capacity.step_time import planned_time
@@ -42,7 +42,7 @@ def recommendation(config, predictions: Predictions) -> dict:
         except Exception as error:  # noqa: BLE001 - one candidate's failure is its own line
             candidate["error"] = " ".join(f"{type(error).__name__}: {error}".split())[:300]
             continue
-        candidate["fits"] = fits(step, budget, config.world_size)
+        candidate["fits"] = fits(step, budget, config.world_size, releases_cache(config))
         candidate["peak_reserved_mb"] = reserved_peak(step) / MB
         if candidate["fits"]:
             time = planned_time(with_physical_batch(config, physical), step, physical, share)

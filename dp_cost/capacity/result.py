@@ -6,7 +6,13 @@ from __future__ import annotations
 
 import time
 
-from dp_cost.capacity.card import GPU_OVERHEADS, GRAPH_PEAK_NOTE, edge_note, reserved_peak
+from dp_cost.capacity.card import (
+    FIT_RULES,
+    GPU_OVERHEADS,
+    GRAPH_PEAK_NOTE,
+    releases_cache,
+    reserved_peak,
+)
 from dp_cost.capacity.fake_step import rank_share
 from dp_cost.capacity.predictions import Predictions
 from dp_cost.capacity.recommend import recommendation
@@ -34,8 +40,6 @@ def capacity_result(config, build_trainer, card_gib: float | None = None) -> dic
     batch = batch_axis(predictions)
     ranks = config.world_size
     largest = [largest_on_card(batch, budget, ranks) for budget in config.gpu_memory or []]
-    for entry in largest:
-        entry["fit_note"] = edge_note(config, entry)
     card = None
     if card_gib:
         axis = seq_len_axis(predictions) if config.find_max_seq_len else batch
@@ -57,6 +61,7 @@ def capacity_result(config, build_trainer, card_gib: float | None = None) -> dic
         "flash_routes": main.get("flash_routes"),
         "attention_kernels": main.get("attention_backends"),
         "largest_physical_batch": largest,
+        "fit_rule": FIT_RULES[releases_cache(config)],
         "card": card,
         "predictions": predictions.by_physical_batch(),
         "recommendation": recommended,

@@ -13,6 +13,7 @@ from dp_cost.capacity.card import (
     allocator_room_bytes,
     fits,
     needed_room,
+    releases_cache,
     reserved_peak,
 )
 from dp_cost.capacity.fake_step import rank_share
@@ -103,6 +104,7 @@ class Axis:
     # (low, guess) -> may the first guess be refined through the step at the guess (both on
     # one monotone piece of the axis, the guess within its limit)
     refinable: Callable[[int, int], bool] = lambda low, guess: False
+    release: bool = True  # a fit may release cached segments (card.releases_cache)
 
 
 def batch_axis(predictions: Predictions) -> Axis:
@@ -124,6 +126,7 @@ def batch_axis(predictions: Predictions) -> Axis:
     return Axis(
         judged="batch_sizes_judged",
         predicted=predictions.at,
+        release=releases_cache(predictions.config),
         line=line,
         search=search,
         entry=lambda physical: {"physical_batch_size": runs_as(physical, share)},
@@ -149,6 +152,7 @@ def seq_len_axis(predictions: Predictions) -> Axis:
     return Axis(
         judged="seq_lens_judged",
         predicted=lambda steps: predictions.at_seq_len(steps * SEQ_LEN_STEP),
+        release=releases_cache(predictions.config),
         line=lambda passes: (max(1, below), below + 1, start),
         search=search,
         entry=lambda steps: {
@@ -193,7 +197,7 @@ def room_needed(axis: Axis, value: int) -> int:
     """``needed_room`` of the step at ``value``, kept with its prediction (a dozen replays)."""
     step = axis.predicted(value)
     if "needed_room" not in step:
-        step["needed_room"] = needed_room(step)
+        step["needed_room"] = needed_room(step, axis.release)
     return step["needed_room"]
 
 
@@ -206,7 +210,7 @@ def largest_on_card(axis: Axis, budget: float, ranks: int) -> dict:
     room = allocator_room_bytes(budget, ranks)
 
     def passes(value: int) -> bool:
-        return fits(axis.predicted(value), budget, ranks)
+        return fits(axis.predicted(value), budget, ranks, axis.release)
 
     low, high, flat_guess = axis.line(passes)
     if low == 1 and not passes(1):  # not even the smallest value fits: no line to draw

@@ -67,6 +67,7 @@ def entry(result: dict) -> dict:
         "measured_step_ms": result.get("median_time_ms"),
         "step_time_error": step_time_error(result, prediction.get("time") or {}),
         "largest_physical_batch": prediction.get("largest_physical_batch", []),
+        "fit_rule": prediction.get("fit_rule"),
         "recommendation": prediction.get("recommendation"),
         "predictions": prediction.get("predictions", []),
         "card": prediction.get("card"),
@@ -178,7 +179,10 @@ NOTES = (
     "what torch's caching allocator would reserve for them (max_memory_reserved), from its "
     "rules replayed over the step's allocations and frees. A physical batch fits a budget when "
     "that replay, on a card of the budget less the CUDA context (and NCCL's buffers with "
-    "several ranks; margins in capacity.json), places every allocation. 0: not even one "
+    "several ranks; margins in capacity.json), places every allocation; with Poisson sampling "
+    "(--no_poisson: fixed-size batches) only where the reserved peak on a card without limit "
+    "is within that room, as a draw's chunks of other sizes fragment the cache (fit_rule in "
+    "capacity.json). 0: not even one "
     "sample fits; 1024+: the search's cap fits (larger ones were not judged). Predicted ms: "
     "one logical batch's eager step (or graphed, with --cuda_graph) on the card named, from the "
     "fake step's ops and the card's measured rates (with several ranks rank 0's, its "
@@ -212,13 +216,6 @@ def write_capacity_files(run_dir: str, results: list[dict]) -> str:
     planned += recommendation_lines(entries, refused_entries(results))
     bounds = "".join(f"- {e['config_dir']}: {e['peak_note']}\n" for e in entries if e["peak_note"])
     planned += f"\nPeaks that are bounds:\n{bounds}" if bounds else ""
-    edges = "".join(
-        f"- {e['config_dir']} at {fit['gpu_memory_gib']:g} GiB: {fit['fit_note']}\n"
-        for e in entries
-        for fit in e["largest_physical_batch"]
-        if fit.get("fit_note")
-    )
-    planned += f"\nFits at the edge:\n{edges}" if edges else ""
     # An error's own line breaks (torch's messages have some) would split the list's items.
     lines = "".join(
         f"- {s['config_dir']}: {s['status']}: {' '.join(str(s['error']).split())}\n"

@@ -297,7 +297,9 @@ def test_where_nothing_fits_the_refined_search_predicts_no_batch_below_one():
         return step_needing((100 + physical) * card.GIB, (100 + physical) * card.GIB)
 
     stub = types.SimpleNamespace(
-        config=types.SimpleNamespace(batch_size=8, world_size=1), at=at, planned=8
+        config=types.SimpleNamespace(batch_size=8, world_size=1, model="8b", poisson=False),
+        at=at,
+        planned=8,
     )
     result = searches.largest_on_card(searches.batch_axis(stub), 80, 1)
     assert result["physical_batch_size"] == 0 and min(asked) == 1

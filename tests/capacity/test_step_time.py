@@ -653,30 +653,66 @@ def test_a_step_says_whether_its_host_or_its_gpu_bounds_it(tmp_path, monkeypatch
         assert (time["host_ms"] > time["gpu_ms"]) == (bound == "host")
 
 
-def test_a_poisson_fit_that_needs_the_cache_released_is_called_an_edge(tmp_path):
-    """A Poisson-sampled batch that fits only by the allocator releasing its cached segments (its
-    reserved peak on a card without limit above the room) carries the note a run on an H200
-    earned (out of memory with Poisson draws, not with fixed batches); a fixed-batch config, or
-    one whose reserved peak is inside the room, does not; capacity.md lists the edge."""
-    from dp_cost.capacity.card import POISSON_EDGE_NOTE, edge_note
+def step_releasing(first_mib: int, second_mib: int) -> dict:
+    """A planned step of a block of ``first_mib`` freed, then one of ``second_mib`` (larger, so
+    the first's cached segment cannot hold it): without limit the allocator reserves both, in
+    a smaller room it returns the first's segment to the card and places the second."""
+    mib = 2**20
+    requests = [(1, first_mib * mib), (1, -first_mib * mib), (2, second_mib * mib)]
+    return {"peak": second_mib * mib, "requests": [], "step_requests": requests}
+
+
+def test_a_poisson_plan_fits_only_within_its_reserved_peak_without_limit():
+    """A fit that needs the allocator to release its cached segments is a fit for fixed-size
+    batches and not for Poisson-sampled ones (a draw's chunks of other sizes fragment the
+    cache: on 2 x H200 such a plan ran out of memory with draws and ran with fixed batches):
+    fits, needed_room and the search each decide by the rule of the config's sampling."""
+    from dp_cost.capacity import card, searches
+
+    budget = 1.0  # a room of 1 GiB less the CUDA context: about 275 MiB
+    room = card.allocator_room_bytes(budget)
+    step = step_releasing(200, 250)
+    assert card.reserved_peak(step) == 450 * 2**20 > room  # both segments cached
+    assert card.fits(step, budget) and not card.fits(step, budget, release=False)
+    assert card.needed_room(step) <= room < card.needed_room(step, release=False)
+    assert card.needed_room(step, release=False) == card.reserved_peak(step)
+    poisson = ExperimentConfig(trainer="flash", model="tiny-llama", batch_size=4, seq_len=16,
+                               poisson=True)  # fmt: skip
+    assert not card.releases_cache(poisson)
+    assert card.releases_cache(dataclasses.replace(poisson, poisson=False))
+    assert card.releases_cache(dataclasses.replace(poisson, model="tiny"))  # one fixed batch
+
+    def at(physical):  # a second block that grows 40 MiB a sample: 130, 170, 210, 250, ...
+        return step_releasing(100, 90 + 40 * physical)
+
+    found = {}
+    for release in (True, False):
+        axis = searches.Axis(
+            judged="batch_sizes_judged", predicted=at, line=lambda passes: (1, 2, 2),
+            search=searches.largest_passing, entry=lambda p: {"physical_batch_size": p},
+            release=release,
+        )  # fmt: skip
+        found[release] = searches.largest_on_card(axis, budget, 1)["physical_batch_size"]
+        fitting = [p for p in range(1, 50) if card.fits(at(p), budget, release=release)]
+        assert found[release] == max(fitting)
+    assert found[False] == found[True] - 2  # the first 100 MiB kept cached: 2 samples fewer
+
+
+def test_capacity_json_states_each_configs_fit_rule(tmp_path):
+    """Each prediction says how its fit was decided (``fit_rule``), capacity.json carries it
+    and capacity.md's notes say what Poisson sampling changes."""
+    from dp_cost.capacity.card import FIT_RULES
     from dp_cost.capacity.result import capacity_result
     from dp_cost.core.schema import empty_result
     from dp_cost.measure import worker
     from dp_cost.report import capacity as report_capacity
 
-    above = {"gpu_memory_gib": 80, "predicted_reserved_mb": 82572.0, "allocator_room_mb": 80333.2}
-    inside = {**above, "predicted_reserved_mb": 70612.0}
-    nothing = {**above, "physical_batch_size": 0, "predicted_reserved_mb": None}
-    poisson = ExperimentConfig(trainer="flash", batch_size=4, seq_len=16, poisson=True)
-    fixed = dataclasses.replace(poisson, poisson=False)
-    assert edge_note(poisson, above) == POISSON_EDGE_NOTE
-    assert edge_note(fixed, above) is None and edge_note(poisson, inside) is None
-    assert edge_note(poisson, nothing) is None
-    config = dataclasses.replace(poisson, gpu_memory=[80.0])
+    config = ExperimentConfig(trainer="standard", model="tiny-llama", batch_size=2, seq_len=16,
+                              poisson=True, gpu_memory=[80.0])  # fmt: skip
     result = empty_result(config.to_dict(), config.config_dir, "ok", None)
     result["prediction"] = capacity_result(config, worker.build_trainer)
-    assert result["prediction"]["largest_physical_batch"][0]["fit_note"] is None  # 80 GiB: room
-    result["prediction"]["largest_physical_batch"][0].update(above, fit_note=POISSON_EDGE_NOTE)
+    assert result["prediction"]["fit_rule"] == FIT_RULES[False] != FIT_RULES[True]
     report_capacity.write_capacity_files(str(tmp_path), [result])
-    text = (tmp_path / "capacity.md").read_text()
-    assert "Fits at the edge" in text and "at 80 GiB: Poisson sampling at the edge" in text
+    written = json.loads((tmp_path / "capacity.json").read_text())
+    assert written["configs"][0]["fit_rule"] == FIT_RULES[False]
+    assert "with Poisson sampling" in (tmp_path / "capacity.md").read_text()
