@@ -54,6 +54,7 @@ from dp_cost.measure.breakdown import (
     MARKER_FUNCTION,
     attribute_peak,
     held_tensors,
+    peaks_by_phase,
     tensor_identities,
 )
 from dp_cost.measure.workload import builds_shards_only
@@ -315,7 +316,8 @@ def predict(config, build_trainer, record_ops: bool = False) -> dict:
     ``build_trainer(config, model, loss_fn, on_phase)``: the worker's trainer construction. A
     warm-up step (the same step) runs first, as in the measuring modes. Returns bytes:
     ``peak``, ``roles`` (breakdown key -> bytes), ``parameters``, ``trainable_parameters``,
-    ``state`` (role -> bytes held after the step), the flash routes, if any, the allocator's
+    ``state`` (role -> bytes held after the step), ``phase_peaks`` (the recorded step's peak
+    within each phase, ``breakdown.peaks_by_phase``), the flash routes, if any, the allocator's
     requests in order (``requests``: model and trainer built, ``step_requests``: warm-up and
     recorded step; ``capacity.allocator.replay``); with ``record_ops`` the recorded step's
     ``ops`` and phase ``marks`` (``capacity.op_list``; else None). Distributed: rank 0's, the
@@ -359,6 +361,7 @@ def predict(config, build_trainer, record_ops: bool = False) -> dict:
         trainable = sum(p.numel() for p in runner.trainer.parameters)
     return {
         "peak": attributed["peak_bytes"],
+        "phase_peaks": peaks_by_phase(events, start),
         "requests": allocator_requests(record.events[:warmup_event]),
         "step_requests": allocator_requests(record.events[warmup_event:]),
         "roles": attributed["breakdown_bytes"],

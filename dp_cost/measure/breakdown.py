@@ -146,6 +146,29 @@ def replay_to_peak(
     return peak, freed_before_next_marker
 
 
+def peaks_by_phase(trace: list[dict], initial_blocks: dict[int, int]) -> list[int]:
+    """The most bytes live within each phase of a recorded step: one number per stretch between
+    its markers (the first before any), as ``replay_to_peak`` counts them. A step's peak is their
+    largest; the phase it lies in can change with the model's size where two phases come close."""
+    live = dict(initial_blocks)
+    total = sum(live.values())
+    peaks, marker_blocks = [total], set()
+    for event in trace:
+        action, addr = event["action"], event["addr"]
+        if action == "alloc" and any(
+            frame.get("name") == MARKER_FUNCTION for frame in event.get("frames", [])
+        ):
+            marker_blocks.add(addr)
+            peaks.append(total)
+        elif action == "alloc":
+            live[addr] = event["size"]
+            total += event["size"]
+            peaks[-1] = max(peaks[-1], total)
+        elif action == "free_completed" and addr not in marker_blocks:
+            total -= live.pop(addr, 0)
+    return peaks
+
+
 def _signature(frames: list[dict]) -> str:
     if not frames:
         return "(no Python frame: autograd backward or C++)"
