@@ -8,8 +8,10 @@ shallow steps costs a fraction of the deep one (``seconds``); this says which of
 such a plan could draw and which it could not.
 
 usage: python benchmarks/depth_fold.py RESULT_OR_RUN_DIR [...] [--depths 3 4] [--out F]
+       python benchmarks/depth_fold.py --rows F [F ...]   (rows an --out wrote, printed again)
   RESULT_OR_RUN_DIR: a config's result.json, or a run's folder (its configs one level down);
-  each config is planned at its planned physical batch, on this CPU
+  each config is planned at its planned physical batch, on this CPU. Last, per number, how many
+  drawn configs came within ±1% of the deep plan, and the worst.
 """
 
 from __future__ import annotations
@@ -30,12 +32,15 @@ MIB = 2**20
 
 def parse(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("paths", nargs="+", help="configs' result.json files or run folders")
+    parser.add_argument("paths", nargs="*", help="configs' result.json files or run folders")
+    parser.add_argument("--rows", nargs="+", default=[], help="--out files to print again")
     parser.add_argument("--depths", nargs=2, type=int, default=[3, 4], metavar="BLOCKS")
     parser.add_argument("--out", help="write every row as JSON here too")
     args = parser.parse_args(argv)
     if not 1 <= args.depths[0] < args.depths[1]:
         parser.error("--depths: two numbers of blocks, the first at least 1 and below the second")
+    if not args.paths and not args.rows:
+        parser.error("give result.json files or run folders, or --rows")
     return args
 
 
@@ -162,19 +167,46 @@ def printed(entry: dict) -> str:
             f"{seconds[0]:.1f} s planned whole, {seconds[1]:.1f} s the two shallow")  # fmt: skip
 
 
+def summary(rows: list[dict]) -> list[str]:
+    """Per number: how many drawn configs came within ±1% of the deep plan, and the worst."""
+    drawn = [r for r in rows if not r["error"]]
+    lines = []
+    for key in ("peak", "phase_peaks_worst", "reserved", "needed_room", "step_ms"):
+        values = [r["errors"][key] for r in drawn if r["errors"][key] is not None]
+        if values:
+            close = sum(abs(v) <= 0.01 for v in values)
+            lines.append(f"{key}: {close}/{len(values)} within ±1%, worst "
+                         f"{max(values, key=abs):+.2%}")  # fmt: skip
+    return lines
+
+
 def main(argv=None) -> int:
     args = parse(argv)
     sys.path.insert(0, ROOT)
     warnings.filterwarnings("ignore")  # torch's and transformers' notes on fake tensors
+    rows = []
+    for kept in args.rows:
+        try:
+            with open(kept) as f:
+                entries = json.load(f)
+            if not isinstance(entries, list):
+                raise TypeError("not a list of rows")
+            lines = [printed(entry) for entry in entries]
+            summary(entries)
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as error:
+            print(f"depth_fold: {kept}: not rows this script wrote ({error!r})", file=sys.stderr)
+            return 1
+        rows += entries
+        print("\n".join(lines))
     files = result_files(args.paths)
-    if not files:
+    if args.paths and not files:
         print("depth_fold: no result.json found in the paths given", file=sys.stderr)
         return 1
-    rows = []
     for path in files:
         entry = row(path, args.depths)
         rows.append(entry)
         print(printed(entry), flush=True)
+    print("\n".join(summary(rows)))
     if args.out:
         with open(args.out, "w") as f:
             json.dump(rows, f, indent=1)

@@ -63,6 +63,10 @@ def test_a_deep_plan_is_drawn_from_two_shallow_ones(tmp_path, capsys, trainer):
     assert max(here[6]["phase_peaks"]) == here[6]["peak"]
     assert abs(row["errors"]["phase_peaks_worst"]) < 0.001
     assert abs(row["errors"]["step_ms"]) < 0.001
+    assert "peak: 1/1 within ±1%" in out
+    status, again, _ = benchmark_main("depth_fold.py", "--rows", tmp_path / "rows.json",
+                                      capsys=capsys)  # fmt: skip
+    assert status == 0 and again == out  # the kept rows printed again, no plan made
 
 
 def test_configs_it_cannot_draw_are_named_and_bad_input_refused(tmp_path, capsys):
@@ -76,6 +80,12 @@ def test_configs_it_cannot_draw_are_named_and_bad_input_refused(tmp_path, capsys
     assert "2 blocks: not deeper than --depths" in out and "unreadable" in out
     status, _, err = benchmark_main("depth_fold.py", tmp_path / "nothing", capsys=capsys)
     assert status == 1 and "no result.json" in err
-    with pytest.raises(SystemExit) as refused:
-        benchmark_main("depth_fold.py", tmp_path / "run", "--depths", "4", "3", capsys=capsys)
-    assert refused.value.code == 2
+    for broken in ("[not rows", "{}", "[1]", '[{"error": null}]'):
+        (tmp_path / "rows.json").write_text(broken)
+        status, _, err = benchmark_main("depth_fold.py", "--rows", tmp_path / "rows.json",
+                                        capsys=capsys)  # fmt: skip
+        assert status == 1 and "not rows this script wrote" in err and "\n" not in err.strip()
+    for refused_argv in (("--depths", "4", "3"), ()):
+        with pytest.raises(SystemExit) as refused:
+            benchmark_main("depth_fold.py", *refused_argv, capsys=capsys)
+        assert refused.value.code == 2
