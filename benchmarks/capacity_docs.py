@@ -18,6 +18,7 @@ import sys
 KEPT = (
     "trainer", "physical_batch_size", "predicted_peak_mb", "predicted_reserved_mb",
     "predicted_breakdown_mb", "largest_physical_batch", "model", "seq_len", "world_size",
+    "fit_rule",
 )  # fmt: skip
 ROLES = (  # the parts of a peak the docs name, in their words (result-schema.md's keys)
     ("activations_mb", "activations"),

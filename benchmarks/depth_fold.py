@@ -66,7 +66,8 @@ def model_depth(config) -> int:
 @contextlib.contextmanager
 def at_depth(config, blocks: int | None):
     """``config`` with its model ``blocks`` deep (None: as it is): the LM by its override, a
-    Hugging Face architecture's config changed while inside (it has no override)."""
+    Hugging Face architecture's config changed while inside (it has no override; one plan at a
+    time in this process)."""
     from dp_cost.hf.configs import HF_CONFIGS
 
     if blocks is None:
@@ -85,7 +86,9 @@ def at_depth(config, blocks: int | None):
 
 
 def planned(config, physical: int, blocks: int | None) -> dict:
-    """The step of ``config`` at ``physical`` and ``blocks`` deep: its numbers in MiB and ms."""
+    """The step of ``config`` at ``physical`` and ``blocks`` deep: its numbers in MiB and ms
+    (the time too at ``physical``: for an uncapped Poisson batch its rare largest draw, where
+    --mode=capacity times the expected one)."""
     from dp_cost.capacity import card
     from dp_cost.capacity.fake_step import predict, rank_share
     from dp_cost.capacity.predictions import with_physical_batch
@@ -146,9 +149,12 @@ def row(path: str, depths: list[int]) -> dict:
     if blocks <= depths[1]:
         return {"path": path, "error": f"{blocks} blocks: not deeper than --depths"}
     physical = Predictions(config, None).planned
-    full = planned(config, physical, None)
-    low, high = (planned(config, physical, depth) for depth in depths)
-    line = drawn(low, high, blocks)
+    try:
+        full = planned(config, physical, None)
+        low, high = (planned(config, physical, depth) for depth in depths)
+        line = drawn(low, high, blocks)
+    except Exception as error:  # noqa: BLE001 - a config this tree cannot plan: its own line
+        return {"path": path, "error": f"{type(error).__name__}: {' '.join(str(error).split())}"}
     return {
         "path": path, "error": None, "trainer": config.trainer, "model": config.model,
         "blocks": blocks, "physical_batch_size": physical, "full": full, "shallow": [low, high],

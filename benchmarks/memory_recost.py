@@ -146,10 +146,14 @@ def graphed(config: dict) -> bool:
 
 def sampled(config: dict) -> bool:
     """Are the config's batches Poisson draws (a Hugging Face model's, unless --no_poisson; the
-    causal LM trains on one fixed batch whatever its config says)?"""
-    from dp_cost.hf.configs import HF_CONFIGS
+    causal LM trains on one fixed batch whatever its config says): the configs whose fit keeps
+    the cache (``card.releases_cache``, which reads these two fields)?"""
+    import types
 
-    return config.get("model") in HF_CONFIGS and config.get("poisson", True)
+    from dp_cost.capacity.card import releases_cache
+
+    fields = types.SimpleNamespace(model=config.get("model"), poisson=config.get("poisson", True))
+    return not releases_cache(fields)
 
 
 def where(row: dict) -> str:
@@ -180,7 +184,10 @@ def summary(rows: list[dict]) -> list[str]:
     judged = [r for r in rows if "plan_fits" in r]
     if judged:
         wrong = [r for r in judged if r["plan_fits"] != (r["status"] == "ok")]
+        unsafe = sum(r["plan_fits"] for r in wrong)  # planned to fit, ran out of memory
         lines.append(f"fit on the card: {len(judged) - len(wrong)}/{len(judged)} agree with the run"
+                     f" ({unsafe} planned to fit that ran out of memory, {len(wrong) - unsafe}"
+                     f" planned not to that ran)"
                      + "".join(f"; {where(r)}: plan says "
                                f"{'fits' if r['plan_fits'] else 'does not fit'}, the run "
                                f"{'ran' if r['status'] == 'ok' else 'ran out of memory'}"

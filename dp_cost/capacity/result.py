@@ -4,6 +4,7 @@ largest physical batch (--find_max_batch) or the longest sequence (--find_max_se
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
 from dp_cost.capacity.card import (
@@ -43,7 +44,9 @@ def capacity_result(config, build_trainer, card_gib: float | None = None) -> dic
     card = None
     if card_gib:
         axis = seq_len_axis(predictions) if config.find_max_seq_len else batch
-        card = largest_on_card(axis, card_gib, ranks)
+        # the runs that search this card probe fixed-size batches (capacity.probing): its
+        # prediction is judged by their rule, the allocator releasing cached segments
+        card = largest_on_card(dataclasses.replace(axis, release=True), card_gib, ranks)
     return {
         "method": "the trainer's step on fake tensors (CPU code paths but for attention's kernel, "
         "RMSNorm's fused kernel, flash's weighted sums and torch.optim's foreach path, taken as "

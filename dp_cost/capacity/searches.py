@@ -196,9 +196,10 @@ def refined_guess(axis: Axis, room: int, low: int, guess: int) -> int:
 def room_needed(axis: Axis, value: int) -> int:
     """``needed_room`` of the step at ``value``, kept with its prediction (a dozen replays)."""
     step = axis.predicted(value)
-    if "needed_room" not in step:
-        step["needed_room"] = needed_room(step, axis.release)
-    return step["needed_room"]
+    key = "needed_room" if axis.release else "needed_room_kept_cache"  # one a rule
+    if key not in step:
+        step[key] = needed_room(step, axis.release)
+    return step[key]
 
 
 def largest_on_card(axis: Axis, budget: float, ranks: int) -> dict:

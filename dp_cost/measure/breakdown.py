@@ -164,7 +164,10 @@ def peaks_by_phase(trace: list[dict], initial_blocks: dict[int, int]) -> list[in
             live[addr] = event["size"]
             total += event["size"]
             peaks[-1] = max(peaks[-1], total)
-        elif action == "free_completed" and addr not in marker_blocks:
+        elif action == "free_completed":
+            if addr in marker_blocks:  # the marker's own block: its address may come again
+                marker_blocks.discard(addr)
+                continue
             total -= live.pop(addr, 0)
     return peaks
 

@@ -5,6 +5,7 @@ benchmarks/capacity_docs.py --store keeps it): the docs cannot drift from what t
 import json
 import os
 
+from dp_cost.capacity.card import FIT_RULES
 from tests.cli_helpers import benchmark_script
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -25,6 +26,8 @@ def test_the_docs_hold_the_worked_examples_table_as_the_tool_planned_it(capsys):
     assert {(c["model"], c["seq_len"], c["world_size"]) for c in configs} == {
         ("meta-llama/Llama-3.1-8B-Instruct", 2048, 8)
     }
+    # the docs' reading of it: planned by the Poisson rule (a fit within the reserved peak)
+    assert {c["fit_rule"] for c in configs} == {FIT_RULES[False]}
 
 
 def test_a_changed_number_or_a_broken_run_is_caught(tmp_path, capsys):

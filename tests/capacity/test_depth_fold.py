@@ -9,7 +9,7 @@ import pytest
 
 from dp_cost.capacity import card, fake_step
 from dp_cost.measure import worker
-from dp_cost.measure.breakdown import MARKER_FUNCTION, peaks_by_phase
+from dp_cost.measure.breakdown import MARKER_FUNCTION, peaks_by_phase, replay_to_peak
 from dp_cost.measure.config import ExperimentConfig
 from tests.cli_helpers import benchmark_main
 
@@ -29,6 +29,11 @@ def test_peaks_by_phase_counts_each_stretch_between_markers():
     # 100 held at the start; 180 before the marker; then 150 -> 160 -> 110 -> 115 -> 15 (the
     # block held from the start freed); then 15
     assert peaks_by_phase(trace, {7: 100}) == [180, 160, 15]
+    # on CUDA a marker's block is freed at once and its address taken again: counted then
+    reused = [alloc(1, 100), {**marker, "addr": 5}, free(5), alloc(5, 50), free(5),
+              alloc(6, 60), free(6), alloc(7, 60)]  # fmt: skip
+    assert peaks_by_phase(reused, {}) == [100, 160]
+    assert max(peaks_by_phase(reused, {})) == replay_to_peak(reused, {})[0]["total"]
 
 
 def plan(config, blocks: int) -> dict:

@@ -67,7 +67,8 @@ def test_kept_peaks_are_planned_again_and_their_errors_counted(tmp_path, capsys)
     assert "Poisson draws" not in out  # the causal LM's batches are fixed, whatever its config
     # on a 140 GiB card the one that ran fits; the batch that ran out of memory fits too: named
     (fit,) = [line for line in out.splitlines() if line.startswith("fit on the card")]
-    assert fit.startswith("fit on the card: 1/2 agree with the run; ")
+    assert fit.startswith("fit on the card: 1/2 agree with the run (1 planned to fit that ran out "
+                          "of memory, 0 planned not to that ran); ")  # fmt: skip
     assert "others/oom: plan says fits, the run ran out of memory" in fit
     status, out, err = recost(tmp_path / "kept" / "others" / "cpu", capsys=capsys)
     assert status == 2 and "no peaks measured on a GPU" in err

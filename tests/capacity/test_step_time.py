@@ -715,4 +715,54 @@ def test_capacity_json_states_each_configs_fit_rule(tmp_path):
     report_capacity.write_capacity_files(str(tmp_path), [result])
     written = json.loads((tmp_path / "capacity.json").read_text())
     assert written["configs"][0]["fit_rule"] == FIT_RULES[False]
-    assert "with Poisson sampling" in (tmp_path / "capacity.md").read_text()
+    causal_lm = dataclasses.replace(config, model="tiny")  # one fixed batch, whatever --poisson
+    assert capacity_result(causal_lm, worker.build_trainer)["fit_rule"] == FIT_RULES[True]
+
+
+def test_each_search_and_the_recommendation_judge_by_the_configs_rule():
+    """A step that fits a 1 GiB card only by the allocator releasing its cached segments, at
+    every physical batch and length: a Hugging Face model's Poisson-sampled config finds none
+    and recommends none, a fixed-size one and the causal LM find the search's cap; a search by
+    runs (--find_max_batch) probes fixed-size batches and is planned by their rule."""
+    import types
+
+    from dp_cost.capacity import recommend, searches
+
+    def at(physical, seq_len=None, ops=False):
+        return step_releasing(200, 250)
+
+    for model, poisson, release in (("tiny-llama", True, False), ("tiny-llama", False, True),
+                                    ("tiny", True, True)):  # fmt: skip
+        config = ExperimentConfig(trainer="flash", model=model, batch_size=2, seq_len=64,
+                                  poisson=poisson, gpu_memory=[1.0])  # fmt: skip
+        stub = types.SimpleNamespace(config=config, planned=2, at=at,
+                                     at_seq_len=lambda seq_len: at(2, seq_len))  # fmt: skip
+        for axis in (searches.batch_axis(stub), searches.seq_len_axis(stub)):
+            assert axis.release is release
+            found = searches.largest_on_card(axis, 1.0, 1)
+            value = found["seq_len"] if axis.cap is None else found["physical_batch_size"]
+            assert (value > 0) is release, (model, poisson)
+        if not release:
+            candidates = recommend.recommendation(config, stub)["candidates"]
+            assert candidates and not any(c["fits"] for c in candidates)
+
+
+def test_a_search_by_runs_is_planned_by_its_probes_rule(monkeypatch):
+    """--find_max_batch's probes run fixed-size batches (capacity.probing), so the card's
+    prediction they start from is judged by the replay's rule even where the config's budgets
+    are judged by the Poisson rule (the same step: the budget finds none, the card the cap)."""
+    import types
+
+    from dp_cost.capacity import result as capacity
+
+    step = {**step_releasing(200, 250), "roles": {}, "state": {}, "parameters": 1,
+            "trainable_parameters": 1}  # fmt: skip
+    config = ExperimentConfig(trainer="flash", model="tiny-llama", batch_size=2, seq_len=64,
+                              poisson=True, gpu_memory=[1.0], find_max_batch=True)  # fmt: skip
+    stub = types.SimpleNamespace(config=config, planned=2, note=None, at=lambda *a, **k: step,
+                                 by_physical_batch=list, by_seq_len=list)  # fmt: skip
+    monkeypatch.setattr(capacity, "Predictions", lambda config, build: stub)
+    monkeypatch.setattr(capacity, "planned_time", lambda *args: {"step_ms": None})
+    planned = capacity.capacity_result(config, build_trainer=None, card_gib=1.0)
+    assert planned["largest_physical_batch"][0]["physical_batch_size"] == 0
+    assert planned["card"]["physical_batch_size"] > 0
