@@ -245,12 +245,14 @@ def calibration_config(trainer: str, model_kind: str, device: str = "cuda"):
 
 @contextlib.contextmanager
 def depth(config, blocks: int):
-    """``config`` with its calibration model ``blocks`` deep (the tiny LM by its override; the
-    tiny Llama's architecture config patched while inside: it has no override)."""
+    """``config`` with its model ``blocks`` deep (the LM by its override; a Hugging Face
+    architecture's config patched while inside: it has no override; one plan at a time in a
+    process). benchmarks/depth_fold.py takes any config's model to a depth this way too."""
     from dp_cost.core.hf_architectures import HF_CONFIGS
 
     if config.model not in HF_CONFIGS:
-        yield dataclasses.replace(config, model_overrides={"num_layers": blocks})
+        yield dataclasses.replace(config, model_overrides={**config.model_overrides,
+                                                           "num_layers": blocks})  # fmt: skip
         return
     architecture = HF_CONFIGS[config.model]
     before = architecture["num_hidden_layers"]

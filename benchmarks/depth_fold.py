@@ -63,39 +63,21 @@ def model_depth(config) -> int:
     return get_config(config.model, **config.model_overrides).num_layers
 
 
-@contextlib.contextmanager
-def at_depth(config, blocks: int | None):
-    """``config`` with its model ``blocks`` deep (None: as it is): the LM by its override, a
-    Hugging Face architecture's config changed while inside (it has no override; one plan at a
-    time in this process)."""
-    from dp_cost.hf.configs import HF_CONFIGS
-
-    if blocks is None:
-        yield config
-    elif config.model not in HF_CONFIGS:
-        yield dataclasses.replace(config, model_overrides={**config.model_overrides,
-                                                           "num_layers": blocks})  # fmt: skip
-    else:
-        architecture = HF_CONFIGS[config.model]
-        before = architecture["num_hidden_layers"]
-        architecture["num_hidden_layers"] = blocks
-        try:
-            yield config
-        finally:
-            architecture["num_hidden_layers"] = before
-
-
 def planned(config, physical: int, blocks: int | None) -> dict:
     """The step of ``config`` at ``physical`` and ``blocks`` deep: its numbers in MiB and ms
     (the time too at ``physical``: for an uncapped Poisson batch its rare largest draw, where
     --mode=capacity times the expected one)."""
+    import card_rates  # its calibration models' depth: any model's, the same way
+
     from dp_cost.capacity import card
     from dp_cost.capacity.fake_step import predict, rank_share
     from dp_cost.capacity.predictions import with_physical_batch
     from dp_cost.capacity.step_time import planned_time
     from dp_cost.measure import worker
 
-    with at_depth(with_physical_batch(config, physical), blocks) as deep:
+    at_physical = with_physical_batch(config, physical)
+    depth = card_rates.depth(at_physical, blocks) if blocks else contextlib.nullcontext(at_physical)
+    with depth as deep:
         started = time.perf_counter()
         step = predict(deep, worker.build_trainer, record_ops=True)
         seconds = time.perf_counter() - started
@@ -189,6 +171,7 @@ def summary(rows: list[dict]) -> list[str]:
 def main(argv=None) -> int:
     args = parse(argv)
     sys.path.insert(0, ROOT)
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))  # card_rates: a model at a depth
     warnings.filterwarnings("ignore")  # torch's and transformers' notes on fake tensors
     rows = []
     for kept in args.rows:

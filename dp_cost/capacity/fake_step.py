@@ -312,16 +312,14 @@ def fake_batch(config, samples: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 def predict(config, build_trainer, record_ops: bool = False) -> dict:
     """The predicted peak of one timed step of ``config`` (one process) and its split by role.
-
     ``build_trainer(config, model, loss_fn, on_phase)``: the worker's trainer construction. A
-    warm-up step (the same step) runs first, as in the measuring modes. Returns bytes:
-    ``peak``, ``roles`` (breakdown key -> bytes), ``parameters``, ``trainable_parameters``,
-    ``state`` (role -> bytes held after the step), ``phase_peaks`` (the recorded step's peak
-    within each phase, ``breakdown.peaks_by_phase``), the flash routes, if any, the allocator's
-    requests in order (``requests``: model and trainer built, ``step_requests``: warm-up and
-    recorded step; ``capacity.allocator.replay``); with ``record_ops`` the recorded step's
-    ``ops`` and phase ``marks`` (``capacity.op_list``; else None). Distributed: rank 0's, the
-    largest share of a batch, in a fake process group of the config's ranks (planned_ranks)."""
+    warm-up step (the same step) runs first, as in the measuring modes. Returns bytes: ``peak``
+    (``phase_peaks``: within each phase), ``roles`` (breakdown key -> bytes), ``parameters``,
+    ``trainable_parameters``, ``state`` (role -> bytes held after the step), flash's routes, the
+    allocator's requests (``requests``: model and trainer built, ``step_requests``: warm-up and
+    recorded step; ``allocator.replay``); with ``record_ops`` the recorded step's ``ops`` and
+    ``marks`` (``op_list``; else None). Distributed: rank 0's, the largest share of a batch, in
+    a fake process group of the config's ranks (planned_ranks)."""
     # shape_env: .item() gives a symbol, not an error; non-fake inputs: the meta model's
     fake = FakeTensorMode(shape_env=ShapeEnv(), allow_non_fake_inputs=True)
     record = StorageRecord()
