@@ -127,11 +127,11 @@ def row(path: str, depths: list[int]) -> dict:
     except (UnreadableFile, KeyError, TypeError, ValueError) as error:
         return {"path": path, "error": f"unreadable: {error}"}
     config = dataclasses.replace(config, device="cpu", capacity=True)
-    blocks = model_depth(config)
-    if blocks <= depths[1]:
-        return {"path": path, "error": f"{blocks} blocks: not deeper than --depths"}
-    physical = Predictions(config, None).planned
     try:
+        blocks = model_depth(config)
+        if blocks <= depths[1]:
+            return {"path": path, "error": f"{blocks} blocks: not deeper than --depths"}
+        physical = Predictions(config, None).planned
         full = planned(config, physical, None)
         low, high = (planned(config, physical, depth) for depth in depths)
         line = drawn(low, high, blocks)

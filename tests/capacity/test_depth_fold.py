@@ -37,7 +37,8 @@ def test_peaks_by_phase_counts_each_stretch_between_markers():
 
 
 def plan(config, blocks: int) -> dict:
-    deep = dataclasses.replace(config, model_overrides={"num_layers": blocks})
+    deep = dataclasses.replace(config, model_overrides={**config.model_overrides,
+                                                        "num_layers": blocks})  # fmt: skip
     return fake_step.predict(deep, worker.build_trainer)
 
 
@@ -48,8 +49,9 @@ def test_a_deep_plan_is_drawn_from_two_shallow_ones(tmp_path, capsys, trainer):
     shallow ones, and for identical blocks the line meets the deep plan: each phase's peak and
     the step's time within 0.1% (the reserved peak need not: the allocator's segments come in
     steps of 2 and 20 MiB, as large as the tiny model's blocks)."""
+    # a second override (a shorter position table) kept at every depth
     config = ExperimentConfig(trainer=trainer, batch_size=2, seq_len=16, capacity=True,
-                              model_overrides={"num_layers": 6})  # fmt: skip
+                              model_overrides={"num_layers": 6, "max_seq_len": 256})  # fmt: skip
     path = tmp_path / "result.json"
     path.write_text(json.dumps({"config": config.to_dict()}))
     status, out, _ = benchmark_main("depth_fold.py", path, "--out", tmp_path / "rows.json",
@@ -80,9 +82,13 @@ def test_configs_it_cannot_draw_are_named_and_bad_input_refused(tmp_path, capsys
     (tmp_path / "run" / "a" / "result.json").write_text(json.dumps({"config": shallow.to_dict()}))
     (tmp_path / "run" / "b").mkdir()
     (tmp_path / "run" / "b" / "result.json").write_text("{not json")
+    unknown = {**shallow.to_dict(), "model": "no-such-model"}
+    (tmp_path / "run" / "c").mkdir()
+    (tmp_path / "run" / "c" / "result.json").write_text(json.dumps({"config": unknown}))
     status, out, _ = benchmark_main("depth_fold.py", tmp_path / "run", capsys=capsys)
     assert status == 0
     assert "2 blocks: not deeper than --depths" in out and "unreadable" in out
+    assert "run/c/result.json: not planned: " in out and "no-such-model" in out
     status, _, err = benchmark_main("depth_fold.py", tmp_path / "nothing", capsys=capsys)
     assert status == 1 and "no result.json" in err
     for broken in ("[not rows", "{}", "[1]", '[{"error": null}]'):
