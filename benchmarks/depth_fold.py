@@ -54,15 +54,6 @@ def result_files(paths: list[str]) -> list[str]:
     return files
 
 
-def model_depth(config) -> int:
-    from dp_cost.hf.configs import HF_CONFIGS
-    from dp_cost.lm.configs import get_config
-
-    if config.model in HF_CONFIGS:
-        return HF_CONFIGS[config.model]["num_hidden_layers"]
-    return get_config(config.model, **config.model_overrides).num_layers
-
-
 def planned(config, physical: int, blocks: int | None) -> dict:
     """The step of ``config`` at ``physical`` and ``blocks`` deep: its numbers in MiB and ms
     (the time too at ``physical``: for an uncapped Poisson batch its rare largest draw, where
@@ -118,6 +109,7 @@ def errors(line: dict, full: dict) -> dict:
 
 
 def row(path: str, depths: list[int]) -> dict:
+    from dp_cost.capacity.model_facts import model_shape
     from dp_cost.capacity.predictions import Predictions
     from dp_cost.core.reading import UnreadableFile, read_result
     from dp_cost.measure.config import ExperimentConfig
@@ -128,7 +120,7 @@ def row(path: str, depths: list[int]) -> dict:
         return {"path": path, "error": f"unreadable: {error}"}
     config = dataclasses.replace(config, device="cpu", capacity=True)
     try:
-        blocks = model_depth(config)
+        _, _, blocks, _ = model_shape(config.model, config.model_overrides)
         if blocks <= depths[1]:
             return {"path": path, "error": f"{blocks} blocks: not deeper than --depths"}
         physical = Predictions(config, None).planned

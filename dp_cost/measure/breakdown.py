@@ -104,6 +104,13 @@ def attribute_peak(
     }
 
 
+def is_marker(event: dict) -> bool:
+    """A phase marker's allocation (``_phase_marker``'s, or the fake step's stand-in)."""
+    return event["action"] == "alloc" and any(
+        frame.get("name") == MARKER_FUNCTION for frame in event.get("frames", [])
+    )
+
+
 def replay_to_peak(
     trace: list[dict], initial_blocks: dict[int, int]
 ) -> tuple[dict, set[tuple[int, int | None]]]:
@@ -121,9 +128,7 @@ def replay_to_peak(
     freed_before_next_marker: set[tuple[int, int | None]] = set()
     for index, event in enumerate(trace):
         action, addr = event["action"], event["addr"]
-        if action == "alloc" and any(
-            frame.get("name") == MARKER_FUNCTION for frame in event.get("frames", [])
-        ):
+        if is_marker(event):
             markers += 1
             marker_blocks.add(addr)
             continue
@@ -155,9 +160,7 @@ def peaks_by_phase(trace: list[dict], initial_blocks: dict[int, int]) -> list[in
     peaks, marker_blocks = [total], set()
     for event in trace:
         action, addr = event["action"], event["addr"]
-        if action == "alloc" and any(
-            frame.get("name") == MARKER_FUNCTION for frame in event.get("frames", [])
-        ):
+        if is_marker(event):
             marker_blocks.add(addr)
             peaks.append(total)
         elif action == "alloc":
