@@ -1,16 +1,18 @@
 """Measure this card's time calibration for --mode=capacity's time model and write it as
 dp_cost/capacity/cards/<card>.json (the file the toolkit ships for the card kind).
 
-What it measures, each kernel replayed in a CUDA graph so that its GPU time is timed apart from
-the host's launches:
+What it measures (the kernels by ``benchmarks/kernel_rates.py``), each kernel replayed in a CUDA
+graph so that its GPU time is timed apart from the host's launches:
 - GEMMs (torch.mm) on a grid of (M, N, K) per dtype (bf16; fp32 as torch runs it by default);
 - fused attention (F.scaled_dot_product_attention, causal), forward and backward, by sequence
   length and head size, as TFLOP/s by torch's FLOP counter's formulas;
-- an elementwise kernel's time by the bytes it moves;
+- an elementwise kernel's time by the bytes it moves, and the own rates of the memory-bound ops
+  that are slower per byte (norms, reductions, torch.optim's foreach steps);
 and, in eager steps on the tiny LM, the tiny Llama and the tiny Llama's LoRA, each at HOST_DEPTHS
 (host-bound: their kernels are shorter than their launches), each trainer's host time in each
 phase of a chunk, per op of the planned step and besides, and what a host sync (.item()) costs.
 Usage: python benchmarks/card_rates.py [--out PATH] [--quick]
+       python benchmarks/card_rates.py --memory_ops_into TABLE (the memory ops' rates alone)
 (benchmarks/card_tables.py fits a table again, or merges several machines', without a GPU)
 """
 
@@ -35,6 +37,10 @@ def parse(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", help="where to write the table (default: the shipped file)")
     parser.add_argument("--quick", action="store_true", help="a coarse grid (a check, not a table)")
+    parser.add_argument(
+        "--memory_ops_into", metavar="TABLE",
+        help="measure only the memory ops' rates and write them into TABLE, measured before",
+    )  # fmt: skip
     return parser.parse_args(argv)
 
 
@@ -43,117 +49,23 @@ if __name__ == "__main__":  # --help answers before torch is imported
     sys.path.insert(0, ROOT)
 
 import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
-from torch.utils.flop_counter import sdpa_backward_flop_count, sdpa_flop_count  # noqa: E402
+from kernel_rates import (  # noqa: E402  (this script's sibling: the kernels' measurements)
+    ATTENTION_HEADS,
+    ATTENTION_LENGTHS,
+    GEMM_SIDES,
+    MEMORY_ELEMENTS,
+    QUICK_SIDES,
+    THIN_BATCHES,
+    THIN_LENGTHS,
+    attention_rows,
+    gemm_rows,
+    memory_op_rates,
+    memory_rows,
+    thin_gemm_rows,
+)
 
-GEMM_SIDES = (16, 64, 256, 1024, 4096, 16384)
-QUICK_SIDES = (16, 1024, 16384)
-THIN_BATCHES = (1, 2, 4, 8, 16, 64)  # cuBLAS changes path between 1 and 2
-THIN_LENGTHS = tuple(2**e for e in range(14, 25, 2))  # 16384 .. 16.8M
-ATTENTION_LENGTHS = (128, 256, 512, 1024, 2048, 4096, 8192)
-ATTENTION_HEADS = (64, 128)
-ATTENTION_TOKENS = 65536  # batch x length x heads/16 kept about constant: every length a big launch
-MEMORY_ELEMENTS = [2**e for e in range(8, 29, 2)]
 TRAINERS = ("standard", "dpsgd", "ghost", "flash")
 HOST_STEPS = 15
-
-
-def graphed_us(function, *args, replays: int = 3, **kwargs) -> float:
-    """µs of one ``function(*args, **kwargs)``, its kernels captured in a CUDA graph as many
-    times over as make about 2 ms, the graph replayed (the median of ``replays``)."""
-
-    def work():
-        function(*args, **kwargs)
-
-    probe = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(2):
-            work()
-    torch.cuda.current_stream().wait_stream(stream)
-    probe[0].record()
-    work()
-    probe[1].record()
-    torch.cuda.synchronize()
-    once_ms = max(probe[0].elapsed_time(probe[1]), 1e-3)
-    repeat = max(1, min(200, int(2.0 / once_ms)))  # about 2 ms of GPU a replay
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(repeat):
-            work()
-    times = []
-    for _ in range(replays + 1):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / repeat)
-    del graph
-    return statistics.median(times[1:])
-
-
-def gemm_rows(dtype: torch.dtype, sides) -> list[list]:
-    rows = []
-    for m in sides:
-        for n in sides:
-            for k in sides:
-                a = torch.randn(m, k, device="cuda", dtype=dtype)
-                b = torch.randn(k, n, device="cuda", dtype=dtype)
-                out = torch.empty(m, n, device="cuda", dtype=dtype)
-                rows.append([m, n, k, round(graphed_us(torch.mm, a, b, out=out), 3)])
-    torch.cuda.empty_cache()
-    return rows
-
-
-def thin_gemm_rows(dtype: torch.dtype, batches, lengths) -> list[list]:
-    """Batched dot products, [b, 1, K]·[b, K, 1] (what Opacus' ghost norms reduce T×T Grams
-    with): cuBLAS runs these far below the card's bandwidth."""
-    rows = []
-    for batch in batches:
-        for length in lengths:
-            a = torch.randn(batch, 1, length, device="cuda", dtype=dtype)
-            b = torch.randn(batch, length, 1, device="cuda", dtype=dtype)
-            out = torch.empty(batch, 1, 1, device="cuda", dtype=dtype)
-            rows.append([batch, length, round(graphed_us(torch.bmm, a, b, out=out), 3)])
-    torch.cuda.empty_cache()
-    return rows
-
-
-def attention_rows(dtype: torch.dtype, head_dim: int, lengths) -> dict[str, list]:
-    rows: dict[str, list] = {"forward": [], "backward": []}
-    heads = 16
-    for length in lengths:
-        batch = max(1, ATTENTION_TOKENS // length)
-        shape = (batch, heads, length, head_dim)
-        q, k, v = (
-            torch.randn(shape, device="cuda", dtype=dtype, requires_grad=True) for _ in "qkv"
-        )
-        grad = torch.randn(shape, device="cuda", dtype=dtype)
-        forward_us = graphed_us(F.scaled_dot_product_attention, q, k, v, is_causal=True)
-        backward_us = graphed_us(attention_backward, q, k, v, grad) - forward_us
-        flops = sdpa_flop_count(shape, shape, shape)
-        backward_flops = sdpa_backward_flop_count(shape, shape, shape, shape)
-        rows["forward"].append([length, round(flops / forward_us / 1e6, 2)])
-        rows["backward"].append([length, round(backward_flops / max(backward_us, 1e-3) / 1e6, 2)])
-    torch.cuda.empty_cache()
-    return rows
-
-
-def attention_backward(q, k, v, grad) -> None:
-    """A causal attention's forward and backward (the backward's time: this less the forward)."""
-    out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-    torch.autograd.grad(out, (q, k, v), grad)
-
-
-def memory_rows(elements) -> list[list]:
-    rows = []
-    for count in elements:
-        x, y, out = (torch.randn(count, device="cuda") for _ in range(3))
-        rows.append([3 * 4 * count, round(graphed_us(torch.add, x, y, out=out), 3)])
-    torch.cuda.empty_cache()
-    return rows
 
 
 def sync_us() -> float:
@@ -171,52 +83,31 @@ def _stamp(stamps: dict, name: str) -> None:
     stamps.setdefault(name, time.perf_counter())
 
 
-def memory_op_rates() -> dict[str, float]:
-    """Bytes a µs of the ops a training step spends its non-GEMM time in, each at a size of
-    the 1b model's (8, 1024) step, where they are slower per byte than an elementwise add;
-    bytes as the time model counts them (``capacity.op_list``: every tensor read and
-    written)."""
-    from dp_cost.capacity.op_list import OpRecord
+def memory_ops_into(path: str) -> int:
+    """Measure the memory ops' rates alone (``memory_op_rates``) and write them into the table
+    at ``path``, measured before on a card of the same kind; the table says when and how."""
+    from dp_cost.capacity.card_rates import load_card
+    from dp_cost.measure.run import git_commit
 
-    aten = torch.ops.aten
-    tokens, width, vocab = 8192, 2048, 32000
-    x32 = torch.randn(tokens, width, device="cuda")
-    x16 = x32.bfloat16()
-    weight, bias = torch.ones(width, device="cuda"), torch.zeros(width, device="cuda")
-    _, mean, rstd = aten.native_layer_norm(x32, [width], weight, bias, 1e-5)
-    logits = torch.randn(4096, vocab, device="cuda")
-    logp = torch.log_softmax(logits, -1)
-    target = torch.randint(vocab, (4096,), device="cuda")
-    loss, total_weight = aten.nll_loss_forward(logp, target, None, 1, -100)
-    ids = torch.randint(vocab, (tokens,), device="cuda")
-    cases = [
-        (aten._to_copy.default, (x32,), {"dtype": torch.bfloat16}),
-        (aten.add.Tensor, (x16, x16), {}),
-        (aten.mul.Tensor, (x16, x16), {}),
-        (aten.sum.dim_IntList, (x16, [0]), {}),
-        (aten.native_layer_norm.default, (x32, [width], weight, bias, 1e-5), {}),
-        (aten.native_layer_norm_backward.default,
-         (x32, x32, [width], mean, rstd, weight, bias, [True, True, True]), {}),
-        (aten.gelu.default, (x16,), {}),
-        (aten.gelu_backward.default, (x16, x16), {}),
-        (aten._log_softmax.default, (logits, -1, False), {}),
-        (aten._log_softmax_backward_data.default, (logp, logp, -1, torch.float32), {}),
-        (aten.nll_loss_forward.default, (logp, target, None, 1, -100), {}),
-        (aten.nll_loss_backward.default,
-         (torch.ones_like(loss), logp, target, None, 1, -100, total_weight), {}),
-        (aten.embedding_dense_backward.default, (x32, ids, vocab, -1, False), {}),
-    ]  # fmt: skip
-    rates = {}
-    for op, args, kwargs in cases:
-        record = OpRecord()
-        with record:
-            op(*args, **kwargs)
-        moved = sum(o.bytes for o in record.ops if o.name == str(op))
-        try:
-            rates[str(op)] = round(moved / graphed_us(op, *args, **kwargs), 1)
-        except RuntimeError as error:  # not capturable: its rate stays unmeasured
-            print(f"{op}: not measured ({' '.join(str(error).split())[:120]})", file=sys.stderr)
-    return rates
+    with open(path) as f:
+        table = json.load(f)
+    if table.get("card") != torch.cuda.get_device_name():
+        print(f"error: {path} is {table.get('card')!r}'s table, this card is "
+              f"{torch.cuda.get_device_name()!r}", file=sys.stderr)  # fmt: skip
+        return 2
+    table["memory_ops"] = memory_op_rates()
+    table["measured"]["memory_ops_remeasured"] = {
+        "date": datetime.date.today().isoformat(),
+        "commit": git_commit(ROOT) or "not recorded",
+        "torch": torch.__version__,
+        "command": f"python benchmarks/card_rates.py --memory_ops_into {path}",
+    }
+    with open(path, "w") as f:
+        json.dump(table, f, indent=1)
+        f.write("\n")
+    load_card(path)  # the toolkit reads it back
+    print(json.dumps({"card": table["card"], "path": path, "memory_ops": table["memory_ops"]}))
+    return 0
 
 
 # The host costs' calibration models: each kind's tiny model at several depths. The host's time
@@ -363,6 +254,8 @@ def main() -> int:
     if not torch.cuda.is_available():
         print("error: this measures a CUDA card; none is available", file=sys.stderr)
         return 2
+    if args.memory_ops_into:
+        return memory_ops_into(args.memory_ops_into)
     from dp_cost.capacity.card_rates import (
         CARDS_DIR,
         MODEL_KINDS,

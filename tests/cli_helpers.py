@@ -33,7 +33,10 @@ def benchmark_script(file_name: str):
     package: a script's functions and main called directly, with the test's imports)."""
     import importlib.util
 
-    path = os.path.join(ROOT, "benchmarks", file_name)
+    folder = os.path.join(ROOT, "benchmarks")
+    if folder not in sys.path:  # as running it does: a script finds its siblings
+        sys.path.append(folder)
+    path = os.path.join(folder, file_name)
     spec = importlib.util.spec_from_file_location(os.path.splitext(file_name)[0], path)
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module  # as an import does: a forked pool's tasks find its functions

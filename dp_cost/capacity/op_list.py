@@ -12,6 +12,7 @@ CPU step's fused attention is counted with the same formulas.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -98,6 +99,25 @@ def _bytes(tensors: list[torch.Tensor]) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
 
 
+@functools.cache
+def _written_arguments(func) -> tuple[tuple[int, str], ...]:
+    """(position, name) of each argument ``func`` writes in place (``Tensor(a!)``)."""
+    return tuple(
+        (i, argument.name)
+        for i, argument in enumerate(func._schema.arguments)
+        if argument.alias_info is not None and argument.alias_info.is_write
+    )
+
+
+def _written(func, args, kwargs) -> list[torch.Tensor]:
+    """The tensors ``func`` writes in place: what an op that returns nothing (torch.optim's
+    foreach steps, ``_foreach_add_`` and the like) leaves as its output."""
+    written = []
+    for position, name in _written_arguments(func):
+        written += _tensors(args[position] if position < len(args) else kwargs.get(name))
+    return written
+
+
 def _first_dtype(tensors: list[torch.Tensor]) -> str:
     for t in tensors:
         if t.is_floating_point():
@@ -157,7 +177,8 @@ def describe(func, args, kwargs, output, segment: int, optimizer: bool = False) 
         return Op(
             name, COLLECTIVE, 0, collective_bytes(args, output), collective=collective, **known
         )
-    outputs = _tensors(output)
+    # an op that writes its arguments in place and returns nothing writes them: its output
+    outputs = _tensors(output) or _written(func, args, kwargs)
     # a view, a storage made, an op of no tensor (types promoted, sizes read): no kernel
     if func in NO_KERNEL or func.is_view or not outputs:
         return Op(name, VIEW, 0, 0, **known)

@@ -180,6 +180,51 @@ def test_the_op_record_counts_flops_as_torchs_counter_does():
     assert moved == 3 * 4 * layer.weight.numel() or moved == 3 * 4 * layer.bias.numel()
 
 
+def test_the_optimizers_foreach_steps_move_the_tensors_they_write_in_place():
+    """torch.optim's foreach steps write their tensor lists in place and return nothing: each is
+    a kernel moving what it reads and writes, counted from the parameters' sizes (it was
+    counted as moving nothing, and Adam's step on the 1b model cost 34 ms on an H200)."""
+    layer = torch.nn.Linear(48, 24)
+    weights = 4 * sum(p.numel() for p in layer.parameters())  # one list's bytes, fp32
+    for optimizer, op, lists in (
+        (torch.optim.SGD(layer.parameters(), lr=0.1, foreach=True), "_foreach_add_.List", 3),
+        (
+            torch.optim.Adam(layer.parameters(), lr=0.1, foreach=True),
+            "_foreach_addcdiv_.ScalarList",
+            4,
+        ),
+    ):  # read p and g, write p; read p, exp_avg and the denominator, write p
+        layer(torch.randn(6, 48)).sum().backward()
+        record = OpRecord()
+        with record:
+            optimizer.step()
+        step = [o for o in record.ops if o.name == f"aten.{op}"]
+        assert [(o.kind, o.bytes, o.optimizer) for o in step] == [(MEMORY, lists * weights, True)]
+        foreach = [o for o in record.ops if o.name.startswith("aten._foreach_") and o.bytes]
+        assert all(o.kind == MEMORY for o in foreach) and len(foreach) >= 1
+
+
+def test_the_card_measures_every_foreach_step_sgd_and_adam_dispatch():
+    """The card's table rates torch.optim's foreach steps as its SGD and Adam dispatch them
+    (benchmarks/kernel_rates.optimizer_cases): every foreach op over the parameters' lists
+    that a step records is one the card measures (the step counts' add runs on the host)."""
+    cases = benchmark_script("kernel_rates.py").optimizer_cases(4, device="cpu")
+    measured = {str(op) for op, *_ in cases}
+    layer = torch.nn.Linear(48, 24)
+    weights = 4 * sum(p.numel() for p in layer.parameters())
+    dispatched = set()
+    for optimizer in (torch.optim.SGD(layer.parameters(), lr=0.1, foreach=True),
+                      torch.optim.Adam(layer.parameters(), lr=0.1, foreach=True)):  # fmt: skip
+        layer(torch.randn(6, 48)).sum().backward()
+        record = OpRecord()
+        with record:
+            optimizer.step()
+        dispatched |= {o.name for o in record.ops if "_foreach_" in o.name and o.bytes >= weights}
+    assert dispatched and dispatched <= measured, dispatched - measured
+    for op, args, kwargs in cases:  # each case runs as its step does
+        op(*args, **kwargs)
+
+
 def test_a_cpu_attention_is_counted_with_torchs_attention_formulas():
     q = torch.randn(2, 4, 64, 32, requires_grad=True)
     record = OpRecord()
