@@ -3,7 +3,9 @@
 planned again on this CPU (the fake step's op list, as the toolkit records it now) and costed
 with each card table given, beside the step the run measured (its ``median_time_ms``). A
 change to the time model or a table measured again is checked this way against every measured
-step kept, on every machine they came from, without a GPU.
+step kept, on every machine they came from, without a GPU. Where a run was traced (its
+result's ``kernels``), the GPU ms of its traced step by kind (GEMMs, attention, torch.optim's
+step, every other kernel) is printed beside the plan's, to say where a miss lies.
 
 usage: python benchmarks/time_recost.py RUN_DIR [RUN_DIR ...] [--tables TABLE ...] [--out F]
   RUN_DIR: a run's folder (its configs' result.json one level down), or a folder of runs
@@ -54,10 +56,51 @@ def measured_configs(folders: list[str]) -> list[dict]:
                 "result": path, "config": result["config"], "device": result["env"]["device"],
                 "measured_ms": result["median_time_ms"], "steps_ms": result["step_times_ms"],
                 "chunks": chunks, "predicted_then_ms": predicted_then,
+                "kernels_ms": measured_kernels(result),
             })  # fmt: skip
         except (OSError, ValueError, KeyError, TypeError, AttributeError) as error:
             print(f"warning: {path}: not a measured time prediction ({error})", file=sys.stderr)
     return rows
+
+
+# The kernel categories a traced run reports (result["kernels"]) as the planned ops' kinds
+KINDS = ("gemm", "attention", "optimizer", "other")
+
+
+def measured_kernels(result: dict) -> dict[str, float] | None:
+    """A traced run's GPU ms of one step by KINDS (its kernel categories; the memory-bound
+    ones, elementwise, reductions, norms and the rest, as "other"), None if not traced."""
+    kernels = result.get("kernels")
+    if not kernels:
+        return None
+    by_kind = dict.fromkeys(KINDS, 0.0)
+    for category, entry in kernels.items():
+        by_kind[category if category in KINDS else "other"] += entry["time_ms"]
+    return {kind: round(ms, 3) for kind, ms in by_kind.items()}
+
+
+def planned_kernels(ops: list, marks: list, costs, chunk_count: int) -> dict[str, float]:
+    """The planned step's GPU ms by KINDS, as the time model costs them: an op inside
+    torch.optim's step is the optimizer's, a GEMM or an attention its kind, any other kernel
+    "other"; chunks beyond the recorded ones as the middle one recorded (``predicted_time``)."""
+    from dp_cost.capacity.step_time import chunk_groups
+
+    chunks, finish = chunk_groups(ops, marks)
+    groups = []
+    for group in [*chunks, finish]:
+        by_kind = dict.fromkeys(KINDS, 0.0)
+        for op, phase in group:
+            if op.kind == "collective":
+                continue
+            kind = "optimizer" if op.optimizer else op.kind if op.kind in KINDS else "other"
+            by_kind[kind] += costs.op(op, phase)[1] / 1e3
+        groups.append(by_kind)
+    extra = max(chunk_count - len(chunks), 0) if chunks else 0
+    middle = groups[min(1, len(chunks) - 1)] if chunks else {}
+    return {
+        kind: round(sum(g[kind] for g in groups) + extra * middle.get(kind, 0.0), 3)
+        for kind in KINDS
+    }
 
 
 def chunks_and_prediction(result: dict) -> tuple[int | None, float | None]:
@@ -88,6 +131,13 @@ def costed(row: dict, tables: dict, card_rates, step_time) -> dict:
         rates = rates or card_rates.card_rates(row["device"])
         times = step_time.config_time(config, planned, rates, row["chunks"])
         predicted[name] = {k: round(v, 3) for k, v in times.items()}
+        if row["kernels_ms"] is not None:  # traced: where the GPU's time goes, beside it
+            costs = step_time.StepCosts(rates, config.trainer, bool(config.cuda_graph),
+                                        step_time.model_kind(config),
+                                        (config.distributed, config.world_size))  # fmt: skip
+            predicted[name]["kernels_ms"] = planned_kernels(
+                planned["ops"], planned["marks"], costs, row["chunks"]
+            )
     return predicted
 
 
@@ -137,6 +187,12 @@ def main(argv=None) -> int:
             f"own prediction: {'none' if then is None else f'{then:.1f}'})",
             flush=True,
         )
+        if row["kernels_ms"] is not None:
+            print("  GPU ms of its traced step by kind, predicted / measured: " + "; ".join(
+                f"{kind} " + " ".join(f"{v['kernels_ms'][kind]:.1f}"
+                                      for v in row["predicted_ms"].values())
+                + f" / {row['kernels_ms'][kind]:.1f}" for kind in KINDS
+            ))  # fmt: skip
     if not rows:
         print("error: none of the measured configs could be planned", file=sys.stderr)
         return 2

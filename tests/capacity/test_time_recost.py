@@ -71,3 +71,33 @@ def test_a_kept_runs_steps_are_costed_again_beside_what_they_measured(tmp_path, 
     assert f"{table}: 0/4 within ±15%, 0/4 within ±25%; median error -50.0%" in out
     status, _, err = recost(tmp_path / "empty", capsys=capsys)
     assert status == 2 and err.startswith("error: no measured")
+
+
+def test_a_traced_runs_gpu_time_is_split_by_kind_beside_the_plans(tmp_path, capsys):
+    """A traced run's kernel categories (result["kernels"]) summed into GEMMs, attention,
+    torch.optim's step and the rest, beside the plan's GPU ms of the same kinds, which add up
+    to the GPU's busy time the time model plays; the optimizer's foreach step costs time."""
+    run = in_process("--mode=capacity", "--trainers", "standard", "--batch_sizes", "4",
+                     "--seq_lens", "16", *SMALL_MODEL, "--max_physical_batch_sizes", "2",
+                     "--output_dir", tmp_path, "--run_name", "r")  # fmt: skip
+    assert run.returncode == 0, run.stderr
+    (path,) = (tmp_path / "r").glob("*/result.json")
+    result = json.loads(path.read_text())
+    step_ms = result["prediction"]["time"]["step_ms"]
+    categories = {"gemm": 1.0, "attention": 0.0, "elementwise": 2.0, "reduction": 0.5,
+                  "norm_clip": 0.0, "optimizer": 0.25, "other": 0.125}  # fmt: skip
+    result["kernels"] = {name: {"time_ms": ms, "count": 1} for name, ms in categories.items()}
+    result.update(median_time_ms=step_ms, step_times_ms=[step_ms] * 3)
+    path.write_text(json.dumps(result))
+    rows_file = tmp_path / "rows.json"
+    capsys.readouterr()
+    table = card_rates.card_rates("NVIDIA H200").path
+    status, out, err = recost(tmp_path / "r", "--tables", table, "--out", rows_file, capsys=capsys)
+    assert status == 0, err
+    (row,) = json.loads(rows_file.read_text())
+    assert row["kernels_ms"] == {"gemm": 1.0, "attention": 0.0, "optimizer": 0.25, "other": 2.625}
+    predicted = row["predicted_ms"][table]
+    planned = predicted["kernels_ms"]
+    assert sum(planned.values()) == pytest.approx(predicted["gpu_ms"], rel=1e-3, abs=2e-3)
+    assert planned["gemm"] > 0 and planned["optimizer"] > 0
+    assert "by kind, predicted / measured: gemm" in out and "optimizer" in out
