@@ -69,20 +69,31 @@ KINDS = ("gemm", "attention", "optimizer", "other")
 
 def measured_kernels(result: dict) -> dict[str, float] | None:
     """A traced run's GPU ms of one step by KINDS (its kernel categories; the memory-bound
-    ones, elementwise, reductions, norms and the rest, as "other"), None if not traced."""
+    ones, elementwise, reductions, norms and the rest, as "other", less NCCL's kernels, which
+    the plan times as collectives), None if not traced."""
     kernels = result.get("kernels")
     if not kernels:
         return None
     by_kind = dict.fromkeys(KINDS, 0.0)
     for category, entry in kernels.items():
         by_kind[category if category in KINDS else "other"] += entry["time_ms"]
+    by_kind["other"] -= result.get("communication_time_ms") or 0.0
     return {kind: round(ms, 3) for kind, ms in by_kind.items()}
 
 
+def planned_kind(op) -> str:
+    """An op's kind as the trace's categories name its kernel (``core.kernel_names``): a
+    foreach op's (the optimizer's step, flash's sums of chunks) "optimizer" but for its norms
+    ("norm_clip", here "other"), a GEMM or an attention by its kind, the rest "other". (An
+    eager attention's GEMMs, "attention" in the trace by their profiler range, are GEMMs here.)"""
+    if "_foreach_" in op.name and "norm" not in op.name:
+        return "optimizer"
+    return op.kind if op.kind in ("gemm", "attention") else "other"
+
+
 def planned_kernels(ops: list, marks: list, costs, chunk_count: int) -> dict[str, float]:
-    """The planned step's GPU ms by KINDS, as the time model costs them: an op inside
-    torch.optim's step is the optimizer's, a GEMM or an attention its kind, any other kernel
-    "other"; chunks beyond the recorded ones as the middle one recorded (``predicted_time``)."""
+    """The planned step's GPU ms by KINDS (``planned_kind``), as the time model costs them;
+    chunks beyond the recorded ones as the middle one recorded (``predicted_time``)."""
     from dp_cost.capacity.step_time import chunk_groups
 
     chunks, finish = chunk_groups(ops, marks)
@@ -92,8 +103,7 @@ def planned_kernels(ops: list, marks: list, costs, chunk_count: int) -> dict[str
         for op, phase in group:
             if op.kind == "collective":
                 continue
-            kind = "optimizer" if op.optimizer else op.kind if op.kind in KINDS else "other"
-            by_kind[kind] += costs.op(op, phase)[1] / 1e3
+            by_kind[planned_kind(op)] += costs.op(op, phase)[1] / 1e3
         groups.append(by_kind)
     extra = max(chunk_count - len(chunks), 0) if chunks else 0
     middle = groups[min(1, len(chunks) - 1)] if chunks else {}

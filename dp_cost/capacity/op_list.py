@@ -38,6 +38,7 @@ NO_KERNEL = {
     aten.set_.source_Storage_storage_offset,
     aten.resize_.default,
     aten._unsafe_view.default,
+    aten.record_stream.default,
 }
 # The host reads a value off the device: it waits for every kernel queued before
 SYNCS = {aten._local_scalar_dense.default, aten.is_nonzero.default, aten.equal.default}
@@ -100,10 +101,10 @@ def _bytes(tensors: list[torch.Tensor]) -> int:
 
 
 @functools.cache
-def _written_arguments(func) -> tuple[tuple[int, str], ...]:
-    """(position, name) of each argument ``func`` writes in place (``Tensor(a!)``)."""
+def _written_arguments(func) -> tuple[tuple[int, str, bool], ...]:
+    """(position, name, keyword-only) of each argument ``func`` writes (``Tensor(a!)``)."""
     return tuple(
-        (i, argument.name)
+        (i, argument.name, argument.kwarg_only)
         for i, argument in enumerate(func._schema.arguments)
         if argument.alias_info is not None and argument.alias_info.is_write
     )
@@ -111,11 +112,18 @@ def _written_arguments(func) -> tuple[tuple[int, str], ...]:
 
 def _written(func, args, kwargs) -> list[torch.Tensor]:
     """The tensors ``func`` writes in place: what an op that returns nothing (torch.optim's
-    foreach steps, ``_foreach_add_`` and the like) leaves as its output."""
+    foreach steps, FSDP2's copies into its ``out`` buffers) leaves as its output."""
     written = []
-    for position, name in _written_arguments(func):
+    for position, name, _ in _written_arguments(func):
         written += _tensors(args[position] if position < len(args) else kwargs.get(name))
     return written
+
+
+def _read_kwargs(func, kwargs) -> list[torch.Tensor]:
+    """The tensors of ``kwargs`` that ``func`` reads: all but its ``out=`` buffers, which it
+    only writes (counted once, as its output)."""
+    only_written = {name for _, name, keyword in _written_arguments(func) if keyword}
+    return _tensors([value for name, value in kwargs.items() if name not in only_written])
 
 
 def _first_dtype(tensors: list[torch.Tensor]) -> str:
@@ -179,10 +187,12 @@ def describe(func, args, kwargs, output, segment: int, optimizer: bool = False) 
         )
     # an op that writes its arguments in place and returns nothing writes them: its output
     outputs = _tensors(output) or _written(func, args, kwargs)
-    # a view, a storage made, an op of no tensor (types promoted, sizes read): no kernel
-    if func in NO_KERNEL or func.is_view or not outputs:
+    # a view, a storage made, an op of no tensor (types promoted, sizes read): no kernel; nor
+    # torch.optim's count of its steps (scalars on the host, unless the step is capturable)
+    step_counts = optimizer and all(t.dim() == 0 for t in outputs)
+    if func in NO_KERNEL or func.is_view or not outputs or step_counts:
         return Op(name, VIEW, 0, 0, **known)
-    moved = _bytes(inputs) + _bytes(_tensors(kwargs) if kwargs else []) + _bytes(outputs)
+    moved = _bytes(inputs) + _bytes(_read_kwargs(func, kwargs) if kwargs else []) + _bytes(outputs)
     if func in GEMMS:
         batch, m, n, k = gemm_shape(func, args)
         return Op(name, GEMM, 2 * batch * m * n * k, moved, gemm=(batch, m, n, k), **known)
