@@ -36,10 +36,10 @@ from dp_cost.core.hf_architectures import HF_CONFIGS
 CHUNK_END = "backward_done"  # the phase that ends a chunk's backward
 # A step whose host is busier than its GPU moves with the host's speed, and hosts of one card
 # kind differ: the calibration steps of three H200 machines ran up to 2 x apart per op, and
-# steps measured on six machines came out -47% to +56% against the shipped table where the
-# host bound them, -18% to +1% where the GPU did
+# steps measured on several machines came out -47% to +59% against the shipped table where the
+# host bound them, -18% to +6% where the GPU did
 HOST_BOUND_NOTE = (
-    "host-bound: such steps came out -47% to +56% against measured ones on six machines of "
+    "host-bound: such steps came out -47% to +59% against measured ones on several machines of "
     "one card kind (the host's speed differs between machines and runs, and the calibration's "
     "host costs are one machine's)"
 )
