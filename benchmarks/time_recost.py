@@ -92,9 +92,9 @@ def planned_kind(op) -> str:
 
 
 def planned_kernels(ops: list, marks: list, costs, chunk_count: int) -> dict[str, float]:
-    """The planned step's GPU ms by KINDS (``planned_kind``), as the time model costs them;
-    chunks beyond the recorded ones as the middle one recorded (``predicted_time``)."""
-    from dp_cost.capacity.step_time import chunk_groups
+    """The planned step's GPU ms by KINDS (``planned_kind``), as the time model costs them,
+    over the logical batch as ``predicted_time`` sums it (``step_time.logical_batch``)."""
+    from dp_cost.capacity.step_time import chunk_groups, logical_batch
 
     chunks, finish = chunk_groups(ops, marks)
     groups = []
@@ -105,12 +105,8 @@ def planned_kernels(ops: list, marks: list, costs, chunk_count: int) -> dict[str
                 continue
             by_kind[planned_kind(op)] += costs.op(op, phase)[1] / 1e3
         groups.append(by_kind)
-    extra = max(chunk_count - len(chunks), 0) if chunks else 0
-    middle = groups[min(1, len(chunks) - 1)] if chunks else {}
-    return {
-        kind: round(sum(g[kind] for g in groups) + extra * middle.get(kind, 0.0), 3)
-        for kind in KINDS
-    }
+    total = logical_batch(groups, len(chunks), chunk_count)
+    return {kind: round(ms, 3) for kind, ms in total.items()}
 
 
 def chunks_and_prediction(result: dict) -> tuple[int | None, float | None]:
@@ -142,9 +138,7 @@ def costed(row: dict, tables: dict, card_rates, step_time) -> dict:
         times = step_time.config_time(config, planned, rates, row["chunks"])
         predicted[name] = {k: round(v, 3) for k, v in times.items()}
         if row["kernels_ms"] is not None:  # traced: where the GPU's time goes, beside it
-            costs = step_time.StepCosts(rates, config.trainer, bool(config.cuda_graph),
-                                        step_time.model_kind(config),
-                                        (config.distributed, config.world_size))  # fmt: skip
+            costs = step_time.step_costs(config, rates)
             predicted[name]["kernels_ms"] = planned_kernels(
                 planned["ops"], planned["marks"], costs, row["chunks"]
             )

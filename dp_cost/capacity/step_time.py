@@ -181,13 +181,23 @@ def predicted_time(
         play(group, costs, phases)
         for group, phases in [*((c, (FORWARD, BACKWARD)) for c in chunks), (finish, (FINISH,))]
     ]
-    total = {key: sum(p[key] for p in played) for key in TIMES}
-    extra = max(chunk_count - len(chunks), 0)
-    if chunks and extra:  # each as a middle chunk: no sync of DDP's or FSDP2's logical one
-        middle = played[min(1, len(chunks) - 1)]  # the second recorded: a middle one of three
+    total = logical_batch(played, len(chunks), chunk_count)
+    return {f"{key}_ms": value / 1e3 for key, value in total.items()}
+
+
+def logical_batch(
+    per_group: list[dict[str, float]], recorded: int, chunk_count: int
+) -> dict[str, float]:
+    """The sums of ``per_group`` (the ``recorded`` chunks' numbers, then the finish's) over a
+    logical batch of ``chunk_count`` chunks: each chunk beyond the recorded ones as a middle
+    one (no sync of DDP's or FSDP2's logical one), the second recorded, a middle one of three."""
+    total = {key: sum(group[key] for group in per_group) for key in per_group[0]}
+    extra = max(chunk_count - recorded, 0)
+    if recorded and extra:
+        middle = per_group[min(1, recorded - 1)]
         for key in total:
             total[key] += extra * middle[key]
-    return {f"{key}_ms": value / 1e3 for key, value in total.items()}
+    return total
 
 
 def chunk_count(samples: int, physical: int) -> int:
@@ -206,11 +216,15 @@ def config_time(config, step: dict, rates: CardRates, chunks: int) -> dict[str, 
     """``predicted_time`` of ``config``'s planned ``step`` (its ``ops`` and ``marks``) in
     ``chunks`` chunks on ``rates``' card, as the config's trainer, model, graphs and ranks run
     it."""
-    costs = StepCosts(
+    return predicted_time(step["ops"], step["marks"], step_costs(config, rates), chunks)
+
+
+def step_costs(config, rates: CardRates) -> StepCosts:
+    """``config``'s step on ``rates``' card, as its trainer, model, graphs and ranks run it."""
+    return StepCosts(
         rates, config.trainer, bool(config.cuda_graph), model_kind(config),
         (config.distributed, config.world_size),
     )  # fmt: skip
-    return predicted_time(step["ops"], step["marks"], costs, chunks)
 
 
 def planned_time(config, step: dict, physical: int, samples: int) -> dict:
