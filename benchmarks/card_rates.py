@@ -39,9 +39,13 @@ def parse(argv=None):
     parser.add_argument("--quick", action="store_true", help="a coarse grid (a check, not a table)")
     parser.add_argument(
         "--memory_ops_into", metavar="TABLE",
-        help="measure only the memory ops' rates and write them into TABLE, measured before",
+        help="measure only the memory ops' rates and write them into TABLE, an existing table "
+        "of this card",
     )  # fmt: skip
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    if args.memory_ops_into and (args.out or args.quick):
+        parser.error("--memory_ops_into writes into its TABLE alone: drop --out and --quick")
+    return args
 
 
 if __name__ == "__main__":  # --help answers before torch is imported

@@ -10,7 +10,7 @@ import torch
 
 from dp_cost.capacity import card_rates
 from tests.capacity.card_table import card_table
-from tests.cli_helpers import ROOT, benchmark_main
+from tests.cli_helpers import ROOT, benchmark_main, benchmark_script
 
 SCRIPT = os.path.join(ROOT, "benchmarks", "card_tables.py")
 PHASES = ("forward", "backward", "finish")
@@ -147,3 +147,15 @@ def test_a_recount_that_finds_other_syncs_than_it_recorded_refuses(tmp_path, cap
     assert status == 2 and "'standard' at 2 blocks" in err and "999" in err
     errors = [line for line in err.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and path.read_text() == before
+
+
+def test_the_memory_ops_alone_go_into_a_table_without_other_outputs(capsys):
+    """card_rates.py --memory_ops_into writes into the table it names: with --out or --quick
+    it says so in one line and exits 2 before anything is measured."""
+    script = benchmark_script("card_rates.py")
+    for extra in (["--quick"], ["--out", "other.json"]):
+        with pytest.raises(SystemExit) as stopped:
+            script.parse(["--memory_ops_into", "table.json", *extra])
+        assert stopped.value.code == 2
+        assert "--memory_ops_into writes into its TABLE alone" in capsys.readouterr().err
+    assert script.parse(["--memory_ops_into", "table.json"]).memory_ops_into == "table.json"
