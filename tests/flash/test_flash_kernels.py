@@ -68,10 +68,14 @@ def test_shape_errors():
 
 def test_pair_index_covers_every_tile_pair_once():
     """The grid launches only the n(n+1)/2 pairs t <= s and each program recovers its (s, t)
-    from a float square root: with 33 tiles (561 pairs) every pair must be counted exactly once,
-    which brute force over all token pairs checks."""
+    from a float square root: with 10 tiles (55 pairs, ten rows s of the triangle) every pair
+    must be counted exactly once, which brute force over all token pairs checks: here every
+    pair's share of the total is at least 1.9e-4, 19 times the tolerance, so one pair lost or
+    counted twice fails (with 33 tiles the smallest share was 1.6e-5)."""
     torch.manual_seed(2)
-    A, G = torch.randn(1, 33 * 16, 16), torch.randn(1, 33 * 16, 16)
+    # the interpreter runs one program per pair (~30 ms each); the fp32 root is first off (and
+    # corrected) past 10^7 pairs, so more rows of the triangle would exercise nothing new
+    A, G = torch.randn(1, 10 * 16, 16), torch.randn(1, 10 * 16, 16)
     norms = flash_kernels.gram_squared_norms(A, G, block_t=16, block_k=16)
     assert relative_error(norms, per_sample_squared_norms(A, G)) < 1e-5
 
@@ -85,25 +89,33 @@ def noise_added(tensors, std, seed):
 
 
 def test_noise_kernel_is_gaussian_independent_and_reproducible():
+    """The noise of 65,000 elements (32 blocks, the last part-filled; the interpreter takes
+    ~40 ms a block) drawn under two seeds, against N(0, 0.25): the two draws pooled (130,000
+    normals) give the mean within 5 standard errors, the std within 1% (5.1 standard errors of
+    0.00196) and the share past 3 sigma within 5, each failed by a true Gaussian with a
+    probability under 1e-6."""
     torch.manual_seed(0)
-    tensors = [torch.randn(250_000), torch.zeros(4097), torch.zeros(3)]
+    tensors = [torch.randn(65_000), torch.zeros(4097), torch.zeros(3)]
     big, edge, tiny = noise_added(tensors, 0.5, seed=1)
-    n = big.numel()
-    assert abs(big.mean().item()) < 5 * 0.5 / n**0.5  # 5 standard errors
-    assert abs(big.std().item() / 0.5 - 1) < 0.01  # the std's standard error is ~0.0014
-    outside = (big.abs() > 1.5).float().mean().item()  # P(|z| > 3) = 0.0027 for a Gaussian
+    other = noise_added(tensors, 0.5, seed=2)[0]
+    assert not torch.equal(other, big)
+    pooled = torch.cat([big, other])
+    n = pooled.numel()
+    assert abs(pooled.mean().item()) < 5 * 0.5 / n**0.5  # 5 standard errors
+    assert abs(pooled.std().item() / 0.5 - 1) < 0.01  # the std's standard error is ~0.00196
+    outside = (pooled.abs() > 1.5).float().mean().item()  # P(|z| > 3) = 0.0027 for a Gaussian
     assert abs(outside - 0.0027) < 5 * (0.0027 / n) ** 0.5
     # every element of every tensor drawn: block edges (4096 | 4097) and a 3-element tensor
     assert (edge != 0).all() and (tiny != 0).all()
-    # tensors and blocks get independent draws, not the same stream
+    # tensors, blocks and seeds get independent draws, not the same stream
     assert abs(torch.corrcoef(torch.stack([big[:4097], edge]))[0, 1].item()) < 0.1
     assert abs(torch.corrcoef(torch.stack([big[:4096], big[4096:8192]]))[0, 1].item()) < 0.1
+    assert abs(torch.corrcoef(torch.stack([big, other]))[0, 1].item()) < 0.1
     # the four normals of one Philox draw go to the four quarters of a block
     quarters = big[:4096].view(4, 1024)
     assert (torch.corrcoef(quarters) - torch.eye(4)).abs().max().item() < 0.15
     again = noise_added(tensors, 0.5, seed=1)
     assert all(torch.equal(a, b) for a, b in zip(again, (big, edge, tiny)))
-    assert not torch.equal(noise_added(tensors, 0.5, seed=2)[0], big)
 
 
 @triton.jit
@@ -421,12 +433,27 @@ def test_norm_layer_grads_many_refuses_mixed_shapes():
         flash_kernels.norm_layer_per_sample_grads_many([(x, x), (y, y)], 1e-5, False)
 
 
-def test_norm_layer_whole_rows_several_tiles_per_program():
-    """The whole-row kernel at d = 8192 (one token per tile): 2 x 1029 tiles, enough for each
-    program to sum two consecutive tiles in registers; the last program's second tile lies past
-    T (masked)."""
+@pytest.mark.parametrize("T, d", [(5, 8192), (300, 48)])
+def test_norm_layer_whole_rows_several_tiles_per_program(T, d, monkeypatch):
+    """The whole-row kernel with each program summing two consecutive tiles in registers: at
+    d = 8192 (one token per tile) T = 5 gives 3 programs a sample, the last one's second tile
+    past T (masked); at d = 48 (128-token tiles) T = 300 gives 2, the second's first tile part
+    past T and its second wholly. The tiling picks two tiles a program by itself only from 2048
+    tiles over the batch (B = 2, T = 1029 at d = 8192: 1030 programs of 8192 elements, ~45 s
+    interpreted), checked without a launch; the kernel then runs at small T with that tiling
+    asked for."""
+    from dp_cost.flash.kernels import norm_layer
+
+    tiles = norm_layer._whole_row_tiles
+    assert tiles(2, 1029, 8192) == (1, 2, 515)  # (tokens a tile, tiles a program, programs)
+
+    def two_tiles_per_program(B, T, D):
+        block_t, _, _ = tiles(B, T, D)
+        return block_t, 2, triton.cdiv(triton.cdiv(T, block_t), 2)
+
+    monkeypatch.setattr(norm_layer, "_whole_row_tiles", two_tiles_per_program)
     torch.manual_seed(8)
-    B, T, d = 2, 1029, 8192
+    B = 2
     x, g = torch.randn(B, T, d) * 3 + 50, torch.randn(B, T, d)
     weight, bias = flash_kernels.norm_layer_per_sample_grads(x, g, eps=1e-5, rms=False)
     expected_weight, expected_bias = per_sample_norm_layer_grads(x, g, 1e-5, False)
