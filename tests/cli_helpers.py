@@ -3,10 +3,12 @@
 import contextlib
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
 import tempfile
+import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # The environment torchrun gives rank 0 of two: a plan or CLI run in-process "under torchrun".
@@ -132,3 +134,65 @@ def results_in(run_dir):
             with open(path) as f:
                 out[name] = json.load(f)
     return out
+
+
+def wait_for(condition, timeout=120.0, cli=None, interval=0.02):
+    """Until ``condition()``, asked every ``interval`` seconds; a ``cli`` process (a Popen) that
+    ends first fails at once, and so does the ``timeout``."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert cli is None or cli.poll() is None, f"the CLI ended first: {cli.returncode}"
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(interval)
+
+
+def child_pids(pid: int) -> list[int]:
+    """The processes ``pid`` has forked and not reaped yet (any of its threads'), from /proc."""
+    found = []
+    for task in os.listdir(f"/proc/{pid}/task"):
+        with contextlib.suppress(FileNotFoundError):  # a thread that ended meanwhile
+            with open(f"/proc/{pid}/task/{task}/children") as f:
+                found += [int(child) for child in f.read().split()]
+    return found
+
+
+def signal_mask(pid: int, kind: str) -> int:
+    """Process ``pid``'s mask of signals of ``kind`` (/proc/<pid>/status: SigIgn, the ignored;
+    SigCgt, the caught): bit n - 1 is signal n. 0 once the process is gone."""
+    with contextlib.suppress(FileNotFoundError, ProcessLookupError):
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith(f"{kind}:"):
+                    return int(line.split()[1], 16)
+    return 0
+
+
+def running_worker(cli, config_dir) -> int:
+    """The pid of the worker of ``config_dir`` (a Path) of the CLI process ``cli`` (a Popen),
+    once it runs: forked (the CLI makes the config's directory just before it forks the worker,
+    and has reaped the previous config's worker by then) and past its set-up, which ignores
+    Ctrl-C and leaves SIGTERM at its default (a signal before that meets the handlers the fork
+    left it, a moment no test means)."""
+
+    def set_up(pid: int) -> bool:
+        ignored, caught = signal_mask(pid, "SigIgn"), signal_mask(pid, "SigCgt")
+        return bool(ignored >> (signal.SIGINT - 1) & 1) and not caught >> (signal.SIGTERM - 1) & 1
+
+    def worker() -> int | None:
+        pids = child_pids(cli.pid) if config_dir.exists() else []
+        return pids[0] if pids and set_up(pids[0]) else None
+
+    found = []
+    wait_for(lambda: found.append(worker()) or found[-1] is not None, cli=cli)
+    return found[-1]
+
+
+def import_hf_libraries() -> None:
+    """Import in this process what the worker of a Hugging Face config imports (transformers'
+    Llama, peft's LoRA, accelerate): the workers ``in_process`` forks inherit them, as they
+    inherit torch, instead of each importing them again (seconds of CPU a config). Call it once
+    the environment the test sets for them (e.g. HF_HUB_OFFLINE) is in place."""
+    from accelerate import init_empty_weights  # noqa: F401
+    from peft import LoraConfig, TaskType, get_peft_model  # noqa: F401
+    from transformers import LlamaConfig, LlamaForSequenceClassification  # noqa: F401
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm  # noqa: F401

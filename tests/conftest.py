@@ -34,7 +34,6 @@ LONGEST_FIRST = (
     "tests/parallel/test_distributed_cli.py::test_a_torchrun_job_is_one_run",
     "tests/parallel/test_distributed_updates.py",
     "tests/test_hf_sweep.py::test_hf_sweep_cli_writes_every_file",
-    "tests/flash/test_flash_kernels.py::test_norm_layer_whole_rows_several_tiles_per_program",
     "tests/measure/test_tracing.py",
     "tests/test_run_guarantees.py",
     "tests/test_cli.py",

@@ -5,10 +5,17 @@ import os
 import signal
 import subprocess
 import sys
-import time
 
 import pytest
-from cli_helpers import ROOT, SMALL_MODEL, in_process, results_in, small_run_args
+from cli_helpers import (
+    ROOT,
+    SMALL_MODEL,
+    import_hf_libraries,
+    in_process,
+    results_in,
+    running_worker,
+    small_run_args,
+)
 
 import profiling_script
 from dp_cost.measure import worker
@@ -150,37 +157,17 @@ def test_physical_larger_than_some_logical_batches_is_skipped(tmp_path):
 
 
 def test_ctrl_c_keeps_only_complete_results(tmp_path):
+    """Ctrl-C while the second of four configs is measured (batch 1 takes a moment, batch 256
+    far longer than the signal takes to come)."""
+    args = small_run_args(tmp_path, "standard", batch_sizes=(1, 256, 257, 258), steps=30)
     proc = subprocess.Popen(
-        [
-            sys.executable,
-            "profiling_script.py",
-            "--mode=test",
-            "--trainers",
-            "standard",
-            "--batch_sizes",
-            "1",
-            "2",
-            "3",
-            "4",
-            "--seq_lens",
-            "256",
-            "--steps",
-            "30",
-            "--output_dir",
-            str(tmp_path),
-            "--run_name",
-            "r",
-        ],
+        [sys.executable, "profiling_script.py", *args],
         cwd=ROOT,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
     )
-    deadline = time.time() + 120
-    first = tmp_path / "r" / "standard_bs1_seq256" / "result.json"
-    while not first.exists() and time.time() < deadline:
-        time.sleep(0.2)
-    time.sleep(0.5)
+    running_worker(proc, tmp_path / "r" / "standard_bs256_seq8")  # the first has its result
     proc.send_signal(signal.SIGINT)
     stdout, _ = proc.communicate(timeout=120)
     assert proc.returncode == 130
@@ -203,6 +190,7 @@ def test_report_mode_rerenders_from_result_files(tmp_path):
 def test_hf_mode_tiny_llama_with_lora_and_physical_batches(tmp_path, monkeypatch):
     env_token = "hf_SECRET_TOKEN_123"
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    import_hf_libraries()  # here once, not in each of the four configs' workers
     proc = in_process(
         "--mode=hf", "--model_name", "tiny-llama", "--seq_length", "16", "--batch_size", "6",
         "--max_physical_batch_size", "4", "--use_lora", "--lora_rank", "4", "--steps", "2",

@@ -8,7 +8,7 @@ import sys
 import time
 
 import pytest
-from cli_helpers import ROOT, cli, results_in, small_run_args
+from cli_helpers import ROOT, cli, results_in, running_worker, small_run_args
 
 import profiling_script
 from dp_cost.core import rundir
@@ -19,10 +19,10 @@ from dp_cost.measure import plan
 
 
 def start_long_run(tmp_path):
-    """A run of a short config, then a long one; returns once the first has its result. (200
-    steps of this model take about 0.3 s at batch 1 and 5 s at batch 256 on the development
-    machine: the second config runs well past the half second below.)"""
-    args = small_run_args(tmp_path, "standard", batch_sizes=(1, 256), steps=200)
+    """A run of a short config, then a long one; returns once the long one's worker runs. (30
+    steps of this model take about 0.05 s at batch 1 and 0.75 s at batch 256 on the development
+    machine: the signal sent next reaches the CLI while the second config is measured.)"""
+    args = small_run_args(tmp_path, "standard", batch_sizes=(1, 256), steps=30)
     proc = subprocess.Popen(
         [sys.executable, "profiling_script.py", *args],
         cwd=ROOT,
@@ -30,11 +30,7 @@ def start_long_run(tmp_path):
         stderr=subprocess.PIPE,
         text=True,
     )
-    first = tmp_path / "r" / "standard_bs1_seq8" / "result.json"
-    deadline = time.time() + 120
-    while not first.exists() and time.time() < deadline:
-        time.sleep(0.1)
-    time.sleep(0.5)  # the second config is running
+    running_worker(proc, tmp_path / "r" / "standard_bs256_seq8")  # the first config is done
     return proc
 
 

@@ -15,7 +15,7 @@ import warnings
 
 import pytest
 import torch
-from cli_helpers import ROOT, in_process, results_in, small_run_args
+from cli_helpers import ROOT, in_process, results_in, running_worker, small_run_args, wait_for
 
 from dp_cost.core import interrupts
 from dp_cost.measure import children, processes, quiet, run
@@ -55,29 +55,6 @@ def start_cli(args, **options):
     return subprocess.Popen(
         [sys.executable, "profiling_script.py", *map(str, args)], cwd=ROOT, **options
     )
-
-
-def wait_for(condition, timeout=120.0, cli=None):
-    """Until ``condition()``; a ``cli`` process that ends first fails at once."""
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert cli is None or cli.poll() is None, f"the CLI ended first: {cli.returncode}"
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.05)
-
-
-def running_worker(cli, config_dir) -> int:
-    """The pid of the CLI's worker of ``config_dir``, once it runs."""
-
-    def child_pids():
-        found = []
-        for task in os.listdir(f"/proc/{cli.pid}/task"):
-            with open(f"/proc/{cli.pid}/task/{task}/children") as f:
-                found += [int(pid) for pid in f.read().split()]
-        return found
-
-    wait_for(lambda: config_dir.exists() and child_pids(), cli=cli)  # made just before the fork
-    return child_pids()[0]
 
 
 def gone(pid: int) -> bool:

@@ -41,6 +41,16 @@ from dp_cost.hf.configs import (
 )
 
 
+def import_libraries(use_lora: bool) -> None:
+    """Import what building a Hugging Face model imports (transformers' Llama, and peft for
+    LoRA), once in a process that forks workers: each worker inherits them instead of paying
+    their import (seconds of CPU) per config."""
+    from transformers.models.llama import modeling_llama  # noqa: F401
+
+    if use_lora:
+        import peft  # noqa: F401
+
+
 def hf_config(name: str, *, num_labels: int = NUM_LABELS, attention: str = "sdpa"):
     """The shipped ``LlamaConfig`` of ``name`` for a ``num_labels``-way classifier, dropout 0."""
     from transformers import LlamaConfig

@@ -20,8 +20,10 @@ from dp_cost.capacity.probing import SEARCHES
 from dp_cost.core import interrupts
 from dp_cost.core.files import make_folder, write_json
 from dp_cost.core.fmt import count
+from dp_cost.core.hf_architectures import HF_CONFIGS
 from dp_cost.core.reading import read_json_or_none
 from dp_cost.core.schema import FINISHED
+from dp_cost.hf import models as hf_models
 from dp_cost.measure import children, ranks
 from dp_cost.measure.progress import ProgressBar, describe
 from dp_cost.measure.ranks import RankGroup
@@ -81,13 +83,22 @@ def finished_result(result_path: str, run_dir: str, resume: bool) -> dict | None
     return previous
 
 
+def _import_before_forking(configs) -> None:
+    """What every worker would import at its first step, imported once here before the workers
+    fork: paid once per run, not once per config. torch.optim's Optimizer imports torch._dynamo
+    at its first construction (about 1 s of CPU); a Hugging Face config's build imports
+    transformers and peft (seconds)."""
+    import torch._dynamo  # noqa: F401
+
+    hf_configs = [c for c in configs if c.model in HF_CONFIGS]
+    if hf_configs:
+        hf_models.import_libraries(any(c.use_lora for c in hf_configs))
+
+
 def _run_configs(
     configs, run_dir, resume, progress, verbose, group, started, workers
 ) -> list[dict]:
-    # torch.optim's Optimizer imports torch._dynamo at its first construction (about 1 s of
-    # CPU): imported here, before the workers fork, it is paid once per run, not once per config.
-    import torch._dynamo  # noqa: F401
-
+    _import_before_forking(configs)
     if group is not None and not group.is_first:
         return _run_as_other_rank(configs, run_dir, verbose, group, started)
     context = multiprocessing.get_context("fork")

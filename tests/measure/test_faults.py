@@ -1,20 +1,20 @@
 """Faults inside a worker: host OOM, a full disk, a dead parent, NaNs, leftovers, noise."""
 
+import contextlib
 import errno
 import json
 import math
+import multiprocessing
 import os
 import resource
 import signal
-import subprocess
-import sys
 import tempfile
 import threading
 import time
 
 import pytest
 import torch
-from cli_helpers import ROOT, in_process, results_in, small_run_args
+from cli_helpers import in_process, results_in, small_run_args
 
 import profiling_script
 from dp_cost.core import interrupts, reading, rundir
@@ -79,30 +79,45 @@ def test_disk_full_names_no_space_left(tmp_path, monkeypatch, capsys):
     assert "Traceback" not in capsys.readouterr().err
 
 
-def test_a_worker_dies_with_its_parent(tmp_path):
-    """A killed CLI never leaves a worker measuring beside the next run."""
-    script = (
-        "import sys, time\n"
-        "from dp_cost.measure.config import ExperimentConfig\n"
-        "from dp_cost.measure import processes, worker\n"
-        "worker.run_experiment = lambda config, out: time.sleep(120)\n"
-        "config = ExperimentConfig(trainer='standard', batch_size=1, seq_len=4)\n"
-        "import multiprocessing\n"
-        "p = multiprocessing.get_context('fork').Process(\n"
-        "    target=worker.worker_main, args=(config, sys.argv[1]))\n"
-        "p.start(); print(p.pid, flush=True); p.join()\n"
-    )
-    parent = subprocess.Popen(
-        [sys.executable, "-c", script, str(tmp_path)], cwd=ROOT, stdout=subprocess.PIPE, text=True
-    )
-    child = int(parent.stdout.readline())
-    assert alive(child)
-    parent.kill()
-    parent.wait()
-    deadline = time.time() + 10
-    while alive(child) and time.time() < deadline:
-        time.sleep(0.05)
-    assert not alive(child)
+def test_a_worker_dies_with_its_parent(tmp_path, monkeypatch):
+    """A killed CLI never leaves a worker measuring beside the next run. The CLI is a child of
+    this process (torch and the measuring code imported, as the CLI has them when it forks), which
+    forks a worker that measures for two minutes, as the CLI does; it is killed, and its worker
+    must end with it."""
+    measuring = lambda config, out_dir, rank_setup=None: time.sleep(120)  # noqa: E731
+    monkeypatch.setattr(worker, "run_experiment", measuring)
+    config = ExperimentConfig(trainer="standard", batch_size=1, seq_len=4)
+    read_end, write_end = os.pipe()
+    parent = os.fork()
+    if parent == 0:  # the CLI: its worker forked, its pid said, then waited for
+        try:
+            os.close(read_end)
+            context = multiprocessing.get_context("fork")
+            process = context.Process(target=worker.worker_main, args=(config, str(tmp_path)))
+            process.start()
+            os.write(write_end, f"{process.pid}\n".encode())
+            process.join()
+        finally:
+            os._exit(1)
+    os.close(write_end)
+    child = None
+    try:
+        with os.fdopen(read_end) as said:
+            child = int(said.readline())
+        assert alive(child)
+        os.kill(parent, signal.SIGKILL)
+        os.waitpid(parent, 0)
+        deadline = time.time() + 10
+        while alive(child) and time.time() < deadline:
+            time.sleep(0.05)
+        assert not alive(child)
+    finally:  # whatever failed, no process is left behind
+        with contextlib.suppress(ProcessLookupError, ChildProcessError):
+            os.kill(parent, signal.SIGKILL)
+            os.waitpid(parent, 0)
+        if child is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(child, signal.SIGKILL)
 
 
 def alive(pid: int) -> bool:

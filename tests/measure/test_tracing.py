@@ -72,7 +72,7 @@ def test_tensorboard_plugin_lists_one_run_per_config(tmp_path):
                     break
             except OSError:
                 pass
-            time.sleep(1)
+            time.sleep(0.1)  # the server starts and loads the runs in seconds: asked often
         views = None
         if runs:
             query = f"{url[:-5]}/views?run={runs[0]}"

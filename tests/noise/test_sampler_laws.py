@@ -2,6 +2,7 @@
 splits of the shift on a small grid, torch's CPU sampler's exits counted by sampling (and
 torch's CUDA sampler's on a GPU), and the 64-bit transform's law."""
 
+import functools
 import itertools
 import math
 
@@ -13,12 +14,19 @@ from dp_cost.noise import laws
 from dp_cost.noise.exact64 import add_exact64_noise_, box_muller64, exact64_normal
 
 
+@functools.cache
+def radius_grid(bits: int, offset: float) -> torch.Tensor:
+    """Every radius a pair of a ``bits``-bit law takes, one per point of its uniforms' grid
+    (computed once a law: the brute force below asks for thousands of shifts)."""
+    ks = torch.arange(2**bits, dtype=torch.float64)
+    return (-2 * ((ks + offset) * 2.0**-bits).log()).sqrt()
+
+
 def exact_pair_exit(law: laws.NoiseLaw, shift: float) -> float:
     """P(r > z_max - shift) for one pair of ``law``, by enumerating its whole radius grid."""
     if shift <= 0:
         return 0.0
-    ks = torch.arange(2**law.bits, dtype=torch.float64)
-    radii = (-2 * ((ks + law.offset) * 2.0**-law.bits).log()).sqrt()
+    radii = radius_grid(law.bits, law.offset)
     return (radii > law.z_max - shift).double().mean().item()
 
 
@@ -55,11 +63,12 @@ def test_each_laws_z_max_is_its_smallest_uniforms_radius():
     assert laws.exit_bound(laws.NOISE_LAWS["exact64"], 1_171_795_968 // 2, 1.0) < 1e-10
 
 
-def pair_radii(z: torch.Tensor, partner: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The two coordinates of each Box-Muller pair: torch's CPU sampler pairs element j with
-    j + 8 in every block of 16 (normal_fill_16), CUDA's element i with i + T (T its threads)."""
+def pair_coordinates(z: torch.Tensor, partner: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The two coordinates of each Box-Muller pair, as views of ``z``: torch's CPU sampler pairs
+    element j with j + 8 in every block of 16 (normal_fill_16), CUDA's element i with i + T (T
+    its threads)."""
     blocks = z.view(-1, 2, partner)
-    return blocks[:, 0].reshape(-1), blocks[:, 1].reshape(-1)
+    return blocks[:, 0], blocks[:, 1]
 
 
 def count_exits(draw, steps: int, dimension: int, partner: int, law: laws.NoiseLaw, shift):
@@ -69,14 +78,17 @@ def count_exits(draw, steps: int, dimension: int, partner: int, law: laws.NoiseL
     pairs = dimension // 2
     move = shift / math.sqrt(pairs) / math.sqrt(2)  # per coordinate
     edge = law.z_max + laws.RADIUS_SLACK / 10
+    near_edge = (edge - 2 * move) ** 2  # only pairs beyond this squared radius can leave
     exits, largest = 0, 0.0
     for _ in range(steps):
-        first, second = pair_radii(draw(dimension), partner)
-        squared = first.square() + second.square()
-        largest = max(largest, squared.max().sqrt().item())
-        near = squared > (edge - 2 * move) ** 2  # only these can leave
-        moved = (first[near] + move).square() + (second[near] + move).square()
-        exits += bool((moved > edge**2).any())
+        first, second = pair_coordinates(draw(dimension), partner)
+        squared = first.square().add_(second.square())  # the pairs' squared radii, in one pass
+        top = squared.max()
+        largest = max(largest, top.sqrt().item())
+        if top.item() > near_edge:  # some pair is near the edge: which ones, and does one leave
+            near = squared > near_edge
+            moved = (first[near] + move).square() + (second[near] + move).square()
+            exits += bool((moved > edge**2).any())
     return exits, largest
 
 

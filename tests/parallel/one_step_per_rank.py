@@ -1,7 +1,7 @@
 """Run by torchrun (2 ranks, gloo, CPU) from test_distributed_updates.py: one step of every trainer
 under DDP or FSDP2 on the slices of one global batch, for each job of a list; rank 0 saves each
-trainer's gradient (the full tensors, gathered from FSDP2's shards) for the test to compare with
-a brute force."""
+trainer's gradient (the full tensors, put together from FSDP2's shards) for the test to compare
+with a brute force."""
 
 import argparse
 import json
@@ -11,7 +11,7 @@ from dataclasses import replace
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Shard
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, ROOT)
@@ -25,7 +25,6 @@ import trainers  # noqa: E402
 from dp_cost.flash import sinks as buckets  # noqa: E402
 from dp_cost.parallel import ranks  # noqa: E402
 from dp_cost.parallel.mode import distributed_mode  # noqa: E402
-from dp_cost.stepping.protocol import Chunk, StepPlan  # noqa: E402
 from dp_cost.training.clipping import merged_record  # noqa: E402
 from tests.torchrun_exit import leave_without_teardown  # noqa: E402
 
@@ -59,25 +58,69 @@ def gathering_recorded(runner):
     return lambda: bool(steps) and steps[-1] == runner.steps_taken
 
 
-def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+def sync_recorded(runner, model):
+    """A function saying whether, in the runner's last step, the model's parameters had a
+    gradient after its first chunk (which must not be the step's last): FSDP2 reduce-scattered
+    it then (fsdp_sync "chunk"), or holds it back for the last (fsdp_sync "logical"). Read in
+    the step the test checks, on a model without gradients before it."""
+    seen = []
+    inner = runner.trainer.chunk_step
+
+    def recorded(chunk):
+        loss = inner(chunk)
+        if not seen:
+            assert not chunk.is_last, "probe_sync needs two chunks or more a rank"
+            seen.append(any(p.grad is not None for p in model.parameters()))
+        return loss
+
+    runner.trainer.chunk_step = recorded
+    return lambda: seen[-1]
 
 
-def synced_after_a_chunk(name, job, batch_size, physical, max_grad_norm, inputs, targets):
-    """Whether a fresh trainer's parameters have a gradient after one chunk that is not the
-    logical batch's last: FSDP2 reduce-scattered it then (fsdp_sync "chunk"), or holds it back
-    for the last (fsdp_sync "logical")."""
-    torch.manual_seed(0)
-    model = models.build_model(SMALL)
-    trainer = trainers.make_trainer(
-        name, model, lr=1.0, batch_size=batch_size, max_physical_batch_size=physical,
-        max_grad_norm=max_grad_norm, noise_multiplier=0.0, distributed=job["distributed"],
-        fsdp_sync=job.get("fsdp_sync", "chunk"), clipping=job.get("clipping", "flat"),
-    )  # fmt: skip
-    plan = StepPlan(busiest_batch=len(inputs), chunk_count=2)
-    trainer.trainer.start_step(plan)
-    trainer.trainer.chunk_step(Chunk(inputs[:physical], targets[:physical], None, False, plan))
-    return any(p.grad is not None for p in model.parameters())
+def every_rank_gradients(model, info) -> list:
+    """[(full gradient, gradient pieces)] of every rank, in rank order: each rank's gradient
+    tensors (FSDP2: its row shards of each parameter, Shard(0) on one mesh), sent in two tensor
+    collectives (an all-gather a parameter, or a pickled all_gather_object, cost a quarter of a
+    step's CPU), and the full gradients put together on every rank (the shards concatenated in
+    the mesh's rank order, as DTensor.full_tensor does)."""
+    pieces, order = [], None
+    for p in model.parameters():
+        if isinstance(p.grad, DTensor):
+            assert p.grad.placements == (Shard(0),) and p.grad.device_mesh.ndim == 1
+            order = p.grad.device_mesh.mesh.tolist()
+            pieces.append(p.grad.to_local())
+        else:
+            pieces.append(p.grad)
+    rows = torch.tensor([len(piece) for piece in pieces])  # a shard's rows differ by rank
+    every_rows = [torch.empty_like(rows) for _ in range(info.world_size)]
+    dist.all_gather(every_rows, rows)
+    shapes = [
+        [(int(n), *p.shape[1:]) for n, p in zip(counts, model.parameters())]
+        for counts in every_rows
+    ]
+    sizes = [[torch.Size(shape).numel() for shape in of_rank] for of_rank in shapes]
+    longest = max(sum(of_rank) for of_rank in sizes)
+    flat = torch.zeros(longest, dtype=torch.double)  # exact for fp32 and bf16 gradients
+    mine = torch.cat([piece.reshape(-1).double() for piece in pieces])
+    flat[: len(mine)] = mine
+    every_flat = [torch.empty_like(flat) for _ in range(info.world_size)]
+    dist.all_gather(every_flat, flat)
+    every = [
+        [piece.reshape(shape) for piece, shape in zip(f[: sum(n)].split(n), of_rank)]
+        for f, n, of_rank in zip(every_flat, sizes, shapes)
+    ]
+    out = []
+    for own_pieces in every:
+        grads = []
+        for i, p in enumerate(model.parameters()):
+            if isinstance(p.grad, DTensor):
+                grad = torch.cat([every[r][i] for r in order])
+                assert grad.shape == p.shape, (grad.shape, p.shape)
+            else:
+                grad = own_pieces[i]
+            grads.append(grad.reshape(-1))
+        out.append((torch.cat(grads), own_pieces))
+    return out
 
 
 def run_job(job: dict, info, max_grad_norm: float, seq: int) -> dict:
@@ -86,9 +129,10 @@ def run_job(job: dict, info, max_grad_norm: float, seq: int) -> dict:
     (flash's bucket size), in_flight_bytes (FSDP2: bytes behind the newest), padded_step (the
     step CUDA graphs replay: padded chunks of P samples, every rank as many), fsdp_sync (FSDP2:
     "chunk" or "logical"), clipping ("flat" or "per_layer"), probe_sync (also record
-    synced_after_a_chunk), reseed (false: every rank seeded alike before the step), local_grads
-    (also save every rank's local gradient), checkpointing (the model's blocks checkpointed),
-    num_layers (the model's blocks, SMALL's by default)."""
+    synced_after_a_chunk: see sync_recorded), reseed (false: every rank seeded alike before the
+    step), local_grads (also save every rank's gradient tensors, a list a rank: FSDP2's
+    shards), checkpointing (the model's blocks checkpointed), num_layers (the model's blocks,
+    SMALL's by default)."""
     defaults = buckets.BUCKET_BYTES, buckets.ShardedGradients.IN_FLIGHT_BYTES
     buckets.BUCKET_BYTES = job.get("bucket_bytes") or defaults[0]
     in_flight = job.get("in_flight_bytes")
@@ -126,34 +170,29 @@ def run_job(job: dict, info, max_grad_norm: float, seq: int) -> dict:
             # the same one (a trainer must then keep its ranks' noise apart itself)
             torch.manual_seed(100 + info.rank if job.get("reseed", True) else 100)
             gathered = gathering_recorded(trainer)
+            synced = sync_recorded(trainer, model) if job.get("probe_sync") else None
             if job.get("padded_step"):
                 size = trainer.physical_size()
                 out = trainer.padded_step(inputs[local], targets[local], size)
             else:
                 out = trainer.step(inputs[local], targets[local])
-            grad = full_gradients(model)
-            rank0 = grad.clone()
-            dist.broadcast(rank0, 0)
-            agree = torch.tensor([float(torch.equal(grad, rank0))])
-            dist.all_reduce(agree, op=dist.ReduceOp.MIN)  # every rank's replica is rank 0's
+            every = every_rank_gradients(model, info)
+            grad = every[0][0]
             records = [None] * info.world_size  # each rank's count of its clipped samples
-            dist.all_gather_object(records, clipping_record(trainer))
+            if clipping_record(trainer) is not None:  # a private trainer's, on every rank
+                dist.all_gather_object(records, clipping_record(trainer))
             if job.get("local_grads"):  # each rank's own gradient tensors (FSDP2: its shards)
-                own_grad = torch.cat([local_tensor(p.grad).reshape(-1) for p in model.parameters()])
-                every_rank = [None] * info.world_size
-                dist.all_gather_object(every_rank, own_grad)
-                saved[case, name, "local"] = every_rank
+                saved[case, name, "local"] = [pieces for _, pieces in every]
             saved[case, name] = {
                 "grad": grad,
                 "loss": out["loss"],
-                "replicas_agree": bool(agree.item()),
+                # every rank's replica is rank 0's
+                "replicas_agree": all(torch.equal(g, grad) for g, _ in every),
                 "gathered": gathered(),  # flash: per-sample gradients gathered
                 "clipping": merged_record(records) if records[0] else None,
             }
-            if job.get("probe_sync"):  # every rank holds a sample: the same collectives
-                saved[case, name]["synced_after_a_chunk"] = synced_after_a_chunk(
-                    name, job, batch_size, physical, max_grad_norm, inputs[local], targets[local]
-                )
+            if synced is not None:
+                saved[case, name]["synced_after_a_chunk"] = synced()
     buckets.BUCKET_BYTES, buckets.ShardedGradients.IN_FLIGHT_BYTES = defaults
     return saved
 

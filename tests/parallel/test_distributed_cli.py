@@ -22,6 +22,14 @@ ARGS = [*PLAIN_ARGS, "--noise_multiplier", "0"]
 TRAINERS = ["standard", "dpsgd", "ghost", "flash"]
 
 
+def import_hugging_face():
+    """Import into this process what a Hugging Face config's worker imports (transformers'
+    Llama, peft): in_process forks a worker per config from this process, and each would import
+    them again (about 2 s of CPU a config)."""
+    import peft  # noqa: F401
+    import transformers.models.llama.modeling_llama  # noqa: F401
+
+
 def torchrun_cli(*args, launcher="forked"):
     """The CLI on 2 ranks: started by torchrun itself (``launcher="torchrun"``), or forked from
     this process as torchrun would start them (tests/forked_ranks.py: no launcher or interpreters
@@ -227,9 +235,12 @@ def test_ddp_measurement_steps_reuse_one_draw_and_the_printed_epsilon_covers_it(
 
     seed = next(s for s in range(1000) if draws_of(s)[-1] == 1)
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    # sigma 4: Opacus' PRV accountant takes about 0.4 s for this history, against 2 s at sigma 1
+    # (each rank's worker of each config computes it, and the test again)
     done = torchrun_cli(
         "--mode=hf", "--model_name", "tiny-llama", "--seq_length", "8", "--batch_size", "2",
         "--dataset_size", "10", "--seed", str(seed), "--steps", "3", "--warmup_steps", "1",
+        "--noise_multiplier", "4",
         "--trainers", "dpsgd", "flash", "--distributed", "ddp", "--no_trace",
         "--output_dir", str(tmp_path), "--run_name", "r",
     )  # fmt: skip
@@ -264,12 +275,16 @@ def test_fsdp2_ranks_materialize_only_their_shards_with_the_whole_builds_losses(
     """A Hugging Face model under FSDP2 is built with its parameters on the meta device and
     each rank allocates and initializes only its shards after sharding (no rank holds the whole
     model): the losses equal one process's, which builds the model whole (noise 0, fixed-size
-    batches), for standard, ghost and flash, full fine-tuning and LoRA."""
+    batches), for standard, ghost and flash, full fine-tuning and LoRA: the losses of the
+    initial weights and of the weights after one update (no warm-up step), in one chunk of 2
+    samples a rank (hf mode's default of 1 would double the chunks, each costly under FSDP2)."""
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     args = ["--mode=hf", "--model_name", "tiny-llama", "--seq_length", "8", "--batch_size", "4",
-            "--dataset_size", "20", "--steps", "2", "--noise_multiplier", "0", "--no_poisson",
+            "--max_physical_batch_sizes", "2", "--dataset_size", "20", "--steps", "2",
+            "--warmup_steps", "0", "--noise_multiplier", "0", "--no_poisson",
             "--trainers", "standard", "ghost", "flash", "--no_trace", "--run_name", "r",
             *(["--use_lora", "--lora_rank", "4"] if lora else [])]  # fmt: skip
+    import_hugging_face()
     single = in_process(*args, "--output_dir", str(tmp_path / "one"))
     assert single.returncode == 0, single.stderr[-3000:]
     expected = {r["config"]["trainer"]: r for r in results_in(tmp_path / "one" / "r").values()}
@@ -323,6 +338,7 @@ def test_ghost_under_fsdp2_on_4_ranks_where_the_head_has_fewer_rows_than_ranks(
             "--noise_multiplier", "0", "--no_poisson", "--trainers", "ghost", "--no_trace",
             "--run_name", "r"]  # fmt: skip
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    import_hugging_face()
     single = in_process(*args, "--output_dir", tmp_path / "one")
     assert single.returncode == 0, single.stderr[-3000:]
     (expected,) = results_in(tmp_path / "one" / "r").values()

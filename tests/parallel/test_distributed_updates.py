@@ -3,7 +3,7 @@ the same global batch: each rank steps on its own slice (different samples per r
 update must equal the brute-force DP-SGD update of the whole batch (fp32, 1e-5), the noise must
 be added once (std sigma*C/B of the global batch)."""
 
-import copy
+import functools
 import json
 import os
 
@@ -46,13 +46,27 @@ def clipped_mean(grads, batch_size):
     return (factors[:, None] * grads).sum(0) / batch_size
 
 
-def references(samples, batch_size):
-    """(plain mean gradient, DP-SGD clipped mean gradient with noise 0) of the global batch,
-    from per-sample gradients taken one sample at a time."""
+@functools.cache
+def global_batch_grads(samples):
+    """Per-sample gradients [samples, P] of the global batch of ``samples`` on SMALL's initial
+    model, taken one sample at a time; each size's once a test process: the checks of every job
+    read them (the tensors are never changed in place)."""
     torch.manual_seed(0)
     model = models.build_model(SMALL)
     inputs, targets = make_batch(samples, SEQ, seed=3)
-    grads = per_sample_grads(copy.deepcopy(model), inputs, targets)
+    return per_sample_grads(model, inputs, targets)
+
+
+@functools.cache
+def parameter_shapes():
+    """The shapes of SMALL's parameters, in the order the flattened gradients are."""
+    return [p.shape for p in models.build_model(SMALL).parameters()]
+
+
+def references(samples, batch_size):
+    """(plain mean gradient, DP-SGD clipped mean gradient with noise 0) of the global batch,
+    from per-sample gradients taken one sample at a time."""
+    grads = global_batch_grads(samples)
     return grads.sum(0) / batch_size, clipped_mean(grads, batch_size)
 
 
@@ -60,11 +74,8 @@ def per_layer_references(samples, batch_size):
     """(per-layer clipped mean gradient with noise 0, count of samples each parameter's bound
     clips) of the global batch: each parameter tensor's per-sample gradient clipped to
     C_l = C / sqrt(P), from per-sample gradients taken one sample at a time."""
-    torch.manual_seed(0)
-    model = models.build_model(SMALL)
-    inputs, targets = make_batch(samples, SEQ, seed=3)
-    grads = per_sample_grads(copy.deepcopy(model), inputs, targets)
-    sizes = [p.numel() for p in model.parameters()]
+    grads = global_batch_grads(samples)
+    sizes = [shape.numel() for shape in parameter_shapes()]
     bound = C / len(sizes) ** 0.5
     clipped, counts = [], []
     for grad in grads.split(sizes, dim=1):
@@ -72,6 +83,16 @@ def per_layer_references(samples, batch_size):
         clipped.append((factors[:, None] * grad).sum(0) / batch_size)
         counts.append(int((factors < 1).sum()))
     return torch.cat(clipped), counts
+
+
+def noise_free_update(samples, batch_size, clipping="flat"):
+    """The brute force's DP-SGD update with noise 0 (flat or per-layer clipping): what a noisy
+    step's update less its noise is; zeros for an empty draw."""
+    if samples == 0:
+        return torch.zeros(sum(shape.numel() for shape in parameter_shapes()), dtype=torch.double)
+    if clipping == "per_layer":
+        return per_layer_references(samples, batch_size)[0]
+    return references(samples, batch_size)[1]
 
 
 def check_per_layer_update(saved, names, cases=None):
@@ -157,16 +178,16 @@ def every_job() -> dict:
                 "distributed": "fsdp", "trainers": ["flash"], "cases": CASES,
                 "clipping": "per_layer", "fsdp_sync": "logical", **SMALL_BUCKETS,
             }  # fmt: skip
-        for noise in (0.0, SIGMA):  # per-layer: noise of C (its sensitivity), added once
-            jobs[f"per_layer noise {noise} {distributed}"] = {
-                "distributed": distributed, "trainers": per_layer, "cases": NOISE_CASES,
-                "noise_multiplier": noise, "clipping": "per_layer",
-            }  # fmt: skip
-        for noise in (0.0, SIGMA):  # FSDP2: each collective waited for at once
-            jobs[f"noise {noise} {distributed}"] = {
-                "distributed": distributed, "trainers": dp_trainers(distributed),
-                "cases": NOISE_CASES, "noise_multiplier": noise, "in_flight_bytes": 0,
-            }  # fmt: skip
+        # The noise: a noisy step's update less the brute force's (noise 0).
+        # per-layer: noise of C (its sensitivity), added once
+        jobs[f"per_layer noise {distributed}"] = {
+            "distributed": distributed, "trainers": per_layer, "cases": NOISE_CASES,
+            "noise_multiplier": SIGMA, "clipping": "per_layer",
+        }  # fmt: skip
+        jobs[f"noise {distributed}"] = {  # FSDP2: each collective waited for at once
+            "distributed": distributed, "trainers": dp_trainers(distributed),
+            "cases": NOISE_CASES, "noise_multiplier": SIGMA, "in_flight_bytes": 0,
+        }  # fmt: skip
     for distributed in ("ddp", "fsdp"):  # flash on checkpointed blocks, flat and per-layer
         jobs[f"checkpointed {distributed}"] = {
             "distributed": distributed, "trainers": ["flash"], "cases": CASES,
@@ -191,11 +212,10 @@ def every_job() -> dict:
         "distributed": "ddp", "trainers": ["standard", "flash"], "cases": PADDED_CASES,
         "padded_step": True, **SMALL_BUCKETS,
     }  # fmt: skip
-    for noise in (0.0, SIGMA):
-        jobs[f"padded noise {noise}"] = {
-            "distributed": "ddp", "trainers": ["flash"], "cases": PADDED_NOISE_CASES,
-            "padded_step": True, "noise_multiplier": noise,
-        }  # fmt: skip
+    jobs["padded noise"] = {
+        "distributed": "ddp", "trainers": ["flash"], "cases": PADDED_NOISE_CASES,
+        "padded_step": True, "noise_multiplier": SIGMA,
+    }  # fmt: skip
     return jobs
 
 
@@ -233,12 +253,10 @@ def test_every_trainer_under_ddp_and_fsdp2_steps_as_the_definition(tmp_path):
         if distributed == "fsdp":
             check_per_layer_update(saved["per_layer fsdp logical"], per_layer)
         check_noise_added_once(
-            saved[f"per_layer noise 0.0 {distributed}"],
-            saved[f"per_layer noise {SIGMA} {distributed}"], distributed, NOISE_CASES, per_layer,
+            saved[f"per_layer noise {distributed}"], distributed, NOISE_CASES, per_layer,
+            "per_layer",
         )  # fmt: skip
-        check_noise_added_once(
-            saved[f"noise 0.0 {distributed}"], saved[f"noise {SIGMA} {distributed}"], distributed
-        )
+        check_noise_added_once(saved[f"noise {distributed}"], distributed)
     for distributed in ("ddp", "fsdp"):
         check_update(saved[f"checkpointed {distributed}"], distributed, ["flash"])
     check_per_layer_update(saved["checkpointed per_layer fsdp logical"], ["flash"])
@@ -246,10 +264,7 @@ def test_every_trainer_under_ddp_and_fsdp2_steps_as_the_definition(tmp_path):
     check_checkpointed_noise(saved["checkpointed noise 0.0"], saved[f"checkpointed noise {SIGMA}"])
     check_padded_step(saved["padded step ddp"])
     check_textbook(saved)
-    check_noise_added_once(
-        saved["padded noise 0.0"], saved[f"padded noise {SIGMA}"], "ddp", PADDED_NOISE_CASES,
-        ["flash"],
-    )  # fmt: skip
+    check_noise_added_once(saved["padded noise"], "ddp", PADDED_NOISE_CASES, ["flash"])
 
 
 def check_checkpointed_noise(quiet, noisy):
@@ -311,16 +326,20 @@ def check_padded_step(saved):
             assert saved[case, name]["loss"] == pytest.approx(loss, rel=1e-5), (case, name)
 
 
-def check_noise_added_once(clean, noisy, distributed, cases=NOISE_CASES, names=None):
+def check_noise_added_once(noisy, distributed, cases=NOISE_CASES, names=None, clipping="flat"):
+    """The noise, each noisy update less the brute force's noise-free one, has the std of
+    sigma C / B of the global batch and mean 0."""
     for case in cases:
+        samples, batch_size, _ = map(int, case.split(","))
+        clean = noise_free_update(samples, batch_size, clipping)
         for name in names or dp_trainers(distributed):
             where = ("noise", distributed, case, name)
-            noise = noisy[case, name]["grad"] - clean[case, name]["grad"]
+            noise = noisy[case, name]["grad"] - clean
             expected = SIGMA * C / 8  # sigma * C / B of the global batch; twice-added: x sqrt(2)
             assert abs(noise.std().item() / expected - 1) < 0.05, where
             assert abs(noise.mean().item()) < 0.05 * expected, where
             assert noisy[case, name]["replicas_agree"], where
-        gathered = flash_gathers(distributed, int(case[0]))
+        gathered = flash_gathers(distributed, samples)
         assert noisy[case, "flash"]["gathered"] == gathered, (distributed, case)
 
 
@@ -339,24 +358,41 @@ def test_any_batch_size_and_fsdp2_noise_streams_through_make_trainer(tmp_path):
                                "cases": ODD_BATCH_CASES}
         for distributed in ("ddp", "fsdp")
     }  # fmt: skip
-    for noise in (0.0, SIGMA):
-        jobs[f"streams {noise}"] = {
-            "distributed": "fsdp", "trainers": ["ghost", "flash"], "cases": ["8,8,8"],
-            "noise_multiplier": noise, "reseed": False, "local_grads": True,
-        }  # fmt: skip
+    jobs["streams"] = {
+        "distributed": "fsdp", "trainers": ["ghost", "flash"], "cases": ["8,8,8"],
+        "noise_multiplier": SIGMA, "reseed": False, "local_grads": True,
+    }  # fmt: skip
     saved = torchrun(tmp_path, jobs)
     for distributed in ("ddp", "fsdp"):
         check_update(saved[f"odd {distributed}"], distributed, cases=ODD_BATCH_CASES)
-    clean, noisy = saved["streams 0.0"], saved[f"streams {SIGMA}"]
+    noisy = saved["streams"]
     for name in ("ghost", "flash"):
-        shards = [n - c for n, c in zip(noisy["8,8,8", name, "local"],
-                                        clean["8,8,8", name, "local"])]  # fmt: skip
+        # each rank's shards less the same rows of the brute force's noise-free update
+        local = noisy["8,8,8", name, "local"]
+        shards = [
+            torch.cat([piece.reshape(-1) for piece in pieces]).double() - clean
+            for pieces, clean in zip(local, rows_of_each_rank(noise_free_update(8, 8), local))
+        ]
         size = min(len(shard) for shard in shards)
         first, second = shards[0][:size], shards[1][:size]
         assert not torch.allclose(first, second), name
         assert abs(torch.corrcoef(torch.stack([first, second]))[0, 1].item()) < 0.1, name
         for shard in shards:
             assert abs(shard.std().item() / (SIGMA * C / 8) - 1) < 0.05, name
+
+
+def rows_of_each_rank(full, local) -> list:
+    """``full`` (flattened over SMALL's parameters) cut as FSDP2 shards it: each rank's rows of
+    each parameter (``local``: each rank's gradient pieces, rows rank after rank), flattened."""
+    shapes = parameter_shapes()
+    cut = [[] for _ in local]
+    for i, flat in enumerate(full.split([shape.numel() for shape in shapes])):
+        rows, start = flat.reshape(shapes[i]), 0
+        for rank, pieces in enumerate(local):
+            cut[rank].append(rows[start : start + len(pieces[i])].reshape(-1))
+            start += len(pieces[i])
+        assert start == shapes[i][0], (i, start, shapes[i])
+    return [torch.cat(pieces) for pieces in cut]
 
 
 # (distributed, one sample per rank) with per-layer clipping
