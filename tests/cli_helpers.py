@@ -185,14 +185,3 @@ def running_worker(cli, config_dir) -> int:
     found = []
     wait_for(lambda: found.append(worker()) or found[-1] is not None, cli=cli)
     return found[-1]
-
-
-def import_hf_libraries() -> None:
-    """Import in this process what the worker of a Hugging Face config imports (transformers'
-    Llama, peft's LoRA, accelerate): the workers ``in_process`` forks inherit them, as they
-    inherit torch, instead of each importing them again (seconds of CPU a config). Call it once
-    the environment the test sets for them (e.g. HF_HUB_OFFLINE) is in place."""
-    from accelerate import init_empty_weights  # noqa: F401
-    from peft import LoraConfig, TaskType, get_peft_model  # noqa: F401
-    from transformers import LlamaConfig, LlamaForSequenceClassification  # noqa: F401
-    from transformers.models.llama.modeling_llama import LlamaRMSNorm  # noqa: F401

@@ -10,7 +10,6 @@ import pytest
 from cli_helpers import (
     ROOT,
     SMALL_MODEL,
-    import_hf_libraries,
     in_process,
     results_in,
     running_worker,
@@ -190,7 +189,6 @@ def test_report_mode_rerenders_from_result_files(tmp_path):
 def test_hf_mode_tiny_llama_with_lora_and_physical_batches(tmp_path, monkeypatch):
     env_token = "hf_SECRET_TOKEN_123"
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    import_hf_libraries()  # here once, not in each of the four configs' workers
     proc = in_process(
         "--mode=hf", "--model_name", "tiny-llama", "--seq_length", "16", "--batch_size", "6",
         "--max_physical_batch_size", "4", "--use_lora", "--lora_rank", "4", "--steps", "2",

@@ -6,8 +6,6 @@ The contribution is read where the update is formed: with one sample, noise 0 an
 gradient the base optimizer steps on is that sample's clipped gradient (divided by B = 1).
 """
 
-import copy
-
 import pytest
 import torch
 
@@ -27,37 +25,10 @@ STRESS = {
 }  # fmt: skip
 
 
-@pytest.fixture(scope="module")
-def built():
-    """Each stress shape's model and sample, built once a seed and device for the module's tests
-    (the large vocabulary's model takes a tenth of a second to build): a test steps on a copy."""
-    cache = {}
-    yield cache
-    cache.clear()
-
-
-def model_and_sample(built, shape, seed, device):
-    """A fresh copy of ``shape``'s model seeded with ``seed``, its one sample's tokens, and the
-    random state left as seeding, building and drawing left it: what building them here would
-    give, bit for bit."""
-    key = (shape, seed, device)
-    if key not in built:
-        config, seq = STRESS[shape]
-        torch.manual_seed(seed)
-        model = models.build_model(config, device=device)
-        tokens = torch.randint(config.vocab_size, (1, seq + 1), device=device)
-        on_cuda = torch.device(device).type == "cuda"
-        built[key] = model, tokens, torch.get_rng_state(), on_cuda and torch.cuda.get_rng_state()
-    model, tokens, cpu_state, cuda_state = built[key]
-    torch.set_rng_state(cpu_state)
-    if cuda_state is not False:
-        torch.cuda.set_rng_state(cuda_state)
-    return copy.deepcopy(model), tokens
-
-
-def contribution_over_bound(name, model, tokens, dtype) -> tuple[float, float]:
-    """(norm of the released gradient of one sample, ``tokens``, / C, the trainer's sensitivity
-    margin), ``name``'s trainer built around ``model``."""
+def contribution_over_bound(name, config, seq, dtype, seed, device="cpu") -> tuple[float, float]:
+    """(norm of one sample's released gradient / C, the trainer's sensitivity margin)."""
+    torch.manual_seed(seed)
+    model = models.build_model(config, device=device)
     trainer = trainers.make_trainer(
         name, model, lr=1.0, max_grad_norm=C, noise_multiplier=0.0, batch_size=1, dtype=dtype
     )
@@ -69,31 +40,31 @@ def contribution_over_bound(name, model, tokens, dtype) -> tuple[float, float]:
         released["norm"] = torch.cat(grads).norm().item()
 
     trainer.trainer.base_optimizer.register_step_pre_hook(read_gradient)
+    tokens = torch.randint(config.vocab_size, (1, seq + 1), device=device)
     trainer.step(tokens[:, :-1], tokens[:, 1:])
     return released["norm"] / C, trainer.trainer.privacy.sensitivity_margin
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("name", ["dpsgd", "ghost", "flash"])
-def test_one_sample_moves_the_update_by_at_most_the_accounted_sensitivity(name, dtype, built):
-    check_sensitivity(name, dtype, "cpu", built)
+def test_one_sample_moves_the_update_by_at_most_the_accounted_sensitivity(name, dtype):
+    check_sensitivity(name, dtype, "cpu")
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("name", ["dpsgd", "ghost", "flash"])
-def test_sensitivity_on_cuda(name, dtype, built):
+def test_sensitivity_on_cuda(name, dtype):
     """The same on a GPU (its kernels: TF32 off by default for fp32 matmuls, Triton for flash)."""
-    check_sensitivity(name, dtype, "cuda", built)
+    check_sensitivity(name, dtype, "cuda")
 
 
-def check_sensitivity(name, dtype, device, built):
+def check_sensitivity(name, dtype, device):
     worst = 0.0
-    for shape in STRESS:
+    for shape, (config, seq) in STRESS.items():
         for seed in range(2):
-            model, tokens = model_and_sample(built, shape, seed, device)
-            ratio, margin = contribution_over_bound(name, model, tokens, dtype)
+            ratio, margin = contribution_over_bound(name, config, seq, dtype, seed, device)
             assert ratio <= 1 + margin, (shape, seed, ratio, margin)
             worst = max(worst, ratio)
     # every sample was clipped: the contribution is C up to the norms' rounding

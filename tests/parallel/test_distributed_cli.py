@@ -22,14 +22,6 @@ ARGS = [*PLAIN_ARGS, "--noise_multiplier", "0"]
 TRAINERS = ["standard", "dpsgd", "ghost", "flash"]
 
 
-def import_hugging_face():
-    """Import into this process what a Hugging Face config's worker imports (transformers'
-    Llama, peft): in_process forks a worker per config from this process, and each would import
-    them again (about 2 s of CPU a config)."""
-    import peft  # noqa: F401
-    import transformers.models.llama.modeling_llama  # noqa: F401
-
-
 def torchrun_cli(*args, launcher="forked"):
     """The CLI on 2 ranks: started by torchrun itself (``launcher="torchrun"``), or forked from
     this process as torchrun would start them (tests/forked_ranks.py: no launcher or interpreters
@@ -284,7 +276,6 @@ def test_fsdp2_ranks_materialize_only_their_shards_with_the_whole_builds_losses(
             "--warmup_steps", "0", "--noise_multiplier", "0", "--no_poisson",
             "--trainers", "standard", "ghost", "flash", "--no_trace", "--run_name", "r",
             *(["--use_lora", "--lora_rank", "4"] if lora else [])]  # fmt: skip
-    import_hugging_face()
     single = in_process(*args, "--output_dir", str(tmp_path / "one"))
     assert single.returncode == 0, single.stderr[-3000:]
     expected = {r["config"]["trainer"]: r for r in results_in(tmp_path / "one" / "r").values()}
@@ -338,7 +329,6 @@ def test_ghost_under_fsdp2_on_4_ranks_where_the_head_has_fewer_rows_than_ranks(
             "--noise_multiplier", "0", "--no_poisson", "--trainers", "ghost", "--no_trace",
             "--run_name", "r"]  # fmt: skip
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    import_hugging_face()
     single = in_process(*args, "--output_dir", tmp_path / "one")
     assert single.returncode == 0, single.stderr[-3000:]
     (expected,) = results_in(tmp_path / "one" / "r").values()
