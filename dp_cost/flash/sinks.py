@@ -9,7 +9,6 @@ Gradients are SUMMED over ranks everywhere: every trainer scales its loss (or cl
 from __future__ import annotations
 
 import collections
-from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -106,17 +105,16 @@ class GradientBuckets:
 
 class SummedGradients(GradientBuckets):
     """flash's sink under DDP, in a step's last chunk: each parameter's clipped sum is added to
-    its .grad, and the finished gradients are summed over the ranks in buckets. Rank 0 adds the
-    step's noise to a bucket before it is summed: once per coordinate. Every collective may be
-    pending until finish (the gradients exist anyway; only the small gradients' buckets are
-    copies), so the compute stream never waits for one before the last clipped sum."""
+    its .grad, and the finished gradients are summed over the ranks in buckets (the step's noise
+    is added after the sum, alike on every replica: the trainer's optimizer step). Every
+    collective may be pending until finish (the gradients exist anyway; only the small
+    gradients' buckets are copies), so the compute stream never waits for one before the last
+    clipped sum."""
 
     IN_FLIGHT_BYTES = None
 
-    def __init__(self, noise_std: float, add_noise: Callable[[list[torch.Tensor], float], None]):
+    def __init__(self):
         super().__init__()
-        self.noise_std = noise_std if dist.get_rank() == 0 else 0.0
-        self.add_noise = add_noise
         self.handed: set[int] = set()
 
     def __call__(self, param: nn.Parameter, full: torch.Tensor) -> None:
@@ -130,8 +128,6 @@ class SummedGradients(GradientBuckets):
 
     def _send(self, bucket):
         grads = [grad for _, grad in bucket]
-        if self.noise_std > 0:
-            self.add_noise(grads, self.noise_std)
         flat = grads[0] if len(grads) == 1 else torch.cat([g.reshape(-1) for g in grads])
         return dist.all_reduce(flat, async_op=True), flat, flat
 
@@ -143,8 +139,8 @@ class SummedGradients(GradientBuckets):
             torch._foreach_copy_(grads, [p.view_as(g) for p, g in zip(pieces, grads)])
 
     def finish(self, params: list[nn.Parameter]) -> None:
-        """Sum the parameters not handed over (every one for an empty batch: zero gradients,
-        noised all the same), in ``params``' order, then wait for every collective."""
+        """Sum the parameters not handed over (every one for an empty batch: zero gradients),
+        in ``params``' order, then wait for every collective."""
         for param in params:
             if id(param) not in self.handed:
                 if param.grad is None:

@@ -65,7 +65,7 @@ class ChunkGraphs:
         self.chunk_graphs: dict[bool, torch.cuda.CUDAGraph] = {}
         pool = None
         # One process: every chunk is alike. DDP: the last chunk syncs (standard's reducer,
-        # flash's sum over the ranks with rank 0's noise), the others do not.
+        # flash's sum over the ranks), the others do not.
         self.start_graph, pool = self._capture(runner, pool, self._start)
         for is_last in (False, True) if runner.mode.is_distributed else (True,):
             self.chunk_graphs[is_last], pool = self._capture(runner, pool, self._chunk, is_last)

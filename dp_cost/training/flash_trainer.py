@@ -3,8 +3,6 @@ per layer (the engine in ``dp_cost.flash``), and its collectives when there are 
 
 from __future__ import annotations
 
-import functools
-
 import torch
 
 from dp_cost.core import recompute
@@ -64,7 +62,6 @@ class FlashClippingTrainer(PrivateTrainer):
     capturable = True  # its tape, hooks, kernels and tables make no host sync (tests check it)
     supports_activation_checkpointing = True  # each input kept from its block's recomputation
     noise_generator: torch.Generator | None = None  # its own, where it needs one (made once)
-    sink_noise_generator: torch.Generator | None = None  # DDP's rank 0, when checkpointed
 
     def __init__(self, model, settings, phases, *, flash_route: str = "auto"):
         super().__init__(model, settings, phases)
@@ -91,7 +88,7 @@ class FlashClippingTrainer(PrivateTrainer):
         self.phases("privacy_wrapped")
 
     def generators(self) -> list[torch.Generator]:
-        return [g for g in (self.noise_generator, self.sink_noise_generator) if g is not None]
+        return [] if self.noise_generator is None else [self.noise_generator]
 
     def start_step(self, plan):
         super().start_step(plan)
@@ -165,29 +162,14 @@ class FlashClippingTrainer(PrivateTrainer):
     def gradient_sink(self, is_last: bool):
         """Where a chunk's clipped sums go instead of .grad (None: into .grad)."""
         mode = self.settings.mode
-        if mode.replicates:  # summed over the ranks in the last chunk, rank 0's noise in it
-            if is_last:
-                return flash_sinks.SummedGradients(self.noise_std(), self.replicated_noise())
-            return None
+        if mode.replicates:  # summed over the ranks in the last chunk
+            return flash_sinks.SummedGradients() if is_last else None
         if not mode.shards:
             return None
         if self.settings.sync_every_chunk:
             return flash_sinks.ShardedGradients()
         held = self.held_sums
         return flash_sinks.ShardedGradients(held) if is_last else flash_sinks.HeldSums(held)
-
-    def replicated_noise(self):
-        """How rank 0 draws DDP's noise into a bucket: from torch's generator, or, checkpointed,
-        from one of its own (made once, on every rank; rank 0 draws): a block's clipped sums are
-        sent from inside torch's recomputation, which restores the random state the block's
-        forward began with (every block's draw would be the same). Not the gathering step's
-        generator, which every replica draws alike."""
-        if self.checkpointed is None:
-            return add_gaussian_noise
-        if self.sink_noise_generator is None:
-            device = self.engine.params[0].device
-            self.sink_noise_generator = collectives.seeded_generator(device, per_rank=False)
-        return functools.partial(add_gaussian_noise, generator=self.sink_noise_generator)
 
     def gathered_chunk_step(self, chunk):
         """DDP, one per rank: autograd's gradients, gathered; each rank clips the global batch."""
@@ -212,27 +194,28 @@ class FlashClippingTrainer(PrivateTrainer):
     def finish_step(self, plan):
         if plan.is_empty and (sink := self.empty_batch_sink()):
             sink.finish(self.engine.params)
-        self.optimizer_step(gathers_per_sample(self.settings.mode, plan))
+        self.optimizer_step()
 
     def empty_batch_sink(self):
-        """DDP: zeros, rank 0's noise, summed over the ranks; FSDP2: every collective drained
-        (optimizer_step gives each shard its zeros and noise)."""
+        """DDP: zeros summed over the ranks; FSDP2: every collective drained (optimizer_step
+        gives each replica or shard its zeros and noise)."""
         mode = self.settings.mode
         if mode.replicates:
-            return flash_sinks.SummedGradients(self.noise_std(), self.replicated_noise())
+            return flash_sinks.SummedGradients()
         return flash_sinks.ShardedGradients() if mode.shards else None
 
-    def optimizer_step(self, gathering: bool = False):
+    def optimizer_step(self):
         params = self.engine.params
         for p in params:
             if p.grad is None:  # a layer the batch never reached still gets noise
                 p.grad = torch.zeros_like(p)
-        # Noise once per coordinate. DDP: rank 0's, in the sum over ranks (the sink), or, gathering,
-        # one draw on every replica (a generator seeded alike, once); FSDP2: each rank's shard's,
-        # from a generator of its own (made here, not left to the caller to seed each rank).
+        # Noise once per coordinate, after the sum. DDP: one draw on every replica, from a
+        # generator the ranks seed alike (one launch for the model, not one per bucket);
+        # FSDP2: each rank's shard's, from a generator of its own. Made here, once, not left to
+        # the caller to seed each rank.
         mode = self.settings.mode
-        if self.noise_std() > 0 and (not mode.replicates or gathering):
-            if (gathering or mode.shards) and self.noise_generator is None:
+        if self.noise_std() > 0:
+            if (mode.replicates or mode.shards) and self.noise_generator is None:
                 self.noise_generator = collectives.seeded_generator(
                     params[0].device, per_rank=mode.shards
                 )

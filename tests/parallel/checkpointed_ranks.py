@@ -4,7 +4,7 @@ Prints one JSON line on rank 0: for each clipping rule, the largest difference b
 checkpointed model's gradients and the same model's without checkpointing (the several-rank
 sinks must send every parameter in one order on every rank, whichever layers a rank reached);
 and the largest difference between the two replicas after a step of 2 samples a rank
-(rank 0's noise summed in) and then a step of 1 a rank (each replica draws the same noise)."""
+and then a step of 1 a rank, each replica adding the same noise after the sum."""
 
 import json
 import os

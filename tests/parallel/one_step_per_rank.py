@@ -4,6 +4,7 @@ trainer's gradient (the full tensors, put together from FSDP2's shards) for the 
 with a brute force."""
 
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -22,6 +23,7 @@ from textbook_dpsgd import TextbookDPSGD  # noqa: E402
 
 import models  # noqa: E402
 import trainers  # noqa: E402
+from dp_cost.flash import clip as flash_clip  # noqa: E402
 from dp_cost.flash import sinks as buckets  # noqa: E402
 from dp_cost.parallel import ranks  # noqa: E402
 from dp_cost.parallel.mode import distributed_mode  # noqa: E402
@@ -41,6 +43,23 @@ def clipping_record(runner) -> dict | None:
     """The trainer's ``clipping`` record (None: not private)."""
     privacy = runner.trainer.privacy
     return privacy.clipping_record() if privacy else None
+
+
+@contextlib.contextmanager
+def counted_noise_draws():
+    """A list of the tensor counts of each call flash's noise makes (its CPU path's one draw
+    function) while the context is open."""
+    draws, draw = [], flash_clip.add_exact64_noise_
+
+    def counted(tensors, *args, **kwargs):
+        draws.append(len(tensors))
+        return draw(tensors, *args, **kwargs)
+
+    flash_clip.add_exact64_noise_ = counted
+    try:
+        yield draws
+    finally:
+        flash_clip.add_exact64_noise_ = draw
 
 
 def gathering_recorded(runner):
@@ -171,11 +190,12 @@ def run_job(job: dict, info, max_grad_norm: float, seq: int) -> dict:
             torch.manual_seed(100 + info.rank if job.get("reseed", True) else 100)
             gathered = gathering_recorded(trainer)
             synced = sync_recorded(trainer, model) if job.get("probe_sync") else None
-            if job.get("padded_step"):
-                size = trainer.physical_size()
-                out = trainer.padded_step(inputs[local], targets[local], size)
-            else:
-                out = trainer.step(inputs[local], targets[local])
+            with counted_noise_draws() as noise_draws:
+                if job.get("padded_step"):
+                    size = trainer.physical_size()
+                    out = trainer.padded_step(inputs[local], targets[local], size)
+                else:
+                    out = trainer.step(inputs[local], targets[local])
             every = every_rank_gradients(model, info)
             grad = every[0][0]
             records = [None] * info.world_size  # each rank's count of its clipped samples
@@ -190,6 +210,7 @@ def run_job(job: dict, info, max_grad_norm: float, seq: int) -> dict:
                 "replicas_agree": all(torch.equal(g, grad) for g, _ in every),
                 "gathered": gathered(),  # flash: per-sample gradients gathered
                 "clipping": merged_record(records) if records[0] else None,
+                "noise_draws": noise_draws,  # flash's: the tensors each draw noised
             }
             if synced is not None:
                 saved[case, name]["synced_after_a_chunk"] = synced()

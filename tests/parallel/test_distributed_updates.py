@@ -133,8 +133,8 @@ def flash_gathers(distributed, samples):
 # flash's collectives run asynchronously, in buckets, while its clipped GEMMs (or, gathering, the
 # backward) do: here buckets of 3000 bytes, so several, of one tensor and of several (FSDP2's
 # rank-major with padded pieces: the vocabulary is odd), all pending (DDP) or the older ones
-# waited for past 5000 bytes (FSDP2); the noise test keeps one bucket, each collective waited
-# for at once.
+# waited for past 5000 bytes (FSDP2); the noise test has several buckets too (flash draws the
+# noise once, not per bucket), each collective waited for at once.
 SMALL_BUCKETS = {"bucket_bytes": 3000, "in_flight_bytes": 5000}
 # The cases of the step CUDA graphs replay (padded chunks of P = min(cap, B / 2) per rank): 4 + 4
 # in two chunks of 3, the second padded by 2; a Poisson-like 4 + 3 in chunks of 2 (rank 1's
@@ -187,6 +187,7 @@ def every_job() -> dict:
         jobs[f"noise {distributed}"] = {  # FSDP2: each collective waited for at once
             "distributed": distributed, "trainers": dp_trainers(distributed),
             "cases": NOISE_CASES, "noise_multiplier": SIGMA, "in_flight_bytes": 0,
+            "bucket_bytes": SMALL_BUCKETS["bucket_bytes"],
         }  # fmt: skip
     for distributed in ("ddp", "fsdp"):  # flash on checkpointed blocks, flat and per-layer
         jobs[f"checkpointed {distributed}"] = {
@@ -339,6 +340,8 @@ def check_noise_added_once(noisy, distributed, cases=NOISE_CASES, names=None, cl
             assert abs(noise.std().item() / expected - 1) < 0.05, where
             assert abs(noise.mean().item()) < 0.05 * expected, where
             assert noisy[case, name]["replicas_agree"], where
+        # flash's noise in one draw over every parameter, after the sum (not one per bucket)
+        assert noisy[case, "flash"]["noise_draws"] == [len(parameter_shapes())], case
         gathered = flash_gathers(distributed, samples)
         assert noisy[case, "flash"]["gathered"] == gathered, (distributed, case)
 
@@ -474,8 +477,8 @@ def test_replayed_ddp_steps_equal_the_definition(tmp_path):
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
 def test_replayed_ddp_noise_is_fresh_and_added_once(tmp_path):
     """flash's noise in replayed DDP steps: std sigma*C/B of the global batch (once per
-    coordinate: rank 0's, in the last chunk's sum over the ranks), a fresh draw at each
-    replay, replicas equal."""
+    coordinate: one draw on every replica, after the last chunk's sum over the ranks), a fresh
+    draw at each replay, replicas equal."""
     out, sigma = tmp_path / "noisy.pt", 2.0
     args = ["--seq", str(SEQ), "--max_grad_norm", str(C), "--noise_multiplier", str(sigma)]
     cases = ("2,1", "4,2", "8,3")  # one chunk per rank, and two (noise in the last one only)
