@@ -29,13 +29,14 @@ COLUMNS = [
 
 
 def results(root: str) -> list[dict]:
-    """Every config's result.json under ``root`` (a torchrun run's aggregate, not the ranks')."""
+    """Every config's result.json under ``root`` (a torchrun run's aggregate, not the ranks'), in
+    the order of their folders' paths, each with its folder under "folder"."""
     found = []
-    for folder, _, files in os.walk(root):
+    for folder, _, files in sorted(os.walk(root)):
         if "result.json" in files:
             try:
                 with open(os.path.join(folder, "result.json")) as f:
-                    found.append(json.load(f))
+                    found.append({**json.load(f), "folder": folder})
             except (OSError, ValueError) as error:
                 print(f"warning: {folder}/result.json unreadable ({error}); left out")
     return found
@@ -61,6 +62,13 @@ def table(found: list[dict]) -> str:
         clipping = config.get("clipping", "flat") if config["trainer"] != "standard" else "flat"
         cell = (config["trainer"], clipping)
         ok = result["status"] == "ok"
+        if cell in times.get(mode_key(config), {}):  # a repeat run: rows pair one run's configs
+            print(
+                f"warning: {result.get('folder')} repeats {'/'.join(cell)} of a mode already "
+                "in the table: it replaces the earlier one (one run per mode in a folder, or "
+                "a table per run)",
+                file=sys.stderr,
+            )
         times.setdefault(mode_key(config), {})[cell] = (
             result.get("median_time_ms") if ok else result["status"]
         )

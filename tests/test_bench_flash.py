@@ -410,3 +410,20 @@ def test_scaling_table_ratios_and_efficiencies(tmp_path):
     fsdp = next(r for r in rows if r.startswith("| FSDP2 x4 |"))
     assert "| oom |" in fsdp and "50% / – / –" in fsdp
     assert len(found) == 6
+
+
+def test_scaling_table_warns_where_a_mode_repeats(tmp_path, capsys):
+    """Two runs of one mode in one folder: the later (by path) fills the row, and a warning
+    names the repeat instead of pairing one run's standard with another run's flash silently."""
+    scaling_table = benchmark_script("scaling_table.py")
+    for run, ms in (("run1", 100.0), ("run2", 120.0)):
+        folder = tmp_path / run / "standard"
+        folder.mkdir(parents=True)
+        config = {"trainer": "standard", "batch_size": 8, "seq_len": 1024}
+        result = {"config": config, "status": "ok", "median_time_ms": ms, "peak_memory_mb": 1.0}
+        (folder / "result.json").write_text(json.dumps(result))
+    row = next(r for r in scaling_table.table(scaling_table.results(str(tmp_path))).splitlines()
+               if r.startswith("| 1 GPU |"))  # fmt: skip
+    assert "| 120.0 |" in row
+    err = capsys.readouterr().err
+    assert err.count("warning:") == 1 and "run2" in err and "standard/flat" in err
