@@ -188,13 +188,14 @@ class ShardedGradients(GradientBuckets):
     def _land(self, bucket, work, sent, received):
         work.wait()
         pieces = received.split([full.numel() // self.world_size for _, full in bucket])
-        for (param, full), piece in zip(bucket, pieces, strict=True):
-            rows = param.to_local().shape[0]
-            local = piece.view(-1, *full.shape[1:])[:rows].to(param.dtype)
-            if param.grad is None:  # FSDP2's own constructor for its gradients: no autograd
-                param.grad = _from_local_no_grad(local, param._spec)  # (from_local's ~10x cost)
-            else:
-                param.grad.to_local().add_(local)
+        with torch.no_grad():  # to_local is then the local tensor, not an autograd Function
+            for (param, full), piece in zip(bucket, pieces, strict=True):
+                rows = param.to_local().shape[0]
+                local = piece.view(-1, *full.shape[1:])[:rows].to(param.dtype)
+                if param.grad is None:  # FSDP2's own constructor for its gradients: no autograd
+                    param.grad = _from_local_no_grad(local, param._spec)  # (from_local's ~10x)
+                else:
+                    param.grad.to_local().add_(local)
 
     def finish(self, params: list[nn.Parameter]) -> None:
         """Send the last bucket and wait for every collective (``params``: as
@@ -335,5 +336,8 @@ class GatheredGradients(GradientBuckets):
 
 
 def local_gradients(params: list[nn.Parameter]) -> list[torch.Tensor]:
-    """The tensors a rank holds of each parameter's .grad (a DTensor's local shard)."""
-    return [p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad for p in params]
+    """The tensors a rank holds of each parameter's .grad (a DTensor's local shard, itself: out
+    of grad mode to_local returns it, where in grad mode it is an autograd Function's output, a
+    score of Python calls a parameter)."""
+    with torch.no_grad():
+        return [p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad for p in params]

@@ -1,0 +1,40 @@
+"""flash's FSDP2 sink on a one-rank gloo group in this process: a landed shard's gradient (set,
+then added to), and that landing and reading the local shards make no autograd Function call
+(DTensor.to_local in grad mode is one: a score of Python calls a parameter, a step's hundreds)."""
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import _api as dtensor_api
+
+from dp_cost.flash import sinks
+
+
+@pytest.fixture
+def one_rank(tmp_path):
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def test_landed_shards_are_the_sums_with_no_autograd_function(one_rank, monkeypatch):
+    model = fully_shard(nn.Sequential(nn.Linear(4, 3), nn.Linear(3, 2)))
+    params = list(model.parameters())
+    calls = []
+    apply = dtensor_api._ToTorchTensor.apply
+    monkeypatch.setattr(
+        dtensor_api._ToTorchTensor, "apply", lambda *a: calls.append(a) or apply(*a)
+    )
+    sums = [[torch.randn(p.shape) for p in params] for _ in range(2)]
+    for chunk in sums:  # the first lands into no .grad, the second adds to it
+        sink = sinks.ShardedGradients()
+        for param, full in zip(reversed(params), reversed(chunk)):
+            sink(param, full)
+        sink.finish(params)
+    local = sinks.local_gradients(params)
+    assert not calls  # before full_tensor below, which makes them
+    assert all(t is p.grad._local_tensor for t, p in zip(local, params))
+    for param, first, second in zip(params, *sums):
+        assert torch.allclose(param.grad.full_tensor(), first + second)
