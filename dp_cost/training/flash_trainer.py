@@ -215,7 +215,7 @@ class FlashClippingTrainer(PrivateTrainer):
         # the caller to seed each rank.
         mode = self.settings.mode
         if self.noise_std() > 0:
-            if (mode.replicates or mode.shards) and self.noise_generator is None:
+            if mode.is_distributed and self.noise_generator is None:
                 self.noise_generator = collectives.seeded_generator(
                     params[0].device, per_rank=mode.shards
                 )

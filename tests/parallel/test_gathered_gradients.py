@@ -4,18 +4,10 @@ sparse embedding's gradient (the two-rank numbers are test_distributed_updates')
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from dp_cost.flash import sinks as buckets
 from dp_cost.flash.engine import FlashClipping
-
-
-@pytest.fixture
-def one_rank(tmp_path):
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
 
 
 class Model(nn.Module):

@@ -2,21 +2,12 @@
 then added to), and that landing and reading the local shards make no autograd Function call
 (DTensor.to_local in grad mode is one: a score of Python calls a parameter, a step's hundreds)."""
 
-import pytest
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import _api as dtensor_api
 
 from dp_cost.flash import sinks
-
-
-@pytest.fixture
-def one_rank(tmp_path):
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
 
 
 def test_landed_shards_are_the_sums_with_no_autograd_function(one_rank, monkeypatch):
