@@ -16,6 +16,9 @@ from dp_cost.flash.precision import accumulation_dtype
 from dp_cost.noise.exact64 import add_exact64_noise_
 
 KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)  # the weighted sums' (Triton's)
+# The sink path's kept per-sample gradients are summed in groups of up to this many bytes of fp32
+# sums, a launch each (sums_in_groups): the most the grouping adds to the clipping's peak.
+SUMMED_AT_ONCE_BYTES = 128 * 2**20
 CPU_ROW_CHUNK = 2**16  # columns per chunk: bounds the temporary of the CPU sum of squares
 
 
@@ -187,6 +190,12 @@ class ClipFactorsByParameter:
             return self.shared
         return self.by_row.row(self._row[id(param)])
 
+    def sums_of(self, params: list[nn.Parameter], grads: list[Tensor]) -> list[Tensor]:
+        """weighted_sums of each parameter's [B, N] per-sample gradients by its factors."""
+        if self.shared is not None:
+            return weighted_sums(grads, self.shared)
+        return weighted_sums(grads, self.by_row, [self._row[id(p)] for p in params])
+
     def concatenated_sum(self, params: list[nn.Parameter], grads: Tensor) -> Tensor:
         """sum_b c_b(p) * grads[b] of the [B, N] concatenation of ``params``' per-sample
         gradients, [N]. Per parameter: each column scaled by its parameter's factors in fp32 or
@@ -197,6 +206,40 @@ class ClipFactorsByParameter:
         per_column = self.c.index_select(0, self.indices.columns(params, rows, self.device))
         wide = torch.promote_types(grads.dtype, self.c.dtype)
         return (grads.to(wide) * per_column.T.to(wide)).sum(0)  # per_column: [N, B]
+
+
+def sums_in_groups(kept: list, c: ClipFactorsByParameter) -> dict[int, Tensor]:
+    """id(param) -> the clipped sum of its kept per-sample gradient, for each (param, [B, ...])
+    of ``kept`` whose sum (fp32 [n]) is no larger than the per-sample gradient it replaces; a
+    launch per group of up to SUMMED_AT_ONCE_BYTES of sums, each group's per-sample gradients
+    dropped once summed (they leave ``kept``; the others stay, in order). So the bytes held
+    never grow by more than a group's sums, and the sink path makes a few launches where a
+    launch per parameter was Python on the step's path."""
+    sums: dict[int, Tensor] = {}
+    rest: list = []
+    group: list = []
+    group_bytes = 0
+
+    def flush():
+        params, grads = [p for p, _ in group], [g for _, g in group]
+        group.clear()
+        sums.update(zip(map(id, params), c.sums_of(params, grads), strict=True))
+
+    while kept:
+        param, grad = kept.pop()
+        if grad.shape[0] * grad.element_size() < 4:
+            rest.append((param, grad))
+            continue
+        group.append((param, grad.flatten(1)))
+        group_bytes += 4 * grad[0].numel()
+        del grad
+        if group_bytes >= SUMMED_AT_ONCE_BYTES:
+            flush()
+            group_bytes = 0
+    if group:
+        flush()
+    kept.extend(reversed(rest))
+    return sums
 
 
 def accumulate_into_grad(param: nn.Parameter, grad: Tensor) -> None:
@@ -305,6 +348,35 @@ def weighted_sum(grads: Tensor, c: ClipFactors) -> Tensor:
             kernels.weighted_sums_([target], [grads], c.to(torch.float32), [False])
             return target
     return c.to(grads.dtype) @ grads
+
+
+def weighted_sums(grads: list[Tensor], c: ClipFactors, rows: list[int] | None = None) -> list:
+    """[weighted_sum(grad, c)] for [B, N_i] gradients, [N_i] each (``rows``: c is [P, B] and
+    grads[i] takes row rows[i], per-layer clipping). CUDA: one weighted-sums launch per dtype
+    for all of them, fp32 targets (a launch each costs its Python: the 1b model keeps 80
+    per-sample weight gradients a chunk); elsewhere, and on a planned step's fake tensors,
+    weighted_sum of each."""
+    kernels = triton_kernels()
+    fused = [] if kernels is None or any(map(is_fake, grads)) else grads
+    supported = kernels.weighted_sums_supported_each([(g, g) for g in fused]) if fused else ()
+    sums: list = [None] * len(grads)
+    members, targets = [], []
+    for i, grad in enumerate(grads):
+        if supported and supported[i]:
+            members.append(i)
+            wide = torch.promote_types(grad.dtype, torch.float32)
+            targets.append(grad.new_empty(grad.shape[1], dtype=wide))
+        else:
+            sums[i] = weighted_sum(grad, c if rows is None else c.row(rows[i]))
+    if members:
+        sources, kept_rows = [grads[i] for i in members], None
+        if rows is not None:
+            kept_rows = [rows[i] for i in members]
+        kernels.weighted_sums_(targets, sources, c.to(torch.float32), [False] * len(members),
+                               kept_rows)  # fmt: skip
+        for i, target in zip(members, targets, strict=True):
+            sums[i] = target
+    return sums
 
 
 def fused_noise(tensors: list[torch.Tensor]) -> bool:

@@ -38,6 +38,7 @@ from dp_cost.flash.clip import (
     squared_row_norms,
     squared_row_norms_each,
     squared_row_norms_many,
+    sums_in_groups,
     weighted_sum,
 )
 from dp_cost.flash.layer import (
@@ -318,6 +319,7 @@ class FlashClipping(LayerCapture):
             params, grads = small.pop()
             grads = _unflatten_dense_tensors(c.concatenated_sum(params, grads), params)
             ready.update(zip(map(id, params), grads, strict=True))
+        ready.update(sums_in_groups(large, c))  # what it sums leaves ``large``
         kept = {id(param): grad for param, grad in large}
         large.clear()
         handed, pending, reverse = self._handed, self._pending, self.params[::-1]
