@@ -12,7 +12,7 @@ from torch._subclasses.fake_tensor import is_fake
 from torch._utils import _unflatten_dense_tensors
 
 from dp_cost.flash.fused import triton_kernels
-from dp_cost.flash.precision import accumulation_dtype
+from dp_cost.flash.precision import accumulation_dtype, wider
 from dp_cost.noise.exact64 import add_exact64_noise_
 
 KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)  # the weighted sums' (Triton's)
@@ -88,7 +88,7 @@ def squared_row_norms_each(grads: list[Tensor]) -> Tensor:
 
 def stacked(terms: list[Tensor]) -> Tensor:
     """[B] terms as the rows of one [n, B], in the widest of their dtypes."""
-    dtype = functools.reduce(torch.promote_types, [term.dtype for term in terms])
+    dtype = functools.reduce(wider, [term.dtype for term in terms])
     return torch.stack([term.to(dtype) for term in terms])
 
 
@@ -204,7 +204,7 @@ class ClipFactorsByParameter:
             return weighted_sum(grads, self.shared)
         rows = [self._row[id(p)] for p in params]
         per_column = self.c.index_select(0, self.indices.columns(params, rows, self.device))
-        wide = torch.promote_types(grads.dtype, self.c.dtype)
+        wide = wider(grads.dtype, self.c.dtype)
         return (grads.to(wide) * per_column.T.to(wide)).sum(0)  # per_column: [N, B]
 
 
@@ -230,8 +230,8 @@ def sums_in_groups(kept: list, c: ClipFactorsByParameter) -> dict[int, Tensor]:
         if grad.shape[0] * grad.element_size() < 4:
             rest.append((param, grad))
             continue
-        group.append((param, grad.flatten(1)))
-        group_bytes += 4 * grad[0].numel()
+        group.append((param, grad if grad.dim() == 2 else grad.flatten(1)))
+        group_bytes += 4 * (grad.numel() // grad.shape[0])
         del grad
         if group_bytes >= SUMMED_AT_ONCE_BYTES:
             flush()
@@ -334,7 +334,7 @@ def weighted_sum(grads: Tensor, c: ClipFactors) -> Tensor:
     c, accumulated and written in fp32: 16-bit gradients are not rounded on the way); else one
     [B] x [B, N] product in the gradients' dtype."""
     kernels = triton_kernels()
-    wide = torch.promote_types(grads.dtype, torch.float32)
+    wide = wider(grads.dtype, torch.float32)
     if is_fake(grads) and grads.is_contiguous() and grads.dtype in KERNEL_DTYPES:
         # A planned step: the kernel's memory (its [N] result in fp32, no other buffer); the
         # product's ops for the time model, written into the target's own storage.
@@ -364,7 +364,7 @@ def weighted_sums(grads: list[Tensor], c: ClipFactors, rows: list[int] | None = 
     for i, grad in enumerate(grads):
         if supported and supported[i]:
             members.append(i)
-            wide = torch.promote_types(grad.dtype, torch.float32)
+            wide = wider(grad.dtype, torch.float32)
             targets.append(grad.new_empty(grad.shape[1], dtype=wide))
         else:
             sums[i] = weighted_sum(grad, c if rows is None else c.row(rows[i]))

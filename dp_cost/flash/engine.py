@@ -49,7 +49,7 @@ from dp_cost.flash.layer import (
     join_calls,
     only_parameter,
 )
-from dp_cost.flash.precision import accumulation_dtype
+from dp_cost.flash.precision import accumulation_dtype, wider
 from dp_cost.flash.rules import NORM_RULES, NormRule
 
 # Kept per-sample gradients with at most this many elements per sample (biases, norm layers, LoRA
@@ -245,7 +245,7 @@ class FlashClipping(LayerCapture):
             calls = list(calls)
             rows = [rows_of_calls[id(call.layer)] for call in calls]
             blocks.append((rule.squared_norms_each(calls), rows))
-        dtype = functools.reduce(torch.promote_types, [block.dtype for block, _ in blocks])
+        dtype = functools.reduce(wider, [block.dtype for block, _ in blocks])
         device = blocks[0][0].device
         norms = torch.zeros((len(self.params), batch), dtype=dtype, device=device)
         for block, rows in blocks:
@@ -349,7 +349,9 @@ class FlashClipping(LayerCapture):
                     grad = ready.pop(id(param))
                 else:  # no call of this chunk reached the layer
                     grad = torch.zeros(param.shape, dtype=param.dtype, device=c.device)
-                pending[id(param)] = (param, grad.view(param.shape))
+                if grad.shape != param.shape:  # a view is an operator dispatch, even a no-op one
+                    grad = grad.view(param.shape)
+                pending[id(param)] = (param, grad)
                 del grad  # not held through the next layer's clipped GEMM
                 while self._next_hand < len(reverse) and id(reverse[self._next_hand]) in pending:
                     sink(*pending.pop(id(reverse[self._next_hand])))

@@ -4,6 +4,8 @@ device type autocast is asked about."""
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch import Tensor
 
@@ -14,13 +16,20 @@ def device_type(x: Tensor) -> str:
     return "cuda" if x.is_cuda else x.device.type
 
 
+@functools.cache
+def wider(a: torch.dtype, b: torch.dtype) -> torch.dtype:
+    """torch.promote_types(a, b), found once per pair: torch's is an operator dispatch at every
+    call (hundreds a step where a sink takes each parameter's sum)."""
+    return torch.promote_types(a, b)
+
+
 def accumulation_dtype(x: Tensor) -> torch.dtype:
-    return torch.promote_types(x.dtype, torch.float32)
+    return wider(x.dtype, torch.float32)
 
 
 def to_accumulation(x: Tensor) -> Tensor:
     """Cast to the accumulation dtype: fp32, or fp64 for fp64 inputs."""
-    return x.to(torch.promote_types(x.dtype, torch.float32))
+    return x.to(wider(x.dtype, torch.float32))
 
 
 def gemm_operands(A: Tensor, G: Tensor) -> tuple[Tensor, Tensor]:

@@ -16,6 +16,8 @@ from torch import nn
 from torch.distributed.fsdp._fully_shard._fsdp_common import _from_local_no_grad
 from torch.distributed.tensor import DTensor
 
+from dp_cost.flash.precision import wider
+
 BUCKET_BYTES = 25 * 2**20  # DDP's default bucket size
 
 
@@ -118,7 +120,12 @@ class SummedGradients(GradientBuckets):
         self.handed: set[int] = set()
 
     def __call__(self, param: nn.Parameter, full: torch.Tensor) -> None:
-        full = full.to(param.dtype).view(param.shape)
+        # Each op only where needed: even a no-op cast or view is an operator dispatch, and
+        # this runs once per parameter.
+        if full.dtype != param.dtype:
+            full = full.to(param.dtype)
+        if full.shape != param.shape:
+            full = full.view(param.shape)
         if param.grad is None:
             param.grad = _own_storage(full)
         else:
@@ -169,7 +176,9 @@ class ShardedGradients(GradientBuckets):
         if not isinstance(param, DTensor):  # a parameter FSDP left unsharded (none today)
             raise TypeError(f"expected an FSDP2-sharded parameter, got {type(param).__name__}")
         # Summed in fp32 at least (a 16-bit parameter's too), a dtype the parameter fixes.
-        full = full.to(torch.promote_types(param.dtype, torch.float32))
+        wide = wider(param.dtype, torch.float32)
+        if full.dtype != wide:
+            full = full.to(wide)
         if self.held and id(param) in self.held:
             full = full + self.held.pop(id(param))[1]
         padding = -full.shape[0] % self.world_size
@@ -178,20 +187,31 @@ class ShardedGradients(GradientBuckets):
         self._add(param, full)
 
     def _send(self, bucket):
-        # [W, piece] per gradient (a view: dimension 0 split in W), side by side, flattened.
-        columns = [full.reshape(self.world_size, -1) for _, full in bucket]
-        sent = columns[0] if len(columns) == 1 else torch.cat(columns, dim=1)
-        sent = sent.contiguous().view(-1)
+        # [W, piece] per gradient (a view: dimension 0 split in W), side by side, flattened; a
+        # gradient sent alone is that layout already, flattened (no op beyond the view).
+        if len(bucket) == 1:
+            full = bucket[0][1]
+            sent = full.view(-1) if full.is_contiguous() else full.reshape(-1)
+        else:
+            columns = [full.reshape(self.world_size, -1) for _, full in bucket]
+            sent = torch.cat(columns, dim=1).view(-1)
         received = sent.new_empty(sent.numel() // self.world_size)
         return dist.reduce_scatter_tensor(received, sent, async_op=True), sent, received
 
     def _land(self, bucket, work, sent, received):
         work.wait()
-        pieces = received.split([full.numel() // self.world_size for _, full in bucket])
+        if len(bucket) == 1:
+            pieces = (received,)
+        else:
+            pieces = received.split([full.numel() // self.world_size for _, full in bucket])
         with torch.no_grad():  # to_local is then the local tensor, not an autograd Function
             for (param, full), piece in zip(bucket, pieces, strict=True):
                 rows = param.to_local().shape[0]
-                local = piece.view(-1, *full.shape[1:])[:rows].to(param.dtype)
+                local = piece.view(-1, *full.shape[1:])
+                if local.shape[0] != rows:  # the padding of the last ranks' pieces
+                    local = local[:rows]
+                if local.dtype != param.dtype:
+                    local = local.to(param.dtype)
                 if param.grad is None:  # FSDP2's own constructor for its gradients: no autograd
                     param.grad = _from_local_no_grad(local, param._spec)  # (from_local's ~10x)
                 else:
@@ -220,7 +240,7 @@ class HeldSums:
         self.held = held
 
     def __call__(self, param: nn.Parameter, full: torch.Tensor) -> None:
-        full = full.to(torch.promote_types(param.dtype, torch.float32))
+        full = full.to(wider(param.dtype, torch.float32))
         if id(param) in self.held:
             self.held[id(param)][1].add_(full)
         else:
@@ -308,7 +328,7 @@ class GatheredGradients(GradientBuckets):
         Small ones (biases, norm layers) go in fp32 or wider."""
         if step_dtype.itemsize < 4 and param.numel() > SMALL_GRADIENT_NUMEL:
             return step_dtype
-        return torch.promote_types(param.dtype, torch.float32)
+        return wider(param.dtype, torch.float32)
 
     def _send(self, bucket):
         # [1, numel] per gradient, side by side: one all-gather stacks the ranks' rows.

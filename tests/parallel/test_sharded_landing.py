@@ -29,3 +29,27 @@ def test_landed_shards_are_the_sums_with_no_autograd_function(one_rank, monkeypa
     assert all(t is p.grad._local_tensor for t, p in zip(local, params))
     for param, first, second in zip(params, *sums):
         assert torch.allclose(param.grad.full_tensor(), first + second)
+
+
+def test_a_gradient_sent_alone_takes_no_op_it_does_not_need(one_rank, monkeypatch):
+    """Each parameter's sum sent alone (a bucket of one), already fp32 and of its shape: sent
+    as the tensor itself flattened and landed with no split, slice or dtype promotion, counted
+    by torch's profiler as --host_work counts operator dispatches (a no-op cast or view is
+    still a dispatch, and the sink runs once per parameter: hundreds a step). The landed
+    gradients are the sums."""
+    monkeypatch.setattr(sinks, "BUCKET_BYTES", 16)  # every gradient alone
+    model = fully_shard(nn.Sequential(nn.Linear(4, 3), nn.Linear(3, 2)))
+    params = list(model.parameters())
+    sums = [torch.randn(p.shape) for p in params]
+    sink = sinks.ShardedGradients()
+    with torch.profiler.profile() as prof:
+        for param, full in zip(reversed(params), reversed(sums)):
+            sink(param, full)
+        sink.finish(params)
+    ops = {event.key: event.count for event in prof.key_averages()}
+    # (aten::slice not among them: gloo's reduce-scatter slices its input itself; NCCL's not)
+    unneeded = ("aten::split_with_sizes", "aten::promote_types", "aten::to", "aten::reshape",
+                "aten::cat", "aten::contiguous")  # fmt: skip
+    assert not {op: ops[op] for op in unneeded if op in ops}
+    for param, full in zip(params, sums):
+        assert torch.equal(param.grad.full_tensor(), full)

@@ -15,7 +15,7 @@ from dp_cost.flash import fused
 from dp_cost.flash.clip import stacked
 from dp_cost.flash.fused import triton_kernels
 from dp_cost.flash.layer import GradRequest, Layer, LayerCall
-from dp_cost.flash.precision import accumulation_dtype, gemm_operands, to_accumulation
+from dp_cost.flash.precision import accumulation_dtype, gemm_operands, to_accumulation, wider
 from dp_cost.flash.rules.base import NormRule, register_norm_rule
 
 if TYPE_CHECKING:
@@ -177,7 +177,7 @@ class LinearRule(NormRule):
                 # dispatch costs host time per call
                 formed["weight"] = torch.bmm(G_op.mT, A_op)
             if "bias" in names:
-                formed["bias"] = G.sum(1, dtype=torch.promote_types(G.dtype, torch.float32))
+                formed["bias"] = G.sum(1, dtype=wider(G.dtype, torch.float32))
             grads.append(formed)
         for members in groups.values():
             sums = kernels.token_sums_many([calls[i][2] for i in members])
@@ -225,7 +225,7 @@ class LinearRule(NormRule):
                 terms.append(None)  # the group's launch fills it in (each) or adds it (flat)
             elif T <= layer.tile_size:  # gram_squared_norms of one tile
                 products = torch.bmm(A_op, A_op.mT) * torch.bmm(G_op, G_op.mT)
-                terms.append(products.sum((1, 2), dtype=torch.promote_types(A_op.dtype, _FP32)))
+                terms.append(products.sum((1, 2), dtype=wider(A_op.dtype, _FP32)))
             else:
                 terms.append(gram_squared_norms(A, G, layer.tile_size))
         if not each:

@@ -11,7 +11,7 @@ from torch import Tensor, nn
 from dp_cost.flash import fused
 from dp_cost.flash.fused import triton_kernels
 from dp_cost.flash.layer import GradRequest
-from dp_cost.flash.precision import accumulation_dtype
+from dp_cost.flash.precision import accumulation_dtype, wider
 from dp_cost.flash.rules.base import NormRule, register_norm_rule
 
 if TYPE_CHECKING:
@@ -66,8 +66,8 @@ class NormLayerRule(NormRule):
             ):
                 grads.append(self.per_sample_grads(layer, A, G, names))  # the one-layer kernel
                 continue
-            wide = torch.promote_types(A.dtype, torch.float32)
-            x, g = A.to(wide), G.to(torch.promote_types(G.dtype, torch.float32))
+            wide = wider(A.dtype, torch.float32)
+            x, g = A.to(wide), G.to(wider(G.dtype, torch.float32))
             formed = {}
             if "weight" in names:
                 shape = (x.shape[-1],)  # normalized dims were flattened into one
