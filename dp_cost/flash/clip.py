@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -189,6 +190,13 @@ class ClipFactorsByParameter:
         if self.shared is not None:
             return self.shared
         return self.by_row.row(self._row[id(param)])
+
+    def for_rules(self, rows_of_calls: Callable[[], Any]) -> tuple[ClipFactors, Any]:
+        """What the rules take: the shared factors (flat clipping), or the [P, B] factors and
+        each layer's row of them (per-layer: ``rows_of_calls()``, found only then)."""
+        if self.shared is not None:
+            return self.shared, None
+        return self.by_row, rows_of_calls()
 
     def sums_of(self, params: list[nn.Parameter], grads: list[Tensor]) -> list[Tensor]:
         """weighted_sums of each parameter's [B, N] per-sample gradients by its factors."""

@@ -30,7 +30,6 @@ from torch._utils import _unflatten_dense_tensors
 from dp_cost.flash.capture import LayerCapture
 from dp_cost.flash.checkpointed import each_block
 from dp_cost.flash.clip import (
-    ClipFactors,
     ClipFactorsByParameter,
     DeviceIndices,
     accumulate_many,
@@ -286,7 +285,7 @@ class FlashClipping(LayerCapture):
             return
         # Large kept per-sample grads first (no GEMM over T: a weighted sum of each), so they
         # are freed before the clipped GEMMs below allocate their gradients.
-        factors, rows = self._factors_and_rows(c)
+        factors, rows = c.for_rules(self._rows_of_calls)
         if large:
             params, grads = zip(*large, strict=True)
             row = self._param_rows
@@ -370,13 +369,6 @@ class FlashClipping(LayerCapture):
                 rows[id(layer)] = row
         return rows
 
-    def _factors_and_rows(self, c: ClipFactorsByParameter) -> tuple[ClipFactors, Any]:
-        """What the rules take: the shared factors (flat clipping), or the [P, B] factors and
-        each layer's row of them (per-layer)."""
-        if c.shared is not None:
-            return c.shared, None
-        return c.by_row, self._rows_of_calls()
-
     def _calls_by_rule(
         self, order: list[Layer], c: ClipFactorsByParameter | None = None
     ) -> dict[NormRule, Any]:
@@ -391,7 +383,7 @@ class FlashClipping(LayerCapture):
                 by_rule.setdefault(layer.rule, deque()).append(entry)
         if c is None:
             return by_rule
-        factors, rows = self._factors_and_rows(c)  # rows found while layers list their calls
+        factors, rows = c.for_rules(self._rows_of_calls)  # rows found while layers list their calls
         return {
             rule: rule.clipped_grads_many(calls, factors, rows) for rule, calls in by_rule.items()
         }
