@@ -365,7 +365,8 @@ def weighted_sums(grads: list[Tensor], c: ClipFactors, rows: list[int] | None = 
     per-sample weight gradients a chunk); elsewhere, and on a planned step's fake tensors,
     weighted_sum of each."""
     kernels = triton_kernels()
-    fused = [] if kernels is None or any(map(is_fake, grads)) else grads
+    # a planned step's tensors are all fake: the first says it
+    fused = [] if kernels is None or not grads or is_fake(grads[0]) else grads
     supported = kernels.weighted_sums_supported_each([(g, g) for g in fused]) if fused else ()
     sums: list = [None] * len(grads)
     members, targets = [], []

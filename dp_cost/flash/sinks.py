@@ -16,7 +16,7 @@ from torch import nn
 from torch.distributed.fsdp._fully_shard._fsdp_common import _from_local_no_grad
 from torch.distributed.tensor import DTensor
 
-from dp_cost.flash.precision import wider
+from dp_cost.flash.precision import cast, wider
 
 BUCKET_BYTES = 25 * 2**20  # DDP's default bucket size
 
@@ -120,11 +120,8 @@ class SummedGradients(GradientBuckets):
         self.handed: set[int] = set()
 
     def __call__(self, param: nn.Parameter, full: torch.Tensor) -> None:
-        # Each op only where needed: even a no-op cast or view is an operator dispatch, and
-        # this runs once per parameter.
-        if full.dtype != param.dtype:
-            full = full.to(param.dtype)
-        if full.shape != param.shape:
+        full = cast(full, param.dtype)
+        if full.shape != param.shape:  # a no-op view is an operator dispatch too
             full = full.view(param.shape)
         if param.grad is None:
             param.grad = _own_storage(full)
@@ -176,9 +173,7 @@ class ShardedGradients(GradientBuckets):
         if not isinstance(param, DTensor):  # a parameter FSDP left unsharded (none today)
             raise TypeError(f"expected an FSDP2-sharded parameter, got {type(param).__name__}")
         # Summed in fp32 at least (a 16-bit parameter's too), a dtype the parameter fixes.
-        wide = wider(param.dtype, torch.float32)
-        if full.dtype != wide:
-            full = full.to(wide)
+        full = cast(full, wider(param.dtype, torch.float32))
         if self.held and id(param) in self.held:
             full = full + self.held.pop(id(param))[1]
         padding = -full.shape[0] % self.world_size
@@ -210,8 +205,7 @@ class ShardedGradients(GradientBuckets):
                 local = piece.view(-1, *full.shape[1:])
                 if local.shape[0] != rows:  # the padding of the last ranks' pieces
                     local = local[:rows]
-                if local.dtype != param.dtype:
-                    local = local.to(param.dtype)
+                local = cast(local, param.dtype)
                 if param.grad is None:  # FSDP2's own constructor for its gradients: no autograd
                     param.grad = _from_local_no_grad(local, param._spec)  # (from_local's ~10x)
                 else:
@@ -240,7 +234,7 @@ class HeldSums:
         self.held = held
 
     def __call__(self, param: nn.Parameter, full: torch.Tensor) -> None:
-        full = full.to(wider(param.dtype, torch.float32))
+        full = cast(full, wider(param.dtype, torch.float32))
         if id(param) in self.held:
             self.held[id(param)][1].add_(full)
         else:
