@@ -37,7 +37,6 @@ import torch.optim.optimizer as optimizer_module
 from torch._subclasses.fake_tensor import FakeCopyMode, FakeTensor, FakeTensorMode
 from torch.distributed.tensor import DTensor
 from torch.fx.experimental.symbolic_shapes import ShapeEnv
-from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from dp_cost.capacity.allocator import request_bytes
@@ -45,7 +44,7 @@ from dp_cost.capacity.attention import CudaAttention, real_masks
 from dp_cost.capacity.card import GPU_OVERHEADS
 from dp_cost.capacity.fused_norm import fused_rms_norm
 from dp_cost.capacity.kernel_scratch import scratch_requests
-from dp_cost.capacity.op_list import GEMMS, OpRecord
+from dp_cost.capacity.op_list import GEMMS, OpRecord, StepMode, fake_device
 from dp_cost.capacity.planned_ranks import planned_ranks
 from dp_cost.hf import models as hf_models
 from dp_cost.hf.configs import HF_CONFIGS
@@ -122,7 +121,7 @@ class FakeCopies(FakeCopyMode):
         return super().__torch_function__(func, types, args, kwargs)
 
 
-class StorageRecord(TorchDispatchMode):
+class StorageRecord(StepMode):
     """Every storage an op creates, as the allocator history ``attribute_peak`` reads: ``alloc``
     and ``free_completed`` events with an address (the storage's key), its size in allocator
     blocks and the Python functions on the stack that allocated it. A storage resized in
@@ -173,6 +172,9 @@ class StorageRecord(TorchDispatchMode):
         return {key: size for key, size in self.live.items() if size}
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        device = fake_device(func, args)
+        if device is not None:
+            return device
         kwargs = kwargs or {}
         composed = AS_COMPOSED.get(func)
         if composed is not None:

@@ -15,6 +15,7 @@ import dataclasses
 import functools
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sdpa_flop_count
@@ -22,6 +23,7 @@ from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sd
 from dp_cost.core.repeated import repeats
 
 aten = torch.ops.aten
+DEVICE_QUERY = torch.ops.prim.device.default
 
 GEMM, ATTENTION, MEMORY, VIEW, SYNC = "gemm", "attention", "memory", "view", "sync"
 COLLECTIVE = "collective"
@@ -203,7 +205,26 @@ def describe(func, args, kwargs, output, segment: int, optimizer: bool = False) 
     return Op(name, MEMORY, 0, moved, **known)
 
 
-class OpRecord(TorchDispatchMode):
+class StepMode(TorchDispatchMode):
+    """A dispatch mode that every op of a step passes through. torch wraps a mode's dispatch in
+    a guard against compiling into it, one more Python call around each dispatch; a planned or
+    counted step compiles nothing, so the guard is left out."""
+
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        return False
+
+
+def fake_device(func, args):
+    """A fake tensor's device where ``func`` asks for it, else None. Autograd's engine asks each
+    tensor it touches (most of a planned step's dispatches); the answer makes no storage and is
+    no op, so a mode gives it at once, as the fake mode would."""
+    if func is DEVICE_QUERY and type(args[0]) is FakeTensor:
+        return args[0].fake_device
+    return None
+
+
+class OpRecord(StepMode):
     """Every op dispatched while it is active, in order (``ops``), split into segments at the
     marks the step's phases leave (``mark``): the time model times each chunk of a step apart."""
 
@@ -217,6 +238,9 @@ class OpRecord(TorchDispatchMode):
         self.marks.append(name)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        device = fake_device(func, args)
+        if device is not None:
+            return device
         kwargs = kwargs or {}
         output = func(*args, **kwargs)
         namespace = func.namespace

@@ -6,6 +6,8 @@ each flash prediction. A planned step takes CUDA's path there (CUDA's memory is 
 the noise adds nothing (one in-place kernel on CUDA), a norm is one reduction. Counted as the
 ops a dispatch mode sees, against the same call on real tensors."""
 
+import contextlib
+
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -125,3 +127,37 @@ def check_only_the_target(record, planned) -> None:
     assert max(live) < target + 2 * N  # no [N] product beside it (a 16-bit one: 2N bytes)
     held = {key: size for key, size in record.held().items() if key > WORKSPACE_KEYS}
     assert held == {planned.untyped_storage()._cdata: target}
+
+
+def test_the_planning_modes_answer_a_fake_tensors_device_themselves(monkeypatch):
+    """Autograd's engine asks each tensor it touches for its device; on fake tensors every
+    question is a Python dispatch down the mode stack, most of a planned step's dispatches. The
+    planner's modes (the storage and op records) answer it at the top, so none reaches the fake
+    mode, where a mode passing every op on (OpCount) lets each through."""
+    import torch._subclasses.fake_tensor as fake_tensor
+
+    from dp_cost.capacity.fake_step import StorageRecord
+    from dp_cost.capacity.op_list import OpRecord
+
+    device = torch.ops.prim.device.default
+    answer, reached = fake_tensor._DISPATCH_META_HANDLERS[device], []
+
+    def counted_answer(args):
+        reached.append(args[0])
+        return answer(args)
+
+    monkeypatch.setitem(fake_tensor._DISPATCH_META_HANDLERS, device, counted_answer)
+
+    def questions_reaching_the_fake_mode(*modes) -> tuple[int, torch.device]:
+        reached.clear()
+        with FakeTensorMode(), contextlib.ExitStack() as stack:
+            for mode in modes:
+                stack.enter_context(mode)
+            weight, inputs = torch.randn(8, 8, requires_grad=True), torch.randn(4, 8)
+            (inputs @ weight).relu().sum().backward()
+            return len(reached), weight.grad.device
+
+    passed_on, device_seen = questions_reaching_the_fake_mode(OpCount())
+    assert passed_on > 0 and device_seen == torch.device("cpu")
+    answered, device_seen = questions_reaching_the_fake_mode(StorageRecord(), OpRecord())
+    assert answered == 0 and device_seen == torch.device("cpu")
