@@ -1,6 +1,8 @@
 """The compiled, autotuned Gram kernel on a GPU: bf16 on tensor cores and IEEE fp32, against
 brute force (run on the device; skipped without CUDA)."""
 
+import math
+
 import pytest
 import torch
 
@@ -295,3 +297,46 @@ def test_per_layer_rows_through_the_cuda_kernels_in_bf16(route, use_sink):
             expected = (row.double()[:, None] * grads.double()).sum(0)
             error[which] = ((got - expected).abs().max() / expected.abs().max()).item()
         assert error["own"] < 1e-2 < 5e-2 < error["next"], (route, tuple(param.shape), error)
+
+
+def test_noise_transform_with_the_gpus_own_math_matches_fp64():
+    """The compiled kernel forms ln, sin and cos with the GPU's approximations (the interpreted
+    one, tests/flash/test_flash_kernels.py, with exact ones): over 2^22 random word triples and
+    the tail's smallest uniforms, each normal within 1e-5 of the fp64 transform's (a radius up
+    to 9.49 times the angle's fp32 rounding and the approximations' errors, about 7e-7 in all)
+    and each pair's radius within 2e-6 relative where it is above 1 (the law's grid allows
+    1e-5 absolute, noise/laws.py)."""
+    import triton
+    import triton.language as tl
+
+    from dp_cost.flash.kernels.noise import uniform64_to_normal
+
+    @triton.jit
+    def transform(high, low, angle, out_cos, out_sin, BLOCK: tl.constexpr):
+        lanes = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        z_cos, z_sin = uniform64_to_normal(
+            tl.load(high + lanes), tl.load(low + lanes), tl.load(angle + lanes), True
+        )
+        tl.store(out_cos + lanes, z_cos)
+        tl.store(out_sin + lanes, z_sin)
+
+    n = 2**22
+    generator = torch.Generator(device="cuda").manual_seed(3)
+    words = torch.randint(0, 2**32, (3, n), device="cuda", generator=generator)
+    words[0, :1024] = 0  # the tail: u below 2^-32, radii from 6.66 to 9.49
+    words[1, :1024] = torch.arange(1024, device="cuda") * 4_000_000
+    high, low, angle = (w.to(torch.uint32) for w in words)
+    out_cos, out_sin = torch.empty(n, device="cuda"), torch.empty(n, device="cuda")
+    transform[(n // 1024,)](high, low, angle, out_cos, out_sin, BLOCK=1024)
+    x = words[0].double() + (words[1].double() + 0.5) * 2.0**-32
+    radius = (2 * (32 * math.log(2) - x.log())).clamp(min=0).sqrt()
+    theta = words[2].double() * (2 * math.pi / 2**32)
+    assert (out_cos.double() - radius * theta.cos()).abs().max().item() < 1e-5
+    assert (out_sin.double() - radius * theta.sin()).abs().max().item() < 1e-5
+    errors = [(out_cos.double() - radius * theta.cos()).abs().max().item(),
+              (out_sin.double() - radius * theta.sin()).abs().max().item()]  # fmt: skip
+    print(f"largest errors: cos {errors[0]:.2e}, sin {errors[1]:.2e}")
+    got = torch.hypot(out_cos.double(), out_sin.double())
+    above_1 = radius > 1
+    assert ((got - radius)[above_1] / radius[above_1]).abs().max().item() < 2e-6
+    assert radius[:1024].min().item() > 6.6 and got[:1024].max().item() <= 9.4927
