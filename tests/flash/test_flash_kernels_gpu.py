@@ -301,11 +301,15 @@ def test_per_layer_rows_through_the_cuda_kernels_in_bf16(route, use_sink):
 
 def test_noise_transform_with_the_gpus_own_math_matches_fp64():
     """The compiled kernel forms ln, sin and cos with the GPU's approximations (the interpreted
-    one, tests/flash/test_flash_kernels.py, with exact ones): over 2^22 random word triples and
-    the tail's smallest uniforms, each normal within 1e-5 of the fp64 transform's (a radius up
-    to 9.49 times the angle's fp32 rounding and the approximations' errors, about 7e-7 in all)
-    and each pair's radius within 2e-6 relative where it is above 1 (the law's grid allows
-    1e-5 absolute, noise/laws.py)."""
+    one, tests/flash/test_flash_kernels.py, with exact ones). Over 2^22 random word triples and
+    the tail's smallest uniforms, against the fp64 transform: where the radius is above 0.1,
+    each normal within 1e-5 (a radius up to 9.49 times the angle's fp32 rounding and the
+    approximations' errors, about 7e-7 in all) and, above 1, each radius within 2e-6 relative
+    (the law's grid allows 1e-5 absolute, noise/laws.py); below 0.1 (u within 0.005 of 1)
+    within 2e-3: there the radius is the root of 32 ln 2 - ln x, a difference of two numbers
+    near 22.18 whose fp32 rounding and the approximate log's error (a few 1e-7 in all) move a
+    radius near 0 by up to sqrt(2 * 3.3e-7) = 8e-4 (the exact fp32 log, an ulp of 22.18 being
+    1.9e-6, by more)."""
     import triton
     import triton.language as tl
 
@@ -331,12 +335,18 @@ def test_noise_transform_with_the_gpus_own_math_matches_fp64():
     x = words[0].double() + (words[1].double() + 0.5) * 2.0**-32
     radius = (2 * (32 * math.log(2) - x.log())).clamp(min=0).sqrt()
     theta = words[2].double() * (2 * math.pi / 2**32)
-    assert (out_cos.double() - radius * theta.cos()).abs().max().item() < 1e-5
-    assert (out_sin.double() - radius * theta.sin()).abs().max().item() < 1e-5
-    errors = [(out_cos.double() - radius * theta.cos()).abs().max().item(),
-              (out_sin.double() - radius * theta.sin()).abs().max().item()]  # fmt: skip
-    print(f"largest errors: cos {errors[0]:.2e}, sin {errors[1]:.2e}")
+    error = torch.maximum(
+        (out_cos.double() - radius * theta.cos()).abs(),
+        (out_sin.double() - radius * theta.sin()).abs(),
+    )
     got = torch.hypot(out_cos.double(), out_sin.double())
     above_1 = radius > 1
+    print(
+        f"largest error: radius above 0.1 {error[radius > 0.1].max().item():.2e}, below "
+        f"{error[radius <= 0.1].max().item():.2e}; radius above 1, relative "
+        f"{((got - radius)[above_1] / radius[above_1]).abs().max().item():.2e}"
+    )
+    assert error[radius > 0.1].max().item() < 1e-5
+    assert error.max().item() < 2e-3
     assert ((got - radius)[above_1] / radius[above_1]).abs().max().item() < 2e-6
     assert radius[:1024].min().item() > 6.6 and got[:1024].max().item() <= 9.4927
