@@ -301,15 +301,15 @@ def test_per_layer_rows_through_the_cuda_kernels_in_bf16(route, use_sink):
 
 def test_noise_transform_with_the_gpus_own_math_matches_fp64():
     """The compiled kernel forms ln, sin and cos with the GPU's approximations (the interpreted
-    one, tests/flash/test_flash_kernels.py, with exact ones). Over 2^22 random word triples and
-    the tail's smallest uniforms, against the fp64 transform: where the radius is above 0.1,
-    each normal within 1e-5 (a radius up to 9.49 times the angle's fp32 rounding and the
-    approximations' errors, about 7e-7 in all) and, above 1, each radius within 2e-6 relative
-    (the law's grid allows 1e-5 absolute, noise/laws.py); below 0.1 (u within 0.005 of 1)
-    within 2e-3: there the radius is the root of 32 ln 2 - ln x, a difference of two numbers
-    near 22.18 whose fp32 rounding and the approximate log's error (a few 1e-7 in all) move a
-    radius near 0 by up to sqrt(2 * 3.3e-7) = 8e-4 (the exact fp32 log, an ulp of 22.18 being
-    1.9e-6, by more)."""
+    one, tests/flash/test_flash_kernels.py, with exact ones). Against the fp64 transform over
+    2^22 random word triples and the tail's smallest uniforms. The radius r = sqrt(2 D) comes
+    from D = 32 ln 2 - ln x, a difference of two numbers near 22.18 held in fp32 (an ulp is
+    1.9e-6): that rounding and the approximate log's error, 4e-6 at most together, move r by
+    4e-6 / r (at most sqrt(8e-6) = 2.8e-3, near r = 0); the angle's fp32 rounding and the
+    approximate sine and cosine add about 7e-7 r. So each normal is within 1e-5 + 4e-6 / r
+    where r > 0.1 and within 3e-3 everywhere, and in the tail (r > 5, where the law's grid
+    allows 1e-5, noise/laws.py) each radius within 1e-6 relative. The exact fp32 functions
+    share the first term."""
     import triton
     import triton.language as tl
 
@@ -340,13 +340,13 @@ def test_noise_transform_with_the_gpus_own_math_matches_fp64():
         (out_sin.double() - radius * theta.sin()).abs(),
     )
     got = torch.hypot(out_cos.double(), out_sin.double())
-    above_1 = radius > 1
+    tail = radius > 5
     print(
-        f"largest error: radius above 0.1 {error[radius > 0.1].max().item():.2e}, below "
-        f"{error[radius <= 0.1].max().item():.2e}; radius above 1, relative "
-        f"{((got - radius)[above_1] / radius[above_1]).abs().max().item():.2e}"
+        f"largest error: {error.max().item():.2e}; beyond the bound where r > 0.1: "
+        f"{(error - 4e-6 / radius)[radius > 0.1].max().item():.2e}; tail radius, relative "
+        f"{((got - radius)[tail] / radius[tail]).abs().max().item():.2e}"
     )
-    assert error[radius > 0.1].max().item() < 1e-5
-    assert error.max().item() < 2e-3
-    assert ((got - radius)[above_1] / radius[above_1]).abs().max().item() < 2e-6
+    assert (error <= 1e-5 + 4e-6 / radius)[radius > 0.1].all()
+    assert error.max().item() < 3e-3
+    assert ((got - radius)[tail] / radius[tail]).abs().max().item() < 1e-6
     assert radius[:1024].min().item() > 6.6 and got[:1024].max().item() <= 9.4927
