@@ -34,10 +34,10 @@ def uniform64_to_normal(high, low, angle, HARDWARE_MATH: tl.constexpr):
     signed gives an angle in [-pi, pi), the same sine and cosine as in [0, 2 pi).
 
     HARDWARE_MATH: ln, sin and cos from the GPU's own approximations (lg2.approx, sin.approx,
-    cos.approx: absolute errors of about 2^-22 in log2 and 2^-20.9 on [-pi, pi]): the exact
-    functions made the kernel compute-bound, not memory-bound. The radius moves by under 1e-7
-    relative, inside the 1e-5 the law's grid allows (noise/laws.py). Off under the
-    interpreter, which cannot run them."""
+    cos.approx), where the exact functions made the kernel compute-bound, not memory-bound. A
+    tail radius stays within 1e-6 relative of the fp64 transform's (bounded in
+    tests/flash/test_flash_kernels_gpu.py), inside the 1e-5 the law's grid allows
+    (noise/laws.py). Off under the interpreter, which cannot run them."""
     x = high.to(tl.float32) + (low.to(tl.float32) + 0.5) * 2.3283064365386963e-10  # 2^-32
     theta = angle.to(tl.int32, bitcast=True).to(tl.float32) * 1.4629180792671596e-09  # 2pi/2^32
     if HARDWARE_MATH:
