@@ -26,7 +26,7 @@ REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # (tokens, columns, warps) of the token sums; (elements, warps) of the fold. The code's own
 # configuration is timed first, then these.
 TOKEN_SUM_CONFIGS = [(64, 128, 4), (32, 256, 4), (32, 128, 8), (64, 256, 8), (128, 128, 8)]
-FOLD_CONFIGS = [(512, 4), (1024, 8), (2048, 4), (2048, 8)]
+FOLD_CONFIGS = [(512, 4), (1024, 8), (2048, 4), (2048, 8), (4096, 8)]
 
 
 def fold_groups(clipped_gemm, groups, c, tokens: int) -> list:

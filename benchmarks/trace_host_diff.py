@@ -12,6 +12,10 @@ proportions, not as an untraced step's time.
         RUN/flash_bs8_seq512_bf16_sdpa --top 40
 
 Each argument is a trace file or a config directory holding one (``trace*.pt.trace.json[.gz]``).
+
+``--gpu``: the GPU's time instead, each kernel, copy and fill summed by its name and the Python
+function that launched it (the innermost one around its launch on the host), so that one kernel
+launched from two places (a foreach add in the optimizer and in the clipping) counts as two.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from __future__ import annotations
 import argparse
 import glob
 import os
+import re
 import sys
 from collections import Counter, defaultdict
 
@@ -28,6 +33,8 @@ from dp_cost.core import kernel_names  # noqa: E402
 from dp_cost.core.reading import UnreadableFile  # noqa: E402
 
 HOST_CATEGORIES = ("python_function", "cpu_op")
+GPU_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")
+LAUNCH_CATEGORIES = ("cuda_runtime", "cuda_driver")
 
 
 def trace_path(given: str) -> str:
@@ -78,25 +85,77 @@ def host_self_times(events: list[dict]) -> tuple[dict[str, float], Counter]:
     return dict(self_us), calls
 
 
+def _timed(event: dict) -> bool:
+    return (
+        event.get("ph") == "X"
+        and isinstance(event.get("ts"), (int, float))
+        and isinstance(event.get("dur"), (int, float))
+    )
+
+
+def launch_callers(events: list[dict]) -> dict:
+    """The innermost Python function around each launch (a CUDA runtime or driver call), by the
+    launch's correlation id."""
+    by_thread: dict = defaultdict(list)
+    for event in events:
+        if _timed(event) and event.get("cat") in ("python_function", *LAUNCH_CATEGORIES):
+            by_thread[(event.get("pid"), event.get("tid"))].append(event)
+    callers: dict = {}
+    for thread_events in by_thread.values():
+        thread_events.sort(key=lambda e: (e["ts"], -e["dur"]))
+        open_functions: list[dict] = []
+        for event in thread_events:
+            while (
+                open_functions
+                and event["ts"] >= open_functions[-1]["ts"] + open_functions[-1]["dur"]
+            ):
+                open_functions.pop()
+            if event.get("cat") == "python_function":
+                open_functions.append(event)
+            elif open_functions:
+                correlation = (event.get("args") or {}).get("correlation")
+                callers[correlation] = event_name(open_functions[-1])
+    return callers
+
+
+def gpu_times(events: list[dict]) -> tuple[dict[str, float], Counter]:
+    """GPU µs and count by "kernel name <- launching Python function" over a trace's GPU
+    events (a kernel's name cut at its first parenthesis or template bracket)."""
+    callers = launch_callers(events)
+    busy_us: dict[str, float] = defaultdict(float)
+    counts: Counter = Counter()
+    for event in events:
+        if _timed(event) and event.get("cat") in GPU_CATEGORIES:
+            kernel = re.split(r"[(<]", str(event.get("name", "")), maxsplit=1)[0].strip()[:60]
+            caller = callers.get((event.get("args") or {}).get("correlation"), "?")
+            name = f"{kernel} <- {caller}"
+            busy_us[name] += event["dur"]
+            counts[name] += 1
+    return dict(busy_us), counts
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("baseline", help="trace file or config directory (e.g. standard's)")
     parser.add_argument("other", help="trace file or config directory (e.g. flash's)")
     parser.add_argument("--top", type=int, default=40, help="names listed, by difference")
+    parser.add_argument("--gpu", action="store_true", help="the GPU's time, by kernel and caller")
     args = parser.parse_args(argv)
+    summarise, what = (gpu_times, "GPU events") if args.gpu else (host_self_times, "host events")
+    kind = "GPU time" if args.gpu else "self time"
     profiles = []
     for given in (args.baseline, args.other):
         try:
             path = trace_path(given)
-            profiles.append(host_self_times(kernel_names.load_trace_events(path)))
+            profiles.append(summarise(kernel_names.load_trace_events(path)))
         except (ValueError, UnreadableFile) as error:
             print(f"trace_host_diff.py: {error}", file=sys.stderr)
             return 2
-        print(f"{given}: {sum(profiles[-1][1].values())} host events, "
-              f"{sum(profiles[-1][0].values()) / 1e3:.1f} ms of self time")  # fmt: skip
+        print(f"{given}: {sum(profiles[-1][1].values())} {what}, "
+              f"{sum(profiles[-1][0].values()) / 1e3:.1f} ms of {kind}")  # fmt: skip
     (base, base_calls), (other, other_calls) = profiles
     names = sorted(set(base) | set(other), key=lambda n: other.get(n, 0) - base.get(n, 0))
-    print(f"\nms of self time, other - baseline, the {args.top} largest each way")
+    print(f"\nms of {kind}, other - baseline, the {args.top} largest each way")
     print(f"{'diff':>8} {'baseline':>9} {'calls':>6} {'other':>9} {'calls':>6}  name")
     if len(names) > 2 * args.top:
         shown = names[::-1][: args.top] + ["..."] + names[: args.top][::-1]

@@ -380,6 +380,42 @@ def test_trace_host_diff_counts_each_microsecond_once(tmp_path, capsys):
     assert capsys.readouterr().err.count("\n") == 1
 
 
+def test_trace_host_diff_gpu_time_by_kernel_and_launching_function():
+    """--gpu: each GPU event's time goes to its kernel's name and the innermost Python function
+    around its launch (matched by correlation id), so one kernel launched from two places is two
+    rows; a launch outside any function, or a kernel whose launch is not in the trace, is "?"."""
+    diff = benchmark_script("trace_host_diff.py")
+
+    def event(cat, name, ts, dur, tid=1, correlation=None):
+        args = {} if correlation is None else {"correlation": correlation}
+        return {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur, "pid": 0, "tid": tid,
+                "args": args}  # fmt: skip
+
+    events = [
+        event("python_function", "optim/sgd.py(1): step", 0, 100),
+        event("python_function", "flash/clip.py(9): accumulate_many", 200, 100),
+        event("python_function", "flash/clip.py(20): inner", 210, 20),  # inside accumulate_many
+        event("cuda_runtime", "cudaLaunchKernel", 10, 2, correlation=1),  # in step
+        event("cuda_runtime", "cudaLaunchKernel", 215, 2, correlation=2),  # in inner
+        event("cuda_runtime", "cudaLaunchKernel", 250, 2, correlation=3),  # after inner
+        event("cuda_runtime", "cudaLaunchKernel", 400, 2, correlation=4),  # in no function
+        event("kernel", "void multi_tensor_apply_kernel<Add>(x)", 20, 7, tid=7, correlation=1),
+        event("kernel", "void multi_tensor_apply_kernel<Mul>(x)", 300, 5, tid=7, correlation=2),
+        event("kernel", "void multi_tensor_apply_kernel<Add>(x)", 310, 3, tid=7, correlation=3),
+        event("gpu_memset", "Memset (Device)", 410, 1, tid=7, correlation=4),
+        event("kernel", "gemm", 500, 11, tid=7, correlation=99),  # its launch not traced
+    ]
+    busy_us, counts = diff.gpu_times(events)
+    assert busy_us == {
+        "void multi_tensor_apply_kernel <- optim/sgd.py(1): step": 7,
+        "void multi_tensor_apply_kernel <- flash/clip.py(20): inner": 5,
+        "void multi_tensor_apply_kernel <- flash/clip.py(9): accumulate_many": 3,
+        "Memset <- ?": 1,
+        "gemm <- ?": 11,
+    }
+    assert sum(counts.values()) == 5
+
+
 def test_scaling_table_ratios_and_efficiencies(tmp_path):
     """benchmarks/scaling_table.py on hand-made results: flash / standard within a mode, weak
     scaling t1 / tW at 8 per rank, strong scaling t1 / (W tW) at the 1-GPU global batch, a

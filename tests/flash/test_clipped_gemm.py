@@ -183,10 +183,12 @@ def test_fold_blocks_that_start_inside_a_sample():
     """Samples shorter than a block (7 and 999 elements: a block spans several, found by a
     division within the block) and longer (1100: at most one boundary per block, found by a
     comparison), over several blocks, so most blocks start inside a sample: every element gets
-    its own sample's factor (the factors all differ)."""
+    its own sample's factor (the factors all differ). And samples of whole blocks (each block
+    inside one sample, the last one ending the operand: no factor read past the last sample's)."""
     block = kernels.clipped_gemm.FOLD_BLOCK
-    for B, T, n in ((300, 1, 7), (5, 3, 333), (4, 1, 1100)):
-        assert (T * n < block) == (n != 1100) and B * T * n > 2 * block
+    cases = ((300, 1, 7), (5, 3, 333), (4, 1, 1100), (3, 2, block))
+    for B, T, n in cases:
+        assert (T * n < block) == (n in (7, 333)) and B * T * n > 2 * block
         c = torch.rand(B) + 0.5
         X = torch.randn(B * T, n).half()
         folded = kernels.fold_clip_factors(X, c, T)
@@ -216,6 +218,25 @@ def test_fold_many_equals_each_fold_alone():
     assert len(common._BLOCK_TABLES) == tables
     with pytest.raises(ValueError, match="one 16-bit dtype"):
         kernels.fold_clip_factors_many([Xs[0], Xs[1].float()], c, [5, 1])
+
+
+@pytest.mark.gpu
+@on_gpu
+def test_fold_on_the_gpu_rounds_toward_zero_as_interpreted():
+    """The compiled fold, bit for bit the fp64 check above, in bf16 and fp16, on the interpreted
+    tests' operands and a 1b step's (whole samples a block many times over, operands of
+    different sizes in one launch, rows of c per operand)."""
+    B = 4
+    shapes = [(1, 7), (3, 333), (1, 1100), (2, 1024), (512, 2048), (64, 8192), (0, 5)]  # (T, n)
+    for dtype in (torch.bfloat16, torch.float16):
+        Xs = [torch.randn(B * T, n, device="cuda").to(dtype) for T, n in shapes]
+        c = torch.rand(3, B, device="cuda") + 0.01
+        rows = [i % 3 for i in range(len(Xs))]
+        many = kernels.fold_clip_factors_many(Xs, c, [T for T, _ in shapes], None, rows)
+        for X, (T, _), row, folded in zip(Xs, shapes, rows, many, strict=True):
+            assert torch.equal(folded, folded_toward_zero(X, c[row], T)[1])
+        alone = kernels.fold_clip_factors(Xs[4], c[0], shapes[4][0])
+        assert torch.equal(alone, folded_toward_zero(Xs[4], c[0], shapes[4][0])[1])
 
 
 @interpreted

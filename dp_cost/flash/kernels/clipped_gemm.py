@@ -165,36 +165,56 @@ def split_count(B: int, T: int, D: int, P: int, device: torch.device) -> int:
 
 
 @triton.jit
-def _fold_kernel(table, c, BLOCK: tl.constexpr, DTYPE: tl.constexpr):
+def _folded(x, scale, DTYPE: tl.constexpr):
+    """x * scale formed in fp32 and rounded toward zero to DTYPE."""
+    x = x.to(tl.float32) * scale
+    y = x.to(DTYPE)  # to nearest; one step toward zero (sign-magnitude) where it rounded up
+    up = tl.abs(y.to(tl.float32)) > tl.abs(x)
+    return tl.where(up, (y.to(tl.int16, bitcast=True) - 1).to(DTYPE, bitcast=True), y)
+
+
+@triton.jit
+def _fold_kernel(table, c, BLOCK: tl.constexpr, DTYPE: tl.constexpr, ALIGNED: tl.constexpr):
     """out_i = X_i * c[sample] for a list of contiguous X_i [B*T_i, n_i] in one launch (program
     (j, i): block j of X_i), each product formed in fp32 and rounded toward zero to 16 bits:
     never above c * x in magnitude. ``table`` rows: X_i's pointer, out_i's (X_i's own, in place:
     each element is read before it is written, by the same program), elements per sample
-    (T_i n_i), elements, the offset of X_i's factors in ``c`` (per-layer clipping: its row)."""
+    (T_i n_i), elements, the offset of X_i's factors in ``c`` (per-layer clipping: its row).
+    ALIGNED: every X_i and out_i starts 16-byte aligned (the caller checked), so a whole block's
+    loads and stores are 16 bytes wide; Triton cannot know it of a pointer read from a table."""
     i = tl.program_id(1)
-    source = tl.load(table + 5 * i).to(tl.pointer_type(DTYPE))
-    out = tl.load(table + 5 * i + 1).to(tl.pointer_type(DTYPE))
-    per_sample = tl.load(table + 5 * i + 2)
-    c = c + tl.load(table + 5 * i + 4)
     first = tl.program_id(0).to(tl.int64) * BLOCK
-    offsets = first + tl.arange(0, BLOCK)
-    keep = offsets < tl.load(table + 5 * i + 3)  # the programs past a smaller X_i do nothing
-    # Each element's sample without a 64-bit division per element (tens of instructions each,
-    # enough to make this memory-bound copy compute-bound): one division per program, then a
-    # comparison where a block holds at most one sample boundary, else 32-bit divisions of
-    # offsets within the block.
-    first_sample = first // per_sample
-    within = offsets - first_sample * per_sample  # < per_sample + BLOCK
-    if per_sample >= BLOCK:
-        later = (within >= per_sample).to(tl.int64)
-    else:
-        later = (within.to(tl.int32) // per_sample.to(tl.int32)).to(tl.int64)
-    x = tl.load(source + offsets, mask=keep, other=0.0).to(tl.float32)
-    x = x * tl.load(c + first_sample + later, mask=keep, other=0.0)
-    y = x.to(DTYPE)  # to nearest; one step toward zero (sign-magnitude) where it rounded up
-    up = tl.abs(y.to(tl.float32)) > tl.abs(x)
-    y = tl.where(up, (y.to(tl.int16, bitcast=True) - 1).to(DTYPE, bitcast=True), y)
-    tl.store(out + offsets, y, mask=keep)
+    left = tl.load(table + 5 * i + 3) - first
+    if left > 0:  # the programs past a smaller X_i do nothing
+        source = tl.load(table + 5 * i).to(tl.pointer_type(DTYPE))
+        out = tl.load(table + 5 * i + 1).to(tl.pointer_type(DTYPE))
+        if ALIGNED:
+            source = tl.multiple_of(source, 16)
+            out = tl.multiple_of(out, 16)
+        # The block's base as a scalar, its lanes as 32-bit offsets: no 64-bit math per element.
+        source += first
+        out += first
+        per_sample = tl.load(table + 5 * i + 2)
+        c = c + tl.load(table + 5 * i + 4)
+        lanes = tl.arange(0, BLOCK)
+        keep = lanes < left
+        first_sample = first // per_sample  # one 64-bit division a program, not one an element
+        within = first - first_sample * per_sample
+        if per_sample >= BLOCK:
+            # At most one sample boundary in the block: two scalar loads of c, not a gather of
+            # it per element.
+            boundary = per_sample - within  # the first lane of the next sample
+            here = tl.load(c + first_sample)
+            after = tl.load(c + first_sample + 1, mask=boundary < left, other=0.0)
+            scale = tl.where(lanes >= boundary, after, here)
+        else:
+            later = (within.to(tl.int32) + lanes) // per_sample.to(tl.int32)
+            scale = tl.load(c + first_sample + later, mask=keep, other=0.0)
+        if left >= BLOCK:  # a whole block: no mask, which would narrow the loads to one element
+            tl.store(out + lanes, _folded(tl.load(source + lanes), scale, DTYPE))
+        else:
+            x = tl.load(source + lanes, mask=keep, other=0.0)
+            tl.store(out + lanes, _folded(x, scale, DTYPE), mask=keep)
 
 
 FOLD_BLOCK = 1024  # elements per program: memory-bound, as the weighted sums (same block)
@@ -245,10 +265,13 @@ def fold_clip_factors_many(
             Xs[0].device,
         )  # fmt: skip
         device = Xs[0].device
+        pointers = [t.data_ptr() for X, out in zip(Xs, folded, strict=True) for t in (X, out)]
+        aligned = all(pointer % 16 == 0 for pointer in pointers)
         with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
             _fold_kernel[(triton.cdiv(max(sizes), FOLD_BLOCK), len(Xs))](
                 table, c.to(device, torch.float32).contiguous(),
                 BLOCK=FOLD_BLOCK, DTYPE=TL_DTYPES[Xs[0].dtype], num_warps=FOLD_WARPS,
+                ALIGNED=aligned,
             )  # fmt: skip
     return folded
 
