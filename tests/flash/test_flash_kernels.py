@@ -264,24 +264,32 @@ def test_device_tables_are_kept_by_content_and_bounded():
         assert relative_error(target, (w1 + w2).double() @ source.double()) < 1e-6
 
 
+def check_token_sums(token_sums_many, sources, B):
+    sums = token_sums_many(sources)
+    for source, total in zip(sources, sums):
+        assert total.dtype == torch.float32 and total.shape == (B, source.shape[2])
+        assert relative_error(total, source.double().sum(1)) < 1e-6
+    assert len({total.untyped_storage().data_ptr() for total in sums}) == len(sums)
+
+
 @pytest.mark.parametrize("B", [1, 3])
 def test_token_sums_match_fp64(B):
     """Biases' per-sample gradients, many layers per launch: each [B, p] in fp32 and its own
     storage against an fp64 sum over tokens; widths around the 128-column block (1, 127, 129,
     300), T not a multiple of the 64-token tile and past it, a strided source (every other
-    sample of a bigger batch), fp16 and fp32 sources; empty lists and T = 0."""
+    sample of a bigger batch), fp16 and fp32 sources; a launch of aligned sources alone (widths
+    and strides multiples of 8: the wide loads' path); empty lists and T = 0."""
     from dp_cost.flash.kernels import weighted_sums
 
     torch.manual_seed(6)
     for T, dtype in ((70, torch.float16), (5, torch.float32), (128, torch.float32)):
         wide = torch.randn(2 * B, T, 129).to(dtype)
-        sources = [torch.randn(B, T, p).to(dtype) for p in (1, 127, 300)] + [wide[::2]]
-        sums = weighted_sums.token_sums_many(sources)
-        for source, total in zip(sources, sums):
-            assert total.dtype == torch.float32 and total.shape == (B, source.shape[2])
-            assert relative_error(total, source.double().sum(1)) < 1e-6
-        storages = {total.untyped_storage().data_ptr() for total in sums}
-        assert len(storages) == len(sums)
+        wide8 = torch.randn(2 * B, T, 136).to(dtype)
+        aligned = [torch.randn(B, T, p).to(dtype) for p in (8, 136)] + [wide8[::2, :, 8:]]
+        assert all(s.data_ptr() % 16 == 0 and s.stride(1) % 8 == 0 for s in aligned)
+        unaligned = [torch.randn(B, T, p).to(dtype) for p in (1, 127, 300)] + [wide[::2]]
+        for sources in (unaligned, aligned):
+            check_token_sums(weighted_sums.token_sums_many, sources, B)
     assert weighted_sums.token_sums_many([]) == []
     empty = weighted_sums.token_sums_many([torch.randn(B, 0, 7)])
     assert torch.equal(empty[0], torch.zeros(B, 7))

@@ -201,13 +201,11 @@ def weighted_sums_(
             )  # fmt: skip
 
 
-# Columns and tokens per program of the token sums: a [64, 128] tile of G per loop step (16-bit:
-# 16 KB), one program per (128 columns of a layer, sample), 8 warps. On an H200 at the 1b
-# model's G (benchmarks/memory_kernels.py) this read 3.1 GiB in 1.18 ms at (8, 1024) and 2.8
-# GiB in 1.20 ms at (8, 512), against 1.68 and 1.51 ms for 4 warps summing each tile's rows:
-# the least time over both shapes of the tiles tried (32 x 128 was faster at (8, 1024) alone).
+# Columns and tokens per program of the token sums: a [32, 128] tile of G per loop step, one
+# program per (128 columns of a layer, sample), 8 warps: of the tiles benchmarks/memory_kernels.py
+# tries, the least time at both of the 1b model's step shapes on an H200.
 TOKEN_SUM_COLUMNS = 128
-TOKEN_SUM_TOKENS = 64
+TOKEN_SUM_TOKENS = 32
 TOKEN_SUM_WARPS = 8
 
 
@@ -215,17 +213,26 @@ TOKEN_SUM_WARPS = 8
 def _token_sums_kernel(
     table, tensor_of_block, first_block, T,
     BLOCK_T: tl.constexpr, BLOCK_P: tl.constexpr, SOURCE_DTYPE: tl.constexpr,
+    ALIGNED: tl.constexpr = False,
 ):  # fmt: skip
     """out_i[b, cols] = sum_t source_i[b, t, cols] in fp32 for a list of sources [B, T, p_i] in
     one launch: program (block, b) -> (source i, this block's columns). ``table`` rows: source
-    pointer, its batch and token strides, p_i, out_i's pointer ([B, p_i], contiguous)."""
+    pointer, its batch and token strides, p_i, out_i's pointer ([B, p_i], contiguous).
+    ALIGNED: every source starts 16-byte aligned and its strides and p_i are multiples of 8 (the
+    caller checked), so loads are 16 bytes wide; Triton cannot know it of values read from a
+    table, and a mask it cannot prove constant over 8 columns narrows each load to one element."""
     block = tl.program_id(0)
     b = tl.program_id(1).to(tl.int64)
     i = tl.load(tensor_of_block + block)
     row = table + 5 * i
-    source = tl.load(row).to(tl.pointer_type(SOURCE_DTYPE)) + b * tl.load(row + 1)
-    stride_t = tl.load(row + 2)
-    P = tl.load(row + 3)
+    source = tl.load(row).to(tl.pointer_type(SOURCE_DTYPE))
+    stride_b, stride_t, P = tl.load(row + 1), tl.load(row + 2), tl.load(row + 3)
+    if ALIGNED:
+        source = tl.multiple_of(source, 16)
+        stride_b = tl.multiple_of(stride_b, 8)
+        stride_t = tl.multiple_of(stride_t, 8)
+        P = tl.multiple_of(P, 8)
+    source += b * stride_b
     out = tl.load(row + 4).to(tl.pointer_type(tl.float32)) + b * P
     cols = (block - tl.load(first_block + i)).to(tl.int64) * BLOCK_P + tl.arange(0, BLOCK_P)
     col_ok = cols < P
@@ -295,5 +302,7 @@ def token_sums_many(sources: list[torch.Tensor]) -> list[torch.Tensor]:
             table, tensor_of_block, first_block, T,
             BLOCK_T=TOKEN_SUM_TOKENS, BLOCK_P=TOKEN_SUM_COLUMNS,
             SOURCE_DTYPE=TL_DTYPES[sources[0].dtype], num_warps=TOKEN_SUM_WARPS,
+            ALIGNED=all([s.data_ptr() % 16 == 0 and s.stride(0) % 8 == 0
+                         and s.stride(1) % 8 == 0 and s.shape[2] % 8 == 0 for s in sources]),
         )  # fmt: skip
     return outs
