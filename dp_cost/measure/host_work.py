@@ -16,6 +16,7 @@ or load, so it says whether a trainer's host work grows with the model where a t
 from __future__ import annotations
 
 import contextlib
+import gc
 import sys
 
 import torch
@@ -114,6 +115,9 @@ def count_step(step, device: torch.device, observing_phases=None) -> dict:
     calls = PythonCalls(every_thread_needed=cuda)
     by_phase = CallsByPhase(calls)
     observing = observing_phases(by_phase) if observing_phases else contextlib.nullcontext()
+    # A collection runs the finalizers of what it frees (Python calls): start the step with the
+    # collector's counts at zero, so the step's own allocations decide where one falls.
+    gc.collect()
     with torch.profiler.profile(activities=activities) as prof:
         with observing, calls:
             step()

@@ -95,13 +95,15 @@ def test_squared_row_norms_each_gives_each_tensor_its_own_norms(monkeypatch, ker
             assert_close(term.double(), grad.double().flatten(1).square().sum(1), 1e-6)
 
 
+@pytest.mark.parametrize("route", ["gram", "product"])
 @pytest.mark.parametrize("B", [1, 3])
-def test_biases_formed_after_the_backward_in_one_launch_match_brute_force(monkeypatch, B):
+def test_biases_formed_after_the_backward_in_one_launch_match_brute_force(monkeypatch, B, route):
     """Gram-route Linear biases get their per-sample gradients right after the backward from the
     kept G, every layer's in one token-sums launch (a CUDA path: here the kernel interpreted and
     its support check widened to CPU tensors), fp32 norms and clipped sums against brute force.
     The up layer's weight is frozen: nothing needs its A and G after its bias is formed (in the
-    same launch as head's), so they are dropped then; head's weight still needs them."""
+    same launch as head's), so they are dropped then; head's weight still needs them. On the
+    product route head's bias goes in that launch too, beside its weight's per-sample GEMM."""
     kernels = pytest.importorskip("dp_cost.flash.kernels", reason="needs triton")
     if os.environ.get("TRITON_INTERPRET") != "1":
         pytest.skip("the CPU kernels are interpreted only where there is no GPU")
@@ -132,12 +134,13 @@ def test_biases_formed_after_the_backward_in_one_launch_match_brute_force(monkey
     ref_norms = per_sample.norm(dim=1)
     max_norm = ref_norms.median()
     ref_sum = ((max_norm / (ref_norms + 1e-6)).clamp(max=1.0)[:, None] * per_sample).sum(0)
-    flash = FlashClipping(model, route="gram", tile_size=4)
+    flash = FlashClipping(model, route=route, tile_size=4)
     flash.backward(sample_losses(model(ids), targets).sum())
     assert launches == [2]  # up's and head's biases in one launch; down has none
     kept = {(module, role) for module, role, _ in flash.kept_tensors()}
     assert (model.up, "activation_hooks") not in kept
-    assert (model.head, "activation_hooks") in kept  # its weight still needs A and G
+    # its weight still needs A and G on the Gram route; the product route formed it already
+    assert ((model.head, "activation_hooks") in kept) == (route == "gram")
     norms = flash.per_sample_squared_norms().sqrt()
     flash.accumulate_clipped_grads((max_norm / (norms + 1e-6)).clamp(max=1.0))
     flash.release()

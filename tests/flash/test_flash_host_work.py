@@ -10,6 +10,8 @@ layer: its G comes by a hook in the backward, where its per-sample gradients are
 every norm layer's A and G to the backward's end cost 1.16 x standard's peak at the 1b model's
 (8, 1024), against 1.05 allowed). Their hooks' registration is in the forward's count."""
 
+import gc
+
 import pytest
 import torch
 
@@ -47,6 +49,7 @@ def python_calls(step, observing_phases) -> tuple[int, dict]:
     Python call count (test_python_calls_equal_count_steps checks)."""
     calls = host_work.PythonCalls(every_thread_needed=False)  # CPU: one thread
     by_phase = host_work.CallsByPhase(calls)
+    gc.collect()  # as count_step: the collector's state not the earlier tests'
     with observing_phases(by_phase), calls:
         step()
     return calls.count, by_phase.total()

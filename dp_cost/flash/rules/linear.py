@@ -157,32 +157,31 @@ class LinearRule(NormRule):
     def per_sample_grads_many(self, calls):
         """Per-sample gradients of every call, in order: the product route's weights (one
         batched GEMM each, accumulating in fp32, in the operands' dtype: bf16 under autocast, as
-        the non-private weight gradient) and biases (G summed over tokens). Biases asked alone
-        go one launch per (B, T, dtype) on CUDA (flash.kernels.token_sums_many: the 1b model has
-        120 biases, each reduction's host time more than its GPU time). The loop calls builtins
-        only: a Python call per layer is host time (LoRA: hundreds of layers per chunk)."""
+        the non-private weight gradient) and biases (G summed over tokens). Biases go one launch
+        per (B, T, dtype) on CUDA, the product route's with the others' (flash.kernels.
+        token_sums_many: the 1b model has 120 biases, each reduction's host time more than its
+        GPU time). The loop calls builtins only: a Python call per layer is host time (LoRA:
+        hundreds of layers per chunk)."""
         grads: list = []
         groups: dict[tuple, list[int]] = {}
         kernels = triton_kernels()
         summable = kernels.token_sums_supported_many([G for _, _, G, _ in calls]) if kernels else ()
         for i, (_, A, G, names) in enumerate(calls):
-            if summable and summable[i] and len(names) == 1 and "bias" in names:
-                groups.setdefault((G.shape[0], G.shape[1], G.dtype, G.get_device()), []).append(i)
-                grads.append(None)
-                continue
             formed = {}
             if "weight" in names:
                 A_op, G_op = (A, G) if A.dtype == G.dtype else gemm_operands(A, G)
                 # torch.bmm, not @: A and G are [B, T, features], and matmul's broadcasting
                 # dispatch costs host time per call
                 formed["weight"] = torch.bmm(G_op.mT, A_op)
-            if "bias" in names:
+            if "bias" in names and summable and summable[i]:  # summed below, with its group
+                groups.setdefault((G.shape[0], G.shape[1], G.dtype, G.get_device()), []).append(i)
+            elif "bias" in names:
                 formed["bias"] = G.sum(1, dtype=wider(G.dtype, torch.float32))
             grads.append(formed)
         for members in groups.values():
             sums = kernels.token_sums_many([calls[i][2] for i in members])
             for i, bias in zip(members, sums, strict=True):
-                grads[i] = {"bias": bias}
+                grads[i]["bias"] = bias
         return grads
 
     def per_sample_grads(self, layer, A, G, names):
