@@ -73,6 +73,30 @@ def test_python_calls_are_split_at_the_phase_events():
     assert sum(by_phase.values()) == counts["python_calls"]
 
 
+def test_garbage_left_before_a_counted_step_is_not_counted_in_it():
+    """Cyclic garbage with finalizers, left by whatever ran before: a collection inside the step
+    would run them and count their calls. count_step collects first, so the count is the
+    step's own."""
+
+    class Cycle:
+        def __init__(self):
+            self.me = self
+
+        def __del__(self):
+            pass
+
+    def step():
+        boxes = []
+        for _ in range(5000):  # enough new containers for the collector to run in the step
+            boxes.append([None])
+
+    cpu = torch.device("cpu")
+    clean = host_work.count_step(step, cpu)["python_calls"]
+    for _ in range(50):
+        Cycle()
+    assert host_work.count_step(step, cpu)["python_calls"] == clean
+
+
 def test_operator_dispatches_count_each_aten_operator():
     a, b = torch.ones(3), torch.ones(3)
 
