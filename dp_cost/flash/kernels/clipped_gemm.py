@@ -259,14 +259,12 @@ def fold_clip_factors_many(
         B = c.shape[-1]
         offsets = [0] * len(Xs) if rows is None else [row * B for row in rows]
         entries = zip(Xs, folded, tokens, offsets, strict=True)
-        table = int64_table(
-            [[X.data_ptr(), out.data_ptr(), max(1, T * X.shape[1]), X.numel(), at]
-             for X, out, T, at in entries],
-            Xs[0].device,
-        )  # fmt: skip
+        table_rows = [[X.data_ptr(), out.data_ptr(), max(1, T * X.shape[1]), X.numel(), at]
+                      for X, out, T, at in entries]  # fmt: skip
         device = Xs[0].device
-        pointers = [t.data_ptr() for X, out in zip(Xs, folded, strict=True) for t in (X, out)]
-        aligned = all(pointer % 16 == 0 for pointer in pointers)
+        table = int64_table(table_rows, device)
+        # every X_i and out_i 16-byte aligned: read from the table's own pointers
+        aligned = all([row[0] % 16 == 0 and row[1] % 16 == 0 for row in table_rows])
         with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
             _fold_kernel[(triton.cdiv(max(sizes), FOLD_BLOCK), len(Xs))](
                 table, c.to(device, torch.float32).contiguous(),

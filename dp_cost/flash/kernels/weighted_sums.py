@@ -292,17 +292,17 @@ def token_sums_many(sources: list[torch.Tensor]) -> list[torch.Tensor]:
         return [out.zero_() for out in outs]
     sizes = tuple([s.shape[2] for s in sources])
     tensor_of_block, first_block, _ = block_table(device, sizes, TOKEN_SUM_COLUMNS)
-    table = int64_table(
-        [[s.data_ptr(), s.stride(0), s.stride(1), s.shape[2], out.data_ptr()]
-         for s, out in zip(sources, outs, strict=True)],
-        device,
-    )  # fmt: skip
+    table_rows = [[s.data_ptr(), s.stride(0), s.stride(1), s.shape[2], out.data_ptr()]
+                  for s, out in zip(sources, outs, strict=True)]  # fmt: skip
+    table = int64_table(table_rows, device)
+    # what the kernel's ALIGNED hints claim, read from the table's own entries
+    aligned = all([pointer % 16 == 0 and batch % 8 == 0 and token % 8 == 0 and width % 8 == 0
+                   for pointer, batch, token, width, _ in table_rows])  # fmt: skip
     with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
         _token_sums_kernel[(len(tensor_of_block), B)](
             table, tensor_of_block, first_block, T,
             BLOCK_T=TOKEN_SUM_TOKENS, BLOCK_P=TOKEN_SUM_COLUMNS,
             SOURCE_DTYPE=TL_DTYPES[sources[0].dtype], num_warps=TOKEN_SUM_WARPS,
-            ALIGNED=all([s.data_ptr() % 16 == 0 and s.stride(0) % 8 == 0
-                         and s.stride(1) % 8 == 0 and s.shape[2] % 8 == 0 for s in sources]),
+            ALIGNED=aligned,
         )  # fmt: skip
     return outs
