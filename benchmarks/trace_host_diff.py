@@ -38,10 +38,13 @@ LAUNCH_CATEGORIES = ("cuda_runtime", "cuda_driver")
 
 
 def trace_path(given: str) -> str:
-    """The trace file ``given`` names, or the one trace in the config directory it names."""
+    """The trace file ``given`` names, or the one trace in the config directory it names (a
+    distributed config's: rank 0's)."""
     if os.path.isfile(given):
         return given
     found = sorted(glob.glob(os.path.join(given, "*.pt.trace.json*")))
+    if len(found) > 1:
+        found = [path for path in found if os.path.basename(path).startswith("rank0.")]
     if len(found) != 1:
         raise ValueError(f"{given}: expected one *.pt.trace.json[.gz] in it, found {len(found)}")
     return found[0]

@@ -378,6 +378,15 @@ def test_trace_host_diff_counts_each_microsecond_once(tmp_path, capsys):
     assert "    0.07      0.00      0      0.07      3  op aten::mm" in out
     assert diff.main([str(tmp_path), str(other)]) == 2  # no trace in it: one error line
     assert capsys.readouterr().err.count("\n") == 1
+    # A distributed config holds a trace per rank: rank 0's is read, whatever the glob's order.
+    ranks = tmp_path / "ranks"
+    ranks.mkdir()
+    (ranks / "rank1.1.pt.trace.json").write_text(json.dumps({"traceEvents": events}))
+    (ranks / "rank0.2.pt.trace.json").write_text(json.dumps({"traceEvents": events[:1]}))
+    assert diff.trace_path(str(ranks)) == str(ranks / "rank0.2.pt.trace.json")
+    (ranks / "rank0.3.pt.trace.json").write_text("{}")  # two of rank 0: which is meant is unclear
+    assert diff.main([str(ranks), str(other)]) == 2
+    assert "found 2" in capsys.readouterr().err
 
 
 def test_trace_host_diff_gpu_time_by_kernel_and_launching_function():
