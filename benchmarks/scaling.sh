@@ -9,9 +9,10 @@
 #   strong  DDP and FSDP2 x GPUS at global (8, 1024), eager: standard, flash; per-layer flash
 #   graph   --cuda_graph at global (8, 1024), 1 GPU and DDP x GPUS: standard, flash
 #   trace   (not by default) DDP and FSDP2 x GPUS at 8 samples per rank, standard and flash,
-#           each config's traced step kept (a gzipped trace per rank), under OUTPUT_DIR_traced
-#           (not in the table), for Holistic Trace Analysis: benchmarks/trace_overlap.py
-#           OUTPUT_DIR_traced/trace_fsdp/<config> from HTA's own environment (it says how)
+#           each config's traces kept (per rank a gzipped full trace and a light one), under
+#           OUTPUT_DIR_traced (not in the table), for Holistic Trace Analysis:
+#           benchmarks/trace_overlap.py OUTPUT_DIR_traced/trace_fsdp/<config> from HTA's own
+#           environment (it says how; it reads the light traces)
 # One chunk per rank: --fsdp_sync changes nothing here (benchmarks/fsdp_8b.sh runs several).
 #
 # usage: [PARTS="one weak"] bash benchmarks/scaling.sh [GPUS] [OUTPUT_DIR]

@@ -425,6 +425,25 @@ def test_trace_host_diff_gpu_time_by_kernel_and_launching_function():
     assert sum(counts.values()) == 5
 
 
+def test_trace_overlap_reads_the_light_traces_where_a_config_has_them(tmp_path):
+    """benchmarks/trace_overlap.py passes HTA one trace per rank: the light ones
+    (rank<N>.timeline.json[.gz]) where the config kept them, else the full ones."""
+    overlap = benchmark_script("trace_overlap.py")
+    for name in ("rank0.1.pt.trace.json.gz", "rank1.2.pt.trace.json.gz", "result.rank0.json"):
+        (tmp_path / name).write_text("{}")
+    assert overlap.rank_traces(str(tmp_path)) == {
+        0: str(tmp_path / "rank0.1.pt.trace.json.gz"),
+        1: str(tmp_path / "rank1.2.pt.trace.json.gz"),
+    }
+    for name in ("rank0.timeline.json.gz", "rank1.timeline.json.gz"):
+        (tmp_path / name).write_text("{}")
+    assert overlap.rank_traces(str(tmp_path)) == {
+        0: str(tmp_path / "rank0.timeline.json.gz"),
+        1: str(tmp_path / "rank1.timeline.json.gz"),
+    }
+    assert overlap.rank_traces(str(tmp_path / "none")) == {}
+
+
 def test_scaling_table_ratios_and_efficiencies(tmp_path):
     """benchmarks/scaling_table.py on hand-made results: flash / standard within a mode, weak
     scaling t1 / tW at 8 per rank, strong scaling t1 / (W tW) at the 1-GPU global batch, a

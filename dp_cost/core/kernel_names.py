@@ -55,6 +55,10 @@ RULES: list[tuple[str, str]] = [
 ]
 _COMPILED_RULES = [(category, re.compile(pattern, re.IGNORECASE)) for category, pattern in RULES]
 
+# The files a config's traces are written to (measure.tracing): the full trace of a step, read by
+# TensorBoard, and the light trace of one more (CUDA activity alone), its GPU timeline as untraced
+TRACE_SUFFIXES = (".pt.trace.json", ".pt.trace.json.gz")
+TIMELINE_SUFFIXES = ("timeline.json", "timeline.json.gz")  # rank<N>.timeline.json, or alone
 KERNEL_CATEGORY = "kernel"  # Kineto's "cat" of GPU kernel events
 MEMORY_EVENT = "[memory]"
 CPU_DEVICE, CUDA_DEVICE = 0, 1  # c10::DeviceType values in "[memory]" events

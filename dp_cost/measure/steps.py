@@ -219,17 +219,21 @@ class Census:
 TIMELINE_STEPS = 3  # traced steps (CUDA activity alone) for a config's host time and GPU busy
 
 
+def median_index(host_times: list) -> int:
+    """The index of the median host time (the lower middle of an even count; the first where one
+    is missing)."""
+    if None in host_times:
+        return 0
+    return sorted(range(len(host_times)), key=host_times.__getitem__)[(len(host_times) - 1) // 2]
+
+
 def median_host_step(timelines: list[dict]) -> dict:
     """The step_timeline of median host time among several traced steps (the lower middle of an
     even count; the first where a host time is missing), with every step's host time under
     ``host_time_ms_of_traced_steps`` and, where recorded, Python's garbage collections inside
     each step under ``python_gc_of_traced_steps``."""
     host_times = [t["host_time_ms"] for t in timelines]
-    if None in host_times:
-        chosen = timelines[0]
-    else:
-        chosen = sorted(timelines, key=lambda t: t["host_time_ms"])[(len(timelines) - 1) // 2]
-    chosen = {**chosen, "host_time_ms_of_traced_steps": host_times}
+    chosen = {**timelines[median_index(host_times)], "host_time_ms_of_traced_steps": host_times}
     if all("python_gc" in t for t in timelines):
         chosen["python_gc_of_traced_steps"] = [t["python_gc"] for t in timelines]
     return chosen
@@ -306,6 +310,9 @@ class Trace:
             except ValueError as error:
                 s.env["timeline_note"] = f"host time and GPU-busy fraction not measured: {error}"
                 return
+            median = median_index([t["host_time_ms"] for t in timelines])
+            kept = tracing.keep_timeline(stage, os.path.basename(lights[median]), use_gzip)
+            result["timeline_file"] = os.path.basename(kept)
         timeline = median_host_step(timelines)
         result["host_time_ms"] = timeline["host_time_ms"]
         result["gpu_busy_fraction"] = timeline["gpu_busy_fraction"]

@@ -8,18 +8,47 @@ as a run).
 
 from __future__ import annotations
 
+import gzip
 import os
+import shutil
 
 import torch
 from torch.profiler import ProfilerActivity, profile, schedule, tensorboard_trace_handler
 
-from dp_cost.core import files
+from dp_cost.core import files, kernel_names
 
 # wait / warmup / active steps: the warm-up step (profiled, then dropped) re-primes caches after
 # the measurements before it and lets the profiler settle; the active step is the one recorded.
 # No wait step: the model is warm by then, and a step waited out would only cost time.
 WAIT, WARMUP, ACTIVE = 0, 1, 1
-TRACE_SUFFIXES = (".pt.trace.json", ".pt.trace.json.gz")
+# The light trace of one more step (CUDA activity alone: kernels, copies, their launches) is kept
+# beside the trace: no Python stacks, shapes or memory events slow its host, so its GPU timeline
+# (what overlaps what) is the untraced step's. Not a *.pt.trace.json: TensorBoard's plugin would
+# take the config for two runs.
+TRACE_SUFFIXES, TIMELINE_SUFFIXES = kernel_names.TRACE_SUFFIXES, kernel_names.TIMELINE_SUFFIXES
+
+
+def worker_name() -> str:
+    """``rank<N>`` under torch.distributed (TensorBoard's distributed view and the reports read
+    the rank from it), else ``trace``."""
+    if torch.distributed.is_initialized():
+        return f"rank{torch.distributed.get_rank()}"
+    return "trace"
+
+
+def keep_timeline(stage: files.Staging, exported: str, use_gzip: bool) -> str:
+    """Move the light trace ``exported`` (a file in ``stage``) into the config directory as
+    ``rank<N>.timeline.json[.gz]`` (one process: ``timeline.json[.gz]``); its path there."""
+    worker = worker_name()
+    rank = "" if worker == "trace" else f"{worker}."
+    name = f"{rank}timeline.json{'.gz' if use_gzip else ''}"
+    source = os.path.join(stage.path, exported)
+    if use_gzip:
+        with open(source, "rb") as plain, gzip.open(os.path.join(stage.path, name), "wb") as packed:
+            shutil.copyfileobj(plain, packed)
+    else:
+        os.replace(source, os.path.join(stage.path, name))
+    return stage.publish(name)
 
 
 def trace_steps(step, device: torch.device, out_dir: str, use_gzip: bool) -> str | None:
@@ -29,8 +58,7 @@ def trace_steps(step, device: torch.device, out_dir: str, use_gzip: bool) -> str
     if device.type == "cuda":
         activities.append(ProfilerActivity.CUDA)
     # One trace per rank in the config directory: TensorBoard's distributed view reads them.
-    distributed = torch.distributed.is_initialized()
-    worker = f"rank{torch.distributed.get_rank()}" if distributed else "trace"
+    worker = worker_name()
     # The handler writes into a private folder; the finished file is then moved into the config
     # directory, so an interrupted run never leaves a half-written trace there.
     with files.staging(out_dir, root=os.path.dirname(out_dir), prefix=".trace-") as staging:

@@ -57,6 +57,7 @@ OPTIONAL_CONFIG_CHECKS = {
 RESULT_CHECKS = {
     "config_dir": lambda v: isinstance(v, str),
     "trace_file": lambda v: isinstance(v, str),
+    "timeline_file": lambda v: isinstance(v, str),
     "env": lambda v: isinstance(v, dict),
     "avg_time_ms": _is_number,
     "median_time_ms": _is_number,

@@ -2,9 +2,13 @@
 imported as ``hta``) computes from the torch.profiler traces of a run, one row per config and
 rank.
 
-Each config directory's ``*.pt.trace.json[.gz]`` files (one per rank in a distributed run, named
-``rank<N>.*``; the newest of each rank when there are several) are read by HTA one rank at a
-time. A row holds HTA's temporal breakdown of the rank's GPU time: the span from the first GPU
+Each config directory's traces (one per rank in a distributed run, named ``rank<N>.*``; the
+newest of each rank when there are several) are read by HTA one rank at a time: a rank's light
+trace (``*.timeline.json[.gz]``: CUDA activity alone, of a step whose host no Python stacks,
+shapes or memory events slowed, so what overlaps what on its GPU is as in the untraced steps)
+where the run kept one, else its full trace (``*.pt.trace.json[.gz]``, whose recording can make a
+host-bound step's GPU wait, and its collectives wait on the other ranks, more than untraced).
+A row holds HTA's temporal breakdown of the rank's GPU time: the span from the first GPU
 kernel's start to the last one's end, and in it the idle time (no kernel running), the compute
 time (a computation kernel running) and the non-compute time (only communication or memory
 kernels running), each in microseconds and as a percentage of the span; the communication time
@@ -29,12 +33,12 @@ import re
 import warnings
 
 from dp_cost.core.files import write_text
+from dp_cost.core.kernel_names import TIMELINE_SUFFIXES, TRACE_SUFFIXES
 from dp_cost.core.reading import folder_names, is_file_at, stat_at
 from dp_cost.report.results import ordered
 from dp_cost.report.tables import csv_text
 
 TRACE_CSV = "trace_analysis.csv"
-TRACE_SUFFIXES = (".pt.trace.json", ".pt.trace.json.gz")
 INSTALL_HINT = (
     "trace analysis (trace_analysis.csv) skipped: it needs `pip install holistictraceanalysis`"
 )
@@ -72,16 +76,19 @@ def _on_cpu(result: dict) -> bool:
 
 
 def config_traces(run_dir: str, result: dict) -> dict[int, str]:
-    """rank -> path of the config's trace (the newest of each rank); {} without any."""
+    """rank -> path of the config's trace to analyse (the newest of each rank, a light trace
+    before a full one); {} without any."""
     directory = os.path.join(run_dir, result.get("config_dir") or "")
     if not result.get("config_dir"):
         return {}
-    names = [n for n in folder_names(directory, run_dir) if n.endswith(TRACE_SUFFIXES)]
-    paths = [os.path.join(directory, n) for n in names if not n.startswith(".")]
+    names = [n for n in folder_names(directory, run_dir) if not n.startswith(".")]
+    paths = [os.path.join(directory, n) for n in names]
+    paths = [p for p in paths if p.endswith(TRACE_SUFFIXES + TIMELINE_SUFFIXES)]
     paths = [p for p in paths if is_file_at(p, run_dir)]
     traces: dict[int, str] = {}
-    mtime = lambda path: stat_at(path, run_dir).st_mtime  # noqa: E731
-    for path in sorted(paths, key=mtime):  # the newest of a rank wins
+    # the newest of a rank wins, light traces after every full one
+    order = lambda path: (path.endswith(TIMELINE_SUFFIXES), stat_at(path, run_dir).st_mtime)  # noqa: E731
+    for path in sorted(paths, key=order):
         match = _RANK_FILE.match(os.path.basename(path))
         traces[int(match.group(1)) if match else 0] = path
     return dict(sorted(traces.items()))

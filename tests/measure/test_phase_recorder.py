@@ -108,6 +108,7 @@ def test_a_cuda_profile_run_times_phases_by_events_and_traces_several_steps(tmp_
         pytest.skip("needs a CUDA device")
     from cli_helpers import SMALL_MODEL, cli, results_in
 
+    from dp_cost.core import kernel_names
     from dp_cost.measure.steps import TIMELINE_STEPS
 
     done = cli("--mode=profile", "--device", "cuda", "--trainers", "standard", "flash",
@@ -126,3 +127,10 @@ def test_a_cuda_profile_run_times_phases_by_events_and_traces_several_steps(tmp_
         collections = result["step_timeline"]["python_gc_of_traced_steps"]
         assert len(collections) == TIMELINE_STEPS
         assert all(len(c["collections"]) == 3 and c["ms"] >= 0 for c in collections)
+        # the light trace kept is the reported step's: CUDA activity alone, its host time that
+        assert result["timeline_file"] == "timeline.json.gz"  # gzip: a GPU run's default
+        kept = tmp_path / "r" / result["config_dir"] / result["timeline_file"]
+        events = kernel_names.load_trace_events(kept)
+        assert any(e.get("cat") == "kernel" for e in events)
+        assert not any(e.get("cat") in ("cpu_op", "python_function") for e in events)
+        assert kernel_names.step_timeline(events)["host_time_ms"] == result["host_time_ms"]

@@ -163,6 +163,17 @@ def test_host_time_is_the_traced_step_of_median_host_time():
     assert median_host_step(missing)["host_time_ms"] is None  # not a guess
 
 
+def test_the_kept_light_trace_is_the_median_steps():
+    """The light trace kept beside the full one is that of the step whose host time is reported
+    (median_index picks it for both)."""
+    from dp_cost.measure.steps import median_index
+
+    assert median_index([182.5, 74.2, 90.1]) == 2
+    assert median_index([90.1, 74.2, 182.5, 80.0]) == 3  # even count: the lower middle
+    assert median_index([74.2, 74.2, 74.2]) == 1  # ties: the middle one of the three
+    assert median_index([None, 74.2]) == 0  # as median_host_step: the first
+
+
 @pytest.mark.parametrize("name", ["dpsgd", "ghost", "flash"])
 def test_delta_total_adds_the_tail_of_each_trainers_sampler(name):
     """delta_total = delta + sum over the steps of q * (the bound on a neighbour's output leaving

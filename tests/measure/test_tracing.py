@@ -2,6 +2,7 @@
 
 import gzip
 import json
+import os
 import subprocess
 import sys
 import time
@@ -39,6 +40,28 @@ def test_one_trace_per_config_and_gzip_flag(tmp_path):
             assert json.load(f)["traceEvents"]
         assert not list((tmp_path / "none" / config).glob("*.pt.trace*"))
     assert (tmp_path / "plain" / "visualizations" / "memory_curve.png").stat().st_size > 10_000
+
+
+@pytest.mark.parametrize("use_gzip", [False, True])
+def test_a_kept_light_trace_is_the_exported_one_under_its_name(tmp_path, use_gzip):
+    """keep_timeline: the light trace the profiler exported into the staging folder ends in the
+    config directory as timeline.json[.gz] (one process: no rank in the name), its events the
+    exported ones; nothing else is published and the staging folder goes."""
+    from dp_cost.core import files
+    from dp_cost.measure import tracing
+
+    events = {"traceEvents": [{"ph": "X", "cat": "kernel", "name": "gemm", "ts": 1, "dur": 2}]}
+    with files.staging(str(tmp_path), str(tmp_path), ".trace-") as stage:
+        (tmp_path / stage.name / "timeline1.json").write_text(json.dumps(events))
+        (tmp_path / stage.name / "timeline0.json").write_text("{}")  # another step's: left
+        kept = tracing.keep_timeline(stage, "timeline1.json", use_gzip)
+    name = "timeline.json.gz" if use_gzip else "timeline.json"
+    assert os.path.samefile(kept, tmp_path / name)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [name]
+    assert name.endswith(kernels.TIMELINE_SUFFIXES) and not name.endswith(kernels.TRACE_SUFFIXES)
+    opened = gzip.open(kept, "rt") if use_gzip else open(kept)
+    with opened as f:
+        assert json.load(f) == events
 
 
 def test_tensorboard_plugin_lists_one_run_per_config(tmp_path):
