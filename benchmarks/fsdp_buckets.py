@@ -1,5 +1,6 @@
 """profiling_script.py with flash's collective buckets set otherwise than the defaults: the
-size of a bucket of small gradients (a gradient of a quarter of it or more goes alone) and how
+size of a bucket of small gradients (a gradient of a quarter of it or more goes alone; FSDP2's
+reduce-scatters and DDP's all-reduces alike, whose defaults differ) and how
 many bytes of collectives may be in flight behind the newest before the compute stream waits
 for the oldest (FSDP2's reduce-scatters; DDP's all-reduces are never waited for before the
 last). For measuring what they cost; the CLI's defaults are dp_cost.flash.sinks'.
@@ -32,7 +33,7 @@ def main(argv: list[str]) -> int:
     rest = args.rest[1:] if args.rest[:1] == ["--"] else args.rest
     from dp_cost.flash import sinks as buckets
 
-    buckets.BUCKET_BYTES = int(args.bucket_mb * 2**20)
+    buckets.BUCKET_BYTES = buckets.ALL_REDUCE_BUCKET_BYTES = int(args.bucket_mb * 2**20)
     unbounded = args.in_flight_mb.lower() == UNBOUNDED  # the word, not --distributed's "none"
     in_flight = None if unbounded else int(float(args.in_flight_mb) * 2**20)
     buckets.ShardedGradients.IN_FLIGHT_BYTES = in_flight

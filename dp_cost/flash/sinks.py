@@ -18,7 +18,11 @@ from torch.distributed.tensor import DTensor
 
 from dp_cost.flash.precision import cast, wider
 
-BUCKET_BYTES = 25 * 2**20  # DDP's default bucket size
+BUCKET_BYTES = 25 * 2**20  # DDP's default bucket size: FSDP2's reduce-scatters, the gathers
+# DDP's all-reduces of the clipped sums run after the backward, beside the clipped GEMMs alone,
+# and are what the step waits for at its end: fewer, larger collectives finish sooner there
+# (measured against 25 and 400 MB: benchmarks/fsdp_buckets.py sets both sizes).
+ALL_REDUCE_BUCKET_BYTES = 100 * 2**20
 
 
 def _own_storage(tensor: torch.Tensor) -> torch.Tensor:
@@ -30,11 +34,11 @@ def _own_storage(tensor: torch.Tensor) -> torch.Tensor:
 class GradientBuckets:
     """flash's clipped sums (or, gathered, its per-sample gradients) handed over one parameter
     at a time and sent asynchronously, so each collective runs while the next layers' are
-    computed. A gradient of at least a quarter of BUCKET_BYTES is sent alone as soon as it
-    arrives (no copy); smaller ones (biases, norm weights, LoRA's hundreds of tensors) fill a
-    bucket of about BUCKET_BYTES of one dtype, one collective when full. The collectives behind
-    the newest are waited for once what they read passes IN_FLIGHT_BYTES, so the memory they
-    hold stays bounded.
+    computed. A gradient of at least a quarter of the bucket size (``bucket_limit``) is sent
+    alone as soon as it arrives (no copy); smaller ones (biases, norm weights, LoRA's hundreds of
+    tensors) fill a bucket of about that size of one dtype, one collective when full. The
+    collectives behind the newest are waited for once what they read passes IN_FLIGHT_BYTES, so
+    the memory they hold stays bounded.
 
     Every rank must issue the same collectives in the same order: every managed parameter is
     handed over in one fixed order (zeros for a layer a chunk did not reach), cast to a dtype
@@ -55,17 +59,21 @@ class GradientBuckets:
 
     def _add(self, param, grad: torch.Tensor) -> None:
         size = grad.numel() * grad.element_size()
-        if 4 * size >= BUCKET_BYTES:
+        limit = self.bucket_limit()
+        if 4 * size >= limit:
             self._launch([(param, grad)])
             return
         if self.bucket and (
-            self.bucket_bytes + size > BUCKET_BYTES or self.bucket[0][1].dtype != grad.dtype
+            self.bucket_bytes + size > limit or self.bucket[0][1].dtype != grad.dtype
         ):
             self._launch(self._take_bucket())
         self.bucket.append((param, grad))
         self.bucket_bytes += size
-        if self.bucket_bytes >= BUCKET_BYTES:
+        if self.bucket_bytes >= limit:
             self._launch(self._take_bucket())
+
+    def bucket_limit(self) -> int:
+        return BUCKET_BYTES
 
     def _take_bucket(self) -> list:
         bucket, self.bucket, self.bucket_bytes = self.bucket, [], 0
@@ -108,16 +116,19 @@ class GradientBuckets:
 class SummedGradients(GradientBuckets):
     """flash's sink under DDP, in a step's last chunk: each parameter's clipped sum is added to
     its .grad, and the finished gradients are summed over the ranks in buckets (the step's noise
-    is added after the sum, alike on every replica: the trainer's optimizer step). Every
-    collective may be pending until finish (the gradients exist anyway; only the small
-    gradients' buckets are copies), so the compute stream never waits for one before the last
-    clipped sum."""
+    is added after the sum, alike on every replica: the trainer's optimizer step), in buckets of
+    ALL_REDUCE_BUCKET_BYTES. Every collective may be pending until finish (the gradients exist
+    anyway; only the buckets of several gradients are copies), so the compute stream never
+    waits for one before the last clipped sum."""
 
     IN_FLIGHT_BYTES = None
 
     def __init__(self):
         super().__init__()
         self.handed: set[int] = set()
+
+    def bucket_limit(self) -> int:
+        return ALL_REDUCE_BUCKET_BYTES
 
     def __call__(self, param: nn.Parameter, full: torch.Tensor) -> None:
         full = cast(full, param.dtype)

@@ -51,10 +51,10 @@ def run_variant(
 ) -> torch.Tensor:
     """flash's step on the branchy model; every rank returns the full summed gradient.
     ``bf16``: every per-sample gradient sent in bf16; ``clipping``: flat or per_layer."""
-    defaults = buckets.SMALL_GRADIENT_NUMEL, buckets.BUCKET_BYTES
+    defaults = buckets.SMALL_GRADIENT_NUMEL, buckets.BUCKET_BYTES, buckets.ALL_REDUCE_BUCKET_BYTES
     if bf16:
         buckets.SMALL_GRADIENT_NUMEL = 0  # every parameter "large": sent in the step's dtype
-    buckets.BUCKET_BYTES = 600  # several buckets, each weight alone
+    buckets.BUCKET_BYTES = buckets.ALL_REDUCE_BUCKET_BYTES = 600  # several buckets, weights alone
     rows = ONE_PER_RANK if one_per_rank else slice(None)
     inputs, targets = INPUTS[rows], TARGETS[rows]
     mine = ranks.share(len(inputs), info.rank, info.world_size)
@@ -68,7 +68,7 @@ def run_variant(
     trainer.step(inputs[mine.start : mine.stop], targets[mine.start : mine.stop])
     assert gathered() == (distributed == "ddp" and one_per_rank)
     grads = full_gradients(model)  # on every rank: FSDP2 gathers the shards collectively
-    buckets.SMALL_GRADIENT_NUMEL, buckets.BUCKET_BYTES = defaults
+    buckets.SMALL_GRADIENT_NUMEL, buckets.BUCKET_BYTES, buckets.ALL_REDUCE_BUCKET_BYTES = defaults
     return grads
 
 

@@ -86,7 +86,7 @@ def replicas_apart(rank: int) -> float:
 def main():
     info = ranks.from_environment()
     dist.init_process_group("gloo")
-    sinks.BUCKET_BYTES = 600  # the blocks' weights sent alone, as they are handed over
+    sinks.BUCKET_BYTES = sinks.ALL_REDUCE_BUCKET_BYTES = 600  # the blocks' weights sent alone
     found = {}
     for clipping in ("per_layer", "flat"):
         plain, checkpointed = (gradients(info.rank, clipping, c) for c in (False, True))

@@ -153,7 +153,9 @@ def run_job(job: dict, info, max_grad_norm: float, seq: int) -> dict:
     shards), checkpointing (the model's blocks checkpointed), num_layers (the model's blocks,
     SMALL's by default)."""
     defaults = buckets.BUCKET_BYTES, buckets.ShardedGradients.IN_FLIGHT_BYTES
+    all_reduce_default = buckets.ALL_REDUCE_BUCKET_BYTES
     buckets.BUCKET_BYTES = job.get("bucket_bytes") or defaults[0]
+    buckets.ALL_REDUCE_BUCKET_BYTES = job.get("bucket_bytes") or all_reduce_default
     in_flight = job.get("in_flight_bytes")
     buckets.ShardedGradients.IN_FLIGHT_BYTES = defaults[1] if in_flight is None else in_flight
     if "textbook_dpsgd" in job["trainers"] and "textbook_dpsgd" not in trainers.TRAINERS:
@@ -215,6 +217,7 @@ def run_job(job: dict, info, max_grad_norm: float, seq: int) -> dict:
             if synced is not None:
                 saved[case, name]["synced_after_a_chunk"] = synced()
     buckets.BUCKET_BYTES, buckets.ShardedGradients.IN_FLIGHT_BYTES = defaults
+    buckets.ALL_REDUCE_BUCKET_BYTES = all_reduce_default
     return saved
 
 

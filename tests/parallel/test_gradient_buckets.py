@@ -79,3 +79,31 @@ def test_buckets_hold_one_dtype():
         sink.add(torch.ones(10, dtype=dtype))
     sink._drain()
     assert sink.sent == [["p0", "p1"], ["p2"], ["p3"]]
+
+
+def test_ddps_all_reduces_take_larger_buckets_than_the_other_collectives(monkeypatch):
+    """DDP's sink (SummedGradients) fills buckets of ALL_REDUCE_BUCKET_BYTES, the others of
+    BUCKET_BYTES: a gradient sent alone by FSDP2's sink shares a collective under DDP."""
+    monkeypatch.setattr(buckets, "ALL_REDUCE_BUCKET_BYTES", 4 * BUCKET)
+
+    class RecordingSums(buckets.SummedGradients):
+        def __init__(self):
+            super().__init__()
+            self.sent = []
+
+        def _send(self, bucket):
+            self.sent.append([tuple(grad.shape) for _, grad in bucket])
+            return None, torch.cat([grad.flatten() for _, grad in bucket]), None
+
+        def _land(self, bucket, work, sent, received):
+            pass
+
+    others, sums = RecordingBuckets(None), RecordingSums()
+    hand_over(others, [100, 100, 400])  # fp32: 400, 400 and 1600 bytes
+    params = [nn.Parameter(torch.zeros(n)) for n in (100, 100, 400)]
+    for param in params:
+        sums(param, torch.ones_like(param))
+    sums.finish(params)
+    assert others.sent == [["p0"], ["p1"], ["p2"]]  # each at least a quarter of BUCKET
+    assert sums.sent == [[(400,)], [(100,), (100,)]]  # 1600 bytes alone; the two 400s together
+    assert all(torch.equal(p.grad, torch.ones_like(p)) for p in params)  # landed in place
