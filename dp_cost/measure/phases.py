@@ -132,10 +132,9 @@ def cpu_step_peak_bytes(step, exclude=()) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "trace.json")
         prof.export_chrome_trace(path)
-        events = kernel_names.load_trace_events(path)
+        events = kernel_names.memory_events(path)
     memory_events = sorted(
-        (e for e in events if e.get("name") == "[memory]" and e["args"].get("Device Type") == 0),
-        key=lambda e: e["ts"],
+        (e for e in events if e["args"].get("Device Type") == 0), key=lambda e: e["ts"]
     )
     running = peak = 0
     for event in memory_events:

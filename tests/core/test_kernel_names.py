@@ -398,3 +398,60 @@ def test_a_truncated_or_foreign_trace_is_unreadable(tmp_path, content):
     path.write_bytes(content)
     with pytest.raises(ValueError):  # core.reading.UnreadableFile
         kernels.kernels_from_trace(path)
+
+
+def profiled_trace(tmp_path) -> Path:
+    """A real torch.profiler trace of a few CPU ops, recorded as the traced steps are (memory
+    events, shapes, Python stacks), as torch writes it."""
+    import torch
+
+    path = tmp_path / "cpu.pt.trace.json"
+    with torch.profiler.profile(profile_memory=True, record_shapes=True, with_stack=True) as prof:
+        x = torch.ones(256, 256)
+        for _ in range(3):
+            x = (x @ x).relu() / 256
+        del x
+    prof.export_chrome_trace(str(path))
+    return path
+
+
+def full_parse(path) -> list[dict]:
+    return [e for e in kernels.load_trace_events(path) if e.get("name") == kernels.MEMORY_EVENT]
+
+
+def test_memory_events_are_read_without_parsing_the_whole_trace(tmp_path, monkeypatch):
+    """A whole trace's memory events are found in its text, not by parsing every event: the
+    same events as the full parse, and the full parse is not needed for them."""
+    path = profiled_trace(tmp_path)
+    expected = full_parse(path)
+    assert len(expected) >= 8 and len(kernels.load_trace_events(path)) > 4 * len(expected)
+    monkeypatch.setattr(kernels, "load_trace_events", lambda *a, **k: pytest.fail("parsed"))
+    assert kernels.memory_events(path) == expected
+    gz = tmp_path / "cpu.pt.trace.json.gz"
+    gz.write_bytes(gzip.compress(path.read_bytes()))
+    assert kernels.memory_events(gz) == expected
+
+
+def test_memory_events_fall_back_to_the_full_parse_where_the_text_is_not_plain(tmp_path):
+    """The name elsewhere than as an event's own (a string inside another event, or an event
+    whose arguments come first): every event parsed, the same answer. A truncated trace is
+    still an unreadable file, not a shorter curve."""
+    path = profiled_trace(tmp_path)
+    trace = json.loads(path.read_text())
+    trace["traceEvents"].insert(0, {"ph": "X", "name": "op", "args": {"note": "[memory]"}})
+    odd = {"args": {"Total Allocated": 5, "Device Type": 0}, "name": "[memory]", "ph": "i", "ts": 1}
+    trace["traceEvents"].append(odd)
+    for event in (trace["traceEvents"][0], odd):
+        other = tmp_path / "other.json"
+        other.write_text(json.dumps({"traceEvents": [event, *trace["traceEvents"][1:-1]]}))
+        assert kernels.memory_events(other) == full_parse(other)
+    odd_last = tmp_path / "odd_last.json"
+    odd_last.write_text(json.dumps(trace))
+    assert kernels.memory_events(odd_last)[-1] == odd
+    text = path.read_text()
+    truncated = tmp_path / "truncated.pt.trace.json"
+    truncated.write_text(text[: text.rindex('"[memory]"') + 200])
+    with pytest.raises(kernels.UnreadableFile):
+        kernels.memory_events(truncated)
+    with pytest.raises(kernels.UnreadableFile):
+        kernels.memory_curve_from_trace(truncated)
