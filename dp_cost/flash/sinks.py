@@ -18,7 +18,7 @@ from torch.distributed.tensor import DTensor
 
 from dp_cost.flash.precision import cast, wider
 
-BUCKET_BYTES = 25 * 2**20  # DDP's default bucket size: FSDP2's reduce-scatters, the gathers
+BUCKET_BYTES = 25 * 2**20  # FSDP2's reduce-scatters and the gathers: DDP's default bucket size
 # DDP's all-reduces of the clipped sums run after the backward, beside the clipped GEMMs alone,
 # and are what the step waits for at its end: fewer, larger collectives finish sooner there
 # (measured against 25 and 400 MB: benchmarks/fsdp_buckets.py sets both sizes).

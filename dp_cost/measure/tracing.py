@@ -21,11 +21,7 @@ from dp_cost.core import files, kernel_names
 # the measurements before it and lets the profiler settle; the active step is the one recorded.
 # No wait step: the model is warm by then, and a step waited out would only cost time.
 WAIT, WARMUP, ACTIVE = 0, 1, 1
-# The light trace of one more step (CUDA activity alone: kernels, copies, their launches) is kept
-# beside the trace: no Python stacks, shapes or memory events slow its host, so its GPU timeline
-# (what overlaps what) is the untraced step's. Not a *.pt.trace.json: TensorBoard's plugin would
-# take the config for two runs.
-TRACE_SUFFIXES, TIMELINE_SUFFIXES = kernel_names.TRACE_SUFFIXES, kernel_names.TIMELINE_SUFFIXES
+TRACE_SUFFIXES = kernel_names.TRACE_SUFFIXES
 
 
 def worker_name() -> str:
@@ -37,11 +33,15 @@ def worker_name() -> str:
 
 
 def keep_timeline(stage: files.Staging, exported: str, use_gzip: bool) -> str:
-    """Move the light trace ``exported`` (a file in ``stage``) into the config directory as
-    ``rank<N>.timeline.json[.gz]`` (one process: ``timeline.json[.gz]``); its path there."""
+    """Move the light trace ``exported`` (a file in ``stage``: one more step's CUDA activity
+    alone, kernels, copies and their launches) into the config directory as
+    ``rank<N>.timeline.json[.gz]`` (one process: ``timeline.json[.gz]``); its path there. No
+    Python stacks, shapes or memory events slowed its host, so its GPU timeline (what overlaps
+    what) is the untraced step's. Not a *.pt.trace.json: TensorBoard's plugin would take the
+    config for two runs."""
     worker = worker_name()
     rank = "" if worker == "trace" else f"{worker}."
-    name = f"{rank}timeline.json{'.gz' if use_gzip else ''}"
+    name = rank + kernel_names.TIMELINE_SUFFIXES[use_gzip]
     source = os.path.join(stage.path, exported)
     if use_gzip:
         with open(source, "rb") as plain, gzip.open(os.path.join(stage.path, name), "wb") as packed:

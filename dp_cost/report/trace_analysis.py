@@ -76,8 +76,9 @@ def _on_cpu(result: dict) -> bool:
 
 
 def config_traces(run_dir: str, result: dict) -> dict[int, str]:
-    """rank -> path of the config's trace to analyse (the newest of each rank, a light trace
-    before a full one); {} without any."""
+    """rank -> path of the config's trace to analyse: the rank's newest full trace, or its light
+    trace where that is not older (the worker writes it after the full one: an older one is an
+    earlier attempt's); {} without any."""
     directory = os.path.join(run_dir, result.get("config_dir") or "")
     if not result.get("config_dir"):
         return {}
@@ -85,13 +86,16 @@ def config_traces(run_dir: str, result: dict) -> dict[int, str]:
     paths = [os.path.join(directory, n) for n in names]
     paths = [p for p in paths if p.endswith(TRACE_SUFFIXES + TIMELINE_SUFFIXES)]
     paths = [p for p in paths if is_file_at(p, run_dir)]
-    traces: dict[int, str] = {}
-    # the newest of a rank wins, light traces after every full one
-    order = lambda path: (path.endswith(TIMELINE_SUFFIXES), stat_at(path, run_dir).st_mtime)  # noqa: E731
-    for path in sorted(paths, key=order):
+    newest: dict[tuple[int, bool], tuple[float, str]] = {}  # (rank, light) -> (mtime, path)
+    for path in paths:
         match = _RANK_FILE.match(os.path.basename(path))
-        traces[int(match.group(1)) if match else 0] = path
-    return dict(sorted(traces.items()))
+        key = (int(match.group(1)) if match else 0, path.endswith(TIMELINE_SUFFIXES))
+        newest[key] = max(newest.get(key, (-math.inf, "")), (stat_at(path, run_dir).st_mtime, path))
+    traces = {}
+    for rank in sorted({rank for rank, _ in newest}):
+        full, light = newest.get((rank, False)), newest.get((rank, True))
+        traces[rank] = (light if light and (not full or light[0] >= full[0]) else full)[1]
+    return traces
 
 
 def _number(value, digits: int = 2):

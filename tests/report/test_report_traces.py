@@ -219,15 +219,17 @@ def test_without_hta_a_cpu_run_writes_no_trace_analysis_either(tmp_path, monkeyp
 
 def test_a_ranks_light_trace_is_analysed_before_its_full_trace(tmp_path):
     """Where a config kept a light trace of a rank (CUDA activity alone, its host as untraced),
-    HTA reads it rather than the full trace, whose recording slows the host; a rank without one
-    keeps its full trace. The newest of a kind still wins."""
+    HTA reads it rather than the full trace, whose recording slows the host. The newest of a
+    kind wins; a light trace older than the rank's full trace (an earlier attempt's: the
+    worker writes it after the full one) does not."""
     import os
 
     result = traced_run(tmp_path, KERNELS)
     config_dir = tmp_path / result["config_dir"]
-    for name in ("rank0.timeline.json.gz", "rank0.old.timeline.json"):
+    for name in ("rank0.timeline.json.gz", "rank0.old.timeline.json", "rank1.timeline.json"):
         (config_dir / name).write_text("{}")
     os.utime(config_dir / "rank0.old.timeline.json", (1, 1))  # older than the .gz
+    os.utime(config_dir / "rank1.timeline.json", (1, 1))  # older than rank 1's full trace
     traces = trace_analysis.config_traces(str(tmp_path), result)
     assert {rank: os.path.basename(path) for rank, path in traces.items()} == {
         0: "rank0.timeline.json.gz",
