@@ -59,20 +59,29 @@ def event_name(event: dict) -> str:
     return name.split(" object at ")[0]
 
 
+def _timed(event: dict) -> bool:
+    return (
+        event.get("ph") == "X"
+        and isinstance(event.get("ts"), (int, float))
+        and isinstance(event.get("dur"), (int, float))
+    )
+
+
+def by_thread(events: list[dict], categories: tuple[str, ...]) -> list[list[dict]]:
+    """Each host thread's timed events of ``categories``, in order of start, outer events first
+    where two start together (so nesting follows the intervals)."""
+    threads: dict = defaultdict(list)
+    for event in events:
+        if _timed(event) and event.get("cat") in categories:
+            threads[(event.get("pid"), event.get("tid"))].append(event)
+    return [sorted(thread, key=lambda e: (e["ts"], -e["dur"])) for thread in threads.values()]
+
+
 def host_self_times(events: list[dict]) -> tuple[dict[str, float], Counter]:
     """Self time in µs and call count by event_name over the host events of a trace."""
-    by_thread: dict = defaultdict(list)
-    for event in events:
-        if event.get("ph") == "X" and event.get("cat") in HOST_CATEGORIES:
-            if isinstance(event.get("ts"), (int, float)) and isinstance(
-                event.get("dur"), (int, float)
-            ):
-                by_thread[(event.get("pid"), event.get("tid"))].append(event)
     self_us: dict[str, float] = defaultdict(float)
     calls: Counter = Counter()
-    for thread_events in by_thread.values():
-        # Outer events first where two start together, so nesting follows the intervals.
-        thread_events.sort(key=lambda e: (e["ts"], -e["dur"]))
+    for thread_events in by_thread(events, HOST_CATEGORIES):
         open_events: list[tuple[dict, str]] = []
         for event in thread_events:
             while (
@@ -88,24 +97,11 @@ def host_self_times(events: list[dict]) -> tuple[dict[str, float], Counter]:
     return dict(self_us), calls
 
 
-def _timed(event: dict) -> bool:
-    return (
-        event.get("ph") == "X"
-        and isinstance(event.get("ts"), (int, float))
-        and isinstance(event.get("dur"), (int, float))
-    )
-
-
 def launch_callers(events: list[dict]) -> dict:
     """The innermost Python function around each launch (a CUDA runtime or driver call), by the
     launch's correlation id."""
-    by_thread: dict = defaultdict(list)
-    for event in events:
-        if _timed(event) and event.get("cat") in ("python_function", *LAUNCH_CATEGORIES):
-            by_thread[(event.get("pid"), event.get("tid"))].append(event)
     callers: dict = {}
-    for thread_events in by_thread.values():
-        thread_events.sort(key=lambda e: (e["ts"], -e["dur"]))
+    for thread_events in by_thread(events, ("python_function", *LAUNCH_CATEGORIES)):
         open_functions: list[dict] = []
         for event in thread_events:
             while (
