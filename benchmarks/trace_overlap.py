@@ -17,22 +17,19 @@ a 1b FSDP2 step from about 190 to 300 ms on 2 H200s, its GPU waiting on the host
 
 from __future__ import annotations
 
-import glob
 import os
-import re
 import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from dp_cost.report.trace_analysis import config_traces  # noqa: E402 (no torch: HTA's env)
 
 
 def rank_traces(config_dir: str) -> dict[int, str]:
-    """rank -> its light trace, or its full trace where the config has no light ones."""
-    for pattern in ("rank*.timeline.json*", "rank*.pt.trace.json*"):
-        traces = {}
-        for path in sorted(glob.glob(os.path.join(config_dir, pattern))):
-            if match := re.match(r"rank(\d+)\.", os.path.basename(path)):
-                traces[int(match.group(1))] = path
-        if traces:
-            return traces
-    return {}
+    """rank -> the trace the report's trace analysis reads: its light trace, or its full trace
+    where it has no light one as new (dp_cost.report.trace_analysis.config_traces)."""
+    run_dir, name = os.path.split(os.path.normpath(config_dir))
+    return config_traces(run_dir, {"config_dir": name})
 
 
 def overlap(config_dir: str) -> str:
