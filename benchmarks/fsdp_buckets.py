@@ -1,12 +1,14 @@
-"""profiling_script.py with flash's collective buckets set otherwise than the defaults: the
-size of a bucket of small gradients (a gradient of a quarter of it or more goes alone; FSDP2's
-reduce-scatters and DDP's all-reduces alike, whose defaults differ) and how
-many bytes of collectives may be in flight behind the newest before the compute stream waits
-for the oldest (FSDP2's reduce-scatters; DDP's all-reduces are never waited for before the
-last). For measuring what they cost; the CLI's defaults are dp_cost.flash.sinks'.
+"""profiling_script.py with its collectives set otherwise than the defaults: the size of a
+bucket of flash's small gradients (a gradient of a quarter of it or more goes alone; FSDP2's
+reduce-scatters and DDP's all-reduces alike, whose defaults differ), how many bytes of flash's
+collectives may be in flight behind the newest before the compute stream waits for the oldest
+(FSDP2's reduce-scatters; DDP's all-reduces are never waited for before the last), and how many
+blocks FSDP2 all-gathers ahead in the backward (every trainer's; dp_cost.parallel.fsdp). For
+measuring what they cost; a setting not given keeps its default (dp_cost.flash.sinks',
+dp_cost.parallel.fsdp's).
 
-usage: torchrun --nproc_per_node W benchmarks/fsdp_buckets.py --bucket_mb MB --in_flight_mb MB|none
-           -- PROFILING_SCRIPT_ARGUMENTS
+usage: torchrun --nproc_per_node W benchmarks/fsdp_buckets.py [--bucket_mb MB]
+           [--in_flight_mb MB|none] [--backward_prefetch N] -- PROFILING_SCRIPT_ARGUMENTS
 """
 
 from __future__ import annotations
@@ -22,21 +24,29 @@ sys.path.insert(0, ROOT)
 
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawTextHelpFormatter
+        description=__doc__, formatter_class=argparse.RawTextHelpFormatter, allow_abbrev=False
     )
-    parser.add_argument("--bucket_mb", type=float, required=True, help="bucket size, MiB")
-    parser.add_argument(
-        "--in_flight_mb", required=True, help="MiB in flight behind the newest, or none (no bound)"
-    )
-    parser.add_argument("rest", nargs=argparse.REMAINDER, help="-- then profiling_script.py's")
-    args = parser.parse_args(argv)
-    rest = args.rest[1:] if args.rest[:1] == ["--"] else args.rest
+    parser.add_argument("--bucket_mb", type=float, help="bucket size, MiB")
+    parser.add_argument("--in_flight_mb", help="MiB in flight behind the newest, or none")
+    parser.add_argument("--backward_prefetch", type=int, help="blocks all-gathered ahead")
+    # profiling_script.py's arguments after "--" (torchrun drops a "--" that follows the script
+    # at once: then every argument this parser does not know is theirs)
+    split = argv.index("--") if "--" in argv else len(argv)
+    args, unknown = parser.parse_known_args(argv[:split])
+    rest = unknown + argv[split + 1 :]
+    if args.backward_prefetch is not None and args.backward_prefetch < 1:
+        parser.error("--backward_prefetch must be at least 1")
     from dp_cost.flash import sinks as buckets
+    from dp_cost.parallel import fsdp
 
-    buckets.BUCKET_BYTES = buckets.ALL_REDUCE_BUCKET_BYTES = int(args.bucket_mb * 2**20)
-    unbounded = args.in_flight_mb.lower() == UNBOUNDED  # the word, not --distributed's "none"
-    in_flight = None if unbounded else int(float(args.in_flight_mb) * 2**20)
-    buckets.ShardedGradients.IN_FLIGHT_BYTES = in_flight
+    if args.bucket_mb is not None:
+        buckets.BUCKET_BYTES = buckets.ALL_REDUCE_BUCKET_BYTES = int(args.bucket_mb * 2**20)
+    if args.in_flight_mb is not None:
+        unbounded = args.in_flight_mb.lower() == UNBOUNDED  # the word, not --distributed's "none"
+        in_flight = None if unbounded else int(float(args.in_flight_mb) * 2**20)
+        buckets.ShardedGradients.IN_FLIGHT_BYTES = in_flight
+    if args.backward_prefetch is not None:
+        fsdp.BACKWARD_PREFETCH_BLOCKS = args.backward_prefetch
     os.chdir(ROOT)
     import profiling_script
 
