@@ -1,5 +1,6 @@
 """bench_flash's bookkeeping on CPU: goal checks, step rows, route floors, and each route's work."""
 
+import gzip
 import json
 
 import pytest
@@ -442,6 +443,55 @@ def test_trace_overlap_reads_the_light_traces_where_a_config_has_them(tmp_path):
         1: str(tmp_path / "rank1.timeline.json.gz"),
     }
     assert overlap.rank_traces(str(tmp_path / "none")) == {}
+
+
+def test_trace_exposed_splits_a_step_into_what_ran_alone(tmp_path, capsys):
+    """benchmarks/trace_exposed.py on a hand-made light trace (µs): a collective overlapped by a
+    GEMM for part of its time, a second kind of collective alone, a kernel alone; each exposed
+    microsecond counted once, in its window, and the kinds counted; rank 0's trace of a config
+    directory is the one read; a trace with no GPU kernel is one error line."""
+    exposed = benchmark_script("trace_exposed.py")
+
+    def kernel(name, ts, dur, cat="kernel"):
+        return {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur}
+
+    events = [
+        kernel("ncclDevKernel_AllGather_RING_LL", 1000, 4000),  # 1000-5000
+        kernel("nvjet_gemm", 3000, 4000),  # 3000-7000: 2000 of it beside the all-gather
+        kernel("Memset (Device)", 6000, 500, cat="gpu_memset"),  # inside the GEMM's time
+        kernel("ncclDevKernel_ReduceScatter_Sum_f32", 8000, 3000),  # 8000-11000, alone
+        kernel("ncclDevKernel_ReduceScatter_Sum_f32", 12000, 1000),  # alone
+        {"ph": "X", "cat": "cpu_op", "name": "aten::mm", "ts": 0, "dur": 20000},  # host
+    ]
+    found = exposed.exposure(events, window_ms=5.0)
+    assert found["span_ms"] == pytest.approx(12.0)  # from the first GPU event, 1000
+    assert found["communication_ms"] == pytest.approx(8.0)
+    assert found["computation_ms"] == pytest.approx(4.0)
+    assert found["communication_alone_ms"] == pytest.approx(2.0 + 3.0 + 1.0)
+    assert found["computation_alone_ms"] == pytest.approx(2.0)
+    # by kernel, each its own time with no collective beside it (two at once both count)
+    assert found["alone_kernels"] == [("nvjet_gemm", 2.0), ("Memset (Device)", 0.5)]
+    kinds = found["collectives"]
+    assert kinds["AllGather"] == {"count": 1, "ms": 4.0, "first_ms": 0.0, "last_ms": 4.0}
+    assert kinds["ReduceScatter"]["count"] == 2 and kinds["ReduceScatter"]["ms"] == 4.0
+    # windows of 5 ms from 1000 µs: the GEMM's 2 ms alone (5000-7000) split at 6000 µs
+    assert found["windows"] == {
+        0.0: (pytest.approx(1.0), pytest.approx(2.0)),
+        5.0: (pytest.approx(1.0), pytest.approx(3.0)),
+        10.0: (pytest.approx(0.0), pytest.approx(1.0)),
+    }
+    folder = tmp_path / "flash_bs32_fsdp4x"
+    folder.mkdir()
+    for rank, trace in ((0, events), (1, events[:1])):
+        with gzip.open(folder / f"rank{rank}.timeline.json.gz", "wt") as f:
+            json.dump({"traceEvents": trace}, f)
+    assert exposed.main([str(folder), "--window_ms", "5"]) == 0
+    out = capsys.readouterr().out
+    assert "rank0.timeline.json.gz" in out and "ReduceScatter: 2 kernels, 4.0 ms" in out
+    empty = tmp_path / "empty.json"
+    empty.write_text(json.dumps({"traceEvents": events[-1:]}))
+    assert exposed.main([str(empty)]) == 1
+    assert capsys.readouterr().err.strip().count("\n") == 0
 
 
 def test_scaling_table_ratios_and_efficiencies(tmp_path):

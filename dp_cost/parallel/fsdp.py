@@ -26,26 +26,27 @@ def shard(model: nn.Module, units: str) -> nn.Module:
     return FSDP_UNITS[units](model)
 
 
-# Blocks whose all-gathers a block's backward starts: FSDP2's default is the next one alone,
-# whose all-gather then waits for this block's copy-out and the next one's copy-in (on 4 H200s
-# at Llama-3.1-8B the collective stream sat idle 0.9 ms of each block's 3.1 ms where no
-# reduce-scatter filled the gap: flash's, which reduce-scatters after the backward).
-BACKWARD_PREFETCH_BLOCKS = 2
+# Blocks whose all-gathers a block's backward starts. FSDP2's default, the next one alone, is
+# kept: two (benchmarks/fsdp_buckets.py --backward_prefetch) sped both standard's and flash's
+# Llama-3.1-8B steps on 4 H200s by about 2% at 0.7-0.8 GB more peak a rank, and the 1b model's
+# not at all, leaving flash / standard where it was.
+BACKWARD_PREFETCH_BLOCKS = 1
 
 
 def shard_blocks(model: nn.Module) -> nn.Module:
     """Each transformer block one FSDP2 unit (all-gathered for its forward and backward, then
     resharded), the rest in the root unit; gradients summed over ranks (FSDP2 averages by
     default; the trainers' 1/B is already the global batch's). In the backward each block
-    all-gathers the BACKWARD_PREFETCH_BLOCKS blocks before it."""
+    all-gathers the BACKWARD_PREFETCH_BLOCKS blocks before it (1: FSDP2's own choice)."""
     blocks = transformer_blocks(model)
     for block in blocks:
         fully_shard(block)
     fully_shard(model)
-    for i, block in enumerate(blocks):
-        earlier = blocks[max(0, i - BACKWARD_PREFETCH_BLOCKS) : i]
-        if earlier:
-            block.set_modules_to_backward_prefetch(list(reversed(earlier)))
+    if BACKWARD_PREFETCH_BLOCKS > 1:
+        for i, block in enumerate(blocks):
+            earlier = blocks[max(0, i - BACKWARD_PREFETCH_BLOCKS) : i]
+            if earlier:
+                block.set_modules_to_backward_prefetch(list(reversed(earlier)))
     for module in model.modules():
         if isinstance(module, FSDPModule):
             module.set_gradient_divide_factor(1.0)
