@@ -93,12 +93,13 @@ def exposure(events: list[dict], window_ms: float = 25.0, top: int = 10) -> dict
     alone_by_kernel: Counter = Counter()
     for union, other, column in ((compute_union, comm_union, 0), (comm_union, compute_union, 1)):
         for start, end in union.pieces():  # each piece split at the window edges
-            edge = start
-            while edge < end:
-                stop = min(end, origin + (int((edge - origin) // width) + 1) * width)
-                alone = (stop - edge) - other.covered(edge, stop)
-                windows[int((edge - origin) // width) * window_ms][column] += alone / 1e3
-                edge = stop
+            first, last = int((start - origin) // width), int((end - origin) // width)
+            for index in range(first, last + 1):
+                low = max(start, origin + index * width)
+                high = min(end, origin + (index + 1) * width)
+                if high > low:
+                    alone = (high - low) - other.covered(low, high)
+                    windows[index * window_ms][column] += alone / 1e3
     for start, end, name in compute:  # by kernel: its own time with no collective beside it
         alone = (end - start) - comm_union.covered(start, end)
         if alone > 0:
