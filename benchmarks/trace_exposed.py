@@ -27,18 +27,16 @@ from trace_overlap import rank_traces  # noqa: E402 (a sibling: the report's cho
 from dp_cost.core import kernel_names  # noqa: E402
 from dp_cost.core.reading import UnreadableFile  # noqa: E402
 
-GPU_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")
 COLLECTIVES = ("AllGather", "ReduceScatter", "AllReduce", "Broadcast", "SendRecv")
 
 
 def gpu_events(events: list[dict]) -> list[tuple[float, float, str]]:
     """(start, end, name) in µs of every GPU kernel, copy and fill, by start."""
     found = [
-        (float(e["ts"]), float(e["ts"]) + float(e["dur"]), str(e.get("name", "")))
+        (*span, str(e.get("name", "")))
         for e in events
-        if e.get("cat") in GPU_CATEGORIES
-        and isinstance(e.get("ts"), (int, float))
-        and isinstance(e.get("dur"), (int, float))
+        if str(e.get("cat", "")).lower() in kernel_names.GPU_ACTIVITY_CATEGORIES
+        and (span := kernel_names.event_span(e))
     ]
     return sorted(found)
 

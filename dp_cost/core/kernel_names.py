@@ -297,7 +297,7 @@ def memory_curve_from_trace(
     for event in memory_events(path, root):
         args = event.get("args") if isinstance(event.get("args"), dict) else {}
         ts, allocated = _number(event.get("ts")), _number(args.get("Total Allocated"))
-        if event.get("name") == MEMORY_EVENT and None not in (ts, allocated):
+        if None not in (ts, allocated):  # every event memory_events gives is a "[memory]" one
             device = args.get("Device Type", -1)
             samples.append((device, ts, allocated))
     if device_type is None:
