@@ -2,13 +2,16 @@
 bucket of flash's small gradients (a gradient of a quarter of it or more goes alone; FSDP2's
 reduce-scatters and DDP's all-reduces alike, whose defaults differ), how many bytes of flash's
 collectives may be in flight behind the newest before the compute stream waits for the oldest
-(FSDP2's reduce-scatters; DDP's all-reduces are never waited for before the last), and how many
+(FSDP2's reduce-scatters; DDP's all-reduces are never waited for before the last), how many
+groups a step's last collectives land in (each group's noise and optimizer step beside the later
+groups' collectives; 1: every one waited for first), and how many
 blocks FSDP2 all-gathers ahead in the backward (every trainer's; dp_cost.parallel.fsdp). For
 measuring what they cost; a setting not given keeps its default (dp_cost.flash.sinks',
 dp_cost.parallel.fsdp's).
 
 usage: torchrun --nproc_per_node W benchmarks/fsdp_buckets.py [--bucket_mb MB]
-           [--in_flight_mb MB|none] [--backward_prefetch N] -- PROFILING_SCRIPT_ARGUMENTS
+           [--in_flight_mb MB|none] [--backward_prefetch N] [--landing_groups N]
+           -- PROFILING_SCRIPT_ARGUMENTS
 """
 
 from __future__ import annotations
@@ -29,6 +32,9 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--bucket_mb", type=float, help="bucket size, MiB")
     parser.add_argument("--in_flight_mb", help="MiB in flight behind the newest, or none")
     parser.add_argument("--backward_prefetch", type=int, help="blocks all-gathered ahead")
+    parser.add_argument(
+        "--landing_groups", type=int, help="groups a step's last collectives land in (1: all first)"
+    )
     # profiling_script.py's arguments after "--" (torchrun drops a "--" that follows the script
     # at once: then every argument this parser does not know is theirs)
     split = argv.index("--") if "--" in argv else len(argv)
@@ -36,6 +42,8 @@ def main(argv: list[str]) -> int:
     rest = unknown + argv[split + 1 :]
     if args.backward_prefetch is not None and args.backward_prefetch < 1:
         parser.error("--backward_prefetch must be at least 1")
+    if args.landing_groups is not None and args.landing_groups < 1:
+        parser.error("--landing_groups must be at least 1")
     from dp_cost.flash import sinks as buckets
     from dp_cost.parallel import fsdp
 
@@ -47,6 +55,8 @@ def main(argv: list[str]) -> int:
         buckets.ShardedGradients.IN_FLIGHT_BYTES = in_flight
     if args.backward_prefetch is not None:
         fsdp.BACKWARD_PREFETCH_BLOCKS = args.backward_prefetch
+    if args.landing_groups is not None:
+        buckets.LANDING_GROUPS = args.landing_groups
     os.chdir(ROOT)
     import profiling_script
 

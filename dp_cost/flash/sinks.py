@@ -23,6 +23,11 @@ BUCKET_BYTES = 25 * 2**20  # FSDP2's reduce-scatters and the gathers: DDP's defa
 # and are what the step waits for at its end: fewer, larger collectives finish sooner there
 # (measured against 25 and 400 MB: benchmarks/fsdp_buckets.py sets both sizes).
 ALL_REDUCE_BUCKET_BYTES = 100 * 2**20
+# A step's last collectives land in this many groups of about equal bytes, each group's noise
+# and optimizer step run while the later groups' collectives are still on the wire (one group:
+# every collective waited for first, then the noise and the step alone; the compute stream was
+# idle behind about the last 5 ms of the 1b model's all-reduces on 2 H200s).
+LANDING_GROUPS = 4
 
 
 def _own_storage(tensor: torch.Tensor) -> torch.Tensor:
@@ -51,11 +56,14 @@ class GradientBuckets:
     # gradients wait (an 8B model's: 30 GB per rank). 256 MB: about one 1b block in fp32.
     IN_FLIGHT_BYTES: int | None = 256 * 2**20
 
-    def __init__(self):
+    def __init__(self, lands_at_finish: bool = True):
         self.bucket: list[tuple] = []  # (what _land fills, the tensor sent)
         self.bucket_bytes = 0
         self.pending: collections.deque = collections.deque()
         self.pending_bytes = 0
+        # False: finish sends the last bucket and leaves its collectives pending for
+        # landed_groups (a step's last sink, whose caller updates parameters as they land)
+        self.lands_at_finish = lands_at_finish
 
     def _add(self, param, grad: torch.Tensor) -> None:
         size = grad.numel() * grad.element_size()
@@ -101,8 +109,28 @@ class GradientBuckets:
     def _drain(self) -> None:
         if self.bucket:
             self._launch(self._take_bucket())
+        if not self.lands_at_finish:
+            return
         while self.pending:
             self._land_oldest()
+
+    def landed_groups(self, count: int):
+        """Every pending collective landed, oldest first, in ``count`` groups of about equal
+        bytes; after each group, the parameters whose gradients it landed, so the caller's work
+        on them runs while the later groups' collectives go on. The groups are the same on
+        every rank (the buckets are)."""
+        if self.bucket:
+            self._launch(self._take_bucket())
+        share, landed, group = self.pending_bytes / max(count, 1), 0, []
+        bound = share
+        while self.pending:
+            bucket = self.pending[0][0]
+            landed += self.pending[0][2].nbytes
+            self._land_oldest()
+            group += [param for param, _ in bucket]
+            if landed >= bound or not self.pending:
+                yield group
+                group, bound = [], max(bound + share, landed)
 
     def _send(self, bucket: list) -> tuple:
         """Start the bucket's collective: (work, what it reads, what it writes)."""
@@ -123,8 +151,8 @@ class SummedGradients(GradientBuckets):
 
     IN_FLIGHT_BYTES = None
 
-    def __init__(self):
-        super().__init__()
+    def __init__(self, lands_at_finish: bool = True):
+        super().__init__(lands_at_finish)
         self.handed: set[int] = set()
 
     def bucket_limit(self) -> int:
@@ -155,7 +183,8 @@ class SummedGradients(GradientBuckets):
 
     def finish(self, params: list[nn.Parameter]) -> None:
         """Sum the parameters not handed over (every one for an empty batch: zero gradients),
-        in ``params``' order, then wait for every collective."""
+        in ``params``' order, then wait for every collective (or, not ``lands_at_finish``, leave
+        them to landed_groups)."""
         for param in params:
             if id(param) not in self.handed:
                 if param.grad is None:
@@ -175,8 +204,8 @@ class ShardedGradients(GradientBuckets):
     is rank-major (every parameter's piece for rank 0, then for rank 1, ...), as FSDP2 lays out
     its own reduce-scatter."""
 
-    def __init__(self, held: dict | None = None):
-        super().__init__()
+    def __init__(self, held: dict | None = None, lands_at_finish: bool = True):
+        super().__init__(lands_at_finish)
         self.world_size = dist.get_world_size()
         self.held = held  # HeldSums' of the chunks before this (the last), added in and dropped
 
@@ -223,7 +252,8 @@ class ShardedGradients(GradientBuckets):
                     param.grad.to_local().add_(local)
 
     def finish(self, params: list[nn.Parameter]) -> None:
-        """Send the last bucket and wait for every collective (``params``: as
+        """Send the last bucket and wait for every collective, or leave them to landed_groups
+        (``params``: as
         SummedGradients.finish; an empty batch hands none over, and optimizer_step gives each
         shard its zeros and noise). Sums still held (none: every chunk hands every parameter
         over) are sent first, in ``params``' order, the same on every rank."""

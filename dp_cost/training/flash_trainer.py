@@ -58,6 +58,7 @@ class FlashClippingTrainer(PrivateTrainer):
 
     name = "flash"
     gathered: flash_sinks.GatheredGradients | None = None  # its gathers, while they hold memory
+    landing = None  # the step's last sink, its collectives pending until optimizer_step
     options = ("flash_route",)
     capturable = True  # its tape, hooks, kernels and tables make no host sync (tests check it)
     supports_activation_checkpointing = True  # each input kept from its block's recomputation
@@ -95,6 +96,7 @@ class FlashClippingTrainer(PrivateTrainer):
         self.engine.release()
         self.held_sums.clear()
         self.gathered = None  # a gathered step that failed: its buffers go with it
+        self.landing = None  # and the collectives a failed step left pending
 
     def chunk_step(self, chunk):
         if gathers_per_sample(self.settings.mode, chunk.plan):
@@ -160,16 +162,28 @@ class FlashClippingTrainer(PrivateTrainer):
         engine.accumulate_clipped_grads(factors / self.batch_size, self.chunk_sink, finish)
 
     def gradient_sink(self, is_last: bool):
-        """Where a chunk's clipped sums go instead of .grad (None: into .grad)."""
+        """Where a chunk's clipped sums go instead of .grad (None: into .grad). The step's last
+        collectives land in optimizer_step, group by group (``landing``)."""
         mode = self.settings.mode
-        if mode.replicates:  # summed over the ranks in the last chunk
-            return flash_sinks.SummedGradients() if is_last else None
-        if not mode.shards:
-            return None
-        if self.settings.sync_every_chunk:
-            return flash_sinks.ShardedGradients()
-        held = self.held_sums
-        return flash_sinks.ShardedGradients(held) if is_last else flash_sinks.HeldSums(held)
+        if not is_last:
+            if mode.shards:
+                held = self.held_sums
+                sync = self.settings.sync_every_chunk
+                return flash_sinks.ShardedGradients() if sync else flash_sinks.HeldSums(held)
+            return None  # DDP: summed over the ranks in the last chunk only
+        return self.landing_sink()
+
+    def landing_sink(self):
+        """The sink of a step's last chunk (or of an empty batch) when there are several ranks:
+        its collectives left pending for optimizer_step to land (None in one process)."""
+        mode = self.settings.mode
+        if mode.replicates:
+            self.landing = flash_sinks.SummedGradients(lands_at_finish=False)
+        elif mode.shards:
+            self.landing = flash_sinks.ShardedGradients(self.held_sums, lands_at_finish=False)
+        else:
+            self.landing = None
+        return self.landing
 
     def gathered_chunk_step(self, chunk):
         """DDP, one per rank: autograd's gradients, gathered; each rank clips the global batch."""
@@ -192,37 +206,57 @@ class FlashClippingTrainer(PrivateTrainer):
         return self.noise_multiplier * self.max_grad_norm / self.batch_size
 
     def finish_step(self, plan):
-        if plan.is_empty and (sink := self.empty_batch_sink()):
+        if plan.is_empty and (sink := self.landing_sink()):
+            # DDP: zeros summed over the ranks; FSDP2: the held sums' collectives, if any
+            # (optimizer_step gives each replica or shard its zeros and noise)
             sink.finish(self.engine.params)
         self.optimizer_step()
 
-    def empty_batch_sink(self):
-        """DDP: zeros summed over the ranks; FSDP2: every collective drained (optimizer_step
-        gives each replica or shard its zeros and noise)."""
-        mode = self.settings.mode
-        if mode.replicates:
-            return flash_sinks.SummedGradients()
-        return flash_sinks.ShardedGradients() if mode.shards else None
-
     def optimizer_step(self):
-        params = self.engine.params
-        for p in params:
+        """Noise once per coordinate, after the sum, then the optimizer's step. Several ranks:
+        group by group as the last collectives land (flash_sinks.LANDING_GROUPS), so each
+        group's noise and step run beside the later groups' collectives."""
+        params, landing, self.landing = self.engine.params, self.landing, None
+        mode = self.settings.mode
+        # DDP: one draw on every replica, from a generator the ranks seed alike; FSDP2: each
+        # rank's shard's, from a generator of its own. Made here, once, not left to the caller
+        # to seed each rank.
+        if self.noise_std() > 0 and mode.is_distributed and self.noise_generator is None:
+            self.noise_generator = collectives.seeded_generator(
+                params[0].device, per_rank=mode.shards
+            )
+        updated: set[int] = set()
+        if landing is not None:
+            for group in landing.landed_groups(flash_sinks.LANDING_GROUPS):
+                self.update(group)
+                updated.update(id(p) for p in group)
+        rest = [p for p in params if id(p) not in updated]
+        for p in rest:
             if p.grad is None:  # a layer the batch never reached still gets noise
                 p.grad = torch.zeros_like(p)
-        # Noise once per coordinate, after the sum. DDP: one draw on every replica, from a
-        # generator the ranks seed alike (one launch for the model, not one per bucket);
-        # FSDP2: each rank's shard's, from a generator of its own. Made here, once, not left to
-        # the caller to seed each rank.
-        mode = self.settings.mode
+        if rest:
+            self.update(rest)
+
+    def update(self, params: list) -> None:
+        """``params``' noise and optimizer step (their gradients summed over the ranks)."""
         if self.noise_std() > 0:
-            if mode.is_distributed and self.noise_generator is None:
-                self.noise_generator = collectives.seeded_generator(
-                    params[0].device, per_rank=mode.shards
-                )
             add_gaussian_noise(
                 flash_sinks.local_gradients(params), self.noise_std(), self.noise_generator
             )
-        self.optimizer.step()
+        if len(params) == len(self.parameters):
+            self.optimizer.step()
+            return
+        chosen = {id(p) for p in params}
+        groups = self.optimizer.param_groups
+        # torch.optim steps every group it holds: hold only these parameters for one step
+        # (hyperparameters and per-parameter state as they are)
+        self.optimizer.param_groups = [
+            {**group, "params": [p for p in group["params"] if id(p) in chosen]} for group in groups
+        ]
+        try:
+            self.optimizer.step()
+        finally:
+            self.optimizer.param_groups = groups
 
     def result_extras(self) -> dict:  # the route each Linear layer's norms took, its sizes
         extras = {"flash_routes": self.engine.routes()}

@@ -53,3 +53,48 @@ def test_a_gradient_sent_alone_takes_no_op_it_does_not_need(one_rank, monkeypatc
     assert not {op: ops[op] for op in unneeded if op in ops}
     for param, full in zip(params, sums):
         assert torch.equal(param.grad.full_tensor(), full)
+
+
+def test_a_steps_last_collectives_land_in_groups_of_about_equal_bytes(one_rank, monkeypatch):
+    """A sink that does not land at finish: landed_groups yields each parameter once, in the
+    order its bucket was sent (every bucket of one gradient here), in as many groups as asked
+    where the bytes allow, the bytes split about evenly; every gradient is the sum once its
+    group is yielded, none before."""
+    monkeypatch.setattr(sinks, "ALL_REDUCE_BUCKET_BYTES", 16)  # every gradient alone
+    # bytes of the weights: 256 four times, then 128 four times (512 a group of three)
+    widths = [8, 8, 8, 8, 4, 4, 4, 4]
+    params = [nn.Parameter(torch.zeros(width, 8)) for width in widths]
+    sums = [torch.randn(p.shape) for p in params]
+    sink = sinks.SummedGradients(lands_at_finish=False)
+    for param, full in zip(params, sums):
+        sink(param, full)
+    sink.finish(params)
+    assert len(sink.pending) == len(params)  # sent, none landed
+    groups = list(sink.landed_groups(3))
+    position = {id(p): i for i, p in enumerate(params)}
+    assert [[position[id(p)] for p in group] for group in groups] == [[0, 1], [2, 3], [4, 5, 6, 7]]
+    assert not sink.pending
+    for param, full in zip(params, sums):
+        assert torch.equal(param.grad, full)
+    # one group asked: every gradient in it; more groups than buckets: one a bucket
+    for count, sizes in ((1, [8]), (20, [1] * 8)):
+        sink = sinks.SummedGradients(lands_at_finish=False)
+        for param, full in zip(params, sums):
+            param.grad = None
+            sink(param, full)
+        sink.finish(params)
+        assert [len(group) for group in sink.landed_groups(count)] == sizes
+
+
+def test_a_sharded_steps_last_collectives_land_in_groups_into_the_shards(one_rank):
+    model = fully_shard(nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 64)))
+    params = list(model.parameters())
+    sums = [torch.randn(p.shape) for p in params]
+    sink = sinks.ShardedGradients(lands_at_finish=False)
+    for param, full in zip(reversed(params), reversed(sums)):
+        sink(param, full)
+    sink.finish(params)
+    landed = [p for group in sink.landed_groups(2) for p in group]
+    assert sorted(map(id, landed)) == sorted(map(id, params))
+    for param, full in zip(params, sums):
+        assert torch.equal(param.grad.full_tensor(), full)
