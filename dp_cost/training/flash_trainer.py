@@ -51,6 +51,11 @@ def gathers_per_sample(mode, plan) -> bool:
     )
 
 
+def capturing() -> bool:
+    """Whether this thread's current CUDA stream is being captured into a CUDA graph."""
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
 class FlashClippingTrainer(PrivateTrainer):
     """Ours: one forward, one backward, exact per-sample norms by the cheaper route per layer
     (book-keeping, Bu et al. 2023: each layer's input A and output gradient G, or its per-sample
@@ -175,15 +180,20 @@ class FlashClippingTrainer(PrivateTrainer):
 
     def landing_sink(self):
         """The sink of a step's last chunk (or of an empty batch) when there are several ranks:
-        its collectives left pending for optimizer_step to land (None in one process)."""
+        its collectives left pending for optimizer_step to land (``landing``), or landed at its
+        finish where the step is being captured (None in one process)."""
         mode = self.settings.mode
+        # Captured (--cuda_graph), the last chunk and the finish are graphs of their own, and a
+        # collective started in one graph cannot be waited for in another: it lands at finish.
+        lands = capturing()
         if mode.replicates:
-            self.landing = flash_sinks.SummedGradients(lands_at_finish=False)
+            sink = flash_sinks.SummedGradients(lands_at_finish=lands)
         elif mode.shards:
-            self.landing = flash_sinks.ShardedGradients(self.held_sums, lands_at_finish=False)
+            sink = flash_sinks.ShardedGradients(self.held_sums, lands_at_finish=lands)
         else:
-            self.landing = None
-        return self.landing
+            sink = None
+        self.landing = None if lands else sink
+        return sink
 
     def gathered_chunk_step(self, chunk):
         """DDP, one per rank: autograd's gradients, gathered; each rank clips the global batch."""

@@ -98,3 +98,24 @@ def test_a_sharded_steps_last_collectives_land_in_groups_into_the_shards(one_ran
     assert sorted(map(id, landed)) == sorted(map(id, params))
     for param, full in zip(params, sums):
         assert torch.equal(param.grad.full_tensor(), full)
+
+
+def test_a_captured_step_lands_its_last_collectives_at_finish(one_rank, monkeypatch):
+    """flash under DDP leaves its last chunk's collectives to optimizer_step (``landing``), but
+    not while a CUDA graph is captured: there the last chunk and the finish are graphs of their
+    own, and a collective started in one cannot be waited for in another."""
+    from test_trainers import SMALL
+
+    import models
+    import trainers
+    from dp_cost.training import flash_trainer
+
+    runner = trainers.make_trainer(
+        "flash", models.build_model(SMALL), lr=0.1, batch_size=4, distributed="ddp"
+    )
+    flash = runner.trainer
+    sink = flash.landing_sink()
+    assert not sink.lands_at_finish and flash.landing is sink
+    monkeypatch.setattr(flash_trainer, "capturing", lambda: True)
+    sink = flash.landing_sink()
+    assert sink.lands_at_finish and flash.landing is None
