@@ -107,6 +107,8 @@ class GradientBuckets:
         self._land(bucket, work, sent, received)
 
     def _drain(self) -> None:
+        """Send the open bucket, then land every collective (unless ``lands_at_finish`` is
+        False: landed_groups lands them)."""
         if self.bucket:
             self._launch(self._take_bucket())
         if not self.lands_at_finish:
@@ -114,20 +116,25 @@ class GradientBuckets:
         while self.pending:
             self._land_oldest()
 
+    def pending_parameters(self) -> set[int]:
+        """ids of the parameters whose collectives have not landed (the open bucket's too)."""
+        buckets = [self.bucket, *(entry[0] for entry in self.pending)]
+        return {id(param) for bucket in buckets for param, _ in bucket}
+
     def landed_groups(self, count: int):
         """Every pending collective landed, oldest first, in ``count`` groups of about equal
         bytes; after each group, the parameters whose gradients it landed, so the caller's work
         on them runs while the later groups' collectives go on. The groups are the same on
-        every rank (the buckets are)."""
+        every rank (the buckets are). What a bucket sent is let go before its group is handed
+        out (an unsharded sum sent alone is the tensor sent)."""
         if self.bucket:
             self._launch(self._take_bucket())
         share, landed, group = self.pending_bytes / max(count, 1), 0, []
         bound = share
         while self.pending:
-            bucket = self.pending[0][0]
             landed += self.pending[0][2].nbytes
+            group += [param for param, _ in self.pending[0][0]]
             self._land_oldest()
-            group += [param for param, _ in bucket]
             if landed >= bound or not self.pending:
                 yield group
                 group, bound = [], max(bound + share, landed)
@@ -145,9 +152,10 @@ class SummedGradients(GradientBuckets):
     """flash's sink under DDP, in a step's last chunk: each parameter's clipped sum is added to
     its .grad, and the finished gradients are summed over the ranks in buckets (the step's noise
     is added after the sum, alike on every replica: the trainer's optimizer step), in buckets of
-    ALL_REDUCE_BUCKET_BYTES. Every collective may be pending until finish (the gradients exist
-    anyway; only the buckets of several gradients are copies), so the compute stream never
-    waits for one before the last clipped sum."""
+    ALL_REDUCE_BUCKET_BYTES. Every collective may be pending until finish, or past it until the
+    optimizer step lands them (the gradients exist anyway; only the buckets of several
+    gradients are copies), so the compute stream never waits for one before the last clipped
+    sum."""
 
     IN_FLIGHT_BYTES = None
 
@@ -253,10 +261,10 @@ class ShardedGradients(GradientBuckets):
 
     def finish(self, params: list[nn.Parameter]) -> None:
         """Send the last bucket and wait for every collective, or leave them to landed_groups
-        (``params``: as
-        SummedGradients.finish; an empty batch hands none over, and optimizer_step gives each
-        shard its zeros and noise). Sums still held (none: every chunk hands every parameter
-        over) are sent first, in ``params``' order, the same on every rank."""
+        (``params``: as SummedGradients.finish; an empty batch hands none over, and
+        optimizer_step gives each shard its zeros and noise). Sums still held (none: every
+        chunk hands every parameter over) are sent first, in ``params``' order, the same on
+        every rank."""
         for param in params:
             if self.held and id(param) in self.held:
                 self(param, torch.zeros_like(self.held[id(param)][1]))

@@ -15,6 +15,7 @@ from dp_cost.flash import (
 )
 from dp_cost.flash import sinks as flash_sinks
 from dp_cost.parallel import collectives
+from dp_cost.stepping import protocol
 from dp_cost.stepping.protocol import CaptureSupport
 from dp_cost.training.base import PrivateTrainer
 from dp_cost.training.clipping import ClippingRule
@@ -51,11 +52,6 @@ def gathers_per_sample(mode, plan) -> bool:
     )
 
 
-def capturing() -> bool:
-    """Whether this thread's current CUDA stream is being captured into a CUDA graph."""
-    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
-
-
 class FlashClippingTrainer(PrivateTrainer):
     """Ours: one forward, one backward, exact per-sample norms by the cheaper route per layer
     (book-keeping, Bu et al. 2023: each layer's input A and output gradient G, or its per-sample
@@ -63,7 +59,7 @@ class FlashClippingTrainer(PrivateTrainer):
 
     name = "flash"
     gathered: flash_sinks.GatheredGradients | None = None  # its gathers, while they hold memory
-    landing = None  # the step's last sink, its collectives pending until optimizer_step
+    landing: flash_sinks.GradientBuckets | None = None  # the step's last sink, pending
     options = ("flash_route",)
     capturable = True  # its tape, hooks, kernels and tables make no host sync (tests check it)
     supports_activation_checkpointing = True  # each input kept from its block's recomputation
@@ -185,7 +181,7 @@ class FlashClippingTrainer(PrivateTrainer):
         mode = self.settings.mode
         # Captured (--cuda_graph), the last chunk and the finish are graphs of their own, and a
         # collective started in one graph cannot be waited for in another: it lands at finish.
-        lands = capturing()
+        lands = protocol.capturing()
         if mode.replicates:
             sink = flash_sinks.SummedGradients(lands_at_finish=lands)
         elif mode.shards:
@@ -235,19 +231,20 @@ class FlashClippingTrainer(PrivateTrainer):
             self.noise_generator = collectives.seeded_generator(
                 params[0].device, per_rank=mode.shards
             )
-        updated: set[int] = set()
-        if landing is not None:
-            for group in landing.landed_groups(flash_sinks.LANDING_GROUPS):
-                self.update(group)
-                updated.update(id(p) for p in group)
-        rest = [p for p in params if id(p) not in updated]
-        for p in rest:
+        # What has landed first (FSDP2 waits for its older reduce-scatters within the chunk),
+        # beside every collective still pending; then the pending ones, group by group.
+        pending = landing.pending_parameters() if landing is not None else set()
+        landed = [p for p in params if id(p) not in pending]
+        for p in landed:
             if p.grad is None:  # a layer the batch never reached still gets noise
                 p.grad = torch.zeros_like(p)
-        if rest:
-            self.update(rest)
+        if landed:
+            self.noise_and_step(landed)
+        if landing is not None:
+            for group in landing.landed_groups(flash_sinks.LANDING_GROUPS):
+                self.noise_and_step(group)
 
-    def update(self, params: list) -> None:
+    def noise_and_step(self, params: list) -> None:
         """``params``' noise and optimizer step (their gradients summed over the ranks)."""
         if self.noise_std() > 0:
             add_gaussian_noise(

@@ -2,6 +2,7 @@
 then added to), and that landing and reading the local shards make no autograd Function call
 (DTensor.to_local in grad mode is one: a score of Python calls a parameter, a step's hundreds)."""
 
+import pytest
 import torch
 from torch import nn
 from torch.distributed.fsdp import fully_shard
@@ -58,8 +59,7 @@ def test_a_gradient_sent_alone_takes_no_op_it_does_not_need(one_rank, monkeypatc
 def test_a_steps_last_collectives_land_in_groups_of_about_equal_bytes(one_rank, monkeypatch):
     """A sink that does not land at finish: landed_groups yields each parameter once, in the
     order its bucket was sent (every bucket of one gradient here), in as many groups as asked
-    where the bytes allow, the bytes split about evenly; every gradient is the sum once its
-    group is yielded, none before."""
+    where the bytes allow, the bytes split about evenly."""
     monkeypatch.setattr(sinks, "ALL_REDUCE_BUCKET_BYTES", 16)  # every gradient alone
     # bytes of the weights: 256 four times, then 128 four times (512 a group of three)
     widths = [8, 8, 8, 8, 4, 4, 4, 4]
@@ -86,7 +86,10 @@ def test_a_steps_last_collectives_land_in_groups_of_about_equal_bytes(one_rank, 
         assert [len(group) for group in sink.landed_groups(count)] == sizes
 
 
-def test_a_sharded_steps_last_collectives_land_in_groups_into_the_shards(one_rank):
+def test_a_sharded_steps_last_collectives_land_in_groups_into_the_shards(one_rank, monkeypatch):
+    """FSDP2's sink, every sum sent alone: none landed before landed_groups (each parameter
+    pending, no gradient yet), then two groups of two, each shard its sum."""
+    monkeypatch.setattr(sinks, "BUCKET_BYTES", 16)
     model = fully_shard(nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 64)))
     params = list(model.parameters())
     sums = [torch.randn(p.shape) for p in params]
@@ -94,7 +97,11 @@ def test_a_sharded_steps_last_collectives_land_in_groups_into_the_shards(one_ran
     for param, full in zip(reversed(params), reversed(sums)):
         sink(param, full)
     sink.finish(params)
-    landed = [p for group in sink.landed_groups(2) for p in group]
+    assert sink.pending_parameters() == {id(p) for p in params}
+    assert all(p.grad is None for p in params)
+    groups = list(sink.landed_groups(2))
+    assert [len(group) for group in groups] == [2, 2]
+    landed = [p for group in groups for p in group]
     assert sorted(map(id, landed)) == sorted(map(id, params))
     for param, full in zip(params, sums):
         assert torch.equal(param.grad.full_tensor(), full)
@@ -108,7 +115,7 @@ def test_a_captured_step_lands_its_last_collectives_at_finish(one_rank, monkeypa
 
     import models
     import trainers
-    from dp_cost.training import flash_trainer
+    from dp_cost.stepping import protocol
 
     runner = trainers.make_trainer(
         "flash", models.build_model(SMALL), lr=0.1, batch_size=4, distributed="ddp"
@@ -116,6 +123,46 @@ def test_a_captured_step_lands_its_last_collectives_at_finish(one_rank, monkeypa
     flash = runner.trainer
     sink = flash.landing_sink()
     assert not sink.lands_at_finish and flash.landing is sink
-    monkeypatch.setattr(flash_trainer, "capturing", lambda: True)
+    monkeypatch.setattr(protocol, "capturing", lambda: True)
     sink = flash.landing_sink()
     assert sink.lands_at_finish and flash.landing is None
+
+
+@pytest.mark.parametrize("distributed", ["ddp", "fsdp"])
+@pytest.mark.parametrize("optimizer", ["sgd", "adam"])
+def test_a_step_landing_in_groups_updates_every_parameter_once(
+    one_rank, monkeypatch, distributed, optimizer
+):
+    """flash on one rank, every gradient its own collective and (FSDP2) the older ones waited
+    for within the chunk, so a step's noise and optimizer step run over what landed first and
+    then several groups: two steps' parameters equal one process's (whose optimizer steps every
+    parameter at once), and every parameter's Adam step count is 2."""
+    from test_trainers import SMALL, make_batch
+
+    import models
+    import trainers
+
+    monkeypatch.setattr(sinks, "BUCKET_BYTES", 16)
+    monkeypatch.setattr(sinks, "ALL_REDUCE_BUCKET_BYTES", 16)
+    monkeypatch.setattr(sinks.ShardedGradients, "IN_FLIGHT_BYTES", 2**16)
+    inputs, targets = make_batch(4, 16, seed=3)
+    stepped = {}
+    for mode in ("none", distributed):
+        torch.manual_seed(0)
+        model = models.build_model(SMALL)
+        runner = trainers.make_trainer(
+            "flash", model, lr=0.05, batch_size=4, optimizer=optimizer, noise_multiplier=0.0,
+            distributed=mode, max_physical_batch_size=2,
+        )  # fmt: skip
+        for _ in range(2):
+            runner.step(inputs, targets)
+        flash = runner.trainer
+        stepped[mode] = [
+            p.full_tensor() if hasattr(p, "full_tensor") else p.detach().clone()
+            for p in flash.engine.params
+        ]
+        if optimizer == "adam":
+            counts = {int(flash.optimizer.state[p]["step"]) for p in flash.engine.params}
+            assert counts == {2}, mode
+    for alone, ranked in zip(stepped["none"], stepped[distributed], strict=True):
+        torch.testing.assert_close(ranked, alone, rtol=1e-5, atol=1e-7)

@@ -242,7 +242,7 @@ def test_a_capture_bypasses_the_kept_device_tables(monkeypatch):
 
     rows = [[11, 12], [13, 14]]
     kept = common.int64_table(rows, torch.device("cpu"))
-    monkeypatch.setattr(common, "_capturing", lambda: True)
+    monkeypatch.setattr(common, "capturing", lambda: True)
     cached = dict(common._DEVICE_TABLES)
     captured = common.int64_table(rows, torch.device("cpu"))
     assert captured is not kept and torch.equal(captured, kept)

@@ -9,6 +9,8 @@ import torch
 import triton
 import triton.language as tl
 
+from dp_cost.stepping.protocol import capturing
+
 TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 
 
@@ -49,17 +51,13 @@ def norm_kernel_args(A: torch.Tensor, G: torch.Tensor, tf32: bool) -> tuple:
 _CAPTURED_TABLES: list[torch.Tensor] = []
 
 
-def _capturing() -> bool:
-    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
-
-
 def _table_to(table: torch.Tensor, device: torch.device) -> torch.Tensor:
     """A host-built table of a step (pointers, offsets) on ``device``: through pinned memory on
     CUDA, so the copy is queued on the stream instead of waiting for the GPU."""
     if device.type == "cuda":
         pinned = table.pin_memory()
         on_device = pinned.to(device, non_blocking=True)
-        if _capturing():
+        if capturing():
             _CAPTURED_TABLES.extend((pinned, on_device))
         return on_device
     return table.to(device)
@@ -80,7 +78,7 @@ def int64_table(rows: list, device: torch.device) -> torch.Tensor:
     A CUDA graph capture bypasses the kept tables both ways: a kept table may be evicted (and
     its memory reused) while the graph still reads it, and a table made in the capture holds its
     rows only once the graph has replayed."""
-    if _capturing():
+    if capturing():
         return _table_to(torch.tensor(rows, dtype=torch.int64), device)
     nested = bool(rows) and isinstance(rows[0], list)
     key = (device, tuple(map(tuple, rows)) if nested else tuple(rows))
