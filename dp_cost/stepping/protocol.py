@@ -74,14 +74,6 @@ class MemoryRoles:
     sites: list[AllocationSite]
 
 
-def capturing() -> bool:
-    """Whether this thread's current CUDA stream is being captured into a CUDA graph (what a
-    step does differently inside a capture asks this)."""
-    import torch  # a runtime import: the types above are the module's only import of it
-
-    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
-
-
 @dataclass(frozen=True)
 class CaptureSupport:
     """What a CUDA graph capture of a trainer's step needs from it: the generators each replay

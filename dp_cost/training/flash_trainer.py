@@ -12,10 +12,10 @@ from dp_cost.flash import (
     FlashClipping,
     add_gaussian_noise,
     clip_per_sample,
+    cuda_graphs,
 )
 from dp_cost.flash import sinks as flash_sinks
 from dp_cost.parallel import collectives
-from dp_cost.stepping import protocol
 from dp_cost.stepping.protocol import CaptureSupport
 from dp_cost.training.base import PrivateTrainer
 from dp_cost.training.clipping import ClippingRule
@@ -181,7 +181,7 @@ class FlashClippingTrainer(PrivateTrainer):
         mode = self.settings.mode
         # Captured (--cuda_graph), the last chunk and the finish are graphs of their own, and a
         # collective started in one graph cannot be waited for in another: it lands at finish.
-        lands = protocol.capturing()
+        lands = cuda_graphs.capturing()
         if mode.replicates:
             sink = flash_sinks.SummedGradients(lands_at_finish=lands)
         elif mode.shards:

@@ -115,7 +115,7 @@ def test_a_captured_step_lands_its_last_collectives_at_finish(one_rank, monkeypa
 
     import models
     import trainers
-    from dp_cost.stepping import protocol
+    from dp_cost.flash import cuda_graphs
 
     runner = trainers.make_trainer(
         "flash", models.build_model(SMALL), lr=0.1, batch_size=4, distributed="ddp"
@@ -123,7 +123,7 @@ def test_a_captured_step_lands_its_last_collectives_at_finish(one_rank, monkeypa
     flash = runner.trainer
     sink = flash.landing_sink()
     assert not sink.lands_at_finish and flash.landing is sink
-    monkeypatch.setattr(protocol, "capturing", lambda: True)
+    monkeypatch.setattr(cuda_graphs, "capturing", lambda: True)
     sink = flash.landing_sink()
     assert sink.lands_at_finish and flash.landing is None
 

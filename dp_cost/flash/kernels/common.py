@@ -9,7 +9,7 @@ import torch
 import triton
 import triton.language as tl
 
-from dp_cost.stepping.protocol import capturing
+from dp_cost.flash.cuda_graphs import capturing
 
 TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 
