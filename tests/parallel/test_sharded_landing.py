@@ -141,13 +141,22 @@ def test_a_step_landing_in_groups_updates_every_parameter_once(
 
     import models
     import trainers
+    from dp_cost.training import flash_trainer
 
     monkeypatch.setattr(sinks, "BUCKET_BYTES", 16)
     monkeypatch.setattr(sinks, "ALL_REDUCE_BUCKET_BYTES", 16)
-    monkeypatch.setattr(sinks.ShardedGradients, "IN_FLIGHT_BYTES", 2**16)
+    monkeypatch.setattr(sinks.ShardedGradients, "IN_FLIGHT_BYTES", 4096)  # of about 22 KB
+    stepped, updates = {}, []
+    noise_and_step = flash_trainer.FlashClippingTrainer.noise_and_step
+
+    def counted(trainer, params):
+        updates.append(len(params))
+        return noise_and_step(trainer, params)
+
+    monkeypatch.setattr(flash_trainer.FlashClippingTrainer, "noise_and_step", counted)
     inputs, targets = make_batch(4, 16, seed=3)
-    stepped = {}
     for mode in ("none", distributed):
+        updates.clear()
         torch.manual_seed(0)
         model = models.build_model(SMALL)
         runner = trainers.make_trainer(
@@ -164,5 +173,9 @@ def test_a_step_landing_in_groups_updates_every_parameter_once(
         if optimizer == "adam":
             counts = {int(flash.optimizer.state[p]["step"]) for p in flash.engine.params}
             assert counts == {2}, mode
+        every = len(flash.engine.params)
+        # one process: one update a step; ranks: several a step, none of every parameter
+        assert updates == [every] * 2 if mode == "none" else len(updates) > 2 * 2, updates
+        assert mode == "none" or max(updates) < every, updates
     for alone, ranked in zip(stepped["none"], stepped[distributed], strict=True):
         torch.testing.assert_close(ranked, alone, rtol=1e-5, atol=1e-7)
