@@ -33,7 +33,6 @@ from dp_cost.core import kernel_names  # noqa: E402
 from dp_cost.core.reading import UnreadableFile  # noqa: E402
 
 HOST_CATEGORIES = ("python_function", "cpu_op")
-GPU_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")
 LAUNCH_CATEGORIES = ("cuda_runtime", "cuda_driver")
 
 
@@ -124,7 +123,7 @@ def gpu_times(events: list[dict]) -> tuple[dict[str, float], Counter]:
     busy_us: dict[str, float] = defaultdict(float)
     counts: Counter = Counter()
     for event in events:
-        if _timed(event) and event.get("cat") in GPU_CATEGORIES:
+        if _timed(event) and event.get("cat") in kernel_names.GPU_ACTIVITY_CATEGORIES:
             kernel = re.split(r"[(<]", str(event.get("name", "")), maxsplit=1)[0].strip()[:60]
             caller = callers.get((event.get("args") or {}).get("correlation"), "?")
             name = f"{kernel} <- {caller}"

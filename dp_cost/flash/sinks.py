@@ -106,11 +106,14 @@ class GradientBuckets:
         self.pending_bytes -= sent.nbytes
         self._land(bucket, work, sent, received)
 
+    def _send_open_bucket(self) -> None:
+        if self.bucket:
+            self._launch(self._take_bucket())
+
     def _drain(self) -> None:
         """Send the open bucket, then land every collective (unless ``lands_at_finish`` is
         False: landed_groups lands them)."""
-        if self.bucket:
-            self._launch(self._take_bucket())
+        self._send_open_bucket()
         if not self.lands_at_finish:
             return
         while self.pending:
@@ -127,8 +130,7 @@ class GradientBuckets:
         on them runs while the later groups' collectives go on. The groups are the same on
         every rank (the buckets are). What a bucket sent is let go before its group is handed
         out (an unsharded sum sent alone is the tensor sent)."""
-        if self.bucket:
-            self._launch(self._take_bucket())
+        self._send_open_bucket()
         share, landed, group = self.pending_bytes / max(count, 1), 0, []
         bound = share
         while self.pending:
