@@ -87,14 +87,14 @@ class GradientBuckets:
         bucket, self.bucket, self.bucket_bytes = self.bucket, [], 0
         return bucket
 
-    def _launch(self, bucket: list) -> None:
+    def _launch(self, bucket: list, bounded: bool = True) -> None:
         # What the collective reads stays referenced until it is waited for: the compute
         # stream does not reuse that memory while NCCL may still read it.
         self.pending.append((bucket, *self._send(bucket)))
         newest = self.pending[-1][2].nbytes
         self.pending_bytes += newest
         limit = self.IN_FLIGHT_BYTES
-        if limit is None:
+        if limit is None or not bounded:
             return
         while self.pending and (
             limit == 0 or (len(self.pending) > 1 and self.pending_bytes - newest > limit)
@@ -113,9 +113,19 @@ class GradientBuckets:
     def _drain(self) -> None:
         """Send the open bucket, then land every collective (unless ``lands_at_finish`` is
         False: landed_groups lands them)."""
-        self._send_open_bucket()
         if not self.lands_at_finish:
+            # the last bucket sent without the in-flight bound: a small bucket sent after a
+            # large gradient (Llama's embedding) would make the compute stream wait for that
+            # gradient here, where its caller means to overlap it with later work
+            if self.bucket:
+                self._launch(self._take_bucket(), bounded=False)
             return
+        self._send_open_bucket()
+        while self.pending:
+            self._land_oldest()
+
+    def land_pending(self) -> None:
+        """Every collective it left pending at its finish, landed (oldest first)."""
         while self.pending:
             self._land_oldest()
 

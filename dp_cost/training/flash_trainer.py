@@ -60,6 +60,9 @@ class FlashClippingTrainer(PrivateTrainer):
     name = "flash"
     gathered: flash_sinks.GatheredGradients | None = None  # its gathers, while they hold memory
     landing: flash_sinks.GradientBuckets | None = None  # the step's last sink, pending
+    # FSDP2 reducing every chunk: the chunk before's last reduce-scatters, pending into this
+    # chunk's forward (``forward``)
+    carried: flash_sinks.ShardedGradients | None = None
     options = ("flash_route",)
     capturable = True  # its tape, hooks, kernels and tables make no host sync (tests check it)
     supports_activation_checkpointing = True  # each input kept from its block's recomputation
@@ -97,12 +100,12 @@ class FlashClippingTrainer(PrivateTrainer):
         self.engine.release()
         self.held_sums.clear()
         self.gathered = None  # a gathered step that failed: its buffers go with it
-        self.landing = None  # and the collectives a failed step left pending
+        self.landing = self.carried = None  # and the collectives a failed step left pending
 
     def chunk_step(self, chunk):
         if gathers_per_sample(self.settings.mode, chunk.plan):
             return self.gathered_chunk_step(chunk)
-        per_sample = self.per_sample_losses(self.model, chunk)
+        per_sample = self.forward(chunk)
         self.phases("forward_done")
         # Several ranks: each collective starts once its clipped sum exists (the sink); FSDP2
         # with fsdp_sync "logical": held unsharded until the last chunk, sent once then.
@@ -167,12 +170,36 @@ class FlashClippingTrainer(PrivateTrainer):
         collectives land in optimizer_step, group by group (``landing``)."""
         mode = self.settings.mode
         if not is_last:
-            if mode.shards:
-                held = self.held_sums
-                sync = self.settings.sync_every_chunk
-                return flash_sinks.ShardedGradients() if sync else flash_sinks.HeldSums(held)
-            return None  # DDP: summed over the ranks in the last chunk only
+            if not mode.shards:
+                return None  # DDP: summed over the ranks in the last chunk only
+            if not self.settings.sync_every_chunk:
+                return flash_sinks.HeldSums(self.held_sums)
+            # Captured, chunks are graphs of their own: its collectives land at its finish.
+            lands = cuda_graphs.capturing()
+            sink = flash_sinks.ShardedGradients(lands_at_finish=lands)
+            self.carried = None if lands else sink
+            return sink
         return self.landing_sink()
+
+    def forward(self, chunk):
+        """The chunk's per-sample losses. Where the chunk before left reduce-scatters pending
+        (``carried``: what its sink's finish left, Llama's embedding's sum among them), they
+        run beside this forward instead of alone at that chunk's end, and land once a quarter
+        of the managed layers have run: what they hold is freed well before the forward's end,
+        where the step's peak is."""
+        carried, self.carried = self.carried, None
+        if carried is None:
+            return self.per_sample_losses(self.model, chunk)
+        layers = self.engine.layers
+        hook = layers[len(layers) // 4].module.register_forward_pre_hook(
+            lambda module, args: carried.land_pending()
+        )
+        try:
+            per_sample = self.per_sample_losses(self.model, chunk)
+        finally:
+            hook.remove()
+        carried.land_pending()  # where that layer did not run (else nothing is left)
+        return per_sample
 
     def landing_sink(self):
         """The sink of a step's last chunk (or of an empty batch) when there are several ranks:

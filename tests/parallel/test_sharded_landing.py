@@ -43,6 +43,7 @@ def test_a_gradient_sent_alone_takes_no_op_it_does_not_need(one_rank, monkeypatc
     params = list(model.parameters())
     sums = [torch.randn(p.shape) for p in params]
     sink = sinks.ShardedGradients()
+    sinks.wider(torch.float32, torch.float32)  # cached: only its first call asks torch
     with torch.profiler.profile() as prof:
         for param, full in zip(reversed(params), reversed(sums)):
             sink(param, full)
@@ -178,4 +179,80 @@ def test_a_step_landing_in_groups_updates_every_parameter_once(
         assert updates == [every] * 2 if mode == "none" else len(updates) > 2 * 2, updates
         assert mode == "none" or max(updates) < every, updates
     for alone, ranked in zip(stepped["none"], stepped[distributed], strict=True):
+        torch.testing.assert_close(ranked, alone, rtol=1e-5, atol=1e-7)
+
+
+def test_a_sink_left_pending_sends_its_last_bucket_without_waiting(one_rank, monkeypatch):
+    """A sink whose caller lands its collectives later (the step's last, or a chunk's whose
+    last reduce-scatters run beside the next forward): its finish sends the open bucket of small
+    gradients without waiting for the large one before it, which the in-flight bound would
+    otherwise make the compute stream wait for there."""
+    monkeypatch.setattr(sinks, "BUCKET_BYTES", 64)  # the 3 x 4 weight (48 B) alone, biases share
+    monkeypatch.setattr(sinks.ShardedGradients, "IN_FLIGHT_BYTES", 16)
+    model = fully_shard(nn.Sequential(nn.Linear(4, 3), nn.Linear(3, 1)))
+    params = list(model.parameters())  # weight 3 x 4, bias 3, weight 1 x 3, bias 1
+    sums = [torch.randn(p.shape) for p in params]
+    for lands in (True, False):
+        sink = sinks.ShardedGradients(lands_at_finish=lands)
+        for param, full in zip(params, sums):
+            sink(param, full)
+        sink.finish(params)
+        # the large weight and the bucket of the other three still pending where not landed
+        assert [len(bucket) for bucket, *_ in sink.pending] == ([] if lands else [1, 3])
+        sink.land_pending()
+    for param, full in zip(params, sums):
+        torch.testing.assert_close(param.grad.full_tensor(), 2 * full)
+
+
+def test_a_chunks_last_reduce_scatters_land_a_quarter_into_the_next_chunks_forward(
+    one_rank, monkeypatch
+):
+    """FSDP2 reducing every chunk, three chunks a step: what each chunk's sink leaves pending at
+    its finish lands inside the next chunk's forward, as the managed layer a quarter of the way
+    in starts (not at the chunk's end, where it would run alone, nor at the forward's end,
+    where the step's peak is), and the step updates the parameters as one process does."""
+    from test_trainers import SMALL, make_batch
+
+    import models
+    import trainers
+
+    monkeypatch.setattr(sinks, "BUCKET_BYTES", 16)  # every gradient its own reduce-scatter
+    monkeypatch.setattr(sinks.ShardedGradients, "IN_FLIGHT_BYTES", 4096)
+    events = []
+    land_pending = sinks.ShardedGradients.land_pending
+
+    def logged(sink):
+        events.append(("land", len(sink.pending)))
+        land_pending(sink)
+
+    monkeypatch.setattr(sinks.ShardedGradients, "land_pending", logged)
+    inputs, targets = make_batch(6, 16, seed=5)
+    stepped = {}
+    for mode in ("none", "fsdp"):
+        torch.manual_seed(0)
+        runner = trainers.make_trainer(
+            "flash", models.build_model(SMALL), lr=0.05, batch_size=6, noise_multiplier=0.0,
+            distributed=mode, max_physical_batch_size=2,
+        )  # fmt: skip
+        layers = runner.trainer.engine.layers
+        for index, layer in enumerate(layers):
+            layer.module.register_forward_pre_hook(
+                lambda module, args, index=index: events.append(("layer", index))
+            )
+        events.clear()
+        runner.step(inputs, targets)
+        stepped[mode] = [
+            p.full_tensor() if hasattr(p, "full_tensor") else p.detach().clone()
+            for p in runner.trainer.engine.params
+        ]
+    # the three forwards' layers in order; a landing of what the chunk before left pending
+    # right after the quarter layer's start in the second and third
+    quarter = len(layers) // 4
+    landed = [i for i, event in enumerate(events) if event[0] == "land" and event[1]]
+    assert len(landed) == 2, events
+    for position in landed:
+        assert events[position - 1] == ("layer", quarter), events
+    forwards = [e for e in events if e[0] == "layer"]
+    assert forwards == [("layer", i) for i in range(len(layers))] * 3
+    for alone, ranked in zip(stepped["none"], stepped["fsdp"], strict=True):
         torch.testing.assert_close(ranked, alone, rtol=1e-5, atol=1e-7)
