@@ -112,7 +112,7 @@ class GradientBuckets:
 
     def _drain(self) -> None:
         """Send the open bucket, then land every collective (unless ``lands_at_finish`` is
-        False: landed_groups lands them)."""
+        False: the caller lands them, by landed_groups or land_pending)."""
         if not self.lands_at_finish:
             # the last bucket sent without the in-flight bound: a small bucket sent after a
             # large gradient (Llama's embedding) would make the compute stream wait for that

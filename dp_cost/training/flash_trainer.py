@@ -61,7 +61,7 @@ class FlashClippingTrainer(PrivateTrainer):
     gathered: flash_sinks.GatheredGradients | None = None  # its gathers, while they hold memory
     landing: flash_sinks.GradientBuckets | None = None  # the step's last sink, pending
     # FSDP2 reducing every chunk: the chunk before's last reduce-scatters, pending into this
-    # chunk's forward (``forward``)
+    # chunk's forward (``chunk_forward``)
     carried: flash_sinks.ShardedGradients | None = None
     options = ("flash_route",)
     capturable = True  # its tape, hooks, kernels and tables make no host sync (tests check it)
@@ -105,7 +105,7 @@ class FlashClippingTrainer(PrivateTrainer):
     def chunk_step(self, chunk):
         if gathers_per_sample(self.settings.mode, chunk.plan):
             return self.gathered_chunk_step(chunk)
-        per_sample = self.forward(chunk)
+        per_sample = self.chunk_forward(chunk)
         self.phases("forward_done")
         # Several ranks: each collective starts once its clipped sum exists (the sink); FSDP2
         # with fsdp_sync "logical": held unsharded until the last chunk, sent once then.
@@ -181,7 +181,7 @@ class FlashClippingTrainer(PrivateTrainer):
             return sink
         return self.landing_sink()
 
-    def forward(self, chunk):
+    def chunk_forward(self, chunk):
         """The chunk's per-sample losses. Where the chunk before left reduce-scatters pending
         (``carried``: what its sink's finish left, Llama's embedding's sum among them), they
         run beside this forward instead of alone at that chunk's end, and land once a quarter
