@@ -187,7 +187,7 @@ def test_a_sink_left_pending_sends_its_last_bucket_without_waiting(one_rank, mon
     last reduce-scatters run beside the next forward): its finish sends the open bucket of small
     gradients without waiting for the large one before it, which the in-flight bound would
     otherwise make the compute stream wait for there."""
-    monkeypatch.setattr(sinks, "BUCKET_BYTES", 64)  # the 3 x 4 weight (48 B) alone, biases share
+    monkeypatch.setattr(sinks, "BUCKET_BYTES", 64)  # the 3 x 4 weight (48 B) alone, the rest share
     monkeypatch.setattr(sinks.ShardedGradients, "IN_FLIGHT_BYTES", 16)
     model = fully_shard(nn.Sequential(nn.Linear(4, 3), nn.Linear(3, 1)))
     params = list(model.parameters())  # weight 3 x 4, bias 3, weight 1 x 3, bias 1
