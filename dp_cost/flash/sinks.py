@@ -106,23 +106,20 @@ class GradientBuckets:
         self.pending_bytes -= sent.nbytes
         self._land(bucket, work, sent, received)
 
-    def _send_open_bucket(self) -> None:
+    def _send_open_bucket(self, bounded: bool = True) -> None:
         if self.bucket:
-            self._launch(self._take_bucket())
+            self._launch(self._take_bucket(), bounded)
 
     def _drain(self) -> None:
         """Send the open bucket, then land every collective (unless ``lands_at_finish`` is
-        False: the caller lands them, by landed_groups or land_pending)."""
-        if not self.lands_at_finish:
-            # the last bucket sent without the in-flight bound: a small bucket sent after a
-            # large gradient (Llama's embedding) would make the compute stream wait for that
-            # gradient here, where its caller means to overlap it with later work
-            if self.bucket:
-                self._launch(self._take_bucket(), bounded=False)
-            return
-        self._send_open_bucket()
-        while self.pending:
-            self._land_oldest()
+        False: the caller lands them, by landed_groups or land_pending). The last bucket goes
+        without the in-flight bound: a small bucket sent after a large gradient (Llama's
+        embedding) would make the compute stream wait for that gradient here, where a caller
+        that lands later means to overlap it with its own work (landing everything here waits
+        for it all the same)."""
+        self._send_open_bucket(bounded=False)
+        if self.lands_at_finish:
+            self.land_pending()
 
     def land_pending(self) -> None:
         """Every collective it left pending at its finish, landed (oldest first)."""

@@ -129,6 +129,11 @@ def test_a_captured_step_lands_its_last_collectives_at_finish(one_rank, monkeypa
     assert sink.lands_at_finish and flash.landing is None
 
 
+def whole_parameters(params) -> list[torch.Tensor]:
+    """Each parameter whole (an FSDP2 shard gathered), for comparing a run's with another's."""
+    return [p.full_tensor() if hasattr(p, "full_tensor") else p.detach().clone() for p in params]
+
+
 @pytest.mark.parametrize("distributed", ["ddp", "fsdp"])
 @pytest.mark.parametrize("optimizer", ["sgd", "adam"])
 def test_a_step_landing_in_groups_updates_every_parameter_once(
@@ -167,10 +172,7 @@ def test_a_step_landing_in_groups_updates_every_parameter_once(
         for _ in range(2):
             runner.step(inputs, targets)
         flash = runner.trainer
-        stepped[mode] = [
-            p.full_tensor() if hasattr(p, "full_tensor") else p.detach().clone()
-            for p in flash.engine.params
-        ]
+        stepped[mode] = whole_parameters(flash.engine.params)
         if optimizer == "adam":
             counts = {int(flash.optimizer.state[p]["step"]) for p in flash.engine.params}
             assert counts == {2}, mode
@@ -241,10 +243,7 @@ def test_a_chunks_last_reduce_scatters_land_a_quarter_into_the_next_chunks_forwa
             )
         events.clear()
         runner.step(inputs, targets)
-        stepped[mode] = [
-            p.full_tensor() if hasattr(p, "full_tensor") else p.detach().clone()
-            for p in runner.trainer.engine.params
-        ]
+        stepped[mode] = whole_parameters(runner.trainer.engine.params)
     # the three forwards' layers in order; a landing of what the chunk before left pending
     # right after the quarter layer's start in the second and third
     quarter = len(layers) // 4
