@@ -112,12 +112,11 @@ class GradientBuckets:
 
     def _drain(self) -> None:
         """Send the open bucket, then land every collective (unless ``lands_at_finish`` is
-        False: the caller lands them, by landed_groups or land_pending). The last bucket goes
-        without the in-flight bound: a small bucket sent after a large gradient (Llama's
-        embedding) would make the compute stream wait for that gradient here, where a caller
-        that lands later means to overlap it with its own work (landing everything here waits
-        for it all the same)."""
-        self._send_open_bucket(bounded=False)
+        False: the caller lands them, by landed_groups or land_pending, and the last bucket
+        goes without the in-flight bound: a small bucket sent after a large gradient (Llama's
+        embedding) would make the compute stream wait for that gradient here, where the caller
+        means to overlap it with its own work)."""
+        self._send_open_bucket(bounded=self.lands_at_finish)
         if self.lands_at_finish:
             self.land_pending()
 

@@ -32,8 +32,8 @@ class RecordingBuckets(buckets.GradientBuckets):
         self.sent.append(self.label(bucket))
         return None, torch.cat([grad.flatten() for _, grad in bucket]), None
 
-    def _launch(self, bucket):
-        super()._launch(bucket)
+    def _launch(self, bucket, bounded=True):
+        super()._launch(bucket, bounded)
         behind = list(self.pending)[:-1]
         self.held_behind.append(sum(sent.nbytes for _, _, sent, _ in behind))
         self.pending_after.append(len(self.pending))
