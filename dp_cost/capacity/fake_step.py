@@ -1,9 +1,10 @@
 """A config's training step run on fake tensors, every storage it allocates recorded: the
 peak memory of the step, without a GPU.
 
-torch's ``FakeTensorMode`` gives every tensor its shape, dtype and storage but no data and no
-memory, so the config's own step (the same model, trainer and chunking the measuring modes run)
-runs for a Llama-3.1-8B on a laptop's CPU. A dispatch mode records every storage as it is
+torch's ``FakeTensorMode`` (``capacity.fake_mode``'s subclass: cheaper cache hits) gives every
+tensor its shape, dtype and storage but no data and no memory, so the config's own step (the
+same model, trainer and chunking the measuring modes run) runs for a Llama-3.1-8B on a
+laptop's CPU. A dispatch mode records every storage as it is
 allocated and released; the peak, and its split into the breakdown's roles, come from the same
 attribution the CUDA breakdown uses (``measure.breakdown.attribute_peak``: the trainer's tensors
 by identity, the rest by the functions that allocated them). So each trainer's DP state
@@ -34,7 +35,7 @@ import weakref
 
 import torch
 import torch.optim.optimizer as optimizer_module
-from torch._subclasses.fake_tensor import FakeCopyMode, FakeTensor, FakeTensorMode
+from torch._subclasses.fake_tensor import FakeCopyMode, FakeTensor
 from torch.distributed.tensor import DTensor
 from torch.fx.experimental.symbolic_shapes import ShapeEnv
 from torch.utils._pytree import tree_leaves
@@ -42,6 +43,7 @@ from torch.utils._pytree import tree_leaves
 from dp_cost.capacity.allocator import request_bytes
 from dp_cost.capacity.attention import CudaAttention, real_masks
 from dp_cost.capacity.card import GPU_OVERHEADS
+from dp_cost.capacity.fake_mode import PlannedFakeMode
 from dp_cost.capacity.fused_norm import fused_rms_norm
 from dp_cost.capacity.kernel_scratch import scratch_requests
 from dp_cost.capacity.op_list import GEMMS, OpRecord, StepMode, fake_device
@@ -62,6 +64,7 @@ from dp_cost.parallel.ranks import share
 DEVICE = "cpu"  # the fake tensors' device: CPU code paths (torch's, no Triton), CUDA's memory
 SCRATCH_KEYS = -(2**50)  # a kernel's own buffers' keys count down from here (markers' from -1)
 WORKSPACE_KEYS = -(2**51)  # the cuBLAS workspaces' keys (never freed)
+_FRAMES: dict = {}  # code object -> its frames' one dict, shared by their records (read only)
 
 
 def storage_key(tensor: torch.Tensor) -> int:
@@ -271,7 +274,10 @@ def _python_frames() -> list[dict]:
     """The allocating stack's Python frames, innermost first (what the allocator records)."""
     frames, frame = [], sys._getframe(2)
     while frame is not None:
-        frames.append({"filename": frame.f_code.co_filename, "name": frame.f_code.co_name})
+        code = frame.f_code
+        if code not in _FRAMES:
+            _FRAMES[code] = {"filename": code.co_filename, "name": code.co_name}
+        frames.append(_FRAMES[code])
         frame = frame.f_back
     return frames
 
@@ -323,7 +329,7 @@ def predict(config, build_trainer, record_ops: bool = False) -> dict:
     ``marks`` (``op_list``; else None). Distributed: rank 0's, the largest share of a batch, in
     a fake process group of the config's ranks (planned_ranks)."""
     # shape_env: .item() gives a symbol, not an error; non-fake inputs: the meta model's
-    fake = FakeTensorMode(shape_env=ShapeEnv(), allow_non_fake_inputs=True)
+    fake = PlannedFakeMode(shape_env=ShapeEnv(), allow_non_fake_inputs=True)
     record = StorageRecord()
     model, loss_fn = meta_model(config)  # outside the fake mode: peft cannot build under one
     ranks = planned_ranks(config.world_size, DEVICE)
@@ -402,13 +408,9 @@ def _as_on_cuda(config, kernels: CudaAttention):
 def allocator_requests(events) -> list[tuple[int, int, int]]:
     """The record's events as ``capacity.allocator.replay`` reads them: (storage key, bytes,
     stream), bytes <= 0 for a free; phase markers left out."""
-    return [
-        (event["addr"], event["size"], event.get("stream", 0))
-        if event["action"] == "alloc"
-        else (event["addr"], -event["size"], 0)
-        for event in events
-        if event["size"]
-    ]
+    return [(event["addr"], event["size"], event.get("stream", 0)) if event["action"] == "alloc"
+            else (event["addr"], -event["size"], 0)
+            for event in events if event["size"]]  # fmt: skip
 
 
 def _state_bytes(runner) -> dict[str, int]:

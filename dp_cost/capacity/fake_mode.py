@@ -1,0 +1,124 @@
+"""torch's ``FakeTensorMode`` with a cheaper dispatch cache for the planner's tensors.
+
+Why by hand: a planned step is tens of thousands of fake ops, nearly all of them hits in
+FakeTensorMode's dispatch cache, and on a 2-core machine of CI's size a hit cost about 300 µs.
+Most of it is torch's cache path being general. Its key flattens a 17-field metadata record
+per tensor argument, field by field. Its output is built under the ShapeEnv's guard
+suppression, whether or not a size is symbolic. The planner's tensors are dense, with sizes
+that are plain integers.
+
+- Key: a tensor's key here is one tuple of what decides torch's record: dtype, sizes, strides,
+  device, storage offset and bytes, requires_grad, the conjugate, negative and inference bits.
+  The rest follows from these for a dense tensor: its layout, memory format, quantization and
+  sparse fields.
+- Output: where the cached output's sizes are plain integers, it is built without guard
+  suppression, which only symbols need.
+
+Anything else takes torch's own code: a symbolic size, a sparse tensor, another mode's tensor,
+an argument of a kind not listed below, an in-place or constant output. Each key starts with a
+marker of its own, so it never equals a key torch made for the cache's other users.
+tests/capacity/test_fake_mode.py checks both paths against torch's.
+
+On a torch whose private methods differ from the ones this was written against, ``FAST`` is
+False and the mode is torch's own, unchanged.
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import torch
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode, in_kernel_invocation_manager
+
+PLANNED_KEY = object()  # heads each container in a key made here: no torch-made key has it
+# Argument types whose value is its own key (torch's key: the type, then the value). bool is
+# an int's subclass but keyed by its own type, as torch does (True and 1 key apart).
+PLAIN = (int, float, bool, str, type(None), torch.dtype, torch.device, torch.layout,
+         torch.memory_format)  # fmt: skip
+_KEY_PARAMETERS = ["self", "result", "args", "state", "id_hashed_objects"]
+_OUTPUT_PARAMETERS = ["self", "state", "entry", "key", "func", "args"]
+
+
+def _parameters(name: str) -> list[str] | None:
+    method = getattr(FakeTensorMode, name, None)
+    return list(inspect.signature(method).parameters) if method else None
+
+
+# The two methods this overrides, as torch 2.11 and 2.13 define them
+FAST = (
+    _parameters("_prep_args_for_hash") == _KEY_PARAMETERS
+    and _parameters("_get_output_tensor_from_cache_entry") == _OUTPUT_PARAMETERS
+)
+
+
+def dense_key(tensor: torch.Tensor) -> tuple:
+    """What torch's cache key records of a dense fake tensor with plain-integer sizes."""
+    return (
+        tensor.dtype, tensor.shape, tensor.stride(), tensor.device, tensor.storage_offset(),
+        tensor.untyped_storage().nbytes(), tensor.requires_grad, tensor.is_conj(),
+        tensor.is_neg(), tensor.is_inference(),
+    )  # fmt: skip
+
+
+def _plain_ints(values) -> bool:
+    return all(type(value) is int for value in values)
+
+
+class PlannedFakeMode(FakeTensorMode):
+    """FakeTensorMode whose cache hits on dense, static tensors cost less (module docstring)."""
+
+    if FAST:
+
+        def _prep_args_for_hash(self, result, args, state, id_hashed_objects):
+            if isinstance(args, (list, tuple, dict)):
+                result.append((PLANNED_KEY, type(args), len(args)))
+            if isinstance(args, dict):
+                self._prep_args_for_hash(result, tuple(args.keys()), state, id_hashed_objects)
+                self._prep_args_for_hash(result, tuple(args.values()), state, id_hashed_objects)
+                return
+            torch_key = super()._prep_args_for_hash
+            for arg in args:
+                if isinstance(arg, FakeTensor):
+                    if (
+                        arg.fake_mode is self
+                        and arg.constant is None
+                        and arg.layout is torch.strided
+                        and not arg._has_symbolic_sizes_strides
+                    ):
+                        result.append(dense_key(arg))
+                    else:  # torch keys it, or says why it cannot be cached
+                        torch_key(result, (arg,), state, id_hashed_objects)
+                elif type(arg) in PLAIN:
+                    result.append(type(arg))
+                    result.append(arg)
+                elif isinstance(arg, (list, tuple)) and type(arg) in (list, tuple):
+                    self._prep_args_for_hash(result, arg, state, id_hashed_objects)
+                else:
+                    torch_key(result, (arg,), state, id_hashed_objects)
+
+        def _get_output_tensor_from_cache_entry(self, state, entry, key, func, args):
+            metadata = entry.metadata
+            if (
+                entry.inplace_idx is not None
+                or metadata is None
+                or metadata.layout is not torch.strided
+                or type(metadata.storage_offset) is not int
+                or not _plain_ints(metadata.shape)
+                or not _plain_ints(metadata.stride)
+                or not isinstance(func, torch._ops.OpOverload)
+            ):
+                return super()._get_output_tensor_from_cache_entry(state, entry, key, func, args)
+            with in_kernel_invocation_manager(self):
+                empty = torch.empty_strided(
+                    metadata.shape, metadata.stride, dtype=metadata.dtype, device="meta",
+                    requires_grad=metadata.requires_grad,
+                )  # fmt: skip
+            if metadata.is_conj:
+                torch._C._set_conj(empty, True)
+            if metadata.is_neg:
+                torch._C._set_neg(empty, True)
+            if func.is_view:  # a view shares its input's storage, as torch's does
+                storage = args[entry.view_idx].untyped_storage()
+                with in_kernel_invocation_manager(self):
+                    empty.set_(storage, metadata.storage_offset, metadata.shape, metadata.stride)
+            return FakeTensor(self, empty, metadata.device)

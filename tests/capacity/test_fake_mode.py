@@ -1,0 +1,163 @@
+"""The planner's fake mode answers as torch's own FakeTensorMode does: its cache keys tell apart
+exactly the tensors torch's metadata record does, its outputs read back from the cache are the
+ones torch's mode gives, and a whole planned step is the same with either mode."""
+
+import itertools
+
+import pytest
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode, extract_tensor_metadata
+from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+from dp_cost.capacity import fake_mode, fake_step
+from dp_cost.measure import worker
+from dp_cost.measure.config import ExperimentConfig
+
+
+def test_the_fast_paths_are_taken_on_this_torch():
+    """Where torch's private methods change, the planner falls back to torch's mode (slower,
+    still right): this says so here, where it would otherwise go unnoticed."""
+    assert fake_mode.FAST
+    assert "_prep_args_for_hash" in vars(fake_mode.PlannedFakeMode)
+
+
+def tensors_differing_in_each_field() -> dict[str, torch.Tensor]:
+    """Fake tensors, each differing from ``base`` in one thing torch's key records (or in
+    none: ``same_as_base``, ``other_storage``), inside the current fake mode."""
+    base = torch.empty(4, 6)
+    wide = torch.empty(4, 8)
+    with torch.inference_mode():
+        inference = torch.empty(4, 6)
+    complex_values = torch.empty(4, 6, dtype=torch.complex64)
+    return {
+        "base": base,
+        "same_as_base": torch.empty(4, 6),
+        "dtype": torch.empty(4, 6, dtype=torch.bfloat16),
+        "shape": torch.empty(6, 4),
+        "stride": torch.empty(6, 4).t(),
+        "offset": torch.empty(25)[1:].view(4, 6),
+        "storage_bytes": torch.empty(30)[:24].view(4, 6),
+        "strided_view": wide[:, :6],
+        "requires_grad": torch.empty(4, 6, requires_grad=True),
+        "inference": inference,
+        "complex": complex_values,
+        "conj": complex_values.conj(),
+        "neg": torch._neg_view(complex_values.conj()),
+        "channels_last": torch.empty(2, 3, 4, 6).to(memory_format=torch.channels_last),
+        "contiguous_4d": torch.empty(2, 3, 4, 6),
+        "scalar": torch.empty(()),
+        "empty": torch.empty(0, 6),
+    }
+
+
+def test_the_key_tells_apart_what_torchs_metadata_record_does():
+    """For every pair of tensors: equal planned keys exactly where torch's metadata records
+    (what its cache key is made of) are equal."""
+    with fake_mode.PlannedFakeMode():
+        tensors = tensors_differing_in_each_field()
+        for (name_a, a), (name_b, b) in itertools.combinations(tensors.items(), 2):
+            torch_equal = extract_tensor_metadata(a) == extract_tensor_metadata(b)
+            planned_equal = fake_mode.dense_key(a) == fake_mode.dense_key(b)
+            assert planned_equal == torch_equal, (name_a, name_b)
+    assert fake_mode.dense_key(tensors["base"]) == fake_mode.dense_key(tensors["same_as_base"])
+
+
+def run_ops(x: torch.Tensor, y: torch.Tensor) -> list[torch.Tensor]:
+    """Ops of every kind the cache serves: new tensors, views of an input, a view of a view,
+    in-place ops, several outputs, kwargs, Python numbers, lists of sizes."""
+    outputs = [
+        x + y, x.mm(y.t()), x.t(), x[1:, 2:], x.view(-1), x.transpose(0, 1).contiguous(),
+        x.narrow(1, 2, 3).unsqueeze(0), torch.cat([x, y], dim=1), x.sum(dim=(0,), keepdim=True),
+        x.to(torch.bfloat16), x * 2.5, torch.zeros(3, 5, dtype=torch.float16),
+        x.expand(2, *x.shape), x.as_strided((2, 2), (1, 3), 1),
+    ]  # fmt: skip
+    outputs += list(x.split(2, dim=1)) + list(torch.max(x, dim=1))
+    z = x.clone()
+    outputs += [z.add_(y), z.mul_(3)]
+    return outputs
+
+
+def described(outputs: list[torch.Tensor], inputs: list[torch.Tensor]) -> list[tuple]:
+    """What each output is: its metadata, and which input's storage it shares (a view's)."""
+    storages = [t.untyped_storage()._cdata for t in inputs]
+    return [
+        (
+            out.dtype,
+            tuple(out.shape),
+            out.stride(),
+            out.storage_offset(),
+            out.device,
+            out.untyped_storage().nbytes(),
+            out.requires_grad,
+            out.is_conj(),
+            out.is_neg(),
+            storages.index(out.untyped_storage()._cdata)
+            if out.untyped_storage()._cdata in storages
+            else None,
+        )  # fmt: skip
+        for out in outputs
+    ]
+
+
+@pytest.mark.parametrize("requires_grad", [False, True])
+def test_outputs_read_from_the_cache_are_the_ones_torchs_mode_gives(requires_grad):
+    """The same ops under torch's mode and the planner's, the planner's run twice so that its
+    second run is all cache hits (counted): every output alike, views sharing the storage of
+    the same input."""
+    got = {}
+    for name, mode_type in (("torch", FakeTensorMode), ("planned", fake_mode.PlannedFakeMode)):
+        with mode_type():
+            x = torch.empty(4, 6, requires_grad=requires_grad)
+            y = torch.empty(4, 6)
+            first = described(run_ops(x, y), [x, y])
+            hits = FakeTensorMode.cache_hits
+            again = described(run_ops(x, y), [x, y])
+            hits = FakeTensorMode.cache_hits - hits
+        got[name] = first
+        if name == "planned":
+            assert again == first
+            assert hits >= 15  # the second run came from the cache
+    assert got["planned"] == got["torch"]
+
+
+def test_a_symbolic_size_takes_torchs_own_path():
+    """A tensor of data-dependent size (a ShapeEnv's unbacked symbol) is keyed and read back
+    by torch's code, and its ops still give the sizes torch's mode gives."""
+    with fake_mode.PlannedFakeMode(shape_env=ShapeEnv()):
+        count = torch.empty((), dtype=torch.long).item()
+        torch._check(count >= 0)
+        symbolic = torch.empty(count, 6)
+        assert symbolic._has_symbolic_sizes_strides
+        out = (symbolic + 1).sum(0)
+        again = (symbolic + 1).sum(0)
+    assert tuple(out.shape) == tuple(again.shape) == (6,)
+
+
+SHAPES = {
+    "tiny-lm": dict(model="tiny", seq_len=32),
+    "tiny-llama-lora": dict(model="tiny-llama", use_lora=True, lora_rank=4, seq_len=24,
+                            attention="sdpa"),
+}  # fmt: skip
+# Opacus' per-sample gradients (einsums, its hooks), and flash on a Hugging Face model (masks,
+# attention kernels, LoRA): the other trainers' plans are checked against real steps elsewhere
+PLANNED_BOTH_WAYS = [("dpsgd", "tiny-lm"), ("flash", "tiny-llama-lora")]
+
+
+@pytest.mark.parametrize(("trainer", "shape"), PLANNED_BOTH_WAYS)
+def test_a_planned_step_is_the_same_under_either_mode(trainer, shape, monkeypatch):
+    """Each trainer's prediction (peak, each phase's, roles, state, the allocator's requests
+    by size and stream, attention kernels) under the planner's mode equals its prediction under
+    torch's."""
+    config = ExperimentConfig(
+        trainer=trainer, batch_size=2, max_physical_batch_size=1, optimizer="adam",
+        **SHAPES[shape],
+    )  # fmt: skip
+
+    def summary(step):
+        requests = [request[1:] for request in step["requests"] + step["step_requests"]]
+        keep = ("peak", "phase_peaks", "roles", "state", "attention_backends", "parameters")
+        return {key: step[key] for key in keep} | {"requests": requests}
+
+    planned = summary(fake_step.predict(config, worker.build_trainer))
+    monkeypatch.setattr(fake_step, "PlannedFakeMode", FakeTensorMode)
+    assert planned == summary(fake_step.predict(config, worker.build_trainer))
