@@ -91,7 +91,7 @@ class PlannedFakeMode(FakeTensorMode):
                 elif type(arg) in PLAIN:
                     result.append(type(arg))
                     result.append(arg)
-                elif isinstance(arg, (list, tuple)) and type(arg) in (list, tuple):
+                elif type(arg) in (list, tuple):  # a subclass (torch.Size): torch's code
                     self._prep_args_for_hash(result, arg, state, id_hashed_objects)
                 else:
                     torch_key(result, (arg,), state, id_hashed_objects)

@@ -4,10 +4,10 @@ peak memory of the step, without a GPU.
 torch's ``FakeTensorMode`` (``capacity.fake_mode``'s subclass: cheaper cache hits) gives every
 tensor its shape, dtype and storage but no data and no memory, so the config's own step (the
 same model, trainer and chunking the measuring modes run) runs for a Llama-3.1-8B on a
-laptop's CPU. A dispatch mode records every storage as it is
-allocated and released; the peak, and its split into the breakdown's roles, come from the same
-attribution the CUDA breakdown uses (``measure.breakdown.attribute_peak``: the trainer's tensors
-by identity, the rest by the functions that allocated them). So each trainer's DP state
+laptop's CPU. A dispatch mode records every storage as it is allocated and released; the peak,
+and its split into the breakdown's roles, come from the same attribution the CUDA breakdown
+uses (``measure.breakdown.attribute_peak``: the trainer's tensors by identity, the rest by the
+functions that allocated them). So each trainer's DP state
 (Opacus' per-sample gradients and ghost clipping's second backward, flash's kept A and G and its
 route per layer) is what that trainer's code allocates, never a formula beside it.
 
