@@ -14,21 +14,27 @@ that are plain integers.
 - Output: where the cached output's sizes are plain integers, it is built without guard
   suppression, which only symbols need.
 
-Anything else takes torch's own code: a symbolic size, a sparse tensor, another mode's tensor,
-an argument of a kind not listed below, an in-place or constant output. Each key starts with a
-marker of its own, so it never equals a key torch made for the cache's other users.
-tests/capacity/test_fake_mode.py checks both paths against torch's.
+Anything else takes torch's own code: a symbolic size, offset or storage, a sparse tensor,
+another mode's tensor, an argument of a kind not listed below, an in-place or constant output.
+Each key starts with a marker of its own, so it never equals a key torch made for the cache's
+other users. tests/capacity/test_fake_mode.py checks both paths against torch's.
 
-On a torch whose private methods differ from the ones this was written against, ``FAST`` is
-False and the mode is torch's own, unchanged.
+On a torch whose private methods or metadata record differ from the ones this was written
+against, ``FAST`` is False and the mode is torch's own, unchanged.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 
 import torch
-from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode, in_kernel_invocation_manager
+from torch._subclasses.fake_tensor import (
+    FakeTensor,
+    FakeTensorMode,
+    TensorMetadata,
+    in_kernel_invocation_manager,
+)
 
 PLANNED_KEY = object()  # heads each container in a key made here: no torch-made key has it
 # Argument types whose value is its own key (torch's key: the type, then the value). bool is
@@ -37,6 +43,11 @@ PLAIN = (int, float, bool, str, type(None), torch.dtype, torch.device, torch.lay
          torch.memory_format)  # fmt: skip
 _KEY_PARAMETERS = ["self", "result", "args", "state", "id_hashed_objects"]
 _OUTPUT_PARAMETERS = ["self", "state", "entry", "key", "func", "args"]
+# torch's metadata record, all of whose fields dense_key's tuple decides
+_METADATA_FIELDS = ["dtype", "shape", "stride", "device", "layout", "memory_format",
+                    "storage_offset", "storage_bytes", "requires_grad", "is_quantized", "is_conj",
+                    "is_neg", "is_inference", "is_sparse", "is_coalesced", "dense_dim",
+                    "sparse_dim"]  # fmt: skip
 
 
 def _parameters(name: str) -> list[str] | None:
@@ -44,24 +55,35 @@ def _parameters(name: str) -> list[str] | None:
     return list(inspect.signature(method).parameters) if method else None
 
 
-# The two methods this overrides, as torch 2.11 and 2.13 define them
+# The two methods this overrides and the record it keys, as torch 2.11 and 2.13 define them
 FAST = (
     _parameters("_prep_args_for_hash") == _KEY_PARAMETERS
     and _parameters("_get_output_tensor_from_cache_entry") == _OUTPUT_PARAMETERS
+    and [field.name for field in dataclasses.fields(TensorMetadata)] == _METADATA_FIELDS
 )
 
 
-def dense_key(tensor: torch.Tensor) -> tuple:
-    """What torch's cache key records of a dense fake tensor with plain-integer sizes."""
+def dense_key(tensor: torch.Tensor) -> tuple | None:
+    """What torch's cache key records of a dense fake tensor, or None where a size, its offset
+    or its storage's bytes is a symbol (a view of a tensor of data-dependent size)."""
+    if tensor.layout is not torch.strided or tensor._has_symbolic_sizes_strides:
+        return None
+    offset, storage_bytes = tensor.storage_offset(), tensor.untyped_storage().nbytes()
+    if type(offset) is not int or type(storage_bytes) is not int:
+        return None
     return (
-        tensor.dtype, tensor.shape, tensor.stride(), tensor.device, tensor.storage_offset(),
-        tensor.untyped_storage().nbytes(), tensor.requires_grad, tensor.is_conj(),
-        tensor.is_neg(), tensor.is_inference(),
+        tensor.dtype, tensor.shape, tensor.stride(), tensor.device, offset, storage_bytes,
+        tensor.requires_grad, tensor.is_conj(), tensor.is_neg(), tensor.is_inference(),
     )  # fmt: skip
 
 
 def _plain_ints(values) -> bool:
     return all(type(value) is int for value in values)
+
+
+def _plain_storage(tensor: torch.Tensor) -> bool:
+    """Whether the tensor's storage has a size that is no symbol (a view of it needs no guards)."""
+    return type(tensor.untyped_storage().nbytes()) is int
 
 
 class PlannedFakeMode(FakeTensorMode):
@@ -79,13 +101,9 @@ class PlannedFakeMode(FakeTensorMode):
             torch_key = super()._prep_args_for_hash
             for arg in args:
                 if isinstance(arg, FakeTensor):
-                    if (
-                        arg.fake_mode is self
-                        and arg.constant is None
-                        and arg.layout is torch.strided
-                        and not arg._has_symbolic_sizes_strides
-                    ):
-                        result.append(dense_key(arg))
+                    key = dense_key(arg) if arg.fake_mode is self and arg.constant is None else None
+                    if key is not None:
+                        result.append(key)
                     else:  # torch keys it, or says why it cannot be cached
                         torch_key(result, (arg,), state, id_hashed_objects)
                 elif type(arg) in PLAIN:
@@ -106,6 +124,7 @@ class PlannedFakeMode(FakeTensorMode):
                 or not _plain_ints(metadata.shape)
                 or not _plain_ints(metadata.stride)
                 or not isinstance(func, torch._ops.OpOverload)
+                or (func.is_view and not _plain_storage(args[entry.view_idx]))
             ):
                 return super()._get_output_tensor_from_cache_entry(state, entry, key, func, args)
             with in_kernel_invocation_manager(self):

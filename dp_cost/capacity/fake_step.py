@@ -64,7 +64,7 @@ from dp_cost.parallel.ranks import share
 DEVICE = "cpu"  # the fake tensors' device: CPU code paths (torch's, no Triton), CUDA's memory
 SCRATCH_KEYS = -(2**50)  # a kernel's own buffers' keys count down from here (markers' from -1)
 WORKSPACE_KEYS = -(2**51)  # the cuBLAS workspaces' keys (never freed)
-_FRAMES: dict = {}  # code object -> its frames' one dict, shared by their records (read only)
+_FRAMES: dict = {}  # (file, function) -> its frames' one dict, shared by their records (read only)
 
 
 def storage_key(tensor: torch.Tensor) -> int:
@@ -275,9 +275,10 @@ def _python_frames() -> list[dict]:
     frames, frame = [], sys._getframe(2)
     while frame is not None:
         code = frame.f_code
-        if code not in _FRAMES:
-            _FRAMES[code] = {"filename": code.co_filename, "name": code.co_name}
-        frames.append(_FRAMES[code])
+        where = code.co_filename, code.co_name  # equal code objects may come from two files
+        if where not in _FRAMES:
+            _FRAMES[where] = {"filename": where[0], "name": where[1]}
+        frames.append(_FRAMES[where])
         frame = frame.f_back
     return frames
 

@@ -6,7 +6,12 @@ import itertools
 
 import pytest
 import torch
-from torch._subclasses.fake_tensor import FakeTensorMode, extract_tensor_metadata
+from torch._subclasses.fake_tensor import (
+    FakeTensorMode,
+    _BypassDispatchCache,
+    _CacheKeyState,
+    extract_tensor_metadata,
+)
 from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
 from dp_cost.capacity import fake_mode, fake_step
@@ -62,6 +67,48 @@ def test_the_key_tells_apart_what_torchs_metadata_record_does():
     assert fake_mode.dense_key(tensors["base"]) == fake_mode.dense_key(tensors["same_as_base"])
 
 
+def argument_lists() -> list[tuple[tuple, dict]]:
+    """(args, kwargs) of one op, told apart or not by their scalars, containers and tensors,
+    built in the current mode."""
+    x, transposed = torch.empty(4, 6), torch.empty(6, 4).t()
+    conj = torch.empty(4, 6, dtype=torch.complex64).conj()
+    others = [1, True, 1.0, -0.0, 0.0, 1j, None, "length_1", torch.float16, torch.device("cpu"),
+              [1, 2], (1, 2), torch.Size([1, 2]), [[1], 2], [1, [2]], [], {"a": 1}, {"a": 1.0},
+              transposed, conj, x]  # fmt: skip
+    lists = [((x, other), {}) for other in others]
+    lists += [((x, x), {"alpha": alpha}) for alpha in (2, 2.0, True)]
+    lists += [((x,), {"dim": [0, 1]}), ((x,), {"dim": (0, 1)}), ((x, x), {})]
+    return lists
+
+
+def cache_keys(mode: FakeTensorMode) -> list:
+    """Each argument list's cache key under ``mode`` (None where it bypasses the cache)."""
+    keys = []
+    with mode:
+        for args, kwargs in argument_lists():
+            try:
+                state = _CacheKeyState(mode.shape_env)
+                keys.append(mode._cache_key(state, torch.ops.aten.add.Tensor, args, kwargs))
+            except _BypassDispatchCache:
+                keys.append(None)
+    return keys
+
+
+def test_keys_of_whole_argument_lists_are_equal_where_torchs_are():
+    """Scalars (True, 1, 1.0; -0.0 and 0.0, which torch also keys alike), lists against
+    tuples and sizes, nesting, kwargs: pairs of argument lists get equal keys exactly where
+    torch's mode gives them equal keys, and no key made here equals one torch made."""
+    torch_keys = cache_keys(FakeTensorMode())
+    planned_keys = cache_keys(fake_mode.PlannedFakeMode())
+    assert [key is None for key in planned_keys] == [key is None for key in torch_keys]
+    pairs = itertools.combinations(range(len(torch_keys)), 2)
+    for i, j in pairs:
+        if torch_keys[i] is not None and torch_keys[j] is not None:
+            torch_equal = torch_keys[i] == torch_keys[j]
+            assert (planned_keys[i] == planned_keys[j]) == torch_equal, (i, j)
+    assert not set(planned_keys) & set(torch_keys) - {None}
+
+
 def run_ops(x: torch.Tensor, y: torch.Tensor) -> list[torch.Tensor]:
     """Ops of every kind the cache serves: new tensors, views of an input, a view of a view,
     in-place ops, several outputs, kwargs, Python numbers, lists of sizes."""
@@ -74,6 +121,9 @@ def run_ops(x: torch.Tensor, y: torch.Tensor) -> list[torch.Tensor]:
     outputs += list(x.split(2, dim=1)) + list(torch.max(x, dim=1))
     z = x.clone()
     outputs += [z.add_(y), z.mul_(3)]
+    complex_values = torch.complex(x, y)
+    conj = complex_values.conj()
+    outputs += [conj, torch._neg_view(conj), conj.clone(), torch.view_as_real(complex_values)]
     return outputs
 
 
@@ -106,7 +156,9 @@ def test_outputs_read_from_the_cache_are_the_ones_torchs_mode_gives(requires_gra
     the same input."""
     got = {}
     for name, mode_type in (("torch", FakeTensorMode), ("planned", fake_mode.PlannedFakeMode)):
-        with mode_type():
+        mode = mode_type()
+        mode.cache_crosscheck_enabled = True  # torch checks each hit against a real dispatch
+        with mode:
             x = torch.empty(4, 6, requires_grad=requires_grad)
             y = torch.empty(4, 6)
             first = described(run_ops(x, y), [x, y])
@@ -130,7 +182,11 @@ def test_a_symbolic_size_takes_torchs_own_path():
         assert symbolic._has_symbolic_sizes_strides
         out = (symbolic + 1).sum(0)
         again = (symbolic + 1).sum(0)
+        row = symbolic[0]  # plain sizes, a storage of symbolic bytes
+        assert not row._has_symbolic_sizes_strides
+        rows = [row + 1, row + 1, row.view(2, 3), row.view(2, 3)]
     assert tuple(out.shape) == tuple(again.shape) == (6,)
+    assert [tuple(r.shape) for r in rows] == [(6,), (6,), (2, 3), (2, 3)]
 
 
 SHAPES = {
