@@ -28,7 +28,7 @@ def test_the_fast_paths_are_taken_on_this_torch():
 
 def tensors_differing_in_each_field() -> dict[str, torch.Tensor]:
     """Fake tensors, each differing from ``base`` in one thing torch's key records (or in
-    none: ``same_as_base``, ``other_storage``), inside the current fake mode."""
+    none: ``same_as_base``), inside the current fake mode."""
     base = torch.empty(4, 6)
     wide = torch.empty(4, 8)
     with torch.inference_mode():
