@@ -81,11 +81,6 @@ def _plain_ints(values) -> bool:
     return all(type(value) is int for value in values)
 
 
-def _plain_storage(tensor: torch.Tensor) -> bool:
-    """Whether the tensor's storage has a size that is no symbol (a view of it needs no guards)."""
-    return type(tensor.untyped_storage().nbytes()) is int
-
-
 class PlannedFakeMode(FakeTensorMode):
     """FakeTensorMode whose cache hits on dense, static tensors cost less (module docstring)."""
 
@@ -116,17 +111,24 @@ class PlannedFakeMode(FakeTensorMode):
 
         def _get_output_tensor_from_cache_entry(self, state, entry, key, func, args):
             metadata = entry.metadata
+            torch_output = super()._get_output_tensor_from_cache_entry
             if (
                 entry.inplace_idx is not None
                 or metadata is None
-                or metadata.layout is not torch.strided
+                or not isinstance(func, torch._ops.OpOverload)
+            ):
+                return torch_output(state, entry, key, func, args)
+            # a view shares its input's storage, as torch's does; one of symbolic bytes needs
+            # torch's guards
+            storage = args[entry.view_idx].untyped_storage() if func.is_view else None
+            if (
+                metadata.layout is not torch.strided
                 or type(metadata.storage_offset) is not int
                 or not _plain_ints(metadata.shape)
                 or not _plain_ints(metadata.stride)
-                or not isinstance(func, torch._ops.OpOverload)
-                or (func.is_view and not _plain_storage(args[entry.view_idx]))
+                or (storage is not None and type(storage.nbytes()) is not int)
             ):
-                return super()._get_output_tensor_from_cache_entry(state, entry, key, func, args)
+                return torch_output(state, entry, key, func, args)
             with in_kernel_invocation_manager(self):
                 empty = torch.empty_strided(
                     metadata.shape, metadata.stride, dtype=metadata.dtype, device="meta",
@@ -136,8 +138,7 @@ class PlannedFakeMode(FakeTensorMode):
                 torch._C._set_conj(empty, True)
             if metadata.is_neg:
                 torch._C._set_neg(empty, True)
-            if func.is_view:  # a view shares its input's storage, as torch's does
-                storage = args[entry.view_idx].untyped_storage()
+            if storage is not None:
                 with in_kernel_invocation_manager(self):
                     empty.set_(storage, metadata.storage_offset, metadata.shape, metadata.stride)
             return FakeTensor(self, empty, metadata.device)
