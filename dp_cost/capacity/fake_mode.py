@@ -19,12 +19,16 @@ another mode's tensor, an argument of a kind not listed below, an in-place or co
 Each key starts with a marker of its own, so it never equals a key torch made for the cache's
 other users. tests/capacity/test_fake_mode.py checks both paths against torch's.
 
+``fake_deepcopies`` makes a fake tensor's deepcopy a new tensor for the plan, without a
+TorchFunctionMode.
+
 On a torch whose private methods or metadata record differ from the ones this was written
 against, ``FAST`` is False and the mode is torch's own, unchanged.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import inspect
 
@@ -33,7 +37,6 @@ from torch._subclasses.fake_tensor import (
     FakeTensor,
     FakeTensorMode,
     TensorMetadata,
-    in_kernel_invocation_manager,
 )
 
 PLANNED_KEY = object()  # heads each container in a key made here: no torch-made key has it
@@ -129,16 +132,45 @@ class PlannedFakeMode(FakeTensorMode):
                 or (storage is not None and type(storage.nbytes()) is not int)
             ):
                 return torch_output(state, entry, key, func, args)
-            with in_kernel_invocation_manager(self):
-                empty = torch.empty_strided(
-                    metadata.shape, metadata.stride, dtype=metadata.dtype, device="meta",
-                    requires_grad=metadata.requires_grad,
-                )  # fmt: skip
+            # Made outside torch's in_kernel_invocation_manager, whose entry and exit cost twice
+            # the empty tensor: inside the fake mode's dispatch no dispatch mode is active, and
+            # neither op has a fake argument for the meta dispatch it sets up to see
+            empty = torch.empty_strided(
+                metadata.shape, metadata.stride, dtype=metadata.dtype, device="meta",
+                requires_grad=metadata.requires_grad,
+            )  # fmt: skip
             if metadata.is_conj:
                 torch._C._set_conj(empty, True)
             if metadata.is_neg:
                 torch._C._set_neg(empty, True)
             if storage is not None:
-                with in_kernel_invocation_manager(self):
-                    empty.set_(storage, metadata.storage_offset, metadata.shape, metadata.stride)
+                empty.set_(storage, metadata.storage_offset, metadata.shape, metadata.stride)
             return FakeTensor(self, empty, metadata.device)
+
+
+@contextlib.contextmanager
+def fake_deepcopies():
+    """While inside, ``copy.deepcopy`` of a fake tensor makes a new one, as a real deepcopy
+    allocates: Opacus' ghost clipping deepcopies each chunk's gradient into its running sum,
+    which must be counted. torch's own deepcopy gets there only by reading the fake tensor's
+    data pointer (deprecated for fake tensors). Set on FakeTensor's class, not by torch's
+    FakeCopyMode: a TorchFunctionMode sees every torch call and every tensor attribute read of
+    the step, and Opacus' DPOptimizer reads each parameter's ``requires_grad`` once per
+    parameter per parameter (325 squared reads a step of the 1b model), a fifth of a dpsgd
+    prediction's time through such a mode."""
+    before = FakeTensor.__dict__.get("__deepcopy__")
+
+    def deepcopy(tensor, memo):
+        if id(tensor) not in memo:
+            copied = tensor.detach().clone()
+            memo[id(tensor)] = copied.requires_grad_(tensor.requires_grad)
+        return memo[id(tensor)]
+
+    FakeTensor.__deepcopy__ = deepcopy
+    try:
+        yield
+    finally:
+        if before is None:
+            del FakeTensor.__deepcopy__
+        else:
+            FakeTensor.__deepcopy__ = before

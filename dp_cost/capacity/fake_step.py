@@ -35,7 +35,7 @@ import weakref
 
 import torch
 import torch.optim.optimizer as optimizer_module
-from torch._subclasses.fake_tensor import FakeCopyMode, FakeTensor
+from torch._subclasses.fake_tensor import FakeTensor
 from torch.distributed.tensor import DTensor
 from torch.fx.experimental.symbolic_shapes import ShapeEnv
 from torch.utils._pytree import tree_leaves
@@ -43,7 +43,7 @@ from torch.utils._pytree import tree_leaves
 from dp_cost.capacity.allocator import request_bytes
 from dp_cost.capacity.attention import CudaAttention, real_masks
 from dp_cost.capacity.card import GPU_OVERHEADS
-from dp_cost.capacity.fake_mode import PlannedFakeMode
+from dp_cost.capacity.fake_mode import PlannedFakeMode, fake_deepcopies
 from dp_cost.capacity.fused_norm import fused_rms_norm
 from dp_cost.capacity.kernel_scratch import scratch_requests
 from dp_cost.capacity.op_list import GEMMS, OpRecord, StepMode, fake_device
@@ -106,22 +106,6 @@ def _safe_softmax(values, dim, dtype=None):
 # Ops whose CUDA kernel allocates intermediates through the caching allocator: run as their
 # kernel composes them, under the record, so each intermediate is recorded
 AS_COMPOSED = {torch.ops.aten._safe_softmax.default: _safe_softmax}
-
-
-class FakeCopies(FakeCopyMode):
-    """torch's FakeCopyMode (copy.deepcopy under a fake mode makes fake tensors), except that a
-    fake tensor's deepcopy is a new fake tensor, as a real deepcopy allocates: torch's returns
-    the tensor itself, and Opacus' ghost clipping deepcopies each chunk's gradient into its
-    running sum, which would then go uncounted."""
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        if func is torch.Tensor.__deepcopy__ and isinstance(args[0], FakeTensor):
-            tensor, memo = args
-            if id(tensor) not in memo:
-                copied = tensor.detach().clone()
-                memo[id(tensor)] = copied.requires_grad_(tensor.requires_grad)
-            return memo[id(tensor)]
-        return super().__torch_function__(func, types, args, kwargs)
 
 
 class StorageRecord(StepMode):
@@ -335,7 +319,7 @@ def predict(config, build_trainer, record_ops: bool = False) -> dict:
     model, loss_fn = meta_model(config)  # outside the fake mode: peft cannot build under one
     ranks = planned_ranks(config.world_size, DEVICE)
     cuda = CudaAttention()
-    with ranks, fake, FakeCopies(fake), record, _as_on_cuda(config, cuda), _quiet_fake_warnings():
+    with ranks, fake, fake_deepcopies(), record, _as_on_cuda(config, cuda), _quiet_fake_warnings():
         runner = _built(config, model, loss_fn, build_trainer)
         mine = rank_share(config)
         physical = min(config.physical_batch_size, mine)

@@ -2,6 +2,7 @@
 exactly the tensors torch's metadata record does, its outputs read back from the cache are the
 ones torch's mode gives, and a whole planned step is the same with either mode."""
 
+import copy
 import itertools
 
 import pytest
@@ -217,3 +218,21 @@ def test_a_planned_step_is_the_same_under_either_mode(trainer, shape, monkeypatc
     planned = summary(fake_step.predict(config, worker.build_trainer))
     monkeypatch.setattr(fake_step, "PlannedFakeMode", FakeTensorMode)
     assert planned == summary(fake_step.predict(config, worker.build_trainer))
+
+
+def test_a_deepcopy_inside_the_plan_is_a_new_recorded_storage_and_no_function_mode_is_on():
+    """copy.deepcopy of a fake tensor, as Opacus' ghost clipping makes its running sum, is a new
+    storage the record counts (requires_grad kept, each tensor copied once per memo), without
+    a TorchFunctionMode, which would see every tensor attribute read of the step; FakeTensor is
+    as before once the plan ends."""
+    record = fake_step.StorageRecord()
+    with fake_mode.PlannedFakeMode(), fake_mode.fake_deepcopies(), record:
+        assert torch._C._len_torch_function_stack() == 0
+        gradient = torch.empty(16, 16).requires_grad_()
+        allocations = len(record.events)
+        first, second = copy.deepcopy([gradient, gradient])
+        assert first is second and first is not gradient and first.requires_grad
+        assert first.untyped_storage()._cdata != gradient.untyped_storage()._cdata
+        copied_bytes = record.live[fake_step.storage_key(first)]
+        assert [event["size"] for event in record.events[allocations:]] == [copied_bytes]
+    assert "__deepcopy__" not in vars(fake_mode.FakeTensor)
