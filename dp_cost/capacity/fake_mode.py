@@ -112,6 +112,57 @@ class PlannedFakeMode(FakeTensorMode):
                 else:
                     torch_key(result, (arg,), state, id_hashed_objects)
 
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            # device -> the attributes a fake tensor made here has (None: torch's constructor)
+            self._fake_fields: dict[torch.device, dict] | None = {}
+
+        def _fake_tensor(self, meta: torch.Tensor, device: torch.device) -> FakeTensor:
+            """``FakeTensor(self, meta, device)``, its attributes copied from one torch's own
+            constructor made on this device: that constructor checks and normalizes each
+            argument, a third of a cache hit's cost. Where the copy would differ from torch's
+            tensor (another torch, a debug trace), torch's constructor makes every one."""
+            fields = self._fake_fields.get(device) if self._fake_fields is not None else None
+            if fields is None:
+                made = FakeTensor(self, meta, device)
+                if self._fake_fields is not None:
+                    fields = self._fields_copied_from(made, meta)
+                    if fields is None:
+                        self._fake_fields = None
+                    else:
+                        self._fake_fields[device] = fields
+                return made
+            return self._subclassed(meta, device, fields)
+
+        def _subclassed(self, meta, device, fields) -> FakeTensor:
+            tensor = torch.Tensor._make_subclass(
+                FakeTensor, meta, meta.requires_grad, dispatch_device=True,
+                device_for_backend_keys=device,
+            )  # fmt: skip
+            if self._allow_unsafe_data_ptr_access:
+                torch._C._set_warn_deprecated_on_mutable_data_ptr(tensor)
+            else:
+                torch._C._set_throw_on_mutable_data_ptr(tensor)
+            tensor.__dict__.update(fields)
+            return tensor
+
+        def _fields_copied_from(self, made: FakeTensor, meta: torch.Tensor) -> dict | None:
+            """``made``'s attributes, where a tensor ``_subclassed`` gives them equals it and
+            each is this mode, its device or None; else None."""
+            fields = dict(vars(made))
+            device = made.fake_device
+            if not all(
+                value is None or value is self or (type(value) is torch.device and value == device)
+                for value in fields.values()
+            ):
+                return None
+            try:
+                twin = self._subclassed(meta, device, fields)
+            except (TypeError, RuntimeError, AttributeError):
+                return None
+            same = type(twin) is FakeTensor and twin.device == made.device
+            return fields if same and vars(twin) == vars(made) else None
+
         def _get_output_tensor_from_cache_entry(self, state, entry, key, func, args):
             metadata = entry.metadata
             torch_output = super()._get_output_tensor_from_cache_entry
@@ -145,7 +196,7 @@ class PlannedFakeMode(FakeTensorMode):
                 torch._C._set_neg(empty, True)
             if storage is not None:
                 empty.set_(storage, metadata.storage_offset, metadata.shape, metadata.stride)
-            return FakeTensor(self, empty, metadata.device)
+            return self._fake_tensor(empty, metadata.device)
 
 
 @contextlib.contextmanager

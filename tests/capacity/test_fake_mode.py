@@ -25,6 +25,12 @@ def test_the_fast_paths_are_taken_on_this_torch():
     still right): this says so here, where it would otherwise go unnoticed."""
     assert fake_mode.FAST
     assert "_prep_args_for_hash" in vars(fake_mode.PlannedFakeMode)
+    mode = fake_mode.PlannedFakeMode()
+    with mode:
+        x = torch.empty(3)
+        for _ in range(2):  # the second a cache hit, made by _fake_tensor's copy
+            x.exp()
+    assert list(mode._fake_fields) == [torch.device("cpu")]
 
 
 def tensors_differing_in_each_field() -> dict[str, torch.Tensor]:
@@ -129,10 +135,13 @@ def run_ops(x: torch.Tensor, y: torch.Tensor) -> list[torch.Tensor]:
 
 
 def described(outputs: list[torch.Tensor], inputs: list[torch.Tensor]) -> list[tuple]:
-    """What each output is: its metadata, and which input's storage it shares (a view's)."""
+    """What each output is: its type, metadata and Python attributes (its mode as whether it
+    is the inputs'), and which input's storage it shares (a view's)."""
     storages = [t.untyped_storage()._cdata for t in inputs]
     return [
         (
+            type(out),
+            {k: v is inputs[0].fake_mode if k == "fake_mode" else v for k, v in vars(out).items()},
             out.dtype,
             tuple(out.shape),
             out.stride(),
