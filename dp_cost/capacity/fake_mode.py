@@ -84,6 +84,34 @@ def _plain_ints(values) -> bool:
     return all(type(value) is int for value in values)
 
 
+# id(cache entry) -> (the entry, kept alive so that its id is not reused; _plain_entry of it)
+_PLAIN_ENTRIES: dict[int, tuple[object, bool]] = {}
+
+
+def _plain_entry(entry, func) -> bool:
+    """Whether a cache hit's output of ``func`` from ``entry`` is made here: a new dense tensor
+    (or a view) of plain-integer sizes, strides and offset; in-place outputs, constants and
+    symbolic metadata are left to torch's code."""
+    metadata = entry.metadata
+    return (
+        entry.inplace_idx is None
+        and metadata is not None
+        and isinstance(func, torch._ops.OpOverload)
+        and metadata.layout is torch.strided
+        and type(metadata.storage_offset) is int
+        and _plain_ints(metadata.shape)
+        and _plain_ints(metadata.stride)
+    )
+
+
+def _undecorated(function):
+    """``function`` without the wrappers functools.wraps left on it (torch's dispatch of its
+    fake mode: a guard against compiling into it and a call counter, two Python calls an op)."""
+    while hasattr(function, "__wrapped__"):
+        function = function.__wrapped__
+    return function
+
+
 class PlannedFakeMode(FakeTensorMode):
     """FakeTensorMode whose cache hits on dense, static tensors cost less (module docstring)."""
 
@@ -111,6 +139,13 @@ class PlannedFakeMode(FakeTensorMode):
                     self._prep_args_for_hash(result, arg, state, id_hashed_objects)
                 else:
                     torch_key(result, (arg,), state, id_hashed_objects)
+
+        # torch's dispatch itself: the planned step compiles nothing, and counts go unread
+        __torch_dispatch__ = _undecorated(FakeTensorMode.__dict__["__torch_dispatch__"])
+
+        @classmethod
+        def _should_skip_dynamo(cls) -> bool:
+            return False  # TorchDispatchMode would wrap the dispatch above again
 
         def __init__(self, *args, **kwargs):
             super().__init__(*args, **kwargs)
@@ -164,25 +199,15 @@ class PlannedFakeMode(FakeTensorMode):
             return fields if same and vars(twin) == vars(made) else None
 
         def _get_output_tensor_from_cache_entry(self, state, entry, key, func, args):
-            metadata = entry.metadata
-            torch_output = super()._get_output_tensor_from_cache_entry
-            if (
-                entry.inplace_idx is not None
-                or metadata is None
-                or not isinstance(func, torch._ops.OpOverload)
-            ):
-                return torch_output(state, entry, key, func, args)
+            kept = _PLAIN_ENTRIES.get(id(entry))
+            if kept is None:  # decided once an entry: the entry holds one op's output
+                kept = _PLAIN_ENTRIES[id(entry)] = (entry, _plain_entry(entry, func))
             # a view shares its input's storage, as torch's does; one of symbolic bytes needs
             # torch's guards
-            storage = args[entry.view_idx].untyped_storage() if func.is_view else None
-            if (
-                metadata.layout is not torch.strided
-                or type(metadata.storage_offset) is not int
-                or not _plain_ints(metadata.shape)
-                or not _plain_ints(metadata.stride)
-                or (storage is not None and type(storage.nbytes()) is not int)
-            ):
-                return torch_output(state, entry, key, func, args)
+            storage = args[entry.view_idx].untyped_storage() if kept[1] and func.is_view else None
+            if not kept[1] or (storage is not None and type(storage.nbytes()) is not int):
+                return super()._get_output_tensor_from_cache_entry(state, entry, key, func, args)
+            metadata = entry.metadata
             # Made outside torch's in_kernel_invocation_manager, whose entry and exit cost twice
             # the empty tensor: inside the fake mode's dispatch no dispatch mode is active, and
             # neither op has a fake argument for the meta dispatch it sets up to see
