@@ -245,3 +245,33 @@ def test_a_deepcopy_inside_the_plan_is_a_new_recorded_storage_and_no_function_mo
         copied_bytes = record.live[fake_step.storage_key(first)]
         assert [event["size"] for event in record.events[allocations:]] == [copied_bytes]
     assert "__deepcopy__" not in vars(fake_mode.FakeTensor)
+
+
+def test_the_meta_model_made_fake_is_what_to_empty_makes():
+    """``_fake_empty`` gives each parameter and buffer the sizes, strides, dtype, bytes and
+    requires_grad that ``to_empty`` does under the fake mode, a non-contiguous buffer included
+    (it takes torch's way), and records one allocation each."""
+
+    class Holder(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.linear = torch.nn.Linear(6, 4, dtype=torch.bfloat16)
+            self.frozen = torch.nn.Parameter(torch.empty(3, 5), requires_grad=False)
+            self.register_buffer("transposed", torch.empty(5, 7).t())
+
+    def made(materialize):
+        record = fake_step.StorageRecord()
+        with torch.device("meta"):
+            model = Holder()
+        with fake_mode.PlannedFakeMode(allow_non_fake_inputs=True), record:
+            model = materialize(model)
+        tensors = [*model.named_parameters(), *model.named_buffers()]
+        return [
+            (name, type(t).__name__, tuple(t.shape), t.stride(), t.dtype, t.requires_grad,
+             t.untyped_storage().nbytes(), t.device.type)
+            for name, t in tensors
+        ], len(record.events)  # fmt: skip
+
+    fast = made(fake_step._fake_empty)
+    assert fast == made(lambda model: model.to_empty(device="cpu"))
+    assert fast[1] == 4 and ((7, 5), (1, 7)) in [(row[2], row[3]) for row in fast[0]]
