@@ -12,7 +12,10 @@ that are plain integers.
   The rest follows from these for a dense tensor: its layout, memory format, quantization and
   sparse fields.
 - Output: where the cached output's sizes are plain integers, it is built without guard
-  suppression, which only symbols need.
+  suppression, which only symbols need, and without torch's in_kernel_invocation_manager (no
+  mode is active inside the fake mode's dispatch); its FakeTensor gets the attributes of one
+  that torch's constructor made on the same device, instead of that constructor's checks.
+- Dispatch: torch's own, without the compile guard and call counter wrapped around it.
 
 Anything else takes torch's own code: a symbolic size, offset or storage, a sparse tensor,
 another mode's tensor, an argument of a kind not listed below, an in-place or constant output.
@@ -31,6 +34,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import inspect
+import os
 
 import torch
 from torch._subclasses.fake_tensor import (
@@ -84,10 +88,6 @@ def _plain_ints(values) -> bool:
     return all(type(value) is int for value in values)
 
 
-# id(cache entry) -> (the entry, kept alive so that its id is not reused; _plain_entry of it)
-_PLAIN_ENTRIES: dict[int, tuple[object, bool]] = {}
-
-
 def _plain_entry(entry, func) -> bool:
     """Whether a cache hit's output of ``func`` from ``entry`` is made here: a new dense tensor
     (or a view) of plain-integer sizes, strides and offset; in-place outputs, constants and
@@ -104,12 +104,23 @@ def _plain_entry(entry, func) -> bool:
     )
 
 
+# The wrappers torch puts around FakeTensorMode's dispatch: a guard against compiling into it
+# and a call counter (each a Python call or more an op; a planned step compiles nothing and
+# reads no counts)
+TORCH_WRAPPERS = (os.path.join("torch", "_compile.py"), os.path.join("torch", "utils", "_stats.py"))
+
+
 def _undecorated(function):
-    """``function`` without the wrappers functools.wraps left on it (torch's dispatch of its
-    fake mode: a guard against compiling into it and a call counter, two Python calls an op)."""
+    """``function`` without the wrappers of TORCH_WRAPPERS, or None where another wraps it."""
     while hasattr(function, "__wrapped__"):
+        code = getattr(function, "__code__", None)
+        if code is None or not code.co_filename.endswith(TORCH_WRAPPERS):
+            return None
         function = function.__wrapped__
     return function
+
+
+TORCH_DISPATCH = _undecorated(FakeTensorMode.__dict__["__torch_dispatch__"])
 
 
 class PlannedFakeMode(FakeTensorMode):
@@ -140,15 +151,17 @@ class PlannedFakeMode(FakeTensorMode):
                 else:
                     torch_key(result, (arg,), state, id_hashed_objects)
 
-        # torch's dispatch itself: the planned step compiles nothing, and counts go unread
-        __torch_dispatch__ = _undecorated(FakeTensorMode.__dict__["__torch_dispatch__"])
+        if TORCH_DISPATCH is not None:  # torch's dispatch itself, without its wrappers
+            __torch_dispatch__ = TORCH_DISPATCH
 
-        @classmethod
-        def _should_skip_dynamo(cls) -> bool:
-            return False  # TorchDispatchMode would wrap the dispatch above again
+            @classmethod
+            def _should_skip_dynamo(cls) -> bool:
+                return False  # TorchDispatchMode would wrap the dispatch above again
 
         def __init__(self, *args, **kwargs):
             super().__init__(*args, **kwargs)
+            # id(cache entry) -> (the entry, kept so that its id is not reused; _plain_entry)
+            self._plain_entries: dict[int, tuple[object, bool]] = {}
             # device -> the attributes a fake tensor made here has (None: torch's constructor)
             self._fake_fields: dict[torch.device, dict] | None = {}
 
@@ -199,9 +212,9 @@ class PlannedFakeMode(FakeTensorMode):
             return fields if same and vars(twin) == vars(made) else None
 
         def _get_output_tensor_from_cache_entry(self, state, entry, key, func, args):
-            kept = _PLAIN_ENTRIES.get(id(entry))
+            kept = self._plain_entries.get(id(entry))
             if kept is None:  # decided once an entry: the entry holds one op's output
-                kept = _PLAIN_ENTRIES[id(entry)] = (entry, _plain_entry(entry, func))
+                kept = self._plain_entries[id(entry)] = (entry, _plain_entry(entry, func))
             # a view shares its input's storage, as torch's does; one of symbolic bytes needs
             # torch's guards
             storage = args[entry.view_idx].untyped_storage() if kept[1] and func.is_view else None
