@@ -168,8 +168,8 @@ class PlannedFakeMode(FakeTensorMode):
         def _fake_tensor(self, meta: torch.Tensor, device: torch.device) -> FakeTensor:
             """``FakeTensor(self, meta, device)``, its attributes copied from one torch's own
             constructor made on this device: that constructor checks and normalizes each
-            argument, a third of a cache hit's cost. Where the copy would differ from torch's
-            tensor (another torch, a debug trace), torch's constructor makes every one."""
+            argument (14 µs a tensor against 3 to 4 µs here). Where the copy would differ from
+            torch's tensor (another torch, a debug trace), torch's constructor makes every one."""
             fields = self._fake_fields.get(device) if self._fake_fields is not None else None
             if fields is None:
                 made = FakeTensor(self, meta, device)

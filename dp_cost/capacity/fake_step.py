@@ -376,8 +376,8 @@ def _built(config, model, loss_fn, build_trainer):
 
 def _fake_empty(model: torch.nn.Module) -> torch.nn.Module:
     """``model.to_empty(device=DEVICE)`` under the fake mode, a contiguous meta tensor's twin
-    made from its sizes and strides alone: torch's empty_like first converts each meta tensor into a
-    fake one of its own (a tenth of a standard prediction's time)."""
+    made from its sizes and strides alone: torch's empty_like first converts each meta tensor
+    into a fake one of its own (0.34 s against 0.095 s for the 1b model)."""
 
     def empty(tensor):
         if type(tensor) in (torch.Tensor, torch.nn.Parameter) and tensor.is_contiguous():
