@@ -4,13 +4,15 @@ reduce-scatters and DDP's all-reduces alike, whose defaults differ), how many by
 collectives may be in flight behind the newest before the compute stream waits for the oldest
 (FSDP2's reduce-scatters; DDP's all-reduces are never waited for before the last), how many
 groups a step's last collectives land in (each group's noise and optimizer step beside the later
-groups' collectives; 1: every one waited for first), and how many
-blocks FSDP2 all-gathers ahead in the backward (every trainer's; dp_cost.parallel.fsdp). For
+groups' collectives; 1: every one waited for first), how many
+blocks FSDP2 all-gathers ahead in the backward (every trainer's; dp_cost.parallel.fsdp), and how
+many FSDP2 units of the next chunk's forward flash all-gathers after a chunk's backward. For
 measuring what they cost; a setting not given keeps its default (dp_cost.flash.sinks',
 dp_cost.parallel.fsdp's).
 
 usage: torchrun --nproc_per_node W benchmarks/fsdp_buckets.py [--bucket_mb MB]
            [--in_flight_mb MB|none] [--backward_prefetch N] [--landing_groups N]
+           [--forward_prefetch N]
            -- PROFILING_SCRIPT_ARGUMENTS
 """
 
@@ -33,6 +35,9 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--in_flight_mb", help="MiB in flight behind the newest, or none")
     parser.add_argument("--backward_prefetch", type=int, help="blocks all-gathered ahead")
     parser.add_argument(
+        "--forward_prefetch", type=int, help="units of the next chunk's forward gathered ahead"
+    )
+    parser.add_argument(
         "--landing_groups", type=int, help="groups a step's last collectives land in (1: all first)"
     )
     # profiling_script.py's arguments after "--" (torchrun drops a "--" that follows the script
@@ -42,6 +47,8 @@ def main(argv: list[str]) -> int:
     rest = unknown + argv[split + 1 :]
     if args.backward_prefetch is not None and args.backward_prefetch < 1:
         parser.error("--backward_prefetch must be at least 1")
+    if args.forward_prefetch is not None and args.forward_prefetch < 0:
+        parser.error("--forward_prefetch must be at least 0")
     if args.landing_groups is not None and args.landing_groups < 1:
         parser.error("--landing_groups must be at least 1")
     from dp_cost.flash import sinks as buckets
@@ -55,6 +62,8 @@ def main(argv: list[str]) -> int:
         buckets.ShardedGradients.IN_FLIGHT_BYTES = in_flight
     if args.backward_prefetch is not None:
         fsdp.BACKWARD_PREFETCH_BLOCKS = args.backward_prefetch
+    if args.forward_prefetch is not None:
+        fsdp.FORWARD_PREFETCH_UNITS = args.forward_prefetch
     if args.landing_groups is not None:
         buckets.LANDING_GROUPS = args.landing_groups
     os.chdir(ROOT)

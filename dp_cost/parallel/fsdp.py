@@ -32,6 +32,11 @@ def shard(model: nn.Module, units: str) -> nn.Module:
 # not at all, leaving flash / standard where it was.
 BACKWARD_PREFETCH_BLOCKS = 1
 
+# Units of a chunk's forward that a trainer whose link idles between a chunk's backward and the
+# next chunk's forward (flash: its clipped sums are made after the backward) all-gathers there
+# (forward_units, prefetch_forward). 0: none; each unit's own pre-forward gathers it.
+FORWARD_PREFETCH_UNITS = 0
+
 
 def shard_blocks(model: nn.Module) -> nn.Module:
     """Each transformer block one FSDP2 unit (all-gathered for its forward and backward, then
@@ -53,6 +58,19 @@ def shard_blocks(model: nn.Module) -> nn.Module:
             # A plain SUM (NCCL would otherwise use PreMulSum by 1.0, which gloo lacks).
             module.set_force_sum_reduction_for_comms(True)
     return model
+
+
+def forward_units(model: nn.Module) -> list[FSDPModule]:
+    """``model``'s FSDP2 units in the order its forward gathers them: the root, then the blocks
+    (module order; the forwards of the models here run their blocks in it)."""
+    return [module for module in model.modules() if isinstance(module, FSDPModule)]
+
+
+def prefetch_forward(units: list[FSDPModule]) -> None:
+    """Each unit's parameters all-gathered now, asynchronously (FSDPModule.unshard): its own
+    pre-forward waits for its gather instead of starting one."""
+    for unit in units:
+        unit.unshard(async_op=True)
 
 
 FSDP_UNITS = {

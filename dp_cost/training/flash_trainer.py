@@ -15,7 +15,7 @@ from dp_cost.flash import (
     cuda_graphs,
 )
 from dp_cost.flash import sinks as flash_sinks
-from dp_cost.parallel import collectives
+from dp_cost.parallel import collectives, fsdp
 from dp_cost.stepping.protocol import CaptureSupport
 from dp_cost.training.base import PrivateTrainer
 from dp_cost.training.clipping import ClippingRule
@@ -73,6 +73,10 @@ class FlashClippingTrainer(PrivateTrainer):
         contexts = recompute.recompute_contexts(model)  # None: not checkpointed
         self.engine = FlashClipping(model, route=flash_route, checkpointed=contexts)
         self.held_sums: dict = {}  # FSDP2, fsdp_sync "logical": flash_sinks.HeldSums' sums
+        # FSDP2: its units in forward order; those of the next chunk's forward this chunk
+        # gathers after its backward (prefetch_next_forward), if any
+        self.forward_units = fsdp.forward_units(model) if settings.mode.shards else []
+        self.next_forward: list = []
         try:
             self.optimizer = self.make_optimizer(list(self.engine.params))
         except Exception:
@@ -110,10 +114,14 @@ class FlashClippingTrainer(PrivateTrainer):
         # Several ranks: each collective starts once its clipped sum exists (the sink); FSDP2
         # with fsdp_sync "logical": held unsharded until the last chunk, sent once then.
         self.chunk_sink = self.gradient_sink(chunk.is_last)
+        # (captured, each chunk is a graph of its own: its gathers stay in it)
+        prefetch = not chunk.is_last and not cuda_graphs.capturing()
+        self.next_forward = self.forward_units[: fsdp.FORWARD_PREFETCH_UNITS] if prefetch else []
         try:
             self.clip_chunk(per_sample.sum())
         finally:  # also when it fails: a later step starts from nothing
             self.chunk_sink, self.chunk_squared, self.chunk_factors = None, None, None
+            self.next_forward = []
         self.engine.release()
         self.phases("backward_done")
         return per_sample.detach().sum()
@@ -128,6 +136,8 @@ class FlashClippingTrainer(PrivateTrainer):
         if two_backwards:  # the first makes norms only: no G written, none copied
             self.engine.clip_each_block(self.clip_block, copy_gradients=False)
         self.engine.backward(loss, retain_graph=two_backwards)
+        if not two_backwards:
+            self.prefetch_next_forward()
         self.phases("_clip_inputs_saved")  # A, G and per-sample grads all held: name them
         if self.settings.clipping.per_layer:
             self.clip_block(self.engine, finish=True)
@@ -141,7 +151,17 @@ class FlashClippingTrainer(PrivateTrainer):
             self.chunk_factors = factors
             self.engine.clip_each_block(self.clip_block, copy_gradients=True)
             self.engine.backward(loss)
+            self.prefetch_next_forward()
         self.engine.accumulate_clipped_grads(factors, self.chunk_sink)
+
+    def prefetch_next_forward(self) -> None:
+        """FSDP2, a chunk before the step's last, its backwards done: the next chunk's first
+        units (``next_forward``) all-gathered now. Their gathers run beside this chunk's norms
+        and clipped sums, where the link carries only the clipped sums' reduce-scatters, if
+        any, and the GEMMs that make them leave it idle; else each gather starts in the next
+        forward, which at a few samples a rank waits on its gathers."""
+        units, self.next_forward = self.next_forward, []
+        fsdp.prefetch_forward(units)
 
     def clip_block(self, engine: FlashClipping, finish: bool = False) -> None:
         """What the engine holds, done (after the backward; with checkpointing also each block

@@ -25,7 +25,7 @@ import models  # noqa: E402
 import trainers  # noqa: E402
 from dp_cost.flash import clip as flash_clip  # noqa: E402
 from dp_cost.flash import sinks as buckets  # noqa: E402
-from dp_cost.parallel import ranks  # noqa: E402
+from dp_cost.parallel import fsdp, ranks  # noqa: E402
 from dp_cost.parallel.mode import distributed_mode  # noqa: E402
 from dp_cost.training.clipping import merged_record  # noqa: E402
 from tests.torchrun_exit import leave_without_teardown  # noqa: E402
@@ -151,11 +151,14 @@ def run_job(job: dict, info, max_grad_norm: float, seq: int) -> dict:
     synced_after_a_chunk: see sync_recorded), reseed (false: every rank seeded alike before the
     step), local_grads (also save every rank's gradient tensors, a list a rank: FSDP2's
     shards), checkpointing (the model's blocks checkpointed), num_layers (the model's blocks,
-    SMALL's by default)."""
+    SMALL's by default), forward_prefetch (FSDP2: units of the next chunk's forward flash
+    gathers after a chunk's backward)."""
     defaults = buckets.BUCKET_BYTES, buckets.ShardedGradients.IN_FLIGHT_BYTES
     all_reduce_default = buckets.ALL_REDUCE_BUCKET_BYTES
     buckets.BUCKET_BYTES = job.get("bucket_bytes") or defaults[0]
     buckets.ALL_REDUCE_BUCKET_BYTES = job.get("bucket_bytes") or all_reduce_default
+    prefetch_default = fsdp.FORWARD_PREFETCH_UNITS
+    fsdp.FORWARD_PREFETCH_UNITS = job.get("forward_prefetch", prefetch_default)
     in_flight = job.get("in_flight_bytes")
     buckets.ShardedGradients.IN_FLIGHT_BYTES = defaults[1] if in_flight is None else in_flight
     if "textbook_dpsgd" in job["trainers"] and "textbook_dpsgd" not in trainers.TRAINERS:
@@ -218,6 +221,7 @@ def run_job(job: dict, info, max_grad_norm: float, seq: int) -> dict:
                 saved[case, name]["synced_after_a_chunk"] = synced()
     buckets.BUCKET_BYTES, buckets.ShardedGradients.IN_FLIGHT_BYTES = defaults
     buckets.ALL_REDUCE_BUCKET_BYTES = all_reduce_default
+    fsdp.FORWARD_PREFETCH_UNITS = prefetch_default
     return saved
 
 

@@ -519,11 +519,14 @@ def test_fsdp2_sync_per_chunk_and_per_logical_batch_give_the_same_update_on_3_ra
                **SMALL_BUCKETS}
         for sync in ("chunk", "logical")
     }  # fmt: skip
+    # flash gathering the next chunk's first units (the root and two blocks) after a backward
+    for sync in ("chunk", "logical"):
+        jobs[f"prefetched {sync}"] = {**jobs[sync], "trainers": ["flash"], "forward_prefetch": 3}
     # per-layer clipping on 3 ranks: flash under FSDP2 (both syncs) and DDP, dpsgd under DDP
     for sync in ("chunk", "logical"):
         jobs[f"per_layer {sync}"] = {
             "distributed": "fsdp", "trainers": ["flash"], "cases": PER_LAYER_THREE_RANK_CASES,
-            "fsdp_sync": sync, "clipping": "per_layer", **SMALL_BUCKETS,
+            "fsdp_sync": sync, "clipping": "per_layer", "forward_prefetch": 3, **SMALL_BUCKETS,
         }  # fmt: skip
     jobs["per_layer ddp"] = {
         "distributed": "ddp", "trainers": ["dpsgd", "flash"], "cases": PER_LAYER_THREE_RANK_CASES,
@@ -532,7 +535,11 @@ def test_fsdp2_sync_per_chunk_and_per_logical_batch_give_the_same_update_on_3_ra
     # flash on checkpointed blocks: FSDP2 per-layer, DDP flat
     jobs["checkpointed per_layer fsdp"] = {
         "distributed": "fsdp", "trainers": ["flash"], "cases": PER_LAYER_THREE_RANK_CASES,
-        "clipping": "per_layer", "checkpointing": True, **SMALL_BUCKETS,
+        "clipping": "per_layer", "checkpointing": True, "forward_prefetch": 3, **SMALL_BUCKETS,
+    }  # fmt: skip
+    jobs["checkpointed prefetched fsdp"] = {  # flat: the gathers after the second backward
+        "distributed": "fsdp", "trainers": ["flash"], "cases": THREE_RANK_CASES,
+        "checkpointing": True, "forward_prefetch": 3, **SMALL_BUCKETS,
     }  # fmt: skip
     jobs["checkpointed ddp"] = {
         "distributed": "ddp", "trainers": ["flash"], "cases": THREE_RANK_CASES,
@@ -544,12 +551,14 @@ def test_fsdp2_sync_per_chunk_and_per_logical_batch_give_the_same_update_on_3_ra
         saved["checkpointed per_layer fsdp"], ["flash"], PER_LAYER_THREE_RANK_CASES
     )
     check_update(saved["checkpointed ddp"], "ddp", ["flash"], THREE_RANK_CASES)
+    check_update(saved["checkpointed prefetched fsdp"], "fsdp", ["flash"], THREE_RANK_CASES)
     check_textbook(saved)
     for job in ("per_layer chunk", "per_layer logical"):
         check_per_layer_update(saved[job], ["flash"], PER_LAYER_THREE_RANK_CASES)
     check_per_layer_update(saved["per_layer ddp"], ["dpsgd", "flash"], PER_LAYER_THREE_RANK_CASES)
     for sync in ("chunk", "logical"):
         check_update(saved[sync], "fsdp", ["standard", "flash"], THREE_RANK_CASES)
+        check_update(saved[f"prefetched {sync}"], "fsdp", ["flash"], THREE_RANK_CASES)
     for case in THREE_RANK_CASES:
         for name in ("standard", "flash"):
             per_chunk = saved["chunk"][case, name]["grad"]
