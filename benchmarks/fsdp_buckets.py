@@ -6,7 +6,8 @@ collectives may be in flight behind the newest before the compute stream waits f
 groups a step's last collectives land in (each group's noise and optimizer step beside the later
 groups' collectives; 1: every one waited for first), how many
 blocks FSDP2 all-gathers ahead in the backward (every trainer's; dp_cost.parallel.fsdp), and how
-many FSDP2 units of the next chunk's forward flash all-gathers after a chunk's backward. For
+many FSDP2 units of the next chunk's forward flash all-gathers after a chunk's backward
+(reducing every chunk). For
 measuring what they cost; a setting not given keeps its default (dp_cost.flash.sinks',
 dp_cost.parallel.fsdp's).
 

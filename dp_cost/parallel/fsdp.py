@@ -33,12 +33,13 @@ def shard(model: nn.Module, units: str) -> nn.Module:
 BACKWARD_PREFETCH_BLOCKS = 1
 
 # Units of a chunk's forward that a trainer whose link idles between a chunk's backward and the
-# next chunk's forward (flash: its clipped sums are made after the backward) all-gathers there
-# (forward_units, prefetch_forward); 0: none, each unit's own pre-forward gathers it. Two (the
-# root, whose embedding and head are the largest gather, and the first block): on Llama-3.1-8B
-# under FSDP2 x 2 with four chunks a rank, flash's step was faster than with none in each of
-# three interleaved rounds, and five were slower than two (their gathers go ahead of the
-# clipped sums' reduce-scatters on NCCL's stream); benchmarks/fsdp_buckets.py --forward_prefetch.
+# next chunk's forward (flash reducing every chunk: its clipped sums are made after the
+# backward) all-gathers there (forward_units, prefetch_forward); 0: none, each unit's own
+# pre-forward gathers it. Two (the root, whose embedding and head are the largest gather, and
+# the first block): on Llama-3.1-8B under FSDP2 x 2 with four chunks a rank, flash's median step
+# over three interleaved rounds was faster than with none on each of two machines, and five
+# were slower than two on the one that ran five (their gathers go ahead of the clipped sums'
+# reduce-scatters on NCCL's stream); benchmarks/fsdp_buckets.py --forward_prefetch.
 FORWARD_PREFETCH_UNITS = 2
 
 

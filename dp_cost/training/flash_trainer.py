@@ -114,8 +114,11 @@ class FlashClippingTrainer(PrivateTrainer):
         # Several ranks: each collective starts once its clipped sum exists (the sink); FSDP2
         # with fsdp_sync "logical": held unsharded until the last chunk, sent once then.
         self.chunk_sink = self.gradient_sink(chunk.is_last)
-        # (captured, each chunk is a graph of its own: its gathers stay in it)
-        prefetch = not chunk.is_last and not cuda_graphs.capturing()
+        # Reducing every chunk only (with fsdp_sync "logical" it was slower and reserved more
+        # on Llama-3.1-8B, in one run on each of two machines); captured, each chunk is a
+        # graph of its own, and its gathers stay in it.
+        prefetch = self.settings.sync_every_chunk and not chunk.is_last
+        prefetch = prefetch and not cuda_graphs.capturing()
         self.next_forward = self.forward_units[: fsdp.FORWARD_PREFETCH_UNITS] if prefetch else []
         try:
             self.clip_chunk(per_sample.sum())
@@ -155,11 +158,11 @@ class FlashClippingTrainer(PrivateTrainer):
         self.engine.accumulate_clipped_grads(factors, self.chunk_sink)
 
     def prefetch_next_forward(self) -> None:
-        """FSDP2, a chunk before the step's last, its backwards done: the next chunk's first
-        units (``next_forward``) all-gathered now. Their gathers run beside this chunk's norms
-        and clipped sums, where the link carries only the clipped sums' reduce-scatters, if
-        any, and the GEMMs that make them leave it idle; else each gather starts in the next
-        forward, which at a few samples a rank waits on its gathers."""
+        """FSDP2 reducing every chunk, a chunk before the step's last, its backwards done: the
+        next chunk's first units (``next_forward``) all-gathered now. Their gathers run beside
+        this chunk's norms and clipped sums, where the link carries only the clipped sums'
+        reduce-scatters and the GEMMs that make them leave it idle at times; else each gather
+        starts in the next forward, which at a few samples a rank waits on its gathers."""
         units, self.next_forward = self.next_forward, []
         fsdp.prefetch_forward(units)
 

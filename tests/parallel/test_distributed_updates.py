@@ -519,10 +519,11 @@ def test_fsdp2_sync_per_chunk_and_per_logical_batch_give_the_same_update_on_3_ra
                **SMALL_BUCKETS}
         for sync in ("chunk", "logical")
     }  # fmt: skip
-    # flash gathering the next chunk's first units (the root and two blocks) after a backward
-    for sync in ("chunk", "logical"):
-        jobs[f"prefetched {sync}"] = {**jobs[sync], "trainers": ["flash"], "forward_prefetch": 3}
-    # per-layer clipping on 3 ranks: flash under FSDP2 (both syncs) and DDP, dpsgd under DDP
+    # flash reducing every chunk, gathering the next chunk's units (the root and both blocks)
+    # after a chunk's backward
+    jobs["prefetched chunk"] = {**jobs["chunk"], "trainers": ["flash"], "forward_prefetch": 3}
+    # per-layer clipping on 3 ranks: flash under FSDP2 (both syncs; the gathers ahead under
+    # "chunk" only) and DDP, dpsgd under DDP
     for sync in ("chunk", "logical"):
         jobs[f"per_layer {sync}"] = {
             "distributed": "fsdp", "trainers": ["flash"], "cases": PER_LAYER_THREE_RANK_CASES,
@@ -552,13 +553,13 @@ def test_fsdp2_sync_per_chunk_and_per_logical_batch_give_the_same_update_on_3_ra
     )
     check_update(saved["checkpointed ddp"], "ddp", ["flash"], THREE_RANK_CASES)
     check_update(saved["checkpointed prefetched fsdp"], "fsdp", ["flash"], THREE_RANK_CASES)
+    check_update(saved["prefetched chunk"], "fsdp", ["flash"], THREE_RANK_CASES)
     check_textbook(saved)
     for job in ("per_layer chunk", "per_layer logical"):
         check_per_layer_update(saved[job], ["flash"], PER_LAYER_THREE_RANK_CASES)
     check_per_layer_update(saved["per_layer ddp"], ["dpsgd", "flash"], PER_LAYER_THREE_RANK_CASES)
     for sync in ("chunk", "logical"):
         check_update(saved[sync], "fsdp", ["standard", "flash"], THREE_RANK_CASES)
-        check_update(saved[f"prefetched {sync}"], "fsdp", ["flash"], THREE_RANK_CASES)
     for case in THREE_RANK_CASES:
         for name in ("standard", "flash"):
             per_chunk = saved["chunk"][case, name]["grad"]

@@ -1,8 +1,9 @@
-"""flash under FSDP2 gathering the next chunk's first units after a chunk's backward
-(dp_cost.parallel.fsdp.FORWARD_PREFETCH_UNITS), on a one-rank gloo group in this process: where
-the gathers start, that the next forward waits for them instead of starting its own, that the
-step's last chunk gathers nothing ahead (the optimizer step changes the shards after it), and
-the update as one process's. Exactness on 3 ranks: tests/parallel/test_distributed_updates.py."""
+"""flash under FSDP2 reducing every chunk, gathering the next chunk's first units after a
+chunk's backward (dp_cost.parallel.fsdp.FORWARD_PREFETCH_UNITS), on a one-rank gloo group in
+this process: where the gathers start, that the next forward waits for them instead of starting
+its own, that the step's last chunk gathers nothing ahead (the optimizer step changes the shards
+after it), that with fsdp_sync "logical" no chunk does, and the update as one process's.
+Exactness on 3 ranks: tests/parallel/test_distributed_updates.py."""
 
 import pytest
 import torch
@@ -72,9 +73,9 @@ def test_a_chunk_gathers_the_next_forwards_first_units_after_its_backward(
             gathered_ahead = None
         elif event[0] == "gather" and gathered_ahead is not None:
             gathered_ahead.append(event[1:])
-    # step 1's chunks 1 and 2: the root and the first block, asynchronously; chunk 3 (the
-    # step's last): none, step 2's first forward gathers its own
-    ahead = [(0, True), (1, True)]
+    # reducing every chunk, step 1's chunks 1 and 2: the root and the first block,
+    # asynchronously; chunk 3 (the step's last): none, step 2's first forward gathers its own
+    ahead = [(0, True), (1, True)] if sync == "chunk" else []
     assert between == [ahead, ahead, [], ahead, ahead], events
     # each unit's forward: whether its own pre-forward starts a gather (FSDP2's, not async):
     # not for the units gathered ahead, the later block's always
@@ -84,6 +85,7 @@ def test_a_chunk_gathers_the_next_forwards_first_units_after_its_backward(
         if event[0] == "forward"
     ]
     first, ahead_of_it = [(0, True), (1, True), (2, True)], [(0, False), (1, False), (2, True)]
-    assert own == (first + ahead_of_it * 2) * 2, events
+    later = ahead_of_it if sync == "chunk" else first
+    assert own == (first + later * 2) * 2, events
     for alone, ranked in zip(stepped["none"], stepped["fsdp"], strict=True):
         torch.testing.assert_close(ranked, alone, rtol=1e-5, atol=1e-7)
