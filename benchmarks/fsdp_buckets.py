@@ -4,11 +4,10 @@ reduce-scatters and DDP's all-reduces alike, whose defaults differ), how many by
 collectives may be in flight behind the newest before the compute stream waits for the oldest
 (FSDP2's reduce-scatters; DDP's all-reduces are never waited for before the last), how many
 groups a step's last collectives land in (each group's noise and optimizer step beside the later
-groups' collectives; 1: every one waited for first), how many
-blocks FSDP2 all-gathers ahead in the backward (every trainer's; dp_cost.parallel.fsdp), and how
-many FSDP2 units of the next chunk's forward flash all-gathers after a chunk's backward
-(reducing every chunk). For
-measuring what they cost; a setting not given keeps its default (dp_cost.flash.sinks',
+groups' collectives; 1: every one waited for first), how many blocks FSDP2 all-gathers ahead in
+the backward (every trainer's; dp_cost.parallel.fsdp), and how many FSDP2 units of the next
+chunk's forward flash all-gathers after a chunk's backward (reducing every chunk). For measuring
+what they cost; a setting not given keeps its default (dp_cost.flash.sinks',
 dp_cost.parallel.fsdp's).
 
 usage: torchrun --nproc_per_node W benchmarks/fsdp_buckets.py [--bucket_mb MB]
