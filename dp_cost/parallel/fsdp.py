@@ -35,11 +35,10 @@ BACKWARD_PREFETCH_BLOCKS = 1
 # Units of a chunk's forward that a trainer whose link idles between a chunk's backward and the
 # next chunk's forward (flash reducing every chunk: its clipped sums are made after the
 # backward) all-gathers there (forward_units, prefetch_forward); 0: none, each unit's own
-# pre-forward gathers it. Two (the root, whose embedding and head are the largest gather, and
-# the first block): on Llama-3.1-8B under FSDP2 x 2 with four chunks a rank, flash's median step
-# over three interleaved rounds was faster than with none on each of two machines, and five
-# were slower than two on the one that ran five (their gathers go ahead of the clipped sums'
-# reduce-scatters on NCCL's stream); benchmarks/fsdp_buckets.py --forward_prefetch.
+# pre-forward gathers it. Two, the root (the embedding and the head: the largest gather) and the
+# first block, as measured on Llama-3.1-8B under FSDP2 x 2 (the benchmark index; more went ahead
+# of the clipped sums' reduce-scatters on NCCL's stream and were slower; with fsdp_sync
+# "logical" any were slower); benchmarks/fsdp_buckets.py --forward_prefetch.
 FORWARD_PREFETCH_UNITS = 2
 
 

@@ -4,6 +4,7 @@ per layer (the engine in ``dp_cost.flash``), and its collectives when there are 
 from __future__ import annotations
 
 import torch
+from torch.distributed.fsdp import FSDPModule
 
 from dp_cost.core import recompute
 from dp_cost.core.schema import AllocationSite
@@ -76,7 +77,7 @@ class FlashClippingTrainer(PrivateTrainer):
         # FSDP2: its units in forward order; those of the next chunk's forward this chunk
         # gathers after its backward (prefetch_next_forward), if any
         self.forward_units = fsdp.forward_units(model) if settings.mode.shards else []
-        self.next_forward: list = []
+        self.next_forward_units: list[FSDPModule] = []
         try:
             self.optimizer = self.make_optimizer(list(self.engine.params))
         except Exception:
@@ -114,17 +115,17 @@ class FlashClippingTrainer(PrivateTrainer):
         # Several ranks: each collective starts once its clipped sum exists (the sink); FSDP2
         # with fsdp_sync "logical": held unsharded until the last chunk, sent once then.
         self.chunk_sink = self.gradient_sink(chunk.is_last)
-        # Reducing every chunk only (with fsdp_sync "logical" it was slower and reserved more
-        # on Llama-3.1-8B, in one run on each of two machines); captured, each chunk is a
-        # graph of its own, and its gathers stay in it.
+        # Reducing every chunk only (with "logical" it was slower: fsdp.FORWARD_PREFETCH_UNITS);
+        # never while captured (FSDP2 refuses --cuda_graph; a graph's gathers stay in it).
         prefetch = self.settings.sync_every_chunk and not chunk.is_last
         prefetch = prefetch and not cuda_graphs.capturing()
-        self.next_forward = self.forward_units[: fsdp.FORWARD_PREFETCH_UNITS] if prefetch else []
+        units = self.forward_units[: fsdp.FORWARD_PREFETCH_UNITS] if prefetch else []
+        self.next_forward_units = units
         try:
             self.clip_chunk(per_sample.sum())
         finally:  # also when it fails: a later step starts from nothing
             self.chunk_sink, self.chunk_squared, self.chunk_factors = None, None, None
-            self.next_forward = []
+            self.next_forward_units = []
         self.engine.release()
         self.phases("backward_done")
         return per_sample.detach().sum()
@@ -159,11 +160,11 @@ class FlashClippingTrainer(PrivateTrainer):
 
     def prefetch_next_forward(self) -> None:
         """FSDP2 reducing every chunk, a chunk before the step's last, its backwards done: the
-        next chunk's first units (``next_forward``) all-gathered now. Their gathers run beside
+        next chunk's first units (``next_forward_units``) all-gathered now. Their gathers run beside
         this chunk's norms and clipped sums, where the link carries only the clipped sums'
         reduce-scatters and the GEMMs that make them leave it idle at times; else each gather
         starts in the next forward, which at a few samples a rank waits on its gathers."""
-        units, self.next_forward = self.next_forward, []
+        units, self.next_forward_units = self.next_forward_units, []
         fsdp.prefetch_forward(units)
 
     def clip_block(self, engine: FlashClipping, finish: bool = False) -> None:

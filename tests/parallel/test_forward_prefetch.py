@@ -5,6 +5,8 @@ its own, that the step's last chunk gathers nothing ahead (the optimizer step ch
 after it), that with fsdp_sync "logical" no chunk does, and the update as one process's.
 Exactness on 3 ranks: tests/parallel/test_distributed_updates.py."""
 
+from dataclasses import replace
+
 import pytest
 import torch
 from test_sharded_landing import whole_parameters
@@ -43,17 +45,22 @@ def gathers_and_passes(monkeypatch, units: list, events: list) -> None:
     monkeypatch.setattr(flash_engine.FlashClipping, "backward", logged_backward)
 
 
-@pytest.mark.parametrize("sync", ["chunk", "logical"])
+@pytest.mark.parametrize(
+    ("sync", "checkpointed"), [("chunk", False), ("logical", False), ("chunk", True)]
+)
 def test_a_chunk_gathers_the_next_forwards_first_units_after_its_backward(
-    one_rank, monkeypatch, sync
+    one_rank, monkeypatch, sync, checkpointed
 ):
+    """Checkpointed, flat clipping runs two backwards a chunk: the gathers come after the
+    second (after the first, its recomputation would take them)."""
     monkeypatch.setattr(fsdp, "FORWARD_PREFETCH_UNITS", 2)  # the root and the first block
+    config = replace(SMALL, activation_checkpointing=checkpointed)
     inputs, targets = make_batch(6, 16, seed=5)
     stepped, events = {}, []
     for mode in ("none", "fsdp"):
         torch.manual_seed(0)
         runner = trainers.make_trainer(
-            "flash", models.build_model(SMALL), lr=0.05, batch_size=6, noise_multiplier=0.0,
+            "flash", models.build_model(config), lr=0.05, batch_size=6, noise_multiplier=0.0,
             distributed=mode, max_physical_batch_size=2, fsdp_sync=sync if mode == "fsdp" else None,
         )  # fmt: skip
         if mode == "fsdp":
@@ -77,6 +84,10 @@ def test_a_chunk_gathers_the_next_forwards_first_units_after_its_backward(
     # asynchronously; chunk 3 (the step's last): none, step 2's first forward gathers its own
     ahead = [(0, True), (1, True)] if sync == "chunk" else []
     assert between == [ahead, ahead, [], ahead, ahead], events
+    for alone, ranked in zip(stepped["none"], stepped["fsdp"], strict=True):
+        torch.testing.assert_close(ranked, alone, rtol=1e-5, atol=1e-7)
+    if checkpointed:  # (its recomputations run the blocks' forwards again)
+        return
     # each unit's forward: whether its own pre-forward starts a gather (FSDP2's, not async):
     # not for the units gathered ahead, the later block's always
     own = [
@@ -87,5 +98,3 @@ def test_a_chunk_gathers_the_next_forwards_first_units_after_its_backward(
     first, ahead_of_it = [(0, True), (1, True), (2, True)], [(0, False), (1, False), (2, True)]
     later = ahead_of_it if sync == "chunk" else first
     assert own == (first + later * 2) * 2, events
-    for alone, ranked in zip(stepped["none"], stepped["fsdp"], strict=True):
-        torch.testing.assert_close(ranked, alone, rtol=1e-5, atol=1e-7)
