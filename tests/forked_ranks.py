@@ -27,7 +27,10 @@ import traceback
 from cli_helpers import ROOT, free_port
 
 GRACE_S = 10.0  # between SIGTERM and SIGKILL when a rank failed or the job timed out
-PRELOAD = ["torch", "opacus", "transformers", "peft", "profiling_script", "dp_cost.measure.run"]
+# Also what ranks import later, once here rather than in each rank: pytest (the scripts that take
+# test_trainers' model) and pyplot (the summary rank 0 of a CLI job draws)
+PRELOAD = ["torch", "opacus", "transformers", "peft", "profiling_script", "dp_cost.measure.run",
+           "pytest", "matplotlib.pyplot"]  # fmt: skip
 _context = None
 
 

@@ -335,10 +335,10 @@ def test_recommend_ranks_the_dp_trainers_by_their_fastest_fitting_batch(tmp_path
     from dp_cost.report import capacity as report_capacity
     from tests.cli_helpers import SMALL_MODEL, in_process
 
-    base = ["--mode=capacity", "--batch_sizes", "8", "--seq_lens", "64", *SMALL_MODEL,
-            "--recommend", "--output_dir", tmp_path]  # fmt: skip
-    run = in_process(*base, "--trainers", "standard", "dpsgd", "flash", "--gpu_memory", "0.86",
-                     "--run_name", "rec")  # fmt: skip
+    base = ["--mode=capacity", "--seq_lens", "64", *SMALL_MODEL, "--recommend", "--output_dir",
+            tmp_path]  # fmt: skip
+    run = in_process(*base, "--batch_sizes", "8", "--trainers", "standard", "dpsgd", "flash",
+                     "--gpu_memory", "0.86", "--run_name", "rec")  # fmt: skip
     assert run.returncode == 0, run.stderr
     entries = json.loads((tmp_path / "rec" / "capacity.json").read_text())["configs"]
     best = {}
@@ -363,10 +363,13 @@ def test_recommend_ranks_the_dp_trainers_by_their_fastest_fitting_batch(tmp_path
     assert line in (tmp_path / "rec" / "capacity.md").read_text()
     # in this test, not one of its own: the plan costs most of the test's time
     recommend_check_against_steps_set_by_hand(tmp_path / "rec", entries, tmp_path, capsys)
-    run = in_process(*base, "--trainers", "dpsgd", "--gpu_memory", "0.74", "--run_name", "none")
+    # nothing fits: a batch of 1 (one candidate to plan, not four) fits 0.74 GiB no more than
+    # the batch of 8's chunks of 1 do
+    run = in_process(*base, "--batch_sizes", "1", "--trainers", "dpsgd", "--gpu_memory", "0.74",
+                     "--run_name", "none")  # fmt: skip
     assert run.returncode == 0, run.stderr
     text = (tmp_path / "none" / "capacity.md").read_text()
-    (line,) = [x for x in text.splitlines() if x.startswith("- 1b, batch 8")]
+    (line,) = [x for x in text.splitlines() if x.startswith("- 1b, batch 1")]
     assert "no DP trainer to run" in line and "dpsgd: no physical batch fits 0.74 GiB" in line
     for refused, why in (([], "--gpu_memory GiB"),
                          (["--gpu_memory", "80", "--distributed", "ddp", "--world_size", "4"],
