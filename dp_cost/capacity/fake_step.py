@@ -4,7 +4,8 @@ peak memory of the step, without a GPU.
 torch's ``FakeTensorMode`` (``capacity.fake_mode``'s subclass: cheaper cache hits) gives every
 tensor its shape, dtype and storage but no data and no memory, so the config's own step (the
 same model, trainer and chunking the measuring modes run) runs for a Llama-3.1-8B on a
-laptop's CPU. A dispatch mode records every storage as it is allocated and released; the peak,
+laptop's CPU. Every storage is recorded as it is allocated and released, inside the fake mode's
+own dispatch (``capacity.storage_record``); the peak,
 and its split into the breakdown's roles, come from the same attribution the CUDA breakdown
 uses (``measure.breakdown.attribute_peak``: the trainer's tensors by identity, the rest by the
 functions that allocated them). So each trainer's DP state
@@ -28,30 +29,29 @@ workspaces' size, requested here at the first GEMM of each thread) ``capacity.ca
 from __future__ import annotations
 
 import contextlib
-import sys
 import warnings
-import weakref
 
 import torch
 import torch.optim.optimizer as optimizer_module
 from torch._subclasses.fake_tensor import FakeTensor
-from torch.distributed.tensor import DTensor
 from torch.fx.experimental.symbolic_shapes import ShapeEnv
-from torch.utils._pytree import tree_leaves
 
 from dp_cost.capacity.allocator import request_bytes
 from dp_cost.capacity.attention import CudaAttention, real_masks
-from dp_cost.capacity.card import GPU_OVERHEADS
-from dp_cost.capacity.fake_mode import PlannedFakeMode, fake_deepcopies
+from dp_cost.capacity.fake_mode import fake_deepcopies
 from dp_cost.capacity.fused_norm import fused_rms_norm
-from dp_cost.capacity.kernel_scratch import scratch_requests
-from dp_cost.capacity.op_list import GEMMS, OpRecord, StepMode, fake_device
+from dp_cost.capacity.op_list import OpRecord
 from dp_cost.capacity.planned_ranks import planned_ranks
+from dp_cost.capacity.storage_record import (
+    DEVICE,
+    RecordingFakeMode,
+    StorageRecord,
+    storage_key,
+)
 from dp_cost.hf import models as hf_models
 from dp_cost.hf.configs import HF_CONFIGS
 from dp_cost.lm import model as models
 from dp_cost.measure.breakdown import (
-    MARKER_FUNCTION,
     attribute_peak,
     held_tensors,
     peaks_by_phase,
@@ -59,211 +59,6 @@ from dp_cost.measure.breakdown import (
 )
 from dp_cost.measure.workload import builds_shards_only
 from dp_cost.parallel.ranks import share
-
-DEVICE = "cpu"  # the fake tensors' device: CPU code paths (torch's, no Triton), CUDA's memory
-SCRATCH_KEYS = -(2**50)  # a kernel's own buffers' keys count down from here (markers' from -1)
-WORKSPACE_KEYS = -(2**51)  # the cuBLAS workspaces' keys (never freed)
-_FRAMES: dict = {}  # (file, function) -> its frames' one dict, shared by their records (read only)
-
-
-def storage_key(tensor: torch.Tensor) -> int:
-    """One number per storage, equal for every view of it (a fake tensor has no data pointer)."""
-    return tensor.untyped_storage()._cdata
-
-
-def _unique_rows(values, dim, sorted=True, return_inverse=False, return_counts=False):
-    count = values.shape[dim]
-    return values.clone(), _indices(count if return_inverse else 0), _indices(count * return_counts)
-
-
-def _unique_values(values, sorted=True, return_inverse=False, return_counts=False):
-    inverse = torch.empty(values.shape if return_inverse else (0,), dtype=torch.long, device=DEVICE)
-    return values.flatten().clone(), inverse, _indices(values.numel() * return_counts)
-
-
-def _indices(count: int) -> torch.Tensor:
-    return torch.empty(count, dtype=torch.long, device=DEVICE)
-
-
-ALL_DISTINCT = {
-    torch.ops.aten.unique_dim.default: _unique_rows,
-    torch.ops.aten._unique2.default: _unique_values,
-}
-
-
-def _safe_softmax(values, dim, dtype=None):
-    """torch's ``_safe_softmax`` (the math attention's softmax) as its kernel computes it, each
-    intermediate through the allocator: the softmax, a full-size mask of the -inf entries
-    (held to the end, a C++ local) and the result; a fake tensor's meta kernel makes only the
-    result (1 GB less at the peak of a Llama-3.2-1B fp32 layer at (2, 2048))."""
-    out = torch.softmax(values, dim, dtype=dtype)
-    blocked = values.eq(float("-inf"))
-    rows = blocked.all(dim, keepdim=True)
-    return torch.where(rows, torch.zeros((), dtype=out.dtype, device=out.device), out)
-
-
-# Ops whose CUDA kernel allocates intermediates through the caching allocator: run as their
-# kernel composes them, under the record, so each intermediate is recorded
-AS_COMPOSED = {torch.ops.aten._safe_softmax.default: _safe_softmax}
-
-
-class StorageRecord(StepMode):
-    """Every storage an op creates, as the allocator history ``attribute_peak`` reads: ``alloc``
-    and ``free_completed`` events with an address (the storage's key), its size in allocator
-    blocks and the Python functions on the stack that allocated it. A storage resized in
-    place (FSDP2 frees and re-allocates its unsharded parameters so, ``resize_(0)`` and back;
-    no op is dispatched for it) is a free and an allocation too."""
-
-    def __init__(self):
-        super().__init__()
-        self.events: list[dict] = []
-        self.live: dict[int, int] = {}  # key -> bytes (0: resized to nothing)
-        self._storage_resize = torch.UntypedStorage.resize_
-        self._depth = 0
-        # The fake tensors' device is the CPU, whose streams FSDP2 enters as it would CUDA's:
-        # each allocation's stream (0: the default one) for the allocator's per-stream pools.
-        # Keyed by the stream itself (held here): an id could be reused by a later stream.
-        self._streams: dict[object, int] = {torch.cpu.current_stream(): 0}
-        # cuBLAS keeps a workspace per thread's handle, allocated by its first GEMM through the
-        # caching allocator: the Python thread's and autograd's backward thread's. Where a run
-        # allocates them places them among the step's blocks (the backward's in the blocks the
-        # forward freed), so they are made where that GEMM runs.
-        self._workspaces: set[bool] = set()  # in a backward: whether that thread has one
-
-    def _stream(self) -> int:
-        return self._streams.setdefault(torch.cpu.current_stream(), len(self._streams))
-
-    def __enter__(self):
-        record, resize = self, self._storage_resize
-
-        def resize_(storage, nbytes):
-            result = resize(storage, nbytes)
-            if storage._cdata in record.live:
-                record._resized(storage._cdata, nbytes)
-            return result
-
-        self._depth += 1  # entered again inside its own dispatch (AS_COMPOSED): patched once
-        if self._depth == 1:
-            torch.UntypedStorage.resize_ = resize_
-        return super().__enter__()
-
-    def __exit__(self, *exc):
-        self._depth -= 1
-        if self._depth == 0:
-            torch.UntypedStorage.resize_ = self._storage_resize
-        return super().__exit__(*exc)
-
-    def held(self) -> dict[int, int]:
-        """key -> bytes of the storages that hold memory now."""
-        return {key: size for key, size in self.live.items() if size}
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        device = fake_device(func, args)
-        if device is not None:
-            return device
-        kwargs = kwargs or {}
-        composed = AS_COMPOSED.get(func)
-        if composed is not None:
-            with self:  # its ops come through this record again
-                return composed(*args, **kwargs)
-        distinct = ALL_DISTINCT.get(func)
-        # How many distinct values torch.unique finds depends on the data, which fake tensors
-        # lack: plan for every one distinct, the most memory (random tokens come close).
-        output = distinct(*args, **kwargs) if distinct else func(*args, **kwargs)
-        before, after = scratch_requests(func, args, kwargs)
-        scratch = self._take(before)
-        for tensor in tree_leaves(output):
-            if isinstance(tensor, DTensor):  # FSDP2: its shard, made by ops this mode skips
-                tensor = tensor.to_local()
-            if isinstance(tensor, torch.Tensor):
-                self._add(tensor)
-        self._give_back(scratch + self._take(after))
-        if func in GEMMS:
-            self._cublas_workspace()
-        return output
-
-    def _cublas_workspace(self) -> None:
-        """The workspace of the thread this GEMM runs on, at its first GEMM (the backward's
-        thread: autograd's, running a node)."""
-        backward = torch._C._current_autograd_node() is not None
-        if backward in self._workspaces:
-            return
-        self._workspaces.add(backward)
-        key = WORKSPACE_KEYS - len(self._workspaces)
-        self.live[key] = request_bytes(GPU_OVERHEADS["cublas_workspace_bytes"] // 2)
-        self.events.append({"action": "alloc", "addr": key, "size": self.live[key],
-                            "stream": self._stream(), "frames": _python_frames()})  # fmt: skip
-
-    def add_existing(self, tensors) -> None:
-        """Storages made before the record began (parameters built under another mode)."""
-        for tensor in tensors:
-            self._add(tensor, frames=[])
-
-    def _add(self, tensor: torch.Tensor, frames: list[dict] | None = None) -> None:
-        storage = tensor.untyped_storage()
-        key = storage._cdata
-        if key in self.live:
-            return
-        # An empty storage takes no block (torch's allocator hands out nothing for 0 bytes); it
-        # is watched still, as FSDP2 resizes its empty unsharded storages to full and back.
-        size = request_bytes(storage.nbytes()) if storage.nbytes() else 0
-        self.live[key] = size
-        if size:
-            event = {"action": "alloc", "addr": key, "size": size, "stream": self._stream()}
-            event["frames"] = _python_frames() if frames is None else frames
-            self.events.append(event)
-        weakref.finalize(storage, self._free, key)
-
-    def _take(self, sizes: list[int]) -> list[tuple[int, int]]:
-        """A CUDA kernel's own buffers (``capacity.kernel_scratch``) allocated: (key, bytes)
-        each, under keys no storage has."""
-        taken = [(SCRATCH_KEYS - len(self.events) - i, request_bytes(size))
-                 for i, size in enumerate(sizes)]  # fmt: skip
-        frames = _python_frames() if sizes else []
-        for key, size in taken:
-            self.events.append({"action": "alloc", "addr": key, "size": size,
-                                "stream": self._stream(), "frames": frames})  # fmt: skip
-        return taken
-
-    def _give_back(self, taken: list[tuple[int, int]]) -> None:
-        """The kernel's buffers freed as its C++ scope ends: the latest first."""
-        for key, size in reversed(taken):
-            self.events.append({"action": "free_completed", "addr": key, "size": size})
-
-    def _free(self, key: int) -> None:
-        size = self.live.pop(key, None)
-        if size:
-            self.events.append({"action": "free_completed", "addr": key, "size": size})
-
-    def _resized(self, key: int, nbytes: int) -> None:
-        if self.live[key]:
-            self.events.append({"action": "free_completed", "addr": key, "size": self.live[key]})
-        self.live[key] = request_bytes(nbytes) if nbytes else 0
-        if nbytes:
-            self.events.append(
-                {"action": "alloc", "addr": key, "size": self.live[key], "stream": self._stream(),
-                 "frames": _python_frames()}
-            )  # fmt: skip
-
-    def marker(self) -> None:
-        """A phase boundary, as ``breakdown._phase_marker`` leaves one in the CUDA history."""
-        self.events.append(
-            {"action": "alloc", "addr": -len(self.events) - 1, "size": 0,
-             "frames": [{"filename": __file__, "name": MARKER_FUNCTION}]}
-        )  # fmt: skip
-
-
-def _python_frames() -> list[dict]:
-    """The allocating stack's Python frames, innermost first (what the allocator records)."""
-    frames, frame = [], sys._getframe(2)
-    while frame is not None:
-        code = frame.f_code
-        where = code.co_filename, code.co_name  # equal code objects may come from two files
-        if where not in _FRAMES:
-            _FRAMES[where] = {"filename": where[0], "name": where[1]}
-        frames.append(_FRAMES[where])
-        frame = frame.f_back
-    return frames
 
 
 def meta_model(config) -> tuple[torch.nn.Module, object]:
@@ -313,12 +108,12 @@ def predict(config, build_trainer, record_ops: bool = False) -> dict:
     ``marks`` (``op_list``; else None). Distributed: rank 0's, the largest share of a batch, in
     a fake process group of the config's ranks (planned_ranks)."""
     # shape_env: .item() gives a symbol, not an error; non-fake inputs: the meta model's
-    fake = PlannedFakeMode(shape_env=ShapeEnv(), allow_non_fake_inputs=True)
-    record = StorageRecord()
+    record = StorageRecord()  # recorded inside the fake mode's dispatch, not as a mode of its own
+    fake = RecordingFakeMode(record, shape_env=ShapeEnv(), allow_non_fake_inputs=True)
     model, loss_fn = meta_model(config)  # outside the fake mode: peft cannot build under one
     ranks = planned_ranks(config.world_size, DEVICE)
     cuda = CudaAttention()
-    with ranks, fake, fake_deepcopies(), record, _as_on_cuda(config, cuda), _quiet_fake_warnings():
+    with ranks, fake, fake_deepcopies(), _as_on_cuda(config, cuda), _quiet_fake_warnings():
         runner = _built(config, model, loss_fn, build_trainer)
         mine = rank_share(config)
         physical = min(config.physical_batch_size, mine)
@@ -342,7 +137,7 @@ def predict(config, build_trainer, record_ops: bool = False) -> dict:
                 ops.mark(name)
 
         cuda.backends.clear()  # the recorded step's calls, not the warm-up's
-        with runner.observing_phases(on_phase), ops or contextlib.nullcontext():
+        with runner.observing_phases(on_phase), fake.recording_ops(ops):
             runner.step(inputs, targets)
         events = record.events[first_event:]
         attributed = attribute_peak(events, start, identities, runner.trainer.memory().sites)

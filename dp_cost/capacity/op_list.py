@@ -243,6 +243,12 @@ class OpRecord(StepMode):
             return device
         kwargs = kwargs or {}
         output = func(*args, **kwargs)
+        self.observe(func, args, kwargs, output)
+        return output
+
+    def observe(self, func, args, kwargs, output) -> None:
+        """``func``'s call recorded, its ``output`` made below this record (or by a mode that
+        records for it: ``capacity.storage_record.RecordingFakeMode``)."""
         namespace = func.namespace
         if namespace == "profiler":  # torch.optim's step is one of these ranges
             if func is RANGE_ENTER:
@@ -253,4 +259,3 @@ class OpRecord(StepMode):
             optimizer = any(name.startswith(OPTIMIZER_RANGE) for name in self._ranges)
             op = describe(func, args, kwargs, output, len(self.marks), optimizer)
             self.ops.extend([op] * repeats(self._ranges))  # a loop run once for its N times
-        return output

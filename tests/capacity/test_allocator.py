@@ -100,10 +100,10 @@ def test_the_fake_step_records_the_stream_an_allocation_is_made_on():
     device (the CPU) those are torch.cpu streams, which the record tells apart."""
     import torch
 
-    from dp_cost.capacity import fake_step
+    from dp_cost.capacity import fake_step, storage_record
 
     side = torch.cpu.Stream()
-    with fake_step.StorageRecord() as record:
+    with storage_record.StorageRecord() as record:
         first = torch.empty(1000)
         with torch.cpu.stream(side):
             second = torch.empty(1000)

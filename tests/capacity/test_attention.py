@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from dp_cost.capacity import attention, fake_step
+from dp_cost.capacity import attention, fake_step, storage_record
 from dp_cost.measure import worker
 from dp_cost.measure.config import ExperimentConfig
 
@@ -27,12 +27,14 @@ def _case_id(case):
 
 def saved_bytes(query, key, value, attn_mask, is_causal, enable_gqa, dropout_p) -> int:
     """What the forward keeps beyond its inputs, each storage once (as the benchmark counts)."""
-    inputs = {fake_step.storage_key(t) for t in (query, key, value, attn_mask) if t is not None}
+    inputs = {
+        storage_record.storage_key(t) for t in (query, key, value, attn_mask) if t is not None
+    }
     saved = {}
 
     def pack(tensor):
-        if fake_step.storage_key(tensor) not in inputs:
-            saved[fake_step.storage_key(tensor)] = tensor.untyped_storage().nbytes()
+        if storage_record.storage_key(tensor) not in inputs:
+            saved[storage_record.storage_key(tensor)] = tensor.untyped_storage().nbytes()
         return tensor
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
@@ -205,7 +207,7 @@ def test_the_math_softmax_holds_its_kernels_intermediates():
     alone, so the plan runs it as the kernel composes it."""
     from dp_cost.capacity.allocator import request_bytes
 
-    record = fake_step.StorageRecord()
+    record = storage_record.StorageRecord()
     with FakeTensorMode(), record:
         scores = torch.randn(2, 4, 64, 64)
         first = len(record.events)  # the op's own allocations from here

@@ -15,7 +15,7 @@ import torch
 from torch.distributed._tools.mem_tracker import MemTracker
 
 import models
-from dp_cost.capacity import card, fake_step, predictions, probing, searches
+from dp_cost.capacity import card, fake_step, predictions, probing, searches, storage_record
 from dp_cost.capacity.result import capacity_result
 from dp_cost.hf import draws
 from dp_cost.measure import processes, worker
@@ -155,7 +155,7 @@ def test_planned_ddp_holds_its_buckets_and_their_rebuild():
 def test_a_storage_resized_in_place_is_freed_and_allocated_again():
     """FSDP2 frees a gathered parameter by resizing its storage to nothing and gathers it
     back into the same storage: the record sees a free and a new allocation."""
-    record = fake_step.StorageRecord()
+    record = storage_record.StorageRecord()
     with record:
         tensor = torch.empty(1000)
         tensor.untyped_storage().resize_(0)
@@ -199,7 +199,7 @@ def test_cublas_workspaces_are_made_by_the_first_gemm_of_each_thread():
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     layer = torch.nn.Linear(8, 8)
-    with FakeTensorMode(allow_non_fake_inputs=True), fake_step.StorageRecord() as record:
+    with FakeTensorMode(allow_non_fake_inputs=True), storage_record.StorageRecord() as record:
         x = torch.ones(4, 8).relu()  # no GEMM
         first = len(record.events)
         y = layer(x)
@@ -207,7 +207,7 @@ def test_cublas_workspaces_are_made_by_the_first_gemm_of_each_thread():
         y.sum().backward()
         step_end = len(record.events)
         layer(x).sum().backward()  # a second step
-    made = [i for i, e in enumerate(record.events) if e["addr"] <= fake_step.WORKSPACE_KEYS]
+    made = [i for i, e in enumerate(record.events) if e["addr"] <= storage_record.WORKSPACE_KEYS]
     assert len(made) == 2 and first < made[0] < forward_end < made[1] < step_end
     workspace = card.GPU_OVERHEADS["cublas_workspace_bytes"] // 2
     assert all(record.events[i]["size"] == workspace for i in made)

@@ -2,11 +2,15 @@
 exactly the tensors torch's metadata record does, its outputs read back from the cache are the
 ones torch's mode gives, and a whole planned step is the same with either mode."""
 
+import contextlib
 import copy
 import itertools
+import logging
+import os
 
 import pytest
 import torch
+from torch._subclasses import fake_tensor
 from torch._subclasses.fake_tensor import (
     FakeTensorMode,
     _BypassDispatchCache,
@@ -15,7 +19,7 @@ from torch._subclasses.fake_tensor import (
 )
 from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
-from dp_cost.capacity import fake_mode, fake_step
+from dp_cost.capacity import fake_mode, fake_step, storage_record
 from dp_cost.measure import worker
 from dp_cost.measure.config import ExperimentConfig
 
@@ -33,6 +37,21 @@ def test_the_fast_paths_are_taken_on_this_torch():
     assert list(mode._fake_fields) == [torch.device("cpu")]
     assert fake_mode.TORCH_DISPATCH is not None  # torch's dispatch, without its wrappers
     assert not hasattr(fake_mode.PlannedFakeMode.__torch_dispatch__, "__wrapped__")
+    assert fake_mode.LEAN_DISPATCH and "dispatch" in vars(fake_mode.PlannedFakeMode)
+
+
+def test_with_torchs_debug_log_on_the_dispatch_is_torchs(caplog):
+    """The lean dispatch leaves the log's set-up out only while the log is off: with it on,
+    each op is logged as torch logs it."""
+    with caplog.at_level(logging.DEBUG, logger=fake_tensor.log.name):
+        with fake_mode.PlannedFakeMode():
+            torch.empty(3).exp()
+    assert any("FakeTensorMode.__torch_dispatch__" in r.getMessage() for r in caplog.records)
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger=fake_tensor.log.name):
+        with fake_mode.PlannedFakeMode():
+            torch.empty(3).exp()
+    assert not caplog.records
 
 
 def tensors_differing_in_each_field() -> dict[str, torch.Tensor]:
@@ -214,24 +233,70 @@ SHAPES = {
 PLANNED_BOTH_WAYS = [("dpsgd", "tiny-lm"), ("flash", "tiny-llama-lora")]
 
 
+DISPATCH_FILES = (
+    os.path.join("capacity", "storage_record.py"),
+    os.path.join("capacity", "op_list.py"),
+    os.path.join("torch", "_ops.py"),
+)
+
+
+class TorchsModeAndRecords:
+    """torch's FakeTensorMode with the records as dispatch modes of their own above it: the
+    plain composition that ``storage_record.RecordingFakeMode`` folds into one mode."""
+
+    def __init__(self, record, **kwargs):
+        self.fake, self.record = FakeTensorMode(**kwargs), record
+
+    def __enter__(self):
+        self.fake.__enter__()
+        return self.record.__enter__()
+
+    def __exit__(self, *exc):
+        self.record.__exit__(*exc)
+        return self.fake.__exit__(*exc)
+
+    def recording_ops(self, ops):
+        return ops or contextlib.nullcontext()
+
+
 @pytest.mark.parametrize(("trainer", "shape"), PLANNED_BOTH_WAYS)
 def test_a_planned_step_is_the_same_under_either_mode(trainer, shape, monkeypatch):
     """Each trainer's prediction (peak, each phase's, roles, state, the allocator's requests
-    by size and stream, attention kernels) under the planner's mode equals its prediction under
-    torch's."""
+    by size and stream, attention kernels, the recorded step's ops) under the planner's mode,
+    with the records inside it, equals its prediction under torch's mode with the records as
+    modes of their own; so does every recorded allocation and the functions that made it."""
     config = ExperimentConfig(
         trainer=trainer, batch_size=2, max_physical_batch_size=1, optimizer="adam",
         **SHAPES[shape],
     )  # fmt: skip
+    events = []
+    record_type = storage_record.StorageRecord
+
+    def kept_record():
+        events.append(record_type())
+        return events[-1]
+
+    monkeypatch.setattr(fake_step, "StorageRecord", kept_record)
 
     def summary(step):
         requests = [request[1:] for request in step["requests"] + step["step_requests"]]
-        keep = ("peak", "phase_peaks", "roles", "state", "attention_backends", "parameters")
-        return {key: step[key] for key in keep} | {"requests": requests}
+        keep = ("peak", "phase_peaks", "roles", "state", "attention_backends", "parameters",
+                "ops", "marks")  # fmt: skip
+        # the step's frames, not the dispatch's (the op record's, where it is a mode, too)
+        allocations = [
+            (event["action"], event["size"], event.get("stream"),
+             [(frame["filename"], frame["name"]) for frame in event.get("frames", [])
+              if not frame["filename"].endswith(DISPATCH_FILES)])
+            for event in events.pop().events
+        ]  # fmt: skip
+        return {key: step[key] for key in keep} | {"requests": requests, "events": allocations}
 
-    planned = summary(fake_step.predict(config, worker.build_trainer))
-    monkeypatch.setattr(fake_step, "PlannedFakeMode", FakeTensorMode)
-    assert planned == summary(fake_step.predict(config, worker.build_trainer))
+    planned = summary(fake_step.predict(config, worker.build_trainer, record_ops=True))
+    assert planned["ops"] and len(planned["events"]) > 100
+    monkeypatch.setattr(fake_step, "RecordingFakeMode", TorchsModeAndRecords)
+    plain = summary(fake_step.predict(config, worker.build_trainer, record_ops=True))
+    for key, value in planned.items():  # one by one: a failure names what differs
+        assert value == plain[key], key
 
 
 def test_a_planned_step_runs_with_fake_deepcopies_and_no_function_mode(monkeypatch):
@@ -255,7 +320,7 @@ def test_a_deepcopy_inside_the_plan_is_a_new_recorded_storage_and_no_function_mo
     storage the record counts (requires_grad kept, each tensor copied once per memo), without
     a TorchFunctionMode, which would see every tensor attribute read of the step; FakeTensor is
     as before once the plan ends."""
-    record = fake_step.StorageRecord()
+    record = storage_record.StorageRecord()
     with fake_mode.PlannedFakeMode(), fake_mode.fake_deepcopies(), record:
         assert torch._C._len_torch_function_stack() == 0
         gradient = torch.empty(16, 16).requires_grad_()
@@ -263,7 +328,7 @@ def test_a_deepcopy_inside_the_plan_is_a_new_recorded_storage_and_no_function_mo
         first, second = copy.deepcopy([gradient, gradient])
         assert first is second and first is not gradient and first.requires_grad
         assert first.untyped_storage()._cdata != gradient.untyped_storage()._cdata
-        copied_bytes = record.live[fake_step.storage_key(first)]
+        copied_bytes = record.live[storage_record.storage_key(first)]
         assert [event["size"] for event in record.events[allocations:]] == [copied_bytes]
     assert "__deepcopy__" not in vars(fake_mode.FakeTensor)
 
@@ -284,7 +349,7 @@ def test_the_meta_model_made_fake_is_what_to_empty_makes():
             self.register_buffer("expanded", torch.empty(5, 1).expand(5, 7))
 
     def made(materialize):
-        record = fake_step.StorageRecord()
+        record = storage_record.StorageRecord()
         with torch.device("meta"):
             model = Holder()
         with fake_mode.PlannedFakeMode(allow_non_fake_inputs=True), record:

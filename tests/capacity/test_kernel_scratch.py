@@ -12,7 +12,7 @@ import pytest
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from dp_cost.capacity import fake_step
+from dp_cost.capacity import storage_record
 from dp_cost.capacity.allocator import request_bytes
 from dp_cost.capacity.kernel_scratch import reduction_buffers, scratch_bytes
 
@@ -85,7 +85,7 @@ def test_a_reductions_buffer_by_hand(shape, dims, buffer):
 
 
 def test_the_fake_step_takes_a_kernels_buffers_after_its_outputs_and_frees_them():
-    record = fake_step.StorageRecord()
+    record = storage_record.StorageRecord()
     with FakeTensorMode(), record:
         gradient = torch.empty(2, 4096, 8192)
         start = len(record.events)
@@ -137,7 +137,7 @@ def test_the_embedding_backwards_measured_leave_out_only_cubs_storage():
 def test_the_embedding_backward_sorts_before_it_takes_the_tables_gradient():
     """Its index arrays come before its output (the whole table's gradient), the segments'
     buffers after; all freed, latest first, before the op returns."""
-    record = fake_step.StorageRecord()
+    record = storage_record.StorageRecord()
     with FakeTensorMode(), record:
         grad, ids = torch.empty(8192, 2048), torch.zeros(8192, dtype=torch.long)
         start = len(record.events)

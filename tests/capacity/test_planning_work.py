@@ -65,8 +65,8 @@ def test_a_planned_gram_runs_one_tile_pair_for_all_and_counts_them_all():
     pair, so the step's GEMMs (and their FLOPs) are the loop's, and so is its peak."""
     import pytest
 
-    from dp_cost.capacity.fake_step import StorageRecord
     from dp_cost.capacity.op_list import GEMM, VIEW, OpRecord
+    from dp_cost.capacity.storage_record import StorageRecord
     from dp_cost.flash.rules import linear
 
     def planned(loop: bool):
@@ -95,7 +95,7 @@ def test_a_planned_weighted_sum_holds_what_the_cuda_kernel_writes():
     16-bit product would round the sum) and allocates nothing else; the planned step's memory is
     that one fp32 [N] (an H200's allocation history showed it; the CPU's product makes a 16-bit
     [N])."""
-    from dp_cost.capacity.fake_step import StorageRecord
+    from dp_cost.capacity.storage_record import StorageRecord
     from dp_cost.flash.clip import ClipFactors, weighted_sum
 
     for dtype in (torch.bfloat16, torch.float32):
@@ -116,7 +116,7 @@ N = 100_000  # the concatenation's width: its [N] buffers far above the [B] ones
 def check_only_the_target(record, planned) -> None:
     """The fp32 [N] target is made first, no [N] beside it, and it alone held."""
     from dp_cost.capacity.allocator import request_bytes
-    from dp_cost.capacity.fake_step import WORKSPACE_KEYS
+    from dp_cost.capacity.storage_record import WORKSPACE_KEYS
 
     target = request_bytes(4 * N)  # an fp32 [N], as the allocator rounds it
     tensors = [e for e in record.events if e["addr"] > WORKSPACE_KEYS]  # not cuBLAS's own
@@ -136,8 +136,8 @@ def test_the_planning_modes_answer_a_fake_tensors_device_themselves(monkeypatch)
     mode, where a mode passing every op on (OpCount) lets each through."""
     import torch._subclasses.fake_tensor as fake_tensor
 
-    from dp_cost.capacity.fake_step import StorageRecord
     from dp_cost.capacity.op_list import OpRecord
+    from dp_cost.capacity.storage_record import StorageRecord
 
     device = torch.ops.prim.device.default
     answer, reached = fake_tensor._DISPATCH_META_HANDLERS[device], []
