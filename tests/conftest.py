@@ -87,6 +87,8 @@ def pytest_xdist_make_scheduler(config, log):
         owner = None  # the test process that runs FORK_RANKS
 
         def _send_tests(self, node, num):
+            if num <= 0:  # nothing asked: not a sign that this process's queue has ended
+                return
             chosen = []
             for index in self.pending:
                 if len(chosen) == num:

@@ -296,20 +296,25 @@ class RecordingFakeMode(PlannedFakeMode):
         if composed is not None:
             with self._seen((self.record,)):  # its ops come back, the storage record's alone
                 output = composed(*args, **kwargs)
-        else:
-            distinct = ALL_DISTINCT.get(func)
-            self._seen_by = ()  # what carries the op out is no op of the step's
-            try:
-                if distinct is None:
-                    output = _FAKE_DISPATCH(self, func, types, args, kwargs)
-                else:
+            if self.ops is not None and self.ops in seen_by:
+                self.ops.observe(func, args, kwargs, output)
+            return output
+        distinct = ALL_DISTINCT.get(func)
+        self._seen_by = ()  # what carries the op out is no op of the step's
+        try:
+            if distinct is not None:
+                with self:
+                    output = distinct(*args, **kwargs)
+            else:
+                output = _FAKE_DISPATCH(self, func, types, args, kwargs)
+                if output is NotImplemented:  # a subclass's op (DTensor's): its own ops unseen
                     with self:
-                        output = distinct(*args, **kwargs)
-            finally:
-                self._seen_by = seen_by
-            self.record.made(func, args, kwargs, output)
-        if self.ops is not None and self.ops in seen_by:
-            self.ops.observe(func, args, kwargs, output)
+                        output = func(*args, **kwargs)
+            self.record.made(func, args, kwargs, output)  # (a DTensor's to_local: unseen)
+            if self.ops is not None and self.ops in seen_by:
+                self.ops.observe(func, args, kwargs, output)
+        finally:
+            self._seen_by = seen_by
         return output
 
     @contextlib.contextmanager

@@ -227,10 +227,13 @@ SHAPES = {
     "tiny-lm": dict(model="tiny", seq_len=32),
     "tiny-llama-lora": dict(model="tiny-llama", use_lora=True, lora_rank=4, seq_len=24,
                             attention="sdpa"),
+    "tiny-lm-fsdp2": dict(model="tiny", seq_len=32, distributed="fsdp", world_size=2),
 }  # fmt: skip
-# Opacus' per-sample gradients (einsums, its hooks), and flash on a Hugging Face model (masks,
-# attention kernels, LoRA): the other trainers' plans are checked against real steps elsewhere
-PLANNED_BOTH_WAYS = [("dpsgd", "tiny-lm"), ("flash", "tiny-llama-lora")]
+# Opacus' per-sample gradients (einsums, its hooks), flash on a Hugging Face model (masks,
+# attention kernels, LoRA) and FSDP2's DTensors (their ops carried out by DTensor's own ops): the
+# other trainers' plans are checked against real steps elsewhere
+PLANNED_BOTH_WAYS = [("dpsgd", "tiny-lm"), ("flash", "tiny-llama-lora"),
+                     ("standard", "tiny-lm-fsdp2")]  # fmt: skip
 
 
 DISPATCH_FILES = (
