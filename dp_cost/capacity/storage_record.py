@@ -104,8 +104,9 @@ class StorageRecord(StepMode):
         return self._streams.setdefault(torch.cpu.current_stream(), len(self._streams))
 
     def __enter__(self):
+        mode = super().__enter__()
         self.patch_resizes()
-        return super().__enter__()
+        return mode
 
     def __exit__(self, *exc):
         self.unpatch_resizes()
@@ -114,6 +115,9 @@ class StorageRecord(StepMode):
     def patch_resizes(self) -> None:
         """Watch ``UntypedStorage.resize_`` (no op is dispatched for it). Counted: entered
         again inside its own dispatch (AS_COMPOSED), it is patched once."""
+        self._depth += 1
+        if self._depth > 1:
+            return
         record, resize = self, self._storage_resize
 
         def resize_(storage, nbytes):
@@ -122,9 +126,7 @@ class StorageRecord(StepMode):
                 record._resized(storage._cdata, nbytes)
             return result
 
-        self._depth += 1
-        if self._depth == 1:
-            torch.UntypedStorage.resize_ = resize_
+        torch.UntypedStorage.resize_ = resize_
 
     def unpatch_resizes(self) -> None:
         self._depth -= 1
@@ -265,8 +267,9 @@ class RecordingFakeMode(PlannedFakeMode):
         self._seen_by: tuple = (record,)  # the records that see the next op dispatched
 
     def __enter__(self):
+        mode = super().__enter__()
         self.record.patch_resizes()
-        return super().__enter__()
+        return mode
 
     def __exit__(self, *exc):
         self.record.unpatch_resizes()
