@@ -7,7 +7,12 @@ step kept, on every machine they came from, without a GPU. Where a run was trace
 result's ``kernels``), the GPU ms of its traced step by kind (GEMMs, attention, torch.optim's
 step, every other kernel) is printed beside the plan's, to say where a miss lies.
 
+With --pool, each RUN_DIR is one machine's runs (e.g. `benchmarks/time_grid.sh`'s folder on
+that machine), and a config run on two or more of them is also compared as the goal measures
+it: its measured step the median of all its steps on every machine.
+
 usage: python benchmarks/time_recost.py RUN_DIR [RUN_DIR ...] [--tables TABLE ...] [--out F]
+                                        [--pool]
   RUN_DIR: a run's folder (its configs' result.json one level down), or a folder of runs
   TABLE: card tables (default: the shipped table of the card each run was measured on)
 """
@@ -16,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import glob
 import json
 import os
@@ -31,6 +37,10 @@ def parse(argv=None):
     parser.add_argument("runs", nargs="+", help="measured run folders (or folders of them)")
     parser.add_argument("--tables", nargs="+", default=[], help="card tables to cost with")
     parser.add_argument("--out", help="write every row as JSON here too")
+    parser.add_argument(
+        "--pool", action="store_true",
+        help="each RUN_DIR one machine's: also a config's steps on every machine pooled",
+    )  # fmt: skip
     return parser.parse_args(argv)
 
 
@@ -39,12 +49,13 @@ def measured_configs(folders: list[str]) -> list[dict]:
     config, the measured median and steps, the chunks it ran as and its own prediction."""
     from dp_cost.core.reading import read_result
 
-    paths = set()
+    paths = {}  # result.json -> the folder given that holds it (with --pool, its machine)
     for folder in folders:
-        paths.update(glob.glob(os.path.join(folder, "*", "result.json")))
-        paths.update(glob.glob(os.path.join(folder, "*", "*", "result.json")))
+        for pattern in (("*", "result.json"), ("*", "*", "result.json")):
+            for path in glob.glob(os.path.join(folder, *pattern)):
+                paths.setdefault(path, folder)
     rows = []
-    for path in sorted(paths):
+    for path, folder in sorted(paths.items()):
         try:
             result = read_result(path)
             if result.get("status") != "ok" or not result.get("median_time_ms"):
@@ -53,7 +64,8 @@ def measured_configs(folders: list[str]) -> list[dict]:
             if not chunks:
                 continue  # several ranks, or batches drawn at random with no plan of them
             rows.append({
-                "result": path, "config": result["config"], "device": result["env"]["device"],
+                "result": path, "machine": folder, "config": result["config"],
+                "device": result["env"]["device"],
                 "measured_ms": result["median_time_ms"], "steps_ms": result["step_times_ms"],
                 "chunks": chunks, "predicted_then_ms": predicted_then,
                 "kernels_ms": measured_kernels(result),
@@ -131,7 +143,7 @@ def chunks_and_prediction(result: dict) -> tuple[int | None, float | None]:
 def costed(row: dict, tables: dict, card_rates, step_time) -> dict:
     """``row``'s config planned here and costed with each table (``None``: the shipped table
     of the card it was measured on): predicted ms by table."""
-    config, planned = planned_step(row["config"])
+    config, planned = _planned(config_key(row["config"]))  # a config run twice: planned once
     predicted = {}
     for name, rates in tables.items():
         rates = rates or card_rates.card_rates(row["device"])
@@ -145,6 +157,16 @@ def costed(row: dict, tables: dict, card_rates, step_time) -> dict:
     return predicted
 
 
+def config_key(fields: dict) -> str:
+    """One config's identity across runs and machines: its settings, as JSON."""
+    return json.dumps(fields, sort_keys=True)
+
+
+@functools.cache
+def _planned(key: str):
+    return planned_step(json.loads(key))
+
+
 def planned_step(fields: dict):
     """The config planned on this CPU's fake step, its ops recorded."""
     from dp_cost.capacity import fake_step
@@ -154,6 +176,57 @@ def planned_step(fields: dict):
     config = ExperimentConfig.from_dict(fields)
     config = dataclasses.replace(config, device="cpu")  # planned here, as --mode=capacity does
     return config, fake_step.predict(config, worker.build_trainer, record_ops=True)
+
+
+def within_bands(errors: list[float]) -> str:
+    """How many of ``errors`` (predicted / measured - 1) lie in each of BANDS, and their median."""
+    within = ", ".join(
+        f"{sum(abs(e) <= band for e in errors)}/{len(errors)} within ±{band:.0%}" for band in BANDS
+    )
+    return f"{within}; median error {statistics.median(errors):+.1%}"
+
+
+def pooled(rows: list[dict]) -> list[dict]:
+    """Each config measured on two or more machines (``row["machine"]``): its rows, the
+    machines, and its measured step, the median of every step it ran on all of them."""
+    by_config: dict[str, list[dict]] = {}
+    for row in rows:
+        by_config.setdefault(config_key(row["config"]), []).append(row)
+    out = []
+    for same in by_config.values():
+        machines = sorted({row["machine"] for row in same})
+        if len(machines) < 2:
+            continue
+        steps = [ms for row in same for ms in row["steps_ms"]]
+        out.append({"rows": same, "machines": machines, "measured_ms": statistics.median(steps)})
+    return out
+
+
+def pooled_report(rows: list[dict], tables: list[str]) -> None:
+    """Print each config's pooled measured step against its prediction, then the bands."""
+    groups = pooled(rows)
+    if not groups:
+        print("pooled: no config was measured on two or more of the folders given")
+        return
+    for group in groups:
+        predicted = group["rows"][0]["predicted_ms"]
+        cost = " ".join(
+            f"{predicted[name]['step_ms']:.1f} "
+            f"({predicted[name]['step_ms'] / group['measured_ms'] - 1:+.1%})"
+            for name in tables
+        )
+        per_machine = ", ".join(f"{row['measured_ms']:.1f}" for row in group["rows"])
+        where = os.path.dirname(group["rows"][0]["result"])
+        print(
+            f"pooled {where}: measured {group['measured_ms']:.1f} ms (the median of every step "
+            f"on {len(group['machines'])} machines; theirs {per_machine}); predicted {cost}"
+        )
+    for name in tables:
+        errors = [
+            group["rows"][0]["predicted_ms"][name]["step_ms"] / group["measured_ms"] - 1
+            for group in groups
+        ]
+        print(f"{name}, pooled over machines: {within_bands(errors)}")
 
 
 def main(argv=None) -> int:
@@ -201,11 +274,9 @@ def main(argv=None) -> int:
         print("error: none of the measured configs could be planned", file=sys.stderr)
         return 2
     for name, found in errors.items():
-        within = ", ".join(
-            f"{sum(abs(e) <= band for e in found)}/{len(found)} within ±{band:.0%}"
-            for band in BANDS
-        )
-        print(f"{name}: {within}; median error {statistics.median(found):+.1%}")
+        print(f"{name}: {within_bands(found)}")
+    if args.pool:
+        pooled_report(rows, list(tables))
     if args.out:
         with open(args.out, "w") as f:
             json.dump(rows, f, indent=1)

@@ -105,3 +105,45 @@ def test_a_traced_runs_gpu_time_is_split_by_kind_beside_the_plans(tmp_path, caps
     assert planned["gemm"] > 0 and planned["optimizer"] > 0
     line = next(line for line in out.splitlines() if "by kind" in line)
     assert f"optimizer {planned['optimizer']:.1f} / 0.2" in line and "other" in line
+
+
+def test_pooled_machines_measure_a_config_by_the_median_of_all_its_steps(tmp_path, capsys):
+    """--pool: a config run on two machines (a folder each) is measured as the goal does, the
+    median of its steps on both; planned once; one run on one machine alone is not pooled."""
+    run = in_process("--mode=capacity", "--trainers", "standard", "flash", "--batch_sizes", "4",
+                     "--seq_lens", "16", *SMALL_MODEL, "--output_dir", tmp_path,
+                     "--run_name", "r")  # fmt: skip
+    assert run.returncode == 0, run.stderr
+    made = {}
+    for path in (tmp_path / "r").glob("*/result.json"):
+        result = json.loads(path.read_text())
+        made[result["config"]["trainer"]] = (path.parent.name, result)
+    # standard on both machines: A's steps 0.5, 0.6, 0.7 and B's 1.3, 1.4, 1.5 x the prediction,
+    # so each machine alone is 40% off and the six steps' median (0.7 + 1.3) / 2 is exact;
+    # flash on machine A only
+    steps = {("A", "standard"): [0.5, 0.6, 0.7], ("B", "standard"): [1.3, 1.4, 1.5],
+             ("A", "flash"): [1.0, 1.0, 1.0]}  # fmt: skip
+    predicted = {}
+    for (machine, trainer), factors in steps.items():
+        name, result = made[trainer]
+        predicted[trainer] = step_ms = result["prediction"]["time"]["step_ms"]
+        times = [f * step_ms for f in factors]
+        folder = tmp_path / machine / "r" / name
+        folder.mkdir(parents=True)
+        (folder / "result.json").write_text(
+            json.dumps({**result, "median_time_ms": times[1], "step_times_ms": times})
+        )
+    table = card_rates.card_rates("NVIDIA H200").path
+    capsys.readouterr()
+    status, out, err = recost(tmp_path / "A", tmp_path / "B", "--tables", table, "--pool",
+                              capsys=capsys)  # fmt: skip
+    assert status == 0, err
+    assert f"{table}: 1/3 within ±15%, 1/3 within ±25%" in out  # per machine: 3 rows
+    (line,) = [line for line in out.splitlines() if line.startswith("pooled ")]
+    assert made["standard"][0] in line and "on 2 machines" in line
+    assert f"measured {predicted['standard']:.1f} ms" in line
+    assert f"{table}, pooled over machines: 1/1 within ±15%" in out
+    # without --pool: no pooled lines
+    _, out, _ = recost(tmp_path / "A", tmp_path / "B", "--tables", table, capsys=capsys)
+    assert not [line for line in out.splitlines() if line.startswith("pooled ")]
+    assert "pooled over machines" not in out
