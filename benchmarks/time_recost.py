@@ -162,7 +162,7 @@ def config_key(fields: dict) -> str:
     return json.dumps(fields, sort_keys=True)
 
 
-@functools.cache
+@functools.lru_cache(maxsize=1)  # the rows come sorted by config: one plan held at a time
 def _planned(key: str):
     return planned_step(json.loads(key))
 
@@ -244,6 +244,7 @@ def main(argv=None) -> int:
         print(f"error: {error}", file=sys.stderr)
         return 2
     errors = {name: [] for name in tables}
+    rows.sort(key=lambda row: (config_key(row["config"]), row["result"]))
     for row in list(rows):
         try:
             row["predicted_ms"] = costed(row, tables, card_rates, step_time)
