@@ -8,7 +8,7 @@ import os
 
 import pytest
 
-from dp_cost.capacity import card_rates
+from dp_cost.capacity import card_rates, fake_step
 from tests.cli_helpers import ROOT, SMALL_MODEL, benchmark_main, in_process
 
 SCRIPT = os.path.join(ROOT, "benchmarks", "time_recost.py")
@@ -107,7 +107,9 @@ def test_a_traced_runs_gpu_time_is_split_by_kind_beside_the_plans(tmp_path, caps
     assert f"optimizer {planned['optimizer']:.1f} / 0.2" in line and "other" in line
 
 
-def test_pooled_machines_measure_a_config_by_the_median_of_all_its_steps(tmp_path, capsys):
+def test_pooled_machines_measure_a_config_by_the_median_of_all_its_steps(
+    tmp_path, capsys, monkeypatch
+):
     """--pool: a config run on two machines (a folder each) is measured as the goal does, the
     median of its steps on both; planned once; one run on one machine alone is not pooled."""
     run = in_process("--mode=capacity", "--trainers", "standard", "flash", "--batch_sizes", "4",
@@ -134,10 +136,14 @@ def test_pooled_machines_measure_a_config_by_the_median_of_all_its_steps(tmp_pat
             json.dumps({**result, "median_time_ms": times[1], "step_times_ms": times})
         )
     table = card_rates.card_rates("NVIDIA H200").path
+    planned = []  # the configs the script plans: standard's once for both machines
+    monkeypatch.setattr(fake_step, "predict", lambda config, *a, _predict=fake_step.predict, **k:
+                        planned.append(config.trainer) or _predict(config, *a, **k))  # fmt: skip
     capsys.readouterr()
     status, out, err = recost(tmp_path / "A", tmp_path / "B", "--tables", table, "--pool",
                               capsys=capsys)  # fmt: skip
     assert status == 0, err
+    assert sorted(planned) == ["flash", "standard"]
     assert f"{table}: 1/3 within ±15%, 1/3 within ±25%" in out  # per machine: 3 rows
     (line,) = [line for line in out.splitlines() if line.startswith("pooled ")]
     assert made["standard"][0] in line and "on 2 machines" in line
