@@ -74,6 +74,11 @@ def trace_steps(step, device: torch.device, out_dir: str, use_gzip: bool) -> str
             for _ in range(WAIT + WARMUP + ACTIVE):
                 with torch.profiler.record_function("train_step"):
                     step()
+                # As the timed steps: the GPU drained after each, so that the recorded step's
+                # window holds its own kernels alone, not the tail of the warm-up step's (its
+                # optimizer's kernels, still running when the host starts the next step).
+                if device.type == "cuda":
+                    torch.cuda.synchronize(device)
                 prof.step()
         paths = [staging.publish(name) for name in staging.names() if name.endswith(TRACE_SUFFIXES)]
     return paths[-1] if paths else None

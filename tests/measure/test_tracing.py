@@ -106,3 +106,34 @@ def test_tensorboard_plugin_lists_one_run_per_config(tmp_path):
         server.wait(timeout=30)
     assert sorted(runs or []) == [f"r/{t}_bs2_seq16" for t in ("dpsgd", "flash", "standard")]
     assert {"Overview", "Operator", "Trace", "Memory"} <= set(views)
+
+
+def test_each_traced_step_on_cuda_ends_with_the_gpu_drained(tmp_path, monkeypatch):
+    # The recorded step's window must hold its own kernels: without a sync, the warm-up step's
+    # optimizer kernels still run when the recorded step starts and are counted as its own.
+    import torch
+
+    from dp_cost.measure import tracing
+
+    events = []
+
+    class Profile:  # stands in for torch.profiler.profile: CUDA activity needs a GPU
+        def __init__(self, **kwargs):
+            pass
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+        def step(self):
+            events.append("profiler step")
+
+    monkeypatch.setattr(tracing, "profile", Profile)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: events.append("sync"))
+    config = tmp_path / "run" / "config"
+    config.mkdir(parents=True)
+    tracing.trace_steps(lambda: events.append("step"), torch.device("cuda"), str(config), False)
+    steps = tracing.WAIT + tracing.WARMUP + tracing.ACTIVE
+    assert events == ["step", "sync", "profiler step"] * steps
