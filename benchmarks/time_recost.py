@@ -5,7 +5,9 @@ with each card table given, beside the step the run measured (its ``median_time_
 change to the time model or a table measured again is checked this way against every measured
 step kept, on every machine they came from, without a GPU. Where a run was traced (its
 result's ``kernels``), the GPU ms of its traced step by kind (GEMMs, attention, torch.optim's
-step, every other kernel) is printed beside the plan's, to say where a miss lies.
+step, every other kernel) is printed beside the plan's, and the host's and the GPU's busy time
+of its light trace's step (``step_timeline``) beside the plan's host and GPU time: where a
+miss lies.
 
 With --pool, each RUN_DIR is one machine's runs (e.g. `benchmarks/time_grid.sh`'s folder on
 that machine), and a config run on two or more of them is also compared as the goal measures
@@ -69,6 +71,7 @@ def measured_configs(folders: list[str]) -> list[dict]:
                 "measured_ms": result["median_time_ms"], "steps_ms": result["step_times_ms"],
                 "chunks": chunks, "predicted_then_ms": predicted_then,
                 "kernels_ms": measured_kernels(result),
+                "timeline_ms": measured_timeline(result),
             })  # fmt: skip
         except (OSError, ValueError, KeyError, TypeError, AttributeError) as error:
             print(f"warning: {path}: not a measured time prediction ({error})", file=sys.stderr)
@@ -91,6 +94,18 @@ def measured_kernels(result: dict) -> dict[str, float] | None:
         by_kind[category if category in KINDS else "other"] += entry["time_ms"]
     by_kind["other"] -= result.get("communication_time_ms") or 0.0
     return {kind: round(ms, 3) for kind, ms in by_kind.items()}
+
+
+def measured_timeline(result: dict) -> dict[str, float] | None:
+    """A traced run's host and GPU, from its light trace's step of median host time
+    (``step_timeline``): the host's ms from its first CUDA call to its last launch (``host``),
+    of them waiting on the GPU (``host_wait``), and the GPU's busy ms (``gpu_busy``); None if
+    not traced on CUDA."""
+    timeline = result.get("step_timeline") or {}
+    keys = {"host": "host_time_ms", "host_wait": "host_wait_ms", "gpu_busy": "gpu_busy_ms"}
+    if any(timeline.get(key) is None for key in keys.values()):
+        return None
+    return {name: round(float(timeline[key]), 3) for name, key in keys.items()}
 
 
 def planned_kind(op) -> str:
@@ -155,6 +170,24 @@ def costed(row: dict, tables: dict, card_rates, step_time) -> dict:
                 planned["ops"], planned["marks"], costs, row["chunks"]
             )
     return predicted
+
+
+def print_where(row: dict) -> None:
+    """Where a traced run's miss lies: its GPU time by kind, and its host's time and the GPU's
+    busy time, each beside the plan's (one number a table)."""
+    predicted = row["predicted_ms"].values()
+    if row["kernels_ms"] is not None:
+        print("  GPU ms of its traced step by kind, predicted / measured: " + "; ".join(
+            f"{kind} " + " ".join(f"{v['kernels_ms'][kind]:.1f}" for v in predicted)
+            + f" / {row['kernels_ms'][kind]:.1f}" for kind in KINDS
+        ))  # fmt: skip
+    timeline = row["timeline_ms"]
+    if timeline is not None:
+        host = " ".join(f"{v['host_ms']:.1f}" for v in predicted)
+        gpu = " ".join(f"{v['gpu_ms']:.1f}" for v in predicted)
+        print(f"  host and GPU-busy ms of its traced step (the light trace's), predicted / "
+              f"measured: host {host} / {timeline['host']:.1f} (waiting on the GPU "
+              f"{timeline['host_wait']:.1f}); GPU {gpu} / {timeline['gpu_busy']:.1f}")  # fmt: skip
 
 
 def config_key(fields: dict) -> str:
@@ -265,12 +298,7 @@ def main(argv=None) -> int:
             f"own prediction: {'none' if then is None else f'{then:.1f}'})",
             flush=True,
         )
-        if row["kernels_ms"] is not None:
-            print("  GPU ms of its traced step by kind, predicted / measured: " + "; ".join(
-                f"{kind} " + " ".join(f"{v['kernels_ms'][kind]:.1f}"
-                                      for v in row["predicted_ms"].values())
-                + f" / {row['kernels_ms'][kind]:.1f}" for kind in KINDS
-            ))  # fmt: skip
+        print_where(row)
     if not rows:
         print("error: none of the measured configs could be planned", file=sys.stderr)
         return 2

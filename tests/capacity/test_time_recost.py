@@ -68,6 +68,8 @@ def test_a_kept_runs_steps_are_costed_again_beside_what_they_measured(tmp_path, 
         assert row["chunks"] == 4 // key[1]
         assert again == pytest.approx(predicted[key], rel=1e-3)
         assert again / row["measured_ms"] - 1 == pytest.approx(-0.5, abs=1e-3)
+        assert row["kernels_ms"] is None and row["timeline_ms"] is None  # untraced
+    assert "GPU-busy" not in out
     assert f"{table}: 0/4 within ±15%, 0/4 within ±25%; median error -50.0%" in out
     status, _, err = recost(tmp_path / "empty", capsys=capsys)
     assert status == 2 and err.startswith("error: no measured")
@@ -88,6 +90,9 @@ def test_a_traced_runs_gpu_time_is_split_by_kind_beside_the_plans(tmp_path, caps
     categories = {"gemm": 1.0, "attention": 0.0, "elementwise": 2.0, "reduction": 0.5,
                   "norm_clip": 0.0, "optimizer": 0.25, "other": 0.125}  # fmt: skip
     result["kernels"] = {name: {"time_ms": ms, "count": 1} for name, ms in categories.items()}
+    # the light trace's step: the host's span, its waits on the GPU, the GPU's busy time
+    result["step_timeline"] = {"wall_time_ms": 9.0, "host_time_ms": 7.5, "host_wait_ms": 0.75,
+                               "gpu_busy_ms": 3.25, "gpu_busy_fraction": 3.25 / 9.0}  # fmt: skip
     # NCCL's kernels (a rank's) are the collectives' time, not the other kernels'
     result.update(median_time_ms=step_ms, step_times_ms=[step_ms] * 3, communication_time_ms=0.5)
     path.write_text(json.dumps(result))
@@ -105,6 +110,10 @@ def test_a_traced_runs_gpu_time_is_split_by_kind_beside_the_plans(tmp_path, caps
     assert planned["gemm"] > 0 and planned["optimizer"] > 0
     line = next(line for line in out.splitlines() if "by kind" in line)
     assert f"optimizer {planned['optimizer']:.1f} / 0.2" in line and "other" in line
+    assert row["timeline_ms"] == {"host": 7.5, "host_wait": 0.75, "gpu_busy": 3.25}
+    line = next(line for line in out.splitlines() if "GPU-busy" in line)
+    assert f"host {predicted['host_ms']:.1f} / 7.5 (waiting on the GPU 0.8)" in line
+    assert line.endswith(f"GPU {predicted['gpu_ms']:.1f} / 3.2")
 
 
 def test_pooled_machines_measure_a_config_by_the_median_of_all_its_steps(
