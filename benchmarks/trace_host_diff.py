@@ -12,6 +12,8 @@ proportions, not as an untraced step's time.
         RUN/flash_bs8_seq512_bf16_sdpa --top 40
 
 Each argument is a trace file or a config directory holding one (``trace*.pt.trace.json[.gz]``).
+The host events counted are those of the recorded step's ``train_step`` range (all of a trace
+without one): the wait for the GPU after it is not the step's host work.
 
 ``--gpu``: the GPU's time instead, each kernel, copy and fill summed by its name and the Python
 function that launched it (the innermost one around its launch on the host), so that one kernel
@@ -76,11 +78,30 @@ def by_thread(events: list[dict], categories: tuple[str, ...]) -> list[list[dict
     return [sorted(thread, key=lambda e: (e["ts"], -e["dur"])) for thread in threads.values()]
 
 
+def in_recorded_step(events: list[dict]) -> list[dict]:
+    """The events that start inside the trace's ``train_step`` ranges (the recorded step, on
+    every thread: autograd's backward too), or all of them where it has none. Outside them the
+    toolkit's traces wait for the GPU after the step (``measure.tracing``), which is no host
+    work of the step's."""
+    spans = [
+        span
+        for e in events
+        if e.get("name") == "train_step"
+        and e.get("ph") == "X"
+        and not str(e.get("cat", "")).startswith("gpu_")
+        and (span := kernel_names.event_span(e))
+    ]
+    if not spans:
+        return events
+    return [e for e in events if _timed(e) and any(a <= e["ts"] < b for a, b in spans)]
+
+
 def host_self_times(events: list[dict]) -> tuple[dict[str, float], Counter]:
-    """Self time in µs and call count by event_name over the host events of a trace."""
+    """Self time in µs and call count by event_name over the host events of a trace's recorded
+    step (``in_recorded_step``)."""
     self_us: dict[str, float] = defaultdict(float)
     calls: Counter = Counter()
-    for thread_events in by_thread(events, HOST_CATEGORIES):
+    for thread_events in by_thread(in_recorded_step(events), HOST_CATEGORIES):
         open_events: list[tuple[dict, str]] = []
         for event in thread_events:
             while (

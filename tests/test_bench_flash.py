@@ -390,6 +390,27 @@ def test_trace_host_diff_counts_each_microsecond_once(tmp_path, capsys):
     assert "found 2" in capsys.readouterr().err
 
 
+def test_trace_host_diff_counts_the_recorded_steps_host_events_alone():
+    """Host events outside the trace's train_step range (the toolkit's wait for the GPU after
+    the step) are not the step's host work; autograd's thread inside the range's time is."""
+    diff = benchmark_script("trace_host_diff.py")
+
+    def event(cat, name, ts, dur, tid=1):
+        return {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur, "pid": 0, "tid": tid}
+
+    events = [
+        event("user_annotation", "train_step", 0, 100),
+        event("gpu_user_annotation", "train_step", 0, 300, tid=7),  # the GPU's: not a range
+        event("python_function", "a.py(1): step", 0, 90),
+        event("cpu_op", "aten::mm", 40, 20, tid=2),  # autograd's thread, inside the step
+        event("python_function", "torch/cuda/__init__.py(1): synchronize", 100, 200),
+        event("cpu_op", "aten::add", 150, 10, tid=2),  # after the step
+    ]
+    self_us, calls = diff.host_self_times(events)
+    assert self_us == {"a.py(1): step": 90, "op aten::mm": 20}
+    assert sum(calls.values()) == 2
+
+
 def test_trace_host_diff_gpu_time_by_kernel_and_launching_function():
     """--gpu: each GPU event's time goes to its kernel's name and the innermost Python function
     around its launch (matched by correlation id), so one kernel launched from two places is two

@@ -130,10 +130,25 @@ def test_each_traced_step_on_cuda_ends_with_the_gpu_drained(tmp_path, monkeypatc
         def step(self):
             events.append("profiler step")
 
+    class StepRange:  # the train_step range: the wait for the GPU stays outside it
+        def __init__(self, name):
+            pass
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            events.append("range end")
+            return False
+
     monkeypatch.setattr(tracing, "profile", Profile)
+    monkeypatch.setattr(torch.profiler, "record_function", StepRange)
     monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: events.append("sync"))
     config = tmp_path / "run" / "config"
     config.mkdir(parents=True)
     tracing.trace_steps(lambda: events.append("step"), torch.device("cuda"), str(config), False)
     steps = tracing.WAIT + tracing.WARMUP + tracing.ACTIVE
-    assert events == ["step", "sync", "profiler step"] * steps
+    assert events == ["step", "range end", "sync", "profiler step"] * steps
+    events.clear()  # on the CPU the step's work is done when it returns: no wait
+    tracing.trace_steps(lambda: events.append("step"), torch.device("cpu"), str(config), False)
+    assert events == ["step", "range end", "profiler step"] * steps
