@@ -118,6 +118,8 @@ def count_step(step, device: torch.device, observing_phases=None) -> dict:
     # A collection runs the finalizers of what it frees (Python calls): start the step with the
     # collector's counts at zero, so the step's own allocations decide where one falls.
     gc.collect()
+    if cuda:  # a step before it may still run on the GPU: its kernels are not this step's
+        torch.cuda.synchronize(device)
     with torch.profiler.profile(activities=activities) as prof:
         with observing, calls:
             step()

@@ -97,6 +97,32 @@ def test_garbage_left_before_a_counted_step_is_not_counted_in_it():
     assert host_work.count_step(step, cpu)["python_calls"] == clean
 
 
+def test_the_counted_step_on_cuda_starts_and_ends_with_the_gpu_drained(monkeypatch):
+    # Its kernels are counted from the profiler's window: a step before it still running on
+    # the GPU would be counted too, and its own last kernels missed without the wait after it.
+    events = []
+
+    class Profile:  # stands in for torch.profiler.profile: CUDA activity needs a GPU
+        def __init__(self, **kwargs):
+            pass
+
+        def __enter__(self):
+            events.append("profile")
+            return self
+
+        def __exit__(self, *exc):
+            events.append("profile end")
+            return False
+
+        def key_averages(self):
+            return []
+
+    monkeypatch.setattr(torch.profiler, "profile", Profile)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: events.append("sync"))
+    host_work.count_step(lambda: events.append("step"), torch.device("cuda"))
+    assert events == ["sync", "profile", "step", "sync", "profile end"]
+
+
 def test_operator_dispatches_count_each_aten_operator():
     a, b = torch.ones(3), torch.ones(3)
 
