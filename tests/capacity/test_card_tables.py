@@ -159,3 +159,48 @@ def test_the_memory_ops_alone_go_into_a_table_without_other_outputs(capsys):
         assert stopped.value.code == 2
         assert "--memory_ops_into writes into its TABLE alone" in capsys.readouterr().err
     assert script.parse(["--memory_ops_into", "table.json"]).memory_ops_into == "table.json"
+
+
+def test_host_width_fits_the_tiny_and_the_real_model_the_calibration_way(
+    tmp_path, capsys, monkeypatch
+):
+    """benchmarks/host_width.py: per trainer and phase, each model's µs an op is card_rates'
+    fit of its own points (the host time against the planned ops at each depth), and the ratio
+    is the real model's over the tiny one's; a bad --model or --depths is one line, exit 2."""
+    from dp_cost.core.hf_architectures import HF_CONFIGS
+
+    # a "real" model the CPU steps quickly: the tiny Llama with a wider MLP (the same ops)
+    tiny = HF_CONFIGS["tiny-llama"]
+    wide = {**tiny, "intermediate_size": 2 * tiny["intermediate_size"]}
+    monkeypatch.setitem(HF_CONFIGS, "tiny-llama-wide", wide)
+    out = tmp_path / "rows.json"
+    status, printed, err = benchmark_main(
+        "host_width.py", "--model", "tiny-llama-wide", "--device", "cpu", "--depths", "1", "2",
+        "--trainers", "standard", "--out", out, capsys=capsys,
+    )  # fmt: skip
+    assert status == 0, err
+    (row,) = json.loads(out.read_text())
+    assert row["trainer"] == "standard" and row["kind"] == "hf"
+    assert (row["tiny"]["model"], row["real"]["model"]) == ("tiny-llama", "tiny-llama-wide")
+    for model in ("tiny", "real"):
+        points = {
+            int(blocks): (point["host_us"], point["planned_ops"])
+            for blocks, point in row[model]["by_depth"].items()
+        }
+        assert sorted(points) == [1, 2]
+        assert points[2][1]["forward"] > points[1][1]["forward"]  # a block more, more ops
+        fit = card_rates.fit_host(points)
+        assert row[model]["op_us"] == pytest.approx(fit["op_us"], abs=2e-3)
+    # the same architecture but its width both ways here: the same planned ops
+    planned = [row[model]["by_depth"]["2"]["planned_ops"] for model in ("tiny", "real")]
+    assert planned[0] == planned[1]
+    for phase, ratio in row["op_us_ratio"].items():
+        tiny, real = row["tiny"]["op_us"][phase], row["real"]["op_us"][phase]
+        assert ratio == (real / tiny if tiny else None)
+    assert "| standard | forward |" in printed and "tiny-llama-wide µs an op" in printed
+    status, _, err = benchmark_main("host_width.py", "--model", "no-such", "--device", "cpu",
+                                    capsys=capsys)  # fmt: skip
+    assert status == 2 and err.startswith("error: --model no-such") and len(err.splitlines()) == 1
+    with pytest.raises(SystemExit) as stopped:
+        benchmark_main("host_width.py", "--depths", "2", "2", capsys=capsys)
+    assert stopped.value.code == 2

@@ -1,0 +1,115 @@
+"""Do the card table's host rows, measured on tiny models, hold at a real model's widths?
+
+The time model charges each op of a planned step the host µs that benchmarks/card_rates.py
+measured on its kind's tiny calibration model (the eager step's host time per phase against its
+planned ops at several depths, fitted by a line). This measures the same thing, the same way
+(``card_rates.host_phase_us``, ``fitted_row``), on the tiny model and on a real Hugging Face
+architecture (random weights, its own widths, cut to the same depths), at the calibration's
+batch (2, 16): per trainer and phase, µs an op on each and their ratio. A ratio far from 1
+says the table's host rows do not carry over to real models on this host.
+
+usage: python benchmarks/host_width.py [--model meta-llama/Llama-3.2-1B-Instruct] [--lora]
+           [--trainers standard ghost ...] [--depths 2 4 6] [--device cuda] [--out FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TRAINERS = ("standard", "dpsgd", "ghost", "flash")
+
+
+def parse(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument(
+        "--model",
+        default="meta-llama/Llama-3.2-1B-Instruct",
+        help="the real architecture (a Hugging Face config the toolkit ships)",
+    )
+    parser.add_argument("--lora", action="store_true", help="its LoRA rows (else full fine-tuning)")
+    parser.add_argument("--trainers", nargs="+", choices=TRAINERS, default=list(TRAINERS))
+    parser.add_argument("--depths", nargs="+", type=int, default=[2, 4, 6])
+    parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
+    parser.add_argument("--out", help="write every row as JSON here too")
+    args = parser.parse_args(argv)  # fmt: skip
+    if len(set(args.depths)) < 2 or min(args.depths) < 1:
+        parser.error("--depths: two different depths at least, each one block or more")
+    return args
+
+
+def measured_row(config, depths: list[int], sync_cost_us: float) -> dict:
+    """``config``'s host row (card_rates' fit and what it was fitted on) over ``depths``."""
+    import card_rates as calibration
+
+    by_depth = {}
+    for blocks in depths:
+        with calibration.depth(config, blocks) as deep:
+            by_depth[blocks] = calibration.host_phase_us(deep, sync_cost_us)
+    return {"model": config.model, **calibration.fitted_row(by_depth)}
+
+
+def compare(args) -> list[dict]:
+    """Per trainer, the tiny calibration model's host row and the real model's, measured in
+    turn in this process, and per phase the real one's µs an op over the tiny one's."""
+    import card_rates as calibration
+    import torch
+
+    kind = "lora" if args.lora else "hf"
+    sync_cost_us = calibration.sync_us() if args.device == "cuda" else 0.0
+    rows = []
+    for trainer in args.trainers:
+        tiny_config = calibration.calibration_config(trainer, kind, args.device)
+        real_config = dataclasses.replace(tiny_config, model=args.model)
+        tiny = measured_row(tiny_config, args.depths, sync_cost_us)
+        real = measured_row(real_config, args.depths, sync_cost_us)
+        if args.device == "cuda":
+            torch.cuda.empty_cache()
+        ratio = {
+            phase: real["op_us"][phase] / us if us else None for phase, us in tiny["op_us"].items()
+        }
+        rows.append({"trainer": trainer, "kind": kind, "tiny": tiny, "real": real,
+                     "op_us_ratio": ratio})  # fmt: skip
+    return rows
+
+
+def print_rows(rows: list[dict], model: str) -> None:
+    print(f"| trainer | phase | tiny µs an op | {model} µs an op | ratio |")
+    print("|---|---|---|---|---|")
+    for row in rows:
+        for phase, ratio in row["op_us_ratio"].items():
+            tiny, real = row["tiny"]["op_us"][phase], row["real"]["op_us"][phase]
+            shown = "-" if ratio is None else f"{ratio:.2f}"
+            print(f"| {row['trainer']} | {phase} | {tiny:.2f} | {real:.2f} | {shown} |")
+
+
+def main(argv=None) -> int:
+    args = parse(argv)
+    sys.path.insert(0, ROOT)
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    import torch
+
+    from dp_cost.core.hf_architectures import HF_CONFIGS
+
+    if args.model not in HF_CONFIGS:
+        print(f"error: --model {args.model}: not a Hugging Face config the toolkit ships "
+              f"({', '.join(sorted(HF_CONFIGS))})", file=sys.stderr)  # fmt: skip
+        return 2
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print("error: --device cuda: no CUDA device here (--device cpu runs it on the CPU)",
+              file=sys.stderr)  # fmt: skip
+        return 2
+    rows = compare(args)
+    print_rows(rows, args.model)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(rows, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
