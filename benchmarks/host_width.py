@@ -36,7 +36,7 @@ def parse(argv=None):
     parser.add_argument("--depths", nargs="+", type=int, default=[2, 4, 6])
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     parser.add_argument("--out", help="write every row as JSON here too")
-    args = parser.parse_args(argv)  # fmt: skip
+    args = parser.parse_args(argv)
     if len(set(args.depths)) < 2 or min(args.depths) < 1:
         parser.error("--depths: two different depths at least, each one block or more")
     return args
