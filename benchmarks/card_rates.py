@@ -229,10 +229,16 @@ def host_costs(trainer: str, model_kind: str, sync_cost_us: float, device: str =
     """The trainer's host costs on ``model_kind``'s calibration model at HOST_DEPTHS (its
     eager step is host-bound there: its kernels are shorter than their launches): the fit
     (``fit_host``) and what it was fitted on, each depth's host µs and planned ops."""
+    return host_row(calibration_config(trainer, model_kind, device), HOST_DEPTHS, sync_cost_us)
+
+
+def host_row(config, depths, sync_cost_us: float) -> dict:
+    """``config``'s host row (``fitted_row``) from its eager step's host time at each of
+    ``depths`` (``depth``, ``host_phase_us``)."""
     by_depth = {}
-    for blocks in HOST_DEPTHS:
-        with depth(calibration_config(trainer, model_kind, device), blocks) as config:
-            by_depth[blocks] = host_phase_us(config, sync_cost_us)
+    for blocks in depths:
+        with depth(config, blocks) as deep:
+            by_depth[blocks] = host_phase_us(deep, sync_cost_us)
     return fitted_row(by_depth)
 
 

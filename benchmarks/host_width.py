@@ -3,7 +3,7 @@
 The time model charges each op of a planned step the host µs that benchmarks/card_rates.py
 measured on its kind's tiny calibration model (the eager step's host time per phase against its
 planned ops at several depths, fitted by a line). This measures the same thing, the same way
-(``card_rates.host_phase_us``, ``fitted_row``), on the tiny model and on a real Hugging Face
+(``card_rates.host_row``), on the tiny model and on a real Hugging Face
 architecture (random weights, its own widths, cut to the same depths), at the calibration's
 batch (2, 16): per trainer and phase, µs an op on each and their ratio. A ratio far from 1
 says the table's host rows do not carry over to real models on this host.
@@ -42,17 +42,6 @@ def parse(argv=None):
     return args
 
 
-def measured_row(config, depths: list[int], sync_cost_us: float) -> dict:
-    """``config``'s host row (card_rates' fit and what it was fitted on) over ``depths``."""
-    import card_rates as calibration
-
-    by_depth = {}
-    for blocks in depths:
-        with calibration.depth(config, blocks) as deep:
-            by_depth[blocks] = calibration.host_phase_us(deep, sync_cost_us)
-    return {"model": config.model, **calibration.fitted_row(by_depth)}
-
-
 def compare(args) -> list[dict]:
     """Per trainer, the tiny calibration model's host row and the real model's, measured in
     turn in this process, and per phase the real one's µs an op over the tiny one's."""
@@ -65,8 +54,10 @@ def compare(args) -> list[dict]:
     for trainer in args.trainers:
         tiny_config = calibration.calibration_config(trainer, kind, args.device)
         real_config = dataclasses.replace(tiny_config, model=args.model)
-        tiny = measured_row(tiny_config, args.depths, sync_cost_us)
-        real = measured_row(real_config, args.depths, sync_cost_us)
+        tiny, real = (
+            {"model": config.model, **calibration.host_row(config, args.depths, sync_cost_us)}
+            for config in (tiny_config, real_config)
+        )
         if args.device == "cuda":
             torch.cuda.empty_cache()
         ratio = {
