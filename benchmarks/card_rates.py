@@ -11,8 +11,9 @@ graph so that its GPU time is timed apart from the host's launches:
 and, in eager steps on the tiny LM, the tiny Llama and the tiny Llama's LoRA, each at HOST_DEPTHS
 (host-bound: their kernels are shorter than their launches), each trainer's host time in each
 phase of a chunk, per op of the planned step and besides, and what a host sync (.item()) costs.
-Usage: python benchmarks/card_rates.py [--out PATH] [--quick]
+Usage: python benchmarks/card_rates.py [--out PATH] [--quick] [--rounds N]
        python benchmarks/card_rates.py --memory_ops_into TABLE (the memory ops' rates alone)
+       python benchmarks/card_rates.py --host_into TABLE [--rounds N] (the host rows alone)
 (benchmarks/card_tables.py fits a table again, or merges several machines', without a GPU)
 """
 
@@ -33,6 +34,14 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+# Rounds of the host rows' calibration steps. A round measures every row at every depth in turn,
+# and each point is its median over the rounds. A host's speed can drift during one calibration
+# run: a table measured row after row had standard's rows about 1.5 x quicker per op, and
+# ghost's 1.3 x slower, than later runs of the same steps on this card kind. Interleaving puts
+# any drift on every row alike.
+HOST_ROUNDS = 3
+
+
 def parse(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", help="where to write the table (default: the shipped file)")
@@ -42,9 +51,23 @@ def parse(argv=None):
         help="measure only the memory ops' rates and write them into TABLE, an existing table "
         "of this card",
     )  # fmt: skip
+    parser.add_argument(
+        "--host_into", metavar="TABLE",
+        help="measure only the host rows (and a sync's cost) and write them into TABLE, an "
+        "existing table of this card",
+    )  # fmt: skip
+    parser.add_argument(
+        "--rounds", type=int, default=HOST_ROUNDS,
+        help=f"rounds of the host rows' steps, each over every row (default {HOST_ROUNDS})",
+    )  # fmt: skip
     args = parser.parse_args(argv)
-    if args.memory_ops_into and (args.out or args.quick):
-        parser.error("--memory_ops_into writes into its TABLE alone: drop --out and --quick")
+    if args.memory_ops_into and args.host_into:
+        parser.error("--memory_ops_into and --host_into: one part of a table at a time")
+    if (args.memory_ops_into or args.host_into) and (args.out or args.quick):
+        parser.error("--memory_ops_into and --host_into write into their TABLE alone: drop "
+                     "--out and --quick")  # fmt: skip
+    if args.rounds < 1:
+        parser.error("--rounds: one or more")
     return args
 
 
@@ -225,11 +248,86 @@ def host_phase_us(config, sync_cost_us: float, planned: dict | None = None) -> t
     return host, ops
 
 
-def host_costs(trainer: str, model_kind: str, sync_cost_us: float, device: str = "cuda") -> dict:
-    """The trainer's host costs on ``model_kind``'s calibration model at HOST_DEPTHS (its
-    eager step is host-bound there: its kernels are shorter than their launches): the fit
-    (``fit_host``) and what it was fitted on, each depth's host µs and planned ops."""
-    return host_row(calibration_config(trainer, model_kind, device), HOST_DEPTHS, sync_cost_us)
+def host_rows_by_rounds(
+    rows: dict[str, tuple[str, str]],
+    sync_cost_us: float,
+    rounds: int,
+    device: str = "cuda",
+    measure=None,
+) -> dict[str, dict]:
+    """Each row's host costs (``fitted_row``; ``rows``: row name -> (trainer, model kind)) at
+    HOST_DEPTHS, from ``rounds`` rounds that each measure every row at every depth in turn
+    (``measure``: ``host_phase_us``), each point's host µs the median over the rounds. Each
+    point's step is planned once."""
+    from dp_cost.capacity import fake_step
+    from dp_cost.measure import worker
+
+    measure = measure or host_phase_us
+    points = [(name, blocks) for name in rows for blocks in HOST_DEPTHS]
+    planned: dict = {}
+    times: dict = {point: [] for point in points}
+    ops: dict = {}
+    for round_number in range(rounds):
+        for name, blocks in points:
+            trainer, kind = rows[name]
+            with depth(calibration_config(trainer, kind, device), blocks) as config:
+                if (name, blocks) not in planned:
+                    planned[name, blocks] = fake_step.predict(
+                        config, worker.build_trainer, record_ops=True
+                    )
+                host, ops[name, blocks] = measure(config, sync_cost_us, planned[name, blocks])
+            times[name, blocks].append(host)
+        print(f"host rows: round {round_number + 1} of {rounds} done", file=sys.stderr)
+    return {
+        name: fitted_row({
+            blocks: ({phase: statistics.median(host[phase] for host in times[name, blocks])
+                      for phase in times[name, blocks][0]}, ops[name, blocks])
+            for blocks in HOST_DEPTHS
+        })
+        for name in rows
+    }  # fmt: skip
+
+
+def calibration_rows() -> dict[str, tuple[str, str]]:
+    """Every host row a table has: row name -> (trainer, model kind)."""
+    from dp_cost.capacity.card_rates import MODEL_KINDS
+
+    return {trainer + suffix: (trainer, kind) for kind, suffix in MODEL_KINDS.items()
+            for trainer in TRAINERS}  # fmt: skip
+
+
+def host_into(path: str, rounds: int) -> int:
+    """Measure the host rows alone (``host_rows_by_rounds``) and a sync's cost, and write them
+    into the table at ``path``, measured before on a card of the same kind; the table says
+    when and how."""
+    from dp_cost.capacity.card_rates import load_card
+    from dp_cost.measure.run import git_commit
+
+    with open(path) as f:
+        table = json.load(f)
+    if table.get("card") != torch.cuda.get_device_name():
+        print(f"error: {path} is {table.get('card')!r}'s table, this card is "
+              f"{torch.cuda.get_device_name()!r}", file=sys.stderr)  # fmt: skip
+        return 2
+    started = time.perf_counter()
+    sync_cost_us = round(sync_us(), 3)
+    by_trainer = host_rows_by_rounds(calibration_rows(), sync_cost_us, rounds)
+    table["host"] = {**table["host"], "sync_us": sync_cost_us, "by_trainer": by_trainer}
+    table["measured"]["host_remeasured"] = {
+        "date": datetime.date.today().isoformat(),
+        "commit": git_commit(ROOT) or "not recorded",
+        "torch": torch.__version__,
+        "host": platform.processor() or platform.machine(),
+        "rounds": rounds,
+        "seconds": round(time.perf_counter() - started, 1),
+        "command": f"python benchmarks/card_rates.py --host_into {path} --rounds {rounds}",
+    }
+    with open(path, "w") as f:
+        json.dump(table, f, indent=1)
+        f.write("\n")
+    load_card(path)  # the toolkit reads it back
+    print(json.dumps({"card": table["card"], "path": path, "host": table["host"]["sync_us"]}))
+    return 0
 
 
 def host_row(config, depths, sync_cost_us: float) -> dict:
@@ -266,9 +364,10 @@ def main() -> int:
         return 2
     if args.memory_ops_into:
         return memory_ops_into(args.memory_ops_into)
+    if args.host_into:
+        return host_into(args.host_into, args.rounds)
     from dp_cost.capacity.card_rates import (
         CARDS_DIR,
-        MODEL_KINDS,
         SCHEMA,
         card_file_name,
         load_card,
@@ -306,12 +405,8 @@ def main() -> int:
     }
     table["memory_ops"] = memory_op_rates()
     sync_cost_us = round(sync_us(), 3)
-    by_trainer = {}
-    for kind, suffix in MODEL_KINDS.items():
-        for trainer in TRAINERS:
-            by_trainer[trainer + suffix] = host_costs(trainer, kind, sync_cost_us)
-            seconds = time.perf_counter() - started
-            print(f"host costs of {trainer + suffix}: done at {seconds:.0f} s", file=sys.stderr)
+    by_trainer = host_rows_by_rounds(calibration_rows(), sync_cost_us, args.rounds)
+    table["measured"]["host_rounds"] = args.rounds
     table["host"] = {"sync_us": sync_cost_us, "by_trainer": by_trainer}
     table["measured"]["seconds"] = round(time.perf_counter() - started, 1)
     path = args.out or os.path.join(CARDS_DIR, card_file_name(card))

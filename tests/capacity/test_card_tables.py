@@ -157,8 +157,61 @@ def test_the_memory_ops_alone_go_into_a_table_without_other_outputs(capsys):
         with pytest.raises(SystemExit) as stopped:
             script.parse(["--memory_ops_into", "table.json", *extra])
         assert stopped.value.code == 2
-        assert "--memory_ops_into writes into its TABLE alone" in capsys.readouterr().err
+        assert "--memory_ops_into and --host_into write into their TABLE alone" in (
+            capsys.readouterr().err
+        )
     assert script.parse(["--memory_ops_into", "table.json"]).memory_ops_into == "table.json"
+    for argv in (["--host_into", "t.json", "--quick"], ["--host_into", "t.json",
+                 "--memory_ops_into", "t.json"], ["--rounds", "0"]):  # fmt: skip
+        with pytest.raises(SystemExit) as stopped:
+            script.parse(argv)
+        assert stopped.value.code == 2 and len(capsys.readouterr().err.strip().splitlines()) >= 1
+    assert script.parse(["--host_into", "t.json"]).rounds == script.HOST_ROUNDS
+
+
+def test_host_rows_are_measured_in_interleaved_rounds_and_fitted_on_medians(monkeypatch):
+    """card_rates.host_rows_by_rounds: each round measures every row at every depth in turn (so
+    a host that slows down mid-run slows every row alike), each point is planned once, and each
+    row is card_rates.fit_host of its points' medians over the rounds."""
+    script = benchmark_script("card_rates.py")
+    from dp_cost.capacity import fake_step
+
+    plans = []
+
+    def plan(config, *args, **kwargs):
+        plans.append(config)
+        return {"plan": len(plans)}
+
+    monkeypatch.setattr(fake_step, "predict", plan)
+    calls = []
+    # the host's speed: 1x in round one, 4x slower in round two, 2x in round three (mean 2.33)
+    slowdown = {0: 1.0, 1: 4.0, 2: 2.0}
+    per_op = {"standard": 10.0, "ghost": 20.0}
+
+    def measure(config, sync_cost_us, planned):
+        round_number = len(calls) // (2 * len(script.HOST_DEPTHS))
+        calls.append((config.trainer, config.model, planned["plan"]))
+        ops = {phase: 100 * depth_of(config) for phase in PHASES}
+        host = {phase: slowdown[round_number] * per_op[config.trainer] * count + 500.0
+                for phase, count in ops.items()}  # fmt: skip
+        return host, ops
+
+    def depth_of(config):
+        from dp_cost.core.hf_architectures import HF_CONFIGS
+
+        return HF_CONFIGS["tiny-llama"]["num_hidden_layers"]  # patched by card_rates.depth
+
+    rows = {"standard+hf": ("standard", "hf"), "ghost+hf": ("ghost", "hf")}
+    fitted = script.host_rows_by_rounds(rows, 0.0, 3, device="cpu", measure=measure)
+    depths = len(script.HOST_DEPTHS)
+    assert len(plans) == 2 * depths and len(calls) == 3 * 2 * depths  # planned once a point
+    trainers = [trainer for trainer, _, _ in calls]
+    assert trainers == (["standard"] * depths + ["ghost"] * depths) * 3  # every row each round
+    for name, (trainer, _) in rows.items():
+        # each point's median is round three's (1x, 4x, 2x): a line of slope 2x, fixed 500 µs
+        assert fitted[name]["op_us"] == dict.fromkeys(PHASES, pytest.approx(2 * per_op[trainer]))
+        assert fitted[name]["fixed_us"] == dict.fromkeys(PHASES, pytest.approx(500.0, abs=0.2))
+        assert sorted(map(int, fitted[name]["by_depth"])) == sorted(script.HOST_DEPTHS)
 
 
 def test_host_width_fits_the_tiny_and_the_real_model_the_calibration_way(
