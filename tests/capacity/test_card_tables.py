@@ -183,6 +183,7 @@ def test_host_rows_are_measured_in_interleaved_rounds_and_fitted_on_medians(monk
         return {"plan": len(plans)}
 
     monkeypatch.setattr(fake_step, "predict", plan)
+    monkeypatch.setattr(script, "planned_op_counts", lambda step: ({}, 1))
     calls = []
     # the host's speed: 1x in round one, 4x slower in round two, 2x in round three (mean 2.33)
     slowdown = {0: 1.0, 1: 4.0, 2: 2.0}
@@ -212,6 +213,7 @@ def test_host_rows_are_measured_in_interleaved_rounds_and_fitted_on_medians(monk
         assert fitted[name]["op_us"] == dict.fromkeys(PHASES, pytest.approx(2 * per_op[trainer]))
         assert fitted[name]["fixed_us"] == dict.fromkeys(PHASES, pytest.approx(500.0, abs=0.2))
         assert sorted(map(int, fitted[name]["by_depth"])) == sorted(script.HOST_DEPTHS)
+        assert {point["syncs"] for point in fitted[name]["by_depth"].values()} == {1}
 
 
 def test_host_width_fits_the_tiny_and_the_real_model_the_calibration_way(
