@@ -13,8 +13,14 @@ With --pool, each RUN_DIR is one machine's runs (e.g. `benchmarks/time_grid.sh`'
 that machine), and a config run on two or more of them is also compared as the goal measures
 it: its measured step the median of all its steps on every machine.
 
+With --recorded RECORD, configs an earlier session measured on other machines (their runs not
+kept: RECORD is the JSON its history keeps, each config's medians by machine and its pooled
+step, e.g. benchmarks/history/2026-12-01-time-grid.json) are costed again with today's tables:
+against the record's pooled steps, and against the median of every machine's median, the
+record's and these runs'. So a new table meets machines measured before.
+
 usage: python benchmarks/time_recost.py RUN_DIR [RUN_DIR ...] [--tables TABLE ...] [--out F]
-                                        [--pool]
+                                        [--pool] [--recorded RECORD]
   RUN_DIR: a run's folder (its configs' result.json one level down), or a folder of runs
   TABLE: card tables (default: the shipped table of the card each run was measured on)
 """
@@ -42,6 +48,10 @@ def parse(argv=None):
     parser.add_argument(
         "--pool", action="store_true",
         help="each RUN_DIR one machine's: also a config's steps on every machine pooled",
+    )  # fmt: skip
+    parser.add_argument(
+        "--recorded", metavar="RECORD",
+        help="earlier machines' medians of the same configs (a history JSON), pooled with these",
     )  # fmt: skip
     return parser.parse_args(argv)
 
@@ -262,11 +272,54 @@ def pooled_report(rows: list[dict], tables: list[str]) -> None:
         print(f"{name}, pooled over machines: {within_bands(errors)}")
 
 
+def run_and_config(row: dict) -> str:
+    """A row's name in a record: its run's folder and its config's, as RUN/CONFIG."""
+    config_folder = os.path.dirname(row["result"])
+    return f"{os.path.basename(os.path.dirname(config_folder))}/{os.path.basename(config_folder)}"
+
+
+def recorded_report(rows: list[dict], tables: list[str], record: dict) -> None:
+    """Each config of ``record`` (``configs``: RUN/CONFIG -> ``pooled_ms`` and
+    ``machine_medians_ms``) that these runs measured, costed with ``tables``: against the
+    record's pooled step, and against the median of every machine's median (the record's, then
+    each of these runs')."""
+    by_name: dict[str, list[dict]] = {}
+    for row in rows:
+        by_name.setdefault(run_and_config(row), []).append(row)
+    names = [name for name in record["configs"] if name in by_name]
+    if not names:
+        print("recorded: none of the record's configs is among these runs")
+        return
+    for name in tables:
+        theirs, every = [], []
+        for config in names:
+            kept, mine = record["configs"][config], by_name[config]
+            predicted = mine[0]["predicted_ms"][name]["step_ms"]
+            theirs.append(predicted / kept["pooled_ms"] - 1)
+            medians = [*kept["machine_medians_ms"], *(row["measured_ms"] for row in mine)]
+            every.append(predicted / statistics.median(medians) - 1)
+        print(f"{name}, against the record's pooled steps: {within_bands(theirs)}")
+        print(f"{name}, against the median of every machine's median (the record's and these "
+              f"runs'): {within_bands(every)}")  # fmt: skip
+
+
 def main(argv=None) -> int:
     args = parse(argv)
     sys.path.insert(0, ROOT)
     from dp_cost.capacity import card_rates, step_time
 
+    record = None
+    if args.recorded:
+        from dp_cost.core.reading import read_json
+
+        try:
+            record = read_json(args.recorded)
+            for kept in record["configs"].values():  # each a pooled step and machines' medians
+                [float(kept["pooled_ms"]), *map(float, kept["machine_medians_ms"])]
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as error:
+            print(f"error: --recorded {args.recorded}: not a record of measured configs "
+                  f"({error})", file=sys.stderr)  # fmt: skip
+            return 2
     rows = measured_configs(args.runs)
     if not rows:
         print("error: no measured steps to cost under the folders given", file=sys.stderr)
@@ -306,6 +359,8 @@ def main(argv=None) -> int:
         print(f"{name}: {within_bands(found)}")
     if args.pool:
         pooled_report(rows, list(tables))
+    if record is not None:
+        recorded_report(rows, list(tables), record)
     if args.out:
         with open(args.out, "w") as f:
             json.dump(rows, f, indent=1)

@@ -162,3 +162,53 @@ def test_pooled_machines_measure_a_config_by_the_median_of_all_its_steps(
     _, out, _ = recost(tmp_path / "A", tmp_path / "B", "--tables", table, capsys=capsys)
     assert not [line for line in out.splitlines() if line.startswith("pooled ")]
     assert "pooled over machines" not in out
+
+
+def test_a_record_of_earlier_machines_is_pooled_with_these_runs(tmp_path, capsys):
+    """--recorded: configs an earlier session measured elsewhere (their medians by machine and
+    pooled step, kept as JSON) are costed again against the record's pooled step and against the
+    median of every machine's median, the record's and these runs'; a record naming configs not
+    run here skips them; a broken record is one error line, exit 2."""
+    run = in_process("--mode=capacity", "--trainers", "standard", "flash", "--batch_sizes", "4",
+                     "--seq_lens", "16", *SMALL_MODEL, "--output_dir", tmp_path,
+                     "--run_name", "r")  # fmt: skip
+    assert run.returncode == 0, run.stderr
+    predicted, names = {}, {}
+    for path in (tmp_path / "r").glob("*/result.json"):
+        result = json.loads(path.read_text())
+        trainer = result["config"]["trainer"]
+        predicted[trainer] = step_ms = result["prediction"]["time"]["step_ms"]
+        names[trainer] = f"r/{path.parent.name}"
+        # this machine: standard as predicted, flash twice as slow
+        times = [step_ms * (1.0 if trainer == "standard" else 2.0)] * 3
+        folder = tmp_path / "A" / "r" / path.parent.name
+        folder.mkdir(parents=True)
+        (folder / "result.json").write_text(
+            json.dumps({**result, "median_time_ms": times[1], "step_times_ms": times})
+        )
+    # the record: standard pooled 2 x slow (its machines 1.0 and 1.1 x), flash as predicted
+    standard = predicted["standard"]
+    record = {"configs": {
+        names["standard"]: {"pooled_ms": 2.0 * standard,
+                            "machine_medians_ms": [standard, 1.1 * standard]},
+        names["flash"]: {"pooled_ms": predicted["flash"],
+                         "machine_medians_ms": [predicted["flash"], predicted["flash"]]},
+        "r/not_run_here": {"pooled_ms": 1.0, "machine_medians_ms": [1.0]},
+    }}  # fmt: skip
+    kept = tmp_path / "record.json"
+    kept.write_text(json.dumps(record))
+    table = card_rates.card_rates("NVIDIA H200").path
+    status, out, err = recost(tmp_path / "A", "--tables", table, "--recorded", kept,
+                              capsys=capsys)  # fmt: skip
+    assert status == 0, err
+    assert f"{table}: 1/2 within ±15%" in out  # this machine alone: flash 50% fast
+    assert f"{table}, against the record's pooled steps: 1/2 within ±15%" in out
+    # standard: medians 1.0, 1.1 and 1.0 x; flash: 1.0, 1.0 and 2.0 x: both 1.0 x
+    assert (
+        f"{table}, against the median of every machine's median (the record's and these "
+        "runs'): 2/2 within ±15%, 2/2 within ±25%; median error +0.0%" in out
+    )
+    broken = tmp_path / "broken.json"
+    broken.write_text(json.dumps({"configs": {"r/x": {"pooled_ms": "fast"}}}))
+    status, _, err = recost(tmp_path / "A", "--recorded", broken, capsys=capsys)
+    assert status == 2 and err.startswith("error: --recorded") and len(err.splitlines()) == 1
