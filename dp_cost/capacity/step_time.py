@@ -35,13 +35,13 @@ from dp_cost.core.hf_architectures import HF_CONFIGS
 
 CHUNK_END = "backward_done"  # the phase that ends a chunk's backward
 # A step whose host is busier than its GPU moves with the host's speed, and hosts of one card
-# kind differ: the calibration steps of three H200 machines ran up to 2 x apart per op, and
-# steps measured on several machines came out -47% to +59% against the shipped table where the
-# host bound them, -18% to +6% where the GPU did
+# kind differ: two H200 machines' calibration steps ran 1.15-1.7 x apart per row, and the time
+# grid's host-bound steps on four machines came out -24% to +38% against the shipped table
+# (whose host rows are the median of two machines'), its GPU-bound ones -18% to +5%
 HOST_BOUND_NOTE = (
-    "host-bound: such steps came out -47% to +59% against measured ones on several machines of "
+    "host-bound: such steps came out -24% to +38% against measured ones on four machines of "
     "one card kind (the host's speed differs between machines and runs, and the calibration's "
-    "host costs are one machine's)"
+    "host costs are a median of two machines')"
 )
 FORWARD, BACKWARD, FINISH = "forward", "backward", "finish"
 GATHER = "all_gather"

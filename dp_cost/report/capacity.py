@@ -189,8 +189,8 @@ NOTES = (
     "fake step's ops and the card's measured rates (with several ranks rank 0's, its "
     "collectives from the rates measured for that many ranks; - where not predicted, the "
     "reason in capacity.json). Bound by host: the host issues the ops more slowly than the GPU "
-    "runs them, and the time moves with the host's speed: -47% to +59% against measured steps "
-    "of several machines of one card kind; bound by gpu: -18% to +6% where measured; bound by "
+    "runs them, and the time moves with the host's speed: -24% to +38% against measured steps "
+    "of four machines of one card kind; bound by gpu: -18% to +6% where measured; bound by "
     "communication: the collectives take longer than the kernels.\n"
 )
 
