@@ -110,9 +110,11 @@ def _stamp(stamps: dict, name: str) -> None:
     stamps.setdefault(name, time.perf_counter())
 
 
-def memory_ops_into(path: str) -> int:
-    """Measure the memory ops' rates alone (``memory_op_rates``) and write them into the table
-    at ``path``, measured before on a card of the same kind; the table says when and how."""
+def into_table(path: str, key: str, measure, command: str) -> dict | None:
+    """Measure one part of the table at ``path``, measured before on a card of this kind:
+    ``measure(table)`` writes it in and returns what the record adds; the table says when and
+    how under ``measured[key]``, is written, and read back as a card table. None (with one error
+    line) for another card's table."""
     from dp_cost.capacity.card_rates import load_card
     from dp_cost.measure.run import git_commit
 
@@ -121,18 +123,35 @@ def memory_ops_into(path: str) -> int:
     if table.get("card") != torch.cuda.get_device_name():
         print(f"error: {path} is {table.get('card')!r}'s table, this card is "
               f"{torch.cuda.get_device_name()!r}", file=sys.stderr)  # fmt: skip
-        return 2
-    table["memory_ops"] = memory_op_rates()
-    table["measured"]["memory_ops_remeasured"] = {
+        return None
+    started = time.perf_counter()
+    how = measure(table)
+    table["measured"][key] = {
         "date": datetime.date.today().isoformat(),
         "commit": git_commit(ROOT) or "not recorded",
         "torch": torch.__version__,
-        "command": f"python benchmarks/card_rates.py --memory_ops_into {path}",
+        **how,
+        "seconds": round(time.perf_counter() - started, 1),
+        "command": command,
     }
     with open(path, "w") as f:
         json.dump(table, f, indent=1)
         f.write("\n")
     load_card(path)  # the toolkit reads it back
+    return table
+
+
+def memory_ops_into(path: str) -> int:
+    """Measure the memory ops' rates alone (``memory_op_rates``) into the table at ``path``."""
+
+    def measure(table: dict) -> dict:
+        table["memory_ops"] = memory_op_rates()
+        return {}
+
+    command = f"python benchmarks/card_rates.py --memory_ops_into {path}"
+    table = into_table(path, "memory_ops_remeasured", measure, command)
+    if table is None:
+        return 2
     print(json.dumps({"card": table["card"], "path": path, "memory_ops": table["memory_ops"]}))
     return 0
 
@@ -300,36 +319,20 @@ def calibration_rows() -> dict[str, tuple[str, str]]:
 
 
 def host_into(path: str, rounds: int) -> int:
-    """Measure the host rows alone (``host_rows_by_rounds``) and a sync's cost, and write them
-    into the table at ``path``, measured before on a card of the same kind; the table says
-    when and how."""
-    from dp_cost.capacity.card_rates import load_card
-    from dp_cost.measure.run import git_commit
+    """Measure the host rows alone (``host_rows_by_rounds``) and a sync's cost into the table
+    at ``path``."""
 
-    with open(path) as f:
-        table = json.load(f)
-    if table.get("card") != torch.cuda.get_device_name():
-        print(f"error: {path} is {table.get('card')!r}'s table, this card is "
-              f"{torch.cuda.get_device_name()!r}", file=sys.stderr)  # fmt: skip
+    def measure(table: dict) -> dict:
+        sync_cost_us = round(sync_us(), 3)
+        by_trainer = host_rows_by_rounds(calibration_rows(), sync_cost_us, rounds)
+        table["host"] = {**table["host"], "sync_us": sync_cost_us, "by_trainer": by_trainer}
+        return {"host": platform.processor() or platform.machine(), "rounds": rounds}
+
+    command = f"python benchmarks/card_rates.py --host_into {path} --rounds {rounds}"
+    table = into_table(path, "host_remeasured", measure, command)
+    if table is None:
         return 2
-    started = time.perf_counter()
-    sync_cost_us = round(sync_us(), 3)
-    by_trainer = host_rows_by_rounds(calibration_rows(), sync_cost_us, rounds)
-    table["host"] = {**table["host"], "sync_us": sync_cost_us, "by_trainer": by_trainer}
-    table["measured"]["host_remeasured"] = {
-        "date": datetime.date.today().isoformat(),
-        "commit": git_commit(ROOT) or "not recorded",
-        "torch": torch.__version__,
-        "host": platform.processor() or platform.machine(),
-        "rounds": rounds,
-        "seconds": round(time.perf_counter() - started, 1),
-        "command": f"python benchmarks/card_rates.py --host_into {path} --rounds {rounds}",
-    }
-    with open(path, "w") as f:
-        json.dump(table, f, indent=1)
-        f.write("\n")
-    load_card(path)  # the toolkit reads it back
-    print(json.dumps({"card": table["card"], "path": path, "host": table["host"]["sync_us"]}))
+    print(json.dumps({"card": table["card"], "path": path, "sync_us": table["host"]["sync_us"]}))
     return 0
 
 

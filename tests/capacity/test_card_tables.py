@@ -259,3 +259,35 @@ def test_host_width_fits_the_tiny_and_the_real_model_the_calibration_way(
     with pytest.raises(SystemExit) as stopped:
         benchmark_main("host_width.py", "--depths", "2", "2", capsys=capsys)
     assert stopped.value.code == 2
+
+
+def test_one_part_of_a_table_is_measured_into_it_with_a_record_or_refused(
+    tmp_path, capsys, monkeypatch
+):
+    """card_rates.into_table (--memory_ops_into, --host_into): the part measured goes into the
+    table with a record of when and how, and the table reads back; another card's table is one
+    error line and stays as it was."""
+    script = benchmark_script("card_rates.py")
+    shipped = json.loads(open(card_rates.card_rates("NVIDIA H200").path).read())
+    path = tmp_path / "table.json"
+    path.write_text(json.dumps(shipped))
+    monkeypatch.setattr(script.torch.cuda, "get_device_name", lambda *a: "NVIDIA H200")
+
+    def measure(table):
+        table["host"]["sync_us"] = 12.5
+        return {"rounds": 3}
+
+    table = script.into_table(str(path), "host_remeasured", measure, "the command")
+    written = json.loads(path.read_text())
+    assert table == written and written["host"]["sync_us"] == 12.5
+    record = written["measured"]["host_remeasured"]
+    assert record["rounds"] == 3 and record["command"] == "the command"
+    assert {"date", "commit", "torch", "seconds"} <= set(record)
+    assert card_rates.load_card(str(path)).host["sync_us"] == 12.5
+    monkeypatch.setattr(script.torch.cuda, "get_device_name", lambda *a: "NVIDIA H100")
+    before = path.read_text()
+    capsys.readouterr()
+    assert script.into_table(str(path), "host_remeasured", measure, "the command") is None
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and "'NVIDIA H100'" in err and len(err.splitlines()) == 1
+    assert path.read_text() == before
