@@ -10,7 +10,8 @@ graph so that its GPU time is timed apart from the host's launches:
   that are slower per byte (norms, reductions, torch.optim's foreach steps);
 and, in eager steps on the tiny LM, the tiny Llama and the tiny Llama's LoRA, each at HOST_DEPTHS
 (host-bound: their kernels are shorter than their launches), each trainer's host time in each
-phase of a chunk, per op of the planned step and besides, and what a host sync (.item()) costs.
+phase of a chunk, per op of the planned step and besides (in rounds over every row: --rounds),
+and what a host sync (.item()) costs.
 Usage: python benchmarks/card_rates.py [--out PATH] [--quick] [--rounds N]
        python benchmarks/card_rates.py --memory_ops_into TABLE (the memory ops' rates alone)
        python benchmarks/card_rates.py --host_into TABLE [--rounds N] (the host rows alone)
@@ -35,10 +36,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 # Rounds of the host rows' calibration steps. A round measures every row at every depth in turn,
-# and each point is its median over the rounds. A host's speed can drift during one calibration
-# run: a table measured row after row had standard's rows about 1.5 x quicker per op, and
-# ghost's 1.3 x slower, than later runs of the same steps on this card kind. Interleaving puts
-# any drift on every row alike.
+# and each point is its median over the rounds: a host's speed can drift during one run, and
+# interleaving puts the drift on every row alike, where row after row puts it on some rows.
 HOST_ROUNDS = 3
 
 
