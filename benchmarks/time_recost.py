@@ -278,6 +278,19 @@ def run_and_config(row: dict) -> str:
     return f"{os.path.basename(os.path.dirname(config_folder))}/{os.path.basename(config_folder)}"
 
 
+def read_record(path: str) -> dict:
+    """A record of earlier machines' measured configs (--recorded), each config's pooled step
+    and machines' medians numbers (else ValueError, KeyError or TypeError)."""
+    from dp_cost.core.reading import read_json
+
+    record = read_json(path)
+    for kept in record["configs"].values():
+        float(kept["pooled_ms"])
+        if not [float(ms) for ms in kept["machine_medians_ms"]]:
+            raise ValueError("a config without its machines' medians")
+    return record
+
+
 def recorded_report(rows: list[dict], tables: list[str], record: dict) -> None:
     """Each config of ``record`` (``configs``: RUN/CONFIG -> ``pooled_ms`` and
     ``machine_medians_ms``) that these runs measured, costed with ``tables``: against the
@@ -308,18 +321,12 @@ def main(argv=None) -> int:
     sys.path.insert(0, ROOT)
     from dp_cost.capacity import card_rates, step_time
 
-    record = None
-    if args.recorded:
-        from dp_cost.core.reading import read_json
-
-        try:
-            record = read_json(args.recorded)
-            for kept in record["configs"].values():  # each a pooled step and machines' medians
-                [float(kept["pooled_ms"]), *map(float, kept["machine_medians_ms"])]
-        except (OSError, ValueError, KeyError, TypeError, AttributeError) as error:
-            print(f"error: --recorded {args.recorded}: not a record of measured configs "
-                  f"({error})", file=sys.stderr)  # fmt: skip
-            return 2
+    try:
+        record = read_record(args.recorded) if args.recorded else None
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as error:
+        print(f"error: --recorded {args.recorded}: not a record of measured configs ({error})",
+              file=sys.stderr)  # fmt: skip
+        return 2
     rows = measured_configs(args.runs)
     if not rows:
         print("error: no measured steps to cost under the folders given", file=sys.stderr)
