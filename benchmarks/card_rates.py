@@ -56,17 +56,20 @@ def parse(argv=None):
         "existing table of this card",
     )  # fmt: skip
     parser.add_argument(
-        "--rounds", type=int, default=HOST_ROUNDS,
+        "--rounds", type=int,
         help=f"rounds of the host rows' steps, each over every row (default {HOST_ROUNDS})",
     )  # fmt: skip
     args = parser.parse_args(argv)
     if args.memory_ops_into and args.host_into:
         parser.error("--memory_ops_into and --host_into: one part of a table at a time")
+    if args.memory_ops_into and args.rounds is not None:
+        parser.error("--rounds: the host rows' rounds; --memory_ops_into measures no host rows")
     if (args.memory_ops_into or args.host_into) and (args.out or args.quick):
         parser.error("--memory_ops_into and --host_into write into their TABLE alone: drop "
                      "--out and --quick")  # fmt: skip
-    if args.rounds < 1:
+    if args.rounds is not None and args.rounds < 1:
         parser.error("--rounds: one or more")
+    args.rounds = args.rounds or HOST_ROUNDS
     return args
 
 
@@ -110,17 +113,25 @@ def _stamp(stamps: dict, name: str) -> None:
 
 
 def into_table(path: str, key: str, measure, command: str) -> dict | None:
-    """Measure one part of the table at ``path``, measured before on a card of this kind:
-    ``measure(table)`` writes it in and returns what the record adds; the table says when and
-    how under ``measured[key]``, is written, and read back as a card table. None (with one error
-    line) for another card's table."""
-    from dp_cost.capacity.card_rates import load_card
+    """Measure one part of the table at ``path``, a table of this card: ``measure(table)``
+    writes it in and returns what the record adds; the table says when and how under
+    ``measured[key]`` and replaces the file only once it reads back as a card table. None, with
+    one error line, for a table that cannot be read (checked before measuring) or another
+    card's."""
+    from card_tables import write_checked  # this script's sibling: the staged, checked write
+
+    from dp_cost.capacity.card_rates import CardRatesError, read_card
     from dp_cost.measure.run import git_commit
 
-    with open(path) as f:
-        table = json.load(f)
-    if table.get("card") != torch.cuda.get_device_name():
-        print(f"error: {path} is {table.get('card')!r}'s table, this card is "
+    try:
+        card = read_card(path).card
+        with open(path) as f:
+            table = json.load(f)
+    except (CardRatesError, OSError, ValueError) as error:
+        print(f"error: {error}", file=sys.stderr)
+        return None
+    if card != torch.cuda.get_device_name():
+        print(f"error: {path} is {card!r}'s table, this card is "
               f"{torch.cuda.get_device_name()!r}", file=sys.stderr)  # fmt: skip
         return None
     started = time.perf_counter()
@@ -133,10 +144,11 @@ def into_table(path: str, key: str, measure, command: str) -> dict | None:
         "seconds": round(time.perf_counter() - started, 1),
         "command": command,
     }
-    with open(path, "w") as f:
-        json.dump(table, f, indent=1)
-        f.write("\n")
-    load_card(path)  # the toolkit reads it back
+    try:
+        write_checked(table, path)
+    except CardRatesError as error:
+        print(f"error: {error} (the table was left as it was)", file=sys.stderr)
+        return None
     return table
 
 
@@ -362,6 +374,25 @@ def fitted_row(by_depth: dict[int, tuple[dict, dict]]) -> dict:
     }
 
 
+def kernel_rates(quick: bool) -> dict:
+    """A table's kernel sections, measured on this card (``--quick``: a coarse grid)."""
+    sides = QUICK_SIDES if quick else GEMM_SIDES
+    lengths = ATTENTION_LENGTHS[::3] if quick else ATTENTION_LENGTHS
+    dtypes = (("bfloat16", torch.bfloat16), ("float32", torch.float32))
+    return {
+        "gemm": {name: gemm_rows(dtype, sides) for name, dtype in dtypes},
+        "thin_gemm": {
+            name: thin_gemm_rows(dtype, THIN_BATCHES, THIN_LENGTHS) for name, dtype in dtypes
+        },  # fmt: skip
+        "attention": {
+            name: {str(d): attention_rows(dtype, d, lengths) for d in ATTENTION_HEADS}
+            for name, dtype in dtypes
+        },
+        "memory": memory_rows(MEMORY_ELEMENTS),
+        "memory_ops": memory_op_rates(),
+    }
+
+
 def main() -> int:
     args = parse()
     if not torch.cuda.is_available():
@@ -371,17 +402,12 @@ def main() -> int:
         return memory_ops_into(args.memory_ops_into)
     if args.host_into:
         return host_into(args.host_into, args.rounds)
-    from dp_cost.capacity.card_rates import (
-        CARDS_DIR,
-        SCHEMA,
-        card_file_name,
-        load_card,
-    )
+    from card_tables import write_checked  # this script's sibling: the staged, checked write
+
+    from dp_cost.capacity.card_rates import CARDS_DIR, SCHEMA, card_file_name
     from dp_cost.measure.run import git_commit
 
     card = torch.cuda.get_device_name()
-    sides = QUICK_SIDES if args.quick else GEMM_SIDES
-    lengths = ATTENTION_LENGTHS[::3] if args.quick else ATTENTION_LENGTHS
     started = time.perf_counter()
     table = {
         "schema": SCHEMA,
@@ -393,35 +419,18 @@ def main() -> int:
             "cuda": torch.version.cuda,
             "host": platform.processor() or platform.machine(),
             "command": "python benchmarks/card_rates.py" + (" --quick" if args.quick else ""),
+            "host_rounds": args.rounds,
         },
-        "gemm": {
-            name: gemm_rows(dtype, sides)
-            for name, dtype in (("bfloat16", torch.bfloat16), ("float32", torch.float32))
-        },  # fmt: skip
-        "thin_gemm": {
-            name: thin_gemm_rows(dtype, THIN_BATCHES, THIN_LENGTHS)
-            for name, dtype in (("bfloat16", torch.bfloat16), ("float32", torch.float32))
-        },  # fmt: skip
-        "attention": {
-            name: {str(d): attention_rows(dtype, d, lengths) for d in ATTENTION_HEADS}
-            for name, dtype in (("bfloat16", torch.bfloat16), ("float32", torch.float32))
-        },
-        "memory": memory_rows(MEMORY_ELEMENTS),
+        **kernel_rates(args.quick),
     }
-    table["memory_ops"] = memory_op_rates()
     sync_cost_us = round(sync_us(), 3)
     by_trainer = host_rows_by_rounds(calibration_rows(), sync_cost_us, args.rounds)
-    table["measured"]["host_rounds"] = args.rounds
     table["host"] = {"sync_us": sync_cost_us, "by_trainer": by_trainer}
     table["measured"]["seconds"] = round(time.perf_counter() - started, 1)
     path = args.out or os.path.join(CARDS_DIR, card_file_name(card))
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    with open(path, "w") as f:
-        json.dump(table, f, indent=1)
-        f.write("\n")
-    load_card(path)  # the toolkit reads it back
-    seconds = table["measured"]["seconds"]
-    summary = {"card": card, "path": path, "seconds": seconds}
+    write_checked(table, path)  # the toolkit reads it back before it replaces the file
+    summary = {"card": card, "path": path, "seconds": table["measured"]["seconds"]}
     print(json.dumps({**summary, "host": table["host"], "memory_ops": table["memory_ops"]}))
     return 0
 

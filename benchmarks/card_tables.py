@@ -151,14 +151,14 @@ def median_of(tables: list[dict]) -> dict:
 def write_checked(table: dict, target: str) -> None:
     """Write ``table`` to ``target`` once it reads back as a card table (CardRatesError if not:
     nothing replaced)."""
-    from dp_cost.capacity.card_rates import CardRatesError, load_card
+    from dp_cost.capacity.card_rates import CardRatesError, read_card
 
     staged = target + ".staged"
     with open(staged, "w") as f:
         json.dump(table, f, indent=1)
         f.write("\n")
     try:
-        load_card(staged)
+        read_card(staged)  # read now: a table staged here before may have been another
     except CardRatesError:
         os.remove(staged)
         raise

@@ -299,7 +299,12 @@ class CardRates:
 
 @functools.cache
 def load_card(path: str) -> CardRates:
-    """The table at ``path`` (CardRatesError, one line, if it cannot be read)."""
+    """``read_card``, once a path: a table does not change while the toolkit runs."""
+    return read_card(path)
+
+
+def read_card(path: str) -> CardRates:
+    """The table at ``path``, read now (CardRatesError, one line, if it cannot be read)."""
     try:
         with open(path) as f:
             table = json.load(f)

@@ -161,12 +161,17 @@ def test_the_memory_ops_alone_go_into_a_table_without_other_outputs(capsys):
             capsys.readouterr().err
         )
     assert script.parse(["--memory_ops_into", "table.json"]).memory_ops_into == "table.json"
-    for argv in (["--host_into", "t.json", "--quick"], ["--host_into", "t.json",
-                 "--memory_ops_into", "t.json"], ["--rounds", "0"]):  # fmt: skip
+    for argv, said in (
+        (["--host_into", "t.json", "--quick"], "write into their TABLE alone"),
+        (["--host_into", "t.json", "--memory_ops_into", "t.json"], "one part of a table"),
+        (["--memory_ops_into", "t.json", "--rounds", "2"], "measures no host rows"),
+        (["--rounds", "0"], "--rounds: one or more"),
+    ):
         with pytest.raises(SystemExit) as stopped:
             script.parse(argv)
-        assert stopped.value.code == 2 and len(capsys.readouterr().err.strip().splitlines()) >= 1
+        assert stopped.value.code == 2 and said in capsys.readouterr().err
     assert script.parse(["--host_into", "t.json"]).rounds == script.HOST_ROUNDS
+    assert script.parse(["--host_into", "t.json", "--rounds", "5"]).rounds == 5
 
 
 def test_host_rows_are_measured_in_interleaved_rounds_and_fitted_on_medians(monkeypatch):
@@ -183,10 +188,11 @@ def test_host_rows_are_measured_in_interleaved_rounds_and_fitted_on_medians(monk
         return {"plan": len(plans)}
 
     monkeypatch.setattr(fake_step, "predict", plan)
-    monkeypatch.setattr(script, "planned_op_counts", lambda step: ({}, 1))
+    monkeypatch.setattr(script, "planned_op_counts", lambda step: ({}, step["plan"]))
     calls = []
-    # the host's speed: 1x in round one, 4x slower in round two, 2x in round three (mean 2.33)
-    slowdown = {0: 1.0, 1: 4.0, 2: 2.0}
+    # the host's speed: 1x in round one, 2x slower in round two, 4x in round three: each
+    # point's median is round two's (its mean 2.33x, its last round 4x)
+    slowdown = {0: 1.0, 1: 2.0, 2: 4.0}
     per_op = {"standard": 10.0, "ghost": 20.0}
 
     def measure(config, sync_cost_us, planned):
@@ -209,11 +215,24 @@ def test_host_rows_are_measured_in_interleaved_rounds_and_fitted_on_medians(monk
     trainers = [trainer for trainer, _, _ in calls]
     assert trainers == (["standard"] * depths + ["ghost"] * depths) * 3  # every row each round
     for name, (trainer, _) in rows.items():
-        # each point's median is round three's (1x, 4x, 2x): a line of slope 2x, fixed 500 µs
+        # the medians: a line of slope 2x, fixed 500 µs
         assert fitted[name]["op_us"] == dict.fromkeys(PHASES, pytest.approx(2 * per_op[trainer]))
         assert fitted[name]["fixed_us"] == dict.fromkeys(PHASES, pytest.approx(500.0, abs=0.2))
         assert sorted(map(int, fitted[name]["by_depth"])) == sorted(script.HOST_DEPTHS)
-        assert {point["syncs"] for point in fitted[name]["by_depth"].values()} == {1}
+    # each point's syncs are its own plan's (the stand-in counts a plan's number as its syncs)
+    syncs = [point["syncs"] for name in rows for point in fitted[name]["by_depth"].values()]
+    assert sorted(syncs) == list(range(1, 2 * depths + 1))
+
+
+def host_width_rows(out, *flags, capsys) -> tuple[list[dict], str]:
+    """benchmarks/host_width.py on the CPU for the standard trainer at 1 and 2 blocks: its rows
+    (written to ``out``) and what it printed."""
+    status, printed, err = benchmark_main(
+        "host_width.py", "--device", "cpu", "--depths", "1", "2", "--trainers", "standard",
+        "--out", out, *flags, capsys=capsys,
+    )  # fmt: skip
+    assert status == 0, err
+    return json.loads(out.read_text()), printed
 
 
 def test_host_width_fits_the_tiny_and_the_real_model_the_calibration_way(
@@ -228,13 +247,8 @@ def test_host_width_fits_the_tiny_and_the_real_model_the_calibration_way(
     tiny = HF_CONFIGS["tiny-llama"]
     wide = {**tiny, "intermediate_size": 2 * tiny["intermediate_size"]}
     monkeypatch.setitem(HF_CONFIGS, "tiny-llama-wide", wide)
-    out = tmp_path / "rows.json"
-    status, printed, err = benchmark_main(
-        "host_width.py", "--model", "tiny-llama-wide", "--device", "cpu", "--depths", "1", "2",
-        "--trainers", "standard", "--out", out, capsys=capsys,
-    )  # fmt: skip
-    assert status == 0, err
-    (row,) = json.loads(out.read_text())
+    (row,), printed = host_width_rows(tmp_path / "rows.json", "--model", "tiny-llama-wide",
+                                      capsys=capsys)  # fmt: skip
     assert row["trainer"] == "standard" and row["kind"] == "hf"
     assert (row["tiny"]["model"], row["real"]["model"]) == ("tiny-llama", "tiny-llama-wide")
     for model in ("tiny", "real"):
@@ -283,7 +297,7 @@ def test_one_part_of_a_table_is_measured_into_it_with_a_record_or_refused(
     record = written["measured"]["host_remeasured"]
     assert record["rounds"] == 3 and record["command"] == "the command"
     assert {"date", "commit", "torch", "seconds"} <= set(record)
-    assert card_rates.load_card(str(path)).host["sync_us"] == 12.5
+    assert card_rates.read_card(str(path)).host["sync_us"] == 12.5
     monkeypatch.setattr(script.torch.cuda, "get_device_name", lambda *a: "NVIDIA H100")
     before = path.read_text()
     capsys.readouterr()
@@ -291,3 +305,36 @@ def test_one_part_of_a_table_is_measured_into_it_with_a_record_or_refused(
     err = capsys.readouterr().err
     assert err.startswith("error: ") and "'NVIDIA H100'" in err and len(err.splitlines()) == 1
     assert path.read_text() == before
+    # a table that does not read (before measuring), or one the measurement broke: one line
+    monkeypatch.setattr(script.torch.cuda, "get_device_name", lambda *a: "NVIDIA H200")
+    assert script.into_table(str(tmp_path / "none.json"), "k", measure, "c") is None
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and len(err.splitlines()) == 1
+
+    def breaks(table):
+        del table["host"]
+        return {}
+
+    assert script.into_table(str(path), "host_remeasured", breaks, "the command") is None
+    err = capsys.readouterr().err
+    assert "left as it was" in err and len(err.splitlines()) == 1
+    assert path.read_text() == before and not os.path.exists(str(path) + ".staged")
+
+
+def test_host_width_steps_the_toolkits_lm_at_a_real_batch_with_its_optimizer(tmp_path, capsys):
+    """benchmarks/host_width.py --model tiny --shape 3 8 --optimizer adam: the LM kind's rows,
+    the real model stepped at (3, 8) against the calibration's (2, 16), both with Adam (its
+    foreach ops in the finish); --lora with the LM is one error line."""
+    (row,), _ = host_width_rows(tmp_path / "adam.json", "--model", "tiny", "--shape", "3", "8",
+                                "--optimizer", "adam", capsys=capsys)  # fmt: skip
+    assert row["kind"] == "lm" and row["real_shape"] == [3, 8]
+    (plain,), _ = host_width_rows(tmp_path / "sgd.json", "--model", "tiny", capsys=capsys)
+    assert plain["real_shape"] == [2, 16]
+    finish = [r["tiny"]["by_depth"]["1"]["planned_ops"]["finish"] for r in (row, plain)]
+    assert finish[0] > finish[1]  # Adam's step dispatches more than SGD's
+    status, _, err = benchmark_main("host_width.py", "--model", "tiny", "--lora", "--device",
+                                    "cpu", capsys=capsys)  # fmt: skip
+    assert status == 2 and err.startswith("error: --model tiny") and len(err.splitlines()) == 1
+    with pytest.raises(SystemExit) as stopped:
+        benchmark_main("host_width.py", "--shape", "0", "16", capsys=capsys)
+    assert stopped.value.code == 2
