@@ -279,15 +279,20 @@ def run_and_config(row: dict) -> str:
 
 
 def read_record(path: str) -> dict:
-    """A record of earlier machines' measured configs (--recorded), each config's pooled step
-    and machines' medians numbers (else ValueError, KeyError or TypeError)."""
+    """A record of earlier machines' measured configs (--recorded): each config's pooled step
+    and its machines' medians, ms above zero (else ValueError, KeyError, TypeError or
+    AttributeError)."""
     from dp_cost.core.reading import read_json
 
+    def positive(ms) -> bool:
+        return isinstance(ms, (int, float)) and not isinstance(ms, bool) and ms > 0
+
     record = read_json(path)
-    for kept in record["configs"].values():
-        float(kept["pooled_ms"])
-        if not [float(ms) for ms in kept["machine_medians_ms"]]:
-            raise ValueError("a config without its machines' medians")
+    for name, kept in record["configs"].items():
+        medians = kept["machine_medians_ms"]
+        if not (positive(kept["pooled_ms"]) and isinstance(medians, list) and medians
+                and all(map(positive, medians))):  # fmt: skip
+            raise ValueError(f"{name}: pooled_ms and machine_medians_ms must be ms above zero")
     return record
 
 

@@ -209,6 +209,12 @@ def test_a_record_of_earlier_machines_is_pooled_with_these_runs(tmp_path, capsys
         "runs'): 2/2 within ±15%, 2/2 within ±25%; median error +0.0%" in out
     )
     broken = tmp_path / "broken.json"
-    broken.write_text(json.dumps({"configs": {"r/x": {"pooled_ms": "fast"}}}))
-    status, _, err = recost(tmp_path / "A", "--recorded", broken, capsys=capsys)
-    assert status == 2 and err.startswith("error: --recorded") and len(err.splitlines()) == 1
+    for configs in ({"r/x": {"pooled_ms": "fast"}}, [1, 2],
+                    {"r/x": {"pooled_ms": 1.0, "machine_medians_ms": "123"}},
+                    {"r/x": {"pooled_ms": 0, "machine_medians_ms": [1.0]}},
+                    {"r/x": {"pooled_ms": 1.0, "machine_medians_ms": []}},
+                    {"r/x": {"pooled_ms": 1.0}}):  # fmt: skip
+        broken.write_text(json.dumps({"configs": configs}))
+        status, _, err = recost(tmp_path / "A", "--recorded", broken, capsys=capsys)
+        assert status == 2 and err.startswith("error: --recorded"), (configs, err)
+        assert len(err.splitlines()) == 1
