@@ -279,40 +279,36 @@ def host_phase_us(config, sync_cost_us: float, planned: dict | None = None) -> t
 
 
 def host_rows_by_rounds(
-    rows: dict[str, tuple[str, str]],
-    sync_cost_us: float,
-    rounds: int,
-    device: str = "cuda",
-    measure=None,
+    rows: dict, sync_cost_us: float, rounds: int, depths=HOST_DEPTHS, measure=None
 ) -> dict[str, dict]:
-    """Each row's host costs (``fitted_row``; ``rows``: row name -> (trainer, model kind)) at
-    HOST_DEPTHS, from ``rounds`` rounds that each measure every row at every depth in turn
-    (``measure``: ``host_phase_us``), each point's host µs the median over the rounds. Each
-    point's step is planned once."""
+    """Each row's host costs (``fitted_row``; ``rows``: row name -> its config) at ``depths``,
+    from ``rounds`` rounds that each measure every row at every depth in turn (``measure``:
+    ``host_phase_us``), each point's host µs the median over the rounds. Each point's step is
+    planned once."""
     from dp_cost.capacity import fake_step
     from dp_cost.measure import worker
 
     measure = measure or host_phase_us
-    points = [(name, blocks) for name in rows for blocks in HOST_DEPTHS]
+    points = [(name, blocks) for name in rows for blocks in depths]
     planned: dict = {}
     times: dict = {point: [] for point in points}
     ops: dict = {}
     for round_number in range(rounds):
         for name, blocks in points:
-            trainer, kind = rows[name]
-            with depth(calibration_config(trainer, kind, device), blocks) as config:
+            with depth(rows[name], blocks) as config:
                 if (name, blocks) not in planned:
                     planned[name, blocks] = fake_step.predict(
                         config, worker.build_trainer, record_ops=True
                     )
                 host, ops[name, blocks] = measure(config, sync_cost_us, planned[name, blocks])
             times[name, blocks].append(host)
-        print(f"host rows: round {round_number + 1} of {rounds} done", file=sys.stderr)
+        if rounds > 1:
+            print(f"host rows: round {round_number + 1} of {rounds} done", file=sys.stderr)
     fitted = {
         name: fitted_row({
             blocks: ({phase: statistics.median(host[phase] for host in times[name, blocks])
                       for phase in times[name, blocks][0]}, ops[name, blocks])
-            for blocks in HOST_DEPTHS
+            for blocks in depths
         })
         for name in rows
     }  # fmt: skip
@@ -321,12 +317,12 @@ def host_rows_by_rounds(
     return fitted
 
 
-def calibration_rows() -> dict[str, tuple[str, str]]:
-    """Every host row a table has: row name -> (trainer, model kind)."""
+def calibration_rows() -> dict:
+    """Every host row a table has: row name -> its calibration config on this card."""
     from dp_cost.capacity.card_rates import MODEL_KINDS
 
-    return {trainer + suffix: (trainer, kind) for kind, suffix in MODEL_KINDS.items()
-            for trainer in TRAINERS}  # fmt: skip
+    return {trainer + suffix: calibration_config(trainer, kind) for kind, suffix in
+            MODEL_KINDS.items() for trainer in TRAINERS}  # fmt: skip
 
 
 def host_into(path: str, rounds: int) -> int:
@@ -349,12 +345,8 @@ def host_into(path: str, rounds: int) -> int:
 
 def host_row(config, depths, sync_cost_us: float) -> dict:
     """``config``'s host row (``fitted_row``) from its eager step's host time at each of
-    ``depths`` (``depth``, ``host_phase_us``)."""
-    by_depth = {}
-    for blocks in depths:
-        with depth(config, blocks) as deep:
-            by_depth[blocks] = host_phase_us(deep, sync_cost_us)
-    return fitted_row(by_depth)
+    ``depths``, measured once (``host_rows_by_rounds`` of one row, one round)."""
+    return host_rows_by_rounds({"row": config}, sync_cost_us, 1, depths)["row"]
 
 
 def fitted_row(by_depth: dict[int, tuple[dict, dict]]) -> dict:

@@ -208,13 +208,15 @@ def test_host_rows_are_measured_in_interleaved_rounds_and_fitted_on_medians(monk
 
         return HF_CONFIGS["tiny-llama"]["num_hidden_layers"]  # patched by card_rates.depth
 
-    rows = {"standard+hf": ("standard", "hf"), "ghost+hf": ("ghost", "hf")}
-    fitted = script.host_rows_by_rounds(rows, 0.0, 3, device="cpu", measure=measure)
+    rows = {name: script.calibration_config(trainer, "hf", "cpu")
+            for name, trainer in (("standard+hf", "standard"), ("ghost+hf", "ghost"))}  # fmt: skip
+    fitted = script.host_rows_by_rounds(rows, 0.0, 3, measure=measure)
     depths = len(script.HOST_DEPTHS)
     assert len(plans) == 2 * depths and len(calls) == 3 * 2 * depths  # planned once a point
     trainers = [trainer for trainer, _, _ in calls]
     assert trainers == (["standard"] * depths + ["ghost"] * depths) * 3  # every row each round
-    for name, (trainer, _) in rows.items():
+    for name, config in rows.items():
+        trainer = config.trainer
         # the medians: a line of slope 2x, fixed 500 µs
         assert fitted[name]["op_us"] == dict.fromkeys(PHASES, pytest.approx(2 * per_op[trainer]))
         assert fitted[name]["fixed_us"] == dict.fromkeys(PHASES, pytest.approx(500.0, abs=0.2))
