@@ -1,0 +1,207 @@
+"""Configs' steps timed in turn, draw by draw: a comparison of host-bound steps that the host's
+drift decides less.
+
+A host-bound eager step (a Llama LoRA classifier at short sequences, chunks of 2) takes as long
+as the host's Python and launches do, and a cloud host's speed drifts by tens of percent over
+minutes. The CLI runs one config after another, each in its own worker, so two trainers'
+medians can differ by that drift. Here each config of the plan gets its own worker as the CLI
+builds it (same model, seed and draws). The workers stay alive and take turns: the draw's step
+of the first, then of the second, and the order swaps every draw. Each draw's ratio then
+compares steps seconds apart, on the same batch.
+
+    python benchmarks/paired_steps.py --draws 24 -- --mode=hf \\
+        --model_name meta-llama/Llama-3.2-3B-Instruct --use_lora --lora_rank 32 \\
+        --batch_size 16 --seq_length 256 --max_physical_batch_size 2 --dtype bfloat16 \\
+        --warmup_steps 2 --trainers standard flash
+
+Prints each config's median step and, against the first config, the ratio of the summed steps
+and the median and quartiles of the draws' ratios; ``--out`` writes them with every draw's
+times. Every config's model is in memory at once: they must fit on the card together. Each
+step is synchronised before and after; nothing else is measured (no phase events, trace or
+memory).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing
+import os
+import statistics
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+clock = time.perf_counter  # what a step is timed by (seconds)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        description=__doc__.splitlines()[0],
+        usage="benchmarks/paired_steps.py [--draws N] [--out JSON] -- PROFILING_SCRIPT_ARGUMENTS",
+    )
+    parser.add_argument("--draws", type=int, default=24, help="timed draws (steps) per config")
+    parser.add_argument("--out", help="also write the draws and the ratios here (JSON)")
+    return parser
+
+
+def worker(config, connection) -> None:
+    """One config's process: built as the CLI's worker builds it, warmed up, then one timed
+    step per message, on the workload's next draw."""
+    from dp_cost.measure import quiet
+    from dp_cost.measure import worker as cli_worker
+
+    cli_worker.die_with_parent()
+    quiet.filter_warnings()  # the CLI's workers' known-harmless library warnings
+    try:
+        import torch
+
+        from dp_cost.measure.steps import synchronize
+        from dp_cost.measure.workload import Workload
+
+        device = torch.device(config.device)
+        torch.manual_seed(config.seed)
+        workload = Workload(config, device, lambda name: None, {})
+        runner = cli_worker.build_trainer(config, workload.model, workload.loss_fn, None)
+        for _ in range(config.warmup_steps):
+            runner.step(*workload.batch())
+        synchronize(device)
+        connection.send(("ready", None))
+        while connection.recv() == "step":
+            inputs, targets = workload.batch()
+            synchronize(device)
+            start = clock()
+            runner.step(inputs, targets)
+            synchronize(device)
+            connection.send(("step", ((clock() - start) * 1e3, len(inputs))))
+    except Exception as error:  # noqa: BLE001 - reported by the parent in one line
+        connection.send(("error", f"{type(error).__name__}: {error}".splitlines()[0][:300]))
+
+
+def ratio_summary(times: list[float], baseline: list[float]) -> dict:
+    """One config's draws against the baseline's: their summed steps' ratio and the draws'
+    ratios' median and quartiles."""
+    ratios = sorted(t / b for t, b in zip(times, baseline))
+    quartiles = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else ratios * 3
+    return {
+        "sum_ratio": sum(times) / sum(baseline),
+        "draw_ratio_median": statistics.median(ratios),
+        "draw_ratio_quartiles": [quartiles[0], quartiles[2]],
+    }
+
+
+class StepError(RuntimeError):
+    pass
+
+
+def receive(connection, process, expected: str):
+    """The worker's next message, of kind ``expected``; StepError for its error or its death."""
+    while not connection.poll(1.0):
+        if not process.is_alive():
+            raise StepError(f"worker exited with code {process.exitcode}")
+    kind, value = connection.recv()
+    if kind != expected:
+        raise StepError(value)
+    return value
+
+
+def run_paired(configs: list, draws: int) -> dict:
+    """Every config in its worker, stepping in turn; the order of a draw is the previous
+    draw's reversed."""
+    context = multiprocessing.get_context("fork")  # the parent never touches CUDA
+    workers = []
+    try:
+        for config in configs:
+            parent_end, child_end = context.Pipe()
+            process = context.Process(target=worker, args=(config, child_end), daemon=True)
+            process.start()
+            workers.append((config, parent_end, process))
+            receive(parent_end, process, "ready")  # built one at a time: the same host load
+        times = [[] for _ in configs]
+        sizes = [[] for _ in configs]
+        orders = []
+        for draw in range(draws):
+            order = list(range(len(configs)))
+            if draw % 2:
+                order.reverse()
+            orders.append(order)
+            for index in order:
+                _, connection, process = workers[index]
+                connection.send("step")
+                ms, size = receive(connection, process, "step")
+                times[index].append(ms)
+                sizes[index].append(size)
+    finally:
+        for _, connection, process in workers:
+            if process.is_alive():
+                connection.send("stop")
+                process.join(30)
+            if process.is_alive():
+                process.kill()
+    if any(s != sizes[0] for s in sizes):
+        raise StepError(f"the configs drew different batches: {sizes}")
+    rows = [
+        {
+            "config": config.config_dir,
+            "trainer": config.trainer,
+            "step_ms": times[index],
+            "median_ms": statistics.median(times[index]),
+            **(ratio_summary(times[index], times[0]) if index else {}),
+        }
+        for index, (config, _, _) in enumerate(workers)
+    ]
+    return {"draw_sizes": sizes[0], "orders": orders, "configs": rows}
+
+
+def plan_configs(words: list[str]) -> list:
+    import profiling_script
+    from dp_cost.core.settings import UsageError
+    from dp_cost.measure import plan
+
+    try:
+        args = profiling_script.parse_args(words)
+        configs = plan.make_plan(args, profiling_script.cuda_available).configs
+    except UsageError as error:
+        raise StepError(str(error)) from None
+    if len(configs) < 2:
+        raise StepError(f"the arguments plan {len(configs)} config(s): paired steps need 2 or more")
+    if any(c.distributed != "none" for c in configs):
+        raise StepError("paired steps run one process per config: no --distributed")
+    return configs
+
+
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    split = argv.index("--") if "--" in argv else len(argv)
+    args = build_parser().parse_args(argv[:split])
+    if args.draws < 1:
+        print("paired_steps.py: --draws must be at least 1", file=sys.stderr)
+        return 2
+    try:
+        configs = plan_configs(argv[split + 1 :])
+        result = run_paired(configs, args.draws)
+    except SystemExit as stop:  # profiling_script's parser printed its one line
+        return stop.code if isinstance(stop.code, int) else 2
+    except StepError as error:
+        print(f"paired_steps.py: {error}", file=sys.stderr)
+        return 1
+    print(f"{args.draws} draws, sizes {result['draw_sizes']}; each config's step in turn")
+    for row in result["configs"]:
+        line = f"{row['config']}: median {row['median_ms']:.1f} ms"
+        if "sum_ratio" in row:
+            low, high = row["draw_ratio_quartiles"]
+            line += (
+                f"; against {result['configs'][0]['trainer']}: summed steps "
+                f"{row['sum_ratio']:.3f}, draws' ratios median {row['draw_ratio_median']:.3f} "
+                f"(quartiles {low:.3f}-{high:.3f})"
+            )
+        print(line)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(result, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
