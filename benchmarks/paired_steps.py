@@ -14,7 +14,8 @@ compares steps seconds apart, on the same batch.
         --batch_size 16 --seq_length 256 --max_physical_batch_size 2 --dtype bfloat16 \\
         --warmup_steps 2 --trainers standard flash
 
-Prints each config's median step and, against the first config, the ratio of the summed steps
+Prints each config's median step, Python's garbage collections inside its steps (by generation,
+and their ms) and, against the first config, the ratio of the summed steps
 and the median and quartiles of the draws' ratios; ``--out`` writes them with every draw's
 times. Every config's model is in memory at once: they must fit on the card together. Each
 step is synchronised before and after; nothing else is measured (no phase events, trace or
@@ -34,6 +35,7 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 clock = time.perf_counter  # what a step is timed by (seconds)
+GENS = (0, 1, 2)  # Python's collector's generations
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -57,6 +59,7 @@ def worker(config, connection) -> None:
     try:
         import torch
 
+        from dp_cost.measure.python_gc import GarbageCollections
         from dp_cost.measure.steps import synchronize
         from dp_cost.measure.workload import Workload
 
@@ -71,10 +74,12 @@ def worker(config, connection) -> None:
         while connection.recv() == "step":
             inputs, targets = workload.batch()
             synchronize(device)
-            start = clock()
-            runner.step(inputs, targets)
-            synchronize(device)
-            connection.send(("step", ((clock() - start) * 1e3, len(inputs))))
+            with GarbageCollections() as collections:
+                start = clock()
+                runner.step(inputs, targets)
+                synchronize(device)
+                ms = (clock() - start) * 1e3
+            connection.send(("step", (ms, len(inputs), collections.result())))
     except Exception as error:  # noqa: BLE001 - reported by the parent in one line
         connection.send(("error", f"{type(error).__name__}: {error}".splitlines()[0][:300]))
 
@@ -108,18 +113,25 @@ def receive(connection, process, expected: str):
 
 def run_paired(configs: list, draws: int) -> dict:
     """Every config in its worker, stepping in turn; the order of a draw is the previous
-    draw's reversed."""
+    draw's reversed. The workers fork as the CLI's do: from a parent that has imported what
+    they build with, its heap out of their collector's reach (a full collection of a worker
+    then scans only what the worker made, as in the CLI's)."""
+    from dp_cost.measure import children, processes
+
+    processes.import_before_forking(configs)
     context = multiprocessing.get_context("fork")  # the parent never touches CUDA
     workers = []
     try:
         for config in configs:
             parent_end, child_end = context.Pipe()
             process = context.Process(target=worker, args=(config, child_end), daemon=True)
-            process.start()
+            with children.frozen_heap():
+                process.start()
             workers.append((config, parent_end, process))
             receive(parent_end, process, "ready")  # built one at a time: the same host load
         times = [[] for _ in configs]
         sizes = [[] for _ in configs]
+        collected = [[] for _ in configs]  # Python's collections inside each step
         orders = []
         for draw in range(draws):
             order = list(range(len(configs)))
@@ -129,9 +141,10 @@ def run_paired(configs: list, draws: int) -> dict:
             for index in order:
                 _, connection, process = workers[index]
                 connection.send("step")
-                ms, size = receive(connection, process, "step")
+                ms, size, collections = receive(connection, process, "step")
                 times[index].append(ms)
                 sizes[index].append(size)
+                collected[index].append(collections)
     finally:
         for _, connection, process in workers:
             if process.is_alive():
@@ -147,6 +160,9 @@ def run_paired(configs: list, draws: int) -> dict:
             "trainer": config.trainer,
             "step_ms": times[index],
             "median_ms": statistics.median(times[index]),
+            # by generation, over the timed steps; and each step's ms in them
+            "gc_collections": [sum(c["collections"][g] for c in collected[index]) for g in GENS],
+            "gc_ms": [c["ms"] for c in collected[index]],
             **(ratio_summary(times[index], times[0]) if index else {}),
         }
         for index, (config, _, _) in enumerate(workers)
@@ -188,7 +204,10 @@ def main(argv=None) -> int:
         return 1
     print(f"{args.draws} draws, sizes {result['draw_sizes']}; each config's step in turn")
     for row in result["configs"]:
-        line = f"{row['config']}: median {row['median_ms']:.1f} ms"
+        line = (
+            f"{row['config']}: median {row['median_ms']:.1f} ms, Python's collections "
+            f"{'/'.join(map(str, row['gc_collections']))} ({sum(row['gc_ms']):.0f} ms)"
+        )
         if "sum_ratio" in row:
             low, high = row["draw_ratio_quartiles"]
             line += (

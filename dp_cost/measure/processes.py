@@ -83,7 +83,7 @@ def finished_result(result_path: str, run_dir: str, resume: bool) -> dict | None
     return previous
 
 
-def _import_before_forking(configs) -> None:
+def import_before_forking(configs) -> None:
     """What every worker would import at its first step, imported once here before the workers
     fork: paid once per run, not once per config. torch.optim's Optimizer imports torch._dynamo
     at its first construction (about 1 s of CPU); a Hugging Face config's build imports
@@ -98,7 +98,7 @@ def _import_before_forking(configs) -> None:
 def _run_configs(
     configs, run_dir, resume, progress, verbose, group, started, workers
 ) -> list[dict]:
-    _import_before_forking(configs)
+    import_before_forking(configs)
     if group is not None and not group.is_first:
         return _run_as_other_rank(configs, run_dir, verbose, group, started)
     context = multiprocessing.get_context("fork")

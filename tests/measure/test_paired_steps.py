@@ -1,7 +1,8 @@
 """benchmarks/paired_steps.py: configs' workers step in turn on the same draws, and the ratios are
-of the steps each timed (a stand-in step of a known length; the draws against the Poisson
-sampler's own)."""
+of the steps each timed (a stand-in step of a known length and known collections; the draws
+against the Poisson sampler's own)."""
 
+import gc
 import json
 
 import torch
@@ -26,6 +27,8 @@ class StandInRunner:
         self.trainer, self.log_path, self.module = trainer, log_path, module
 
     def step(self, inputs, targets):
+        if self.trainer == "flash":
+            gc.collect(1)  # one collection of generation 1 in each of its steps
         self.module.now[0] += STEP_LENGTH[self.trainer]
         with open(self.log_path, "a") as log:
             log.write(f"{self.trainer} {len(inputs)}\n")
@@ -70,6 +73,7 @@ def test_workers_take_turns_on_the_same_draws_and_the_ratios_are_of_their_steps(
     assert abs(flash["median_ms"] - 25.0) < 1e-9
     assert abs(flash["sum_ratio"] - 2.5) < 1e-9 and abs(flash["draw_ratio_median"] - 2.5) < 1e-9
     assert "summed steps 2.500" in stdout
+    assert flash["gc_collections"][1:] == [5, 0] and len(flash["gc_ms"]) == 5
 
 
 def test_one_config_or_a_failing_worker_is_one_error_line(tmp_path, monkeypatch, capsys):
