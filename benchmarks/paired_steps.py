@@ -41,22 +41,32 @@ GENS = (0, 1, 2)  # Python's collector's generations
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         description=__doc__.splitlines()[0],
-        usage="benchmarks/paired_steps.py [--draws N] [--out JSON] -- PROFILING_SCRIPT_ARGUMENTS",
+        usage="benchmarks/paired_steps.py [--draws N] [--cpus CPU ...] [--out JSON] -- "
+        "PROFILING_SCRIPT_ARGUMENTS",
     )
     parser.add_argument("--draws", type=int, default=24, help="timed draws (steps) per config")
     parser.add_argument("--out", help="also write the draws and the ratios here (JSON)")
+    parser.add_argument(
+        "--cpus",
+        type=int,
+        nargs="+",
+        help="run every worker on these CPUs alone (Linux): the workers take turns, so on one "
+        "CPU they run on the same core, whatever that core's speed",
+    )
     return parser
 
 
-def worker(config, connection) -> None:
+def worker(config, connection, cpus) -> None:
     """One config's process: built as the CLI's worker builds it, warmed up, then one timed
-    step per message, on the workload's next draw."""
+    step per message, on the workload's next draw. ``cpus``: the CPUs it runs on (None: any)."""
     from dp_cost.measure import quiet
     from dp_cost.measure import worker as cli_worker
 
     cli_worker.die_with_parent()
     quiet.filter_warnings()  # the CLI's workers' known-harmless library warnings
     try:
+        if cpus:  # before torch starts a thread: every thread the worker makes inherits it
+            os.sched_setaffinity(0, cpus)
         import torch
 
         from dp_cost.measure.python_gc import GarbageCollections
@@ -111,7 +121,7 @@ def receive(connection, process, expected: str):
     return value
 
 
-def run_paired(configs: list, draws: int) -> dict:
+def run_paired(configs: list, draws: int, cpus: list[int] | None = None) -> dict:
     """Every config in its worker, stepping in turn; the order of a draw is the previous
     draw's reversed. The workers fork as the CLI's do: from a parent that has imported what
     they build with, its heap out of their collector's reach (a full collection of a worker
@@ -124,7 +134,7 @@ def run_paired(configs: list, draws: int) -> dict:
     try:
         for config in configs:
             parent_end, child_end = context.Pipe()
-            process = context.Process(target=worker, args=(config, child_end), daemon=True)
+            process = context.Process(target=worker, args=(config, child_end, cpus), daemon=True)
             with children.frozen_heap():
                 process.start()
             workers.append((config, parent_end, process))
@@ -167,7 +177,7 @@ def run_paired(configs: list, draws: int) -> dict:
         }
         for index, (config, _, _) in enumerate(workers)
     ]
-    return {"draw_sizes": sizes[0], "orders": orders, "configs": rows}
+    return {"draw_sizes": sizes[0], "orders": orders, "cpus": cpus, "configs": rows}
 
 
 def plan_configs(words: list[str]) -> list:
@@ -194,15 +204,24 @@ def main(argv=None) -> int:
     if args.draws < 1:
         print("paired_steps.py: --draws must be at least 1", file=sys.stderr)
         return 2
+    usable = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else set()
+    if args.cpus and not set(args.cpus) <= usable:
+        print(
+            f"paired_steps.py: --cpus {' '.join(map(str, args.cpus))}: this process may run "
+            f"only on CPUs {sorted(usable)}",
+            file=sys.stderr,
+        )
+        return 2
     try:
         configs = plan_configs(argv[split + 1 :])
-        result = run_paired(configs, args.draws)
+        result = run_paired(configs, args.draws, args.cpus)
     except SystemExit as stop:  # profiling_script's parser printed its one line
         return stop.code if isinstance(stop.code, int) else 2
     except StepError as error:
         print(f"paired_steps.py: {error}", file=sys.stderr)
         return 1
-    print(f"{args.draws} draws, sizes {result['draw_sizes']}; each config's step in turn")
+    where = f", every worker on CPUs {args.cpus}" if args.cpus else ""
+    print(f"{args.draws} draws, sizes {result['draw_sizes']}; each config's step in turn{where}")
     for row in result["configs"]:
         line = (
             f"{row['config']}: median {row['median_ms']:.1f} ms, Python's collections "

@@ -4,6 +4,7 @@ against the Poisson sampler's own)."""
 
 import gc
 import json
+import os
 
 import torch
 from cli_helpers import benchmark_main, benchmark_script
@@ -31,7 +32,8 @@ class StandInRunner:
             gc.collect(1)  # one collection of generation 1 in each of its steps
         self.module.now[0] += STEP_LENGTH[self.trainer]
         with open(self.log_path, "a") as log:
-            log.write(f"{self.trainer} {len(inputs)}\n")
+            cpus = ",".join(map(str, sorted(os.sched_getaffinity(0))))
+            log.write(f"{self.trainer} {len(inputs)} {cpus}\n")
 
 
 def test_workers_take_turns_on_the_same_draws_and_the_ratios_are_of_their_steps(
@@ -48,7 +50,19 @@ def test_workers_take_turns_on_the_same_draws_and_the_ratios_are_of_their_steps(
     )
     out = tmp_path / "paired.json"
     status = paired.main(
-        ["--draws", "5", "--out", str(out), "--", *TINY_LORA, "--trainers", "standard", "flash"]
+        [
+            "--draws",
+            "5",
+            "--cpus",
+            "0",
+            "--out",
+            str(out),
+            "--",
+            *TINY_LORA,
+            "--trainers",
+            "standard",
+            "flash",
+        ]  # fmt: skip
     )
     stdout = capsys.readouterr().out
     assert status == 0
@@ -59,8 +73,9 @@ def test_workers_take_turns_on_the_same_draws_and_the_ratios_are_of_their_steps(
     assert result["draw_sizes"] == draws[1:]
     # Each worker stepped once for its warm-up alone, then the two in turn, the order swapped
     # every draw: standard flash, flash standard, ...
-    lines = log_path.read_text().split()
-    steps = list(zip(lines[::2], map(int, lines[1::2])))
+    lines = [line.split() for line in log_path.read_text().splitlines()]
+    assert {cpus for _, _, cpus in lines} == {"0"}  # every step of both workers on CPU 0 alone
+    steps = [(name, int(size)) for name, size, _ in lines]
     warm_ups, timed = steps[:2], steps[2:]
     assert warm_ups == [("standard", draws[0]), ("flash", draws[0])]
     expected = []
@@ -93,3 +108,5 @@ def test_one_config_or_a_failing_worker_is_one_error_line(tmp_path, monkeypatch,
     assert status == 1 and stderr == "paired_steps.py: ValueError: no trainer here\n"
     status, _, stderr = benchmark_main("paired_steps.py", "--draws", 0, capsys=capsys)
     assert status == 2 and "--draws must be at least 1" in stderr
+    status, _, stderr = benchmark_main("paired_steps.py", "--cpus", 100000, capsys=capsys)
+    assert status == 2 and stderr.startswith("paired_steps.py: --cpus 100000: this process may")
