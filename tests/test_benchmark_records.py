@@ -239,7 +239,11 @@ def flag_known(flag: str, text: str) -> bool:
 
 
 # Python scripts that pass the configs' flags on to profiling_script.py, as the shell suites do.
-PASSES_CLI_FLAGS = {"benchmarks/checkpointing.py", "benchmarks/fsdp_buckets.py"}
+PASSES_CLI_FLAGS = {
+    "benchmarks/checkpointing.py",
+    "benchmarks/fsdp_buckets.py",
+    "benchmarks/paired_steps.py",
+}
 
 
 def command_problems(command: str, tracked: set[str], helps: dict[str, str]) -> list[str]:
