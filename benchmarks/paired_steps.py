@@ -25,6 +25,7 @@ memory).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import multiprocessing
 import os
@@ -158,7 +159,8 @@ def run_paired(configs: list, draws: int, cpus: list[int] | None = None) -> dict
     finally:
         for _, connection, process in workers:
             if process.is_alive():
-                connection.send("stop")
+                with contextlib.suppress(OSError):  # it may be ending: its pipe closed
+                    connection.send("stop")
                 process.join(30)
             if process.is_alive():
                 process.kill()
@@ -184,6 +186,7 @@ def plan_configs(words: list[str]) -> list:
     import profiling_script
     from dp_cost.core.settings import UsageError
     from dp_cost.measure import plan
+    from dp_cost.parallel.mode import distributed_mode
 
     try:
         args = profiling_script.parse_args(words)
@@ -192,7 +195,7 @@ def plan_configs(words: list[str]) -> list:
         raise StepError(str(error)) from None
     if len(configs) < 2:
         raise StepError(f"the arguments plan {len(configs)} config(s): paired steps need 2 or more")
-    if any(c.distributed != "none" for c in configs):
+    if any(distributed_mode(c.distributed).is_distributed for c in configs):
         raise StepError("paired steps run one process per config: no --distributed")
     return configs
 
@@ -211,6 +214,9 @@ def main(argv=None) -> int:
             f"only on CPUs {sorted(usable)}",
             file=sys.stderr,
         )
+        return 2
+    if args.out and not os.path.isdir(os.path.dirname(os.path.abspath(args.out))):
+        print(f"paired_steps.py: --out {args.out}: its folder does not exist", file=sys.stderr)
         return 2
     try:
         configs = plan_configs(argv[split + 1 :])
@@ -236,8 +242,12 @@ def main(argv=None) -> int:
             )
         print(line)
     if args.out:
-        with open(args.out, "w") as f:
-            json.dump(result, f, indent=1)
+        try:
+            with open(args.out, "w") as f:
+                json.dump(result, f, indent=1)
+        except OSError as error:
+            print(f"paired_steps.py: --out {args.out}: {error.strerror}", file=sys.stderr)
+            return 1
     return 0
 
 

@@ -108,5 +108,9 @@ def test_one_config_or_a_failing_worker_is_one_error_line(tmp_path, monkeypatch,
     assert status == 1 and stderr == "paired_steps.py: ValueError: no trainer here\n"
     status, _, stderr = benchmark_main("paired_steps.py", "--draws", 0, capsys=capsys)
     assert status == 2 and "--draws must be at least 1" in stderr
+    status, _, stderr = benchmark_main(
+        "paired_steps.py", "--out", tmp_path / "none" / "p.json", capsys=capsys
+    )
+    assert status == 2 and stderr.endswith("its folder does not exist\n")
     status, _, stderr = benchmark_main("paired_steps.py", "--cpus", 100000, capsys=capsys)
     assert status == 2 and stderr.startswith("paired_steps.py: --cpus 100000: this process may")
