@@ -19,7 +19,9 @@ and their ms) and, against the first config, the ratio of the summed steps
 and the median and quartiles of the draws' ratios; ``--out`` writes them with every draw's
 times. Every config's model is in memory at once: they must fit on the card together. Each
 step is synchronised before and after; nothing else is measured (no phase events, trace or
-memory).
+memory): the CLI's timed steps also queue a CUDA event and read the allocator at each phase, so
+these steps are a little shorter than the CLI's. The arguments' mode must run training steps
+(test, profile, hf), not plan them (capacity) or profile kernels (ncu).
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ import contextlib
 import json
 import multiprocessing
 import os
+import signal
 import statistics
 import sys
 import time
@@ -64,6 +67,8 @@ def worker(config, connection, cpus) -> None:
     from dp_cost.measure import worker as cli_worker
 
     cli_worker.die_with_parent()
+    for interrupt in (signal.SIGINT, signal.SIGHUP):  # the parent decides what Ctrl-C stops
+        signal.signal(interrupt, signal.SIG_IGN)
     quiet.filter_warnings()  # the CLI's workers' known-harmless library warnings
     try:
         if cpus:  # before torch starts a thread: every thread the worker makes inherits it
@@ -99,7 +104,9 @@ def ratio_summary(times: list[float], baseline: list[float]) -> dict:
     """One config's draws against the baseline's: their summed steps' ratio and the draws'
     ratios' median and quartiles."""
     ratios = sorted(t / b for t, b in zip(times, baseline))
-    quartiles = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else ratios * 3
+    quartiles = (
+        statistics.quantiles(ratios, n=4, method="inclusive") if len(ratios) > 1 else ratios * 3
+    )
     return {
         "sum_ratio": sum(times) / sum(baseline),
         "draw_ratio_median": statistics.median(ratios),
@@ -111,14 +118,18 @@ class StepError(RuntimeError):
     pass
 
 
-def receive(connection, process, expected: str):
-    """The worker's next message, of kind ``expected``; StepError for its error or its death."""
+def receive(connection, process, expected: str, name: str):
+    """The worker's next message, of kind ``expected``; StepError for its error or its death
+    (``name``: its config's)."""
     while not connection.poll(1.0):
         if not process.is_alive():
-            raise StepError(f"worker exited with code {process.exitcode}")
-    kind, value = connection.recv()
+            raise StepError(f"{name}: its worker exited with code {process.exitcode}")
+    try:
+        kind, value = connection.recv()
+    except EOFError:  # it died between the poll and the message
+        raise StepError(f"{name}: its worker exited with code {process.exitcode}") from None
     if kind != expected:
-        raise StepError(value)
+        raise StepError(f"{name}: {value}")
     return value
 
 
@@ -131,7 +142,7 @@ def run_paired(configs: list, draws: int, cpus: list[int] | None = None) -> dict
 
     processes.import_before_forking(configs)
     context = multiprocessing.get_context("fork")  # the parent never touches CUDA
-    workers = []
+    workers, finished = [], False
     try:
         for config in configs:
             parent_end, child_end = context.Pipe()
@@ -139,7 +150,7 @@ def run_paired(configs: list, draws: int, cpus: list[int] | None = None) -> dict
             with children.frozen_heap():
                 process.start()
             workers.append((config, parent_end, process))
-            receive(parent_end, process, "ready")  # built one at a time: the same host load
+            receive(parent_end, process, "ready", config.config_dir)  # built one at a time
         times = [[] for _ in configs]
         sizes = [[] for _ in configs]
         collected = [[] for _ in configs]  # Python's collections inside each step
@@ -150,20 +161,22 @@ def run_paired(configs: list, draws: int, cpus: list[int] | None = None) -> dict
                 order.reverse()
             orders.append(order)
             for index in order:
-                _, connection, process = workers[index]
+                config, connection, process = workers[index]
                 connection.send("step")
-                ms, size, collections = receive(connection, process, "step")
+                ms, size, collections = receive(connection, process, "step", config.config_dir)
                 times[index].append(ms)
                 sizes[index].append(size)
                 collected[index].append(collections)
+        finished = True
     finally:
         for _, connection, process in workers:
-            if process.is_alive():
-                with contextlib.suppress(OSError):  # it may be ending: its pipe closed
+            if process.is_alive() and finished:  # idle, waiting for its next message
+                with contextlib.suppress(OSError):
                     connection.send("stop")
                 process.join(30)
-            if process.is_alive():
+            if process.is_alive():  # interrupted or failed: it may be mid-step
                 process.kill()
+                process.join()
     if any(s != sizes[0] for s in sizes):
         raise StepError(f"the configs drew different batches: {sizes}")
     rows = [
@@ -185,7 +198,7 @@ def run_paired(configs: list, draws: int, cpus: list[int] | None = None) -> dict
 def plan_configs(words: list[str]) -> list:
     import profiling_script
     from dp_cost.core.settings import UsageError
-    from dp_cost.measure import plan
+    from dp_cost.measure import plan, processes
     from dp_cost.parallel.mode import distributed_mode
 
     try:
@@ -195,8 +208,14 @@ def plan_configs(words: list[str]) -> list:
         raise StepError(str(error)) from None
     if len(configs) < 2:
         raise StepError(f"the arguments plan {len(configs)} config(s): paired steps need 2 or more")
-    if any(distributed_mode(c.distributed).is_distributed for c in configs):
-        raise StepError("paired steps run one process per config: no --distributed")
+    for config in configs:
+        if distributed_mode(config.distributed).is_distributed:
+            raise StepError("paired steps run one process per config: no --distributed")
+        if config.capacity or config.ncu:  # a plan or a profile, not timed steps
+            raise StepError(f"--mode={args.mode}: paired steps time training steps (not a plan)")
+        reason = processes.skip_reason(config)  # what the CLI would skip
+        if reason:
+            raise StepError(f"{config.config_dir}: {reason}")
     return configs
 
 
@@ -204,6 +223,9 @@ def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     split = argv.index("--") if "--" in argv else len(argv)
     args = build_parser().parse_args(argv[:split])
+    if not argv[split + 1 :]:
+        print("paired_steps.py: give the configs' arguments after --", file=sys.stderr)
+        return 2
     if args.draws < 1:
         print("paired_steps.py: --draws must be at least 1", file=sys.stderr)
         return 2
@@ -218,6 +240,9 @@ def main(argv=None) -> int:
     if args.out and not os.path.isdir(os.path.dirname(os.path.abspath(args.out))):
         print(f"paired_steps.py: --out {args.out}: its folder does not exist", file=sys.stderr)
         return 2
+    if args.out and os.path.isdir(args.out):
+        print(f"paired_steps.py: --out {args.out} is a folder: give a file", file=sys.stderr)
+        return 2
     try:
         configs = plan_configs(argv[split + 1 :])
         result = run_paired(configs, args.draws, args.cpus)
@@ -226,6 +251,9 @@ def main(argv=None) -> int:
     except StepError as error:
         print(f"paired_steps.py: {error}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:  # the workers were stopped on the way out (run_paired)
+        print("paired_steps.py: interrupted", file=sys.stderr)
+        return 130
     where = f", every worker on CPUs {args.cpus}" if args.cpus else ""
     print(f"{args.draws} draws, sizes {result['draw_sizes']}; each config's step in turn{where}")
     for row in result["configs"]:

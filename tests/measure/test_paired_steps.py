@@ -1,13 +1,18 @@
 """benchmarks/paired_steps.py: configs' workers step in turn on the same draws, and the ratios are
-of the steps each timed (a stand-in step of a known length and known collections; the draws
-against the Poisson sampler's own)."""
+of the steps each timed (a stand-in step whose length follows its draw, against numpy's
+percentiles; known collections; the draws against the Poisson sampler's own); every failure is
+one line, and an interrupt leaves no worker."""
 
 import gc
 import json
 import os
+import signal
+import subprocess
+import sys
 
+import numpy
 import torch
-from cli_helpers import benchmark_main, benchmark_script
+from cli_helpers import ROOT, benchmark_script, child_pids, wait_for
 
 from dp_cost.hf import privacy
 from dp_cost.measure import worker as cli_worker
@@ -17,12 +22,16 @@ TINY_LORA = [
     "6", "--seq_length", "8", "--max_physical_batch_size", "2", "--dataset_size", "30",
     "--warmup_steps", "1",
 ]  # fmt: skip
-STEP_LENGTH = {"standard": 0.010, "flash": 0.025}  # seconds of the stand-in clock a step takes
+
+
+def step_seconds(trainer: str, size: int) -> float:
+    """The stand-in clock's seconds for a step of ``size`` samples: the ratio moves by draw."""
+    return 0.001 * size if trainer == "standard" else 0.002 * size + 0.005
 
 
 class StandInRunner:
-    """A trainer whose step advances the (forked) worker's clock by its trainer's length and
-    appends its trainer's name to a log, in the order steps are run."""
+    """A trainer whose step advances the (forked) worker's clock by its length and appends its
+    trainer's name, its draw's size and its CPUs to a log, in the order steps are run."""
 
     def __init__(self, trainer: str, log_path, module):
         self.trainer, self.log_path, self.module = trainer, log_path, module
@@ -30,7 +39,7 @@ class StandInRunner:
     def step(self, inputs, targets):
         if self.trainer == "flash":
             gc.collect(1)  # one collection of generation 1 in each of its steps
-        self.module.now[0] += STEP_LENGTH[self.trainer]
+        self.module.now[0] += step_seconds(self.trainer, len(inputs))
         with open(self.log_path, "a") as log:
             cpus = ",".join(map(str, sorted(os.sched_getaffinity(0))))
             log.write(f"{self.trainer} {len(inputs)} {cpus}\n")
@@ -49,12 +58,13 @@ def test_workers_take_turns_on_the_same_draws_and_the_ratios_are_of_their_steps(
         lambda config, *rest: StandInRunner(config.trainer, log_path, paired),
     )
     out = tmp_path / "paired.json"
+    cpu = min(os.sched_getaffinity(0))
     status = paired.main(
         [
             "--draws",
-            "5",
+            "7",
             "--cpus",
-            "0",
+            str(cpu),
             "--out",
             str(out),
             "--",
@@ -67,50 +77,107 @@ def test_workers_take_turns_on_the_same_draws_and_the_ratios_are_of_their_steps(
     stdout = capsys.readouterr().out
     assert status == 0
     result = json.loads(out.read_text())
-    # The Poisson draws the CLI's workload makes from the config's seed (0): one warm-up, then 5.
+    # The Poisson draws the CLI's workload makes from the config's seed (0): one warm-up, then 7.
     generator = torch.Generator().manual_seed(0)
-    draws = [len(privacy.poisson_batch(30, 6 / 30, generator)) for _ in range(6)]
-    assert result["draw_sizes"] == draws[1:]
+    draws = [len(privacy.poisson_batch(30, 6 / 30, generator)) for _ in range(8)]
+    timed_draws = draws[1:]
+    assert result["draw_sizes"] == timed_draws and 0 not in timed_draws
     # Each worker stepped once for its warm-up alone, then the two in turn, the order swapped
-    # every draw: standard flash, flash standard, ...
+    # every draw: standard flash, flash standard, ...; every step on the one CPU asked for.
     lines = [line.split() for line in log_path.read_text().splitlines()]
-    assert {cpus for _, _, cpus in lines} == {"0"}  # every step of both workers on CPU 0 alone
+    assert {cpus for _, _, cpus in lines} == {str(cpu)}
     steps = [(name, int(size)) for name, size, _ in lines]
-    warm_ups, timed = steps[:2], steps[2:]
-    assert warm_ups == [("standard", draws[0]), ("flash", draws[0])]
+    assert steps[:2] == [("standard", draws[0]), ("flash", draws[0])]
     expected = []
-    for index, size in enumerate(draws[1:]):
+    for index, size in enumerate(timed_draws):
         pair = ["standard", "flash"] if index % 2 == 0 else ["flash", "standard"]
         expected += [(name, size) for name in pair]
-    assert timed == expected
+    assert steps[2:] == expected
+    # The ratios from the stand-in's lengths, draw by draw; quartiles by numpy's percentiles.
+    standard_ms = [1e3 * step_seconds("standard", n) for n in timed_draws]
+    flash_ms = [1e3 * step_seconds("flash", n) for n in timed_draws]
+    ratios = [f / s for f, s in zip(flash_ms, standard_ms)]
     standard, flash = result["configs"]
-    assert all(abs(ms - 10.0) < 1e-9 for ms in standard["step_ms"])
-    assert abs(flash["median_ms"] - 25.0) < 1e-9
-    assert abs(flash["sum_ratio"] - 2.5) < 1e-9 and abs(flash["draw_ratio_median"] - 2.5) < 1e-9
-    assert "summed steps 2.500" in stdout
-    assert flash["gc_collections"][1:] == [5, 0] and len(flash["gc_ms"]) == 5
+    assert numpy.allclose(standard["step_ms"], standard_ms)
+    assert numpy.allclose(flash["step_ms"], flash_ms)
+    assert numpy.isclose(flash["sum_ratio"], sum(flash_ms) / sum(standard_ms))
+    assert numpy.isclose(flash["draw_ratio_median"], numpy.median(ratios))
+    assert numpy.allclose(flash["draw_ratio_quartiles"], numpy.percentile(ratios, [25, 75]))
+    assert f"summed steps {sum(flash_ms) / sum(standard_ms):.3f}" in stdout
+    assert flash["gc_collections"][1:] == [7, 0] and len(flash["gc_ms"]) == 7
 
 
-def test_one_config_or_a_failing_worker_is_one_error_line(tmp_path, monkeypatch, capsys):
-    status, _, stderr = benchmark_main(
-        "paired_steps.py", "--draws", 2, "--", *TINY_LORA, "--trainers", "flash", capsys=capsys
-    )
+def test_each_failure_is_one_error_line(tmp_path, monkeypatch, capfd):
+    def run(*argv):  # the script's and its workers' fd 2 alike (capfd)
+        status = benchmark_script("paired_steps.py").main([str(a) for a in argv])
+        return status, capfd.readouterr().err
+
+    status, stderr = run("--draws", 2, "--", *TINY_LORA, "--trainers", "flash")
     assert status == 1 and stderr.count("\n") == 1 and "need 2 or more" in stderr
+    status, stderr = run("--draws", 2, "--", "--mode=capacity", "--trainers", "standard", "flash")
+    assert status == 1 and stderr == (
+        "paired_steps.py: --mode=capacity: paired steps time training steps (not a plan)\n"
+    )
 
     def broken(config, *rest):
         raise ValueError("no trainer here\nsecond line")
 
     monkeypatch.setattr(cli_worker, "build_trainer", broken)
-    status, _, stderr = benchmark_main(
-        "paired_steps.py", "--draws", 2, "--", *TINY_LORA, "--trainers", "standard", "flash",
-        capsys=capsys,
-    )  # fmt: skip
-    assert status == 1 and stderr == "paired_steps.py: ValueError: no trainer here\n"
-    status, _, stderr = benchmark_main("paired_steps.py", "--draws", 0, capsys=capsys)
-    assert status == 2 and "--draws must be at least 1" in stderr
-    status, _, stderr = benchmark_main(
-        "paired_steps.py", "--out", tmp_path / "none" / "p.json", capsys=capsys
+    status, stderr = run("--draws", 2, "--", *TINY_LORA, "--trainers", "standard", "flash")
+    assert status == 1 and stderr == (
+        "paired_steps.py: standard_bs6_seq8_pb2_r4_tiny-llama: ValueError: no trainer here\n"
     )
-    assert status == 2 and stderr.endswith("its folder does not exist\n")
-    status, _, stderr = benchmark_main("paired_steps.py", "--cpus", 100000, capsys=capsys)
-    assert status == 2 and stderr.startswith("paired_steps.py: --cpus 100000: this process may")
+
+    def dying(config, *rest):
+        os._exit(3)
+
+    monkeypatch.setattr(cli_worker, "build_trainer", dying)
+    status, stderr = run("--draws", 2, "--", *TINY_LORA, "--trainers", "standard", "flash")
+    assert status == 1 and stderr == (
+        "paired_steps.py: standard_bs6_seq8_pb2_r4_tiny-llama: its worker exited with code 3\n"
+    )
+    for argv, message in (
+        (["--draws", 0, "--", "--mode=test"], "--draws must be at least 1"),
+        (["--draws", 2], "give the configs' arguments after --"),
+        (["--out", tmp_path / "none" / "p.json", "--", "--mode=test"], "folder does not exist"),
+        (["--out", tmp_path, "--", "--mode=test"], "is a folder: give a file"),
+        (["--cpus", 100000, "--", "--mode=test"], "--cpus 100000: this process may run only"),
+    ):
+        status, stderr = run(*argv)
+        assert status == 2 and stderr.count("\n") == 1 and message in stderr, stderr
+
+
+def test_an_interrupt_stops_every_worker_with_one_line():
+    """Ctrl-C (SIGINT to the whole process group, as a terminal sends it) mid-run: exit 130,
+    one line, no traceback, and no worker left."""
+    script = os.path.join(ROOT, "benchmarks", "paired_steps.py")
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            script,
+            "--draws",
+            "100000",
+            "--",
+            *TINY_LORA,
+            "--trainers",
+            "standard",
+            "flash",
+        ],  # fmt: skip
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        wait_for(lambda: len(child_pids(proc.pid)) >= 2, timeout=120)  # both workers started
+        workers = child_pids(proc.pid)
+        os.killpg(proc.pid, signal.SIGINT)
+        _, stderr = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    assert proc.returncode == 130 and "Traceback" not in stderr, stderr
+    assert stderr.splitlines()[-1] == "paired_steps.py: interrupted"
+    assert not [pid for pid in workers if os.path.exists(f"/proc/{pid}")]
