@@ -179,20 +179,24 @@ def run_paired(configs: list, draws: int, cpus: list[int] | None = None) -> dict
                 process.join()
     if any(s != sizes[0] for s in sizes):
         raise StepError(f"the configs drew different batches: {sizes}")
-    rows = [
-        {
-            "config": config.config_dir,
-            "trainer": config.trainer,
-            "step_ms": times[index],
-            "median_ms": statistics.median(times[index]),
-            # by generation, over the timed steps; and each step's ms in them
-            "gc_collections": [sum(c["collections"][g] for c in collected[index]) for g in GENS],
-            "gc_ms": [c["ms"] for c in collected[index]],
-            **(ratio_summary(times[index], times[0]) if index else {}),
-        }
-        for index, (config, _, _) in enumerate(workers)
-    ]
+    rows = [config_row(config, times[i], collected[i], times[0] if i else None)
+            for i, config in enumerate(configs)]  # fmt: skip
     return {"draw_sizes": sizes[0], "orders": orders, "cpus": cpus, "configs": rows}
+
+
+def config_row(config, times: list[float], collected: list[dict], baseline) -> dict:
+    """One config's steps, its collections and (``baseline``: the first config's steps) its
+    ratios against the first."""
+    return {
+        "config": config.config_dir,
+        "trainer": config.trainer,
+        "step_ms": times,
+        "median_ms": statistics.median(times),
+        # by generation, over the timed steps; and each step's ms in them
+        "gc_collections": [sum(c["collections"][g] for c in collected) for g in GENS],
+        "gc_ms": [c["ms"] for c in collected],
+        **(ratio_summary(times, baseline) if baseline else {}),
+    }
 
 
 def plan_configs(words: list[str]) -> list:
