@@ -12,7 +12,7 @@ import sys
 
 import numpy
 import torch
-from cli_helpers import ROOT, benchmark_script, child_pids, wait_for
+from cli_helpers import ROOT, SMALL_MODEL, benchmark_script, child_pids, wait_for
 
 from dp_cost.hf import privacy
 from dp_cost.measure import worker as cli_worker
@@ -151,18 +151,12 @@ def test_an_interrupt_stops_every_worker_with_one_line():
     """Ctrl-C (SIGINT to the whole process group, as a terminal sends it) mid-run: exit 130,
     one line, no traceback, and no worker left."""
     script = os.path.join(ROOT, "benchmarks", "paired_steps.py")
+    command = [
+        sys.executable, script, "--draws", "100000", "--", "--mode=test", *SMALL_MODEL,
+        "--batch_sizes", "2", "--seq_lens", "8", "--trainers", "standard", "flash",
+    ]  # fmt: skip
     proc = subprocess.Popen(
-        [
-            sys.executable,
-            script,
-            "--draws",
-            "100000",
-            "--",
-            *TINY_LORA,
-            "--trainers",
-            "standard",
-            "flash",
-        ],  # fmt: skip
+        command,
         cwd=ROOT,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
