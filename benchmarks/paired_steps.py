@@ -137,7 +137,8 @@ def run_paired(configs: list, draws: int, cpus: list[int] | None = None) -> dict
     """Every config in its worker, stepping in turn; the order of a draw is the previous
     draw's reversed. The workers fork as the CLI's do: from a parent that has imported what
     they build with, its heap out of their collector's reach (a full collection of a worker
-    then scans only what the worker made, as in the CLI's)."""
+    then scans only what the worker made, as in the CLI's), and a Ctrl-C that arrives during a
+    fork raised in this process once the fork is done, never in the child's fork callbacks."""
     from dp_cost.measure import children, processes
 
     processes.import_before_forking(configs)
@@ -147,9 +148,10 @@ def run_paired(configs: list, draws: int, cpus: list[int] | None = None) -> dict
         for config in configs:
             parent_end, child_end = context.Pipe()
             process = context.Process(target=worker, args=(config, child_end, cpus), daemon=True)
-            with children.frozen_heap():
-                process.start()
+            # listed before it starts: a Ctrl-C raised as the fork ends still finds it below
             workers.append((config, parent_end, process))
+            with children.interrupts_after_fork(), children.frozen_heap():
+                process.start()
             receive(parent_end, process, "ready", config.config_dir)  # built one at a time
         times = [[] for _ in configs]
         sizes = [[] for _ in configs]
