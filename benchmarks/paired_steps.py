@@ -286,4 +286,7 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
+    # A job a shell script puts in the background starts with SIGINT ignored: kill -INT (or
+    # Ctrl-C once it is in the foreground) still stops it, as it stops the CLI.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     sys.exit(main())

@@ -5,6 +5,7 @@ one line, and an interrupt leaves no worker."""
 
 import gc
 import json
+import multiprocessing.context
 import os
 import signal
 import subprocess
@@ -12,7 +13,7 @@ import sys
 
 import numpy
 import torch
-from cli_helpers import ROOT, SMALL_MODEL, benchmark_script, child_pids, wait_for
+from cli_helpers import ROOT, SMALL_MODEL, benchmark_script, child_pids, signal_mask, wait_for
 
 from dp_cost.hf import privacy
 from dp_cost.measure import worker as cli_worker
@@ -147,9 +148,65 @@ def test_each_failure_is_one_error_line(tmp_path, monkeypatch, capfd):
         assert status == 2 and stderr.count("\n") == 1 and message in stderr, stderr
 
 
+def test_a_ctrl_c_during_a_fork_is_raised_after_it_and_kills_that_worker(
+    tmp_path, monkeypatch, capfd
+):
+    """A Ctrl-C that lands inside the second worker's fork, in both processes' after-fork
+    callbacks (where Python would print it as ignored and go on): raised here once the fork is
+    done, so the run ends with one line and exit 130, both workers gone, the one just forked
+    too, and nothing printed by the child. The first worker, set up by then, ignores Ctrl-C and
+    leaves SIGTERM at its default: a terminate() ends it."""
+    paired = benchmark_script("paired_steps.py")
+    paired.now = [0.0]
+    monkeypatch.setattr(paired, "clock", lambda: paired.now[0])
+    monkeypatch.setattr(
+        cli_worker,
+        "build_trainer",
+        lambda config, *rest: StandInRunner(config.trainer, tmp_path / "steps.log", paired),
+    )
+    before = set(child_pids(os.getpid()))  # e.g. a fork server of this test process
+    armed, first_worker = [], []
+
+    def interrupt_inside_the_fork():  # in the parent and in the child
+        if armed:
+            armed.clear()
+            os.kill(os.getpid(), signal.SIGINT)
+
+    # a process cannot drop its fork callbacks: disarmed, this one does nothing in later tests
+    os.register_at_fork(
+        after_in_parent=interrupt_inside_the_fork, after_in_child=interrupt_inside_the_fork
+    )
+    real_popen = multiprocessing.context.ForkProcess._Popen
+
+    def second_fork_interrupted(process):
+        started = set(child_pids(os.getpid())) - before
+        if started:  # the first worker is ready
+            (pid,) = started
+            first_worker.append((signal_mask(pid, "SigIgn"), signal_mask(pid, "SigCgt")))
+            armed.append(True)
+        return real_popen(process)
+
+    monkeypatch.setattr(
+        multiprocessing.context.ForkProcess, "_Popen", staticmethod(second_fork_interrupted)
+    )
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)  # Python's, as in a CLI
+    try:
+        status = paired.main(["--draws", "3", "--", *TINY_LORA, "--trainers", "standard", "flash"])
+    finally:
+        armed.clear()
+        signal.signal(signal.SIGINT, previous)
+    assert status == 130
+    assert capfd.readouterr().err == "paired_steps.py: interrupted\n"
+    ((ignored, caught),) = first_worker
+    assert ignored >> (signal.SIGINT - 1) & 1
+    assert not (ignored | caught) >> (signal.SIGTERM - 1) & 1
+    assert set(child_pids(os.getpid())) - before == set()  # both killed and reaped
+
+
 def test_an_interrupt_stops_every_worker_with_one_line():
     """Ctrl-C (SIGINT to the whole process group, as a terminal sends it) mid-run: exit 130,
-    one line, no traceback, and no worker left."""
+    one line, no traceback, and no worker left; started with SIGINT ignored, as a shell
+    script's background job is, so the test does not depend on what pytest's process has."""
     script = os.path.join(ROOT, "benchmarks", "paired_steps.py")
     command = [
         sys.executable, script, "--draws", "100000", "--", "--mode=test", *SMALL_MODEL,
@@ -162,6 +219,7 @@ def test_an_interrupt_stops_every_worker_with_one_line():
         stderr=subprocess.PIPE,
         text=True,
         start_new_session=True,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN),
     )
     try:
         wait_for(lambda: len(child_pids(proc.pid)) >= 2, timeout=120)  # both workers started
