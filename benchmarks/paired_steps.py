@@ -137,8 +137,8 @@ def run_paired(configs: list, draws: int, cpus: list[int] | None = None) -> dict
     """Every config in its worker, stepping in turn; the order of a draw is the previous
     draw's reversed. The workers fork as the CLI's do: from a parent that has imported what
     they build with, its heap out of their collector's reach (a full collection of a worker
-    then scans only what the worker made, as in the CLI's), and a Ctrl-C that arrives during a
-    fork raised in this process once the fork is done, never in the child's fork callbacks."""
+    then scans only what the worker made, as in the CLI's). A Ctrl-C during a fork is raised
+    here once the fork is done, never in the child's fork callbacks."""
     from dp_cost.measure import children, processes
 
     processes.import_before_forking(configs)
@@ -171,19 +171,31 @@ def run_paired(configs: list, draws: int, cpus: list[int] | None = None) -> dict
                 collected[index].append(collections)
         finished = True
     finally:
-        for _, connection, process in workers:
-            if process.is_alive() and finished:  # idle, waiting for its next message
-                with contextlib.suppress(OSError):
-                    connection.send("stop")
-                process.join(30)
-            if process.is_alive():  # interrupted or failed: it may be mid-step
-                process.kill()
-                process.join()
+        stop_workers(workers, graceful=finished)
     if any(s != sizes[0] for s in sizes):
         raise StepError(f"the configs drew different batches: {sizes}")
     rows = [config_row(config, times[i], collected[i], times[0] if i else None)
             for i, config in enumerate(configs)]  # fmt: skip
     return {"draw_sizes": sizes[0], "orders": orders, "cpus": cpus, "configs": rows}
+
+
+def stop_workers(workers: list, graceful: bool) -> None:
+    """Every started worker ended and reaped: told to stop after a finished run (it is idle,
+    waiting for its next message), killed otherwise (it may be mid-step). Ctrl-C is ignored
+    meanwhile, as in the CLI's clean-up, so a second one cannot leave a worker behind."""
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        for _, connection, process in workers:
+            if process.is_alive() and graceful:
+                with contextlib.suppress(OSError):
+                    connection.send("stop")
+                process.join(30)
+            if process.is_alive():
+                process.kill()
+                process.join()
+    finally:
+        if previous is not None:  # None: a handler set outside Python, which stays
+            signal.signal(signal.SIGINT, previous)
 
 
 def config_row(config, times: list[float], collected: list[dict], baseline) -> dict:
@@ -286,7 +298,11 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    # A job a shell script puts in the background starts with SIGINT ignored: kill -INT (or
-    # Ctrl-C once it is in the foreground) still stops it, as it stops the CLI.
+    # A job a shell script puts in the background starts with SIGINT ignored: kill -INT still
+    # stops this script, as it stops the CLI.
     signal.signal(signal.SIGINT, signal.default_int_handler)
-    sys.exit(main())
+    try:
+        sys.exit(main())
+    except KeyboardInterrupt:  # outside the run (its arguments, its output): no worker to stop
+        print("paired_steps.py: interrupted", file=sys.stderr)
+        sys.exit(130)

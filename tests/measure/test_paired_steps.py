@@ -13,7 +13,7 @@ import sys
 
 import numpy
 import torch
-from cli_helpers import ROOT, SMALL_MODEL, benchmark_script, child_pids, signal_mask, wait_for
+from cli_helpers import ROOT, SMALL_MODEL, benchmark_script, child_pids, wait_for
 
 from dp_cost.hf import privacy
 from dp_cost.measure import worker as cli_worker
@@ -154,18 +154,16 @@ def test_a_ctrl_c_during_a_fork_is_raised_after_it_and_kills_that_worker(
     """A Ctrl-C that lands inside the second worker's fork, in both processes' after-fork
     callbacks (where Python would print it as ignored and go on): raised here once the fork is
     done, so the run ends with one line and exit 130, both workers gone, the one just forked
-    too, and nothing printed by the child. The first worker, set up by then, ignores Ctrl-C and
-    leaves SIGTERM at its default: a terminate() ends it."""
+    too, and nothing printed by the child; a second Ctrl-C during the clean-up's first kill
+    leaves no worker behind either."""
     paired = benchmark_script("paired_steps.py")
-    paired.now = [0.0]
-    monkeypatch.setattr(paired, "clock", lambda: paired.now[0])
+    paired.now = [0.0]  # the stand-in's clock (its warm-up step advances it)
     monkeypatch.setattr(
         cli_worker,
         "build_trainer",
         lambda config, *rest: StandInRunner(config.trainer, tmp_path / "steps.log", paired),
     )
-    before = set(child_pids(os.getpid()))  # e.g. a fork server of this test process
-    armed, first_worker = [], []
+    armed, workers = [], []
 
     def interrupt_inside_the_fork():  # in the parent and in the child
         if armed:
@@ -178,17 +176,25 @@ def test_a_ctrl_c_during_a_fork_is_raised_after_it_and_kills_that_worker(
     )
     real_popen = multiprocessing.context.ForkProcess._Popen
 
-    def second_fork_interrupted(process):
-        started = set(child_pids(os.getpid())) - before
-        if started:  # the first worker is ready
-            (pid,) = started
-            first_worker.append((signal_mask(pid, "SigIgn"), signal_mask(pid, "SigCgt")))
-            armed.append(True)
+    def popen_arming_the_second_fork(process):
+        if process._target is paired.worker:  # not the CUDA probe's fork before them
+            workers.append(process)
+            if len(workers) == 2:
+                armed.append(True)
         return real_popen(process)
 
     monkeypatch.setattr(
-        multiprocessing.context.ForkProcess, "_Popen", staticmethod(second_fork_interrupted)
+        multiprocessing.context.ForkProcess, "_Popen", staticmethod(popen_arming_the_second_fork)
     )
+    real_kill, second_ctrl_c = multiprocessing.context.ForkProcess.kill, [True]
+
+    def kill_after_a_second_ctrl_c(process):
+        if second_ctrl_c:
+            second_ctrl_c.clear()
+            os.kill(os.getpid(), signal.SIGINT)
+        real_kill(process)
+
+    monkeypatch.setattr(multiprocessing.context.ForkProcess, "kill", kill_after_a_second_ctrl_c)
     previous = signal.signal(signal.SIGINT, signal.default_int_handler)  # Python's, as in a CLI
     try:
         status = paired.main(["--draws", "3", "--", *TINY_LORA, "--trainers", "standard", "flash"])
@@ -197,10 +203,11 @@ def test_a_ctrl_c_during_a_fork_is_raised_after_it_and_kills_that_worker(
         signal.signal(signal.SIGINT, previous)
     assert status == 130
     assert capfd.readouterr().err == "paired_steps.py: interrupted\n"
-    ((ignored, caught),) = first_worker
-    assert ignored >> (signal.SIGINT - 1) & 1
-    assert not (ignored | caught) >> (signal.SIGTERM - 1) & 1
-    assert set(child_pids(os.getpid())) - before == set()  # both killed and reaped
+    assert len(workers) == 2 and not armed  # the second fork was the one interrupted
+    assert not second_ctrl_c  # and the clean-up met a second Ctrl-C
+    for process in workers:  # both killed and reaped
+        assert process.exitcode == -signal.SIGKILL
+        assert not os.path.exists(f"/proc/{process.pid}")
 
 
 def test_an_interrupt_stops_every_worker_with_one_line():
