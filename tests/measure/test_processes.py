@@ -245,3 +245,40 @@ def test_an_error_in_the_run_stops_every_worker_running_side_by_side(tmp_path, m
         pid = int((tmp_path / config.config_dir / "began").read_text())
         with pytest.raises(ProcessLookupError):
             os.kill(pid, 0)
+
+
+def test_every_handler_is_restored_after_a_fork_even_when_one_raises_in_between(monkeypatch):
+    """A Ctrl-C that arrives just after the fork guard has put Ctrl-C's handler back, while
+    it puts back the others: that handler raises there, and SIGTERM's and the hangup's
+    handlers are still the program's own afterwards, not the guard's recorder."""
+
+    class Stop(Exception):
+        pass
+
+    def stop(signum, frame):
+        raise Stop
+
+    def keep(signum, frame):
+        pass
+
+    real_signal = signal.signal
+
+    def ctrl_c_after_restoring_its_handler(signum, handler):
+        previous = real_signal(signum, handler)
+        if signum == signal.SIGINT and handler is stop:
+            os.kill(os.getpid(), signal.SIGINT)  # handled at the next bytecode: raises Stop
+        return previous
+
+    saved = {signum: signal.getsignal(signum) for signum in INTERRUPTS}
+    try:
+        for signum in INTERRUPTS:
+            signal.signal(signum, stop if signum == signal.SIGINT else keep)
+        monkeypatch.setattr(children.signal, "signal", ctrl_c_after_restoring_its_handler)
+        with pytest.raises(Stop):
+            with children.interrupts_after_fork():
+                pass
+        monkeypatch.undo()
+        assert [signal.getsignal(signum) for signum in INTERRUPTS] == [stop, keep, keep]
+    finally:
+        for signum, handler in saved.items():
+            signal.signal(signum, handler)
