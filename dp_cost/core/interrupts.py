@@ -138,9 +138,22 @@ def restore(previous: dict) -> None:
         gc.callbacks.remove(_on_collection)
     if sys.unraisablehook is _on_unraisable:
         sys.unraisablehook = _hooks_before[0]
-    for signum, handler in previous.items():
-        if handler is not None:  # None: not set from Python, left as it is
+    restore_handlers(list(previous.items()))
+
+
+def restore_handlers(handlers: list) -> None:
+    """Each (signal, handler) set again, every one of them even when a signal that arrives
+    between two raises through a handler already restored: the rest would keep the one they
+    had (a fork guard's recorder, say: a SIGTERM recorded and never acted on). A None handler
+    (not set from Python) is left as it is."""
+    if not handlers:
+        return
+    (signum, handler), *rest = handlers
+    try:
+        if handler is not None:
             signal.signal(signum, handler)
+    finally:
+        restore_handlers(rest)
 
 
 @contextlib.contextmanager

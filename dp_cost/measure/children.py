@@ -61,22 +61,9 @@ def interrupts_after_fork():
     try:
         yield
     finally:
-        restore_handlers(list(replaced.items()))
+        interrupts.restore_handlers(list(replaced.items()))
         if arrived:
             signal.raise_signal(arrived[0])
-
-
-def restore_handlers(handlers: list) -> None:
-    """Each (signal, handler) set again, every one of them even when a signal that arrives
-    between two raises through its restored handler: the rest would keep the recorder, and a
-    SIGTERM would be recorded and never acted on."""
-    if not handlers:
-        return
-    (signum, handler), *rest = handlers
-    try:
-        signal.signal(signum, handler)
-    finally:
-        restore_handlers(rest)
 
 
 def stop_worker(process) -> None:
